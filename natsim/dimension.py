@@ -1,0 +1,112 @@
+"""Tile counts along one dimension under multi-D tiling (gna-semantics.md, section 2).
+
+Multi-D Q and KV tiles are Cartesian products of per-dimension ranges, so every multi-D count is a
+product of the per-dimension counts computed here. Results are cached: a sweep over strides re-uses
+each dimension's counts across all the configurations that share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .window import window_bounds
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class DimTiles:
+    """Per-dimension tile counts, indexed `[dilation group, Q tile within the group]`.
+
+    `visited[g, j]` KV tiles visited by Q tile j of group g (0 for a Q tile holding only padding),
+    `full[g, j]` of them full, `kv_first[g, j]` the first visited KV tile's index within the group
+    (static KV tiling) and `full_flags[g, j, m]` whether the m-th visited KV tile is full.
+    `attended_pairs` counts (query, key) pairs attended along this dimension.
+    """
+
+    groups: int
+    q_tiles_per_group: int
+    kv_tiles_per_group: int
+    visited: np.ndarray
+    full: np.ndarray
+    kv_first: np.ndarray
+    full_flags: np.ndarray
+    attended_pairs: int
+
+
+@lru_cache(maxsize=4096)
+def dim_tiles(
+    length: int,
+    window: int,
+    stride: int,
+    dilation: int,
+    causal: bool,
+    q_tile: int,
+    kv_tile: int,
+    dynamic_kv: bool,
+) -> DimTiles:
+    """Count the KV tiles each Q tile visits along one dimension, for every dilation group."""
+    groups = dilation
+    nq = ceil_div(length, q_tile * dilation)
+    nkv = ceil_div(length, kv_tile * dilation)
+    g = np.arange(groups)[:, None]
+    group_len = length // dilation + (g < length % dilation).astype(np.int64)  # (d, 1)
+
+    first = np.arange(nq)[None, :] * q_tile  # (1, nq)
+    real = first < group_len  # (d, nq): the Q tile holds at least one real query
+    first = np.where(real, first, 0)
+    last = np.where(real, np.minimum(first + q_tile, group_len) - 1, 0)
+    start_first, end_first = window_bounds(first, group_len, window, stride, causal)
+    start_last, end_last = window_bounds(last, group_len, window, stride, causal)
+
+    if dynamic_kv:
+        visited = ceil_div(end_last - start_first, kv_tile)
+        kv_first = np.full_like(visited, -1)
+        tile_origin = start_first
+    else:
+        kv_first = start_first // kv_tile
+        visited = ceil_div(end_last, kv_tile) - kv_first
+        tile_origin = kv_first * kv_tile
+    visited = np.where(real, visited, 0)
+
+    # A visited KV tile is full when every real query of the Q tile sees every real key in it: the
+    # window starts are largest at the last query and the ends smallest at the first.
+    m = np.arange(max(int(visited.max()), 1))[None, None, :]
+    key_start = tile_origin[..., None] + m * kv_tile
+    key_end = np.minimum(key_start + kv_tile, group_len[..., None])
+    full_flags = (
+        (m < visited[..., None])
+        & (start_last[..., None] <= key_start)
+        & (end_first[..., None] >= key_end)
+    )
+
+    return DimTiles(
+        groups=groups,
+        q_tiles_per_group=nq,
+        kv_tiles_per_group=nkv,
+        visited=visited.astype(np.int64),
+        full=full_flags.sum(axis=-1).astype(np.int64),
+        kv_first=kv_first.astype(np.int64),
+        full_flags=full_flags,
+        attended_pairs=dim_attended_pairs(length, window, stride, dilation, causal),
+    )
+
+
+def key_ranges(length: int, window: int, stride: int, dilation: int, causal: bool):
+    """In-group key ranges `[start, end)` for every coordinate `x` of a dimension (group `x % d`)."""
+    x = np.arange(length)
+    group = x % dilation
+    group_len = length // dilation + (group < length % dilation)
+    return window_bounds(x // dilation, group_len, window, stride, causal)
+
+
+@lru_cache(maxsize=4096)
+def dim_attended_pairs(length: int, window: int, stride: int, dilation: int, causal: bool) -> int:
+    """(query, key) pairs attended along one dimension, summed over its coordinates."""
+    start, end = key_ranges(length, window, stride, dilation, causal)
+    return int((end - start).sum())
