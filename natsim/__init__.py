@@ -1,9 +1,27 @@
-"""natsim: simulate, plan and run multi-dimensional sparse attention (Generalized Neighborhood Attention)."""
+"""natsim: simulate, plan and run multi-dimensional sparse attention (Generalized Neighborhood Attention).
+
+The simulator (this package) needs only numpy (and numba for 1-D tiling and merging, imported on
+first use); `natsim.kernels` and `natsim.planner` need torch and triton.
+"""
 
 from .blockmask import BlockMask, block_mask
+from .estimate import end_to_end_speedup
 from .problem import Problem
 from .simulate import SimResult, simulate
+from .sweep import SweepResult, default_tile_catalog, sweep
 from .tiles import TileConfig
 
-__all__ = ["Problem", "TileConfig", "SimResult", "simulate", "BlockMask", "block_mask"]
+__all__ = [
+    "Problem",
+    "TileConfig",
+    "SimResult",
+    "simulate",
+    "BlockMask",
+    "block_mask",
+    "SweepResult",
+    "sweep",
+    "default_tile_catalog",
+    "end_to_end_speedup",
+]
 __version__ = "0.1.0"
+

@@ -1,0 +1,214 @@
+"""The `natsim` command: simulate GNA tile counts and sweep strides and tiles from the shell."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from natsim import Problem, TileConfig, default_tile_catalog, simulate, sweep
+
+from .output import figures_table, fmt_dims, plot_speedups, print_json, results_table
+from .parsing import CliInputError, broadcast, parse_dims, parse_flags, parse_strides
+
+app = typer.Typer(
+    name="natsim",
+    help=(
+        "Simulate, before anything runs, how many tiles a sparse-attention kernel visits for a "
+        "Generalized Neighborhood Attention (GNA) configuration, and the speedup that allows.\n\n"
+        "Sizes are written per dimension joined by 'x' (frames x height x width), e.g. "
+        "--shape 30x48x80 --window 18x24x24; a single number applies to every dimension."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Tables are wide: when stdout is not a terminal (a pipe, a file, a test), do not cut them to 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 132)
+err = Console(stderr=True)
+
+DEFAULT_TILES = {1: ((128,), (128,)), 2: ((16, 16), (16, 8)), 3: ((4, 8, 8), (2, 8, 8))}
+
+# Shared options. Typer reads the defaults of the command functions, so these are plain values.
+SHAPE = typer.Option(..., "--shape", help="Token layout, e.g. 30x48x80 (frames x height x width).")
+WINDOW = typer.Option(..., "--window", help="Window (kernel size) per dimension, e.g. 18x24x24.")
+DILATION = typer.Option("1", "--dilation", help="Dilation per dimension, e.g. 1x2x2.")
+CAUSAL = typer.Option("0", "--causal", help="Causal per dimension as 0/1, e.g. 1x0x0 for causal in time.")
+Q_TILE = typer.Option(
+    None, "--q-tile",
+    help="Q tile: per dimension (4x8x8) for --tiling multi, a token count (128) for --tiling 1d.",
+)
+KV_TILE = typer.Option(None, "--kv-tile", help="KV tile, written like --q-tile.")
+TILING = typer.Option("multi", "--tiling", help="multi: tiles are boxes of the layout (token permutation); 1d: runs of row-major tokens.")
+KV_TILING = typer.Option("static", "--kv-tiling", help="static: KV tiles on a fixed grid; dynamic: KV tiles start where each Q tile's keys start (multi only).")
+JSON = typer.Option(False, "--json", help="Print one JSON document on stdout instead of a table.")
+
+
+def reports_bad_input(command: Callable) -> Callable:
+    """Turn invalid input into one red line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (CliInputError, ValueError, TypeError) as error:
+            err.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=2) from None
+
+    return wrapper
+
+
+def _problem_options(shape: str, window: str, dilation: str, causal: str) -> dict:
+    dims = parse_dims(shape, "--shape")
+    ndim = len(dims)
+    return {
+        "shape": dims,
+        "window": broadcast(parse_dims(window, "--window"), ndim, "--window"),
+        "dilation": broadcast(parse_dims(dilation, "--dilation"), ndim, "--dilation"),
+        "causal": broadcast(parse_flags(causal, "--causal"), ndim, "--causal"),
+    }
+
+
+def _tile_config(ndim: int, q_tile: Optional[str], kv_tile: Optional[str], tiling: str, kv_tiling: str) -> TileConfig:
+    """The tile configuration from --q-tile/--kv-tile; one alone is used for both."""
+    if q_tile is None and kv_tile is None:
+        default_q, default_kv = DEFAULT_TILES[ndim]
+        if tiling == "1d":
+            default_q, default_kv = (128,), (128,)
+        return TileConfig(default_q, default_kv, tiling, kv_tiling)
+    q = parse_dims(q_tile or kv_tile, "--q-tile")
+    kv = parse_dims(kv_tile or q_tile, "--kv-tile")
+    if tiling == "multi":
+        q, kv = broadcast(q, ndim, "--q-tile"), broadcast(kv, ndim, "--kv-tile")
+    return TileConfig(q, kv, tiling, kv_tiling)
+
+
+class _LazyProgress:
+    """A progress bar on stderr that appears only once work has taken longer than a second."""
+
+    def __init__(self, description: str, delay: float = 1.0):
+        self.description = description
+        self.delay = delay
+        self.started_at = time.perf_counter()
+        self.bar: Optional[Progress] = None
+        self.task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if time.perf_counter() - self.started_at < self.delay:
+                return
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
+                TimeRemainingColumn(), console=err, transient=True,
+            )
+            self.bar.start()
+            self.task = self.bar.add_task(self.description, total=total)
+        self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+@app.command("sweep")
+@reports_bad_input
+def sweep_command(
+    shape: str = SHAPE,
+    window: str = WINDOW,
+    stride: Optional[List[str]] = typer.Option(
+        None, "--stride",
+        help="A stride per dimension (repeat the option for several), or 'all' (the default): every stride from 1 to the window.",
+    ),
+    dilation: str = DILATION,
+    causal: str = CAUSAL,
+    q_tile: Optional[str] = Q_TILE,
+    kv_tile: Optional[str] = KV_TILE,
+    tiling: str = TILING,
+    kv_tiling: str = KV_TILING,
+    show_all: bool = typer.Option(False, "--all", help="Show every configuration, not only the pruned view."),
+    limit: int = typer.Option(20, "--limit", help="Rows in the table (0 for all); --json is never cut."),
+    as_json: bool = JSON,
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of FLOP-wise vs tile speedup per shown configuration (needs matplotlib)."),
+) -> None:
+    """Sweep strides and tiles; show the best configurations, best first.
+
+    Without --q-tile/--kv-tile, every power-of-two tile shape of 64, 128 and 256 tokens is tried (multi-D tiling). By default the table shows the GNA paper's pruned view: a configuration stays only if its tile speedup beats every configuration with a smaller stride product. Block-sparse configurations (every visited tile full, no mask needed) are marked.
+
+    Example: natsim sweep --shape 30x48x80 --window 18x24x24 --q-tile 4x8x8 --kv-tile 2x8x8
+    """
+    options = _problem_options(shape, window, dilation, causal)
+    ndim = len(options["shape"])
+    strides = parse_strides(stride)
+    if strides is not None:
+        strides = [broadcast(s, ndim, "--stride") for s in strides]
+    if q_tile is None and kv_tile is None and tiling == "multi":
+        if kv_tiling != "static":
+            tiles = [TileConfig(t.q_tile, t.kv_tile, "multi", kv_tiling) for t in default_tile_catalog(options["shape"])]
+        else:
+            tiles = None
+    else:
+        tiles = [_tile_config(ndim, q_tile, kv_tile, tiling, kv_tiling)]
+    progress = _LazyProgress("simulating")
+    try:
+        result = sweep(strides=strides, tiles=tiles, progress=progress, **options)
+    finally:
+        progress.close()
+
+    rows = result.best(pruned=not show_all)
+    if as_json:
+        print_json(out, [r.to_dict() for r in rows])
+    else:
+        shown = rows if limit <= 0 else rows[:limit]
+        view = "all configurations" if show_all else "pruned view"
+        title = (
+            f"shape {fmt_dims(result.problem.shape)}, window {fmt_dims(result.problem.window)}: "
+            f"{len(result):,} configurations, {len(rows):,} in the {view}, best first"
+        )
+        out.print(results_table(shown, title))
+        if len(shown) < len(rows):
+            out.print(f"[dim]{len(rows) - len(shown):,} more rows: raise --limit or use --json.[/dim]")
+    if plot is not None:
+        plot_speedups(rows[: max(limit, 1) if limit > 0 else len(rows)], plot)
+        if not as_json:
+            out.print(f"plot written to {plot}")
+
+
+@app.command("sim")
+@reports_bad_input
+def sim_command(
+    shape: str = SHAPE,
+    window: str = WINDOW,
+    stride: str = typer.Option("1", "--stride", help="Stride per dimension, e.g. 16x8x8."),
+    dilation: str = DILATION,
+    causal: str = CAUSAL,
+    q_tile: Optional[str] = Q_TILE,
+    kv_tile: Optional[str] = KV_TILE,
+    tiling: str = TILING,
+    kv_tiling: str = KV_TILING,
+    as_json: bool = JSON,
+) -> None:
+    """Simulate one configuration and print every figure.
+
+    Default tiles: 3-D Q 4x8x8 / KV 2x8x8, 2-D Q 16x16 / KV 16x8, 1-D 128 / 128 tokens.
+
+    Example: natsim sim --shape 30x48x80 --window 18x24x24 --stride 16x8x8
+    """
+    options = _problem_options(shape, window, dilation, causal)
+    ndim = len(options["shape"])
+    problem = Problem(stride=broadcast(parse_dims(stride, "--stride"), ndim, "--stride"), **options)
+    result = simulate(problem, _tile_config(ndim, q_tile, kv_tile, tiling, kv_tiling))
+    if as_json:
+        print_json(out, result.to_dict())
+    else:
+        out.print(figures_table(result))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,98 @@
+"""How the CLI shows results: rich tables for people, JSON for programs, an optional plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from natsim import SimResult
+
+from .parsing import CliInputError
+
+
+def fmt_dims(values: Sequence) -> str:
+    return "x".join(str(int(v)) for v in values)
+
+
+def print_json(console: Console, payload) -> None:
+    """One JSON document on stdout (no rich markup, no wrapping)."""
+    console.file.write(json.dumps(payload, indent=2) + "\n")
+
+
+def results_table(results: Sequence[SimResult], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("stride", justify="right")
+    table.add_column("Q tile", justify="right")
+    table.add_column("KV tile", justify="right")
+    table.add_column("sparsity", justify="right")
+    table.add_column("FLOP-wise", justify="right")
+    table.add_column("tile speedup", justify="right")
+    table.add_column("mean tile", justify="right")
+    table.add_column("visited tiles", justify="right")
+    table.add_column("block-sparse", justify="center")
+    for r in results:
+        table.add_row(
+            fmt_dims(r.problem.stride),
+            fmt_dims(r.tiles.q_tile),
+            fmt_dims(r.tiles.kv_tile),
+            f"{r.sparsity:.1%}",
+            f"{r.flop_speedup:.2f}x",
+            f"{r.tile_speedup:.2f}x",
+            f"{r.tile_speedup_mean:.2f}x",
+            f"{r.visited_tiles:,}",
+            "[green]yes[/green]" if r.block_sparse else "",
+        )
+    return table
+
+
+def figures_table(result: SimResult) -> Table:
+    """Every figure of one configuration, one per row."""
+    table = Table(title=f"{result.problem}; {result.tiles}", title_justify="left", show_header=False)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_column("meaning", style="dim")
+    rows = [
+        ("sparsity", f"{result.sparsity:.4f}", "1 - attended pairs / N^2"),
+        ("flop_speedup", f"{result.flop_speedup:.3f}x", "FLOP-wise upper bound, N^2 / attended pairs"),
+        ("tile_speedup", f"{result.tile_speedup:.3f}x", "KV tiles / most KV tiles any Q tile visits"),
+        ("tile_speedup_mean", f"{result.tile_speedup_mean:.3f}x", "dense tiles / visited tiles"),
+        ("visited_tiles", f"{result.visited_tiles:,}", "(Q tile, KV tile) pairs visited"),
+        ("full_tiles", f"{result.full_tiles:,}", "visited pairs that need no mask"),
+        ("max_kv_tiles", f"{result.max_kv_tiles:,}", "most KV tiles one Q tile visits"),
+        ("dense_tiles", f"{result.dense_tiles:,}", "Q tiles x KV tiles of self attention"),
+        ("block_sparse", "yes" if result.block_sparse else "no", "every visited tile is full"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
+    """Bars of FLOP-wise and tile speedup per configuration, as in the GNA paper's Figure 4."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CliInputError(
+            "--plot needs matplotlib; install it with pip install 'natsim[plot]'."
+        ) from None
+    labels = [f"{fmt_dims(r.problem.stride)}\n{fmt_dims(r.tiles.q_tile)}/{fmt_dims(r.tiles.kv_tile)}" for r in results]
+    xs = range(len(results))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(results)), 4.0))
+    ax.bar([x - 0.2 for x in xs], [r.flop_speedup for r in results], width=0.4, label="FLOP-wise")
+    ax.bar([x + 0.2 for x in xs], [r.tile_speedup for r in results], width=0.4, label="tile speedup")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_xlabel("stride; Q tile / KV tile")
+    ax.set_ylabel("speedup upper bound (x)")
+    problem = results[0].problem
+    ax.set_title(f"shape {fmt_dims(problem.shape)}, window {fmt_dims(problem.window)}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

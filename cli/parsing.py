@@ -1,0 +1,60 @@
+"""Parsing of the CLI's compact per-dimension notation ("30x48x80", "0x0x1", "all")."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+TRUE_WORDS = {"1", "true", "yes", "on"}
+FALSE_WORDS = {"0", "false", "no", "off"}
+
+
+class CliInputError(ValueError):
+    """Bad command-line input: printed as one red line, exit code 2."""
+
+
+def parse_dims(text: str, option: str) -> tuple[int, ...]:
+    """'30x48x80' -> (30, 48, 80); '7' -> (7,)."""
+    parts = text.lower().replace("*", "x").split("x")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        raise CliInputError(
+            f"{option} takes integers joined by 'x' (like 30x48x80), got {option} {text!r}."
+        ) from None
+    return values
+
+
+def parse_flags(text: str, option: str) -> tuple[bool, ...]:
+    """'0x0x1' -> (False, False, True); 'true' -> (True,)."""
+    flags = []
+    for part in text.lower().split("x"):
+        if part in TRUE_WORDS:
+            flags.append(True)
+        elif part in FALSE_WORDS:
+            flags.append(False)
+        else:
+            raise CliInputError(
+                f"{option} takes 0/1 per dimension joined by 'x' (like 0x0x1), got {option} {text!r}."
+            )
+    return tuple(flags)
+
+
+def broadcast(values: tuple, ndim: int, option: str) -> tuple:
+    """A single value applies to every dimension; otherwise there must be one per dimension."""
+    if len(values) == 1:
+        return values * ndim
+    if len(values) != ndim:
+        raise CliInputError(
+            f"{option} needs one value per dimension of --shape ({ndim}), got {len(values)}: "
+            f"{'x'.join(str(int(v)) for v in values)}."
+        )
+    return values
+
+
+def parse_strides(texts: Optional[list[str]], option: str = "--stride") -> Optional[list[tuple[int, ...]]]:
+    """Repeated --stride values, or None for 'all' (every stride up to the window)."""
+    if not texts or any(t.lower() == "all" for t in texts):
+        if texts and len(texts) > 1:
+            raise CliInputError(f"{option} all cannot be combined with other strides, got {texts}.")
+        return None
+    return [parse_dims(t, option) for t in texts]
