@@ -1,0 +1,119 @@
+"""The `natsim` command through typer's runner: tables, JSON schema, exit codes on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from natsim import Problem, TileConfig, simulate
+from natsim.cli.main import app
+
+RECORD_KEYS = {
+    "shape", "window", "stride", "dilation", "causal", "q_tile", "kv_tile", "tiling", "kv_tiling",
+    "sparsity", "flop_speedup", "visited_tiles", "full_tiles", "max_kv_tiles", "dense_tiles",
+    "tile_speedup", "tile_speedup_mean", "block_sparse",
+}
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_sim_json_has_every_figure_and_matches_the_simulator():
+    result = invoke("sim", "--shape", "30x48x80", "--window", "18x24x24", "--stride", "16x8x8", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert set(record) == RECORD_KEYS
+    expected = simulate(Problem((30, 48, 80), (18, 24, 24), (16, 8, 8)), TileConfig((4, 8, 8), (2, 8, 8)))
+    assert record == json.loads(json.dumps(expected.to_dict()))
+    assert record["stride"] == [16, 8, 8] and record["causal"] == [False, False, False]
+    assert record["block_sparse"] is True and round(record["tile_speedup"], 1) == 11.1
+
+
+def test_sim_table_shows_the_figures():
+    result = invoke("sim", "--shape", "30x48x80", "--window", "18x24x24", "--stride", "2x8x8")
+    assert result.exit_code == 0, result.output
+    for name in ("sparsity", "flop_speedup", "tile_speedup", "visited_tiles", "block_sparse"):
+        assert name in result.stdout
+    assert "10.000x" in result.stdout
+
+
+def test_sweep_json_is_the_pruned_view_best_first():
+    result = invoke(
+        "sweep", "--shape", "30x48x80", "--window", "18x24x24", "--q-tile", "4x8x8", "--kv-tile", "2x8x8", "--json"
+    )
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)
+    assert isinstance(records, list) and records
+    assert all(set(r) == RECORD_KEYS for r in records)
+    assert records[0]["stride"] == [16, 8, 8] and records[0]["block_sparse"]
+    speedups = [r["tile_speedup"] for r in records]
+    assert speedups == sorted(speedups, reverse=True)
+    table = {tuple(r["stride"]): round(r["tile_speedup"], 1) for r in records}
+    assert table[(1, 1, 1)] == 3.3 and table[(1, 8, 8)] == 9.1 and table[(2, 8, 8)] == 10.0
+
+
+def test_sweep_all_and_given_strides():
+    args = ["sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--kv-tile", "4x4", "--json"]
+    everything = json.loads(invoke(*args, "--all").stdout)
+    assert len(everything) == 64
+    chosen = json.loads(invoke(*args, "--all", "--stride", "1x1", "--stride", "4x8").stdout)
+    assert sorted(tuple(r["stride"]) for r in chosen) == [(1, 1), (4, 8)]
+
+
+def test_sweep_table_marks_block_sparse_rows():
+    result = invoke("sweep", "--shape", "30x48x80", "--window", "18x24x24", "--q-tile", "4x8x8", "--kv-tile", "2x8x8")
+    assert result.exit_code == 0, result.output
+    first_row = next(line for line in result.stdout.splitlines() if "16x8x8" in line)
+    assert "yes" in first_row
+    assert "10,368 configurations" in result.stdout
+
+
+def test_one_d_tiling_and_dynamic_kv_options():
+    one_d = invoke("sim", "--shape", "8x8", "--window", "3x3", "--tiling", "1d", "--q-tile", "16", "--kv-tile", "8", "--json")
+    assert one_d.exit_code == 0, one_d.output
+    assert json.loads(one_d.stdout)["tiling"] == "1d"
+    dynamic = invoke("sim", "--shape", "8x8", "--window", "3x3", "--kv-tiling", "dynamic", "--q-tile", "4", "--json")
+    assert dynamic.exit_code == 0, dynamic.output
+    record = json.loads(dynamic.stdout)
+    assert record["kv_tiling"] == "dynamic" and record["q_tile"] == record["kv_tile"] == [4, 4]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "speedups.png"
+    result = invoke("sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot", str(path))
+    assert result.exit_code == 0, result.output
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["sim", "--shape", "30x48x80", "--window", "18x24"], "--window needs one value per dimension"),
+        (["sim", "--shape", "30xAx80", "--window", "3"], "--shape takes integers"),
+        (["sim", "--shape", "8x8", "--window", "3", "--stride", "4"], "stride cannot be larger than window"),
+        (["sim", "--shape", "8x8", "--window", "9"], "window * dilation cannot be larger"),
+        (["sim", "--shape", "8x8", "--window", "3", "--causal", "2"], "--causal takes 0/1"),
+        (["sim", "--shape", "8x8", "--window", "3", "--tiling", "diagonal"], "tiling must be one of"),
+        (["sim", "--shape", "8x8", "--window", "3", "--tiling", "1d", "--kv-tiling", "dynamic"], "dynamic KV tiling needs multi-D"),
+        (["sweep", "--shape", "8x8", "--window", "3", "--stride", "all", "--stride", "1"], "cannot be combined"),
+        (["sim", "--shape", "0x8", "--window", "1"], "at least 1"),
+    ],
+)
+def test_bad_input_is_one_red_line_and_exit_code_2(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert message in " ".join(result.stderr.split())
+    assert result.stdout == ""
+
+
+def test_help_teaches_the_notation():
+    result = invoke("sweep", "--help")
+    assert result.exit_code == 0
+    assert "30x48x80" in result.stdout and "--stride" in result.stdout
