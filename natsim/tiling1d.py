@@ -1,10 +1,11 @@
 """Exact tile counts under 1-D tiling, by interval arithmetic (gna-semantics.md, section 2).
 
 1-D tiles are runs of row-major tokens, so counts do not factorise over dimensions. Instead of an
-N x N mask, each query's window is walked as rows along the last dimension: a row is an arithmetic
-progression of flattened key indices, and the number of its keys in each KV tile follows from two
-ceiling divisions. Summing those per KV tile over the queries of a Q tile gives the visited tiles and,
-by comparing with (real queries x real keys), the full ones. Memory is O(number of KV tiles).
+N x N mask, the keys a Q tile attends are walked as rows along the last dimension: for each run of
+queries that share their leading coordinates, a prefix sum over last-dimension key coordinates gives
+the attended pairs between any key row and any KV tile in O(1). Summing those per KV tile gives the
+visited tiles and, compared with (real queries x real keys), the full ones. Memory is O(number of KV
+tiles + last dimension).
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ def _ceil_div(a, b):
 
 @numba.njit(cache=True)
 def _count(lengths, dilations, starts, ends, q_tile, kv_tile, collect, offsets, indices, full_flags):
-    """Visited and full KV tiles per Q tile; with `collect`, also write the visited tiles (CSR)."""
+    """Visited and full KV tiles per Q tile; with `collect`, also write the visited tiles (CSR).
+
+    The queries of a Q tile are taken in runs that share their first two coordinates (x0, x1), and
+    so share the rows (y0, y1) of keys they attend. For a run, `cover[y]` counts the run's queries
+    whose last-dimension window holds key coordinate y; its prefix sums give, for any row and any KV
+    tile, the attended pairs in their intersection in O(1).
+    """
     l0, l1, l2 = lengths[0], lengths[1], lengths[2]
     d0, d1, d2 = dilations[0], dilations[1], dilations[2]
     n = l0 * l1 * l2
@@ -33,30 +40,48 @@ def _count(lengths, dilations, starts, ends, q_tile, kv_tile, collect, offsets, 
     full = np.zeros(nq, np.int64)
     pairs = np.zeros(nkv, np.int64)  # attended pairs per KV tile for the current Q tile
     touched = np.empty(nkv, np.int64)
+    cover = np.zeros(l2 + d2, np.int64)
+    prefix = np.zeros(l2 + 1, np.int64)
     for qt in range(nq):
         q_begin = qt * q_tile
         q_end = min(q_begin + q_tile, n)
         num_touched = 0
-        for q in range(q_begin, q_end):
+        q = q_begin
+        while q < q_end:
             x0 = q // (l1 * l2)
             x1 = (q // l2) % l1
-            x2 = q % l2
-            a, b = starts[2, x2], ends[2, x2]
+            run_begin = q % l2
+            run_end = min(q_end - q + run_begin, l2)
+            # cover[] over last-dimension key coordinates, via a difference array with step d2.
+            cover[:] = 0
+            lo_key, hi_key = l2, -1
+            for x2 in range(run_begin, run_end):
+                g = x2 % d2
+                first = g + d2 * starts[2, x2]
+                last = g + d2 * (ends[2, x2] - 1)
+                cover[first] += 1
+                cover[last + d2] -= 1
+                lo_key = min(lo_key, first)
+                hi_key = max(hi_key, last)
+            for y in range(d2, l2):
+                cover[y] += cover[y - d2]
+            for y in range(l2):
+                prefix[y + 1] = prefix[y] + cover[y]
             for k0 in range(starts[0, x0], ends[0, x0]):
                 y0 = x0 % d0 + d0 * k0
                 for k1 in range(starts[1, x1], ends[1, x1]):
                     y1 = x1 % d1 + d1 * k1
-                    base = (y0 * l1 + y1) * l2 + x2 % d2  # key index = base + d2 * k, k in [a, b)
-                    first_tile = (base + d2 * a) // kv_tile
-                    last_tile = (base + d2 * (b - 1)) // kv_tile
-                    for t in range(first_tile, last_tile + 1):
-                        k_lo = max(a, _ceil_div(t * kv_tile - base, d2))
-                        k_hi = min(b, _ceil_div((t + 1) * kv_tile - base, d2))
-                        if k_hi > k_lo:
+                    base = (y0 * l1 + y1) * l2
+                    for t in range((base + lo_key) // kv_tile, (base + hi_key) // kv_tile + 1):
+                        lo = max(t * kv_tile - base, lo_key)
+                        hi = min((t + 1) * kv_tile - base, hi_key + 1)
+                        count = prefix[hi] - prefix[lo]
+                        if count > 0:
                             if pairs[t] == 0:
                                 touched[num_touched] = t
                                 num_touched += 1
-                            pairs[t] += k_hi - k_lo
+                            pairs[t] += count
+            q += run_end - run_begin
         tiles = np.sort(touched[:num_touched])
         visited[qt] = num_touched
         for m in range(num_touched):
