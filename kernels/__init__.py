@@ -1,0 +1,16 @@
+"""natsim.kernels: Triton kernels for GNA (token permutation, forward attention) and their torch reference."""
+
+from .attention import gna_attention, gna_attention_permuted, gna_tile_counts
+from .permute import permute, permute_reference, unpermute, unpermute_reference
+from .reference import reference_attention
+
+__all__ = [
+    "gna_attention",
+    "gna_attention_permuted",
+    "gna_tile_counts",
+    "permute",
+    "unpermute",
+    "permute_reference",
+    "unpermute_reference",
+    "reference_attention",
+]

@@ -1,0 +1,93 @@
+"""The torch reference for GNA: exact element mask from natsim's window formula, queries in chunks.
+
+The mask of a query at coordinate `x` is a product over dimensions of "key `y` is in `x`'s dilation group
+and inside its window", with the window bounds from `natsim.dimension.key_ranges` (the one Python
+definition of the window). Chunks keep memory at about `CHUNK_ELEMENTS` scores at a time, so the reference
+also runs at real sizes on a GPU, in float64 if asked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from natsim.dimension import key_ranges
+
+from .checks import BoolOrBools, IntOrInts, check_qkv, problem_of
+
+CHUNK_ELEMENTS = 1 << 27
+
+
+def _dim_tables(problem, device) -> list[tuple[torch.Tensor, ...]]:
+    """Per dimension: (group, start, end) of every coordinate, and (group, in-group index) of every key."""
+    tables = []
+    for L, w, s, d, c in zip(problem.shape, problem.window, problem.stride, problem.dilation, problem.causal):
+        start, end = key_ranges(L, w, s, d, c)
+        coord = torch.arange(L, device=device)
+        tables.append(
+            (coord % d, torch.as_tensor(start, device=device), torch.as_tensor(end, device=device), coord // d)
+        )
+    return tables
+
+
+def _chunk_mask(tables, coords: list[torch.Tensor]) -> torch.Tensor:
+    """`[chunk, N]` boolean mask for queries at per-dimension coordinates `coords`."""
+    mask = None
+    ndim = len(tables)
+    for i, ((group, start, end, in_group), x) in enumerate(zip(tables, coords)):
+        m = (group[None, :] == group[x][:, None]) & (in_group[None, :] >= start[x][:, None])
+        m &= in_group[None, :] < end[x][:, None]
+        view = [m.shape[0]] + [1] * ndim
+        view[1 + i] = m.shape[1]
+        m = m.reshape(view)
+        mask = m if mask is None else mask & m
+    return mask.reshape(mask.shape[0], -1)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: IntOrInts,
+    stride: IntOrInts = 1,
+    dilation: IntOrInts = 1,
+    causal: BoolOrBools = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    compute_dtype: Optional[torch.dtype] = None,
+):
+    """GNA on `[B, *shape, heads, head_dim]` tensors with the exact element mask, computed in chunks.
+
+    Scores and softmax are computed in `compute_dtype` (float64 for float64 inputs, float32 otherwise);
+    the output has q's dtype and the optional log-sum-exp `[B, *shape, heads]` is in `compute_dtype`.
+    """
+    shape = check_qkv(q, k, v)
+    problem = problem_of(shape, window, stride, dilation, causal)
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    n = math.prod(shape)
+    scale = head_dim**-0.5 if scale is None else scale
+    qf = q.reshape(batch, n, heads, head_dim).to(compute_dtype)
+    kf = k.reshape(batch, n, heads, head_dim).to(compute_dtype)
+    vf = v.reshape(batch, n, heads, head_dim).to(compute_dtype)
+    tables = _dim_tables(problem, q.device)
+    out = torch.empty((batch, n, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, n, heads), dtype=compute_dtype, device=q.device)
+    chunk = max(1, CHUNK_ELEMENTS // (batch * heads * n))
+    for first in range(0, n, chunk):
+        rows = torch.arange(first, min(first + chunk, n), device=q.device)
+        coords = list(torch.unravel_index(rows, shape))
+        mask = _chunk_mask(tables, coords)
+        scores = torch.einsum("bqhd,bkhd->bhqk", qf[:, rows], kf) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - row_lse[..., None])
+        out[:, rows] = torch.einsum("bhqk,bkhd->bqhd", probs, vf).to(q.dtype)
+        lse[:, rows] = row_lse.permute(0, 2, 1)
+    out = out.reshape(q.shape)
+    if return_lse:
+        return out, lse.reshape(batch, *shape, heads)
+    return out
