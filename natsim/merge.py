@@ -1,0 +1,362 @@
+"""Query-tile merging (FG-Attn, section 5.2): small Q tiles packed into groups, one per thread block.
+
+A kernel with small query tiles (say 16 queries) still wants 128 queries per thread block, so it runs
+`group` Q tiles together, and the group must visit every KV tile that any member visits: the union of
+the members' rows. Merging therefore gives back part of the sparsity that small tiles exposed. Which
+tiles share a group decides how much:
+
+- `"consecutive"`: tiles 0..R-1, R..2R-1, ... (what a kernel does with no planning).
+- `"xor"`: FG-Attn's greedy. The XOR distance of two Q tiles is the number of KV tiles visited by
+  exactly one of them. Take the first ungrouped Q tile (the group's representative), add the R-1
+  ungrouped tiles nearest to it by XOR distance, and repeat until every tile is grouped. Ties in
+  distance go to the lowest Q tile index. This approximately minimises the paper's objective (Eq. 1):
+  the sum over groups of the XOR distance of every member to its representative.
+
+Under both methods every group holds `group` tiles except possibly the last, which holds what is left,
+and a group's representative is its lowest-numbered tile (the greedy's leader is by construction the
+lowest ungrouped tile).
+
+Rows are bit-packed into uint64 words (bit k of word w is KV tile 64 w + k) and the loops are
+numba-compiled, with hardware popcount for the distances. The greedy scans only ungrouped tiles, keeps
+the R-1 best candidates in a small sorted array instead of sorting, skips a candidate whose popcount
+difference from the leader (a lower bound on the distance) cannot beat the current R-1-th best, and
+stops early once R-1 exact copies of the leader are found.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import numba
+import numpy as np
+from numba.core import types
+from numba.extending import intrinsic
+
+from .blockmask import BlockMask
+
+Method = Literal["consecutive", "xor"]
+METHODS = ("consecutive", "xor")
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """Q tiles grouped for one thread block each, the KV tiles each group visits, and the figures.
+
+    Notation: nQ Q tiles and nKV KV tiles in the input mask, groups G_1..G_n (n = `num_groups`), U_g
+    the union of the KV tiles visited by the members of G_g, c_g the representative of G_g (its first
+    member).
+
+    Fields:
+    - `method`, `group`: the arguments of `merge` (`group` is R, the Q tiles per group).
+    - `groups`: int64 `[num_groups, group]`; row g lists the Q tiles of G_g in ascending order (so the
+      representative comes first), padded with -1 where the last group is short.
+    - `group_sizes`: int64 `[num_groups]`, |G_g|: `group` for every group but possibly the last.
+    - `merged`: a `BlockMask` whose Q tiles are the groups: row g lists U_g. A KV tile is full there
+      when it is full for every member (the kernel can then skip the element mask for the whole
+      group); every other tile of U_g is partial. A boolean-array input has no full tiles.
+    - `visited_before`: (Q tile, KV tile) pairs visited by the input mask.
+    - `objective`: Eq. 1 of the paper, sum over g of sum over i in G_g of d(i, c_g), where d(i, j) is
+      the number of KV tiles visited by exactly one of Q tiles i and j.
+    """
+
+    method: str
+    group: int
+    groups: np.ndarray
+    group_sizes: np.ndarray
+    merged: BlockMask
+    visited_before: int
+    objective: int
+
+    @property
+    def num_q_tiles(self) -> int:
+        """nQ, the Q tiles of the input mask."""
+        return int(self.group_sizes.sum())
+
+    @property
+    def num_kv_tiles(self) -> int:
+        """nKV, the KV tiles of the input mask."""
+        return self.merged.num_kv_tiles
+
+    @property
+    def num_groups(self) -> int:
+        """n = ceil(nQ / group), the merged Q tiles (thread blocks)."""
+        return len(self.group_sizes)
+
+    @property
+    def visited_after(self) -> int:
+        """(Q tile, KV tile) pairs computed after merging: sum over g of |U_g| * |G_g|."""
+        return int((self.merged.visited * self.group_sizes).sum())
+
+    @property
+    def density_before(self) -> float:
+        """visited_before / (nQ * nKV): the fraction of Q-tile work the input mask asks for."""
+        return self.visited_before / (self.num_q_tiles * self.num_kv_tiles)
+
+    @property
+    def density_after(self) -> float:
+        """visited_after / (nQ * nKV): the fraction of Q-tile work done once tiles run in groups."""
+        return self.visited_after / (self.num_q_tiles * self.num_kv_tiles)
+
+    @property
+    def max_kv_tiles(self) -> int:
+        """max over g of |U_g|: the KV tiles of the busiest group."""
+        return int(self.merged.visited.max())
+
+    @property
+    def tile_speedup(self) -> float:
+        """nKV / max_kv_tiles: the worst group bounds the speedup over dense attention run in groups.
+
+        Infinite when no group visits any KV tile.
+        """
+        return self.num_kv_tiles / self.max_kv_tiles if self.max_kv_tiles else math.inf
+
+    @property
+    def tile_speedup_mean(self) -> float:
+        """(n * nKV) / (sum over g of |U_g|): dense group work over merged group work.
+
+        nKV over the mean union size. It counts a short last group as a whole thread block, so it equals
+        1 / density_after exactly when `group` divides nQ. Infinite when no group visits any KV tile.
+        """
+        unions = int(self.merged.visited.sum())
+        return self.num_groups * self.num_kv_tiles / unions if unions else math.inf
+
+    def to_dict(self) -> dict:
+        """The arguments and every scalar figure, JSON-ready."""
+        return {
+            "method": self.method,
+            "group": self.group,
+            "num_q_tiles": self.num_q_tiles,
+            "num_kv_tiles": self.num_kv_tiles,
+            "num_groups": self.num_groups,
+            "visited_before": self.visited_before,
+            "visited_after": self.visited_after,
+            "density_before": self.density_before,
+            "density_after": self.density_after,
+            "objective": self.objective,
+            "max_kv_tiles": self.max_kv_tiles,
+            "tile_speedup": self.tile_speedup,
+            "tile_speedup_mean": self.tile_speedup_mean,
+        }
+
+
+def merge(mask: Union[BlockMask, np.ndarray], group: int, method: Method = "xor") -> MergeResult:
+    """Group the Q tiles of `mask` by `group` (R) and report what each group must visit.
+
+    `mask` is a `BlockMask` (its visited tiles, partial and full, are the rows) or a 2-D boolean array
+    `[num_q_tiles, num_kv_tiles]`. `method` is `"consecutive"` or `"xor"` (the module docstring defines
+    both, including the tie-break). See `MergeResult` for the fields and figures.
+    """
+    if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise ValueError(
+            f"group must be a positive integer (Q tiles per merged group), got group={group!r}."
+        )
+    if method not in METHODS:
+        raise ValueError(f"method must be 'consecutive' or 'xor', got method={method!r}.")
+    group = int(group)
+    bits, full_bits, num_kv = _pack(mask)
+    num_q = bits.shape[0]
+    members = _xor_greedy(bits, group) if method == "xor" else np.arange(num_q, dtype=np.int64)
+    union, all_full, objective = _group_stats(bits, full_bits, members, group)
+
+    num_groups = -(-num_q // group)
+    padded = np.full(num_groups * group, -1, np.int64)
+    padded[:num_q] = members
+    sizes = np.full(num_groups, group, np.int64)
+    sizes[-1] = num_q - group * (num_groups - 1)
+    kv_counts, kv_indices = _unpack(union & ~all_full)
+    full_counts, full_indices = _unpack(all_full)
+    merged = BlockMask(num_groups, num_kv, kv_counts, kv_indices, full_counts, full_indices)
+    return MergeResult(
+        method=method,
+        group=group,
+        groups=padded.reshape(num_groups, group),
+        group_sizes=sizes,
+        merged=merged,
+        visited_before=int(_row_popcounts(bits).sum()),
+        objective=int(objective),
+    )
+
+
+def _pack(mask: Union[BlockMask, np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Bit-pack the visited and the full tiles of `mask`: two uint64 `[nQ, words]` arrays, and nKV."""
+    if isinstance(mask, BlockMask):
+        num_q, num_kv = mask.num_q_tiles, mask.num_kv_tiles
+        _check_size(num_q, num_kv)
+        words = -(-num_kv // 64)
+        bits = np.zeros((num_q, words), np.uint64)
+        full_bits = np.zeros((num_q, words), np.uint64)
+        for counts, indices, outs in (
+            (mask.kv_num_blocks, mask.kv_indices, (bits,)),
+            (mask.full_kv_num_blocks, mask.full_kv_indices, (bits, full_bits)),
+        ):
+            counts, indices = np.asarray(counts), np.asarray(indices)
+            if counts.shape != (num_q,) or indices.ndim != 2 or len(indices) != num_q:
+                raise ValueError(
+                    "mask is not a valid BlockMask: its count and index arrays must have one row "
+                    f"per Q tile, got num_q_tiles={num_q}, counts of shape {counts.shape}, indices "
+                    f"of shape {indices.shape}."
+                )
+            for out in outs:
+                bad = _pack_rows(counts, indices, num_kv, out)
+                if bad >= 0:
+                    raise ValueError(
+                        f"mask is not a valid BlockMask: Q tile {bad} lists a KV tile outside "
+                        f"0..{num_kv - 1} or more tiles than its index row holds."
+                    )
+        return bits, full_bits, num_kv
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(
+            "mask must be a natsim.BlockMask or a 2-D boolean numpy array [num_q_tiles, num_kv_tiles], "
+            f"got a {type(mask).__name__}."
+        )
+    if mask.ndim != 2 or mask.dtype != bool:
+        raise ValueError(
+            "mask must be a 2-D boolean array [num_q_tiles, num_kv_tiles], "
+            f"got ndim={mask.ndim}, dtype={mask.dtype}."
+        )
+    num_q, num_kv = mask.shape
+    _check_size(num_q, num_kv)
+    packed = np.packbits(mask, axis=1, bitorder="little")
+    packed = np.pad(packed, ((0, 0), (0, -packed.shape[1] % 8)))
+    bits = np.ascontiguousarray(packed).view("<u8").astype(np.uint64)
+    return bits, np.zeros_like(bits), num_kv
+
+
+def _check_size(num_q: int, num_kv: int) -> None:
+    if num_q < 1 or num_kv < 1:
+        raise ValueError(
+            "mask must have at least one Q tile and one KV tile, "
+            f"got num_q_tiles={num_q}, num_kv_tiles={num_kv}."
+        )
+
+
+@intrinsic
+def _popcount(typingctx, word):
+    """The number of set bits of a uint64, as an int64 (LLVM's ctpop: the popcnt instruction on x86)."""
+    if word != types.uint64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+
+    return types.int64(types.uint64), codegen
+
+
+@numba.njit(cache=True)
+def _row_popcounts(bits):
+    """Set bits per row: the KV tiles each packed row visits."""
+    counts = np.zeros(bits.shape[0], np.int64)
+    for i in range(bits.shape[0]):
+        for w in range(bits.shape[1]):
+            counts[i] += _popcount(bits[i, w])
+    return counts
+
+
+@numba.njit(cache=True)
+def _pack_rows(counts, indices, num_kv, out):
+    """OR the listed tiles of each row into `out`; the first malformed row, or -1 if none."""
+    one = np.uint64(1)
+    for q in range(counts.shape[0]):
+        if counts[q] < 0 or counts[q] > indices.shape[1]:
+            return q
+        for k in range(counts[q]):
+            t = indices[q, k]
+            if t < 0 or t >= num_kv:
+                return q
+            out[q, t // 64] |= one << np.uint64(t % 64)
+    return -1
+
+
+@numba.njit(cache=True)
+def _xor_greedy(bits, group):
+    """FG-Attn's greedy grouping: Q tile indices in group order, `group` at a time."""
+    num_q, words = bits.shape
+    pop = _row_popcounts(bits)
+    remaining = np.arange(num_q)  # ungrouped tiles, ascending, compacted after each group
+    num_left = num_q
+    taken = np.zeros(num_q, np.bool_)
+    order = np.empty(num_q, np.int64)
+    best_d = np.empty(max(group - 1, 1), np.int64)  # the R-1 nearest so far, by (distance, index)
+    best_i = np.empty(max(group - 1, 1), np.int64)
+    done = 0
+    while num_left > 0:
+        leader = remaining[0]
+        want = min(group - 1, num_left - 1)
+        found = 0
+        scan_end = num_left if want > 0 else 1  # nothing to pick when R = 1 or one tile is left
+        for c in range(1, scan_end):
+            j = remaining[c]
+            have_all = found == want
+            if have_all and abs(pop[j] - pop[leader]) >= best_d[want - 1]:
+                continue  # |pop(i) - pop(j)| <= d(i, j): cannot beat the R-1-th best
+            d = 0
+            for w in range(words):
+                d += _popcount(bits[leader, w] ^ bits[j, w])
+            if have_all and d >= best_d[want - 1]:
+                continue  # candidates come in ascending index, so a tie keeps the earlier one
+            p = want - 1 if have_all else found
+            while p > 0 and best_d[p - 1] > d:
+                best_d[p] = best_d[p - 1]
+                best_i[p] = best_i[p - 1]
+                p -= 1
+            best_d[p] = d
+            best_i[p] = j
+            if not have_all:
+                found += 1
+            if found == want and best_d[want - 1] == 0:
+                break  # R-1 exact copies: no later tile can do better
+        order[done] = leader
+        order[done + 1 : done + 1 + want] = np.sort(best_i[:want])
+        for m in range(done, done + 1 + want):
+            taken[order[m]] = True
+        done += want + 1
+        kept = 0
+        for c in range(num_left):
+            if not taken[remaining[c]]:
+                remaining[kept] = remaining[c]
+                kept += 1
+        num_left = kept
+    return order
+
+
+@numba.njit(cache=True)
+def _group_stats(bits, full_bits, members, group):
+    """Per group (`members` in group order, `group` at a time): the union of the visited rows, the
+    intersection of the full rows, and the total XOR distance of members to their representative."""
+    num_q, words = bits.shape
+    num_groups = (num_q + group - 1) // group
+    union = np.empty((num_groups, words), np.uint64)
+    all_full = np.empty((num_groups, words), np.uint64)
+    objective = 0
+    for g in range(num_groups):
+        rep = members[g * group]
+        union[g] = bits[rep]
+        all_full[g] = full_bits[rep]
+        for m in range(g * group + 1, min(g * group + group, num_q)):
+            i = members[m]
+            for w in range(words):
+                union[g, w] |= bits[i, w]
+                all_full[g, w] &= full_bits[i, w]
+                objective += _popcount(bits[i, w] ^ bits[rep, w])
+    return union, all_full, objective
+
+
+@numba.njit(cache=True)
+def _unpack(bits):
+    """Bit rows back to BlockMask index rows: int32 counts and ascending int32 indices padded with 0."""
+    counts = _row_popcounts(bits).astype(np.int32)
+    indices = np.zeros((bits.shape[0], max(counts.max(), 1)), np.int32)
+    one = np.uint64(1)
+    for i in range(bits.shape[0]):
+        k = 0
+        for w in range(bits.shape[1]):
+            word = bits[i, w]
+            if word == 0:
+                continue
+            for b in range(64):
+                if (word >> np.uint64(b)) & one:
+                    indices[i, k] = w * 64 + b
+                    k += 1
+    return counts, indices
