@@ -1,4 +1,4 @@
-"""Time query-tile merging (natsim.merge) on 7,200 x 7,200 tile masks, both methods.
+"""Time query-tile merging (natsim.merging) on 7,200 x 7,200 tile masks, both methods.
 
 The masks are what FG-Attn-style kernels with 16-token query tiles see on a 30x48x80 video latent
 (115,200 tokens): the GNA mask of window 18x24x24 under 1-D tiling of 16 tokens and under 2x2x4
@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from natsim import BlockMask, Problem, TileConfig, block_mask
-from natsim.merge import METHODS, merge
+from natsim.merging import METHODS, merge
 
 SHAPE, WINDOW = (30, 48, 80), (18, 24, 24)
 
@@ -80,7 +80,7 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     document = {
-        "benchmark": "natsim.merge",
+        "benchmark": "natsim.merging",
         "repeats": args.repeats,
         "machine": {
             "platform": platform.platform(),

@@ -22,6 +22,18 @@ __all__ = [
     "sweep",
     "default_tile_catalog",
     "end_to_end_speedup",
+    "merge",
+    "MergeResult",
 ]
 __version__ = "0.1.0"
 
+
+
+def __getattr__(name: str):
+    # Query-tile merging compiles with numba: natsim.merging is imported on first use, keeping
+    # `import natsim` fast.
+    if name in ("merge", "MergeResult"):
+        from . import merging
+
+        return getattr(merging, name)
+    raise AttributeError(f"module 'natsim' has no attribute {name!r}")

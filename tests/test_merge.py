@@ -1,4 +1,4 @@
-"""Query-tile merging (natsim.merge) against brute-force numpy and a slow pure-Python greedy."""
+"""Query-tile merging (natsim.merging) against brute-force numpy and a slow pure-Python greedy."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from natsim import BlockMask, Problem, TileConfig, block_mask
-from natsim.merge import MergeResult, merge
+from natsim.merging import MergeResult, merge
 
 METHODS = ("consecutive", "xor")
 
