@@ -21,8 +21,15 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _reject_text(value: object, name: str, kind: str) -> None:
+    # A string is a sequence of characters, never a sequence of sizes or flags.
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be {kind}, got {name}={value!r}.")
+
+
 def as_shape(value: IntOrInts, name: str = "shape") -> tuple[int, ...]:
     """Normalise a token layout to a tuple of 1 to 3 positive ints."""
+    _reject_text(value, name, "an int or a sequence of ints")
     items = (value,) if _is_int(value) else value
     try:
         items = tuple(items)  # type: ignore[arg-type]
@@ -41,6 +48,7 @@ def as_ints(value: IntOrInts, ndim: int, name: str) -> tuple[int, ...]:
     """Broadcast a scalar to `ndim` ints, or check that a sequence has exactly `ndim` ints."""
     if _is_int(value):
         return (int(value),) * ndim
+    _reject_text(value, name, "an int or a sequence of ints")
     try:
         items = tuple(value)  # type: ignore[arg-type]
     except TypeError:
@@ -66,6 +74,7 @@ def as_bools(value: BoolOrBools, ndim: int, name: str) -> tuple[bool, ...]:
 
     if isinstance(value, bool) or _is_int(value):
         return (to_bool(value),) * ndim
+    _reject_text(value, name, "a bool or a sequence of bools")
     try:
         items = tuple(value)  # type: ignore[arg-type]
     except TypeError:

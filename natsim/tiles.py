@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Sequence, Union
 
-from .problem import MAX_DIMS, Problem, _is_int
+from .problem import MAX_DIMS, Problem, _is_int, _reject_text
 
 Tiling = Literal["multi", "1d"]
 KVTiling = Literal["static", "dynamic"]
@@ -17,6 +17,7 @@ KV_TILINGS = ("static", "dynamic")
 
 
 def _as_tile(value: TileShape, name: str) -> tuple[int, ...]:
+    _reject_text(value, name, "an int or a sequence of ints")
     items = (value,) if _is_int(value) else value
     try:
         items = tuple(items)  # type: ignore[arg-type]
