@@ -82,17 +82,27 @@ def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
         raise CliInputError(
             "--plot needs matplotlib; install it with pip install 'natsim[plot]'."
         ) from None
-    labels = [f"{fmt_dims(r.problem.stride)}\n{fmt_dims(r.tiles.q_tile)}/{fmt_dims(r.tiles.kv_tile)}" for r in results]
+    tile_names = {f"{fmt_dims(r.tiles.q_tile)}/{fmt_dims(r.tiles.kv_tile)}" for r in results}
+    one_tile = len(tile_names) == 1
+    labels = [
+        fmt_dims(r.problem.stride) if one_tile
+        else f"{fmt_dims(r.problem.stride)}\n{fmt_dims(r.tiles.q_tile)}/{fmt_dims(r.tiles.kv_tile)}"
+        for r in results
+    ]
     xs = range(len(results))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(results)), 4.0))
+    fig, ax = plt.subplots(figsize=(max(6.0, (0.6 if one_tile else 0.9) * len(results)), 4.0))
     ax.bar([x - 0.2 for x in xs], [r.flop_speedup for r in results], width=0.4, label="FLOP-wise")
     ax.bar([x + 0.2 for x in xs], [r.tile_speedup for r in results], width=0.4, label="tile speedup")
-    ax.set_xticks(list(xs), labels, fontsize=7)
-    ax.set_xlabel("stride; Q tile / KV tile")
+    ax.set_xticks(list(xs), labels, fontsize=8 if one_tile else 6)
+    ax.set_xlabel("stride" if one_tile else "stride; Q tile / KV tile")
     ax.set_ylabel("speedup upper bound (x)")
+    ax.set_ylim(0, 1.25 * max(r.flop_speedup for r in results))
     problem = results[0].problem
-    ax.set_title(f"shape {fmt_dims(problem.shape)}, window {fmt_dims(problem.window)}")
-    ax.legend()
+    title = f"shape {fmt_dims(problem.shape)}, window {fmt_dims(problem.window)}"
+    if one_tile:
+        title += f", tiles Q/KV {tile_names.pop()}"
+    ax.set_title(title)
+    ax.legend(loc="upper right", ncols=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
