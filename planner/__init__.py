@@ -1,0 +1,29 @@
+"""natsim.planner: choose a GNA configuration for a token layout and a target sparsity, and run it.
+
+`best(shape, target_sparsity, ...)` returns a `Plan`: window, stride and tiles chosen with the simulator and
+a per-GPU cost model of natsim's kernels (planner.costmodel), a report (`plan.explain()`), JSON round-trips,
+and `plan(q, k, v)` running `natsim.kernels.gna_attention` with exactly those settings.
+"""
+
+from .catalog import TILE_TOKENS, tile_catalog
+from .costmodel import CostModel, cost_model_for, gpu_of
+from .features import FEATURES, feature_matrix, features_of
+from .fit import fit_coefficients
+from .plan import Candidate, Plan
+from .search import TIE_TOLERANCE, best
+
+__all__ = [
+    "best",
+    "Plan",
+    "Candidate",
+    "CostModel",
+    "cost_model_for",
+    "gpu_of",
+    "tile_catalog",
+    "TILE_TOKENS",
+    "FEATURES",
+    "feature_matrix",
+    "features_of",
+    "fit_coefficients",
+    "TIE_TOLERANCE",
+]

@@ -1,0 +1,160 @@
+"""Calibration: time a fixed set of GNA configurations on the GPU at hand and fit the cost model to them.
+
+The set (`calibration_cases`) spans what the features separate: masked-heavy (stride 1), block-sparse and
+dense configurations, 1-D, 2-D and 3-D layouts, the catalog's three tile sizes, head_dim 64 and 128, and
+very sparse ones where per-program work shows, and small layouts where launch overhead shows. Features come from the simulator (CPU); times from
+`triton.testing.do_bench` on `natsim.kernels.gna_attention` (permutation included, as plans run it); the
+fit is `planner.fit.fit_coefficients`, a pure function tested on CPU against known coefficients.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from natsim import Problem, TileConfig, simulate
+
+from .catalog import as_dtype, dtype_name, element_bytes
+from .costmodel import COEFFICIENTS_DIR, CostModel, gpu_file_name, gpu_of
+from .features import features_of
+from .fit import fit_coefficients, relative_errors
+
+# Tile shapes per number of dimensions, one per (Q tokens, KV tokens) pair of the catalog.
+TILES = {
+    1: (((128,), (128,)), ((128,), (64,)), ((64,), (64,))),
+    2: (((16, 8), (16, 8)), ((16, 8), (8, 8)), ((8, 8), (8, 8))),
+    3: (((2, 8, 8), (2, 8, 8)), ((4, 8, 4), (2, 8, 4)), ((1, 8, 8), (1, 8, 8))),
+}
+
+# (shape, window, stride, causal, heads, head dims)
+LAYOUTS = (
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), False, 8, (128,)),
+    ((30, 48, 80), (18, 24, 24), (16, 8, 8), False, 8, (64, 128)),
+    ((30, 48, 80), (30, 48, 80), (1, 1, 1), False, 8, (128,)),
+    ((16, 44, 80), (8, 20, 40), (1, 4, 8), True, 8, (128,)),
+    ((30, 48, 80), (2, 8, 8), (2, 8, 8), False, 8, (64,)),
+    ((8, 16, 32), (4, 8, 16), (1, 1, 1), False, 2, (64,)),
+    ((256, 256), (80, 80), (1, 1), False, 8, (128,)),
+    ((256, 256), (80, 80), (16, 16), False, 8, (64, 128)),
+    ((64, 64), (16, 16), (1, 1), False, 2, (128,)),
+    ((32768,), (2048,), (1,), False, 8, (64, 128)),
+    ((32768,), (2048,), (256,), False, 8, (128,)),
+    ((32768,), (128,), (128,), False, 8, (128,)),
+    ((32768,), (32768,), (1,), True, 8, (128,)),
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration to time: a GNA problem, its tiles, and the tensor sizes (batch 1)."""
+
+    problem: Problem
+    tiles: TileConfig
+    heads: int
+    head_dim: int
+
+
+def calibration_cases() -> list[Case]:
+    """The configurations `natsim calibrate` times (about 50; a few minutes on an H100)."""
+    cases = []
+    for shape, window, stride, causal, heads, head_dims in LAYOUTS:
+        problem = Problem(shape, window, stride, causal=causal)
+        for head_dim in head_dims:
+            for q_tile, kv_tile in TILES[len(shape)]:
+                cases.append(Case(problem, TileConfig(q_tile, kv_tile), heads, head_dim))
+    return cases
+
+
+def case_features(cases: Sequence[Case], dtype: torch.dtype) -> np.ndarray:
+    """The feature matrix of `cases` (rows in order), from the simulator."""
+    size = element_bytes(dtype)
+    return np.stack(
+        [
+            features_of(simulate(c.problem, c.tiles), batch_heads=c.heads, head_dim=c.head_dim, element_bytes=size)
+            for c in cases
+        ]
+    )
+
+
+def time_case(case: Case, dtype: torch.dtype, device: torch.device) -> float:
+    """Median seconds of one `gna_attention` call for `case` (random inputs) on a CUDA `device`."""
+    import triton.testing
+
+    from natsim.kernels import gna_attention
+
+    p = case.problem
+    q, k, v = (
+        torch.randn((1, *p.shape, case.heads, case.head_dim), device=device, dtype=dtype) for _ in range(3)
+    )
+
+    def run():
+        return gna_attention(
+            q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=case.tiles.q_tile, kv_tile=case.tiles.kv_tile
+        )
+
+    return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e-3
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A fitted cost model with the measurements behind it."""
+
+    model: CostModel
+    cases: tuple[Case, ...]
+    features: np.ndarray
+    times: np.ndarray
+    errors: np.ndarray
+
+
+def calibrate(
+    device: Union[None, str, torch.device] = None,
+    dtype: Union[torch.dtype, str] = torch.bfloat16,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> Calibration:
+    """Time `calibration_cases()` with natsim.kernels on a CUDA GPU and fit the cost model to them."""
+    dtype = as_dtype(dtype)
+    gpu = gpu_of(device)
+    if gpu is None:
+        raise ValueError(
+            f"calibration times the Triton kernels on a CUDA GPU, got device={device!r} "
+            f"(torch.cuda.is_available() is {torch.cuda.is_available()})."
+        )
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    cases = calibration_cases()
+    features = case_features(cases, dtype)
+    times = []
+    for i, case in enumerate(cases):
+        times.append(time_case(case, dtype, device))
+        if progress is not None:
+            progress(i + 1, len(cases))
+    times = np.array(times)
+    coefficients = fit_coefficients(features, times)
+    errors = relative_errors(features, times, coefficients)
+    import triton
+
+    model = CostModel(
+        gpu=gpu,
+        coefficients=coefficients,
+        info={
+            "date": datetime.date.today().isoformat(),
+            "dtype": dtype_name(dtype),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "cases": len(cases),
+            "median_abs_relative_error": float(np.median(np.abs(errors))),
+            "max_abs_relative_error": float(np.max(np.abs(errors))),
+        },
+    )
+    return Calibration(model, tuple(cases), features, times, errors)
+
+
+def default_path(gpu: str) -> Path:
+    """Where the planner looks for `gpu`'s coefficients."""
+    return COEFFICIENTS_DIR / gpu_file_name(gpu)

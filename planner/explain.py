@@ -1,0 +1,151 @@
+"""The plan report: the choice, how it was ranked, why it won, and the runners-up, as rich renderables."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from .plan import Candidate, Plan
+
+
+def _dims(values) -> str:
+    return "x".join(str(int(v)) for v in values)
+
+
+def _product(values) -> int:
+    return math.prod(int(v) for v in values)
+
+
+def _score(plan: "Plan", value: float) -> str:
+    if plan.calibrated:
+        return f"{value * 1e3:.3f} ms"
+    return f"{value:.4g} pairs"
+
+
+def _choice_table(plan: "Plan") -> Table:
+    sim, problem = plan.simulation, plan.problem
+    table = Table(title=f"GNA plan for shape {_dims(problem.shape)}", title_justify="left", show_header=False)
+    table.add_column("setting")
+    table.add_column("value", justify="right")
+    rows = [
+        ("window", _dims(problem.window)),
+        ("stride", _dims(problem.stride)),
+        ("Q tile / KV tile", f"{_dims(plan.tiles.q_tile)} / {_dims(plan.tiles.kv_tile)}"),
+        ("sparsity (target)", f"{sim.sparsity:.4f} ({plan.target_sparsity:g})"),
+        ("FLOP-wise speedup", f"{sim.flop_speedup:.2f}x"),
+        ("tile speedup", f"{sim.tile_speedup:.2f}x"),
+        ("block-sparse", "yes" if sim.block_sparse else f"no: {sim.visited_tiles - sim.full_tiles:,} masked tiles"),
+        ("visited / full tiles", f"{sim.visited_tiles:,} / {sim.full_tiles:,}"),
+        ("head_dim, dtype, heads", f"{plan.head_dim}, {plan.dtype}, {plan.heads if plan.heads else '1 (per head)'}"),
+    ]
+    if any(problem.causal):
+        rows.insert(2, ("causal", _dims(problem.causal)))
+    if plan.calibrated:
+        rows.append(("predicted time", f"{plan.predicted_time_s * 1e3:.3f} ms on {plan.gpu}"))
+        rows.append(("predicted speedup over dense", f"{plan.predicted_speedup:.2f}x"))
+    else:
+        rows.append(("predicted time", "none (no cost model)"))
+        rows.append(("tile-work speedup over dense", f"{plan.predicted_speedup:.2f}x"))
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _basis(plan: "Plan") -> Text:
+    if plan.calibrated:
+        return Text(f"Ranked by the cost model fitted on {plan.gpu} (predicted kernel time, permutation included).")
+    where = plan.gpu if plan.gpu else "this machine (no CUDA GPU)"
+    return Text.from_markup(
+        f"[yellow]No cost-model coefficients for {where}: configurations were ranked by simulated tile work "
+        "alone (Q x KV tokens summed over visited tiles), and no time is predicted. Run `natsim calibrate` "
+        "on the GPU to fit them.[/yellow]"
+    )
+
+
+def _same(candidate: "Candidate", plan: "Plan") -> bool:
+    return (
+        candidate.window == plan.problem.window
+        and candidate.stride == plan.problem.stride
+        and candidate.q_tile == plan.tiles.q_tile
+        and candidate.kv_tile == plan.tiles.kv_tile
+    )
+
+
+def _reasons(plan: "Plan") -> list[str]:
+    search, sim = plan.search, plan.simulation
+    reasons = []
+    if search.window_given:
+        reasons.append(f"The window {_dims(plan.problem.window)} was given and kept.")
+    else:
+        low, high = search.band
+        reasons.append(
+            f"{len(search.windows)} candidate windows with sparsity in [{low:.4f}, {high:.4f}] at stride 1, shaped "
+            "like the layout, those made of whole KV tiles first."
+        )
+    reasons.append(f"{search.scored:,} (window, stride, tile) configurations scored.")
+    if plan.predicted_speedup < 1.0:
+        reasons.append(
+            f"Even this plan is predicted {1.0 / plan.predicted_speedup:.2f}x slower than dense attention on this "
+            "layout (overheads outweigh the skipped work): consider dense attention here."
+        )
+    if sim.block_sparse:
+        reasons.append("Block-sparse: every visited tile is full, so no tile pays for the window mask.")
+    fastest = search.fastest
+    if _same(fastest, plan):
+        reasons.append(
+            f"It has the best score; no configuration within {search.tie_tolerance:.0%} of it has a smaller "
+            "stride product."
+        )
+    else:
+        gap = plan.score / fastest.score - 1.0
+        standing = "ties with it" if gap <= 1e-9 else f"is {gap:.1%} behind, within {search.tie_tolerance:.0%}"
+        reasons.append(
+            f"The best score belongs to stride {_dims(fastest.stride)} (window {_dims(fastest.window)}, tiles "
+            f"{_dims(fastest.q_tile)}/{_dims(fastest.kv_tile)}); this plan {standing}, and its stride product "
+            f"({_product(plan.problem.stride)} vs {_product(fastest.stride)}) is smaller, which keeps more "
+            "translational equivariance."
+        )
+    return reasons
+
+
+def _runners_up(plan: "Plan") -> Table:
+    table = Table(title="runners-up: the best of each other window, and stride 1", title_justify="left")
+    for name in ("window", "stride", "Q tile", "KV tile", "score", "vs plan", "tile speedup", "block-sparse"):
+        table.add_column(name, justify="right")
+    for c in plan.runners_up:
+        table.add_row(
+            _dims(c.window),
+            _dims(c.stride),
+            _dims(c.q_tile),
+            _dims(c.kv_tile),
+            _score(plan, c.score),
+            f"{c.score / plan.score - 1.0:+.1%}",
+            f"{c.tile_speedup:.2f}x",
+            "yes" if c.block_sparse else "",
+        )
+    return table
+
+
+def _breakdown(plan: "Plan") -> Table:
+    table = Table(title="predicted time by feature", title_justify="left")
+    table.add_column("feature")
+    table.add_column("ms", justify="right")
+    for name, seconds in plan.breakdown.items():
+        table.add_row(name, f"{seconds * 1e3:.3f}")
+    return table
+
+
+def explain_plan(plan: "Plan") -> Group:
+    """The report of `plan.explain()`."""
+    parts = [_choice_table(plan), _basis(plan), Text("Why:")]
+    parts += [Text(f"  - {reason}") for reason in _reasons(plan)]
+    if plan.breakdown:
+        parts.append(_breakdown(plan))
+    if plan.runners_up:
+        parts.append(_runners_up(plan))
+    return Group(*parts)

@@ -1,0 +1,105 @@
+"""The cost model's features: what a GNA kernel call does, in countable units, from simulated tile counts.
+
+One row per configuration, one column per feature (batch and heads multiply everything but `launch`):
+
+| feature | unit | what it counts |
+|---|---|---|
+| `full_flops` | FLOP | 4 * T_Q * T_KV * head_dim per visited tile that runs without the window mask |
+| `masked_flops` | FLOP | the same for visited tiles that need the mask (their extra cost is masking) |
+| `kv_tile_visits` | tile | visited (Q tile, KV tile) pairs: the per-iteration overhead of the KV loop |
+| `programs` | program | Q tiles launched (padding groups included): loading Q, the epilogue, storing O |
+| `permute_bytes` | byte | bytes moved by permuting q, k, v and unpermuting the output |
+| `launch` | call | 1: launch and host overhead per call |
+
+The features are linear in the work, so predicted time is one dot product per row (planner.costmodel).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from natsim import SimResult, TileConfig
+from natsim.dimension import ceil_div
+
+FEATURES = ("full_flops", "masked_flops", "kv_tile_visits", "programs", "permute_bytes", "launch")
+
+
+def padded_tokens(shape: Sequence[int], tile: Sequence[int], dilation: Sequence[int]) -> int:
+    """Tokens of the permuted layout: every dilation group padded to whole tiles (gna-semantics.md, 2)."""
+    return math.prod(d * ceil_div(L, t * d) * t for L, t, d in zip(shape, tile, dilation))
+
+
+def feature_matrix(
+    *,
+    full_tiles: np.ndarray,
+    visited_tiles: np.ndarray,
+    q_tokens: np.ndarray,
+    kv_tokens: np.ndarray,
+    q_padded: np.ndarray,
+    kv_padded: np.ndarray,
+    tokens: int,
+    batch_heads: int,
+    head_dim: int,
+    element_bytes: int,
+    permutation: bool = True,
+) -> np.ndarray:
+    """Features (columns in FEATURES order) of configurations given as per-row arrays.
+
+    `q_padded` / `kv_padded` are the permuted lengths of the q and k/v layouts (padding included) and
+    `tokens` the real token count; `permutation=False` leaves out the permutation's bytes (a dense
+    baseline that needs none).
+    """
+    full = np.asarray(full_tiles, np.float64)
+    visited = np.asarray(visited_tiles, np.float64)
+    q_tokens = np.asarray(q_tokens, np.float64)
+    kv_tokens = np.asarray(kv_tokens, np.float64)
+    q_padded = np.asarray(q_padded, np.float64)
+    kv_padded = np.asarray(kv_padded, np.float64)
+    tile_flops = 4.0 * q_tokens * kv_tokens * head_dim * batch_heads
+    # permute q, k, v (read real tokens, write padded ones) and unpermute the output (read and write real).
+    moved = (tokens + q_padded) + 2.0 * (tokens + kv_padded) + 2.0 * tokens
+    permute_bytes = moved * batch_heads * head_dim * element_bytes if permutation else np.zeros_like(moved)
+    columns = [
+        full * tile_flops,
+        (visited - full) * tile_flops,
+        visited * batch_heads,
+        q_padded / q_tokens * batch_heads,
+        permute_bytes,
+        np.ones_like(full),
+    ]
+    return np.stack(np.broadcast_arrays(*columns), axis=1)
+
+
+def features_of(
+    result: SimResult, *, batch_heads: int, head_dim: int, element_bytes: int, permutation: bool = True
+) -> np.ndarray:
+    """The feature row of one simulated configuration (multi-D tiling)."""
+    problem, tiles = result.problem, result.tiles
+    q_tile, kv_tile = tiles.dims(problem)
+    return feature_matrix(
+        full_tiles=np.array([result.full_tiles]),
+        visited_tiles=np.array([result.visited_tiles]),
+        q_tokens=np.array([tiles.q_tokens]),
+        kv_tokens=np.array([tiles.kv_tokens]),
+        q_padded=np.array([padded_tokens(problem.shape, q_tile, problem.dilation)]),
+        kv_padded=np.array([padded_tokens(problem.shape, kv_tile, problem.dilation)]),
+        tokens=problem.num_tokens,
+        batch_heads=batch_heads,
+        head_dim=head_dim,
+        element_bytes=element_bytes,
+        permutation=permutation,
+    )[0]
+
+
+def tile_arrays(shape: Sequence[int], tiles: Sequence[TileConfig]) -> dict[str, np.ndarray]:
+    """Per tile configuration: tokens per Q and KV tile and padded q / k-v lengths (dilation 1)."""
+    ones = (1,) * len(shape)
+    return {
+        "q_tokens": np.array([t.q_tokens for t in tiles], np.int64),
+        "kv_tokens": np.array([t.kv_tokens for t in tiles], np.int64),
+        "q_padded": np.array([padded_tokens(shape, t.q_tile, ones) for t in tiles], np.int64),
+        "kv_padded": np.array([padded_tokens(shape, t.kv_tile, ones) for t in tiles], np.int64),
+    }

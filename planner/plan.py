@@ -1,0 +1,250 @@
+"""`Plan`: one chosen GNA configuration, what the planner predicted for it, and a way to run it.
+
+A plan is plain data (window, stride, tiles, predictions, runners-up) that round-trips through JSON, so it
+can be computed once per layer shape and reused; calling it runs `natsim.kernels.gna_attention` with
+exactly its settings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from natsim import Problem, SimResult, TileConfig, simulate
+from natsim.kernels import gna_attention
+from natsim.simulate import FIGURES
+
+from .catalog import as_dtype
+
+FORMAT = "natsim-plan/1"
+BASIS_COST_MODEL = "cost model"
+BASIS_TILES = "simulated tiles"
+
+
+def _ints(values) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One scored configuration: its settings, its score and the figures that explain the score.
+
+    `score` is predicted seconds under a cost model, otherwise tile work (token pairs computed, padding
+    and masked pairs included: the sum over visited tiles of Q tokens x KV tokens).
+    """
+
+    window: tuple[int, ...]
+    stride: tuple[int, ...]
+    q_tile: tuple[int, ...]
+    kv_tile: tuple[int, ...]
+    score: float
+    sparsity: float
+    tile_speedup: float
+    block_sparse: bool
+
+    def to_dict(self) -> dict:
+        return {
+            "window": list(self.window),
+            "stride": list(self.stride),
+            "q_tile": list(self.q_tile),
+            "kv_tile": list(self.kv_tile),
+            "score": self.score,
+            "sparsity": self.sparsity,
+            "tile_speedup": self.tile_speedup,
+            "block_sparse": self.block_sparse,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Candidate":
+        return cls(
+            window=_ints(data["window"]),
+            stride=_ints(data["stride"]),
+            q_tile=_ints(data["q_tile"]),
+            kv_tile=_ints(data["kv_tile"]),
+            score=float(data["score"]),
+            sparsity=float(data["sparsity"]),
+            tile_speedup=float(data["tile_speedup"]),
+            block_sparse=bool(data["block_sparse"]),
+        )
+
+
+@dataclass(frozen=True)
+class Search:
+    """How the choice was made: the windows tried, how many configurations were scored, and the
+    best-scored configuration (which the tie rule may have passed over for a smaller stride)."""
+
+    windows: tuple[tuple[int, ...], ...]
+    window_given: bool
+    band: Optional[tuple[float, float]]
+    scored: int
+    fastest: Candidate
+    tie_tolerance: float
+
+    def to_dict(self) -> dict:
+        return {
+            "windows": [list(w) for w in self.windows],
+            "window_given": self.window_given,
+            "band": None if self.band is None else list(self.band),
+            "scored": self.scored,
+            "fastest": self.fastest.to_dict(),
+            "tie_tolerance": self.tie_tolerance,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Search":
+        return cls(
+            windows=tuple(_ints(w) for w in data["windows"]),
+            window_given=bool(data["window_given"]),
+            band=None if data["band"] is None else (float(data["band"][0]), float(data["band"][1])),
+            scored=int(data["scored"]),
+            fastest=Candidate.from_dict(data["fastest"]),
+            tie_tolerance=float(data["tie_tolerance"]),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A GNA configuration chosen by `natsim.planner.best`, runnable on q, k, v.
+
+    `basis` says how configurations were ranked: "cost model" (predicted seconds on `gpu`) or
+    "simulated tiles" (no coefficients for the GPU at hand: tile work only, no time prediction).
+    `score` / `dense_score` are in the basis' unit: seconds, or token pairs of tile work; the dense
+    reference is self attention on the same layout with the best catalog tile and no permutation.
+    """
+
+    problem: Problem
+    tiles: TileConfig
+    target_sparsity: float
+    head_dim: int
+    dtype: str
+    heads: Optional[int]
+    gpu: Optional[str]
+    basis: str
+    score: float
+    dense_score: float
+    breakdown: Mapping[str, float]
+    runners_up: tuple[Candidate, ...]
+    search: Search
+    simulation: SimResult = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.simulation is None:
+            object.__setattr__(self, "simulation", simulate(self.problem, self.tiles))
+
+    # -- what was predicted ------------------------------------------------------------------------
+
+    @property
+    def calibrated(self) -> bool:
+        """True when a cost model fitted on `gpu` ranked the configurations."""
+        return self.basis == BASIS_COST_MODEL
+
+    @property
+    def predicted_time_s(self) -> Optional[float]:
+        """Predicted seconds per call (permutation included) for `heads` heads (one head when None),
+        batch 1; None without a cost model."""
+        return self.score if self.calibrated else None
+
+    @property
+    def predicted_speedup(self) -> float:
+        """Dense reference over this plan, in the basis' unit (time, or tile work without a cost model)."""
+        return self.dense_score / self.score
+
+    @property
+    def torch_dtype(self):
+        """The dtype the plan was made for, as a torch dtype (q, k, v should have it)."""
+        return as_dtype(self.dtype)
+
+    @property
+    def sparsity(self) -> float:
+        return self.simulation.sparsity
+
+    @property
+    def tile_speedup(self) -> float:
+        return self.simulation.tile_speedup
+
+    # -- running ------------------------------------------------------------------------------------
+
+    def kernel_arguments(self) -> dict:
+        """The keyword arguments of `natsim.kernels.gna_attention` that this plan runs with."""
+        return {
+            "window": self.problem.window,
+            "stride": self.problem.stride,
+            "dilation": self.problem.dilation,
+            "causal": self.problem.causal,
+            "q_tile": self.tiles.q_tile,
+            "kv_tile": self.tiles.kv_tile,
+        }
+
+    def __call__(self, q, k, v, *, scale: Optional[float] = None, return_lse: bool = False):
+        """GNA of `[B, *shape, heads, head_dim]` tensors with this plan's window, stride and tiles."""
+        spatial = tuple(q.shape[1:-2]) if hasattr(q, "shape") else None
+        if spatial != self.problem.shape:
+            raise ValueError(
+                f"this plan is for token layout shape={self.problem.shape}, got q with spatial shape {spatial} "
+                "(q must be [batch, *shape, heads, head_dim])."
+            )
+        return gna_attention(q, k, v, scale=scale, return_lse=return_lse, **self.kernel_arguments())
+
+    # -- reporting and storage ---------------------------------------------------------------------
+
+    def explain(self):
+        """A rich renderable report: the choice, the runners-up, and why (print it with rich.print)."""
+        from .explain import explain_plan
+
+        return explain_plan(self)
+
+    def to_dict(self) -> dict:
+        record = self.simulation.to_dict()
+        return {
+            "format": FORMAT,
+            "problem": self.problem.to_dict(),
+            "tiles": self.tiles.to_dict(),
+            "target_sparsity": self.target_sparsity,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "heads": self.heads,
+            "gpu": self.gpu,
+            "basis": self.basis,
+            "score": self.score,
+            "dense_score": self.dense_score,
+            "predicted_time_s": self.predicted_time_s,
+            "predicted_speedup": self.predicted_speedup,
+            "breakdown": dict(self.breakdown),
+            "figures": {name: record[name] for name in FIGURES},
+            "runners_up": [c.to_dict() for c in self.runners_up],
+            "search": self.search.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Plan":
+        """Rebuild a plan from `to_dict` output; its figures are re-simulated (exact and cheap)."""
+        if data.get("format") != FORMAT:
+            raise ValueError(f"a plan must have format {FORMAT!r}, got format={data.get('format')!r}.")
+        if data["basis"] not in (BASIS_COST_MODEL, BASIS_TILES):
+            raise ValueError(
+                f"basis must be {BASIS_COST_MODEL!r} or {BASIS_TILES!r}, got basis={data['basis']!r}."
+            )
+        p, t = data["problem"], data["tiles"]
+        return cls(
+            problem=Problem(p["shape"], p["window"], p["stride"], p["dilation"], p["causal"]),
+            tiles=TileConfig(t["q_tile"], t["kv_tile"], t["tiling"], t["kv_tiling"]),
+            target_sparsity=float(data["target_sparsity"]),
+            head_dim=int(data["head_dim"]),
+            dtype=str(data["dtype"]),
+            heads=None if data["heads"] is None else int(data["heads"]),
+            gpu=data["gpu"],
+            basis=data["basis"],
+            score=float(data["score"]),
+            dense_score=float(data["dense_score"]),
+            breakdown={k: float(v) for k, v in data["breakdown"].items()},
+            runners_up=tuple(Candidate.from_dict(c) for c in data["runners_up"]),
+            search=Search.from_dict(data["search"]),
+        )
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,240 @@
+"""`best(shape, target_sparsity)`: choose window, stride and tiles for a token layout, fastest first.
+
+The search (issue 4):
+1. windows: the user's, kept as is, or the candidates of planner.windows (meeting the target, close to it,
+   shaped like the layout, aligned to KV tiles first);
+2. per window, strides per dimension from {1, 2, 4, 8, ...} and the window itself (capped by
+   `max_stride`) and every tile configuration of the catalog, simulated in bulk with `natsim.sweep`;
+3. scored with the cost model of the GPU at hand (predicted seconds), or without one by tile work;
+4. among the configurations within TIE_TOLERANCE (2%) of the best score the smallest stride product
+   wins: a larger stride gives up translational equivariance, so it must buy more than noise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from natsim import TileConfig, sweep
+from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
+
+from .catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
+from .costmodel import CostModel, cost_model_for, gpu_of
+from .features import feature_matrix, tile_arrays
+from .plan import BASIS_COST_MODEL, BASIS_TILES, Candidate, Plan, Search
+from .windows import candidate_windows, window_sparsity
+
+TIE_TOLERANCE = 0.02
+RUNNERS_UP = 4
+
+COLUMNS = ("attended_pairs", "visited_tiles", "full_tiles", "max_kv_tiles", "num_kv_tiles")
+
+
+def stride_candidates(window: Sequence[int], max_stride: Optional[Sequence[int]] = None) -> list[tuple[int, ...]]:
+    """Strides to score: per dimension the powers of two below the window and the window itself."""
+    per_dim = []
+    for i, w in enumerate(window):
+        cap = w if max_stride is None else min(w, max_stride[i])
+        values = {1 << k for k in range(w.bit_length()) if 1 << k <= cap}
+        if w <= cap:
+            values.add(w)
+        per_dim.append(sorted(values))
+    return list(itertools.product(*per_dim))
+
+
+def choose(scores: np.ndarray, stride_products: np.ndarray, tolerance: float = TIE_TOLERANCE) -> int:
+    """Index of the winner: the smallest stride product among scores within `tolerance` of the best,
+    then the best score among those (then the first)."""
+    scores = np.asarray(scores, np.float64)
+    tied = np.nonzero(scores <= scores.min() * (1.0 + tolerance))[0]
+    order = np.lexsort((scores[tied], np.asarray(stride_products)[tied]))
+    return int(tied[order[0]])
+
+
+def _check_sparsity(target_sparsity: object) -> float:
+    if not isinstance(target_sparsity, numbers.Real) or isinstance(target_sparsity, bool):
+        raise TypeError(f"target_sparsity must be a number, got {target_sparsity=}.")
+    if not 0.0 <= float(target_sparsity) < 1.0:
+        raise ValueError(f"sparsity must lie in [0, 1), got {target_sparsity=}.")
+    return float(target_sparsity)
+
+
+def _check_heads(heads: object) -> Optional[int]:
+    if heads is None:
+        return None
+    if not isinstance(heads, numbers.Integral) or isinstance(heads, bool) or heads < 1:
+        raise ValueError(f"heads must be a positive integer or None, got {heads=}.")
+    return int(heads)
+
+
+class _Scorer:
+    """Scores sweep rows: predicted seconds with a cost model, tile work without."""
+
+    def __init__(self, shape, catalog, cost_model, batch_heads, head_dim, element_bytes):
+        self.tile = tile_arrays(shape, catalog)
+        self.tokens = math.prod(shape)
+        self.cost_model = cost_model
+        self.batch_heads = batch_heads
+        self.head_dim = head_dim
+        self.element_bytes = element_bytes
+
+    def features(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray, permutation: bool) -> np.ndarray:
+        return feature_matrix(
+            full_tiles=full,
+            visited_tiles=visited,
+            q_tokens=self.tile["q_tokens"][tile_index],
+            kv_tokens=self.tile["kv_tokens"][tile_index],
+            q_padded=self.tile["q_padded"][tile_index],
+            kv_padded=self.tile["kv_padded"][tile_index],
+            tokens=self.tokens,
+            batch_heads=self.batch_heads,
+            head_dim=self.head_dim,
+            element_bytes=self.element_bytes,
+            permutation=permutation,
+        )
+
+    def score(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray, permutation: bool = True) -> np.ndarray:
+        if self.cost_model is None:
+            return visited * (self.tile["q_tokens"][tile_index] * self.tile["kv_tokens"][tile_index]).astype(np.float64)
+        return self.cost_model.predict(self.features(tile_index, visited, full, permutation))
+
+
+def _runner_up_rows(rows: dict, scores: np.ndarray, chosen: int) -> list[int]:
+    """Rows worth showing beside the winner, best score first: the best row of every other window
+    (up to RUNNERS_UP) and, unless the winner has stride 1, the best stride-1 row of its window (what
+    neighborhood attention would cost)."""
+    windows = rows["window_index"]
+    picked = []
+    for index in np.unique(windows):
+        if index != windows[chosen]:
+            members = np.nonzero(windows == index)[0]
+            picked.append(int(members[np.argmin(scores[members])]))
+    picked = sorted(picked, key=lambda row: scores[row])[:RUNNERS_UP]
+    unit = (windows == windows[chosen]) & (rows["stride"] == 1).all(axis=1)
+    if unit.any() and not unit[chosen]:
+        members = np.nonzero(unit)[0]
+        picked.append(int(members[np.argmin(scores[members])]))
+    return sorted(picked, key=lambda row: scores[row])
+
+
+def best(
+    shape: IntOrInts,
+    target_sparsity: float,
+    *,
+    heads: Optional[int] = None,
+    head_dim: int = 128,
+    dtype: Union[torch.dtype, str] = torch.bfloat16,
+    causal: BoolOrBools = False,
+    window: Optional[IntOrInts] = None,
+    max_stride: Optional[IntOrInts] = None,
+    device: Union[None, str, torch.device] = None,
+    cost_model: Optional[CostModel] = None,
+) -> Plan:
+    """The fastest GNA configuration of `shape` whose sparsity is at least `target_sparsity`.
+
+    `heads` (batch 1) scales the predicted time (None: one head); `head_dim` and `dtype` select the tile
+    catalog; `causal` applies per dimension; `window` fixes the window (it must meet the target);
+    `max_stride` caps the stride per dimension; `device` picks the GPU whose stored coefficients rank the
+    configurations (None: the current CUDA device), unless `cost_model` is given. Without coefficients the
+    plan ranks by simulated tile work and says so (`plan.basis`, `plan.explain()`).
+
+    >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
+    >>> out = plan(q, k, v)                        # doctest: +SKIP
+    """
+    shape = as_shape(shape)
+    ndim = len(shape)
+    target = _check_sparsity(target_sparsity)
+    heads = _check_heads(heads)
+    head_dim = check_head_dim(head_dim)
+    dtype = as_dtype(dtype)
+    causal = as_bools(causal, ndim, "causal")
+    if max_stride is not None:
+        max_stride = as_ints(max_stride, ndim, "max_stride")
+        if any(s < 1 for s in max_stride):
+            raise ValueError(f"max_stride must be at least 1 along every dimension, got {max_stride=}.")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a natsim.planner.CostModel, got {type(cost_model).__name__}.")
+    gpu = cost_model.gpu if cost_model is not None else gpu_of(device)
+    cost_model = cost_model if cost_model is not None else cost_model_for(gpu)
+
+    catalog = tile_catalog(shape, head_dim)
+    if window is not None:
+        window = Problem(shape, window, causal=causal).window
+        achieved = window_sparsity(shape, window, causal)
+        if achieved < target:
+            raise ValueError(
+                f"window={window} has sparsity {achieved:.6f} on shape={shape}, below {target_sparsity=}."
+            )
+        windows, band = (window,), None
+    else:
+        found = candidate_windows(shape, target, causal, catalog)
+        windows, band = found.windows, found.band
+
+    scorer = _Scorer(shape, catalog, cost_model, heads or 1, head_dim, element_bytes(dtype))
+    parts = []
+    for i, w in enumerate(windows):
+        result = sweep(shape, w, strides=stride_candidates(w, max_stride), causal=causal, tiles=catalog)
+        part = {name: getattr(result, name) for name in COLUMNS}
+        part["stride"] = result.stride
+        part["tile_index"] = result.tile_index
+        part["window_index"] = np.full(len(result), i)
+        parts.append(part)
+    rows = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    n = math.prod(shape)
+    keep = rows["attended_pairs"] <= (1.0 - target) * n * n * (1 + 1e-12)  # causal: stride never lowers it
+    rows = {name: values[keep] for name, values in rows.items()}
+    scores = scorer.score(rows["tile_index"], rows["visited_tiles"], rows["full_tiles"])
+    chosen = choose(scores, rows["stride"].prod(axis=1))
+
+    def candidate(row: int) -> Candidate:
+        tiles = catalog[int(rows["tile_index"][row])]
+        return Candidate(
+            window=windows[int(rows["window_index"][row])],
+            stride=tuple(int(s) for s in rows["stride"][row]),
+            q_tile=tiles.q_tile,
+            kv_tile=tiles.kv_tile,
+            score=float(scores[row]),
+            sparsity=1.0 - float(rows["attended_pairs"][row]) / (n * n),
+            tile_speedup=float(rows["num_kv_tiles"][row] / rows["max_kv_tiles"][row]),
+            block_sparse=bool(rows["full_tiles"][row] == rows["visited_tiles"][row]),
+        )
+
+    winner = candidate(chosen)
+    runners_up = [candidate(row) for row in _runner_up_rows(rows, scores, chosen)]
+
+    problem = Problem(shape, winner.window, winner.stride, causal=causal)
+    tiles = TileConfig(winner.q_tile, winner.kv_tile)
+    dense = sweep(shape, shape, strides=[(1,) * ndim], causal=causal, tiles=catalog)
+    dense_score = float(scorer.score(dense.tile_index, dense.visited_tiles, dense.full_tiles, permutation=False).min())
+    breakdown = {}
+    if cost_model is not None:
+        index = np.array([rows["tile_index"][chosen]])
+        row = scorer.features(index, rows["visited_tiles"][[chosen]], rows["full_tiles"][[chosen]], True)[0]
+        breakdown = cost_model.breakdown(row)
+    return Plan(
+        problem=problem,
+        tiles=tiles,
+        target_sparsity=target,
+        head_dim=head_dim,
+        dtype=dtype_name(dtype),
+        heads=heads,
+        gpu=gpu,
+        basis=BASIS_COST_MODEL if cost_model is not None else BASIS_TILES,
+        score=winner.score,
+        dense_score=dense_score,
+        breakdown=breakdown,
+        runners_up=tuple(runners_up),
+        search=Search(
+            windows=tuple(windows),
+            window_given=band is None,
+            band=band,
+            scored=int(len(scores)),
+            fastest=candidate(int(np.argmin(scores))),
+            tie_tolerance=TIE_TOLERANCE,
+        ),
+    )

@@ -1,0 +1,320 @@
+"""natsim.planner on CPU: candidate windows, the 2% tie rule, plans as JSON, running a plan, bad arguments,
+the tile catalog against the kernel's rules, the cost model's files and the calibration fit."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+
+from natsim import Problem, TileConfig, simulate
+from natsim.dimension import dim_attended_pairs
+from natsim.kernels import gna_attention, reference_attention
+from natsim.kernels.checks import KERNEL_HEAD_DIMS, kernel_tiles
+from natsim.planner import (
+    FEATURES,
+    TILE_TOKENS,
+    CostModel,
+    Plan,
+    best,
+    cost_model_for,
+    features_of,
+    fit_coefficients,
+    tile_catalog,
+)
+from natsim.planner.calibrate import calibration_cases, case_features
+from natsim.planner.costmodel import gpu_file_name
+from natsim.planner.search import choose, stride_candidates
+from natsim.planner.windows import ASPECT_LIMIT, DENSITY_SLACK, attended_pairs_stride1, candidate_windows
+
+# Realistic magnitudes for an H100-class GPU (seconds per unit); used as a stand-in cost model and as the
+# "true" coefficients that the calibration fit must recover.
+COEFFICIENTS = {
+    "full_flops": 1 / 550e12,
+    "masked_flops": 1 / 300e12,
+    "kv_tile_visits": 1e-9,
+    "programs": 1e-8,
+    "permute_bytes": 1 / 2.5e12,
+    "launch": 2e-5,
+}
+TEST_GPU = CostModel("Test GPU", COEFFICIENTS)
+
+
+def render(renderable) -> str:
+    console = Console(record=True, width=140)
+    console.print(renderable)
+    return console.export_text()
+
+
+# -- candidate windows -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [1, 7, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_closed_form_pairs_match_the_simulator(length, causal):
+    windows = np.arange(1, length + 1)
+    expected = [dim_attended_pairs(length, int(w), 1, 1, causal) for w in windows]
+    assert attended_pairs_stride1(length, windows, causal).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "shape, target, causal",
+    [
+        ((30, 48, 80), 0.9, (False, False, False)),
+        ((30, 48, 80), 0.56, (False, False, False)),
+        ((16, 44, 80), 0.9, (True, False, False)),
+        ((256, 256), 0.9, (False, False)),
+        ((32768,), 0.9, (False,)),
+    ],
+)
+def test_candidate_windows_meet_the_target_close_and_shaped_like_the_layout(shape, target, causal):
+    found = candidate_windows(shape, target, causal, tile_catalog(shape))
+    assert found.windows
+    low, high = found.band
+    assert low >= target - 1e-12 and high == pytest.approx(1 - (1 - DENSITY_SLACK) * (1 - low))
+    for window, sparsity in zip(found.windows, found.sparsity):
+        # every stride attends at most what stride 1 does, so stride 1 is the binding case
+        exact = simulate(Problem(shape, window, causal=causal), TileConfig(16, 16)).sparsity
+        assert exact == pytest.approx(sparsity, abs=1e-12)
+        assert target - 1e-12 <= exact <= high + 1e-12
+        coverage = [w / L for w, L in zip(window, shape)]
+        assert max(coverage) / min(coverage) <= ASPECT_LIMIT * 1.1  # these layouts admit spreads below 1.1
+    assert found.kv_alignment == tuple(sorted(found.kv_alignment, reverse=True))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(4, 24), min_size=1, max_size=3).filter(lambda s: math.prod(s) >= 64),
+    target=st.floats(0.0, 0.95),
+    causal=st.booleans(),
+)
+def test_plans_meet_the_target_or_say_it_cannot_be_reached(shape, target, causal):
+    try:
+        plan = best(tuple(shape), target, causal=causal, head_dim=64)
+    except ValueError as error:
+        assert "cannot reach" in str(error) or "too small" in str(error)
+        return
+    assert plan.sparsity >= target - 1e-12
+    assert plan.simulation.sparsity == simulate(plan.problem, plan.tiles).sparsity
+
+
+def test_a_given_window_is_kept_and_max_stride_is_respected():
+    plan = best((30, 48, 80), 0.9, window=(18, 24, 24), max_stride=(2, 8, 8))
+    assert plan.problem.window == (18, 24, 24)
+    assert all(s <= m for s, m in zip(plan.problem.stride, (2, 8, 8)))
+    assert plan.search.window_given and plan.search.windows == ((18, 24, 24),)
+
+
+def test_stride_candidates_are_powers_of_two_and_the_window():
+    assert stride_candidates((18,)) == [(1,), (2,), (4,), (8,), (16,), (18,)]
+    assert stride_candidates((8, 3), max_stride=(4, 8)) == [(1, 1), (1, 2), (1, 3), (2, 1), (2, 2), (2, 3), (4, 1), (4, 2), (4, 3)]
+
+
+# -- the 2% tie rule ---------------------------------------------------------------------------------
+
+
+def test_tie_rule_prefers_the_smallest_stride_product_within_two_percent():
+    scores = np.array([1.000, 1.019, 1.025, 1.010])
+    products = np.array([64, 8, 1, 8])
+    assert choose(scores, products) == 3  # products 8 tie: the better score wins
+    assert choose(np.array([1.000, 1.021]), np.array([64, 1])) == 0  # 2.1% is not a tie
+    assert choose(np.array([1.0, 1.0]), np.array([4, 4])) == 0
+
+
+def test_tie_rule_in_best_gives_up_a_faster_larger_stride():
+    plan = best((64, 64), 0.0, window=(16, 16), heads=4, cost_model=TEST_GPU)
+    fastest = plan.search.fastest
+    assert math.prod(plan.problem.stride) < math.prod(fastest.stride)
+    assert fastest.score < plan.score <= fastest.score * 1.02
+    assert "within 2%" in render(plan.explain())
+
+
+# -- cost model and predictions ----------------------------------------------------------------------
+
+
+def test_plan_with_a_cost_model_predicts_what_the_model_says_for_its_own_features():
+    plan = best((30, 48, 80), 0.9, heads=24, cost_model=TEST_GPU)
+    assert plan.calibrated and plan.basis == "cost model" and plan.gpu == "Test GPU"
+    row = features_of(plan.simulation, batch_heads=24, head_dim=128, element_bytes=2)
+    assert plan.predicted_time_s == pytest.approx(float(TEST_GPU.predict(row)), rel=1e-12)
+    assert sum(plan.breakdown.values()) == pytest.approx(plan.predicted_time_s, rel=1e-12)
+    assert plan.predicted_speedup > 5
+    assert all(c.score >= plan.search.fastest.score for c in plan.runners_up)
+    text = render(plan.explain())
+    assert "Ranked by the cost model fitted on Test GPU" in text and "runners-up" in text
+
+
+def test_without_coefficients_the_plan_ranks_by_tiles_and_says_so():
+    plan = best((30, 48, 80), 0.9, device="cpu")
+    assert not plan.calibrated and plan.basis == "simulated tiles" and plan.predicted_time_s is None
+    assert plan.simulation.block_sparse
+    text = render(plan.explain())
+    assert "No cost-model coefficients" in text and "ranked by simulated tile work alone" in text
+
+
+def test_cost_model_files_round_trip_and_are_found_by_gpu_name(tmp_path):
+    path = TEST_GPU.save(tmp_path / gpu_file_name("NVIDIA H100 80GB HBM3"))
+    assert path.name == "nvidia-h100-80gb-hbm3.json"
+    assert CostModel.load(path) == TEST_GPU
+    assert cost_model_for("NVIDIA H100 80GB HBM3", tmp_path) == TEST_GPU
+    assert cost_model_for("Some Other GPU", tmp_path) is None and cost_model_for(None, tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    "coefficients, message",
+    [
+        ({**COEFFICIENTS, "launch": -1.0}, "non-negative"),
+        ({k: v for k, v in COEFFICIENTS.items() if k != "launch"}, "exactly the features"),
+    ],
+)
+def test_cost_model_rejects_bad_coefficients(coefficients, message):
+    with pytest.raises(ValueError, match=message):
+        CostModel("GPU", coefficients)
+
+
+# -- plans as data and as code -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cost_model", [None, TEST_GPU])
+def test_plans_round_trip_through_json(cost_model):
+    plan = best((16, 44, 80), 0.9, heads=8, causal=(True, False, False), cost_model=cost_model)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.to_dict() == plan.to_dict()
+    assert json.loads(again.to_json())["figures"]["sparsity"] == plan.sparsity
+    assert again.simulation == plan.simulation
+
+
+def test_a_plan_runs_gna_attention_with_exactly_its_settings():
+    torch.manual_seed(0)
+    plan = best((4, 8, 8), 0.5, heads=2, head_dim=32, dtype=torch.float16)
+    q, k, v = (torch.randn((1, 4, 8, 8, 2, 32), dtype=torch.float16) for _ in range(3))
+    p, t = plan.problem, plan.tiles
+    expected = gna_attention(
+        q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=t.q_tile, kv_tile=t.kv_tile
+    )
+    assert torch.equal(plan(q, k, v), expected)
+    assert torch.equal(Plan.from_json(plan.to_json())(q, k, v), expected)
+    reference = reference_attention(q.double(), k.double(), v.double(), p.window, p.stride, p.dilation, p.causal)
+    assert float((expected.double() - reference).norm() / reference.norm()) < 5e-3
+    with pytest.raises(ValueError, match="this plan is for token layout shape=\\(4, 8, 8\\)"):
+        plan(q[:, :2], k[:, :2], v[:, :2])
+
+
+# -- bad arguments -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        (((30, 48, 80), 1.2), {}, ValueError, r"sparsity must lie in \[0, 1\), got target_sparsity=1.2."),
+        (((30, 48, 80), 1.0), {}, ValueError, r"sparsity must lie in \[0, 1\)"),
+        (((30, 48, 80), -0.1), {}, ValueError, r"sparsity must lie in \[0, 1\)"),
+        (((30, 48, 80), "0.9"), {}, TypeError, "target_sparsity must be a number"),
+        (((8, 8), 0.99), {}, ValueError, r"shape=\(8, 8\) cannot reach target_sparsity=0.99"),
+        (((64,), 0.99), {}, ValueError, "cannot reach target_sparsity=0.99"),
+        (((3, 3), 0.5), {}, ValueError, "too small for the planner's tiles"),
+        (((30, 48, 80), 0.9), {"dtype": "fp32"}, ValueError, r"dtype must be one of those the GNA kernel runs \(fp16, bf16\)"),
+        (((30, 48, 80), 0.9), {"dtype": torch.float32}, ValueError, "dtype must be one of"),
+        (((30, 48, 80), 0.9), {"dtype": 3}, TypeError, "dtype must be a torch.dtype or a name"),
+        (((30, 48, 80), 0.9), {"head_dim": 48}, ValueError, "head_dim must be one of"),
+        (((30, 48, 80), 0.9), {"heads": 0}, ValueError, "heads must be a positive integer"),
+        (((30, 48, 80), 0.9), {"window": (30, 48, 80)}, ValueError, r"window=\(30, 48, 80\) has sparsity 0.000000"),
+        (((30, 48, 80), 0.9), {"window": (18, 24)}, ValueError, "window must have one value per dimension"),
+        (((30, 48, 80), 0.9), {"max_stride": 0}, ValueError, "max_stride must be at least 1"),
+        (((30, 48, 80), 0.9), {"cost_model": {"launch": 1}}, TypeError, "cost_model must be a natsim.planner.CostModel"),
+        (((0, 8), 0.5), {}, ValueError, "every dimension of shape must be at least 1"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        best(*args, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="names a CUDA device, but torch sees no CUDA GPU"):
+        best((30, 48, 80), 0.9, device="cuda")
+
+
+# -- the tile catalog --------------------------------------------------------------------------------
+
+
+def test_tile_token_pairs_follow_the_catalog_rule_and_the_kernels_head_dims():
+    assert set(TILE_TOKENS) <= set(KERNEL_HEAD_DIMS)
+    for pairs in TILE_TOKENS.values():
+        assert all(kv in (q, q // 2) for q, kv in pairs)
+
+
+@pytest.mark.parametrize("shape", [(30, 48, 80), (16, 44, 80), (256, 256), (32768,), (8, 8)])
+@pytest.mark.parametrize("head_dim", sorted(TILE_TOKENS))
+def test_every_catalog_tile_is_one_the_kernel_accepts(shape, head_dim):
+    catalog = tile_catalog(shape, head_dim)
+    assert catalog and len(set(catalog)) == len(catalog)
+    problem = Problem(shape, 1)
+    for tiles in catalog:
+        assert kernel_tiles(problem, tiles.q_tile, tiles.kv_tile) == (tiles.q_tile, tiles.kv_tile)
+        assert (tiles.q_tokens, tiles.kv_tokens) in TILE_TOKENS[head_dim]
+
+
+# -- calibration -------------------------------------------------------------------------------------
+
+
+def synthetic_times(features: np.ndarray, coefficients: dict, noise: float, seed: int) -> np.ndarray:
+    exact = features @ np.array([coefficients[name] for name in FEATURES])
+    return exact * (1 + noise * np.random.default_rng(seed).standard_normal(len(exact)))
+
+
+def test_calibration_fit_recovers_known_coefficients():
+    features = case_features(calibration_cases(), torch.bfloat16)
+    fitted = fit_coefficients(features, synthetic_times(features, COEFFICIENTS, 0.0, 0))
+    for name in FEATURES:
+        assert fitted[name] == pytest.approx(COEFFICIENTS[name], rel=1e-6), name
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_calibration_fit_is_stable_under_timing_noise(seed):
+    features = case_features(calibration_cases(), torch.bfloat16)
+    times = synthetic_times(features, COEFFICIENTS, 0.01, seed)
+    fitted = fit_coefficients(features, times)
+    for name in ("full_flops", "masked_flops", "permute_bytes", "launch"):
+        assert fitted[name] == pytest.approx(COEFFICIENTS[name], rel=0.05), name
+    for name in ("kv_tile_visits", "programs"):  # small shares of any case's time: looser
+        assert fitted[name] == pytest.approx(COEFFICIENTS[name], rel=0.5), name
+    model = CostModel("fit", fitted)
+    exact = synthetic_times(features, COEFFICIENTS, 0.0, 0)
+    assert np.max(np.abs(model.predict(features) / exact - 1)) < 0.03
+
+
+def test_calibration_fit_keeps_absent_costs_at_zero():
+    truth = {**COEFFICIENTS, "programs": 0.0, "kv_tile_visits": 0.0}
+    features = case_features(calibration_cases(), torch.bfloat16)
+    fitted = fit_coefficients(features, synthetic_times(features, truth, 0.0, 0))
+    assert all(value >= 0 for value in fitted.values())
+    assert fitted["programs"] == pytest.approx(0.0, abs=1e-15) and fitted["kv_tile_visits"] == pytest.approx(0.0, abs=1e-15)
+    assert fitted["full_flops"] == pytest.approx(truth["full_flops"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "features, times, message",
+    [
+        (np.ones((10, 5)), np.ones(10), "features must be"),
+        (np.ones((10, 6)), np.ones(9), "one time per feature row"),
+        (np.ones((10, 6)), -np.ones(10), "positive and finite"),
+        (np.ones((3, 6)), np.ones(3), "at least as many measurements"),
+    ],
+)
+def test_calibration_fit_rejects_bad_input(features, times, message):
+    with pytest.raises(ValueError, match=message):
+        fit_coefficients(features, times)
+
+
+def test_calibration_cases_run_on_catalog_tiles():
+    for case in calibration_cases():
+        assert case.tiles in tile_catalog(case.problem.shape, case.head_dim)
