@@ -7,9 +7,10 @@ reads a precomputed block list, so its tile counts can be held against natsim's 
 
 Per visited KV tile it decides whether the tile is full (every real query attends every real key: per
 dimension `start(last query) <= first key` and `end(first query) >= last real key + 1`). Full tiles skip the
-window mask; a full tile that reaches into the group's padding masks only its padding keys. When every
-visited tile of a Q tile is full and holds no padding, the program runs a loop with no mask code at all,
-which is what block-sparse configurations and dense attention get.
+window mask (a full tile that reaches into the group's padding masks only its padding keys), so
+block-sparse configurations and dense attention run no mask code. The decision is a branch inside the one
+KV loop: a second, mask-free copy of the loop would double the pipelined shared-memory buffers and no longer
+fit a 128x128x128 tile on an H100.
 
 The online softmax follows the usual flash-attention recurrence in base 2 with fp32 accumulators. Kernels
 always see three dimensions (kernels/layout.py): a 1-D or 2-D problem has leading dimensions of length 1.
@@ -91,12 +92,6 @@ def gna_forward_kernel(
     n1 = hi1 - lo1
     n2 = hi2 - lo2
     num_kv = tl.where(real_tile, (hi0 - lo0) * n1 * n2, 0)
-    # Full tiles are a contiguous run per dimension, so the whole range is full when its ends are.
-    all_full = (sl0 <= lo0 * TK0) & (ef0 >= tl.minimum(hi0 * TK0, len0))
-    all_full &= (sl1 <= lo1 * TK1) & (ef1 >= tl.minimum(hi1 * TK1, len1))
-    all_full &= (sl2 <= lo2 * TK2) & (ef2 >= tl.minimum(hi2 * TK2, len2))
-    no_padding = (hi0 * TK0 <= len0) & (hi1 * TK1 <= len1) & (hi2 * TK2 <= len2)
-
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
@@ -111,57 +106,44 @@ def gna_forward_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     unmasked = num_kv * 0
 
-    if all_full & no_padding:
-        for j in range(0, num_kv):
-            k0 = lo0 + j // (n1 * n2)
-            k1 = lo1 + (j // n2) % n1
-            k2 = lo2 + j % n2
-            offset = ((kv_group + (k0 * NK1 + k1) * NK2 + k2) * BLOCK_N).to(tl.int64)
-            k = tl.load(k_base + offset * stride_kn)
-            qk = tl.dot(q, k) * qk_scale
-            v = tl.load(v_base + offset * stride_vn)
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v)
-        unmasked = num_kv
-    else:
-        # Per-row window bounds (in-group coordinates) and per-column key offsets inside a KV tile.
-        qs0, qe0 = window_bounds(first0 + rows // (TQ1 * TQ2), len0, W0, S0, C0)
-        qs1, qe1 = window_bounds(first1 + (rows // TQ2) % TQ1, len1, W1, S1, C1)
-        qs2, qe2 = window_bounds(first2 + rows % TQ2, len2, W2, S2, C2)
-        c0 = cols // (TK1 * TK2)
-        c1 = (cols // TK2) % TK1
-        c2 = cols % TK2
-        for j in range(0, num_kv):
-            k0 = lo0 + j // (n1 * n2)
-            k1 = lo1 + (j // n2) % n1
-            k2 = lo2 + j % n2
-            offset = ((kv_group + (k0 * NK1 + k1) * NK2 + k2) * BLOCK_N).to(tl.int64)
-            k = tl.load(k_base + offset * stride_kn)
-            qk = tl.dot(q, k) * qk_scale
-            first_key0 = k0 * TK0
-            first_key1 = k1 * TK1
-            first_key2 = k2 * TK2
-            end_key0 = tl.minimum(first_key0 + TK0, len0)
-            end_key1 = tl.minimum(first_key1 + TK1, len1)
-            end_key2 = tl.minimum(first_key2 + TK2, len2)
-            full = (sl0 <= first_key0) & (ef0 >= end_key0)
-            full &= (sl1 <= first_key1) & (ef1 >= end_key1)
-            full &= (sl2 <= first_key2) & (ef2 >= end_key2)
+    # Per-row window bounds (in-group coordinates) and per-column key offsets inside a KV tile.
+    qs0, qe0 = window_bounds(first0 + rows // (TQ1 * TQ2), len0, W0, S0, C0)
+    qs1, qe1 = window_bounds(first1 + (rows // TQ2) % TQ1, len1, W1, S1, C1)
+    qs2, qe2 = window_bounds(first2 + rows % TQ2, len2, W2, S2, C2)
+    c0 = cols // (TK1 * TK2)
+    c1 = (cols // TK2) % TK1
+    c2 = cols % TK2
+    for j in range(0, num_kv):
+        k0 = lo0 + j // (n1 * n2)
+        k1 = lo1 + (j // n2) % n1
+        k2 = lo2 + j % n2
+        offset = ((kv_group + (k0 * NK1 + k1) * NK2 + k2) * BLOCK_N).to(tl.int64)
+        k = tl.load(k_base + offset * stride_kn)
+        v = tl.load(v_base + offset * stride_vn)
+        qk = tl.dot(q, k) * qk_scale
+        first_key0 = k0 * TK0
+        first_key1 = k1 * TK1
+        first_key2 = k2 * TK2
+        full = (sl0 <= first_key0) & (ef0 >= tl.minimum(first_key0 + TK0, len0))
+        full &= (sl1 <= first_key1) & (ef1 >= tl.minimum(first_key1 + TK1, len1))
+        full &= (sl2 <= first_key2) & (ef2 >= tl.minimum(first_key2 + TK2, len2))
+        padded = (first_key0 + TK0 > len0) | (first_key1 + TK1 > len1) | (first_key2 + TK2 > len2)
+        if full:
+            if padded:
+                real_key = (first_key0 + c0 < len0) & (first_key1 + c1 < len1) & (first_key2 + c2 < len2)
+                qk = tl.where(real_key[None, :], qk, float("-inf"))
+        else:
             key0 = first_key0 + c0
             key1 = first_key1 + c1
             key2 = first_key2 + c2
-            real_key = (key0 < len0) & (key1 < len1) & (key2 < len2)
-            if full:
-                if (first_key0 + TK0 > len0) | (first_key1 + TK1 > len1) | (first_key2 + TK2 > len2):
-                    qk = tl.where(real_key[None, :], qk, float("-inf"))
-            else:
-                keep = (key0[None, :] >= qs0[:, None]) & (key0[None, :] < qe0[:, None])
-                keep &= (key1[None, :] >= qs1[:, None]) & (key1[None, :] < qe1[:, None])
-                keep &= (key2[None, :] >= qs2[:, None]) & (key2[None, :] < qe2[:, None])
-                qk = tl.where(keep & real_key[None, :], qk, float("-inf"))
-            v = tl.load(v_base + offset * stride_vn)
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v)
-            if DEBUG:
-                unmasked += tl.where(full, 1, 0)
+            keep = (key0[None, :] >= qs0[:, None]) & (key0[None, :] < qe0[:, None])
+            keep &= (key1[None, :] >= qs1[:, None]) & (key1[None, :] < qe1[:, None])
+            keep &= (key2[None, :] >= qs2[:, None]) & (key2[None, :] < qe2[:, None])
+            keep &= ((key0 < len0) & (key1 < len1) & (key2 < len2))[None, :]
+            qk = tl.where(keep, qk, float("-inf"))
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v)
+        if DEBUG:
+            unmasked += tl.where(full, 1, 0)
 
     # Padding queries (and only they) can end with no key at all: give them zeros, not 0 / 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
