@@ -37,11 +37,18 @@ from .reference import reference_attention
 _warned_cpu = False
 
 
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; an H100 block may use 227 KiB
+
+
 def launch_config(block_m: int, block_n: int, head_dim: int) -> tuple[int, int]:
-    """(num_warps, num_stages) for a tile of `block_m` queries, `block_n` keys and `head_dim`."""
-    if block_m * block_n >= 128 * 128:
-        return 8, 3
-    return 4, 3
+    """(num_warps, num_stages) for a tile of `block_m` queries, `block_n` keys and `head_dim`.
+
+    Three pipeline stages of K and V (16-bit) when they fit beside Q in shared memory, else two.
+    """
+    num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
+    q_bytes, kv_bytes = 2 * block_m * head_dim, 2 * 2 * block_n * head_dim
+    num_stages = 3 if q_bytes + 3 * kv_bytes <= SHARED_MEMORY_BUDGET else 2
+    return num_warps, num_stages
 
 
 def _run_kernel(
