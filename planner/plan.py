@@ -72,14 +72,19 @@ class Candidate:
 @dataclass(frozen=True)
 class Search:
     """How the choice was made: the windows tried, how many configurations were scored, and the
-    best-scored configuration (which the tie rule may have passed over for a smaller stride)."""
+    best-scored configurations, best first (`top[0]` is the best score, which the tie rule may have
+    passed over for a smaller stride); `top` is what a benchmark times to check the cost model."""
 
     windows: tuple[tuple[int, ...], ...]
     window_given: bool
     band: Optional[tuple[float, float]]
     scored: int
-    fastest: Candidate
+    top: tuple[Candidate, ...]
     tie_tolerance: float
+
+    @property
+    def fastest(self) -> Candidate:
+        return self.top[0]
 
     def to_dict(self) -> dict:
         return {
@@ -87,7 +92,7 @@ class Search:
             "window_given": self.window_given,
             "band": None if self.band is None else list(self.band),
             "scored": self.scored,
-            "fastest": self.fastest.to_dict(),
+            "top": [c.to_dict() for c in self.top],
             "tie_tolerance": self.tie_tolerance,
         }
 
@@ -98,7 +103,7 @@ class Search:
             window_given=bool(data["window_given"]),
             band=None if data["band"] is None else (float(data["band"][0]), float(data["band"][1])),
             scored=int(data["scored"]),
-            fastest=Candidate.from_dict(data["fastest"]),
+            top=tuple(Candidate.from_dict(c) for c in data["top"]),
             tie_tolerance=float(data["tie_tolerance"]),
         )
 

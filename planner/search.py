@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -31,6 +32,7 @@ from .windows import candidate_windows, window_sparsity
 
 TIE_TOLERANCE = 0.02
 RUNNERS_UP = 4
+TOP = 20
 
 COLUMNS = ("attended_pairs", "visited_tiles", "full_tiles", "max_kv_tiles", "num_kv_tiles")
 
@@ -122,6 +124,66 @@ def _runner_up_rows(rows: dict, scores: np.ndarray, chosen: int) -> list[int]:
     return sorted(picked, key=lambda row: scores[row])
 
 
+@dataclass(frozen=True)
+class _Request:
+    """The arguments of `best`, normalised and checked once."""
+
+    shape: tuple[int, ...]
+    target: float
+    heads: Optional[int]
+    head_dim: int
+    dtype: torch.dtype
+    causal: tuple[bool, ...]
+    window: Optional[tuple[int, ...]]
+    max_stride: Optional[tuple[int, ...]]
+    gpu: Optional[str]
+    cost_model: Optional[CostModel]
+
+
+def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model) -> _Request:
+    shape = as_shape(shape)
+    ndim = len(shape)
+    target = _check_sparsity(target_sparsity)
+    causal = as_bools(causal, ndim, "causal")
+    if max_stride is not None:
+        max_stride = as_ints(max_stride, ndim, "max_stride")
+        if any(s < 1 for s in max_stride):
+            raise ValueError(f"max_stride must be at least 1 along every dimension, got {max_stride=}.")
+    if window is not None:
+        window = Problem(shape, window, causal=causal).window
+        achieved = window_sparsity(shape, window, causal)
+        if achieved < target:
+            raise ValueError(f"window={window} has sparsity {achieved:.6f} on shape={shape}, below {target_sparsity=}.")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a natsim.planner.CostModel, got {type(cost_model).__name__}.")
+    gpu = cost_model.gpu if cost_model is not None else gpu_of(device)
+    return _Request(
+        shape=shape,
+        target=target,
+        heads=_check_heads(heads),
+        head_dim=check_head_dim(head_dim),
+        dtype=as_dtype(dtype),
+        causal=causal,
+        window=window,
+        max_stride=max_stride,
+        gpu=gpu,
+        cost_model=cost_model if cost_model is not None else cost_model_for(gpu),
+    )
+
+
+def _sweep_windows(request: _Request, windows, catalog: list[TileConfig]) -> dict[str, np.ndarray]:
+    """Simulated counts of every (window, stride, tile) row, as columns; `window_index` names the window."""
+    parts = []
+    for i, w in enumerate(windows):
+        result = sweep(
+            request.shape, w, strides=stride_candidates(w, request.max_stride), causal=request.causal, tiles=catalog
+        )
+        part = {name: getattr(result, name) for name in COLUMNS}
+        part.update(stride=result.stride, tile_index=result.tile_index, window_index=np.full(len(result), i))
+        parts.append(part)
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
 def best(
     shape: IntOrInts,
     target_sparsity: float,
@@ -146,50 +208,20 @@ def best(
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
     """
-    shape = as_shape(shape)
-    ndim = len(shape)
-    target = _check_sparsity(target_sparsity)
-    heads = _check_heads(heads)
-    head_dim = check_head_dim(head_dim)
-    dtype = as_dtype(dtype)
-    causal = as_bools(causal, ndim, "causal")
-    if max_stride is not None:
-        max_stride = as_ints(max_stride, ndim, "max_stride")
-        if any(s < 1 for s in max_stride):
-            raise ValueError(f"max_stride must be at least 1 along every dimension, got {max_stride=}.")
-    if cost_model is not None and not isinstance(cost_model, CostModel):
-        raise TypeError(f"cost_model must be a natsim.planner.CostModel, got {type(cost_model).__name__}.")
-    gpu = cost_model.gpu if cost_model is not None else gpu_of(device)
-    cost_model = cost_model if cost_model is not None else cost_model_for(gpu)
-
-    catalog = tile_catalog(shape, head_dim)
-    if window is not None:
-        window = Problem(shape, window, causal=causal).window
-        achieved = window_sparsity(shape, window, causal)
-        if achieved < target:
-            raise ValueError(
-                f"window={window} has sparsity {achieved:.6f} on shape={shape}, below {target_sparsity=}."
-            )
-        windows, band = (window,), None
+    r = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model)
+    catalog = tile_catalog(r.shape, r.head_dim)
+    if r.window is not None:
+        windows, band = (r.window,), None
     else:
-        found = candidate_windows(shape, target, causal, catalog)
+        found = candidate_windows(r.shape, r.target, r.causal, catalog)
         windows, band = found.windows, found.band
 
-    scorer = _Scorer(shape, catalog, cost_model, heads or 1, head_dim, element_bytes(dtype))
-    parts = []
-    for i, w in enumerate(windows):
-        result = sweep(shape, w, strides=stride_candidates(w, max_stride), causal=causal, tiles=catalog)
-        part = {name: getattr(result, name) for name in COLUMNS}
-        part["stride"] = result.stride
-        part["tile_index"] = result.tile_index
-        part["window_index"] = np.full(len(result), i)
-        parts.append(part)
-    rows = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
-    n = math.prod(shape)
-    keep = rows["attended_pairs"] <= (1.0 - target) * n * n * (1 + 1e-12)  # causal: stride never lowers it
-    rows = {name: values[keep] for name, values in rows.items()}
+    # Every row meets the target: a window admissible at stride 1 attends no more keys at larger strides.
+    rows = _sweep_windows(r, windows, catalog)
+    scorer = _Scorer(r.shape, catalog, r.cost_model, r.heads or 1, r.head_dim, element_bytes(r.dtype))
     scores = scorer.score(rows["tile_index"], rows["visited_tiles"], rows["full_tiles"])
     chosen = choose(scores, rows["stride"].prod(axis=1))
+    n = math.prod(r.shape)
 
     def candidate(row: int) -> Candidate:
         tiles = catalog[int(rows["tile_index"][row])]
@@ -205,36 +237,32 @@ def best(
         )
 
     winner = candidate(chosen)
-    runners_up = [candidate(row) for row in _runner_up_rows(rows, scores, chosen)]
-
-    problem = Problem(shape, winner.window, winner.stride, causal=causal)
-    tiles = TileConfig(winner.q_tile, winner.kv_tile)
-    dense = sweep(shape, shape, strides=[(1,) * ndim], causal=causal, tiles=catalog)
-    dense_score = float(scorer.score(dense.tile_index, dense.visited_tiles, dense.full_tiles, permutation=False).min())
+    dense = sweep(r.shape, r.shape, strides=[(1,) * len(r.shape)], causal=r.causal, tiles=catalog)
     breakdown = {}
-    if cost_model is not None:
-        index = np.array([rows["tile_index"][chosen]])
-        row = scorer.features(index, rows["visited_tiles"][[chosen]], rows["full_tiles"][[chosen]], True)[0]
-        breakdown = cost_model.breakdown(row)
+    if r.cost_model is not None:
+        picked = [chosen]
+        breakdown = r.cost_model.breakdown(
+            scorer.features(rows["tile_index"][picked], rows["visited_tiles"][picked], rows["full_tiles"][picked], True)[0]
+        )
     return Plan(
-        problem=problem,
-        tiles=tiles,
-        target_sparsity=target,
-        head_dim=head_dim,
-        dtype=dtype_name(dtype),
-        heads=heads,
-        gpu=gpu,
-        basis=BASIS_COST_MODEL if cost_model is not None else BASIS_TILES,
+        problem=Problem(r.shape, winner.window, winner.stride, causal=r.causal),
+        tiles=TileConfig(winner.q_tile, winner.kv_tile),
+        target_sparsity=r.target,
+        head_dim=r.head_dim,
+        dtype=dtype_name(r.dtype),
+        heads=r.heads,
+        gpu=r.gpu,
+        basis=BASIS_COST_MODEL if r.cost_model is not None else BASIS_TILES,
         score=winner.score,
-        dense_score=dense_score,
+        dense_score=float(scorer.score(dense.tile_index, dense.visited_tiles, dense.full_tiles, permutation=False).min()),
         breakdown=breakdown,
-        runners_up=tuple(runners_up),
+        runners_up=tuple(candidate(row) for row in _runner_up_rows(rows, scores, chosen)),
         search=Search(
             windows=tuple(windows),
             window_given=band is None,
             band=band,
             scored=int(len(scores)),
-            fastest=candidate(int(np.argmin(scores))),
+            top=tuple(candidate(int(row)) for row in np.argsort(scores, kind="stable")[:TOP]),
             tie_tolerance=TIE_TOLERANCE,
         ),
     )

@@ -318,3 +318,27 @@ def test_calibration_fit_rejects_bad_input(features, times, message):
 def test_calibration_cases_run_on_catalog_tiles():
     for case in calibration_cases():
         assert case.tiles in tile_catalog(case.problem.shape, case.head_dim)
+
+
+def test_calibrate_times_every_case_and_fits_them(monkeypatch):
+    """The calibration flow with the GPU timing replaced by times from known coefficients."""
+    from natsim.planner import calibrate as calibration
+
+    truth = np.array([COEFFICIENTS[name] for name in FEATURES])
+    timed = []
+
+    def fake_time(case, dtype, device):
+        timed.append(case)
+        return float(case_features([case], dtype)[0] @ truth)
+
+    monkeypatch.setattr(calibration, "gpu_of", lambda device: "Fake GPU")
+    monkeypatch.setattr(calibration, "time_case", fake_time)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    progress = []
+    result = calibration.calibrate(dtype="fp16", progress=lambda done, total: progress.append((done, total)))
+    assert timed == calibration_cases() and progress[-1] == (len(timed), len(timed))
+    assert result.model.gpu == "Fake GPU" and result.model.info["dtype"] == "fp16"
+    for name in FEATURES:
+        assert result.model.coefficients[name] == pytest.approx(COEFFICIENTS[name], rel=1e-6)
+    assert result.model.info["max_abs_relative_error"] < 1e-9
+    assert calibration.default_path("Fake GPU").name == "fake-gpu.json"

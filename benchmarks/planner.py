@@ -1,0 +1,190 @@
+"""The planner, measured: how long `best` takes on the CPU, and (with --gpu) how good its picks are.
+
+    python benchmarks/planner.py benchmarks/results          # CPU: planning time
+    python benchmarks/planner.py benchmarks/results --gpu    # also: time the top candidates on the GPU
+
+CPU (issue 4: under 1 s for 3-D layouts up to 30x48x80): per case, a cold call (simulator caches cleared
+first, as in a fresh process after import) and the median of warm calls, with the plan's choice.
+Writes planner.json.
+
+GPU (issue 4's evidence): per case (HunyuanVideo-like 30x48x80 and 16x44x80 at sparsity 0.56 and 0.9,
+FLUX-like 256x256 at 0.9; 24 heads, head_dim 128, bf16), the plan's pick and its top-20 scored
+candidates are timed with `gna_attention` (permutation included); reported: whether the pick is within
+5% of the fastest measured, and the median |predicted - measured| / measured when the GPU has a cost
+model. Writes planner_gpu.json. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import rich.console
+import torch
+from rich.table import Table
+
+import natsim
+from natsim.dimension import dim_attended_pairs, dim_tiles
+from natsim.planner import Candidate, best
+from natsim.planner.calibrate import Case, time_case
+
+CASES = (
+    ((30, 48, 80), 0.9),
+    ((30, 48, 80), 0.56),
+    ((16, 44, 80), 0.9),
+    ((16, 44, 80), 0.56),
+    ((32, 32, 32), 0.9),
+    ((256, 256), 0.9),
+    ((32768,), 0.9),
+)
+WARM_CALLS = 5
+GPU_CASES = (((30, 48, 80), 0.56), ((30, 48, 80), 0.9), ((16, 44, 80), 0.56), ((16, 44, 80), 0.9), ((256, 256), 0.9))
+GPU_HEADS, GPU_HEAD_DIM = 24, 128
+
+
+def fmt(values) -> str:
+    return "x".join(str(v) for v in values)
+
+
+def measure(shape, sparsity) -> dict:
+    dim_tiles.cache_clear()
+    dim_attended_pairs.cache_clear()
+    start = time.perf_counter()
+    plan = best(shape, sparsity, heads=24, device="cpu")
+    cold = time.perf_counter() - start
+    warm = []
+    for _ in range(WARM_CALLS):
+        start = time.perf_counter()
+        again = best(shape, sparsity, heads=24, device="cpu")
+        warm.append(time.perf_counter() - start)
+    assert again == plan, "best() must be deterministic"
+    assert plan.sparsity >= sparsity
+    return {
+        "shape": list(shape),
+        "target_sparsity": sparsity,
+        "cold_s": cold,
+        "warm_median_s": statistics.median(warm),
+        "configurations_scored": plan.search.scored,
+        "window": list(plan.problem.window),
+        "stride": list(plan.problem.stride),
+        "q_tile": list(plan.tiles.q_tile),
+        "kv_tile": list(plan.tiles.kv_tile),
+        "sparsity": plan.sparsity,
+        "tile_speedup": plan.tile_speedup,
+        "block_sparse": plan.simulation.block_sparse,
+        "basis": plan.basis,
+    }
+
+
+def measure_gpu(shape, sparsity) -> dict:
+    """Time the plan's top candidates on the current CUDA device."""
+    plan = best(shape, sparsity, heads=GPU_HEADS, head_dim=GPU_HEAD_DIM, dtype=torch.bfloat16)
+    device = torch.device("cuda", torch.cuda.current_device())
+    pick = (plan.problem.window, plan.problem.stride, plan.tiles.q_tile, plan.tiles.kv_tile)
+    timed = list(plan.search.top)
+    if all((c.window, c.stride, c.q_tile, c.kv_tile) != pick for c in timed):
+        timed.append(Candidate(*pick, plan.score, plan.sparsity, plan.tile_speedup, plan.simulation.block_sparse))
+    candidates, chosen = [], None
+    for c in timed:
+        tiles = natsim.TileConfig(c.q_tile, c.kv_tile)
+        case = Case(natsim.Problem(shape, c.window, c.stride), tiles, GPU_HEADS, GPU_HEAD_DIM)
+        candidates.append({**c.to_dict(), "measured_s": time_case(case, torch.bfloat16, device)})
+        if (c.window, c.stride, c.q_tile, c.kv_tile) == pick:
+            chosen = candidates[-1]
+    fastest = min(c["measured_s"] for c in candidates)
+    errors = [abs(c["score"] - c["measured_s"]) / c["measured_s"] for c in candidates] if plan.calibrated else []
+    return {
+        "shape": list(shape),
+        "target_sparsity": sparsity,
+        "basis": plan.basis,
+        "gpu": plan.gpu,
+        "pick_measured_s": chosen["measured_s"],
+        "fastest_measured_s": fastest,
+        "pick_within_5_percent": chosen["measured_s"] <= 1.05 * fastest,
+        "median_abs_prediction_error": statistics.median(errors) if errors else None,
+        "candidates": candidates,
+    }
+
+
+def gpu_table(rows) -> Table:
+    table = Table(title=f"planner picks timed on {torch.cuda.get_device_name()} ({rows[0]['basis']})")
+    for name in ("shape", "sparsity", "pick ms", "fastest ms", "pick within 5%", "median |pred err|"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        error = r["median_abs_prediction_error"]
+        table.add_row(
+            fmt(r["shape"]),
+            f"{r['target_sparsity']:g}",
+            f"{r['pick_measured_s'] * 1e3:.2f}",
+            f"{r['fastest_measured_s'] * 1e3:.2f}",
+            "yes" if r["pick_within_5_percent"] else "NO",
+            "-" if error is None else f"{error:.1%}",
+        )
+    return table
+
+
+def machine() -> dict:
+    return {
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "natsim": natsim.__version__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="folder for planner.json (and planner_gpu.json)")
+    parser.add_argument("--gpu", action="store_true", help="also time the top candidates on the CUDA GPU")
+    args = parser.parse_args()
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu needs a CUDA GPU (torch.cuda.is_available() is False).")
+    args.out.mkdir(parents=True, exist_ok=True)
+    best((8, 8), 0.5, device="cpu")  # first use: numpy and the package's own imports
+    rows = [measure(shape, sparsity) for shape, sparsity in CASES]
+    record = {"benchmark": "planner.best on CPU", "date": datetime.date.today().isoformat(), "machine": machine(), "results": rows}
+    (args.out / "planner.json").write_text(json.dumps(record, indent=2) + "\n")
+    console = rich.console.Console(width=150)
+    if args.gpu:
+        gpu_rows = [measure_gpu(shape, sparsity) for shape, sparsity in GPU_CASES]
+        gpu_record = {
+            "benchmark": "planner picks timed on the GPU",
+            "date": datetime.date.today().isoformat(),
+            "machine": machine(),
+            "triton": __import__("triton").__version__,
+            "results": gpu_rows,
+        }
+        (args.out / "planner_gpu.json").write_text(json.dumps(gpu_record, indent=2) + "\n")
+
+    table = Table(title=f"natsim.planner.best on {os.cpu_count()} CPUs (written to {args.out / 'planner.json'})")
+    for name in ("shape", "sparsity", "cold s", "warm s", "scored", "window", "stride", "Q / KV tile", "tile speedup"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(
+            fmt(r["shape"]),
+            f"{r['target_sparsity']:g} -> {r['sparsity']:.4f}",
+            f"{r['cold_s']:.3f}",
+            f"{r['warm_median_s']:.3f}",
+            f"{r['configurations_scored']:,}",
+            fmt(r["window"]),
+            fmt(r["stride"]),
+            f"{fmt(r['q_tile'])} / {fmt(r['kv_tile'])}",
+            f"{r['tile_speedup']:.2f}x" + (" (block-sparse)" if r["block_sparse"] else ""),
+        )
+    console.print(table)
+    if args.gpu:
+        console.print(gpu_table(gpu_rows))
+
+
+if __name__ == "__main__":
+    main()
