@@ -135,6 +135,7 @@ def run_case(family, shape, window, stride, tile, with_flex, dense_ms):
 
             t0 = time.time()
             block_mask = flex_block_mask(problem, tile, qp.shape[1])
+            torch._dynamo.config.recompile_limit = 64  # one compile per case; past the limit flex runs eagerly
             flex = torch.compile(flex_attention, dynamic=False)
             fq, fk, fv = (t.transpose(1, 2).contiguous() for t in (qp, kp, vp))
             fo = flex(fq, fk, fv, block_mask=block_mask)
