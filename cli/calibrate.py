@@ -57,8 +57,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Time a fixed set of GNA configurations on this GPU and fit the planner's cost model to them.
 
-        Needs a CUDA GPU; takes a few minutes. The coefficients are written where `natsim plan` and
-        `natsim.planner.best` find them for this GPU (or to --output).
+        Needs a CUDA GPU; takes a few minutes. The coefficients are written where `natsim plan` and `natsim.planner.best` find them for this GPU (or to --output).
 
         Example: natsim calibrate --dtype bf16
         """

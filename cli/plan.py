@@ -55,10 +55,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Choose the fastest GNA configuration of a layout that is at least as sparse as asked.
 
-        Candidate windows meet the target, stay close to it and are shaped like the layout; strides and
-        tiles are scored with the simulator and the cost model of the GPU at hand (without one, by
-        simulated tile work, and the report says so). Among configurations within 2% of the best, the
-        smallest stride product wins.
+        Candidate windows meet the target, stay close to it and are shaped like the layout; strides and tiles are scored with the simulator and the cost model of the GPU at hand (without one, by simulated tile work, and the report says so). Among configurations within 2% of the best, the smallest stride product wins. With --attention-share (and --steps, --dense-steps) it also estimates the end-to-end speedup.
 
         Example: natsim plan --shape 30x48x80 --sparsity 0.9 --heads 24 --attention-share 0.8 --steps 50 --dense-steps 15
         """

@@ -61,7 +61,7 @@ class Case:
 
 
 def calibration_cases() -> list[Case]:
-    """The configurations `natsim calibrate` times (about 50; a few minutes on an H100)."""
+    """The configurations `natsim calibrate` times (a few dozen; minutes on an H100, most of it compiling)."""
     cases = []
     for shape, window, stride, causal, heads, head_dims in LAYOUTS:
         problem = Problem(shape, window, stride, causal=causal)

@@ -88,7 +88,10 @@ def gpu_of(device: Union[None, str, torch.device]) -> Optional[str]:
         if not torch.cuda.is_available():
             return None
         device = torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must name a torch device like 'cuda:0' or 'cpu', got {device=}.") from None
     if device.type != "cuda":
         return None
     if not torch.cuda.is_available():

@@ -23,7 +23,7 @@ def _product(values) -> int:
 
 def _score(plan: "Plan", value: float) -> str:
     if plan.calibrated:
-        return f"{value * 1e3:.3f} ms"
+        return f"{value * 1e3:.4g} ms"
     return f"{value:.4g} pairs"
 
 
@@ -46,7 +46,7 @@ def _choice_table(plan: "Plan") -> Table:
     if any(problem.causal):
         rows.insert(2, ("causal", _dims(problem.causal)))
     if plan.calibrated:
-        rows.append(("predicted time", f"{plan.predicted_time_s * 1e3:.3f} ms on {plan.gpu}"))
+        rows.append(("predicted time", f"{plan.predicted_time_s * 1e3:.4g} ms on {plan.gpu}"))
         rows.append(("predicted speedup over dense", f"{plan.predicted_speedup:.2f}x"))
     else:
         rows.append(("predicted time", "none (no cost model)"))
@@ -136,7 +136,7 @@ def _breakdown(plan: "Plan") -> Table:
     table.add_column("feature")
     table.add_column("ms", justify="right")
     for name, seconds in plan.breakdown.items():
-        table.add_row(name, f"{seconds * 1e3:.3f}")
+        table.add_row(name, f"{seconds * 1e3:.4g}")
     return table
 
 

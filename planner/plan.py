@@ -8,14 +8,19 @@ exactly its settings.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Optional
+
+import torch
+from rich.console import Group
 
 from natsim import Problem, SimResult, TileConfig, simulate
 from natsim.kernels import gna_attention
 from natsim.simulate import FIGURES
 
 from .catalog import as_dtype
+from .explain import explain_plan
 
 FORMAT = "natsim-plan/1"
 BASIS_COST_MODEL = "cost model"
@@ -131,11 +136,11 @@ class Plan:
     breakdown: Mapping[str, float]
     runners_up: tuple[Candidate, ...]
     search: Search
-    simulation: SimResult = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
 
-    def __post_init__(self) -> None:
-        if self.simulation is None:
-            object.__setattr__(self, "simulation", simulate(self.problem, self.tiles))
+    @cached_property
+    def simulation(self) -> SimResult:
+        """Every simulated figure of the chosen configuration (natsim.simulate)."""
+        return simulate(self.problem, self.tiles)
 
     # -- what was predicted ------------------------------------------------------------------------
 
@@ -156,7 +161,7 @@ class Plan:
         return self.dense_score / self.score
 
     @property
-    def torch_dtype(self):
+    def torch_dtype(self) -> torch.dtype:
         """The dtype the plan was made for, as a torch dtype (q, k, v should have it)."""
         return as_dtype(self.dtype)
 
@@ -181,22 +186,22 @@ class Plan:
             "kv_tile": self.tiles.kv_tile,
         }
 
-    def __call__(self, q, k, v, *, scale: Optional[float] = None, return_lse: bool = False):
-        """GNA of `[B, *shape, heads, head_dim]` tensors with this plan's window, stride and tiles."""
-        spatial = tuple(q.shape[1:-2]) if hasattr(q, "shape") else None
-        if spatial != self.problem.shape:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None, return_lse: bool = False
+    ):
+        """GNA of `[B, *shape, heads, head_dim]` tensors with this plan's window, stride and tiles
+        (returns what `gna_attention` returns: the output, and with `return_lse` its log-sum-exp)."""
+        if isinstance(q, torch.Tensor) and tuple(q.shape[1:-2]) != self.problem.shape:
             raise ValueError(
-                f"this plan is for token layout shape={self.problem.shape}, got q with spatial shape {spatial} "
-                "(q must be [batch, *shape, heads, head_dim])."
+                f"this plan is for token layout shape={self.problem.shape}, got q with spatial shape "
+                f"{tuple(q.shape[1:-2])} (q must be [batch, *shape, heads, head_dim])."
             )
         return gna_attention(q, k, v, scale=scale, return_lse=return_lse, **self.kernel_arguments())
 
     # -- reporting and storage ---------------------------------------------------------------------
 
-    def explain(self):
+    def explain(self) -> Group:
         """A rich renderable report: the choice, the runners-up, and why (print it with rich.print)."""
-        from .explain import explain_plan
-
         return explain_plan(self)
 
     def to_dict(self) -> dict:

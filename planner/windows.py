@@ -48,7 +48,6 @@ class WindowCandidates:
     sparsity: tuple[float, ...]
     kv_alignment: tuple[int, ...]
     band: tuple[float, float]
-    in_band: int
 
 
 def _grid(shape: Sequence[int], causal: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
@@ -97,7 +96,6 @@ def candidate_windows(
         sparsity=tuple(float(1.0 - density[rows[i]]) for i in order),
         kv_alignment=tuple(int(aligned[i]) for i in order),
         band=(float(1.0 - densest), float(1.0 - (1.0 - DENSITY_SLACK) * densest)),
-        in_band=int(len(rows)),
     )
 
 

@@ -230,6 +230,7 @@ def test_a_plan_runs_gna_attention_with_exactly_its_settings():
         (((30, 48, 80), 0.9), {"max_stride": 0}, ValueError, "max_stride must be at least 1"),
         (((30, 48, 80), 0.9), {"cost_model": {"launch": 1}}, TypeError, "cost_model must be a natsim.planner.CostModel"),
         (((0, 8), 0.5), {}, ValueError, "every dimension of shape must be at least 1"),
+        (((30, 48, 80), 0.9), {"device": "tpu-ish"}, ValueError, "device must name a torch device"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(args, kwargs, error, message):
