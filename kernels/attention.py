@@ -11,16 +11,19 @@ On CPU tensors (without TRITON_INTERPRET=1) `gna_attention` runs `reference_atte
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
+import triton
 
 from natsim import Problem
+from natsim.window import group_length, window_bounds
 
-from .backend import use_triton
+from .backend import interpreting, use_triton
 from .checks import (
     BoolOrBools,
     IntOrInts,
@@ -40,15 +43,73 @@ _warned_cpu = False
 SHARED_MEMORY_BUDGET = 227 * 1024  # bytes: what one H100 thread block may use
 
 
-def launch_config(block_m: int, block_n: int, head_dim: int) -> tuple[int, int]:
-    """(num_warps, num_stages) for a tile of `block_m` queries, `block_n` keys and `head_dim`.
+@functools.lru_cache(maxsize=256)
+def needs_mask(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> bool:
+    """Whether any KV tile the kernel visits can be partial (window mask) or reach into group padding.
 
-    Three pipeline stages of K and V (16-bit) when they fit beside Q in shared memory, else two.
+    The kernel's visited tiles per Q tile are a box, one KV tile range per dimension, and a tile is full when
+    it is full along every dimension, so checking every dimension on its own is exact: this mirrors the
+    kernel's `_dim_setup` and its `full` test for each dilation group length and Q tile along the dimension.
+    False for dense attention and block-sparse configurations; the kernel then compiles no mask code.
     """
-    num_warps = 8 if block_m * head_dim >= 128 * 128 else 4
+    for L, w, s, d, c, tq, tk in zip(problem.shape, problem.window, problem.stride, problem.dilation,
+                                     problem.causal, q_tile, kv_tile):
+        for length in {group_length(L, d, g) for g in range(d)}:
+            if length % tk:
+                return True  # the last KV tile of the group holds padding keys
+            for first in range(0, length, tq):
+                last = min(first + tq, length) - 1
+                start_first, end_first = window_bounds(first, length, w, s, c)
+                start_last, end_last = window_bounds(last, length, w, s, c)
+                for tile in range(int(start_first) // tk, (int(end_last) + tk - 1) // tk):
+                    if not (start_last <= tile * tk and end_first >= tile * tk + tk):
+                        return True
+    return False
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need Hopper or newer (or the interpreter) and 16-byte aligned bases and strides."""
+    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    size = tensors[0].element_size()
+    return all(t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+def _ensure_allocator() -> None:
+    """In-kernel tensor descriptors need a scratch allocator; install a torch one unless the caller has one."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+    except ImportError:  # pragma: no cover - layout of triton's internals changed
+        return
+    if isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_torch_allocator)
+
+
+def _torch_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
+
+
+def launch_config(
+    block_m: int, block_n: int, head_dim: int, masked: bool = True, tma: bool = False, specialize: bool = True
+) -> dict:
+    """Launch options for a tile of `block_m` queries, `block_n` keys and `head_dim` (see kernels/gna.py).
+
+    A 128x128 tile without masks, with tensor descriptors, runs warp-specialized: `num_warps=4` asks for one
+    consumer warpgroup per 64 query rows (Triton's Hopper pass makes two of them and adds a producer
+    warpgroup for the K/V copies, 12 warps in all) and two K/V stages fill shared memory. Otherwise 8 warps
+    (4 for smaller tiles) and three pipeline stages when they fit in shared memory (measured faster than two
+    at 128x128x128 on the H100, benchmarks/results/gna-tune-*.json).
+
+    `specialize=False` keeps the single-partition loop: the launcher asks for it when the kernel writes the
+    LSE or debug counts. Under Triton 3.6's Hopper warp specialization the LSE came out wrong (off by more
+    than 1e-2 against float64 at HunyuanVideo 16x8x8) while the output was right (H100, 2026-11-22).
+    """
     q_bytes, kv_bytes = 2 * block_m * head_dim, 2 * 2 * block_n * head_dim
-    num_stages = 3 if q_bytes + 3 * kv_bytes <= SHARED_MEMORY_BUDGET else 2
-    return num_warps, num_stages
+    large = block_m * head_dim >= 128 * 128
+    if specialize and tma and not masked and large and block_m == 128 and block_n == 128:
+        return dict(num_warps=4, num_stages=2, MASKED=False, USE_TMA=True, WARP_SPECIALIZE=True)
+    stages = 3 if q_bytes + 3 * kv_bytes <= SHARED_MEMORY_BUDGET else 2
+    return dict(num_warps=8 if large else 4, num_stages=stages, MASKED=masked, USE_TMA=tma, WARP_SPECIALIZE=False)
 
 
 def _run_kernel(
@@ -61,7 +122,8 @@ def _run_kernel(
     scale: float,
     return_lse: bool,
     debug: bool,
-    config: Optional[tuple[int, int]],
+    config: Union[tuple[int, int], dict, None],
+    options: Optional[dict] = None,
 ):
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
@@ -76,8 +138,21 @@ def _run_kernel(
     out = torch.empty_like(q)
     lse = torch.empty((batch, q.shape[1], heads), dtype=torch.float32, device=q.device) if return_lse else out
     counts = torch.zeros((q_layout.num_tiles, 2), dtype=torch.int32, device=q.device) if debug else out
-    num_warps, num_stages = config or launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim)
-    grid = (q_layout.num_tiles, batch * heads)
+    masked = needs_mask(problem, q_tile, kv_tile)
+    launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim, masked, _tma_ok(q, k, v, out),
+                           specialize=not (return_lse or debug))
+    if isinstance(config, dict):
+        options = {**config, **(options or {})}
+    elif config is not None:
+        launch.update(num_warps=config[0], num_stages=config[1], WARP_SPECIALIZE=False)
+    launch.update(options or {})
+    if masked and not launch["MASKED"]:
+        raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
+                         "the kernel needs MASKED=True.")
+    if launch["USE_TMA"]:
+        _ensure_allocator()
+    head_major = launch.pop("HEAD_MAJOR", False)
+    grid = (batch * heads, q_layout.num_tiles) if head_major else (q_layout.num_tiles, batch * heads)
     gna_forward_kernel[grid](
         q, k, v, out, lse, counts,
         q.stride(0), q.stride(1), q.stride(2),
@@ -89,8 +164,8 @@ def _run_kernel(
         *q_layout.tiles_per_group, *kv_layout.tiles_per_group,
         *as_3d(problem.causal, False),
         *q_layout.tile, *kv_layout.tile,
-        HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug,
-        num_warps=num_warps, num_stages=num_stages,
+        HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug, HEAD_MAJOR=head_major,
+        **launch,
     )
     return out, (lse if return_lse else None), (counts if debug else None)
 
@@ -104,11 +179,13 @@ def gna_attention_permuted(
     kv_tile: Optional[IntOrInts] = None,
     scale: Optional[float] = None,
     return_lse: bool = False,
-    config: Optional[tuple[int, int]] = None,
+    config: Union[tuple[int, int], dict, None] = None,
 ):
     """GNA on permuted `[B, tokens, heads, head_dim]` tensors; output (and `[B, tokens, heads]` LSE) permuted.
 
-    `config=(num_warps, num_stages)` overrides the launch configuration (for tuning).
+    `config=(num_warps, num_stages)` overrides the launch configuration (for tuning; no warp specialization);
+    a dict overrides any of `launch_config`'s options (`num_warps`, `num_stages`, `USE_TMA`, `WARP_SPECIALIZE`,
+    `MASKED`, which may only be forced on) and `HEAD_MAJOR` (grid over (batch * heads, Q tiles)).
     """
     if not isinstance(problem, Problem):
         raise TypeError(f"problem must be a natsim.Problem, got {type(problem).__name__}.")

@@ -5,15 +5,39 @@ One program handles one Q tile of one (batch, head). It finds its own KV tiles f
 `ceil(end(last query) / T_KV) - 1`, where first/last are the tile's first and last real queries. It never
 reads a precomputed block list, so its tile counts can be held against natsim's simulator.
 
-Per visited KV tile it decides whether the tile is full (every real query attends every real key: per
-dimension `start(last query) <= first key` and `end(first query) >= last real key + 1`). Full tiles skip the
-window mask (a full tile that reaches into the group's padding masks only its padding keys), so
-block-sparse configurations and dense attention run no mask code. The decision is a branch inside the one
-KV loop: a second, mask-free copy of the loop would double the pipelined shared-memory buffers and no longer
-fit a 128x128x128 tile on an H100.
+A visited KV tile is full when every real query attends every real key (per dimension `start(last query) <=
+first key` and `end(first query) >= last real key + 1`). Per dimension the full tiles without padding keys
+are one run of the visited range, so the full tiles form a box inside the visited box, and the kernel runs
+two KV loops:
 
-The online softmax follows the usual flash-attention recurrence in base 2 with fp32 accumulators. Kernels
-always see three dimensions (kernels/layout.py): a 1-D or 2-D problem has leading dimensions of length 1.
+1. over that full box, with no mask code at all;
+2. over the rest of the visited box (six slabs: below / above the full run along dimension 0, then inside it
+   along dimension 1, then along dimension 2), each tile under the element mask. Windows end inside their
+   group, so the window test (one unsigned compare per dimension) also drops padding keys.
+
+Triton gives each loop its own pipelined shared-memory buffers but reuses them between the loops, so a
+128x128x128 tile still fits three K/V stages. Two loops replace an earlier single loop that chose per tile
+between the masked and the unmasked path: a branch that yields the scores made Triton's layout pass compute
+the exponentials twice (once per register layout), doubling the MUFU work of every tile, and a branch that
+yields a boolean mask cost more than it saved (packing and unpacking predicates; 115 ms against 91 ms at
+HunyuanVideo stride 1x1x1 on the H100). With DEBUG on, both loops count the tiles that pass
+the full-tile test, so the per-Q-tile counts are still the kernel's own decisions.
+
+Compile-time switches (the launcher sets them, kernels/attention.py):
+
+- `MASKED`: some visited tile may be partial or padded. The launcher works this out on the host per
+  dimension (`needs_mask`); when it is False (dense attention and block-sparse configurations) only loop 1
+  is compiled, over the whole visited box.
+- `USE_TMA`: Q, K, V and O move through tensor descriptors made in the kernel (the Hopper bulk tensor copy
+  engine) instead of pointer tensors, which also frees the registers that held 128x128 pointer tiles.
+  Pointer loads remain for GPUs before Hopper and for unaligned strides. The interpreter runs both.
+- `WARP_SPECIALIZE`: loop 1 as a warp-specialized `tl.range` (producer warpgroup for the copies).
+- `HEAD_MAJOR`: grid over (batch * heads, Q tiles) instead of (Q tiles, batch * heads) (tuning only; slower).
+
+The softmax scale (times log2 e) is applied with one fused multiply-add per score (`qk * scale - m`), the
+running maximum is kept in scaled units, and the online-softmax recurrence is the usual flash-attention one
+in base 2 with fp32 accumulators. Kernels always see three dimensions (kernels/layout.py): a 1-D or 2-D
+problem has leading dimensions of length 1.
 """
 
 from __future__ import annotations
@@ -38,10 +62,30 @@ def _dim_setup(first, group_len, window, stride, CAUSAL: tl.constexpr, TQ: tl.co
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, qk, v):
-    """One online-softmax update with scores `qk` (already scaled to base 2) and values `v`."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.math.exp2(qk - m_new[:, None])
+def _full_run(start_last, end_first, kv_lo, kv_hi, TK: tl.constexpr):
+    """Per dimension: the run [f, g) of visited KV tiles that every real query attends completely, and that
+    hold no padding keys (`end_first <= group length`); empty (f == g) when there is none."""
+    f = tl.maximum((start_last + TK - 1) // TK, kv_lo)
+    g = tl.minimum(end_first // TK, kv_hi)
+    f = tl.minimum(f, kv_hi)
+    return f, tl.maximum(f, g)
+
+
+@triton.jit
+def _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2,
+             TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr):
+    """1 when every real query of the Q tile attends every real key of KV tile (k0, k1, k2), else 0 (DEBUG)."""
+    full = (sl0 <= k0 * TK0) & (ef0 >= tl.minimum(k0 * TK0 + TK0, len0))
+    full &= (sl1 <= k1 * TK1) & (ef1 >= tl.minimum(k1 * TK1 + TK1, len1))
+    full &= (sl2 <= k2 * TK2) & (ef2 >= tl.minimum(k2 * TK2 + TK2, len2))
+    return tl.where(full, 1, 0)
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, qk, v, qk_scale):
+    """One online-softmax update with raw scores `qk` (scaled here) and values `v`; `m_i` is scaled."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -63,11 +107,19 @@ def gna_forward_kernel(
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr,
+    MASKED: tl.constexpr = True, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+    HEAD_MAJOR: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
-    q_tile = tl.program_id(0)
-    bh = tl.program_id(1)
+    if HEAD_MAJOR:  # grid (batch * heads, Q tiles): program ids run over heads first
+        q_tile = tl.program_id(1)
+        bh = tl.program_id(0)
+        num_q_tiles = tl.num_programs(1)
+    else:  # grid (Q tiles, batch * heads)
+        q_tile = tl.program_id(0)
+        bh = tl.program_id(1)
+        num_q_tiles = tl.num_programs(0)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
 
@@ -75,12 +127,12 @@ def gna_forward_kernel(
     q_tiles_per_group = NQ0 * NQ1 * NQ2
     group = q_tile // q_tiles_per_group
     t = q_tile % q_tiles_per_group
-    g0 = group // (D1 * D2)
-    g1 = (group // D2) % D1
-    g2 = group % D2
-    len0 = L0 // D0 + tl.where(g0 < L0 % D0, 1, 0)
-    len1 = L1 // D1 + tl.where(g1 < L1 % D1, 1, 0)
-    len2 = L2 // D2 + tl.where(g2 < L2 % D2, 1, 0)
+    gi0 = group // (D1 * D2)
+    gi1 = (group // D2) % D1
+    gi2 = group % D2
+    len0 = L0 // D0 + tl.where(gi0 < L0 % D0, 1, 0)
+    len1 = L1 // D1 + tl.where(gi1 < L1 % D1, 1, 0)
+    len2 = L2 // D2 + tl.where(gi2 < L2 % D2, 1, 0)
     first0 = (t // (NQ1 * NQ2)) * TQ0
     first1 = ((t // NQ2) % NQ1) * TQ1
     first2 = (t % NQ2) * TQ2
@@ -89,23 +141,13 @@ def gna_forward_kernel(
     sl0, ef0, lo0, hi0 = _dim_setup(first0, len0, W0, S0, C0, TQ0, TK0)
     sl1, ef1, lo1, hi1 = _dim_setup(first1, len1, W1, S1, C1, TQ1, TK1)
     sl2, ef2, lo2, hi2 = _dim_setup(first2, len2, W2, S2, C2, TQ2, TK2)
-    n1 = hi1 - lo1
-    n2 = hi2 - lo2
-    num_kv = tl.where(real_tile, (hi0 - lo0) * n1 * n2, 0)
+    num_kv = tl.where(real_tile, (hi0 - lo0) * (hi1 - lo1) * (hi2 - lo2), 0)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + (q_tile * BLOCK_M + rows).to(tl.int64)[:, None] * stride_qn
-    q = tl.load(q_ptrs + dims[None, :])
-    kv_group = group * (NK0 * NK1 * NK2)
-    k_base = K + b * stride_kb + h * stride_kh + cols.to(tl.int64)[None, :] * stride_kn + dims[:, None]
-    v_base = V + b * stride_vb + h * stride_vh + cols.to(tl.int64)[:, None] * stride_vn + dims[None, :]
-
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    unmasked = num_kv * 0
-
+    kv_tiles_per_group = NK0 * NK1 * NK2
+    kv_group = group * kv_tiles_per_group
+    q_row0 = q_tile * BLOCK_M
     # Per-row window bounds (in-group coordinates) and per-column key offsets inside a KV tile.
     qs0, qe0 = window_bounds(first0 + rows // (TQ1 * TQ2), len0, W0, S0, C0)
     qs1, qe1 = window_bounds(first1 + (rows // TQ2) % TQ1, len1, W1, S1, C1)
@@ -113,47 +155,138 @@ def gna_forward_kernel(
     c0 = cols // (TK1 * TK2)
     c1 = (cols // TK2) % TK1
     c2 = cols % TK2
-    for j in range(0, num_kv):
-        k0 = lo0 + j // (n1 * n2)
-        k1 = lo1 + (j // n2) % n1
-        k2 = lo2 + j % n2
-        offset = ((kv_group + (k0 * NK1 + k1) * NK2 + k2) * BLOCK_N).to(tl.int64)
-        k = tl.load(k_base + offset * stride_kn)
-        v = tl.load(v_base + offset * stride_vn)
-        qk = tl.dot(q, k) * qk_scale
-        first_key0 = k0 * TK0
-        first_key1 = k1 * TK1
-        first_key2 = k2 * TK2
-        full = (sl0 <= first_key0) & (ef0 >= tl.minimum(first_key0 + TK0, len0))
-        full &= (sl1 <= first_key1) & (ef1 >= tl.minimum(first_key1 + TK1, len1))
-        full &= (sl2 <= first_key2) & (ef2 >= tl.minimum(first_key2 + TK2, len2))
-        padded = (first_key0 + TK0 > len0) | (first_key1 + TK1 > len1) | (first_key2 + TK2 > len2)
-        if full:
-            if padded:
-                real_key = (first_key0 + c0 < len0) & (first_key1 + c1 < len1) & (first_key2 + c2 < len2)
-                qk = tl.where(real_key[None, :], qk, float("-inf"))
+    if USE_TMA:
+        q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[num_q_tiles * BLOCK_M, HEAD_DIM],
+                                           strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        kv_tokens = D0 * D1 * D2 * kv_tiles_per_group * BLOCK_N
+        k_desc = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[kv_tokens, HEAD_DIM],
+                                           strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[kv_tokens, HEAD_DIM],
+                                           strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        q = q_desc.load([q_row0, 0])
+        k_base = K  # unused
+        v_base = V
+    else:
+        q_ptrs = Q + b * stride_qb + h * stride_qh + (q_row0 + rows).to(tl.int64)[:, None] * stride_qn
+        q = tl.load(q_ptrs + dims[None, :])
+        k_base = K + b * stride_kb + h * stride_kh + cols.to(tl.int64)[None, :] * stride_kn + dims[:, None]
+        v_base = V + b * stride_vb + h * stride_vh + cols.to(tl.int64)[:, None] * stride_vn + dims[None, :]
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    unmasked = num_kv * 0
+
+    # Loop 1: the full KV tiles, a box [f0, g0) x [f1, g1) x [f2, g2) inside the visited box (per dimension the
+    # full, unpadded tiles are one run); no mask code. Without MASKED the visited box is all full.
+    if MASKED:
+        f0, g0 = _full_run(sl0, ef0, lo0, hi0, TK0)
+        f1, g1 = _full_run(sl1, ef1, lo1, hi1, TK1)
+        f2, g2 = _full_run(sl2, ef2, lo2, hi2, TK2)
+        empty = (g0 == f0) | (g1 == f1) | (g2 == f2)
+        g0 = tl.where(empty, f0, g0)  # no full tile: loop 2 (slab below/above f0) covers the whole box
+        num_full = tl.where(real_tile, (g0 - f0) * (g1 - f1) * (g2 - f2), 0)
+    else:
+        f0, g0, f1, g1, f2, g2 = lo0, hi0, lo1, hi1, lo2, hi2
+        num_full = num_kv
+    k0 = f0
+    k1 = f1
+    k2 = f2
+    for _ in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
+        tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
+        if USE_TMA:
+            k = k_desc.load([tile * BLOCK_N, 0]).T
+            v = v_desc.load([tile * BLOCK_N, 0])
         else:
-            key0 = first_key0 + c0
-            key1 = first_key1 + c1
-            key2 = first_key2 + c2
-            keep = (key0[None, :] >= qs0[:, None]) & (key0[None, :] < qe0[:, None])
-            keep &= (key1[None, :] >= qs1[:, None]) & (key1[None, :] < qe1[:, None])
-            keep &= (key2[None, :] >= qs2[:, None]) & (key2[None, :] < qe2[:, None])
-            keep &= ((key0 < len0) & (key1 < len1) & (key2 < len2))[None, :]
-            qk = tl.where(keep, qk, float("-inf"))
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v)
+            offset = (tile * BLOCK_N).to(tl.int64)
+            k = tl.load(k_base + offset * stride_kn)
+            v = tl.load(v_base + offset * stride_vn)
+        qk = tl.dot(q, k)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
-            unmasked += tl.where(full, 1, 0)
+            unmasked += _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
+        # Next KV tile: step the last dimension, carry into the ones before it.
+        k2 += 1
+        wrap2 = k2 == g2
+        k2 = tl.where(wrap2, f2, k2)
+        k1 += tl.where(wrap2, 1, 0)
+        wrap1 = k1 == g1
+        k1 = tl.where(wrap1, f1, k1)
+        k0 += tl.where(wrap1, 1, 0)
+
+    # Loop 2: every other visited tile, each under the element mask (window and padding keys). The visited box
+    # minus the full box is six slabs: below / above the full run along dimension 0 (whole extent of 1 and
+    # 2), then inside [f0, g0) below / above it along dimension 1, then inside [f0, g0) x [f1, g1) along 2.
+    if MASKED:
+        # Per-row windows as (start, width) for one unsigned compare per dimension.
+        w0 = (qe0 - qs0).to(tl.uint32)
+        w1 = (qe1 - qs1).to(tl.uint32)
+        w2 = (qe2 - qs2).to(tl.uint32)
+        n1 = hi1 - lo1
+        n2 = hi2 - lo2
+        m0 = g0 - f0
+        m1 = g1 - f1
+        size_a = (f0 - lo0) * n1 * n2
+        size_b = (hi0 - g0) * n1 * n2
+        size_c = m0 * (f1 - lo1) * n2
+        size_d = m0 * (hi1 - g1) * n2
+        size_e = m0 * m1 * (f2 - lo2)
+        for j in tl.range(0, num_kv - num_full):
+            # Which slab holds the j-th partial tile: its origin (a0, a1, a2) and extents (e1, e2).
+            in_a = j < size_a
+            j_b = j - size_a
+            in_b = j_b < size_b
+            j_c = j_b - size_b
+            in_c = j_c < size_c
+            j_d = j_c - size_c
+            in_d = j_d < size_d
+            j_e = j_d - size_d
+            in_e = j_e < size_e
+            j_f = j_e - size_e
+            r = tl.where(in_a, j, tl.where(in_b, j_b, tl.where(in_c, j_c, tl.where(in_d, j_d, tl.where(in_e, j_e, j_f)))))
+            a0 = tl.where(in_a, lo0, tl.where(in_b, g0, f0))
+            a1 = tl.where(in_a | in_b | in_c, lo1, tl.where(in_d, g1, f1))
+            a2 = tl.where(in_a | in_b | in_c | in_d | in_e, lo2, g2)
+            e1 = tl.where(in_a | in_b, n1, tl.where(in_c, f1 - lo1, tl.where(in_d, hi1 - g1, m1)))
+            e2 = tl.where(in_a | in_b | in_c | in_d, n2, tl.where(in_e, f2 - lo2, hi2 - g2))
+            r2 = r // e2
+            r1 = r2 // e1
+            k0 = a0 + r1
+            k1 = a1 + (r2 - r1 * e1)
+            k2 = a2 + (r - r2 * e2)
+            tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
+            if USE_TMA:
+                k = k_desc.load([tile * BLOCK_N, 0]).T
+                v = v_desc.load([tile * BLOCK_N, 0])
+            else:
+                offset = (tile * BLOCK_N).to(tl.int64)
+                k = tl.load(k_base + offset * stride_kn)
+                v = tl.load(v_base + offset * stride_vn)
+            qk = tl.dot(q, k)
+            # Key k0 * TK0 + c0 is in row r's window [qs0, qs0 + w0) iff c0 - (qs0 - k0 * TK0) < w0 unsigned;
+            # windows end inside the group, so padding keys fall outside every one.
+            keep = (c0[None, :] - (qs0 - k0 * TK0)[:, None]).to(tl.uint32) < w0[:, None]
+            keep &= (c1[None, :] - (qs1 - k1 * TK1)[:, None]).to(tl.uint32) < w1[:, None]
+            keep &= (c2[None, :] - (qs2 - k2 * TK2)[:, None]).to(tl.uint32) < w2[:, None]
+            qk = tl.where(keep, qk, float("-inf"))
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+            if DEBUG:
+                unmasked += _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
 
     # Padding queries (and only they) can end with no key at all: give them zeros, not 0 / 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    o_ptrs = O + b * stride_ob + h * stride_oh + (q_tile * BLOCK_M + rows).to(tl.int64)[:, None] * stride_on
-    tl.store(o_ptrs + dims[None, :], out.to(O.dtype.element_ty))
+    out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
+    if USE_TMA:
+        o_desc = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[num_q_tiles * BLOCK_M, HEAD_DIM],
+                                           strides=[stride_on, 1], block_shape=[BLOCK_M, HEAD_DIM])
+        o_desc.store([q_row0, 0], out)
+    else:
+        o_ptrs = O + b * stride_ob + h * stride_oh + (q_row0 + rows).to(tl.int64)[:, None] * stride_on
+        tl.store(o_ptrs + dims[None, :], out)
     if WRITE_LSE:
         lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
-        tokens = (q_tile * BLOCK_M + rows).to(tl.int64)
-        tl.store(LSE + (b * tl.num_programs(0) * BLOCK_M + tokens) * heads + h, lse)
+        tokens = (q_row0 + rows).to(tl.int64)
+        tl.store(LSE + (b * num_q_tiles * BLOCK_M + tokens) * heads + h, lse)
     if DEBUG:
         if bh == 0:
             tl.store(COUNTS + 2 * q_tile, num_kv)

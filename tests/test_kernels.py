@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import natsim
+from natsim.window import group_length as natsim_group_length
 from natsim.window import window_bounds as natsim_window_bounds
 from natsim.kernels import (
     gna_attention,
@@ -198,6 +199,42 @@ def test_kernel_tile_counts_equal_simulator(case):
     sim = natsim.simulate(problem, natsim.TileConfig(q_tile, kv_tile), per_q_tile=True)
     np.testing.assert_array_equal(visited, sim.per_q_tile_visited)
     np.testing.assert_array_equal(unmasked, sim.per_q_tile_full)
+
+
+@FAST
+@given(kernel_problems())
+def test_needs_mask_is_false_exactly_when_every_visited_tile_is_full_and_unpadded(case):
+    problem, q_tile, kv_tile = case
+    sim = natsim.simulate(problem, natsim.TileConfig(q_tile, kv_tile))
+    padded = any(natsim_group_length(L, d, g) % t
+                 for L, d, t in zip(problem.shape, problem.dilation, kv_tile) for g in range(d))
+    assert attention_module.needs_mask(problem, q_tile, kv_tile) == (not sim.block_sparse or padded)
+
+
+@settings(max_examples=12, deadline=None)
+@given(kernel_problems(), st.integers(0, 2**16))
+def test_kernel_output_matches_reference_on_random_problems(case, seed):
+    """Both KV loops (full box, then the six slabs of partial tiles) on random shapes, windows and tiles."""
+    problem, q_tile, kv_tile = case
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(1, *problem.shape, 1, 32, device=DEVICE).half() for _ in range(3))
+    out = gna_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
+                        q_tile=q_tile, kv_tile=kv_tile)
+    ref = reference_attention(q.double(), k.double(), v.double(), problem.window, problem.stride,
+                              problem.dilation, problem.causal)
+    assert rel_error(out, ref) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("options", [dict(USE_TMA=False), dict(USE_TMA=True), dict(USE_TMA=True, MASKED=True)],
+                         ids=["pointers", "descriptors", "descriptors-masked"])
+@pytest.mark.parametrize("stride", [(1, 2), (4, 8)], ids=["partial-tiles", "block-sparse"])
+def test_kernel_load_paths_and_mask_switch_agree(options, stride):
+    """Pointer loads and tensor descriptors, and the masked loops forced on a block-sparse problem."""
+    problem, tile = natsim.Problem((8, 16), (4, 8), stride), (4, 8)
+    q, k, v = (permute(torch.randn(1, 8, 16, 2, 32, device=DEVICE).half(), tile) for _ in range(3))
+    out = attention_module._run_kernel(q, k, v, problem, tile, tile, 32**-0.5, False, False, None, options)[0]
+    ref = reference_attention(*(unpermute(t, (8, 16), tile).double() for t in (q, k, v)), (4, 8), stride)
+    assert rel_error(unpermute(out, (8, 16), tile), ref) < TOLERANCE[torch.float16]
 
 
 # --------------------------------------------------------------------------------------------------------
