@@ -49,6 +49,22 @@ LAYOUTS = (
     ((32768,), (32768,), (1,), True, 8, (128,)),
 )
 
+# Configurations of the kind the planner picks, on layouts the planner benchmark does not use: tiles that
+# are long along one dimension, 64-token KV tiles in 3-D, and masked (not block-sparse) ones with large
+# strides, where the fixed grid above says little. (shape, window, stride, q_tile, kv_tile); 8 heads, 128.
+PLANNER_LIKE = (
+    ((24, 40, 64), (18, 28, 40), (2, 16, 1), (2, 16, 4), (2, 16, 4)),
+    ((24, 40, 64), (18, 28, 40), (1, 1, 1), (1, 16, 8), (1, 16, 8)),
+    ((24, 40, 64), (21, 24, 48), (1, 8, 16), (1, 8, 16), (1, 8, 16)),
+    ((20, 36, 72), (12, 22, 48), (4, 2, 16), (4, 2, 8), (4, 2, 8)),
+    ((20, 36, 72), (12, 22, 48), (1, 2, 4), (4, 2, 8), (4, 2, 8)),
+    ((16, 40, 64), (8, 21, 32), (8, 1, 32), (8, 1, 16), (8, 1, 8)),
+    ((16, 40, 64), (8, 21, 32), (8, 2, 32), (4, 2, 16), (4, 1, 16)),
+    ((16, 40, 64), (8, 21, 32), (2, 1, 2), (8, 1, 16), (8, 1, 16)),
+    ((128, 192), (64, 74), (64, 2), (64, 2), (32, 2)),
+    ((192, 160), (128, 92), (4, 4), (32, 4), (16, 4)),
+)
+
 
 @dataclass(frozen=True)
 class Case:
@@ -68,6 +84,8 @@ def calibration_cases() -> list[Case]:
         for head_dim in head_dims:
             for q_tile, kv_tile in TILES[len(shape)]:
                 cases.append(Case(problem, TileConfig(q_tile, kv_tile), heads, head_dim))
+    for shape, window, stride, q_tile, kv_tile in PLANNER_LIKE:
+        cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile), 8, 128))
     return cases
 
 
