@@ -16,7 +16,8 @@ def _cases_table(calibration) -> Table:
     for name in ("shape", "window", "stride", "Q / KV tile", "heads x head_dim", "measured ms", "predicted ms", "error"):
         table.add_column(name, justify="right")
     predicted = calibration.model.predict(calibration.features)
-    for case, measured, guess, error in zip(calibration.cases, calibration.times, predicted, calibration.errors):
+    rows = zip(calibration.cases, calibration.times, predicted, calibration.errors, calibration.fitted)
+    for case, measured, guess, error, fitted in rows:
         p = case.problem
         table.add_row(
             fmt_dims(p.shape),
@@ -26,7 +27,7 @@ def _cases_table(calibration) -> Table:
             f"{case.heads} x {case.head_dim}",
             f"{measured * 1e3:.3f}",
             f"{guess * 1e3:.3f}",
-            f"{error:+.1%}",
+            f"{error:+.1%}" if fitted else "host-bound, not fitted",
         )
     return table
 
@@ -84,8 +85,9 @@ def register(app: typer.Typer) -> None:
                             "head_dim": case.head_dim,
                             "measured_s": float(t),
                             "predicted_s": float(g),
+                            "fitted": bool(f),
                         }
-                        for case, t, g in zip(calibration.cases, calibration.times, predicted)
+                        for case, t, g, f in zip(calibration.cases, calibration.times, predicted, calibration.fitted)
                     ],
                 },
             )
@@ -93,7 +95,8 @@ def register(app: typer.Typer) -> None:
         out.print(_cases_table(calibration))
         out.print(_coefficients_table(calibration.model))
         info = calibration.model.info
+        left_out = info["host_bound_cases_left_out"]
         out.print(
-            f"median |error| {info['median_abs_relative_error']:.1%}, max {info['max_abs_relative_error']:.1%}; "
-            f"written to {path}"
+            f"fitted on {info['cases']} cases ({left_out} host-bound left out): median |error| "
+            f"{info['median_abs_relative_error']:.1%}, max {info['max_abs_relative_error']:.1%}; written to {path}"
         )
