@@ -56,7 +56,9 @@ LAYOUTS = (
 
 # Configurations of the kind the planner picks, on layouts the planner benchmark does not use: tiles that
 # are long along one dimension, 64-token KV tiles in 3-D, and masked (not block-sparse) ones with large
-# strides, where the fixed grid above says little. (shape, window, stride, q_tile, kv_tile); head_dim 128.
+# strides, where the fixed grid above says little; the last three are masked calls whose tiles are nearly all
+# full (windows close to the layout along a stride-1 dimension), which separate the masked kernel's cost for
+# full tiles from the mask-free kernel's. (shape, window, stride, q_tile, kv_tile); head_dim 128.
 PLANNER_LIKE = (
     ((24, 40, 64), (18, 28, 40), (2, 16, 1), (2, 16, 4), (2, 16, 4)),
     ((24, 40, 64), (18, 28, 40), (1, 1, 1), (1, 16, 8), (1, 16, 8)),
@@ -68,6 +70,9 @@ PLANNER_LIKE = (
     ((16, 40, 64), (8, 21, 32), (2, 1, 2), (8, 1, 16), (8, 1, 16)),
     ((128, 192), (64, 74), (64, 2), (64, 2), (32, 2)),
     ((192, 160), (128, 92), (4, 4), (32, 4), (16, 4)),
+    ((32, 32, 48), (24, 16, 40), (8, 16, 1), (8, 4, 4), (8, 4, 4)),
+    ((20, 40, 80), (16, 24, 72), (2, 24, 1), (2, 8, 8), (2, 8, 8)),
+    ((256, 192), (160, 184), (32, 1), (32, 4), (32, 4)),
 )
 
 

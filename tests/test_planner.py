@@ -306,10 +306,10 @@ def test_calibration_fit_keeps_absent_costs_at_zero():
 @pytest.mark.parametrize(
     "features, times, message",
     [
-        (np.ones((10, 5)), np.ones(10), "features must be"),
-        (np.ones((10, 6)), np.ones(9), "one time per feature row"),
-        (np.ones((10, 6)), -np.ones(10), "positive and finite"),
-        (np.ones((3, 6)), np.ones(3), "at least as many measurements"),
+        (np.ones((10, len(FEATURES) - 1)), np.ones(10), "features must be"),
+        (np.ones((10, len(FEATURES))), np.ones(9), "one time per feature row"),
+        (np.ones((10, len(FEATURES))), -np.ones(10), "positive and finite"),
+        (np.ones((3, len(FEATURES))), np.ones(3), "at least as many measurements"),
     ],
 )
 def test_calibration_fit_rejects_bad_input(features, times, message):
@@ -377,3 +377,15 @@ def test_calibrate_refuses_a_gpu_where_every_case_is_host_bound(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match="not host-bound"):
         calibration.calibrate()
+
+
+def test_shipped_coefficient_files_load():
+    """Every coefficients file natsim ships names exactly the current features (a format drift fails here)."""
+    from natsim.planner.costmodel import COEFFICIENTS_DIR
+
+    files = sorted(COEFFICIENTS_DIR.glob("*.json"))
+    assert files, "natsim ships at least the H100 coefficients"
+    for path in files:
+        model = CostModel.load(path)
+        assert path.name == gpu_file_name(model.gpu)
+        assert all(value >= 0 for value in model.coefficients.values())
