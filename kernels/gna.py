@@ -94,6 +94,21 @@ def _softmax_step(acc, l_i, m_i, qk, v, qk_scale):
 
 
 @triton.jit
+def _load_kv(tile, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn,
+             BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
+    """K transposed (`[head_dim, BLOCK_N]`) and V (`[BLOCK_N, head_dim]`) of KV tile `tile`, through the tensor
+    descriptors or through the pointer tiles `k_base` / `v_base`."""
+    if USE_TMA:
+        k = k_desc.load([tile * BLOCK_N, 0]).T
+        v = v_desc.load([tile * BLOCK_N, 0])
+    else:
+        offset = (tile * BLOCK_N).to(tl.int64)
+        k = tl.load(k_base + offset * stride_kn)
+        v = tl.load(v_base + offset * stride_vn)
+    return k, v
+
+
+@triton.jit
 def gna_forward_kernel(
     Q, K, V, O, LSE, COUNTS,
     stride_qb, stride_qn, stride_qh,
@@ -164,13 +179,15 @@ def gna_forward_kernel(
         v_desc = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[kv_tokens, HEAD_DIM],
                                            strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
         q = q_desc.load([q_row0, 0])
-        k_base = K  # unused
+        k_base = K  # unused: loads go through the descriptors
         v_base = V
     else:
         q_ptrs = Q + b * stride_qb + h * stride_qh + (q_row0 + rows).to(tl.int64)[:, None] * stride_qn
         q = tl.load(q_ptrs + dims[None, :])
         k_base = K + b * stride_kb + h * stride_kh + cols.to(tl.int64)[None, :] * stride_kn + dims[:, None]
         v_base = V + b * stride_vb + h * stride_vh + cols.to(tl.int64)[:, None] * stride_vn + dims[None, :]
+        k_desc = K  # unused: loads go through the pointers
+        v_desc = V
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -194,13 +211,7 @@ def gna_forward_kernel(
     k2 = f2
     for _ in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
         tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
-        if USE_TMA:
-            k = k_desc.load([tile * BLOCK_N, 0]).T
-            v = v_desc.load([tile * BLOCK_N, 0])
-        else:
-            offset = (tile * BLOCK_N).to(tl.int64)
-            k = tl.load(k_base + offset * stride_kn)
-            v = tl.load(v_base + offset * stride_vn)
+        k, v = _load_kv(tile, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, BLOCK_N, USE_TMA)
         qk = tl.dot(q, k)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
@@ -255,13 +266,7 @@ def gna_forward_kernel(
             k1 = a1 + (r2 - r1 * e1)
             k2 = a2 + (r - r2 * e2)
             tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
-            if USE_TMA:
-                k = k_desc.load([tile * BLOCK_N, 0]).T
-                v = v_desc.load([tile * BLOCK_N, 0])
-            else:
-                offset = (tile * BLOCK_N).to(tl.int64)
-                k = tl.load(k_base + offset * stride_kn)
-                v = tl.load(v_base + offset * stride_vn)
+            k, v = _load_kv(tile, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, BLOCK_N, USE_TMA)
             qk = tl.dot(q, k)
             # Key k0 * TK0 + c0 is in row r's window [qs0, qs0 + w0) iff c0 - (qs0 - k0 * TK0) < w0 unsigned;
             # windows end inside the group, so padding keys fall outside every one.
