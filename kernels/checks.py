@@ -21,9 +21,6 @@ KERNEL_HEAD_DIMS = (32, 64, 128)
 MIN_TILE_TOKENS = 16
 MAX_TILE_TOKENS = 256
 
-# Default tiles per number of dimensions: 128 queries and 128 keys per tile.
-DEFAULT_TILES = {1: ((128,), (128,)), 2: ((16, 8), (16, 8)), 3: ((2, 8, 8), (2, 8, 8))}
-
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
     """Check that q, k, v are `[B, *shape, heads, head_dim]` tensors that agree; return `shape`."""
@@ -80,9 +77,9 @@ def check_kernel_inputs(q: torch.Tensor) -> None:
 def kernel_tiles(
     problem: Problem, q_tile: Optional[IntOrInts], kv_tile: Optional[IntOrInts]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per-dimension (q_tile, kv_tile) for `problem` (defaults filled in), checked against the kernel."""
-    default_q, default_kv = DEFAULT_TILES[problem.ndim]
-    config = TileConfig(default_q if q_tile is None else q_tile, default_kv if kv_tile is None else kv_tile)
+    """Per-dimension (q_tile, kv_tile) for `problem`, checked against the kernel; one given alone is used
+    for both (at least one must be given)."""
+    config = TileConfig(kv_tile if q_tile is None else q_tile, q_tile if kv_tile is None else kv_tile)
     q_dims, kv_dims = config.dims(problem)
     for name, dims in (("q_tile", q_dims), ("kv_tile", kv_dims)):
         tokens = math.prod(dims)

@@ -94,11 +94,18 @@ def _softmax_step(acc, l_i, m_i, qk, v, qk_scale):
 
 
 @triton.jit
-def _load_kv(tile, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn,
-             BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr):
-    """K transposed (`[head_dim, BLOCK_N]`) and V (`[BLOCK_N, head_dim]`) of KV tile `tile`, through the tensor
-    descriptors or through the pointer tiles `k_base` / `v_base`."""
-    if USE_TMA:
+def _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn,
+             TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
+             USE_TMA: tl.constexpr, LAYOUT: tl.constexpr):
+    """K transposed (`[head_dim, BLOCK_N]`) and V (`[BLOCK_N, head_dim]`) of KV tile (k0, k1, k2), linear index
+    `tile` in the permuted order: a box of the token layout through rank-4 descriptors (LAYOUT), a run of the
+    permuted sequence through rank-2 descriptors, or pointer tiles `k_base` / `v_base`."""
+    BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
+    if LAYOUT:
+        corner = [k0 * TK0, k1 * TK1, k2 * TK2, 0]
+        k = k_desc.load(corner).reshape([BLOCK_N, HEAD_DIM]).T
+        v = v_desc.load(corner).reshape([BLOCK_N, HEAD_DIM])
+    elif USE_TMA:
         k = k_desc.load([tile * BLOCK_N, 0]).T
         v = v_desc.load([tile * BLOCK_N, 0])
     else:
@@ -109,12 +116,21 @@ def _load_kv(tile, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn,
 
 
 @triton.jit
+def _layout_descriptor(base, L0, L1, L2, stride0, stride1, stride2,
+                       T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A rank-4 tensor descriptor over one head of a `[L0, L1, L2, head_dim]` token layout, in boxes of one tile:
+    loads past the layout's end read zeros and stores there are dropped, so padding needs no memory."""
+    return tl.make_tensor_descriptor(base, shape=[L0, L1, L2, HEAD_DIM], strides=[stride0, stride1, stride2, 1],
+                                     block_shape=[T0, T1, T2, HEAD_DIM])
+
+
+@triton.jit
 def gna_forward_kernel(
     Q, K, V, O, LSE, COUNTS,
-    stride_qb, stride_qn, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_on, stride_oh,
+    stride_qb, stride_q0, stride_q1, stride_q2, stride_qh,
+    stride_kb, stride_k0, stride_k1, stride_k2, stride_kh,
+    stride_vb, stride_v0, stride_v1, stride_v2, stride_vh,
+    stride_ob, stride_o0, stride_o1, stride_o2, stride_oh,
     heads, qk_scale,
     L0, L1, L2, W0, W1, W2, S0, S1, S2, D0, D1, D2,
     NQ0, NQ1, NQ2, NK0, NK1, NK2,
@@ -123,7 +139,7 @@ def gna_forward_kernel(
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr,
     MASKED: tl.constexpr = True, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
-    HEAD_MAJOR: tl.constexpr = False,
+    HEAD_MAJOR: tl.constexpr = False, LAYOUT: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
@@ -170,22 +186,32 @@ def gna_forward_kernel(
     c0 = cols // (TK1 * TK2)
     c1 = (cols // TK2) % TK1
     c2 = cols % TK2
-    if USE_TMA:
+    if LAYOUT:  # q, k, v, o are [B, L0, L1, L2, heads, head_dim]: tiles are boxes, padding is out of bounds
+        q_desc = _layout_descriptor(Q + b * stride_qb + h * stride_qh, L0, L1, L2, stride_q0, stride_q1, stride_q2,
+                                    TQ0, TQ1, TQ2, HEAD_DIM)
+        k_desc = _layout_descriptor(K + b * stride_kb + h * stride_kh, L0, L1, L2, stride_k0, stride_k1, stride_k2,
+                                    TK0, TK1, TK2, HEAD_DIM)
+        v_desc = _layout_descriptor(V + b * stride_vb + h * stride_vh, L0, L1, L2, stride_v0, stride_v1, stride_v2,
+                                    TK0, TK1, TK2, HEAD_DIM)
+        q = q_desc.load([first0, first1, first2, 0]).reshape([BLOCK_M, HEAD_DIM])
+        k_base = K  # unused: loads go through the descriptors
+        v_base = V
+    elif USE_TMA:  # permuted [B, tokens, heads, head_dim]: tiles are runs of BLOCK_M / BLOCK_N tokens
         q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[num_q_tiles * BLOCK_M, HEAD_DIM],
-                                           strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM])
+                                           strides=[stride_q2, 1], block_shape=[BLOCK_M, HEAD_DIM])
         kv_tokens = D0 * D1 * D2 * kv_tiles_per_group * BLOCK_N
         k_desc = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[kv_tokens, HEAD_DIM],
-                                           strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+                                           strides=[stride_k2, 1], block_shape=[BLOCK_N, HEAD_DIM])
         v_desc = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[kv_tokens, HEAD_DIM],
-                                           strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+                                           strides=[stride_v2, 1], block_shape=[BLOCK_N, HEAD_DIM])
         q = q_desc.load([q_row0, 0])
         k_base = K  # unused: loads go through the descriptors
         v_base = V
     else:
-        q_ptrs = Q + b * stride_qb + h * stride_qh + (q_row0 + rows).to(tl.int64)[:, None] * stride_qn
+        q_ptrs = Q + b * stride_qb + h * stride_qh + (q_row0 + rows).to(tl.int64)[:, None] * stride_q2
         q = tl.load(q_ptrs + dims[None, :])
-        k_base = K + b * stride_kb + h * stride_kh + cols.to(tl.int64)[None, :] * stride_kn + dims[:, None]
-        v_base = V + b * stride_vb + h * stride_vh + cols.to(tl.int64)[:, None] * stride_vn + dims[None, :]
+        k_base = K + b * stride_kb + h * stride_kh + cols.to(tl.int64)[None, :] * stride_k2 + dims[:, None]
+        v_base = V + b * stride_vb + h * stride_vh + cols.to(tl.int64)[:, None] * stride_v2 + dims[None, :]
         k_desc = K  # unused: loads go through the pointers
         v_desc = V
 
@@ -211,7 +237,8 @@ def gna_forward_kernel(
     k2 = f2
     for _ in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
         tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
-        k, v = _load_kv(tile, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, BLOCK_N, USE_TMA)
+        k, v = _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_k2, stride_v2,
+                            TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
         qk = tl.dot(q, k)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
@@ -266,7 +293,8 @@ def gna_forward_kernel(
             k1 = a1 + (r2 - r1 * e1)
             k2 = a2 + (r - r2 * e2)
             tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
-            k, v = _load_kv(tile, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, BLOCK_N, USE_TMA)
+            k, v = _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_k2, stride_v2,
+                            TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
             qk = tl.dot(q, k)
             # Key k0 * TK0 + c0 is in row r's window [qs0, qs0 + w0) iff c0 - (qs0 - k0 * TK0) < w0 unsigned;
             # windows end inside the group, so padding keys fall outside every one.
@@ -281,17 +309,29 @@ def gna_forward_kernel(
     # Padding queries (and only they) can end with no key at all: give them zeros, not 0 / 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
-    if USE_TMA:
+    if LAYOUT:
+        o_desc = _layout_descriptor(O + b * stride_ob + h * stride_oh, L0, L1, L2, stride_o0, stride_o1, stride_o2,
+                                    TQ0, TQ1, TQ2, HEAD_DIM)
+        o_desc.store([first0, first1, first2, 0], out.reshape([TQ0, TQ1, TQ2, HEAD_DIM]))
+    elif USE_TMA:
         o_desc = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[num_q_tiles * BLOCK_M, HEAD_DIM],
-                                           strides=[stride_on, 1], block_shape=[BLOCK_M, HEAD_DIM])
+                                           strides=[stride_o2, 1], block_shape=[BLOCK_M, HEAD_DIM])
         o_desc.store([q_row0, 0], out)
     else:
-        o_ptrs = O + b * stride_ob + h * stride_oh + (q_row0 + rows).to(tl.int64)[:, None] * stride_on
+        o_ptrs = O + b * stride_ob + h * stride_oh + (q_row0 + rows).to(tl.int64)[:, None] * stride_o2
         tl.store(o_ptrs + dims[None, :], out)
     if WRITE_LSE:
         lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
-        tokens = (q_row0 + rows).to(tl.int64)
-        tl.store(LSE + (b * num_q_tiles * BLOCK_M + tokens) * heads + h, lse)
+        if LAYOUT:  # [B, L0, L1, L2, heads], padding rows dropped
+            x0 = first0 + rows // (TQ1 * TQ2)
+            x1 = first1 + (rows // TQ2) % TQ1
+            x2 = first2 + rows % TQ2
+            tokens = ((x0 * L1 + x1) * L2 + x2).to(tl.int64)
+            real = (x0 < L0) & (x1 < L1) & (x2 < L2)
+            tl.store(LSE + (b * L0 * L1 * L2 + tokens) * heads + h, lse, mask=real)
+        else:
+            tokens = (q_row0 + rows).to(tl.int64)
+            tl.store(LSE + (b * num_q_tiles * BLOCK_M + tokens) * heads + h, lse)
     if DEBUG:
         if bh == 0:
             tl.store(COUNTS + 2 * q_tile, num_kv)

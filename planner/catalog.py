@@ -1,30 +1,20 @@
 """The tile catalog: which Q/KV tile shapes the planner may choose for a layout, head_dim and dtype.
 
-What the GNA kernel can run is decided by natsim.kernels (its dtypes, head dims and tile token counts are
-imported from there, not copied). What it runs *well* is data kept here: the (Q tokens, KV tokens) pairs
-worth scoring, per head_dim. Tile shapes are boxes with power-of-two sides (a kernel tile holds a
-power-of-two number of tokens) no longer than the next power of two of their dimension, since a longer
-side would hold only padding. A KV tile is either the Q tile's shape or, for half as many keys, the Q tile
-halved along one dimension (NATTEN's 4x8x8 / 2x8x8 pattern).
+What the GNA kernel can run (dtypes, head dims, tile token counts) and which tile shapes it runs *well*
+(`natsim.kernels.tiles`: boxes of 64 or 128 tokens with power-of-two sides, KV tiles equal to the Q tile or
+half of it) are decided by natsim.kernels and imported from there, not copied: the kernel's own default tiles
+come from the same list.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import torch
 
 from natsim import TileConfig
 from natsim.kernels.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
-
-# (Q tokens, KV tokens) per tile that the planner scores, per head_dim; KV tokens equal the Q tokens or half. 64- and 128-token tiles keep the
-# tensor cores busy at these head dims; 256-query tiles spill registers at head_dim 128.
-TILE_TOKENS: dict[int, tuple[tuple[int, int], ...]] = {
-    32: ((128, 128), (128, 64), (64, 64)),
-    64: ((128, 128), (128, 64), (64, 64)),
-    128: ((128, 128), (128, 64), (64, 64)),
-}
+from natsim.kernels.tiles import TILE_TOKENS, tile_pairs
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 DTYPE_ALIASES = {
@@ -71,32 +61,10 @@ def check_head_dim(head_dim: object) -> int:
     return head_dim
 
 
-def _box_shapes(tokens: int, limits: Sequence[int]) -> list[tuple[int, ...]]:
-    """Every box of `tokens` tokens with power-of-two sides within `limits`, in a fixed order."""
-    exponent = tokens.bit_length() - 1
-    shapes = []
-    for parts in itertools.product(range(exponent + 1), repeat=len(limits)):
-        if sum(parts) == exponent:
-            shape = tuple(1 << p for p in parts)
-            if all(side <= limit for side, limit in zip(shape, limits)):
-                shapes.append(shape)
-    return shapes
-
-
-def _halves(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """`shape` halved along each dimension that has an even side."""
-    return [shape[:i] + (side // 2,) + shape[i + 1 :] for i, side in enumerate(shape) if side > 1]
-
-
 def tile_catalog(shape: Sequence[int], head_dim: int = 128) -> list[TileConfig]:
     """The multi-D tile configurations the planner scores for a token layout `shape` and `head_dim`."""
     head_dim = check_head_dim(head_dim)
-    limits = [1 << (length - 1).bit_length() for length in shape]
-    catalog: list[TileConfig] = []
-    for q_tokens, kv_tokens in TILE_TOKENS[head_dim]:
-        for q_shape in _box_shapes(q_tokens, limits):
-            kv_shapes = [q_shape] if kv_tokens == q_tokens else _halves(q_shape)
-            catalog.extend(TileConfig(q_shape, kv_shape) for kv_shape in kv_shapes)
+    catalog = [TileConfig(q_shape, kv_shape) for q_shape, kv_shape in tile_pairs(shape, head_dim)]
     if not catalog:
         smallest = min(q for q, _ in TILE_TOKENS[head_dim])
         raise ValueError(

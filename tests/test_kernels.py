@@ -29,7 +29,7 @@ from natsim.kernels import (
     unpermute,
     unpermute_reference,
 )
-from natsim.kernels import attention as attention_module
+from natsim.kernels import gna_launch
 from natsim.kernels.window import window_bounds
 
 from bruteforce import attention_mask, multi_d_layout, window_1d
@@ -129,8 +129,8 @@ def test_attention_matches_float64_reference(case, monkeypatch):
     shape, window, stride, dilation, causal, q_tile, kv_tile, head_dim, dtype = case
     torch.manual_seed(hash(shape) % 1000)
     q, k, v = (torch.randn(1, *shape, 2, head_dim, device=DEVICE).to(dtype) for _ in range(3))
-    poisoned = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
-    monkeypatch.setattr(attention_module.torch, "empty_like", poisoned)
+    poisoned = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)  # noqa: E731
+    monkeypatch.setattr(gna_launch, "new_output", poisoned)
     out, lse = gna_attention(q, k, v, window, stride, dilation, causal, q_tile=q_tile, kv_tile=kv_tile,
                              return_lse=True)
     monkeypatch.undo()
@@ -208,7 +208,7 @@ def test_needs_mask_is_false_exactly_when_every_visited_tile_is_full_and_unpadde
     sim = natsim.simulate(problem, natsim.TileConfig(q_tile, kv_tile))
     padded = any(natsim_group_length(L, d, g) % t
                  for L, d, t in zip(problem.shape, problem.dilation, kv_tile) for g in range(d))
-    assert attention_module.needs_mask(problem, q_tile, kv_tile) == (not sim.block_sparse or padded)
+    assert gna_launch.needs_mask(problem, q_tile, kv_tile) == (not sim.block_sparse or padded)
 
 
 @settings(max_examples=12, deadline=None)
@@ -232,7 +232,7 @@ def test_kernel_load_paths_and_mask_switch_agree(options, stride):
     """Pointer loads and tensor descriptors, and the masked loops forced on a block-sparse problem."""
     problem, tile = natsim.Problem((8, 16), (4, 8), stride), (4, 8)
     q, k, v = (permute(torch.randn(1, 8, 16, 2, 32, device=DEVICE).half(), tile) for _ in range(3))
-    out = attention_module._run_kernel(q, k, v, problem, tile, tile, 32**-0.5, False, False, None, options)[0]
+    out = gna_attention_permuted(q, k, v, problem, tile, tile, config=options)
     ref = reference_attention(*(unpermute(t, (8, 16), tile).double() for t in (q, k, v)), (4, 8), stride)
     assert rel_error(unpermute(out, (8, 16), tile), ref) < TOLERANCE[torch.float16]
 
@@ -271,7 +271,7 @@ def test_bad_arguments_raise_sentences(change, error, message):
 
 def test_cpu_tensors_run_the_reference_with_one_warning(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(attention_module, "_warned_cpu", False)
+    monkeypatch.setattr(gna_launch, "_warned_cpu", False)
     q, k, v = (torch.randn(1, 6, 7, 2, 16, dtype=torch.float32) for _ in range(3))
     with pytest.warns(UserWarning, match="torch reference"):
         out = gna_attention(q, k, v, (3, 4))

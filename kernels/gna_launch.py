@@ -1,0 +1,397 @@
+"""Host side of the GNA kernel: what one call needs, worked out once per distinct arguments, and its launch.
+
+A `GnaCall` holds every decision of a call that depends only on plain-Python arguments and tensor metadata
+(shapes, dtype, device, strides): the validated problem, the tiles, the data path, whether the kernel needs the
+mask, launch options, grid and every scalar kernel argument. `gna_call` builds one per distinct key and keeps
+it, so that a repeated call only checks its tensors, allocates its output and launches through a
+`PreboundKernel` (Triton's JIT dispatch, which binds and specialises every one of the kernel's 70 arguments on
+each call, is skipped once the kernel is compiled).
+
+Two data paths (kernels/gna.py, `LAYOUT`):
+- layout: the kernel reads q, k, v and writes o where they are, `[B, *shape, heads, head_dim]`, through rank-4
+  tensor descriptors (Hopper's bulk tensor copies; padding lies out of bounds and reads as zeros): no
+  permutation, one launch. Taken when every dilation is 1 and the tensors meet the descriptors' rules.
+- permuted: permute q, k, v into tiles (kernels/permute.py), run the kernel on the permuted sequences,
+  unpermute o and the LSE: dilation groups, GPUs before Hopper, unaligned tensors.
+Dense attention (window = shape, non-causal, default tiles) runs as 1-D attention over the flattened layout:
+every query attends every key either way, and only the last tile holds padding instead of every dimension's.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from natsim import Problem
+
+from .backend import interpreting
+from .gna import LOG2E, gna_forward_kernel
+from .layout import TileLayout, as_3d
+from .permute import permute, unpermute
+
+try:  # Triton >= 3.4 keeps its launch hooks here; without it every launch goes through the JIT dispatch.
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton
+    _knobs = None
+
+SHARED_MEMORY_BUDGET = 227 * 1024  # bytes: what one H100 thread block may use
+TENSOR_ARGUMENTS = ("Q", "K", "V", "O", "LSE", "COUNTS")
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+# -- what the kernel needs to know, from plain Python values ---------------------------------------------------
+
+
+@functools.lru_cache(maxsize=512)
+def needs_mask(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> bool:
+    """Whether any KV tile the kernel visits can be partial (window mask) or reach into padding.
+
+    The kernel's visited tiles per Q tile are a box, one KV tile range per dimension, and a tile is full when
+    it is full along every dimension, so checking every dimension on its own is exact: this mirrors the
+    kernel's `_dim_setup` and its `full` test for each dilation group length and Q tile along the dimension.
+    False for dense attention and block-sparse configurations; the kernel then compiles no mask code.
+    """
+    from natsim.window import group_length, window_bounds
+
+    for L, w, s, d, c, tq, tk in zip(problem.shape, problem.window, problem.stride, problem.dilation,
+                                     problem.causal, q_tile, kv_tile):
+        for length in {group_length(L, d, g) for g in range(d)}:
+            if length % tk:
+                return True  # the last KV tile of the group holds padding keys
+            for first in range(0, length, tq):
+                last = min(first + tq, length) - 1
+                start_first, end_first = window_bounds(first, length, w, s, c)
+                start_last, end_last = window_bounds(last, length, w, s, c)
+                for tile in range(int(start_first) // tk, (int(end_last) + tk - 1) // tk):
+                    if not (start_last <= tile * tk and end_first >= tile * tk + tk):
+                        return True
+    return False
+
+
+def launch_config(
+    block_m: int, block_n: int, head_dim: int, masked: bool = True, tma: bool = False, specialize: bool = True
+) -> dict:
+    """Launch options for a tile of `block_m` queries, `block_n` keys and `head_dim` (see kernels/gna.py).
+
+    A 128x128 tile without masks, with tensor descriptors, runs warp-specialized: `num_warps=4` asks for one
+    consumer warpgroup per 64 query rows (Triton's Hopper pass makes two of them and adds a producer
+    warpgroup for the K/V copies, 12 warps in all) and two K/V stages fill shared memory. Otherwise 8 warps
+    (4 for smaller tiles) and three pipeline stages when they fit in shared memory (measured faster than two
+    at 128x128x128 on the H100, benchmarks/results/gna-tune-*.json).
+
+    `specialize=False` keeps the single-partition loop: the launcher asks for it when the kernel writes the
+    LSE or debug counts. Under Triton 3.6's Hopper warp specialization the LSE came out wrong (off by more
+    than 1e-2 against float64 at HunyuanVideo 16x8x8) while the output was right (H100, 2026-11-22).
+    """
+    q_bytes, kv_bytes = 2 * block_m * head_dim, 2 * 2 * block_n * head_dim
+    large = block_m * head_dim >= 128 * 128
+    if specialize and tma and not masked and large and block_m == 128 and block_n == 128:
+        return dict(num_warps=4, num_stages=2, MASKED=False, USE_TMA=True, WARP_SPECIALIZE=True)
+    stages = 3 if q_bytes + 3 * kv_bytes <= SHARED_MEMORY_BUDGET else 2
+    return dict(num_warps=8 if large else 4, num_stages=stages, MASKED=masked, USE_TMA=tma, WARP_SPECIALIZE=False)
+
+
+@functools.lru_cache(maxsize=16)
+def has_tensor_descriptors(device: torch.device) -> bool:
+    """Tensor descriptors (the bulk tensor copy engine) need Hopper or newer; the interpreter has them too."""
+    return interpreting() or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def descriptor_strides_ok(t: torch.Tensor) -> bool:
+    """Descriptors need a contiguous last dimension and every other stride a multiple of 16 bytes."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Every tensor starts on a 16-byte boundary (descriptors, and the kernel's pointer specialisation)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def dense_as_1d(problem: Problem) -> Optional[Problem]:
+    """The 1-D problem over the flattened layout when `problem` is dense self attention, else None."""
+    if problem.ndim == 1 or problem.window != problem.shape or any(problem.causal):
+        return None
+    return Problem((problem.num_tokens,), (problem.num_tokens,))
+
+
+# -- launching without Triton's JIT dispatch -------------------------------------------------------------------
+
+
+def _install_allocator() -> None:
+    """In-kernel tensor descriptors need a scratch allocator; install a torch one unless the caller has one."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+    except ImportError:  # pragma: no cover - layout of triton's internals changed
+        return
+    if isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_torch_allocator)
+
+
+def _torch_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
+
+
+class PreboundKernel:
+    """One Triton kernel with a fixed grid and every argument fixed but its tensors.
+
+    The first call goes through `kernel[grid](...)`, which compiles (or finds) the kernel specialised for
+    these arguments. Later calls hand the arguments straight to the compiled kernel's launcher, as Triton's
+    dispatch would after binding, specialising and hashing them: valid because every scalar argument is the
+    same by construction and the tensors are 16-byte aligned as on the first call (checked; an unaligned
+    call takes the dispatch, which specialises for it). The interpreter always takes the dispatch.
+    """
+
+    def __init__(self, fn, grid: tuple[int, int, int], arguments: dict, options: dict):
+        self.fn = fn
+        self.grid = grid
+        self.arguments = arguments
+        self.options = options
+        parameters = inspect.signature(fn.fn).parameters
+        self.template = [arguments.get(name, parameters[name].default) for name in fn.arg_names]
+        self.slots = [fn.arg_names.index(name) for name in TENSOR_ARGUMENTS]
+        self.compiled = None
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        index = tensors[0].get_device()  # -1 for CPU tensors (the interpreter)
+        if index >= 0 and index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                self._launch(tensors, index)
+        else:
+            self._launch(tensors, index)
+
+    def _launch(self, tensors: tuple[torch.Tensor, ...], index: int) -> None:
+        if self.compiled is None or not aligned(*tensors):
+            compiled = self.fn[self.grid](**self.arguments, **dict(zip(TENSOR_ARGUMENTS, tensors)), **self.options)
+            if _knobs is not None and hasattr(compiled, "packed_metadata") and aligned(*tensors):
+                self.compiled = compiled
+            return
+        args = list(self.template)
+        for slot, tensor in zip(self.slots, tensors):
+            args[slot] = tensor
+        kernel = self.compiled
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        enter_hook = _knobs.runtime.launch_enter_hook
+        metadata = kernel.launch_metadata(self.grid, stream, *args) if enter_hook is not None else None
+        kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata, metadata, enter_hook,
+                   _knobs.runtime.launch_exit_hook, *args)
+
+
+# -- one call ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GnaCall:
+    """Everything about a GNA forward call but its tensors: run it with `gna_call(...).run(q, k, v)`.
+
+    `problem`, `q_tile`, `kv_tile` are what the kernel runs (a dense problem as 1-D over the flattened layout);
+    `shape` is the caller's layout. `layout` selects the data path (module docstring). `kernel` is the
+    pre-bound launch for the tensors the kernel reads: the caller's (layout) or permuted ones.
+    """
+
+    problem: Problem
+    shape: tuple[int, ...]
+    q_tile: tuple[int, ...]
+    kv_tile: tuple[int, ...]
+    layout: bool
+    return_lse: bool
+    debug: bool
+    kernel: PreboundKernel
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """`(out, lse)` of `[B, *shape, heads, head_dim]` inputs in that layout (`lse` None unless asked)."""
+        batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+        kernel_shape = self.problem.shape
+        if kernel_shape != self.shape:  # dense attention as 1-D: a view when the layout is contiguous
+            q, k, v = (t.reshape(batch, *kernel_shape, heads, head_dim) for t in (q, k, v))
+        if self.layout:
+            out = new_output(q.shape, q.dtype, q.device)
+            lse = (torch.empty((*q.shape[:-1],), dtype=torch.float32, device=q.device) if self.return_lse
+                   else None)
+            self.kernel(q, k, v, out, out if lse is None else lse, out)
+        else:
+            out_p, lse_p, _ = self.run_permuted(
+                permute(q, self.q_tile, self.problem.dilation),
+                permute(k, self.kv_tile, self.problem.dilation),
+                permute(v, self.kv_tile, self.problem.dilation),
+            )
+            out = unpermute(out_p, kernel_shape, self.q_tile, self.problem.dilation)
+            lse = (None if lse_p is None
+                   else unpermute(lse_p[..., None], kernel_shape, self.q_tile, self.problem.dilation)[..., 0])
+        out = out.view(batch, *self.shape, heads, head_dim)
+        return out, (None if lse is None else lse.view(batch, *self.shape, heads))
+
+    def run_permuted(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """`(out, lse, counts)` of permuted `[B, tokens, heads, head_dim]` inputs, in q's permuted order."""
+        out = new_output(q.shape, q.dtype, q.device)
+        lse = (torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
+               if self.return_lse else None)
+        num_q_tiles = self.kernel.grid[0]
+        counts = torch.zeros((num_q_tiles, 2), dtype=torch.int32, device=q.device) if self.debug else None
+        self.kernel(q, k, v, out, out if lse is None else lse, out if counts is None else counts)
+        return out, lse, counts
+
+
+def _token_strides(t: torch.Tensor, ndim: int) -> tuple[int, int, int]:
+    """Strides of the kernel's three layout dimensions in `[B, *shape, H, D]` (missing leading ones filled in
+    as if the layout went on outwards)."""
+    strides = list(t.stride()[1:1 + ndim])
+    lengths = list(t.shape[1:1 + ndim])
+    while len(strides) < 3:
+        strides.insert(0, strides[0] * lengths[0])
+        lengths.insert(0, 1)
+    return tuple(strides)
+
+
+def make_call(
+    problem: Problem,
+    shape: tuple[int, ...],
+    q_tile: tuple[int, ...],
+    kv_tile: tuple[int, ...],
+    *,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    scale: float,
+    layout_tensors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    return_lse: bool,
+    debug: bool = False,
+    options: Optional[dict] = None,
+) -> GnaCall:
+    """Work out one call. `layout_tensors` are q, k, v in the kernel's layout for the layout path (their strides
+    are bound), or None for the permuted path. `options` override `launch_config`'s (tuning; `MASKED` may only
+    be forced on) and may set `HEAD_MAJOR`."""
+    q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
+    kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
+    masked = needs_mask(problem, q_tile, kv_tile)
+    launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim, masked, True,
+                           specialize=not (return_lse or debug))
+    launch.update(options or {})
+    if masked and not launch["MASKED"]:
+        raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
+                         "the kernel needs MASKED=True.")
+    if launch["USE_TMA"]:
+        _install_allocator()
+    head_major = launch.pop("HEAD_MAJOR", False)
+    layout = layout_tensors is not None
+    if layout:
+        strides = [(t.stride(0), *_token_strides(t, problem.ndim), t.stride(-2)) for t in layout_tensors]
+        contiguous = torch.empty((batch, *problem.shape, heads, head_dim), device="meta")
+        strides.append((contiguous.stride(0), *_token_strides(contiguous, problem.ndim), contiguous.stride(-2)))
+    else:  # contiguous permuted [B, tokens, H, D]: only the token stride (position 2) is read
+        q_tokens, kv_tokens = q_layout.num_tokens, kv_layout.num_tokens
+        strides = [(n * heads * head_dim, 0, 0, heads * head_dim, head_dim)
+                   for n in (q_tokens, kv_tokens, kv_tokens, q_tokens)]
+    names = [f"stride_{t}{axis}" for t in "qkvo" for axis in ("b", "0", "1", "2", "h")]
+    arguments = dict(zip(names, (s for group in strides for s in group)))
+    arguments.update(
+        heads=heads, qk_scale=scale * LOG2E,
+        **dict(zip(("L0", "L1", "L2"), q_layout.shape)),
+        **dict(zip(("W0", "W1", "W2"), as_3d(problem.window))),
+        **dict(zip(("S0", "S1", "S2"), as_3d(problem.stride))),
+        **dict(zip(("D0", "D1", "D2"), q_layout.dilation)),
+        **dict(zip(("NQ0", "NQ1", "NQ2"), q_layout.tiles_per_group)),
+        **dict(zip(("NK0", "NK1", "NK2"), kv_layout.tiles_per_group)),
+        **dict(zip(("C0", "C1", "C2"), as_3d(problem.causal, False))),
+        **dict(zip(("TQ0", "TQ1", "TQ2"), q_layout.tile)),
+        **dict(zip(("TK0", "TK1", "TK2"), kv_layout.tile)),
+        HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug, HEAD_MAJOR=head_major, LAYOUT=layout,
+        **{name: value for name, value in launch.items() if name not in LAUNCH_OPTIONS},
+    )
+    if layout and not arguments["USE_TMA"]:
+        raise ValueError("the layout path reads through tensor descriptors: USE_TMA cannot be turned off there.")
+    grid = (batch * heads, q_layout.num_tiles, 1) if head_major else (q_layout.num_tiles, batch * heads, 1)
+    options = {name: launch[name] for name in LAUNCH_OPTIONS}
+    return GnaCall(problem, shape, q_tile, kv_tile, layout, return_lse, debug,
+                   PreboundKernel(gna_forward_kernel, grid, arguments, options))
+
+
+def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel can read these tensors where they are: no dilation, descriptors on this device,
+    descriptor-friendly strides and 16-byte aligned starts."""
+    return (all(d == 1 for d in problem.dilation) and has_tensor_descriptors(q.device)
+            and all(descriptor_strides_ok(t) for t in (q, k, v)) and aligned(q, k, v))
+
+
+# -- the cached forward: arguments in, output out --------------------------------------------------------------
+
+MAX_CALLS = 1024  # distinct argument sets kept (a model has a handful of attention shapes)
+_calls: dict = {}
+_warned_cpu = False
+
+
+def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialised output memory (tests replace this to poison outputs)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _freeze(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_tile=None, kv_tile=None,
+            return_lse=False):
+    """GNA forward of `[B, *shape, heads, head_dim]` tensors: `(out, lse)`, `lse` None unless asked.
+
+    The first call with given tensor metadata and arguments validates everything and works the call out
+    (`_prepare`); later ones look it up. Tensor metadata (shapes, dtypes, devices, strides, 16-byte
+    alignment) is part of the key, so a call with other tensors is checked afresh.
+    """
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+           q.stride(), k.stride(), v.stride(), aligned(q, k, v), interpreting(),
+           _freeze(window), _freeze(stride), _freeze(dilation), _freeze(causal), scale, _freeze(q_tile),
+           _freeze(kv_tile), return_lse)
+    run = _calls.get(key)
+    if run is None:
+        run = _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
+        if len(_calls) >= MAX_CALLS:
+            _calls.pop(next(iter(_calls)))
+        _calls[key] = run
+    return run(q, k, v)
+
+
+def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse):
+    """Validate a call and return the function that runs it on tensors like these."""
+    from .checks import check_kernel_inputs, check_qkv, kernel_tiles, problem_of
+    from .tiles import default_tiles
+
+    shape = check_qkv(q, k, v)
+    problem = problem_of(shape, window, stride, dilation, causal)
+    if not (q.is_cuda or interpreting()):
+        return functools.partial(_run_reference, problem=problem, scale=scale, return_lse=return_lse)
+    check_kernel_inputs(q)
+    batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    kernel_problem = problem
+    if q_tile is None and kv_tile is None:
+        kernel_problem = dense_as_1d(problem) or problem
+        q_dims, kv_dims = default_tiles(kernel_problem, head_dim)
+    else:
+        q_dims, kv_dims = kernel_tiles(problem, q_tile, kv_tile)
+    views = tuple(t.reshape(batch, *kernel_problem.shape, heads, head_dim) for t in (q, k, v))
+    layout = takes_layout_path(kernel_problem, *views)
+    call = make_call(kernel_problem, shape, q_dims, kv_dims, batch=batch, heads=heads, head_dim=head_dim,
+                     scale=scale, layout_tensors=views if layout else None, return_lse=return_lse)
+    return call.run
+
+
+def _run_reference(q, k, v, *, problem: Problem, scale, return_lse):
+    """CPU tensors without the interpreter: the exact torch reference, with a one-time warning."""
+    global _warned_cpu
+    from .reference import reference_attention
+
+    if not _warned_cpu:
+        import warnings
+
+        warnings.warn("gna_attention got CPU tensors: running the torch reference (exact but slow); "
+                      "use CUDA tensors for the Triton kernel.", stacklevel=4)
+        _warned_cpu = True
+    result = reference_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
+                                 scale, return_lse)
+    return result if return_lse else (result, None)

@@ -1,0 +1,93 @@
+"""natsim's GPU entry points as PyTorch operators: the one place that knows torch.library.
+
+`natsim::gna_forward` is a custom operator with a fake (meta) implementation, so `torch.compile(...,
+fullgraph=True)` keeps a call in its graph without tracing into Triton, and CUDA graphs capture it like any
+other op. Every argument that selects a kernel variant is a plain int, float or bool list: the host-side
+decisions are made from them, never from tensor values.
+
+Gradients (issue 13): the Triton kernels have no backward pass yet. A call whose inputs require grad under
+grad mode is refused at once on the Triton path, with the ways to get gradients today, instead of returning
+an output that silently drops them. The torch reference (CPU tensors without the interpreter) is
+differentiable: its backward recomputes the reference under autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .backend import use_triton
+from .gna_launch import forward
+
+GRADIENT_REFUSAL = (
+    "natsim's Triton GNA kernel has no backward pass yet, and q, k or v requires grad: the output would "
+    "silently carry no gradient to them. For inference, call it under torch.no_grad() (or "
+    "torch.inference_mode()); for gradients today, run the torch reference on CPU tensors "
+    "(natsim.kernels.reference_attention, or gna_attention on CPU tensors without TRITON_INTERPRET=1)."
+)
+
+
+@torch.library.custom_op("natsim::gna_forward", mutates_args=())
+def gna_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    causal: Sequence[bool],
+    scale: Optional[float],
+    q_tile: Optional[Sequence[int]],
+    kv_tile: Optional[Sequence[int]],
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
+    unless `return_lse`)."""
+    out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
+    return out, (_no_lse(q) if lse is None else lse)
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _no_lse(q: torch.Tensor) -> torch.Tensor:
+    return q.new_empty((0,), dtype=_lse_dtype(q))
+
+
+@gna_forward.register_fake
+def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse):
+    from .checks import check_qkv, problem_of
+
+    problem_of(check_qkv(q, k, v), window, stride, dilation, causal)  # the same sentence errors as eager
+    lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
+    return torch.empty_like(q), lse
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse = inputs
+    if use_triton(q):
+        raise RuntimeError(GRADIENT_REFUSAL)
+    ctx.save_for_backward(q, k, v)
+    ctx.arguments = (window, stride, dilation, causal, scale)
+
+
+def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    """Gradients of the torch reference, recomputed under autograd (CPU path only)."""
+    from .reference import reference_attention
+
+    q, k, v = ctx.saved_tensors
+    window, stride, dilation, causal, scale = ctx.arguments
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = reference_attention(*inputs, window, stride, dilation, causal, scale, return_lse=True)
+        outputs, grads = [out], [grad_out]
+        if grad_lse is not None and grad_lse.numel():
+            outputs.append(lse)
+            grads.append(grad_lse)
+        dq, dk, dv = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+gna_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,86 @@
+"""The tile shapes natsim's GNA kernel runs well, and the default choice among them for one problem.
+
+A kernel tile holds a power-of-two number of tokens (kernels/checks.py says which counts it can run). Which
+(Q tokens, KV tokens) pairs it runs *well* is measured knowledge, kept here so that both `gna_attention`'s
+defaults and the planner's catalog (natsim.planner.tile_catalog) come from one list. Tile shapes are boxes
+with power-of-two sides no longer than the next power of two of their dimension, since a longer side would
+hold only padding. A KV tile is either the Q tile's shape or, for half as many keys, the Q tile halved along
+one dimension (NATTEN's 4x8x8 / 2x8x8 pattern).
+
+`default_tiles` picks, among these, the tiles with the least predicted work for the problem: the simulator's
+exact counts of full and masked tile pairs, weighted by what they cost this kernel relative to each other.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Sequence
+
+from natsim import Problem, TileConfig, simulate
+
+# (Q tokens, KV tokens) per tile worth running, per head_dim; KV tokens equal the Q tokens or half. 64- and
+# 128-token tiles keep the tensor cores busy at these head dims; 256-query tiles spill registers at head_dim 128.
+TILE_TOKENS: dict[int, tuple[tuple[int, int], ...]] = {
+    32: ((128, 128), (128, 64), (64, 64)),
+    64: ((128, 128), (128, 64), (64, 64)),
+    128: ((128, 128), (128, 64), (64, 64)),
+}
+
+# Relative costs of the kernel's work, from its H100 calibration (planner/coefficients/nvidia-h100-80gb-hbm3.json:
+# 1.68e-15 s per full-tile FLOP, 2.13e-15 s per masked-tile FLOP, 0.64 ns per KV tile visit and 4.8 ns per
+# program, per head), in units of one full-tile FLOP. Ratios, not times: they only rank tile shapes.
+MASKED_FLOP_COST = 1.27
+VISIT_COST = 3.8e5
+PROGRAM_COST = 2.9e6
+
+# Tiles for a layout too small for any catalog shape: 128 queries and 128 keys per tile.
+FALLBACK_TILES = {1: ((128,), (128,)), 2: ((16, 8), (16, 8)), 3: ((2, 8, 8), (2, 8, 8))}
+
+
+def box_shapes(tokens: int, limits: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every box of `tokens` tokens with power-of-two sides within `limits`, in a fixed order."""
+    exponent = tokens.bit_length() - 1
+    shapes = []
+    for parts in itertools.product(range(exponent + 1), repeat=len(limits)):
+        if sum(parts) == exponent:
+            shape = tuple(1 << p for p in parts)
+            if all(side <= limit for side, limit in zip(shape, limits)):
+                shapes.append(shape)
+    return shapes
+
+
+def halves(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """`shape` halved along each dimension that has an even side."""
+    return [shape[:i] + (side // 2,) + shape[i + 1 :] for i, side in enumerate(shape) if side > 1]
+
+
+def tile_pairs(shape: Sequence[int], head_dim: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The (Q tile, KV tile) shapes worth running on a token layout `shape` at `head_dim` (may be empty)."""
+    limits = [1 << (length - 1).bit_length() for length in shape]
+    pairs = []
+    for q_tokens, kv_tokens in TILE_TOKENS[head_dim]:
+        for q_shape in box_shapes(q_tokens, limits):
+            kv_shapes = [q_shape] if kv_tokens == q_tokens else halves(q_shape)
+            pairs.extend((q_shape, kv_shape) for kv_shape in kv_shapes)
+    return pairs
+
+
+def relative_cost(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], head_dim: int) -> float:
+    """Predicted work of one head in units of a full-tile FLOP: FLOPs of full and masked tile pairs (padding
+    included), KV tile visits and programs, each at its relative cost."""
+    result = simulate(problem, TileConfig(q_tile, kv_tile))
+    pair_flops = 4.0 * head_dim * math.prod(q_tile) * math.prod(kv_tile)
+    masked = result.visited_tiles - result.full_tiles
+    return (pair_flops * (result.full_tiles + MASKED_FLOP_COST * masked) + VISIT_COST * result.visited_tiles
+            + PROGRAM_COST * result.num_q_tiles)
+
+
+@functools.lru_cache(maxsize=512)
+def default_tiles(problem: Problem, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (Q tile, KV tile) with the least predicted work for `problem` (first in catalog order on ties)."""
+    pairs = tile_pairs(problem.shape, head_dim)
+    if not pairs:
+        return FALLBACK_TILES[problem.ndim]
+    return min(pairs, key=lambda pair: relative_cost(problem, pair[0], pair[1], head_dim))
