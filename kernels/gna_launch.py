@@ -103,6 +103,12 @@ def has_tensor_descriptors(device: torch.device) -> bool:
     return interpreting() or torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def permutes(problem: Problem, descriptors: bool = True) -> bool:
+    """Whether a call of `problem` permutes its tokens (the permuted path): dilation groups, or a GPU without
+    tensor descriptors. Dense-contiguous layouts on Hopper never do."""
+    return not descriptors or any(d > 1 for d in problem.dilation)
+
+
 def descriptor_strides_ok(t: torch.Tensor) -> bool:
     """Descriptors need a contiguous last dimension and every other stride a multiple of 16 bytes."""
     size = t.element_size()
@@ -315,7 +321,7 @@ def make_call(
 def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the kernel can read these tensors where they are: no dilation, descriptors on this device,
     descriptor-friendly strides and 16-byte aligned starts."""
-    return (all(d == 1 for d in problem.dilation) and has_tensor_descriptors(q.device)
+    return (not permutes(problem, has_tensor_descriptors(q.device))
             and all(descriptor_strides_ok(t) for t in (q, k, v)) and aligned(q, k, v))
 
 

@@ -24,6 +24,8 @@ import torch
 
 from natsim import Problem, TileConfig, simulate
 
+from natsim.kernels.gna_launch import has_tensor_descriptors, permutes
+
 from .catalog import as_dtype, dtype_name, element_bytes
 from .costmodel import COEFFICIENTS_DIR, CostModel, gpu_file_name, gpu_of
 from .features import FEATURES, features_of
@@ -76,6 +78,15 @@ PLANNER_LIKE = (
 )
 
 
+# Dilated configurations: the only calls that still permute tokens on GPUs with tensor descriptors, so the
+# only ones that show the permutation's cost. (shape, window, stride, dilation, q_tile, kv_tile); head_dim 128.
+DILATED = (
+    ((30, 48, 80), (9, 12, 12), (1, 4, 4), (1, 2, 2), (2, 8, 8), (2, 8, 8)),
+    ((256, 256), (40, 40), (1, 1), (2, 2), (16, 8), (16, 8)),
+    ((16, 44, 80), (8, 11, 20), (8, 1, 4), (2, 4, 4), (2, 4, 16), (2, 4, 16)),
+)
+
+
 @dataclass(frozen=True)
 class Case:
     """One configuration to time: a GNA problem, its tiles, and the tensor sizes (batch 1)."""
@@ -96,15 +107,19 @@ def calibration_cases() -> list[Case]:
                 cases.append(Case(problem, TileConfig(q_tile, kv_tile), HEADS, head_dim))
     for shape, window, stride, q_tile, kv_tile in PLANNER_LIKE:
         cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile), HEADS, 128))
+    for shape, window, stride, dilation, q_tile, kv_tile in DILATED:
+        cases.append(Case(Problem(shape, window, stride, dilation), TileConfig(q_tile, kv_tile), HEADS, 128))
     return cases
 
 
-def case_features(cases: Sequence[Case], dtype: torch.dtype) -> np.ndarray:
-    """The feature matrix of `cases` (rows in order), from the simulator."""
+def case_features(cases: Sequence[Case], dtype: torch.dtype, descriptors: bool = True) -> np.ndarray:
+    """The feature matrix of `cases` (rows in order), from the simulator. `descriptors`: the GPU has tensor
+    descriptors, so only dilated calls permute tokens (natsim.kernels.gna_launch.permutes)."""
     size = element_bytes(dtype)
     return np.stack(
         [
-            features_of(simulate(c.problem, c.tiles), batch_heads=c.heads, head_dim=c.head_dim, element_bytes=size)
+            features_of(simulate(c.problem, c.tiles), batch_heads=c.heads, head_dim=c.head_dim, element_bytes=size,
+                        permutation=permutes(c.problem, descriptors))
             for c in cases
         ]
     )
@@ -176,7 +191,7 @@ def calibrate(
         )
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     cases = calibration_cases()
-    features = case_features(cases, dtype)
+    features = case_features(cases, dtype, has_tensor_descriptors(device))
     times = []
     for i, case in enumerate(cases):
         times.append(time_case(case, dtype, device))

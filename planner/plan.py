@@ -120,7 +120,7 @@ class Plan:
     `basis` says how configurations were ranked: "cost model" (predicted seconds on `gpu`) or
     "simulated tiles" (no coefficients for the GPU at hand: tile work only, no time prediction).
     `score` / `dense_score` are in the basis' unit: seconds, or token pairs of tile work; the dense
-    reference is self attention on the same layout with the best catalog tile and no permutation.
+    reference is self attention as `gna_attention` runs it: 1-D over the flattened layout, 128-token tiles.
     """
 
     problem: Problem
@@ -151,7 +151,7 @@ class Plan:
 
     @property
     def predicted_time_s(self) -> Optional[float]:
-        """Predicted seconds per call (permutation included) for `heads` heads (one head when None),
+        """Predicted seconds per call (any permutation included) for `heads` heads (one head when None),
         batch 1; None without a cost model."""
         return self.score if self.calibrated else None
 

@@ -21,7 +21,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from natsim import TileConfig, sweep
+from natsim import TileConfig, simulate, sweep
+from natsim.dimension import ceil_div
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 
 from .catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
@@ -31,6 +32,10 @@ from .plan import BASIS_COST_MODEL, BASIS_TILES, Candidate, Plan, Search
 from .windows import candidate_windows, window_sparsity
 
 TIE_TOLERANCE = 0.02
+# Plans have no dilation, so on GPUs with tensor descriptors (those with coefficients) the kernel reads q, k, v
+# in place: no permutation (natsim.kernels.gna_launch.permutes).
+PERMUTES = False
+DENSE_TILE = 128
 RUNNERS_UP = 4
 TOP = 20
 
@@ -85,7 +90,7 @@ class _Scorer:
         self.head_dim = head_dim
         self.element_bytes = element_bytes
 
-    def features(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray, permutation: bool) -> np.ndarray:
+    def features(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray) -> np.ndarray:
         return feature_matrix(
             full_tiles=full,
             visited_tiles=visited,
@@ -97,13 +102,28 @@ class _Scorer:
             batch_heads=self.batch_heads,
             head_dim=self.head_dim,
             element_bytes=self.element_bytes,
-            permutation=permutation,
+            permutation=PERMUTES,
         )
 
-    def score(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray, permutation: bool = True) -> np.ndarray:
+    def score(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray) -> np.ndarray:
         if self.cost_model is None:
             return visited * (self.tile["q_tokens"][tile_index] * self.tile["kv_tokens"][tile_index]).astype(np.float64)
-        return self.cost_model.predict(self.features(tile_index, visited, full, permutation))
+        return self.cost_model.predict(self.features(tile_index, visited, full))
+
+    def dense_score(self) -> float:
+        """Dense self attention as `gna_attention` runs it: 1-D over the flattened layout, 128-token tiles."""
+        n = self.tokens
+        result = simulate(Problem((n,), (n,)), TileConfig(DENSE_TILE, DENSE_TILE, tiling="1d"))
+        if self.cost_model is None:
+            return float(result.visited_tiles * DENSE_TILE * DENSE_TILE)
+        padded = ceil_div(n, DENSE_TILE) * DENSE_TILE
+        features = feature_matrix(
+            full_tiles=np.array([result.full_tiles]), visited_tiles=np.array([result.visited_tiles]),
+            q_tokens=np.array([DENSE_TILE]), kv_tokens=np.array([DENSE_TILE]), q_padded=np.array([padded]),
+            kv_padded=np.array([padded]), tokens=n, batch_heads=self.batch_heads, head_dim=self.head_dim,
+            element_bytes=self.element_bytes, permutation=False,
+        )
+        return float(self.cost_model.predict(features)[0])
 
 
 def _runner_up_rows(rows: dict, scores: np.ndarray, chosen: int) -> list[int]:
@@ -237,12 +257,11 @@ def best(
         )
 
     winner = candidate(chosen)
-    dense = sweep(r.shape, r.shape, strides=[(1,) * len(r.shape)], causal=r.causal, tiles=catalog)
     breakdown = {}
     if r.cost_model is not None:
         picked = [chosen]
         breakdown = r.cost_model.breakdown(
-            scorer.features(rows["tile_index"][picked], rows["visited_tiles"][picked], rows["full_tiles"][picked], True)[0]
+            scorer.features(rows["tile_index"][picked], rows["visited_tiles"][picked], rows["full_tiles"][picked])[0]
         )
     return Plan(
         problem=Problem(r.shape, winner.window, winner.stride, causal=r.causal),
@@ -254,7 +273,7 @@ def best(
         gpu=r.gpu,
         basis=BASIS_COST_MODEL if r.cost_model is not None else BASIS_TILES,
         score=winner.score,
-        dense_score=float(scorer.score(dense.tile_index, dense.visited_tiles, dense.full_tiles, permutation=False).min()),
+        dense_score=scorer.dense_score(),
         breakdown=breakdown,
         runners_up=tuple(candidate(row) for row in _runner_up_rows(rows, scores, chosen)),
         search=Search(
