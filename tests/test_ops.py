@@ -1,0 +1,241 @@
+"""GNA as real models call it: the registered operator under torch.compile, gradients refused or right,
+autocast, the in-place (layout) and permuted data paths, and the default tiles.
+
+On this CPU machine the Triton kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
+tests that need the torch reference path turn the interpreter off for the call (`use_triton` reads it per call).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import natsim
+from natsim import planner
+from natsim.kernels import gna_attention, gna_launch, reference_attention
+from natsim.kernels.ops import GRADIENT_REFUSAL
+from natsim.kernels.tiles import default_tiles, tile_pairs
+from natsim.planner.costmodel import CostModel
+from natsim.planner.features import features_of
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ARGS = dict(window=(3, 4, 2), stride=(1, 2, 2), causal=(True, False, False))
+SHAPE = (4, 6, 5)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def qkv(shape=SHAPE, heads=2, head_dim=32, dtype=torch.float16, **kwargs):
+    return [torch.randn(1, *shape, heads, head_dim, device=DEVICE, **kwargs).to(dtype) for _ in range(3)]
+
+
+@pytest.fixture
+def reference_path(monkeypatch):
+    """CPU tensors take the torch reference (no interpreter) for the duration of a test."""
+    if DEVICE == "cuda":
+        pytest.skip("the reference path is the CPU path")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(gna_launch, "_warned_cpu", True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gradients: refused on the Triton path, right on the reference path
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_kernel_path_refuses_inputs_that_require_grad(which):
+    q, k, v = qkv()
+    dict(q=q, k=k, v=v)[which].requires_grad_()
+    with pytest.raises(RuntimeError, match="no backward pass yet") as error:
+        gna_attention(q, k, v, **ARGS)
+    assert "torch.no_grad()" in str(error.value) and "reference" in str(error.value)
+
+
+def test_kernel_path_runs_under_no_grad_and_inference_mode():
+    q, k, v = (t.requires_grad_() for t in qkv())
+    ref = reference_attention(*(t.detach().double() for t in (q, k, v)), **ARGS)
+    with torch.no_grad():
+        assert rel_error(gna_attention(q, k, v, **ARGS), ref) < 5e-3
+    with torch.inference_mode():
+        assert rel_error(gna_attention(q.detach(), k.detach(), v.detach(), **ARGS), ref) < 5e-3
+
+
+def test_a_plan_refuses_inputs_that_require_grad():
+    plan = planner.best((8, 16), 0.5, head_dim=32, dtype=torch.float16, device="cpu")
+    q, k, v = qkv((8, 16))
+    k.requires_grad_()
+    with pytest.raises(RuntimeError, match=GRADIENT_REFUSAL[:40]):
+        plan(q, k, v)
+
+
+def test_reference_path_gradients_equal_autograd_through_the_reference(reference_path):
+    q, k, v = (t.requires_grad_() for t in qkv(dtype=torch.float64))
+    out, lse = gna_attention(q, k, v, **ARGS, return_lse=True)
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse))
+    ref_out, ref_lse = reference_attention(q, k, v, **ARGS, return_lse=True)
+    want = torch.autograd.grad((ref_out, ref_lse), (q, k, v), (grad_out, grad_lse))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_reference_path_passes_gradcheck(reference_path):
+    q, k, v = (t.requires_grad_() for t in qkv((3, 4), heads=1, head_dim=4, dtype=torch.float64))
+    assert torch.autograd.gradcheck(lambda q, k, v: gna_attention(q, k, v, (2, 3), (1, 2)), (q, k, v))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True): no graph break, same output as eager
+
+
+def _model(q, k, v):
+    out = gna_attention(q * 2.0, k, v, **ARGS)
+    return out, out.float().sum(-1) + 1.0
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_compiled_fullgraph_equals_eager_without_graph_breaks(path, request):
+    if path == "reference":
+        request.getfixturevalue("reference_path")
+    torch._dynamo.reset()
+    q, k, v = qkv()
+    explanation = torch._dynamo.explain(_model)(q, k, v)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(_model, fullgraph=True)
+    (out, total), (eager_out, eager_total) = compiled(q, k, v), _model(q, k, v)
+    assert torch.equal(out, eager_out)  # the same kernel on the same inputs
+    torch.testing.assert_close(total, eager_total)  # Inductor may sum in another order
+
+
+def test_compiled_plan_equals_eager():
+    torch._dynamo.reset()
+    plan = planner.best((8, 16), 0.6, head_dim=32, dtype=torch.float16, device="cpu")
+    q, k, v = qkv((8, 16))
+    compiled = torch.compile(lambda q, k, v: plan(q, k, v), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), plan(q, k, v), rtol=0, atol=0)
+
+
+def test_compiled_call_reports_bad_arguments_as_sentences():
+    torch._dynamo.reset()
+    q, k, v = qkv()
+    compiled = torch.compile(lambda q, k, v: gna_attention(q, k, v, window=(3, 4, 2), stride=(4, 1, 1)),
+                             fullgraph=True)
+    with pytest.raises(Exception, match="stride cannot be larger than window"):
+        compiled(q, k, v)
+
+
+def test_autocast_casts_float32_inputs_to_the_region_dtype():
+    q, k, v = qkv(dtype=torch.float32)
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        out = gna_attention(q, k, v, **ARGS)
+    assert out.dtype == torch.float16
+    assert rel_error(out, reference_attention(q.double(), k.double(), v.double(), **ARGS)) < 5e-3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data paths and repeated calls
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """The same values starting 2 bytes past a 16-byte boundary (forces the permuted path)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16
+    return view
+
+
+@pytest.mark.parametrize("shape, window, stride, tile", [
+    ((5, 6, 7), (3, 4, 2), (1, 2, 2), (2, 4, 2)),   # padding in every dimension
+    ((9, 11), (4, 5), (2, 1), (4, 4)),
+    ((40,), 8, 1, 16),
+])
+def test_layout_and_permuted_paths_compute_the_same_output(shape, window, stride, tile):
+    q, k, v = qkv(shape)
+    layout = gna_attention(q, k, v, window, stride, q_tile=tile, kv_tile=tile)
+    permuted = gna_attention(*(_misaligned(t) for t in (q, k, v)), window, stride, q_tile=tile, kv_tile=tile)
+    torch.testing.assert_close(layout, permuted, rtol=0, atol=2e-3)
+    ref = reference_attention(q.double(), k.double(), v.double(), window, stride)
+    assert rel_error(layout, ref) < 5e-3
+
+
+def test_non_contiguous_inputs_read_in_place_match_the_reference():
+    """q, k, v as slices of one fused qkv projection: strided heads, read where they are."""
+    qkv_fused = torch.randn(1, *SHAPE, 3, 2, 32, device=DEVICE).half()
+    q, k, v = qkv_fused.unbind(dim=-3)
+    out = gna_attention(q, k, v, **ARGS)
+    ref = reference_attention(q.double(), k.double(), v.double(), **ARGS)
+    assert rel_error(out, ref) < 5e-3
+
+
+def test_repeated_calls_use_the_new_tensors_and_one_cached_call():
+    gna_launch._calls.clear()
+    first = qkv()
+    second = qkv()
+    out_first = gna_attention(*first, **ARGS)
+    out_second = gna_attention(*second, **ARGS)
+    assert len(gna_launch._calls) == 1
+    for out, inputs in ((out_first, first), (out_second, second)):
+        assert rel_error(out, reference_attention(*(t.double() for t in inputs), **ARGS)) < 5e-3
+
+
+def test_dense_attention_with_default_tiles_runs_over_the_flattened_sequence():
+    shape = (3, 5, 7)  # 105 tokens: one padded 128-token tile instead of padding in every dimension
+    q, k, v = qkv(shape)
+    out, lse = gna_attention(q, k, v, shape, return_lse=True)
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), shape, return_lse=True)
+    assert rel_error(out, ref) < 5e-3 and torch.allclose(lse.double(), ref_lse, atol=1e-2)
+    assert gna_launch.dense_as_1d(natsim.Problem(shape, shape)) == natsim.Problem((105,), (105,))
+    assert gna_launch.dense_as_1d(natsim.Problem(shape, shape, causal=(True, False, False))) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Default tiles: as good as the planner's choice for the same window and stride
+
+
+H100 = CostModel.load(planner.costmodel.COEFFICIENTS_DIR / "nvidia-h100-80gb-hbm3.json")
+
+
+@pytest.mark.parametrize("shape, window, stride", [
+    ((30, 48, 80), (18, 24, 24), (16, 8, 8)),
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1)),
+    ((21, 45, 80), (9, 21, 40), (3, 7, 8)),
+    ((16, 44, 80), (16, 24, 16), (1, 8, 16)),
+    ((13, 60, 90), (7, 20, 30), (1, 4, 6)),
+    ((256, 256), (80, 80), (16, 16)),
+    ((90, 160), (32, 48), (1, 1)),
+    ((32768,), (2048,), (256,)),
+])
+def test_default_tiles_are_within_5_percent_of_the_planners_best(shape, window, stride):
+    """Predicted by the shipped H100 cost model: the default against every catalog tile for this problem."""
+    problem = natsim.Problem(shape, window, stride)
+
+    def predicted(q_tile, kv_tile):
+        result = natsim.simulate(problem, natsim.TileConfig(q_tile, kv_tile))
+        return float(H100.predict(features_of(result, batch_heads=24, head_dim=128, element_bytes=2,
+                                              permutation=False)))
+
+    best = min(predicted(q, kv) for q, kv in tile_pairs(shape, 128))
+    assert predicted(*default_tiles(problem, 128)) <= 1.05 * best
+
+
+def test_default_tiles_fall_back_on_layouts_smaller_than_any_catalog_tile():
+    assert not tile_pairs((10,), 128)
+    assert default_tiles(natsim.Problem((10,), 3), 128) == ((128,), (128,))
+    q, k, v = qkv((10,))
+    ref = reference_attention(q.double(), k.double(), v.double(), 3)
+    assert rel_error(gna_attention(q, k, v, 3), ref) < 5e-3
+
+
+def test_catalog_and_kernel_defaults_share_one_tile_list():
+    shape = (21, 45, 80)
+    pairs = {(t.q_tile, t.kv_tile) for t in planner.tile_catalog(shape, 128)}
+    assert pairs == set(tile_pairs(shape, 128))
+    assert default_tiles(natsim.Problem(shape, (9, 21, 40), (3, 7, 8)), 128) in pairs
+    assert math.prod(default_tiles(natsim.Problem(shape, (9, 21, 40)), 128)[0]) in (64, 128)
+    assert np.isfinite(H100.vector).all()
