@@ -77,3 +77,81 @@ def test_permute_round_trip_at_real_size():
     for tile in [(2, 8, 8), (4, 8, 8), (3, 5, 7)]:
         y = permute(x, tile)
         assert torch.equal(unpermute(y, (30, 48, 80), tile), x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# As real models call it: default tiles on layouts the tiles do not divide, torch.compile, CUDA graphs,
+# gradients refused, the in-place and permuted paths.
+
+PADDED = [
+    # shape, window, stride (default tiles; dense runs over the flattened sequence)
+    ((21, 45, 80), (9, 21, 40), (1, 1, 1)),
+    ((21, 45, 80), (9, 21, 40), (3, 7, 8)),
+    ((21, 45, 80), (21, 45, 80), (1, 1, 1)),
+    ((16, 44, 80), (16, 24, 16), (1, 8, 16)),
+    ((13, 60, 90), (7, 20, 30), (1, 4, 6)),
+]
+
+
+@pytest.mark.parametrize("case", PADDED, ids=lambda c: "x".join(map(str, c[0])) + "-s" + "x".join(map(str, c[2])))
+def test_default_tiles_on_padded_layouts_match_float64_reference(case):
+    shape, window, stride = case
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, *shape, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = gna_attention(q, k, v, window, stride, return_lse=True)
+    ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), window, stride, return_lse=True)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.bfloat16]
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-2
+
+
+def _block(q, k, v):
+    return gna_attention(q, k, v, (9, 21, 40), (3, 7, 8)) * 2.0
+
+
+def test_compile_fullgraph_and_cuda_graphs_equal_eager():
+    q, k, v = (torch.randn(2, 21, 45, 80, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    eager = _block(q, k, v)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(_block)(q, k, v).graph_break_count == 0
+    compiled = torch.compile(_block, fullgraph=True)
+    assert torch.equal(compiled(q, k, v), eager)
+    graphed = torch.compile(_block, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        assert torch.equal(graphed(q, k, v), eager)
+    graph = torch.cuda.CUDAGraph()
+    static = [t.clone() for t in (q, k, v)]
+    with torch.cuda.graph(graph):
+        captured = _block(*static)
+    for t, fresh in zip(static, (torch.randn_like(q) for _ in range(3))):
+        t.copy_(fresh)
+    graph.replay()
+    assert torch.equal(captured, _block(*static))
+
+
+def test_autocast_on_cuda():
+    q, k, v = (torch.randn(1, 12, 20, 24, 3, 64, device="cuda") for _ in range(3))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = gna_attention(q, k, v, (5, 7, 9), (1, 2, 3))
+    ref = reference_attention(q.double(), k.double(), v.double(), (5, 7, 9), (1, 2, 3))
+    assert out.dtype == torch.bfloat16 and ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_cuda_inputs_that_require_grad_are_refused():
+    q, k, v = (torch.randn(1, 12, 20, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    with pytest.raises(RuntimeError, match="no backward pass yet"):
+        gna_attention(q, k, v, (5, 7))
+    with torch.no_grad():
+        gna_attention(q, k, v, (5, 7))
+
+
+def test_layout_path_equals_permuted_path_at_real_size():
+    shape, window, stride, tile = (30, 48, 80), (18, 24, 24), (1, 8, 8), (2, 8, 8)
+    q, k, v = (torch.randn(1, *shape, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    problem = natsim.Problem(shape, window, stride)
+    in_place = gna_attention(q, k, v, window, stride, q_tile=tile, kv_tile=tile)
+    from natsim.kernels import gna_attention_permuted
+
+    permuted = unpermute(gna_attention_permuted(*(permute(t, tile) for t in (q, k, v)), problem, tile, tile),
+                         shape, tile)
+    assert ((in_place.float() - permuted.float()).norm() / permuted.float().norm()).item() < 1e-3
