@@ -145,7 +145,6 @@ def hunyuan_section(record: dict) -> None:
     }
     variants = {
         "masked kernel forced, 8 warps, 3 stages": dict(MASKED=True, WARP_SPECIALIZE=False, num_warps=8, num_stages=3),
-        "warp-specialized, 3 stages": dict(num_stages=3),
     }
     for label, options in variants.items():
         try:

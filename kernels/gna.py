@@ -98,10 +98,10 @@ def _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_kn, stride
              TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
              USE_TMA: tl.constexpr, LAYOUT: tl.constexpr):
     """K transposed (`[head_dim, BLOCK_N]`) and V (`[BLOCK_N, head_dim]`) of KV tile (k0, k1, k2), linear index
-    `tile` in the permuted order: a box of the token layout through rank-4 descriptors (LAYOUT), a run of the
-    permuted sequence through rank-2 descriptors, or pointer tiles `k_base` / `v_base`."""
+    `tile` in the permuted order: a box of the token layout through rank-4 descriptors (LAYOUT 1), a run of
+    the sequence through rank-2 descriptors, or pointer tiles `k_base` / `v_base`."""
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
-    if LAYOUT:
+    if LAYOUT == 1:
         corner = [k0 * TK0, k1 * TK1, k2 * TK2, 0]
         k = k_desc.load(corner).reshape([BLOCK_N, HEAD_DIM]).T
         v = v_desc.load(corner).reshape([BLOCK_N, HEAD_DIM])
@@ -139,7 +139,7 @@ def gna_forward_kernel(
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr,
     MASKED: tl.constexpr = True, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
-    HEAD_MAJOR: tl.constexpr = False, LAYOUT: tl.constexpr = False,
+    HEAD_MAJOR: tl.constexpr = False, LAYOUT: tl.constexpr = 0,
 ):
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
@@ -186,7 +186,13 @@ def gna_forward_kernel(
     c0 = cols // (TK1 * TK2)
     c1 = (cols // TK2) % TK1
     c2 = cols % TK2
-    if LAYOUT:  # q, k, v, o are [B, L0, L1, L2, heads, head_dim]: tiles are boxes, padding is out of bounds
+    if LAYOUT == 2:  # a 1-D layout read in place: rows past its end read zeros, stores there are dropped
+        q_rows = L2
+        kv_rows = L2
+    else:  # permuted sequences: every group padded to whole tiles
+        q_rows = num_q_tiles * BLOCK_M
+        kv_rows = D0 * D1 * D2 * kv_tiles_per_group * BLOCK_N
+    if LAYOUT == 1:  # q, k, v, o are [B, L0, L1, L2, heads, head_dim]: tiles are boxes, padding is out of bounds
         q_desc = _layout_descriptor(Q + b * stride_qb + h * stride_qh, L0, L1, L2, stride_q0, stride_q1, stride_q2,
                                     TQ0, TQ1, TQ2, HEAD_DIM)
         k_desc = _layout_descriptor(K + b * stride_kb + h * stride_kh, L0, L1, L2, stride_k0, stride_k1, stride_k2,
@@ -196,13 +202,12 @@ def gna_forward_kernel(
         q = q_desc.load([first0, first1, first2, 0]).reshape([BLOCK_M, HEAD_DIM])
         k_base = K  # unused: loads go through the descriptors
         v_base = V
-    elif USE_TMA:  # permuted [B, tokens, heads, head_dim]: tiles are runs of BLOCK_M / BLOCK_N tokens
-        q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[num_q_tiles * BLOCK_M, HEAD_DIM],
+    elif USE_TMA:  # [B, tokens, heads, head_dim]: tiles are runs of BLOCK_M / BLOCK_N tokens
+        q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_rows, HEAD_DIM],
                                            strides=[stride_q2, 1], block_shape=[BLOCK_M, HEAD_DIM])
-        kv_tokens = D0 * D1 * D2 * kv_tiles_per_group * BLOCK_N
-        k_desc = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[kv_tokens, HEAD_DIM],
+        k_desc = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[kv_rows, HEAD_DIM],
                                            strides=[stride_k2, 1], block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[kv_tokens, HEAD_DIM],
+        v_desc = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[kv_rows, HEAD_DIM],
                                            strides=[stride_v2, 1], block_shape=[BLOCK_N, HEAD_DIM])
         q = q_desc.load([q_row0, 0])
         k_base = K  # unused: loads go through the descriptors
@@ -309,12 +314,12 @@ def gna_forward_kernel(
     # Padding queries (and only they) can end with no key at all: give them zeros, not 0 / 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
-    if LAYOUT:
+    if LAYOUT == 1:
         o_desc = _layout_descriptor(O + b * stride_ob + h * stride_oh, L0, L1, L2, stride_o0, stride_o1, stride_o2,
                                     TQ0, TQ1, TQ2, HEAD_DIM)
         o_desc.store([first0, first1, first2, 0], out.reshape([TQ0, TQ1, TQ2, HEAD_DIM]))
     elif USE_TMA:
-        o_desc = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[num_q_tiles * BLOCK_M, HEAD_DIM],
+        o_desc = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[q_rows, HEAD_DIM],
                                            strides=[stride_o2, 1], block_shape=[BLOCK_M, HEAD_DIM])
         o_desc.store([q_row0, 0], out)
     else:
@@ -322,16 +327,16 @@ def gna_forward_kernel(
         tl.store(o_ptrs + dims[None, :], out)
     if WRITE_LSE:
         lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
-        if LAYOUT:  # [B, L0, L1, L2, heads], padding rows dropped
+        if LAYOUT == 1:  # [B, L0, L1, L2, heads], padding rows dropped
             x0 = first0 + rows // (TQ1 * TQ2)
             x1 = first1 + (rows // TQ2) % TQ1
             x2 = first2 + rows % TQ2
             tokens = ((x0 * L1 + x1) * L2 + x2).to(tl.int64)
             real = (x0 < L0) & (x1 < L1) & (x2 < L2)
             tl.store(LSE + (b * L0 * L1 * L2 + tokens) * heads + h, lse, mask=real)
-        else:
+        else:  # [B, q_rows, heads]
             tokens = (q_row0 + rows).to(tl.int64)
-            tl.store(LSE + (b * num_q_tiles * BLOCK_M + tokens) * heads + h, lse)
+            tl.store(LSE + (b * q_rows + tokens) * heads + h, lse, mask=tokens < q_rows)
     if DEBUG:
         if bh == 0:
             tl.store(COUNTS + 2 * q_tile, num_kv)

@@ -276,8 +276,14 @@ def make_call(
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     masked = needs_mask(problem, q_tile, kv_tile)
+    layout = layout_tensors is not None
+    # The kernel's LAYOUT switch: 0 permuted sequences; 1 the token layout in rank-4 boxes; 2 a 1-D layout in
+    # place, through the same rank-2 descriptors as permuted sequences. Triton 3.6 cannot warp-specialize a
+    # loop that loads through rank-4 descriptors (its warp-specialization pass fails), so LAYOUT 1 runs the
+    # single-partition loop.
+    mode = 0 if not layout else (2 if problem.ndim == 1 else 1)
     launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim, masked, True,
-                           specialize=not (return_lse or debug))
+                           specialize=not (return_lse or debug) and mode != 1)
     launch.update(options or {})
     if masked and not launch["MASKED"]:
         raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
@@ -285,7 +291,6 @@ def make_call(
     if launch["USE_TMA"]:
         _install_allocator()
     head_major = launch.pop("HEAD_MAJOR", False)
-    layout = layout_tensors is not None
     if layout:
         strides = [(t.stride(0), *_token_strides(t, problem.ndim), t.stride(-2)) for t in layout_tensors]
         contiguous = torch.empty((batch, *problem.shape, heads, head_dim), device="meta")
@@ -307,7 +312,7 @@ def make_call(
         **dict(zip(("C0", "C1", "C2"), as_3d(problem.causal, False))),
         **dict(zip(("TQ0", "TQ1", "TQ2"), q_layout.tile)),
         **dict(zip(("TK0", "TK1", "TK2"), kv_layout.tile)),
-        HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug, HEAD_MAJOR=head_major, LAYOUT=layout,
+        HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug, HEAD_MAJOR=head_major, LAYOUT=mode,
         **{name: value for name, value in launch.items() if name not in LAUNCH_OPTIONS},
     )
     if layout and not arguments["USE_TMA"]:
