@@ -10,6 +10,7 @@ from typing import Callable, List, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from natsim import Problem, TileConfig, default_tile_catalog, simulate, sweep
@@ -63,6 +64,25 @@ def reports_bad_input(command: Callable) -> Callable:
             raise typer.Exit(code=2) from None
 
     return wrapper
+
+
+class ListsGpusInHelp(TyperCommand):
+    """A command whose --help ends with the GPUs that have cost-model coefficients (for --device).
+
+    The list comes from the coefficient files when the help is shown: reading them needs natsim.planner,
+    which imports torch, too slow to do on every start of `natsim`.
+    """
+
+    def format_help(self, ctx, formatter) -> None:
+        from rich.markup import escape
+
+        from natsim.planner.costmodel import describe_gpus, known_gpus
+
+        self.epilog = escape(
+            f"GPUs with cost-model coefficients, for --device: {describe_gpus(known_gpus())}. --device takes a "
+            "GPU's full name (any case) or its alias, and needs no GPU present."
+        )
+        super().format_help(ctx, formatter)
 
 
 def _problem_options(shape: str, window: str, dilation: str, causal: str) -> dict:

@@ -33,9 +33,9 @@ def _end_to_end(plan, attention_share: Optional[float], dense_steps: Optional[in
 
 def register(app: typer.Typer) -> None:
     """Add the `plan` command to `app`."""
-    from .main import out, reports_bad_input  # the app's console and error convention (imported late: main registers us)
+    from .main import ListsGpusInHelp, out, reports_bad_input  # the app's conventions (imported late: main registers us)
 
-    @app.command("plan")
+    @app.command("plan", cls=ListsGpusInHelp)
     @reports_bad_input
     def plan_command(
         shape: str = typer.Option(..., "--shape", help="Token layout, e.g. 30x48x80 (frames x height x width)."),
@@ -46,7 +46,10 @@ def register(app: typer.Typer) -> None:
         causal: str = typer.Option("0", "--causal", help="Causal per dimension as 0/1, e.g. 1x0x0 for causal in time."),
         window: Optional[str] = typer.Option(None, "--window", help="Keep this window (e.g. 18x24x24) and choose only stride and tiles."),
         max_stride: Optional[str] = typer.Option(None, "--max-stride", help="Largest stride per dimension, e.g. 1x8x8."),
-        device: Optional[str] = typer.Option(None, "--device", help="GPU whose coefficients rank the plans (default: the current CUDA device)."),
+        device: Optional[str] = typer.Option(
+            None, "--device",
+            help="GPU whose coefficients rank the plans: a torch device (cuda:1; default: the current CUDA device), or the name or alias of a GPU listed below (h100), which need not be present.",
+        ),
         coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
         attention_share: Optional[float] = typer.Option(None, "--attention-share", help="Share of end-to-end time spent in attention, for the end-to-end estimate."),
         dense_steps: Optional[int] = typer.Option(None, "--dense-steps", help="Diffusion steps kept dense (default 0)."),

@@ -29,7 +29,7 @@ from natsim.planner import (
     tile_catalog,
 )
 from natsim.planner.calibrate import calibration_cases, case_features
-from natsim.planner.costmodel import gpu_file_name
+from natsim.planner.costmodel import describe_gpus, gpu_file_name, gpu_of, known_gpus, user_coefficients_dir
 from natsim.planner.search import choose, stride_candidates
 from natsim.planner.windows import ASPECT_LIMIT, DENSITY_SLACK, attended_pairs_stride1, candidate_windows
 
@@ -166,6 +166,66 @@ def test_cost_model_files_round_trip_and_are_found_by_gpu_name(tmp_path):
     assert cost_model_for("Some Other GPU", tmp_path) is None and cost_model_for(None, tmp_path) is None
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("device", ["h100", "H100", H100, H100.lower(), "nvidia-h100-80gb-hbm3", "h100 80gb"])
+def test_a_shipped_gpu_is_named_by_its_full_name_or_an_alias_without_that_gpu(device):
+    assert gpu_of(device) == H100
+    plan = best((30, 48, 80), 0.9, heads=24, device=device)
+    assert plan.calibrated and plan.gpu == H100
+    row = features_of(plan.simulation, batch_heads=24, head_dim=128, element_bytes=2)
+    assert plan.predicted_time_s == pytest.approx(float(cost_model_for(H100).predict(row)), rel=1e-12)
+
+
+def test_gpu_names_are_whole_words_and_must_pick_one_gpu():
+    CostModel("NVIDIA H100 PCIe", COEFFICIENTS).save(user_coefficients_dir() / gpu_file_name("NVIDIA H100 PCIe"))
+    assert known_gpus() == [H100, "NVIDIA H100 PCIe"]
+    assert describe_gpus(known_gpus()) == f"{H100} (--device h100-80gb), NVIDIA H100 PCIe (--device h100-pcie)"
+    assert gpu_of("h100-pcie") == gpu_of("H100 PCIe") == "NVIDIA H100 PCIe" and gpu_of("h100 80GB") == H100
+    with pytest.raises(ValueError, match=r"device='h100' matches more than one GPU with cost-model coefficients"):
+        gpu_of("h100")
+    with pytest.raises(ValueError, match=r"or a GPU with cost-model coefficients \(NVIDIA H100 80GB HBM3 \(--device h100-80gb\), "):
+        gpu_of("h10")  # a part of a word names nothing
+
+
+def test_a_gpu_without_coefficients_does_not_borrow_another_gpus_and_the_report_names_them(monkeypatch):
+    """On an H200 with only H100 coefficients shipped the plan ranks by tiles and says which it could use."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    plan = best((30, 48, 80), 0.9, heads=24)
+    assert plan.gpu == "NVIDIA H200" and not plan.calibrated and plan.predicted_time_s is None
+    text = " ".join(render(plan.explain()).split())
+    assert "No cost-model coefficients for NVIDIA H200: configurations were ranked by simulated tile work alone" in text
+    assert f"Coefficients exist for {H100} (--device h100)" in text
+    assert best((30, 48, 80), 0.9, heads=24, device="h100").calibrated
+
+
+def test_the_user_coefficient_folder_follows_natsim_data_dir_then_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert user_coefficients_dir() == tmp_path / "data" / "coefficients"
+    monkeypatch.delenv("NATSIM_DATA_DIR")
+    assert user_coefficients_dir() == tmp_path / "xdg" / "natsim" / "coefficients"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_coefficients_dir() == tmp_path / "home" / ".local" / "share" / "natsim" / "coefficients"
+
+
+def test_the_planner_looks_in_the_user_folder_before_the_shipped_coefficients():
+    from natsim.planner.costmodel import COEFFICIENTS_DIR
+
+    shipped = cost_model_for(H100)
+    assert shipped is not None and shipped == CostModel.load(COEFFICIENTS_DIR / gpu_file_name(H100))
+    mine = CostModel(H100, COEFFICIENTS).save(user_coefficients_dir() / gpu_file_name(H100))
+    assert cost_model_for(H100) == CostModel.load(mine) != shipped
+    assert known_gpus() == [H100]
+    plan = best((30, 48, 80), 0.9, heads=24, device="h100")
+    row = features_of(plan.simulation, batch_heads=24, head_dim=128, element_bytes=2)
+    assert plan.predicted_time_s == pytest.approx(float(CostModel.load(mine).predict(row)), rel=1e-12)
+
+
 @pytest.mark.parametrize(
     "coefficients, message",
     [
@@ -231,6 +291,8 @@ def test_a_plan_runs_gna_attention_with_exactly_its_settings():
         (((30, 48, 80), 0.9), {"cost_model": {"launch": 1}}, TypeError, "cost_model must be a natsim.planner.CostModel"),
         (((0, 8), 0.5), {}, ValueError, "every dimension of shape must be at least 1"),
         (((30, 48, 80), 0.9), {"device": "tpu-ish"}, ValueError, "device must name a torch device"),
+        (((30, 48, 80), 0.9), {"device": "NVIDIA H200"}, ValueError,
+         r"or a GPU with cost-model coefficients \(NVIDIA H100 80GB HBM3 \(--device h100\)\), got device='NVIDIA H200'."),
     ],
 )
 def test_bad_arguments_raise_clear_errors(args, kwargs, error, message):
@@ -343,7 +405,7 @@ def test_calibrate_times_every_case_and_fits_them(monkeypatch):
     for name in FEATURES:
         assert result.model.coefficients[name] == pytest.approx(COEFFICIENTS[name], rel=1e-6)
     assert result.model.info["max_abs_relative_error"] < 1e-9
-    assert calibration.default_path("Fake GPU").name == "fake-gpu.json"
+    assert calibration.default_path("Fake GPU") == user_coefficients_dir() / "fake-gpu.json"
 
 
 def test_calibrate_leaves_host_bound_cases_out_of_the_fit(monkeypatch):
