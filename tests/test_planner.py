@@ -251,6 +251,24 @@ def test_plans_round_trip_through_json(cost_model):
     assert again.simulation == plan.simulation
 
 
+def test_reading_a_plan_from_text_that_is_not_one_is_a_clear_value_error():
+    record = best((16, 44, 80), 0.9).to_dict()
+    text = json.dumps(record, indent=2)
+    cases = [
+        ("not json", r"Plan.from_json expects a plan JSON document \(format 'natsim-plan/1', as written by "
+                     r"Plan.to_json\), but parsing failed at line 1, column 1: Expecting value."),
+        (text[: text.index('"basis"')], r"parsing failed at line \d+, column \d+"),
+        ("[1, 2]", r"a plan must be a JSON object with format 'natsim-plan/1' .*got a value of type list."),
+        (json.dumps({k: v for k, v in record.items() if k != "basis"}), "must have the key 'basis', which is missing."),
+        (json.dumps({k: v for k, v in record.items() if k not in ("score", "search")}), "the keys 'score', 'search', which are missing."),
+        (json.dumps({**record, "tiles": {"q_tile": [1, 8, 8]}}), "a plan's 'tiles' must have the key 'kv_tile', which is missing."),
+        (json.dumps({**record, "search": {**record["search"], "top": [{"window": [1, 1, 1]}]}}), "a plan's 'search' must have the key 'stride'"),
+    ]
+    for text, message in cases:
+        with pytest.raises(ValueError, match=message):
+            Plan.from_json(text)
+
+
 def test_a_plan_runs_gna_attention_with_exactly_its_settings():
     torch.manual_seed(0)
     plan = best((4, 8, 8), 0.5, heads=2, head_dim=32, dtype=torch.float16)
