@@ -10,12 +10,13 @@ from typing import Callable, List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperCommand
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from natsim import Problem, TileConfig, default_tile_catalog, simulate, sweep
 
-from .output import figures_table, fmt_dims, plot_speedups, print_json, results_table
+from .output import check_plot_path, figures_table, fmt_dims, plot_speedups, print_json, results_table
 from .parsing import CliInputError, broadcast, parse_dims, parse_flags, parse_strides
 
 app = typer.Typer(
@@ -60,7 +61,7 @@ def reports_bad_input(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except (CliInputError, ValueError, TypeError) as error:
-            err.print(f"[red]error:[/red] {error}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=2) from None
 
     return wrapper
@@ -74,8 +75,6 @@ class ListsGpusInHelp(TyperCommand):
     """
 
     def format_help(self, ctx, formatter) -> None:
-        from rich.markup import escape
-
         from natsim.planner.costmodel import describe_gpus, known_gpus
 
         self.epilog = escape(
@@ -163,6 +162,8 @@ def sweep_command(
 
     Example: natsim sweep --shape 30x48x80 --window 18x24x24 --q-tile 4x8x8 --kv-tile 2x8x8
     """
+    if plot is not None:
+        check_plot_path(plot)
     options = _problem_options(shape, window, dilation, causal)
     ndim = len(options["shape"])
     strides = parse_strides(stride)

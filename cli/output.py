@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -71,8 +72,8 @@ def figures_table(result: SimResult) -> Table:
     return table
 
 
-def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
-    """Bars of FLOP-wise and tile speedup per configuration, as in the GNA paper's Figure 4."""
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or a CliInputError saying how to install it."""
     try:
         import matplotlib
 
@@ -82,6 +83,25 @@ def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
         raise CliInputError(
             "--plot needs matplotlib; install it with pip install 'natsim[plot]'."
         ) from None
+    return plt
+
+
+def check_plot_path(path: Path) -> None:
+    """Fail before any work is done when --plot cannot be written: no matplotlib, or a path that is a
+    folder, in a folder that does not exist, or not writable."""
+    _pyplot()
+    folder = path.parent
+    if path.is_dir():
+        raise CliInputError(f"--plot takes the name of a PNG file, got --plot {path}, which is a folder.")
+    if not folder.is_dir():
+        raise CliInputError(f"--plot must name a file in an existing folder, got --plot {path}: there is no folder {folder}.")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CliInputError(f"--plot must name a file you may write, got --plot {path}: permission denied.")
+
+
+def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
+    """Bars of FLOP-wise and tile speedup per configuration, as in the GNA paper's Figure 4."""
+    plt = _pyplot()
     tile_names = {f"{fmt_dims(r.tiles.q_tile)}/{fmt_dims(r.tiles.kv_tile)}" for r in results}
     one_tile = len(tile_names) == 1
     labels = [
@@ -104,5 +124,9 @@ def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
     ax.set_title(title)
     ax.legend(loc="upper right", ncols=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as error:
+        raise CliInputError(f"--plot {path} could not be written: {error.strerror or error}.") from None
+    finally:
+        plt.close(fig)

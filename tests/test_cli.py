@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -89,6 +91,49 @@ def test_plot_writes_a_png(tmp_path):
     result = invoke("sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot", str(path))
     assert result.exit_code == 0, result.output
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def one_red_line(result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert message in " ".join(result.stderr.split())
+
+
+def test_plot_into_a_missing_folder_fails_before_sweeping(tmp_path):
+    pytest.importorskip("matplotlib")
+    args = ["sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot"]
+    missing = tmp_path / "some" / "missing" / "dir" / "out.png"
+    one_red_line(invoke(*args, str(missing)), f"--plot must name a file in an existing folder, got --plot {missing}: there is no folder {missing.parent}.")
+    one_red_line(invoke(*args, str(tmp_path)), f"--plot takes the name of a PNG file, got --plot {tmp_path}, which is a folder.")
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write into any folder")
+def test_plot_into_a_read_only_folder_fails_before_sweeping(tmp_path):
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    result = invoke("sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot", str(folder / "out.png"))
+    one_red_line(result, "permission denied")
+
+
+def test_plot_without_matplotlib_fails_before_sweeping(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    result = invoke("sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot", str(tmp_path / "out.png"))
+    one_red_line(result, "--plot needs matplotlib; install it with pip install 'natsim[plot]'.")
+
+
+def test_plot_that_cannot_be_saved_is_one_red_line(monkeypatch, tmp_path):
+    plt = pytest.importorskip("matplotlib.pyplot")
+
+    def refuse(self, path, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(plt.Figure, "savefig", refuse)
+    path = tmp_path / "out.png"
+    result = invoke("sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot", str(path), "--json")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"--plot {path} could not be written: Permission denied." in " ".join(result.stderr.split())
 
 
 @pytest.mark.parametrize(
