@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -24,22 +24,27 @@ def print_json(console: Console, payload) -> None:
     console.file.write(json.dumps(payload, indent=2) + "\n")
 
 
-def results_table(results: Sequence[SimResult], title: str) -> Table:
+def results_table(results: Sequence[SimResult], title: str, predicted_ms: Optional[Sequence[float]] = None) -> Table:
+    """One row per configuration; with `predicted_ms` (one per result) a column of predicted kernel times."""
     table = Table(title=title, title_justify="left")
     table.add_column("stride", justify="right")
     table.add_column("Q tile", justify="right")
     table.add_column("KV tile", justify="right")
+    if predicted_ms is not None:
+        table.add_column("predicted ms", justify="right")
     table.add_column("sparsity", justify="right")
     table.add_column("FLOP-wise", justify="right")
     table.add_column("tile speedup", justify="right")
     table.add_column("mean tile", justify="right")
     table.add_column("visited tiles", justify="right")
     table.add_column("block-sparse", justify="center")
-    for r in results:
+    for i, r in enumerate(results):
+        predicted = () if predicted_ms is None else (f"{predicted_ms[i]:.4g}",)
         table.add_row(
             fmt_dims(r.problem.stride),
             fmt_dims(r.tiles.q_tile),
             fmt_dims(r.tiles.kv_tile),
+            *predicted,
             f"{r.sparsity:.1%}",
             f"{r.flop_speedup:.2f}x",
             f"{r.tile_speedup:.2f}x",

@@ -31,6 +31,16 @@ def _end_to_end(plan, attention_share: Optional[float], dense_steps: Optional[in
     }
 
 
+def load_cost_model(path: Path):
+    """The cost model in the file given with --coefficients."""
+    from natsim.planner import CostModel
+
+    try:
+        return CostModel.load(path)
+    except (OSError, KeyError, ValueError) as error:
+        raise CliInputError(f"--coefficients {path} is not a readable cost model: {error}") from None
+
+
 def register(app: typer.Typer) -> None:
     """Add the `plan` command to `app`."""
     from .main import ListsGpusInHelp, out, reports_bad_input  # the app's conventions (imported late: main registers us)
@@ -62,7 +72,7 @@ def register(app: typer.Typer) -> None:
 
         Example: natsim plan --shape 30x48x80 --sparsity 0.9 --heads 24 --attention-share 0.8 --steps 50 --dense-steps 15
         """
-        from natsim.planner import CostModel, best
+        from natsim.planner import best
 
         dims = parse_dims(shape, "--shape")
         ndim = len(dims)
@@ -76,10 +86,7 @@ def register(app: typer.Typer) -> None:
             "device": device,
         }
         if coefficients is not None:
-            try:
-                options["cost_model"] = CostModel.load(coefficients)
-            except (OSError, KeyError, ValueError) as error:
-                raise CliInputError(f"--coefficients {coefficients} is not a readable cost model: {error}") from None
+            options["cost_model"] = load_cost_model(coefficients)
         plan = best(dims, sparsity, **options)
         estimate = _end_to_end(plan, attention_share, dense_steps, steps)
         if as_json:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from natsim import Problem, TileConfig, simulate
+from natsim import Problem, TileConfig, simulate, sweep
 from natsim.dimension import dim_attended_pairs
 from natsim.kernels import gna_attention, reference_attention
 from natsim.kernels.checks import KERNEL_HEAD_DIMS, kernel_tiles
@@ -24,8 +24,11 @@ from natsim.planner import (
     Plan,
     best,
     cost_model_for,
+    fastest_first,
     features_of,
     fit_coefficients,
+    predicted_times,
+    sweep_features,
     tile_catalog,
 )
 from natsim.planner.calibrate import calibration_cases, case_features
@@ -224,6 +227,26 @@ def test_the_planner_looks_in_the_user_folder_before_the_shipped_coefficients():
     plan = best((30, 48, 80), 0.9, heads=24, device="h100")
     row = features_of(plan.simulation, batch_heads=24, head_dim=128, element_bytes=2)
     assert plan.predicted_time_s == pytest.approx(float(CostModel.load(mine).predict(row)), rel=1e-12)
+
+
+@pytest.mark.parametrize("dilation, causal", [(1, False), ((1, 2), (True, False))])
+def test_sweep_times_are_the_cost_model_on_each_rows_features(dilation, causal):
+    result = sweep((24, 40), (7, 9), dilation=dilation, causal=causal, tiles=tile_catalog((24, 40), 64))
+    features = sweep_features(result, batch_heads=3, head_dim=64, element_bytes=2)
+    for i in range(0, len(result), 7):
+        expected = features_of(result.result(i), batch_heads=3, head_dim=64, element_bytes=2)
+        np.testing.assert_allclose(features[i], expected, rtol=1e-12)
+    seconds = predicted_times(result, TEST_GPU, heads=3, head_dim=64, dtype="fp16")
+    np.testing.assert_allclose(seconds, TEST_GPU.predict(features), rtol=1e-12)
+    everything = fastest_first(result, seconds, pruned=False)
+    assert sorted(everything) == list(range(len(result))) and (np.diff(seconds[everything]) >= 0).all()
+    pruned = fastest_first(result, seconds)
+    products = result.stride_product
+    for i in range(len(result)):
+        beats_smaller = (seconds[i] < seconds[products < products[i]] * (1 - 1e-12)).all()
+        assert (i in pruned) == beats_smaller
+    with pytest.raises(ValueError, match="predicted times need multi-D tiles"):
+        predicted_times(sweep((64,), (9,), tiles=[TileConfig(16, 16, tiling="1d")]), TEST_GPU)
 
 
 @pytest.mark.parametrize(
