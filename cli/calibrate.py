@@ -52,13 +52,13 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
         output: Optional[Path] = typer.Option(
             None, "--output",
-            help="Where to write the coefficients (default: natsim/planner/coefficients/<gpu>.json, where the planner looks).",
+            help="Where to write the coefficients (default: <gpu>.json in $NATSIM_DATA_DIR/coefficients, else $XDG_DATA_HOME/natsim/coefficients, else ~/.local/share/natsim/coefficients, where the planner looks first).",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
     ) -> None:
         """Time a fixed set of GNA configurations on this GPU and fit the planner's cost model to them.
 
-        Needs a CUDA GPU; takes a few minutes. The coefficients are written where `natsim plan` and `natsim.planner.best` find them for this GPU (or to --output).
+        Needs a CUDA GPU; takes a few minutes. The coefficients are written to your data folder (not into the installed package), where `natsim plan` and `natsim.planner.best` look for this GPU's coefficients before those shipped with natsim; or to --output, for `natsim plan --coefficients`.
 
         Example: natsim calibrate --dtype bf16
         """

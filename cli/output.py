@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -23,22 +24,27 @@ def print_json(console: Console, payload) -> None:
     console.file.write(json.dumps(payload, indent=2) + "\n")
 
 
-def results_table(results: Sequence[SimResult], title: str) -> Table:
+def results_table(results: Sequence[SimResult], title: str, predicted_ms: Optional[Sequence[float]] = None) -> Table:
+    """One row per configuration; with `predicted_ms` (one per result) a column of predicted kernel times."""
     table = Table(title=title, title_justify="left")
     table.add_column("stride", justify="right")
     table.add_column("Q tile", justify="right")
     table.add_column("KV tile", justify="right")
+    if predicted_ms is not None:
+        table.add_column("predicted ms", justify="right")
     table.add_column("sparsity", justify="right")
     table.add_column("FLOP-wise", justify="right")
     table.add_column("tile speedup", justify="right")
     table.add_column("mean tile", justify="right")
     table.add_column("visited tiles", justify="right")
     table.add_column("block-sparse", justify="center")
-    for r in results:
+    for i, r in enumerate(results):
+        predicted = () if predicted_ms is None else (f"{predicted_ms[i]:.4g}",)
         table.add_row(
             fmt_dims(r.problem.stride),
             fmt_dims(r.tiles.q_tile),
             fmt_dims(r.tiles.kv_tile),
+            *predicted,
             f"{r.sparsity:.1%}",
             f"{r.flop_speedup:.2f}x",
             f"{r.tile_speedup:.2f}x",
@@ -71,8 +77,8 @@ def figures_table(result: SimResult) -> Table:
     return table
 
 
-def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
-    """Bars of FLOP-wise and tile speedup per configuration, as in the GNA paper's Figure 4."""
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or a CliInputError saying how to install it."""
     try:
         import matplotlib
 
@@ -82,6 +88,25 @@ def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
         raise CliInputError(
             "--plot needs matplotlib; install it with pip install 'natsim[plot]'."
         ) from None
+    return plt
+
+
+def check_plot_path(path: Path) -> None:
+    """Fail before any work is done when --plot cannot be written: no matplotlib, or a path that is a
+    folder, in a folder that does not exist, or not writable."""
+    _pyplot()
+    folder = path.parent
+    if path.is_dir():
+        raise CliInputError(f"--plot takes the name of a PNG file, got --plot {path}, which is a folder.")
+    if not folder.is_dir():
+        raise CliInputError(f"--plot must name a file in an existing folder, got --plot {path}: there is no folder {folder}.")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CliInputError(f"--plot must name a file you may write, got --plot {path}: permission denied.")
+
+
+def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
+    """Bars of FLOP-wise and tile speedup per configuration, as in the GNA paper's Figure 4."""
+    plt = _pyplot()
     tile_names = {f"{fmt_dims(r.tiles.q_tile)}/{fmt_dims(r.tiles.kv_tile)}" for r in results}
     one_tile = len(tile_names) == 1
     labels = [
@@ -104,5 +129,9 @@ def plot_speedups(results: Sequence[SimResult], path: Path) -> None:
     ax.set_title(title)
     ax.legend(loc="upper right", ncols=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as error:
+        raise CliInputError(f"--plot {path} could not be written: {error.strerror or error}.") from None
+    finally:
+        plt.close(fig)

@@ -31,11 +31,21 @@ def _end_to_end(plan, attention_share: Optional[float], dense_steps: Optional[in
     }
 
 
+def load_cost_model(path: Path):
+    """The cost model in the file given with --coefficients."""
+    from natsim.planner import CostModel
+
+    try:
+        return CostModel.load(path)
+    except (OSError, KeyError, ValueError) as error:
+        raise CliInputError(f"--coefficients {path} is not a readable cost model: {error}") from None
+
+
 def register(app: typer.Typer) -> None:
     """Add the `plan` command to `app`."""
-    from .main import out, reports_bad_input  # the app's console and error convention (imported late: main registers us)
+    from .main import ListsGpusInHelp, out, reports_bad_input  # the app's conventions (imported late: main registers us)
 
-    @app.command("plan")
+    @app.command("plan", cls=ListsGpusInHelp)
     @reports_bad_input
     def plan_command(
         shape: str = typer.Option(..., "--shape", help="Token layout, e.g. 30x48x80 (frames x height x width)."),
@@ -46,7 +56,10 @@ def register(app: typer.Typer) -> None:
         causal: str = typer.Option("0", "--causal", help="Causal per dimension as 0/1, e.g. 1x0x0 for causal in time."),
         window: Optional[str] = typer.Option(None, "--window", help="Keep this window (e.g. 18x24x24) and choose only stride and tiles."),
         max_stride: Optional[str] = typer.Option(None, "--max-stride", help="Largest stride per dimension, e.g. 1x8x8."),
-        device: Optional[str] = typer.Option(None, "--device", help="GPU whose coefficients rank the plans (default: the current CUDA device)."),
+        device: Optional[str] = typer.Option(
+            None, "--device",
+            help="GPU whose coefficients rank the plans: a torch device (cuda:1; default: the current CUDA device), or the name or alias of a GPU listed below (h100), which need not be present.",
+        ),
         coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
         attention_share: Optional[float] = typer.Option(None, "--attention-share", help="Share of end-to-end time spent in attention, for the end-to-end estimate."),
         dense_steps: Optional[int] = typer.Option(None, "--dense-steps", help="Diffusion steps kept dense (default 0)."),
@@ -59,7 +72,7 @@ def register(app: typer.Typer) -> None:
 
         Example: natsim plan --shape 30x48x80 --sparsity 0.9 --heads 24 --attention-share 0.8 --steps 50 --dense-steps 15
         """
-        from natsim.planner import CostModel, best
+        from natsim.planner import best
 
         dims = parse_dims(shape, "--shape")
         ndim = len(dims)
@@ -73,10 +86,7 @@ def register(app: typer.Typer) -> None:
             "device": device,
         }
         if coefficients is not None:
-            try:
-                options["cost_model"] = CostModel.load(coefficients)
-            except (OSError, KeyError, ValueError) as error:
-                raise CliInputError(f"--coefficients {coefficients} is not a readable cost model: {error}") from None
+            options["cost_model"] = load_cost_model(coefficients)
         plan = best(dims, sparsity, **options)
         estimate = _end_to_end(plan, attention_share, dense_steps, steps)
         if as_json:

@@ -7,13 +7,15 @@ and `plan(q, k, v)` running `natsim.kernels.gna_attention` with exactly those se
 
 from .catalog import TILE_TOKENS, tile_catalog
 from .costmodel import CostModel, cost_model_for, gpu_of
-from .features import FEATURES, feature_matrix, features_of
+from .features import FEATURES, feature_matrix, features_of, sweep_features
 from .fit import fit_coefficients
 from .plan import Candidate, Plan
-from .search import TIE_TOLERANCE, best
+from .search import TIE_TOLERANCE, best, fastest_first, predicted_times
 
 __all__ = [
     "best",
+    "predicted_times",
+    "fastest_first",
     "Plan",
     "Candidate",
     "CostModel",
@@ -24,6 +26,7 @@ __all__ = [
     "FEATURES",
     "feature_matrix",
     "features_of",
+    "sweep_features",
     "fit_coefficients",
     "TIE_TOLERANCE",
 ]

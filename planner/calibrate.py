@@ -27,7 +27,7 @@ from natsim import Problem, TileConfig, simulate
 from natsim.kernels.gna_launch import has_tensor_descriptors, permutes
 
 from .catalog import as_dtype, dtype_name, element_bytes
-from .costmodel import COEFFICIENTS_DIR, CostModel, gpu_file_name, gpu_of
+from .costmodel import CostModel, gpu_file_name, gpu_of, user_coefficients_dir
 from .features import FEATURES, features_of
 from .fit import fit_coefficients, relative_errors
 
@@ -227,5 +227,6 @@ def calibrate(
 
 
 def default_path(gpu: str) -> Path:
-    """Where the planner looks for `gpu`'s coefficients."""
-    return COEFFICIENTS_DIR / gpu_file_name(gpu)
+    """Where `natsim calibrate` writes `gpu`'s coefficients unless told otherwise: the user's coefficient
+    folder (costmodel.user_coefficients_dir), where the planner looks before natsim's shipped files."""
+    return user_coefficients_dir() / gpu_file_name(gpu)

@@ -1,18 +1,21 @@
 """The cost model: predicted GNA kernel time as a linear function of the features (planner.features).
 
 `time = sum_i coefficient_i * feature_i`, one coefficient per feature, in seconds per unit. Coefficients
-differ per GPU and are data: one JSON file per GPU in planner/coefficients/, named after the GPU
-(`torch.cuda.get_device_name()`), written by `natsim calibrate` (planner.calibrate). Without a file for
-the GPU at hand there is no cost model, and the planner ranks by simulated tiles alone.
+differ per GPU and are data: one JSON file per GPU, named after the GPU (`torch.cuda.get_device_name()`).
+The planner looks in the user's folder first (`user_coefficients_dir()`, where `natsim calibrate` writes),
+then in the files shipped with natsim (planner/coefficients/). Without a file for the GPU at hand there is
+no cost model, and the planner ranks by simulated tiles alone. A GPU with coefficients can also be named
+(`device="h100"`), so that a machine without it plans for it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -20,6 +23,7 @@ import torch
 from .features import FEATURES
 
 COEFFICIENTS_DIR = Path(__file__).resolve().parent / "coefficients"
+DATA_DIR_ENV = "NATSIM_DATA_DIR"
 FORMAT = "natsim-cost-model/1"
 
 
@@ -77,13 +81,104 @@ class CostModel:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def _slug(name: str) -> str:
+    """A GPU name in lower case, runs of other characters as '-': 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def gpu_file_name(gpu: str) -> str:
     """The coefficient file of a GPU: its name in lower case, runs of other characters as '-'."""
-    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json"
+    return _slug(gpu) + ".json"
+
+
+def user_coefficients_dir() -> Path:
+    """The user's coefficient folder, where `natsim calibrate` writes and the planner looks first:
+    `$NATSIM_DATA_DIR/coefficients`, else `$XDG_DATA_HOME/natsim/coefficients`, else
+    `~/.local/share/natsim/coefficients`."""
+    root = os.environ.get(DATA_DIR_ENV)
+    if root:
+        return Path(root).expanduser() / "coefficients"
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".local" / "share"
+    return base / "natsim" / "coefficients"
+
+
+def coefficient_dirs() -> tuple[Path, Path]:
+    """Where the planner looks for a GPU's coefficients, in order: the user's folder, then natsim's own."""
+    return (user_coefficients_dir(), COEFFICIENTS_DIR)
+
+
+def known_gpus() -> list[str]:
+    """The GPUs that have cost-model coefficients here (the user's and those shipped with natsim), by name.
+
+    Files that do not load as a cost model, or whose name is not their GPU's file name, are passed over.
+    """
+    found: dict[str, str] = {}
+    for directory in coefficient_dirs():
+        for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
+            try:
+                gpu = CostModel.load(path).gpu
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if path.name == gpu_file_name(gpu):
+                found.setdefault(path.name, gpu)
+    return sorted(found.values())
+
+
+def _words_of(alias: str, gpu: str) -> bool:
+    """True when `alias` (slugged) is a run of whole words of `gpu`'s name: 'h100' names 'NVIDIA H100 80GB HBM3'."""
+    return bool(alias) and f"-{alias}-" in f"-{_slug(gpu)}-"
+
+
+def gpu_alias(gpu: str, gpus: Sequence[str]) -> str:
+    """The shortest name that picks `gpu` alone among `gpus`: its words from the first one with a digit
+    (the model, 'h100'), as many as it takes; else its full name in lower case."""
+    words = _slug(gpu).split("-")
+    start = next((i for i, word in enumerate(words) if any(c.isdigit() for c in word)), 0)
+    for end in range(start + 1, len(words) + 1):
+        alias = "-".join(words[start:end])
+        if [g for g in gpus if _words_of(alias, g)] == [gpu]:
+            return alias
+    return _slug(gpu)
+
+
+def describe_gpus(gpus: Sequence[str], everyone: Optional[Sequence[str]] = None) -> str:
+    """'NVIDIA H100 80GB HBM3 (--device h100)' for each GPU, aliases unique among `everyone` (default: `gpus`)."""
+    everyone = gpus if everyone is None else everyone
+    if not gpus:
+        return "none"
+    return ", ".join(f"{gpu} (--device {gpu_alias(gpu, everyone)})" for gpu in gpus)
+
+
+def gpu_named(name: str) -> str:
+    """The GPU with coefficients that `name` means: its full name (any case) or a run of its name's words
+    that no other such GPU has ('h100' for 'NVIDIA H100 80GB HBM3')."""
+    gpus = known_gpus()
+    key = _slug(name)
+    exact = [gpu for gpu in gpus if _slug(gpu) == key]
+    if exact:
+        return exact[0]
+    matches = [gpu for gpu in gpus if _words_of(key, gpu)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ValueError(
+            f"device={name!r} matches more than one GPU with cost-model coefficients: "
+            f"{describe_gpus(matches, gpus)}; name one of them by its full name or its alias."
+        )
+    raise ValueError(
+        "device must name a torch device like 'cuda:0' or 'cpu', or a GPU with cost-model coefficients "
+        f"({describe_gpus(gpus)}), got device={name!r}."
+    )
 
 
 def gpu_of(device: Union[None, str, torch.device]) -> Optional[str]:
-    """The name of the GPU that `device` means (None: the current CUDA device), or None for no GPU."""
+    """The name of the GPU that `device` means, or None for no GPU.
+
+    `device` is None (the current CUDA device, if any), a torch device or device string ('cuda:0', 'cpu'),
+    or the name or alias of a GPU with cost-model coefficients ('NVIDIA H100 80GB HBM3', 'h100'), which
+    need not be present: that is how a machine plans for another GPU.
+    """
     if device is None:
         if not torch.cuda.is_available():
             return None
@@ -91,6 +186,8 @@ def gpu_of(device: Union[None, str, torch.device]) -> Optional[str]:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
+        if isinstance(device, str):
+            return gpu_named(device)
         raise ValueError(f"device must name a torch device like 'cuda:0' or 'cpu', got {device=}.") from None
     if device.type != "cuda":
         return None
@@ -99,9 +196,15 @@ def gpu_of(device: Union[None, str, torch.device]) -> Optional[str]:
     return torch.cuda.get_device_name(device)
 
 
-def cost_model_for(gpu: Optional[str], directory: Path = COEFFICIENTS_DIR) -> Optional[CostModel]:
-    """The stored cost model of `gpu`, or None when there is no GPU or no coefficients for it."""
+def cost_model_for(gpu: Optional[str], directory: Optional[Path] = None) -> Optional[CostModel]:
+    """The stored cost model of `gpu`, or None when there is no GPU or no coefficients for it.
+
+    Looks in `directory` if given, else in the user's folder and then in the coefficients shipped with natsim.
+    """
     if gpu is None:
         return None
-    path = directory / gpu_file_name(gpu)
-    return CostModel.load(path) if path.is_file() else None
+    for folder in coefficient_dirs() if directory is None else (Path(directory),):
+        path = folder / gpu_file_name(gpu)
+        if path.is_file():
+            return CostModel.load(path)
+    return None

@@ -9,6 +9,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from .costmodel import describe_gpus, known_gpus
+
 if TYPE_CHECKING:
     from .plan import Candidate, Plan
 
@@ -58,12 +60,20 @@ def _choice_table(plan: "Plan") -> Table:
 
 def _basis(plan: "Plan") -> Text:
     if plan.calibrated:
-        return Text(f"Ranked by the cost model fitted on {plan.gpu} (predicted kernel time, permutation included).")
+        return Text(f"Ranked by the cost model fitted on {plan.gpu} (predicted kernel time; plans read q, k, v in place, no permutation).")
     where = plan.gpu if plan.gpu else "this machine (no CUDA GPU)"
-    return Text.from_markup(
-        f"[yellow]No cost-model coefficients for {where}: configurations were ranked by simulated tile work "
-        "alone (Q x KV tokens summed over visited tiles), and no time is predicted. Run `natsim calibrate` "
-        "on the GPU to fit them.[/yellow]"
+    gpus = known_gpus()
+    others = (
+        f" Coefficients exist for {describe_gpus(gpus)}: they were fitted on another GPU, so they are not used "
+        "unless named with --device (device= in Python)."
+        if gpus
+        else ""
+    )
+    return Text(
+        f"No cost-model coefficients for {where}: configurations were ranked by simulated tile work alone "
+        f"(Q x KV tokens summed over visited tiles), and no time is predicted.{others} Run `natsim calibrate` "
+        "on the GPU to fit its own.",
+        style="yellow",
     )
 
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from natsim import SimResult, TileConfig
+from natsim import SimResult, SweepResult, TileConfig
 from natsim.dimension import ceil_div
 
 FEATURES = ("full_flops", "masked_flops", "kv_tile_visits", "programs", "permute_bytes", "launch")
@@ -92,6 +92,31 @@ def features_of(
         element_bytes=element_bytes,
         permutation=permutation,
     )[0]
+
+
+def sweep_features(
+    result: SweepResult, *, batch_heads: int, head_dim: int, element_bytes: int, permutation: bool = True
+) -> np.ndarray:
+    """The feature rows of every configuration of a sweep (multi-D tiling), row i for `result.result(i)`."""
+    problem = result.problem
+    dims = [tiles.dims(problem) for tiles in result.tiles]
+    per_tile = {
+        "q_tokens": np.array([t.q_tokens for t in result.tiles], np.int64),
+        "kv_tokens": np.array([t.kv_tokens for t in result.tiles], np.int64),
+        "q_padded": np.array([padded_tokens(problem.shape, q, problem.dilation) for q, _ in dims], np.int64),
+        "kv_padded": np.array([padded_tokens(problem.shape, kv, problem.dilation) for _, kv in dims], np.int64),
+    }
+    index = result.tile_index
+    return feature_matrix(
+        full_tiles=result.full_tiles,
+        visited_tiles=result.visited_tiles,
+        **{name: column[index] for name, column in per_tile.items()},
+        tokens=problem.num_tokens,
+        batch_heads=batch_heads,
+        head_dim=head_dim,
+        element_bytes=element_bytes,
+        permutation=permutation,
+    )
 
 
 def tile_arrays(shape: Sequence[int], tiles: Sequence[TileConfig]) -> dict[str, np.ndarray]:

@@ -229,16 +229,43 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping) -> "Plan":
         """Rebuild a plan from `to_dict` output; its figures are re-simulated (exact and cheap)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"a plan must be a JSON object with format {FORMAT!r} (as Plan.to_dict writes it), got a value "
+                f"of type {type(data).__name__}."
+            )
         if data.get("format") != FORMAT:
             raise ValueError(f"a plan must have format {FORMAT!r}, got format={data.get('format')!r}.")
+        needed = (  # what is read back; the figures that to_dict also writes are re-simulated instead
+            "problem", "tiles", "target_sparsity", "head_dim", "dtype", "heads", "gpu", "basis", "score",
+            "dense_score", "breakdown", "runners_up", "search",
+        )
+        missing = [key for key in needed if key not in data]
+        if missing:
+            keys = ", ".join(repr(key) for key in missing)
+            raise ValueError(
+                f"a plan with format {FORMAT!r} must have the key{'s' if len(missing) > 1 else ''} {keys}, "
+                f"which {'are' if len(missing) > 1 else 'is'} missing."
+            )
         if data["basis"] not in (BASIS_COST_MODEL, BASIS_TILES):
             raise ValueError(
                 f"basis must be {BASIS_COST_MODEL!r} or {BASIS_TILES!r}, got basis={data['basis']!r}."
             )
-        p, t = data["problem"], data["tiles"]
+        section = "problem"
+        try:
+            p = data["problem"]
+            problem = Problem(p["shape"], p["window"], p["stride"], p["dilation"], p["causal"])
+            section, t = "tiles", data["tiles"]
+            tiles = TileConfig(t["q_tile"], t["kv_tile"], t["tiling"], t["kv_tiling"])
+            section = "runners_up"
+            runners_up = tuple(Candidate.from_dict(c) for c in data["runners_up"])
+            section = "search"
+            search = Search.from_dict(data["search"])
+        except KeyError as error:
+            raise ValueError(f"a plan's {section!r} must have the key {error.args[0]!r}, which is missing.") from None
         return cls(
-            problem=Problem(p["shape"], p["window"], p["stride"], p["dilation"], p["causal"]),
-            tiles=TileConfig(t["q_tile"], t["kv_tile"], t["tiling"], t["kv_tiling"]),
+            problem=problem,
+            tiles=tiles,
             target_sparsity=float(data["target_sparsity"]),
             head_dim=int(data["head_dim"]),
             dtype=str(data["dtype"]),
@@ -248,8 +275,8 @@ class Plan:
             score=float(data["score"]),
             dense_score=float(data["dense_score"]),
             breakdown={k: float(v) for k, v in data["breakdown"].items()},
-            runners_up=tuple(Candidate.from_dict(c) for c in data["runners_up"]),
-            search=Search.from_dict(data["search"]),
+            runners_up=runners_up,
+            search=search,
         )
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -257,4 +284,12 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        """Rebuild a plan from `to_json` output."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"Plan.from_json expects a plan JSON document (format {FORMAT!r}, as written by Plan.to_json), "
+                f"but parsing failed at line {error.lineno}, column {error.colno}: {error.msg}."
+            ) from None
+        return cls.from_dict(data)

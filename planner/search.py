@@ -21,13 +21,15 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
-from natsim import TileConfig, simulate, sweep
+from natsim import SweepResult, TileConfig, simulate, sweep
 from natsim.dimension import ceil_div
+from natsim.kernels.checks import kernel_tiles
+from natsim.kernels.gna_launch import permutes
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 
 from .catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
 from .costmodel import CostModel, cost_model_for, gpu_of
-from .features import feature_matrix, tile_arrays
+from .features import feature_matrix, sweep_features, tile_arrays
 from .plan import BASIS_COST_MODEL, BASIS_TILES, Candidate, Plan, Search
 from .windows import candidate_windows, window_sparsity
 
@@ -124,6 +126,51 @@ class _Scorer:
             element_bytes=self.element_bytes, permutation=False,
         )
         return float(self.cost_model.predict(features)[0])
+
+
+def predicted_times(
+    result: SweepResult,
+    cost_model: CostModel,
+    *,
+    heads: int = 1,
+    head_dim: int = 128,
+    dtype: Union[torch.dtype, str] = torch.bfloat16,
+) -> np.ndarray:
+    """Predicted seconds of every configuration of a sweep under `cost_model`, as `best` scores them: one
+    GNA call of `heads` heads at batch 1, with the permutation's cost where the call permutes (dilation). The
+    sweep must use multi-D tiles (the kernel's)."""
+    if not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a natsim.planner.CostModel, got {type(cost_model).__name__}.")
+    for tiles in result.tiles:
+        if tiles.tiling != "multi":
+            raise ValueError(f"predicted times need multi-D tiles (what the GNA kernel runs), got tiling={tiles.tiling!r}.")
+        kernel_tiles(result.problem, tiles.q_tile, tiles.kv_tile)  # tiles the kernel cannot run have no time
+    features = sweep_features(
+        result,
+        batch_heads=_check_heads(heads) or 1,
+        head_dim=check_head_dim(head_dim),
+        element_bytes=element_bytes(as_dtype(dtype)),
+        permutation=permutes(result.problem),
+    )
+    return cost_model.predict(features)
+
+
+def fastest_first(result: SweepResult, seconds: np.ndarray, pruned: bool = True) -> np.ndarray:
+    """Row indices of a sweep by predicted `seconds`, fastest first (then the smaller stride product).
+
+    `pruned` keeps the GNA paper's pruned view with time in place of tile speedup: a configuration stays only
+    if it is predicted faster than every configuration with a smaller stride product.
+    """
+    seconds = np.asarray(seconds, np.float64)
+    products = result.stride_product
+    rows = np.arange(len(result))
+    if pruned:
+        levels, level_of_row = np.unique(products, return_inverse=True)
+        best_per_level = np.full(len(levels), np.inf)
+        np.minimum.at(best_per_level, level_of_row, seconds)
+        best_below = np.concatenate(([np.inf], np.minimum.accumulate(best_per_level)[:-1]))
+        rows = np.nonzero(seconds < best_below[level_of_row] * (1 - 1e-12))[0]
+    return rows[np.lexsort((products[rows], seconds[rows]))]
 
 
 def _runner_up_rows(rows: dict, scores: np.ndarray, chosen: int) -> list[int]:

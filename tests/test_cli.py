@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -91,6 +95,128 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def one_red_line(result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert message in " ".join(result.stderr.split())
+
+
+def test_plot_into_a_missing_folder_fails_before_sweeping(tmp_path):
+    pytest.importorskip("matplotlib")
+    args = ["sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot"]
+    missing = tmp_path / "some" / "missing" / "dir" / "out.png"
+    one_red_line(invoke(*args, str(missing)), f"--plot must name a file in an existing folder, got --plot {missing}: there is no folder {missing.parent}.")
+    one_red_line(invoke(*args, str(tmp_path)), f"--plot takes the name of a PNG file, got --plot {tmp_path}, which is a folder.")
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write into any folder")
+def test_plot_into_a_read_only_folder_fails_before_sweeping(tmp_path):
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    result = invoke("sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot", str(folder / "out.png"))
+    one_red_line(result, "permission denied")
+
+
+def test_plot_without_matplotlib_fails_before_sweeping(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    result = invoke("sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot", str(tmp_path / "out.png"))
+    one_red_line(result, "--plot needs matplotlib; install it with pip install 'natsim[plot]'.")
+
+
+def test_plot_that_cannot_be_saved_is_one_red_line(monkeypatch, tmp_path):
+    plt = pytest.importorskip("matplotlib.pyplot")
+
+    def refuse(self, path, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(plt.Figure, "savefig", refuse)
+    path = tmp_path / "out.png"
+    result = invoke("sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot", str(path), "--json")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"--plot {path} could not be written: Permission denied." in " ".join(result.stderr.split())
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+SMALL = ["sweep", "--shape", "16x32", "--window", "8x12"]
+
+
+def catalog_pairs(shape, head_dim=128):
+    from natsim.planner import tile_catalog
+
+    return {(t.q_tile, t.kv_tile) for t in tile_catalog(shape, head_dim)}
+
+
+def test_sweep_kernel_tiles_tries_only_the_planners_catalog():
+    records = json.loads(invoke(*SMALL, "--kernel-tiles", "--head-dim", "64", "--all", "--json").stdout)
+    assert {(tuple(r["q_tile"]), tuple(r["kv_tile"])) for r in records} == catalog_pairs((16, 32), 64)
+    assert all(set(r) == RECORD_KEYS for r in records)  # no cost model: no predicted times
+    speedups = [r["tile_speedup"] for r in records]
+    assert speedups == sorted(speedups, reverse=True)
+    default = json.loads(invoke(*SMALL, "--all", "--json").stdout)
+    assert any(math.prod(r["q_tile"]) == 256 for r in default)  # the simulator's catalog has 256-token tiles
+
+
+def test_sweep_with_a_cost_model_predicts_each_row_and_ranks_by_time():
+    from natsim.planner import cost_model_for, features_of
+
+    model = cost_model_for(H100)
+    args = [*SMALL, "--kernel-tiles", "--device", "h100", "--heads", "24", "--json"]
+    everything = json.loads(invoke(*args, "--all").stdout)
+    pruned = json.loads(invoke(*args).stdout)
+    for records in (everything, pruned):
+        times = [r["predicted_ms"] for r in records]
+        assert times == sorted(times)
+    for r in everything[:: max(1, len(everything) // 40)]:
+        result = simulate(Problem(r["shape"], r["window"], r["stride"]), TileConfig(r["q_tile"], r["kv_tile"]))
+        expected = float(model.predict(features_of(result, batch_heads=24, head_dim=128, element_bytes=2,
+                                                   permutation=False))) * 1e3
+        assert r["predicted_ms"] == pytest.approx(expected, rel=1e-12)
+    # The pruned view by time: a row stays only if it beats every row with a smaller stride product.
+    kept = {(tuple(r["stride"]), tuple(r["q_tile"]), tuple(r["kv_tile"])) for r in pruned}
+    for r in everything:
+        smaller = [o["predicted_ms"] for o in everything if math.prod(o["stride"]) < math.prod(r["stride"])]
+        stays = all(r["predicted_ms"] < t * (1 - 1e-12) for t in smaller)
+        assert ((tuple(r["stride"]), tuple(r["q_tile"]), tuple(r["kv_tile"])) in kept) == stays
+    table = invoke(*SMALL, "--kernel-tiles", "--device", "h100", "--heads", "24")
+    assert table.exit_code == 0, table.output
+    text = " ".join(table.stdout.split())
+    assert "predicted ms" in text and f"pruned view by predicted time, fastest first as predicted for {H100} (24 heads" in text
+    first = next(line for line in table.stdout.splitlines() if line.startswith("│"))
+    assert f"{pruned[0]['predicted_ms']:.4g}" in first
+
+
+def test_sweep_with_a_coefficients_file_predicts_with_it(tmp_path):
+    from natsim.planner import CostModel
+
+    coefficients = {"full_flops": 1e-15, "masked_flops": 2e-15, "kv_tile_visits": 1e-9, "programs": 1e-8, "permute_bytes": 0.0, "launch": 0.0}
+    path = CostModel("Test GPU", coefficients).save(tmp_path / "test-gpu.json")
+    records = json.loads(invoke(*SMALL, "--q-tile", "8x8", "--coefficients", str(path), "--all", "--json").stdout)
+    r = records[0]
+    result = simulate(Problem(r["shape"], r["window"], r["stride"]), TileConfig(r["q_tile"], r["kv_tile"]))
+    flops = 4 * 64 * 64 * 128 * (result.full_tiles + 2 * (result.visited_tiles - result.full_tiles)) * 1e-15
+    assert r["predicted_ms"] == pytest.approx((flops + 1e-9 * result.visited_tiles + 1e-8 * result.num_q_tiles) * 1e3)
+
+
+def test_sweep_with_a_device_without_coefficients_is_the_plain_table_and_a_note():
+    result = invoke(*SMALL, "--q-tile", "8x8", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == invoke(*SMALL, "--q-tile", "8x8").stdout
+    assert f"no cost-model coefficients for --device cpu (no CUDA GPU), so no predicted times; coefficients exist for {H100} (--device h100)" in " ".join(result.stderr.split())
+
+
+def test_plain_sweep_and_sim_do_not_import_torch():
+    code = (
+        "import sys; from typer.testing import CliRunner; from natsim.cli.main import app; "
+        "r = CliRunner().invoke(app, ['sweep', '--shape', '16x32', '--window', '8x12', '--json']); assert r.exit_code == 0, r.output; "
+        "r = CliRunner().invoke(app, ['sim', '--shape', '16x32', '--window', '8x12']); assert r.exit_code == 0, r.output; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -103,6 +229,14 @@ def test_plot_writes_a_png(tmp_path):
         (["sim", "--shape", "8x8", "--window", "3", "--tiling", "1d", "--kv-tiling", "dynamic"], "dynamic KV tiling needs multi-D"),
         (["sweep", "--shape", "8x8", "--window", "3", "--stride", "all", "--stride", "1"], "cannot be combined"),
         (["sim", "--shape", "0x8", "--window", "1"], "at least 1"),
+        ([*SMALL, "--kernel-tiles", "--q-tile", "8x8"], "--kernel-tiles chooses the tiles itself, so it takes no --q-tile or --kv-tile, got --q-tile 8x8."),
+        ([*SMALL, "--kernel-tiles", "--tiling", "1d"], "--kernel-tiles needs --tiling multi"),
+        ([*SMALL, "--kernel-tiles", "--head-dim", "48"], "head_dim must be one of those the GNA kernel runs (32, 64, 128), got head_dim=48."),
+        ([*SMALL, "--tiling", "1d", "--device", "h100"], "predicted times (--device, --coefficients) need --tiling multi"),
+        ([*SMALL, "--q-tile", "3x8", "--device", "h100"], "the GNA kernel needs tiles of a power-of-two number of tokens"),
+        ([*SMALL, "--kernel-tiles", "--device", "h200"], "or a GPU with cost-model coefficients (NVIDIA H100 80GB HBM3 (--device h100)), got device='h200'."),
+        ([*SMALL, "--kernel-tiles", "--device", "h100", "--heads", "0"], "heads must be a positive integer"),
+        ([*SMALL, "--coefficients", "/nonexistent.json"], "--coefficients /nonexistent.json is not a readable cost model"),
     ],
 )
 def test_bad_input_is_one_red_line_and_exit_code_2(args, message):

@@ -17,6 +17,7 @@ from natsim import end_to_end_speedup
 from natsim.cli import calibrate as calibrate_cli
 from natsim.cli import plan as plan_cli
 from natsim.planner import CostModel, Plan, best
+from natsim.planner.costmodel import user_coefficients_dir
 
 app = typer.Typer()
 
@@ -90,6 +91,37 @@ def test_plan_with_a_coefficients_file_predicts_time(tmp_path):
     assert record["basis"] == "cost model" and record["predicted_time_s"] > 0
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("device", ["h100", H100, "nvidia h100 80GB HBM3"])
+def test_plan_device_names_a_shipped_gpu_without_that_gpu(device):
+    record = json.loads(invoke("plan", "--shape", "30x48x80", "--sparsity", "0.9", "--heads", "24", "--device", device, "--json").stdout)
+    assert record["gpu"] == H100 and record["basis"] == "cost model" and record["predicted_time_s"] > 0
+    assert Plan.from_dict(record) == best((30, 48, 80), 0.9, heads=24, device="h100")
+    report = invoke("plan", "--shape", "30x48x80", "--sparsity", "0.9", "--device", device)
+    assert report.exit_code == 0, report.output
+    assert f"Ranked by the cost model fitted on {H100}" in " ".join(report.stdout.split())
+
+
+def test_plan_on_a_gpu_without_coefficients_names_those_it_could_use(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    result = invoke("plan", "--shape", "30x48x80", "--sparsity", "0.9", "--heads", "24")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert "No cost-model coefficients for NVIDIA H200" in text and f"Coefficients exist for {H100} (--device h100)" in text
+    record = json.loads(invoke("plan", "--shape", "30x48x80", "--sparsity", "0.9", "--json").stdout)
+    assert record["gpu"] == "NVIDIA H200" and record["basis"] == "simulated tiles"
+
+
+def test_plan_help_lists_the_gpus_from_the_coefficient_files():
+    assert f"{H100} (--device h100)" in " ".join(invoke("plan", "--help").stdout.split())
+    CostModel("Test GPU 7", COEFFICIENTS).save(user_coefficients_dir() / "test-gpu-7.json")
+    assert f"{H100} (--device h100), Test GPU 7 (--device 7)" in " ".join(invoke("plan", "--help").stdout.split())
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -102,6 +134,8 @@ def test_plan_with_a_coefficients_file_predicts_time(tmp_path):
         (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--steps", "50"], "--dense-steps and --steps need --attention-share"),
         (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--attention-share", "1.5"], "attention_share must lie in [0, 1]"),
         (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--coefficients", "/nonexistent.json"], "is not a readable cost model"),
+        (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--device", "h200"],
+         "or a GPU with cost-model coefficients (NVIDIA H100 80GB HBM3 (--device h100)), got device='h200'."),
     ],
 )
 def test_bad_input_is_one_red_line_and_exit_code_2(args, message):
@@ -150,3 +184,26 @@ def test_calibrate_writes_coefficients_that_plan_reads(monkeypatch, tmp_path):
     assert record["model"]["gpu"] == "Fake GPU" and len(record["measurements"]) == len(calibration.calibration_cases())
     planned = json.loads(invoke("plan", "--shape", "30x48x80", "--sparsity", "0.9", "--coefficients", str(path), "--json").stdout)
     assert planned["gpu"] == "Fake GPU" and planned["basis"] == "cost model"
+
+
+def test_calibrate_writes_to_the_user_data_folder_not_into_the_package(monkeypatch, tmp_path):
+    import numpy as np
+
+    from natsim.planner import FEATURES
+    from natsim.planner import calibrate as calibration
+    from natsim.planner.costmodel import COEFFICIENTS_DIR
+
+    truth = np.array([COEFFICIENTS[name] for name in FEATURES])
+    monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path / "natsim"))
+    monkeypatch.setattr(calibration, "gpu_of", lambda device: "Fake GPU")
+    monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: float(calibration.case_features([case], dtype)[0] @ truth))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    shipped = sorted(COEFFICIENTS_DIR.iterdir())
+    result = invoke("calibrate")
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "natsim" / "coefficients" / "fake-gpu.json"
+    assert CostModel.load(path).gpu == "Fake GPU" and str(path) in "".join(result.stdout.split())
+    assert sorted(COEFFICIENTS_DIR.iterdir()) == shipped
+    planned = json.loads(invoke("plan", "--shape", "30x48x80", "--sparsity", "0.9", "--device", "fake gpu", "--json").stdout)
+    assert planned["gpu"] == "Fake GPU" and planned["basis"] == "cost model"
+    assert "$NATSIM_DATA_DIR/coefficients" in " ".join(invoke("calibrate", "--help").stdout.split())

@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from natsim import Problem, TileConfig, simulate
+from natsim import Problem, TileConfig, simulate, sweep
 from natsim.dimension import dim_attended_pairs
 from natsim.kernels import gna_attention, reference_attention
 from natsim.kernels.checks import KERNEL_HEAD_DIMS, kernel_tiles
+from natsim.kernels.gna_launch import permutes
 from natsim.planner import (
     FEATURES,
     TILE_TOKENS,
@@ -24,12 +25,15 @@ from natsim.planner import (
     Plan,
     best,
     cost_model_for,
+    fastest_first,
     features_of,
     fit_coefficients,
+    predicted_times,
+    sweep_features,
     tile_catalog,
 )
 from natsim.planner.calibrate import calibration_cases, case_features
-from natsim.planner.costmodel import gpu_file_name
+from natsim.planner.costmodel import describe_gpus, gpu_file_name, gpu_of, known_gpus, user_coefficients_dir
 from natsim.planner.search import choose, stride_candidates
 from natsim.planner.windows import ASPECT_LIMIT, DENSITY_SLACK, attended_pairs_stride1, candidate_windows
 
@@ -166,6 +170,88 @@ def test_cost_model_files_round_trip_and_are_found_by_gpu_name(tmp_path):
     assert cost_model_for("Some Other GPU", tmp_path) is None and cost_model_for(None, tmp_path) is None
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("device", ["h100", "H100", H100, H100.lower(), "nvidia-h100-80gb-hbm3", "h100 80gb"])
+def test_a_shipped_gpu_is_named_by_its_full_name_or_an_alias_without_that_gpu(device):
+    assert gpu_of(device) == H100
+    plan = best((30, 48, 80), 0.9, heads=24, device=device)
+    assert plan.calibrated and plan.gpu == H100
+    row = features_of(plan.simulation, batch_heads=24, head_dim=128, element_bytes=2, permutation=False)
+    assert plan.predicted_time_s == pytest.approx(float(cost_model_for(H100).predict(row)), rel=1e-12)
+
+
+def test_gpu_names_are_whole_words_and_must_pick_one_gpu():
+    CostModel("NVIDIA H100 PCIe", COEFFICIENTS).save(user_coefficients_dir() / gpu_file_name("NVIDIA H100 PCIe"))
+    assert known_gpus() == [H100, "NVIDIA H100 PCIe"]
+    assert describe_gpus(known_gpus()) == f"{H100} (--device h100-80gb), NVIDIA H100 PCIe (--device h100-pcie)"
+    assert gpu_of("h100-pcie") == gpu_of("H100 PCIe") == "NVIDIA H100 PCIe" and gpu_of("h100 80GB") == H100
+    with pytest.raises(ValueError, match=r"device='h100' matches more than one GPU with cost-model coefficients"):
+        gpu_of("h100")
+    with pytest.raises(ValueError, match=r"or a GPU with cost-model coefficients \(NVIDIA H100 80GB HBM3 \(--device h100-80gb\), "):
+        gpu_of("h10")  # a part of a word names nothing
+
+
+def test_a_gpu_without_coefficients_does_not_borrow_another_gpus_and_the_report_names_them(monkeypatch):
+    """On an H200 with only H100 coefficients shipped the plan ranks by tiles and says which it could use."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    plan = best((30, 48, 80), 0.9, heads=24)
+    assert plan.gpu == "NVIDIA H200" and not plan.calibrated and plan.predicted_time_s is None
+    text = " ".join(render(plan.explain()).split())
+    assert "No cost-model coefficients for NVIDIA H200: configurations were ranked by simulated tile work alone" in text
+    assert f"Coefficients exist for {H100} (--device h100)" in text
+    assert best((30, 48, 80), 0.9, heads=24, device="h100").calibrated
+
+
+def test_the_user_coefficient_folder_follows_natsim_data_dir_then_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert user_coefficients_dir() == tmp_path / "data" / "coefficients"
+    monkeypatch.delenv("NATSIM_DATA_DIR")
+    assert user_coefficients_dir() == tmp_path / "xdg" / "natsim" / "coefficients"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert user_coefficients_dir() == tmp_path / "home" / ".local" / "share" / "natsim" / "coefficients"
+
+
+def test_the_planner_looks_in_the_user_folder_before_the_shipped_coefficients():
+    from natsim.planner.costmodel import COEFFICIENTS_DIR
+
+    shipped = cost_model_for(H100)
+    assert shipped is not None and shipped == CostModel.load(COEFFICIENTS_DIR / gpu_file_name(H100))
+    mine = CostModel(H100, COEFFICIENTS).save(user_coefficients_dir() / gpu_file_name(H100))
+    assert cost_model_for(H100) == CostModel.load(mine) != shipped
+    assert known_gpus() == [H100]
+    plan = best((30, 48, 80), 0.9, heads=24, device="h100")
+    row = features_of(plan.simulation, batch_heads=24, head_dim=128, element_bytes=2, permutation=False)
+    assert plan.predicted_time_s == pytest.approx(float(CostModel.load(mine).predict(row)), rel=1e-12)
+
+
+@pytest.mark.parametrize("dilation, causal", [(1, False), ((1, 2), (True, False))])
+def test_sweep_times_are_the_cost_model_on_each_rows_features(dilation, causal):
+    result = sweep((24, 40), (7, 9), dilation=dilation, causal=causal, tiles=tile_catalog((24, 40), 64))
+    permutation = permutes(result.problem)  # only dilated calls permute their tokens
+    features = sweep_features(result, batch_heads=3, head_dim=64, element_bytes=2, permutation=permutation)
+    for i in range(0, len(result), 7):
+        expected = features_of(result.result(i), batch_heads=3, head_dim=64, element_bytes=2,
+                               permutation=permutation)
+        np.testing.assert_allclose(features[i], expected, rtol=1e-12)
+    seconds = predicted_times(result, TEST_GPU, heads=3, head_dim=64, dtype="fp16")
+    np.testing.assert_allclose(seconds, TEST_GPU.predict(features), rtol=1e-12)
+    everything = fastest_first(result, seconds, pruned=False)
+    assert sorted(everything) == list(range(len(result))) and (np.diff(seconds[everything]) >= 0).all()
+    pruned = fastest_first(result, seconds)
+    products = result.stride_product
+    for i in range(len(result)):
+        beats_smaller = (seconds[i] < seconds[products < products[i]] * (1 - 1e-12)).all()
+        assert (i in pruned) == beats_smaller
+    with pytest.raises(ValueError, match="predicted times need multi-D tiles"):
+        predicted_times(sweep((64,), (9,), tiles=[TileConfig(16, 16, tiling="1d")]), TEST_GPU)
+
+
 @pytest.mark.parametrize(
     "coefficients, message",
     [
@@ -189,6 +275,24 @@ def test_plans_round_trip_through_json(cost_model):
     assert again.to_dict() == plan.to_dict()
     assert json.loads(again.to_json())["figures"]["sparsity"] == plan.sparsity
     assert again.simulation == plan.simulation
+
+
+def test_reading_a_plan_from_text_that_is_not_one_is_a_clear_value_error():
+    record = best((16, 44, 80), 0.9).to_dict()
+    text = json.dumps(record, indent=2)
+    cases = [
+        ("not json", r"Plan.from_json expects a plan JSON document \(format 'natsim-plan/1', as written by "
+                     r"Plan.to_json\), but parsing failed at line 1, column 1: Expecting value."),
+        (text[: text.index('"basis"')], r"parsing failed at line \d+, column \d+"),
+        ("[1, 2]", r"a plan must be a JSON object with format 'natsim-plan/1' .*got a value of type list."),
+        (json.dumps({k: v for k, v in record.items() if k != "basis"}), "must have the key 'basis', which is missing."),
+        (json.dumps({k: v for k, v in record.items() if k not in ("score", "search")}), "the keys 'score', 'search', which are missing."),
+        (json.dumps({**record, "tiles": {"q_tile": [1, 8, 8]}}), "a plan's 'tiles' must have the key 'kv_tile', which is missing."),
+        (json.dumps({**record, "search": {**record["search"], "top": [{"window": [1, 1, 1]}]}}), "a plan's 'search' must have the key 'stride'"),
+    ]
+    for text, message in cases:
+        with pytest.raises(ValueError, match=message):
+            Plan.from_json(text)
 
 
 def test_a_plan_runs_gna_attention_with_exactly_its_settings():
@@ -231,6 +335,8 @@ def test_a_plan_runs_gna_attention_with_exactly_its_settings():
         (((30, 48, 80), 0.9), {"cost_model": {"launch": 1}}, TypeError, "cost_model must be a natsim.planner.CostModel"),
         (((0, 8), 0.5), {}, ValueError, "every dimension of shape must be at least 1"),
         (((30, 48, 80), 0.9), {"device": "tpu-ish"}, ValueError, "device must name a torch device"),
+        (((30, 48, 80), 0.9), {"device": "NVIDIA H200"}, ValueError,
+         r"or a GPU with cost-model coefficients \(NVIDIA H100 80GB HBM3 \(--device h100\)\), got device='NVIDIA H200'."),
     ],
 )
 def test_bad_arguments_raise_clear_errors(args, kwargs, error, message):
@@ -343,7 +449,7 @@ def test_calibrate_times_every_case_and_fits_them(monkeypatch):
     for name in FEATURES:
         assert result.model.coefficients[name] == pytest.approx(COEFFICIENTS[name], rel=1e-6)
     assert result.model.info["max_abs_relative_error"] < 1e-9
-    assert calibration.default_path("Fake GPU").name == "fake-gpu.json"
+    assert calibration.default_path("Fake GPU") == user_coefficients_dir() / "fake-gpu.json"
 
 
 def test_calibrate_leaves_host_bound_cases_out_of_the_fit(monkeypatch):
