@@ -51,11 +51,11 @@ def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """A plain eager call that needs no operator: plain tensors, no dispatch mode, no gradient to track."""
     return (
-        not torch.compiler.is_compiling()
-        and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+        type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+        and not torch.compiler.is_compiling()
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
         and _get_current_dispatch_mode() is None
-        and q.device.type != "meta"
+        and (q.is_cuda or q.is_cpu)
     )
 
 
@@ -99,7 +99,7 @@ def gna_attention_permuted(
         config = dict(num_warps=config[0], num_stages=config[1], WARP_SPECIALIZE=False)
     call = _permuted_call(problem, q_dims, kv_dims, q.shape[0], q.shape[2], q.shape[3],
                           q.shape[-1] ** -0.5 if scale is None else float(scale), return_lse,
-                          tuple(sorted((config or {}).items())))
+                          tuple(sorted((config or {}).items())))  # tensors checked for alignment per launch
     _check_permuted(call, q, k, v)
     out, lse, _ = call.run_permuted(*(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)))
     return (out, lse) if return_lse else out
@@ -108,7 +108,8 @@ def gna_attention_permuted(
 @functools.lru_cache(maxsize=256)
 def _permuted_call(problem, q_tile, kv_tile, batch, heads, head_dim, scale, return_lse, options, debug=False):
     return make_call(problem, problem.shape, q_tile, kv_tile, batch=batch, heads=heads, head_dim=head_dim,
-                     scale=scale, layout_tensors=None, return_lse=return_lse, debug=debug, options=dict(options))
+                     scale=scale, layout_tensors=None, return_lse=return_lse, debug=debug, options=dict(options),
+                     check_alignment=True)
 
 
 def _check_permuted(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -141,7 +141,10 @@ def _install_allocator() -> None:
 
 
 def _torch_allocator(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
+    return torch.empty(size, dtype=torch.int8, device=_CPU if interpreting() else _CUDA)
+
+
+_CPU, _CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 class PreboundKernel:
@@ -154,17 +157,20 @@ class PreboundKernel:
     call takes the dispatch, which specialises for it). The interpreter always takes the dispatch.
     """
 
-    def __init__(self, fn, grid: tuple[int, int, int], arguments: dict, options: dict):
+    def __init__(self, fn, grid: tuple[int, int, int], arguments: dict, options: dict, check_alignment: bool):
         self.fn = fn
         self.grid = grid
         self.arguments = arguments
         self.options = options
+        self.check_alignment = check_alignment
         parameters = inspect.signature(fn.fn).parameters
         self.template = [arguments.get(name, parameters[name].default) for name in fn.arg_names]
         self.slots = [fn.arg_names.index(name) for name in TENSOR_ARGUMENTS]
         self.compiled = None
 
     def __call__(self, *tensors: torch.Tensor) -> None:
+        """Launch on `tensors` (Q, K, V, O, LSE, COUNTS). Without `check_alignment` the caller guarantees
+        16-byte aligned tensors (its key includes their alignment, and it allocates the rest)."""
         index = tensors[0].get_device()  # -1 for CPU tensors (the interpreter)
         if index >= 0 and index != torch.cuda.current_device():
             with torch.cuda.device(index):
@@ -173,20 +179,27 @@ class PreboundKernel:
             self._launch(tensors, index)
 
     def _launch(self, tensors: tuple[torch.Tensor, ...], index: int) -> None:
-        if self.compiled is None or not aligned(*tensors):
+        kernel = self.compiled
+        if kernel is None or (self.check_alignment and not aligned(*tensors)):
             compiled = self.fn[self.grid](**self.arguments, **dict(zip(TENSOR_ARGUMENTS, tensors)), **self.options)
             if _knobs is not None and hasattr(compiled, "packed_metadata") and aligned(*tensors):
                 self.compiled = compiled
             return
-        args = list(self.template)
+        args = self.template.copy()
         for slot, tensor in zip(self.slots, tensors):
             args[slot] = tensor
-        kernel = self.compiled
         stream = torch._C._cuda_getCurrentRawStream(index)
-        enter_hook = _knobs.runtime.launch_enter_hook
-        metadata = kernel.launch_metadata(self.grid, stream, *args) if enter_hook is not None else None
-        kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata, metadata, enter_hook,
-                   _knobs.runtime.launch_exit_hook, *args)
+        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        if _hooked(enter) or _hooked(leave):  # a profiler listens: give it what Triton's dispatch would
+            kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata,
+                       kernel.launch_metadata(self.grid, stream, *args), enter, leave, *args)
+        else:
+            kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook has anything to call (a HookChain with calls, or a plain function)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 # -- one call ---------------------------------------------------------------------------------------------------
@@ -212,26 +225,25 @@ class GnaCall:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """`(out, lse)` of `[B, *shape, heads, head_dim]` inputs in that layout (`lse` None unless asked)."""
-        batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
-        kernel_shape = self.problem.shape
-        if kernel_shape != self.shape:  # dense attention as 1-D: a view when the layout is contiguous
-            q, k, v = (t.reshape(batch, *kernel_shape, heads, head_dim) for t in (q, k, v))
+        flattened = self.problem.shape != self.shape  # dense attention as 1-D: views when contiguous
+        if flattened:
+            batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+            q, k, v = (t.reshape(batch, *self.problem.shape, heads, head_dim) for t in (q, k, v))
         if self.layout:
             out = new_output(q.shape, q.dtype, q.device)
-            lse = (torch.empty((*q.shape[:-1],), dtype=torch.float32, device=q.device) if self.return_lse
-                   else None)
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
             self.kernel(q, k, v, out, out if lse is None else lse, out)
         else:
-            out_p, lse_p, _ = self.run_permuted(
-                permute(q, self.q_tile, self.problem.dilation),
-                permute(k, self.kv_tile, self.problem.dilation),
-                permute(v, self.kv_tile, self.problem.dilation),
-            )
-            out = unpermute(out_p, kernel_shape, self.q_tile, self.problem.dilation)
+            dilation = self.problem.dilation
+            out_p, lse_p, _ = self.run_permuted(permute(q, self.q_tile, dilation), permute(k, self.kv_tile, dilation),
+                                                permute(v, self.kv_tile, dilation))
+            out = unpermute(out_p, self.problem.shape, self.q_tile, dilation)
             lse = (None if lse_p is None
-                   else unpermute(lse_p[..., None], kernel_shape, self.q_tile, self.problem.dilation)[..., 0])
-        out = out.view(batch, *self.shape, heads, head_dim)
-        return out, (None if lse is None else lse.view(batch, *self.shape, heads))
+                   else unpermute(lse_p[..., None], self.problem.shape, self.q_tile, dilation)[..., 0])
+        if flattened:
+            out = out.view(batch, *self.shape, heads, head_dim)
+            lse = None if lse is None else lse.view(batch, *self.shape, heads)
+        return out, lse
 
     def run_permuted(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """`(out, lse, counts)` of permuted `[B, tokens, heads, head_dim]` inputs, in q's permuted order."""
@@ -269,10 +281,12 @@ def make_call(
     return_lse: bool,
     debug: bool = False,
     options: Optional[dict] = None,
+    check_alignment: bool = False,
 ) -> GnaCall:
     """Work out one call. `layout_tensors` are q, k, v in the kernel's layout for the layout path (their strides
     are bound), or None for the permuted path. `options` override `launch_config`'s (tuning; `MASKED` may only
-    be forced on) and may set `HEAD_MAJOR`."""
+    be forced on) and may set `HEAD_MAJOR`. `check_alignment`: check the tensors' alignment on every launch
+    (callers that pass their own permuted tensors; `forward` keys on it instead)."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     masked = needs_mask(problem, q_tile, kv_tile)
@@ -320,7 +334,7 @@ def make_call(
     grid = (batch * heads, q_layout.num_tiles, 1) if head_major else (q_layout.num_tiles, batch * heads, 1)
     options = {name: launch[name] for name in LAUNCH_OPTIONS}
     return GnaCall(problem, shape, q_tile, kv_tile, layout, return_lse, debug,
-                   PreboundKernel(gna_forward_kernel, grid, arguments, options))
+                   PreboundKernel(gna_forward_kernel, grid, arguments, options, check_alignment=check_alignment))
 
 
 def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -342,23 +356,24 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _freeze(value):
-    return tuple(value) if isinstance(value, list) else value
-
-
 def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_tile=None, kv_tile=None,
             return_lse=False):
     """GNA forward of `[B, *shape, heads, head_dim]` tensors: `(out, lse)`, `lse` None unless asked.
 
     The first call with given tensor metadata and arguments validates everything and works the call out
     (`_prepare`); later ones look it up. Tensor metadata (shapes, dtypes, devices, strides, 16-byte
-    alignment) is part of the key, so a call with other tensors is checked afresh.
+    alignment; for CPU tensors whether the interpreter is on) is part of the key, so a call with other
+    tensors is checked afresh. Lists among the arguments are keyed as tuples.
     """
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-           q.stride(), k.stride(), v.stride(), aligned(q, k, v), interpreting(),
-           _freeze(window), _freeze(stride), _freeze(dilation), _freeze(causal), scale, _freeze(q_tile),
-           _freeze(kv_tile), return_lse)
-    run = _calls.get(key)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
+           q.stride(), k.stride(), v.stride(), q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
+           and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(),
+           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
+    try:
+        run = _calls.get(key)
+    except TypeError:  # a list among the arguments
+        key = tuple(tuple(item) if isinstance(item, list) else item for item in key)
+        run = _calls.get(key)
     if run is None:
         run = _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
         if len(_calls) >= MAX_CALLS:
