@@ -179,7 +179,7 @@ def tune(out_dir: Path) -> None:
     warp specialization on masked problems (Triton does not specialize a loop with the mask in it, and 4 warps
     alone spill), are skipped.
     """
-    from natsim.kernels import attention
+    from natsim.kernels import gna_launch as attention
 
     results = []
     shape, window, tile = (30, 48, 80), (18, 24, 24), (2, 8, 8)

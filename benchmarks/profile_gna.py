@@ -1,12 +1,15 @@
-"""One GNA kernel launch of a benchmark case, to run under Nsight Compute.
+"""One attention call of a benchmark case, to run under Nsight Compute.
 
-    ncu --clock-control none --kernel-name regex:gna_forward --launch-skip 1 --launch-count 1 \\
+    ncu --clock-control none --nvtx --nvtx-include "profiled/" --launch-count 1 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
-        python benchmarks/profile_gna.py 1d-256
+        python benchmarks/profile_gna.py hunyuan-16x8x8
 
-The script calls the kernel twice on permuted tokens (the first call compiles; ncu skips it) with the
-inputs of benchmarks/gna.py (batch 1, 24 heads, head_dim 128, bf16), so the profiled launch is the one
-that benchmark times. `--list` prints the case names.
+The script makes the call twice (the first compiles) with the inputs of benchmarks/gna.py (batch 1, 24
+heads, head_dim 128, bf16); the second call runs inside the NVTX range "profiled", which the command above
+restricts ncu to. Cases named `permuted-*` run the kernel alone on permuted tokens
+(`gna_attention_permuted`, the warp-specialized loop where every tile is full); the others run
+`gna_attention` as a model calls it (the token layout read in place; dense attention over the flattened
+sequence); `cudnn-*` run SDPA's cuDNN backend on the same tensors. `--list` prints the case names.
 """
 
 from __future__ import annotations
@@ -16,38 +19,60 @@ import argparse
 import torch
 
 import natsim
-from natsim.kernels import gna_attention_permuted, permute
+from natsim.kernels import gna_attention, gna_attention_permuted, permute
 
-# name: (shape, window, stride, tile (Q = KV))
+# name: (shape, window, stride, tile (Q = KV) or None for the default tiles)
 CASES = {
-    "hunyuan-dense": ((30, 48, 80), (30, 48, 80), (1, 1, 1), (2, 8, 8)),
-    "hunyuan-1x1x1": ((30, 48, 80), (18, 24, 24), (1, 1, 1), (2, 8, 8)),
+    "hunyuan-dense": ((30, 48, 80), (30, 48, 80), (1, 1, 1), None),
     "hunyuan-16x8x8": ((30, 48, 80), (18, 24, 24), (16, 8, 8), (2, 8, 8)),
-    "1d-dense": ((32768,), (32768,), (1,), (128,)),
-    "1d-256": ((32768,), (2048,), (256,), (128,)),
+    "permuted-hunyuan-dense": ((30, 48, 80), (30, 48, 80), (1, 1, 1), (2, 8, 8)),
+    "permuted-hunyuan-1x1x1": ((30, 48, 80), (18, 24, 24), (1, 1, 1), (2, 8, 8)),
+    "permuted-hunyuan-16x8x8": ((30, 48, 80), (18, 24, 24), (16, 8, 8), (2, 8, 8)),
+    "permuted-1d-dense": ((32768,), (32768,), (1,), (128,)),
+    "permuted-1d-256": ((32768,), (2048,), (256,), (128,)),
+    "cudnn-hunyuan-dense": ((30, 48, 80), (30, 48, 80), (1, 1, 1), None),
 }
 HEADS, HEAD_DIM, DTYPE = 24, 128, torch.bfloat16
 
 
+def _call(name: str):
+    """The call to profile, on fresh random inputs."""
+    shape, window, stride, tile = CASES[name]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, *shape, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(3))
+    if name.startswith("cudnn-"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qs, ks, vs = (t.reshape(1, -1, HEADS, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+
+        def run():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                torch.nn.functional.scaled_dot_product_attention(qs, ks, vs)
+
+        return run
+    if name.startswith("permuted-"):
+        problem = natsim.Problem(shape, window, stride)
+        qp, kp, vp = (permute(t, tile) for t in (q, k, v))
+        return lambda: gna_attention_permuted(qp, kp, vp, problem, tile, tile)
+    tiles = {} if tile is None else {"q_tile": tile, "kv_tile": tile}
+    return lambda: gna_attention(q, k, v, window, stride, **tiles)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("case", nargs="?", choices=sorted(CASES), help="the case to launch")
+    parser.add_argument("case", nargs="?", choices=sorted(CASES), help="the case to run")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     args = parser.parse_args()
     if args.list or args.case is None:
         print("\n".join(sorted(CASES)))
         return
-    shape, window, stride, tile = CASES[args.case]
-    problem = natsim.Problem(shape, window, stride)
-    torch.manual_seed(0)
-    q, k, v = (
-        permute(torch.randn(1, *shape, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE), tile) for _ in range(3)
-    )
-    for _ in range(2):
-        gna_attention_permuted(q, k, v, problem, tile, tile)
+    run = _call(args.case)
+    run()
     torch.cuda.synchronize()
-    sim = natsim.simulate(problem, natsim.TileConfig(tile, tile))
-    print(f"{args.case}: {sim.visited_tiles} visited KV tiles over {sim.num_q_tiles} Q tiles per head")
+    with torch.cuda.nvtx.range("profiled"):
+        run()
+    torch.cuda.synchronize()
+    print(f"{args.case}: profiled one call")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ def gna_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
     unless `return_lse`)."""
-    out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
+    out, lse = forward(q, k, v, tuple(window), tuple(stride), tuple(dilation), tuple(causal), scale,
+                       None if q_tile is None else tuple(q_tile), None if kv_tile is None else tuple(kv_tile),
+                       return_lse)  # tuples: the schema hands over lists, which the call cache cannot hash
     return out, (_no_lse(q) if lse is None else lse)
 
 
