@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,7 +46,8 @@ LAYOUTS = [
     ("Wan 2.1 720p", (21, 45, 80), 40, [((9, 21, 40), (1, 1, 1)), ((9, 21, 40), (3, 7, 8))]),
 ]
 OVERHEAD_CASES = [((8, 16, 16), 4, 64, (3, 5, 5), (1, 1, 1)), ((32, 32), 8, 64, (9, 9), (1, 1)),
-                  ((1024,), 2, 128, (128,), (1,))]
+                  ((1024,), 2, 128, (128,), (1,)), ((64, 64), 16, 64, (13, 13), (2, 2)),
+                  ((4, 16, 16), 8, 128, (3, 7, 7), (1, 1, 1))]
 
 
 def bench(fn, min_calls: int = 10) -> float:
@@ -169,40 +172,48 @@ def hunyuan_section(record: dict) -> None:
     print(json.dumps(record["hunyuan_16x8x8"]), json.dumps(record["hunyuan_1x8x8_masked"]), flush=True)
 
 
-def overhead_section(rows: list, calls: int = 200) -> None:
+def overhead_section(rows: list, calls: int = 200, rounds: int = 5) -> None:
+    """Host time per call: `rounds` rounds of `calls` back-to-back calls per case and path, the cases
+    interleaved round by round (a slow moment of the host shows as one slow round, not as one slow case);
+    median and minimum over rounds. GPU time per call from a CUDA graph of one call."""
+    cases = []
     for shape, heads, head_dim, window, stride in OVERHEAD_CASES:
         q, k, v = (torch.randn(1, *shape, heads, head_dim, device="cuda", dtype=DTYPE) for _ in range(3))
         ndim = len(shape)
-
-        def eager():
-            return gna_attention(q, k, v, window, stride)
-
-        def operator():
-            return ops.gna_forward(q, k, v, list(window), list(stride), [1] * ndim, [False] * ndim, None, None,
-                                   None, False)
-
         row = {"shape": shape, "heads": heads, "head_dim": head_dim, "window": window, "stride": stride}
+        paths = {
+            "eager": functools.partial(gna_attention, q, k, v, window, stride),
+            "operator": functools.partial(ops.gna_forward, q, k, v, list(window), list(stride), [1] * ndim,
+                                          [False] * ndim, None, None, None, False),
+        }
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        eager()
+        paths["eager"]()
         torch.cuda.synchronize()
         row["first_call_ms"] = (time.perf_counter() - t0) * 1e3
-        for label, fn in (("eager", eager), ("operator", operator)):
+        for fn in paths.values():
             for _ in range(20):
                 fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            host = (time.perf_counter() - t0) / calls
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / calls
-            row[f"{label}_host_us"] = host * 1e6
-            row[f"{label}_wall_us"] = wall * 1e6
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            eager()
+            paths["eager"]()
         row["gpu_us"] = bench(graph.replay, min_calls=200) * 1e3
+        cases.append((row, paths))
+    samples = {(i, label): [] for i in range(len(cases)) for label in ("eager", "operator")}
+    for _ in range(rounds):
+        for i, (row, paths) in enumerate(cases):
+            for label, fn in paths.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[i, label].append((time.perf_counter() - t0) / calls * 1e6)
+                torch.cuda.synchronize()
+    for i, (row, _) in enumerate(cases):
+        for label in ("eager", "operator"):
+            row[f"{label}_host_us"] = statistics.median(samples[i, label])
+            row[f"{label}_host_us_min"] = min(samples[i, label])
+            row[f"{label}_host_us_rounds"] = samples[i, label]
         print(json.dumps(row), flush=True)
         rows.append(row)
 
@@ -243,8 +254,9 @@ def main(argv=None) -> None:
             print(f"| {r['layout']} | dense | - | 1-D 128 | {r['cudnn_ms']:.1f} | {r['ours_ms']:.1f} | "
                   f"{r['ours_over_cudnn']:.3f} | - | - |")
     for r in record["overhead"]:
-        print(f"overhead {r['shape']}: eager host {r['eager_host_us']:.1f} us, operator host "
-              f"{r['operator_host_us']:.1f} us, GPU {r['gpu_us']:.1f} us, first call {r['first_call_ms']:.0f} ms")
+        print(f"overhead {r['shape']}: eager host {r['eager_host_us']:.1f} us (min {r['eager_host_us_min']:.1f}), "
+              f"operator host {r['operator_host_us']:.1f} us, GPU {r['gpu_us']:.1f} us, "
+              f"first call {r['first_call_ms']:.0f} ms")
     print(json.dumps(record.get("hunyuan_16x8x8")))
 
 
