@@ -28,12 +28,12 @@ TILE_TOKENS: dict[int, tuple[tuple[int, int], ...]] = {
     128: ((128, 128), (128, 64), (64, 64)),
 }
 
-# Relative costs of the kernel's work, from its H100 calibration (planner/coefficients/nvidia-h100-80gb-hbm3.json:
-# 1.68e-15 s per full-tile FLOP, 2.13e-15 s per masked-tile FLOP, 0.64 ns per KV tile visit and 4.8 ns per
-# program, per head), in units of one full-tile FLOP. Ratios, not times: they only rank tile shapes.
-MASKED_FLOP_COST = 1.27
-VISIT_COST = 3.8e5
-PROGRAM_COST = 2.9e6
+# Relative costs of the kernel's work, from its H100 calibration (planner/coefficients/nvidia-h100-80gb-hbm3.json,
+# 2026-11-23: 1.83e-15 s per full-tile FLOP, 2.19e-15 s per masked-tile FLOP, 0.31 ns per KV tile visit and
+# 31 ns per program, per head), in units of one full-tile FLOP. Ratios, not times: they only rank tile shapes.
+MASKED_FLOP_COST = 1.2
+VISIT_COST = 1.7e5
+PROGRAM_COST = 1.7e7
 
 # Tiles for a layout too small for any catalog shape: 128 queries and 128 keys per tile.
 FALLBACK_TILES = {1: ((128,), (128,)), 2: ((16, 8), (16, 8)), 3: ((2, 8, 8), (2, 8, 8))}
