@@ -6,6 +6,8 @@ One row per configuration, one column per feature (batch and heads multiply ever
 |---|---|---|
 | `full_flops` | FLOP | 4 * T_Q * T_KV * head_dim per visited tile that runs without the window mask |
 | `masked_flops` | FLOP | the same for visited tiles that need the mask (their extra cost is masking) |
+| `narrow_q_flops` | FLOP | FLOPs of tiles with fewer than 128 queries (4 warps instead of 8: their extra cost) |
+| `narrow_kv_flops` | FLOP | FLOPs of tiles with fewer than 128 keys (more, shorter KV iterations: their extra cost) |
 | `kv_tile_visits` | tile | visited (Q tile, KV tile) pairs: the per-iteration overhead of the KV loop |
 | `programs` | program | Q tiles launched (padding groups included): loading Q, the epilogue, storing O |
 | `permute_bytes` | byte | bytes moved by permuting q, k, v and unpermuting the output |
@@ -24,7 +26,11 @@ import numpy as np
 from natsim import SimResult, SweepResult, TileConfig
 from natsim.dimension import ceil_div
 
-FEATURES = ("full_flops", "masked_flops", "kv_tile_visits", "programs", "permute_bytes", "launch")
+FEATURES = (
+    "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "kv_tile_visits", "programs", "permute_bytes",
+    "launch",
+)
+WIDE_TILE = 128  # tokens: tiles with fewer queries or keys than this pay the narrow-tile features
 
 
 def padded_tokens(shape: Sequence[int], tile: Sequence[int], dilation: Sequence[int]) -> int:
@@ -65,6 +71,8 @@ def feature_matrix(
     columns = [
         full * tile_flops,
         (visited - full) * tile_flops,
+        (q_tokens < WIDE_TILE) * visited * tile_flops,
+        (kv_tokens < WIDE_TILE) * visited * tile_flops,
         visited * batch_heads,
         q_padded / q_tokens * batch_heads,
         permute_bytes,

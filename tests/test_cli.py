@@ -190,7 +190,7 @@ def test_sweep_with_a_cost_model_predicts_each_row_and_ranks_by_time():
 def test_sweep_with_a_coefficients_file_predicts_with_it(tmp_path):
     from natsim.planner import CostModel
 
-    coefficients = {"full_flops": 1e-15, "masked_flops": 2e-15, "kv_tile_visits": 1e-9, "programs": 1e-8, "permute_bytes": 0.0, "launch": 0.0}
+    coefficients = {"full_flops": 1e-15, "masked_flops": 2e-15, "narrow_q_flops": 0.0, "narrow_kv_flops": 0.0, "kv_tile_visits": 1e-9, "programs": 1e-8, "permute_bytes": 0.0, "launch": 0.0}
     path = CostModel("Test GPU", coefficients).save(tmp_path / "test-gpu.json")
     records = json.loads(invoke(*SMALL, "--q-tile", "8x8", "--coefficients", str(path), "--all", "--json").stdout)
     r = records[0]
