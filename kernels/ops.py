@@ -128,10 +128,11 @@ def sparse_forward(
 
 @sparse_forward.register_fake
 def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs):
-    from .sparse import _dense_mask, check_sparse_qkv
+    from .sparse import _dense_mask, check_mask_batch, check_sparse_qkv
 
     check_sparse_qkv(q, k, v)
     _dense_mask(mask, q_block, kv_block, q.shape[1])  # the same sentence errors as eager
+    check_mask_batch(mask.shape[0], mask.shape[1], q)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
     return torch.empty_like(q), lse
 

@@ -420,15 +420,19 @@ def check_sparse_kernel(q: torch.Tensor) -> None:
         raise ValueError(f"the sparse kernel supports head_dim in {SPARSE_HEAD_DIMS}, got head_dim={q.shape[-1]}.")
 
 
-def _check_against(work: SparseWork, q: torch.Tensor) -> None:
-    batch, seq_len, heads = q.shape[:3]
-    if seq_len != work.seq_len:
-        raise ValueError(f"q must have the mask's seq_len={work.seq_len} tokens, got q.shape={tuple(q.shape)}.")
-    if work.mask_batch not in (1, batch) or work.mask_heads not in (1, heads):
+def check_mask_batch(mask_batch: int, mask_heads: int, q: torch.Tensor) -> None:
+    """A mask's leading dimensions are q's batch and heads, or 1 (broadcast)."""
+    batch, heads = q.shape[0], q.shape[2]
+    if mask_batch not in (1, batch) or mask_heads not in (1, heads):
         raise ValueError(
-            f"the mask's batch and heads must be 1 or q's ({batch}, {heads}), got "
-            f"({work.mask_batch}, {work.mask_heads})."
+            f"the mask's batch and heads must be 1 or q's ({batch}, {heads}), got ({mask_batch}, {mask_heads})."
         )
+
+
+def _check_against(work: SparseWork, q: torch.Tensor) -> None:
+    if q.shape[1] != work.seq_len:
+        raise ValueError(f"q must have the mask's seq_len={work.seq_len} tokens, got q.shape={tuple(q.shape)}.")
+    check_mask_batch(work.mask_batch, work.mask_heads, q)
     if work.members.device != q.device:
         raise ValueError(f"the mask must be on q's device, got {work.members.device} and q.device={q.device}.")
 
@@ -513,6 +517,7 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
     reference with a one-time warning. What both the operator and the eager fast path run."""
     global _warned_cpu
     check_sparse_qkv(q, k, v)
+    check_mask_batch(mask.shape[0], mask.shape[1], q)
     if not use_triton(q):
         if not _warned_cpu:
             import warnings
