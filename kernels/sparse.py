@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .backend import interpreting, use_triton
 from .checks import KERNEL_DTYPES
@@ -488,16 +489,33 @@ def run_sparse(
         order = queue = work.offsets  # unused
         grid = (work.groups, batch * heads)
     scale = head_dim**-0.5 if scale is None else float(scale)
-    sparse_forward_kernel[grid](
-        q, k, v, out, out if lse is None else lse, out if counts is None else counts,
-        work.members, work.offsets, work.full_tiles, work.kv_list, work.member_bits, order, queue,
-        *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out),
-        heads, work.groups, items, work.mask_heads, 0 if work.mask_batch == 1 else 1,
-        0 if work.mask_heads == 1 else 1, seq_len, scale * LOG2E,
-        QB=work.q_block, KVB=work.kv_block, BLOCK_M=work.block_m, BLOCK_N=work.block_n, HEAD_DIM=head_dim,
-        WRITE_LSE=return_lse, DEBUG=debug, USE_TMA=use_tma, PERSISTENT=persistent, **options,
-    )
+    key = (work.block_m, work.block_n, work.q_block, work.kv_block, head_dim, q.dtype, use_tma, persistent,
+           return_lse, debug)
+    stages = _STAGES.get(key, options["num_stages"])
+    while True:
+        try:
+            sparse_forward_kernel[grid](
+                q, k, v, out, out if lse is None else lse, out if counts is None else counts,
+                work.members, work.offsets, work.full_tiles, work.kv_list, work.member_bits, order, queue,
+                *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out),
+                heads, work.groups, items, work.mask_heads, 0 if work.mask_batch == 1 else 1,
+                0 if work.mask_heads == 1 else 1, seq_len, scale * LOG2E,
+                QB=work.q_block, KVB=work.kv_block, BLOCK_M=work.block_m, BLOCK_N=work.block_n, HEAD_DIM=head_dim,
+                WRITE_LSE=return_lse, DEBUG=debug, USE_TMA=use_tma, PERSISTENT=persistent,
+                num_warps=options["num_warps"], num_stages=stages,
+            )
+            break
+        except OutOfResources:  # raised while compiling, before the launch: retry with one stage fewer
+            if stages <= 1:
+                raise
+            stages -= 1
+    _STAGES[key] = stages
     return out, lse, counts
+
+
+# Pipeline stages per launch variant, lowered once when a variant's shared memory did not fit (launch_config's
+# budget leaves no room for the layout conversions of some variants).
+_STAGES: dict = {}
 
 
 def _bnh(t: torch.Tensor) -> tuple[int, int, int]:
