@@ -14,3 +14,23 @@ __all__ = [
     "unpermute_reference",
     "reference_attention",
 ]
+
+from .sparse import (  # noqa: E402  (issue 9: attention under any block mask)
+    SparseTileCounts,
+    SparseWork,
+    prepare_sparse,
+    sparse_attention,
+    sparse_reference,
+    sparse_tile_counts,
+)
+from .sparsemask import SparseMask  # noqa: E402
+
+__all__ += [
+    "SparseMask",
+    "SparseTileCounts",
+    "SparseWork",
+    "prepare_sparse",
+    "sparse_attention",
+    "sparse_reference",
+    "sparse_tile_counts",
+]

@@ -93,3 +93,75 @@ def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 
 
 gna_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# == natsim::sparse_forward: attention under any block mask (kernels/sparse.py) ===================================
+
+SPARSE_GRADIENT_REFUSAL = (
+    "natsim's Triton sparse attention kernel has no backward pass yet, and q, k or v requires grad: the output "
+    "would silently carry no gradient to them. For inference, call it under torch.no_grad() (or "
+    "torch.inference_mode()); for gradients today, run the torch reference on CPU tensors "
+    "(natsim.kernels.sparse_reference, or sparse_attention on CPU tensors without TRITON_INTERPRET=1)."
+)
+
+
+@torch.library.custom_op("natsim::sparse_forward", mutates_args=())
+def sparse_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    q_block: int,
+    kv_block: int,
+    merge: Optional[str],
+    scale: Optional[float],
+    return_lse: bool,
+    schedule: str,
+    programs: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention of `[B, N, heads, head_dim]` under a boolean block mask `[B|1, H|1, nQ, nKV]`: the
+    output, and the LSE `[B, N, heads]` (empty unless `return_lse`). The host work (grouping, union lists)
+    happens inside, so a compiled graph holds one opaque call."""
+    from .sparse import sparse_forward_impl
+
+    out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs)
+    return out, (_no_lse(q) if not return_lse else lse)
+
+
+@sparse_forward.register_fake
+def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs):
+    from .sparse import _dense_mask, check_mask_batch, check_sparse_qkv
+
+    check_sparse_qkv(q, k, v)
+    _dense_mask(mask, q_block, kv_block, q.shape[1])  # the same sentence errors as eager
+    check_mask_batch(mask.shape[0], mask.shape[1], q)
+    lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
+    return torch.empty_like(q), lse
+
+
+def _sparse_setup_context(ctx, inputs, output) -> None:
+    q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs = inputs
+    if use_triton(q):
+        raise RuntimeError(SPARSE_GRADIENT_REFUSAL)
+    ctx.save_for_backward(q, k, v, mask)
+    ctx.arguments = (q_block, kv_block, scale)
+
+
+def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    """Gradients of the torch reference, recomputed under autograd (CPU path only)."""
+    from .sparse import sparse_reference
+
+    q, k, v, mask = ctx.saved_tensors
+    q_block, kv_block, scale = ctx.arguments
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = sparse_reference(*inputs, mask, q_block, kv_block, scale, return_lse=True)
+        outputs, grads = [out], [grad_out]
+        if grad_lse is not None and grad_lse.numel():
+            outputs.append(lse)
+            grads.append(grad_lse)
+        dq, dk, dv = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+sparse_forward.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)
