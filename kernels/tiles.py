@@ -29,11 +29,14 @@ TILE_TOKENS: dict[int, tuple[tuple[int, int], ...]] = {
 }
 
 # Relative costs of the kernel's work, from its H100 calibration (planner/coefficients/nvidia-h100-80gb-hbm3.json,
-# 2026-11-23: 1.83e-15 s per full-tile FLOP, 2.19e-15 s per masked-tile FLOP, 0.31 ns per KV tile visit and
-# 31 ns per program, per head), in units of one full-tile FLOP. Ratios, not times: they only rank tile shapes.
-MASKED_FLOP_COST = 1.2
-VISIT_COST = 1.7e5
-PROGRAM_COST = 1.7e7
+# 2026-11-23: 1.78e-15 s per full-tile FLOP, 2.16e-15 s per masked-tile FLOP, 0.12e-15 s more per FLOP in tiles
+# of fewer than 128 keys, 0.065 ns per KV tile visit and 31 ns per program, per head), in units of one
+# full-tile FLOP. Ratios, not times: they only rank tile shapes.
+MASKED_FLOP_COST = 1.22
+NARROW_KV_FLOP_COST = 0.07
+VISIT_COST = 3.7e4
+PROGRAM_COST = 1.75e7
+WIDE_TILE = 128
 
 # Tiles for a layout too small for any catalog shape: 128 queries and 128 keys per tile.
 FALLBACK_TILES = {1: ((128,), (128,)), 2: ((16, 8), (16, 8)), 3: ((2, 8, 8), (2, 8, 8))}
@@ -69,12 +72,13 @@ def tile_pairs(shape: Sequence[int], head_dim: int) -> list[tuple[tuple[int, ...
 
 def relative_cost(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], head_dim: int) -> float:
     """Predicted work of one head in units of a full-tile FLOP: FLOPs of full and masked tile pairs (padding
-    included), KV tile visits and programs, each at its relative cost."""
+    included; those of tiles under 128 keys cost more), KV tile visits and programs, each at its relative cost."""
     result = simulate(problem, TileConfig(q_tile, kv_tile))
     pair_flops = 4.0 * head_dim * math.prod(q_tile) * math.prod(kv_tile)
     masked = result.visited_tiles - result.full_tiles
-    return (pair_flops * (result.full_tiles + MASKED_FLOP_COST * masked) + VISIT_COST * result.visited_tiles
-            + PROGRAM_COST * result.num_q_tiles)
+    narrow = NARROW_KV_FLOP_COST * result.visited_tiles if math.prod(kv_tile) < WIDE_TILE else 0.0
+    return (pair_flops * (result.full_tiles + MASKED_FLOP_COST * masked + narrow)
+            + VISIT_COST * result.visited_tiles + PROGRAM_COST * result.num_q_tiles)
 
 
 @functools.lru_cache(maxsize=512)
