@@ -355,6 +355,41 @@ def table(rows: list) -> None:
               f"{fmt('lpt_over_grid', '.2f')} | {fmt('merge_s', '.3f')} |")
 
 
+def tune(out: Path, layouts: list, heads: int) -> None:
+    """--tune: the unmasked loop warp-specialized (8 warps, 2 stages) against the default single-partition loop
+    (8 warps, 3 stages), on 128x128 masks that load through descriptors, grid and lpt; outputs compared."""
+    from natsim.kernels.sparse import run_sparse
+
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for layout in layouts:
+        n = math.prod(LAYOUTS[layout])
+        q, k, v = (torch.randn(1, n, heads, HEAD_DIM, device=DEVICE, dtype=DTYPE) for _ in range(3))
+        blocks = -(-n // 128)
+        for name, density in (("all-true", 1.0), ("random-70", 0.3), ("random-90", 0.1)):
+            mask = (torch.rand(1, heads, blocks, blocks, generator=generator) < density).to(DEVICE)
+            work = prepare_sparse(mask, 128, 128, n)
+            for schedule in ("grid", "lpt"):
+                baseline = run_sparse(work, q, k, v, schedule=schedule)[0]
+                for specialize in (False, True):
+                    row = {"layout": layout, "N": n, "heads": heads, "mask": name, "schedule": schedule,
+                           "warp_specialized": specialize}
+                    try:
+                        out = run_sparse(work, q, k, v, schedule=schedule, specialize=specialize)[0]
+                        row["rel_diff_vs_default"] = rel(out, baseline)
+                        row["ms"] = bench(lambda: run_sparse(work, q, k, v, schedule=schedule, specialize=specialize))
+                    except Exception as error:  # a variant Triton cannot build is a finding, not a lost run
+                        row["error"] = f"{type(error).__name__}: {error}"[:400]
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    record = {**environment(), "rows": rows}
+    path = out / f"sparse-tune-{record['device'].replace(' ', '_')}-{record['date']}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+
+
 def main(argv: Optional[list] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
@@ -365,8 +400,13 @@ def main(argv: Optional[list] = None) -> None:
                         help="FlexAttention rows: every mask (fine masks through a mask_mod), 128x128 masks only, "
                              "or none (its compiles take tens of seconds each)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip the cases left after this many seconds")
+    parser.add_argument("--tune", action="store_true", help="time the warp-specialized unmasked loop instead")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.tune:
+        with torch.no_grad():
+            tune(args.out, args.layouts.split(","), args.heads)
+        return
     run = Run(args.out, args.budget_s, args.flex)
     torch.manual_seed(0)
     with torch.no_grad():

@@ -93,6 +93,7 @@ def _attend_item(
     heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Attention of work item `w` = (batch * heads + head) * groups + group: its members' query rows against
     the union of their KV blocks (module docstring)."""
@@ -139,7 +140,7 @@ def _attend_item(
     loaded = full_tiles * 0  # DEBUG: KV blocks loaded
 
     # Loop 1: whole tiles of blocks every member attends, wholly before N: no mask code.
-    for t in tl.range(0, full_tiles):
+    for t in tl.range(0, full_tiles, warp_specialize=WARP_SPECIALIZE):
         k, v, e, ok = _load_kv_tile(K_bh, V_bh, k_desc, v_desc, LIST, start + t * P, end, slots, within,
                                     seq_len, stride_kn, stride_vn, dims, KVB, BLOCK_N, False, USE_TMA)
         qk = tl.dot(q, k.T)
@@ -184,7 +185,7 @@ def sparse_forward_kernel(
     heads, groups, num_items, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr, USE_TMA: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """Grid: one program per work item, grid (groups, batch * heads). Persistent: programs take work items
     from `ORDER` (longest first) through the atomic counter `QUEUE` until none is left."""
@@ -196,7 +197,7 @@ def sparse_forward_kernel(
                          stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                          stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
                          heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale,
-                         QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA)
+                         QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA, WARP_SPECIALIZE)
             i = tl.atomic_add(QUEUE, 1)
     else:
         w = tl.program_id(1) * groups + tl.program_id(0)
@@ -204,7 +205,7 @@ def sparse_forward_kernel(
                      stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                      stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
                      heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale,
-                     QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA)
+                     QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA, WARP_SPECIALIZE)
 
 
 # -- the host work: groups, union lists, member bits ----------------------------------------------------------
@@ -457,9 +458,13 @@ def run_sparse(
     schedule: str = "grid",
     programs: Optional[int] = None,
     debug: bool = False,
+    specialize: bool = False,
 ):
     """`(out, lse, counts)` of one launch on prepared work (`lse` None unless asked; `counts` int32
-    `[B * H * groups, 2]` with `debug`, else None)."""
+    `[B * H * groups, 2]` with `debug`, else None). `specialize` warp-specializes the unmasked loop where its
+    tiles load through descriptors (8 warps, 2 stages; Triton 3.6 builds it with 8 warps, not with 4), except
+    with the LSE or debug counts (the LSE came out wrong under Triton 3.6's warp specialization in the GNA
+    kernel); benchmarks/sparse.py --tune times it."""
     check_sparse_qkv(q, k, v)
     check_sparse_kernel(q)
     _check_against(work, q)
@@ -477,6 +482,9 @@ def run_sparse(
         _install_allocator()
     config = launch_config(work.block_m, work.block_n, head_dim, masked=True, tma=use_tma, specialize=False)
     options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    specialize = specialize and use_tma and not (return_lse or debug)
+    if specialize:
+        options = dict(num_warps=8, num_stages=2)
     persistent = schedule == "lpt"
     if persistent:
         order = work.order(batch, heads)
@@ -490,7 +498,7 @@ def run_sparse(
         grid = (work.groups, batch * heads)
     scale = head_dim**-0.5 if scale is None else float(scale)
     key = (work.block_m, work.block_n, work.q_block, work.kv_block, head_dim, q.dtype, use_tma, persistent,
-           return_lse, debug)
+           return_lse, debug, specialize)
     stages = _STAGES.get(key, options["num_stages"])
     while True:
         try:
@@ -502,7 +510,7 @@ def run_sparse(
                 0 if work.mask_heads == 1 else 1, seq_len, scale * LOG2E,
                 QB=work.q_block, KVB=work.kv_block, BLOCK_M=work.block_m, BLOCK_N=work.block_n, HEAD_DIM=head_dim,
                 WRITE_LSE=return_lse, DEBUG=debug, USE_TMA=use_tma, PERSISTENT=persistent,
-                num_warps=options["num_warps"], num_stages=stages,
+                WARP_SPECIALIZE=specialize, num_warps=options["num_warps"], num_stages=stages,
             )
             break
         except OutOfResources:  # raised while compiling, before the launch: retry with one stage fewer
