@@ -375,8 +375,8 @@ def tune(out: Path, layouts: list, heads: int) -> None:
                     row = {"layout": layout, "N": n, "heads": heads, "mask": name, "schedule": schedule,
                            "warp_specialized": specialize}
                     try:
-                        out = run_sparse(work, q, k, v, schedule=schedule, specialize=specialize)[0]
-                        row["rel_diff_vs_default"] = rel(out, baseline)
+                        result = run_sparse(work, q, k, v, schedule=schedule, specialize=specialize)[0]
+                        row["rel_diff_vs_default"] = rel(result, baseline)
                         row["ms"] = bench(lambda: run_sparse(work, q, k, v, schedule=schedule, specialize=specialize))
                     except Exception as error:  # a variant Triton cannot build is a finding, not a lost run
                         row["error"] = f"{type(error).__name__}: {error}"[:400]
