@@ -1,4 +1,5 @@
-"""`natsim calibrate`: time natsim's GNA kernels on this GPU and write its cost-model coefficients."""
+"""`natsim calibrate`: time natsim's GNA kernels (and its sparse kernel) on this GPU and write its cost-model
+coefficients."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import typer
 from rich.table import Table
 
 from .output import fmt_dims, print_json
+from .parsing import CliInputError
 
 
 def _cases_table(calibration) -> Table:
@@ -32,13 +34,51 @@ def _cases_table(calibration) -> Table:
     return table
 
 
+def _sparse_cases_table(calibration) -> Table:
+    table = Table(title=f"sparse kernel calibration on {calibration.model.gpu}", title_justify="left")
+    for name in ("mask", "tokens", "blocks", "merge", "heads x head_dim", "measured ms", "predicted ms", "error"):
+        table.add_column(name, justify="right")
+    predicted = calibration.model.predict_sparse(calibration.sparse_features)
+    rows = zip(calibration.sparse_cases, calibration.sparse_times, predicted, calibration.sparse_errors,
+               calibration.sparse_fitted)
+    for case, measured, guess, error, fitted in rows:
+        table.add_row(
+            case.pattern if case.pattern != "random" else f"random {case.sparsity:.0%} sparse",
+            str(case.seq_len),
+            f"{case.q_block}x{case.kv_block}",
+            str(case.merge),
+            f"{case.heads} x {case.head_dim}",
+            f"{measured * 1e3:.3f}",
+            f"{guess * 1e3:.3f}",
+            f"{error:+.1%}" if fitted else "host-bound, not fitted",
+        )
+    return table
+
+
 def _coefficients_table(model) -> Table:
     table = Table(title="coefficients (seconds per unit)", title_justify="left")
+    table.add_column("kernel")
     table.add_column("feature")
     table.add_column("coefficient", justify="right")
     for name, value in model.coefficients.items():
-        table.add_row(name, f"{value:.4e}")
+        table.add_row("gna", name, f"{value:.4e}")
+    for name, value in (model.sparse_coefficients or {}).items():
+        table.add_row("sparse", name, f"{value:.4e}")
     return table
+
+
+def parse_kernels(text: str) -> tuple[str, ...]:
+    """'gna,sparse' -> ('gna', 'sparse'): the kernels to calibrate, 'gna' always among them."""
+    from natsim.planner.calibrate import check_kernels
+
+    names = tuple(part.strip().lower() for part in text.split(","))
+    try:
+        return check_kernels(names)
+    except ValueError:
+        raise CliInputError(
+            f"--kernels takes 'gna' or 'gna,sparse' (a cost model always carries the GNA kernel's coefficients), "
+            f"got --kernels {text!r}."
+        ) from None
 
 
 def register(app: typer.Typer) -> None:
@@ -55,8 +95,12 @@ def register(app: typer.Typer) -> None:
             help="Where to write the coefficients (default: <gpu>.json in $NATSIM_DATA_DIR/coefficients, else $XDG_DATA_HOME/natsim/coefficients, else ~/.local/share/natsim/coefficients, where the planner looks first).",
         ),
         as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
+        kernels: str = typer.Option(
+            "gna,sparse", "--kernels",
+            help="Kernels to time and fit, joined by ',': gna (the GNA kernel, always) and sparse (the block-mask kernel).",
+        ),
     ) -> None:
-        """Time a fixed set of GNA configurations on this GPU and fit the planner's cost model to them.
+        """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
 
         Needs a CUDA GPU; takes a few minutes. The coefficients are written to your data folder (not into the installed package), where `natsim plan` and `natsim.planner.best` look for this GPU's coefficients before those shipped with natsim; or to --output, for `natsim plan --coefficients`.
 
@@ -64,14 +108,17 @@ def register(app: typer.Typer) -> None:
         """
         from natsim.planner.calibrate import calibrate, default_path
 
+        chosen = parse_kernels(kernels)
         progress = _LazyProgress("timing")
         try:
-            calibration = calibrate(device=device, dtype=dtype, progress=progress)
+            calibration = calibrate(device=device, dtype=dtype, progress=progress, kernels=chosen)
         finally:
             progress.close()
         path = calibration.model.save(output if output is not None else default_path(calibration.model.gpu))
         if as_json:
             predicted = calibration.model.predict(calibration.features)
+            sparse_predicted = (calibration.model.predict_sparse(calibration.sparse_features)
+                                if calibration.sparse_cases else [])
             print_json(
                 out,
                 {
@@ -89,14 +136,28 @@ def register(app: typer.Typer) -> None:
                         }
                         for case, t, g, f in zip(calibration.cases, calibration.times, predicted, calibration.fitted)
                     ],
+                    "sparse_measurements": [
+                        {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
+                        for case, t, g, f in zip(calibration.sparse_cases, calibration.sparse_times,
+                                                 sparse_predicted, calibration.sparse_fitted)
+                    ],
                 },
             )
             return
         out.print(_cases_table(calibration))
+        if calibration.sparse_cases:
+            out.print(_sparse_cases_table(calibration))
         out.print(_coefficients_table(calibration.model))
         info = calibration.model.info
         left_out = info["host_bound_cases_left_out"]
         out.print(
             f"fitted on {info['cases']} cases ({left_out} host-bound left out): median |error| "
-            f"{info['median_abs_relative_error']:.1%}, max {info['max_abs_relative_error']:.1%}; written to {path}"
+            f"{info['median_abs_relative_error']:.1%}, max {info['max_abs_relative_error']:.1%}"
+            + (
+                f"; sparse kernel on {info['sparse_cases']} cases ({info['sparse_host_bound_cases_left_out']} "
+                f"host-bound left out): median |error| {info['sparse_median_abs_relative_error']:.1%}, "
+                f"max {info['sparse_max_abs_relative_error']:.1%}"
+                if calibration.sparse_cases else ""
+            )
+            + f"; written to {path}"
         )

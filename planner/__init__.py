@@ -3,6 +3,8 @@
 `best(shape, target_sparsity, ...)` returns a `Plan`: window, stride and tiles chosen with the simulator and
 a per-GPU cost model of natsim's kernels (planner.costmodel), a report (`plan.explain()`), JSON round-trips,
 and `plan(q, k, v)` running `natsim.kernels.gna_attention` with exactly those settings.
+`predict_sparse_time(work, ...)` predicts a sparse-kernel call from its prepared work, for ranking block sizes
+and merges of a mask.
 """
 
 from .catalog import TILE_TOKENS, tile_catalog
@@ -11,6 +13,7 @@ from .features import FEATURES, feature_matrix, features_of, sweep_features
 from .fit import fit_coefficients
 from .plan import Candidate, Plan
 from .search import TIE_TOLERANCE, best, fastest_first, predicted_times
+from .sparse_features import SPARSE_FEATURES, predict_sparse_time, sparse_features
 
 __all__ = [
     "best",
@@ -29,4 +32,7 @@ __all__ = [
     "sweep_features",
     "fit_coefficients",
     "TIE_TOLERANCE",
+    "SPARSE_FEATURES",
+    "sparse_features",
+    "predict_sparse_time",
 ]

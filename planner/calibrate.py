@@ -9,27 +9,38 @@ H100 machine, varying from run to run) takes the host's time instead, max(host, 
 Such host-bound measurements (under HOST_BOUND_S) are left out of the fit; a faster GPU may produce some.
 Features come from the simulator (CPU); times from `time_case` (permutation included, as plans run it);
 the fit is `planner.fit.fit_coefficients`, a pure function tested on CPU against known coefficients.
+
+The sparse kernel (natsim.kernels.sparse) gets a set of its own (`sparse_calibration_cases`) and a second
+coefficient set (planner.sparse_features): block masks at the granularities a mask planner chooses between
+(128x128, 128x16, 64x64, 64x128, 32x32, 16x16), merged by XOR, consecutively or not at all, on 16k to 35k tokens
+with the same 24 heads. Their features come from the prepared work (`prepare_sparse` on the CPU, with the
+GPU's program tiles), their times from `time_sparse_case`, the same host-bound rule and the same fit.
 """
 
 from __future__ import annotations
 
 import datetime
 import platform
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from natsim import Problem, TileConfig, simulate
+from natsim import Problem, TileConfig, block_mask, simulate
 
 from natsim.kernels.gna_launch import has_tensor_descriptors, permutes
+from natsim.kernels.sparse import default_blocks, prepare_sparse
 
 from .catalog import as_dtype, dtype_name, element_bytes
 from .costmodel import CostModel, gpu_file_name, gpu_of, user_coefficients_dir
 from .features import FEATURES, features_of
 from .fit import fit_coefficients, relative_errors
+from .sparse_features import SPARSE_FEATURES
+from .sparse_features import sparse_features as work_features
+
+KERNELS = ("gna", "sparse")
 
 # Tile shapes per number of dimensions, one per (Q tokens, KV tokens) pair of the catalog.
 TILES = {
@@ -129,14 +140,7 @@ MIN_REPEATS = 20
 
 
 def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats: int = MIN_REPEATS) -> float:
-    """Median seconds of one `gna_attention` call for `case` (random inputs) on a CUDA `device`.
-
-    `triton.testing.do_bench` times as many calls as fit in its `rep` budget, which for a 100 ms call is
-    one; the budget is stretched here to at least `min_repeats` calls so that the median means something
-    (single calls of one configuration varied by 10 % on an H100).
-    """
-    import triton.testing
-
+    """Median seconds of one `gna_attention` call for `case` (random inputs) on a CUDA `device`."""
     from natsim.kernels import gna_attention
 
     p = case.problem
@@ -149,6 +153,18 @@ def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats:
             q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=case.tiles.q_tile, kv_tile=case.tiles.kv_tile
         )
 
+    return median_seconds(run, device, min_repeats)
+
+
+def median_seconds(run: Callable[[], object], device: torch.device, min_repeats: int = MIN_REPEATS) -> float:
+    """Median seconds of `run()` on a CUDA `device`, by `triton.testing.do_bench`.
+
+    do_bench times as many calls as fit in its `rep` budget, which for a 100 ms call is one; the budget is
+    stretched here to at least `min_repeats` calls so that the median means something (single calls of one
+    configuration varied by 10 % on an H100).
+    """
+    import triton.testing
+
     run()  # compile, and keep the first call's start-up out of the estimate
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -160,12 +176,163 @@ def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats:
     return triton.testing.do_bench(run, warmup=max(25.0, 2 * estimate_ms), rep=budget_ms, return_mode="median") * 1e-3
 
 
+# -- the sparse kernel ------------------------------------------------------------------------------------------
+
+FINE_BLOCK = 16  # tokens per block of the fine masks; coarser blocks are their OR-pooled supersets
+# Wan 2.1 480p (21x30x52 tokens) and its GNA window: the mask of natsim's GNA over 16-token tiles (1, 4, 4) in
+# the permuted order, N = 34,944 (the tile-padded layout), as benchmarks/sparse.py runs it.
+GNA_LAYOUT, GNA_WINDOW, GNA_TILE = (21, 30, 52), (9, 15, 25), (1, 4, 4)
+GNA_SEQ_LEN = 34944
+
+# (pattern, seq_len, q_block, kv_block, merge, head_dim, sparsity). Times on an H100 (bf16, 24 heads) from
+# benchmarks/results/sparse-480p-*.json: 1.5 ms (random, 95%) to about 35 ms (16x16 consecutive and unmerged).
+# Random 128x128 masks separate unmasked FLOPs from per-tile and per-program costs (their density moves both);
+# merged 16x16 and 64x64 masks run the masked loop with gathered tiles, 64x128 merged runs it with
+# descriptor-loaded tiles, 128x16 runs gathered tiles mostly unmasked, and unmerged 16x16 and 64x64 run
+# narrow programs.
+SPARSE_CASES = (
+    ("random", 16384, 128, 128, None, 128, 0.0),
+    ("random", 32768, 128, 128, None, 128, 0.5),
+    ("random", 32768, 128, 128, None, 128, 0.8),
+    ("random", 32768, 128, 128, None, 128, 0.95),
+    ("random", 32768, 128, 128, None, 64, 0.8),
+    ("clustered", 32768, 16, 16, "xor", 128, 0.0),
+    ("clustered", 32768, 16, 16, "consecutive", 128, 0.0),
+    ("clustered", 32768, 16, 16, None, 128, 0.0),
+    ("clustered", 32768, 64, 64, "xor", 128, 0.0),
+    ("clustered", 32768, 64, 64, None, 128, 0.0),
+    ("clustered", 32768, 64, 128, "consecutive", 128, 0.0),
+    ("clustered", 32768, 128, 16, None, 128, 0.0),
+    ("gna", GNA_SEQ_LEN, 16, 16, "xor", 128, 0.0),
+    ("gna", GNA_SEQ_LEN, 16, 16, "xor", 64, 0.0),
+    ("gna", GNA_SEQ_LEN, 32, 32, "consecutive", 128, 0.0),
+    ("gna", GNA_SEQ_LEN, 128, 16, None, 128, 0.0),
+)
+PATTERNS = ("random", "clustered", "gna")
+
+
+@dataclass(frozen=True)
+class SparseCase:
+    """One sparse-kernel call to time: a block-mask `pattern` at `q_block` x `kv_block`, grouped by `merge`, on
+    `[1, seq_len, heads, head_dim]` tensors.
+
+    Patterns (`sparse_case_mask`): `random`, each block kept with probability 1 - `sparsity`, a mask per head;
+    `clustered`, FINE_BLOCK query blocks in 32 clusters that each attend 15% of 32-key spans (benchmarks/sparse.py),
+    one mask for every head; `gna`, natsim's GNA mask of GNA_LAYOUT, one mask for every head. Fine masks are
+    OR-pooled to the case's blocks. `seed` seeds the random ones.
+    """
+
+    pattern: str
+    seq_len: int
+    q_block: int
+    kv_block: int
+    merge: Optional[str]
+    head_dim: int
+    sparsity: float = 0.0
+    heads: int = HEADS
+    seed: int = 0
+
+    @property
+    def blocks(self) -> tuple[int, int]:
+        """(block_m, block_n): the program tile the kernel uses for these blocks on a GPU."""
+        return default_blocks(self.q_block, self.kv_block, self.merge, torch.device("cuda"))
+
+    def to_dict(self) -> dict:
+        block_m, block_n = self.blocks
+        return {**asdict(self), "block_m": block_m, "block_n": block_n}
+
+
+def sparse_calibration_cases() -> list[SparseCase]:
+    """The sparse-kernel calls `natsim calibrate` times (SPARSE_CASES)."""
+    return [
+        SparseCase(pattern, seq_len, q_block, kv_block, merge, head_dim, sparsity, seed=i)
+        for i, (pattern, seq_len, q_block, kv_block, merge, head_dim, sparsity) in enumerate(SPARSE_CASES)
+    ]
+
+
+def _pool(mask: torch.Tensor, fq: int, fk: int) -> torch.Tensor:
+    """OR-pool a `[B, H, nQ, nKV]` block mask by `fq` x `fk` blocks (blocks past the end attend nothing)."""
+    b, h, nq, nk = mask.shape
+    padded = torch.zeros((b, h, -(-nq // fq) * fq, -(-nk // fk) * fk), dtype=torch.bool)
+    padded[..., :nq, :nk] = mask
+    return padded.view(b, h, padded.shape[2] // fq, fq, padded.shape[3] // fk, fk).any(5).any(3)
+
+
+def _fine_mask(case: SparseCase, generator: torch.Generator) -> torch.Tensor:
+    """The case's FINE_BLOCK x FINE_BLOCK mask `[1, 1, nQ, nKV]`, one for every head."""
+    if case.pattern == "gna":
+        dense = block_mask(Problem(GNA_LAYOUT, GNA_WINDOW), TileConfig(GNA_TILE, GNA_TILE)).to_dense()
+        return torch.from_numpy(dense)[None, None]
+    n = -(-case.seq_len // FINE_BLOCK)
+    clusters, density = 32, 0.15
+    spans = torch.rand((clusters, -(-n // 2)), generator=generator) < density
+    patterns = spans.repeat_interleave(2, -1)[..., :n]
+    member = torch.randint(0, clusters, (n,), generator=generator)
+    return patterns[member][None, None]
+
+
+def sparse_case_mask(case: SparseCase) -> torch.Tensor:
+    """The case's boolean block mask `[1, heads or 1, ceil(N / q_block), ceil(N / kv_block)]` on the CPU, the same
+    on every call (seeded with `case.seed`)."""
+    if case.pattern not in PATTERNS:
+        raise ValueError(f"pattern must be one of {PATTERNS}, got pattern={case.pattern!r}.")
+    generator = torch.Generator().manual_seed(case.seed)
+    if case.pattern == "random":
+        shape = (1, case.heads, -(-case.seq_len // case.q_block), -(-case.seq_len // case.kv_block))
+        return torch.rand(shape, generator=generator) >= case.sparsity
+    return _pool(_fine_mask(case, generator), case.q_block // FINE_BLOCK, case.kv_block // FINE_BLOCK)
+
+
+def prepare_case(case: SparseCase, device: torch.device):
+    """The case's `SparseWork` on `device`, with the GPU's program tiles wherever it is prepared."""
+    block_m, block_n = case.blocks
+    return prepare_sparse(sparse_case_mask(case), case.q_block, case.kv_block, case.seq_len, merge=case.merge,
+                          block_m=block_m, block_n=block_n, device=device)
+
+
+def sparse_case_features(cases: Sequence[SparseCase]) -> np.ndarray:
+    """The sparse feature matrix of `cases` (rows in order), from their work prepared on the CPU."""
+    return np.stack([work_features(prepare_case(c, torch.device("cpu")), 1, c.heads, c.head_dim) for c in cases])
+
+
+def time_sparse_case(
+    case: SparseCase, dtype: torch.dtype, device: torch.device, min_repeats: int = MIN_REPEATS
+) -> float:
+    """Median seconds of one `sparse_attention` call for `case` (random inputs, work prepared once beforehand,
+    schedule 'grid') on a CUDA `device`."""
+    from natsim.kernels import sparse_attention
+
+    work = prepare_case(case, device)
+    q, k, v = (
+        torch.randn((1, case.seq_len, case.heads, case.head_dim), device=device, dtype=dtype) for _ in range(3)
+    )
+    return median_seconds(lambda: sparse_attention(q, k, v, work), device, min_repeats)
+
+
+def check_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
+    """The kernels to calibrate, in KERNELS order: 'gna', or 'gna' and 'sparse' (a cost model always carries
+    the GNA kernel's coefficients)."""
+    names = tuple(kernels)
+    unknown = [name for name in names if name not in KERNELS]
+    if unknown or "gna" not in names:
+        raise ValueError(
+            f"kernels must be 'gna' or 'gna' and 'sparse' (a cost model always carries the GNA kernel's "
+            f"coefficients), got kernels={names!r}."
+        )
+    return tuple(name for name in KERNELS if name in names)
+
+
+def _empty(columns: int) -> np.ndarray:
+    return np.zeros((0, columns))
+
+
 @dataclass(frozen=True)
 class Calibration:
     """A fitted cost model with the measurements behind it.
 
     `fitted[i]` says whether case i entered the fit (False: host-bound, under HOST_BOUND_S); `errors` are
-    (predicted - measured) / measured for every case.
+    (predicted - measured) / measured for every case. The `sparse_` fields are the same for the sparse
+    kernel's cases (empty when it was not calibrated).
     """
 
     model: CostModel
@@ -174,14 +341,43 @@ class Calibration:
     times: np.ndarray
     errors: np.ndarray
     fitted: np.ndarray
+    sparse_cases: tuple[SparseCase, ...] = ()
+    sparse_features: np.ndarray = field(default_factory=lambda: _empty(len(SPARSE_FEATURES)))
+    sparse_times: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    sparse_errors: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    sparse_fitted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+
+def _fit(features: np.ndarray, times: np.ndarray, names: Sequence[str], kernel: str):
+    """(coefficients, errors, fitted) of one kernel's measurements, host-bound ones left out of the fit."""
+    fitted = times >= HOST_BOUND_S
+    if fitted.sum() < len(names):
+        raise ValueError(
+            f"only {fitted.sum()} of {len(times)} {kernel} calibration cases kept this GPU busy for "
+            f"{HOST_BOUND_S * 1e3:g} ms or more; the cost model needs at least {len(names)} that are not host-bound."
+        )
+    coefficients = fit_coefficients(features[fitted], times[fitted], names)
+    return coefficients, relative_errors(features, times, coefficients, names), fitted
+
+
+def _error_info(prefix: str, errors: np.ndarray, fitted: np.ndarray) -> dict:
+    return {
+        f"{prefix}cases": int(fitted.sum()),
+        f"{prefix}host_bound_cases_left_out": int((~fitted).sum()),
+        f"{prefix}median_abs_relative_error": float(np.median(np.abs(errors[fitted]))),
+        f"{prefix}max_abs_relative_error": float(np.max(np.abs(errors[fitted]))),
+    }
 
 
 def calibrate(
     device: Union[None, str, torch.device] = None,
     dtype: Union[torch.dtype, str] = torch.bfloat16,
     progress: Optional[Callable[[int, int], None]] = None,
+    kernels: Iterable[str] = KERNELS,
 ) -> Calibration:
-    """Time `calibration_cases()` with natsim.kernels on a CUDA GPU and fit the cost model to them."""
+    """Time `calibration_cases()` (and with 'sparse' in `kernels`, `sparse_calibration_cases()`) with
+    natsim.kernels on a CUDA GPU and fit the cost model to them."""
+    kernels = check_kernels(kernels)
     dtype = as_dtype(dtype)
     gpu = gpu_of(device)
     if gpu is None:
@@ -191,39 +387,45 @@ def calibrate(
         )
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     cases = calibration_cases()
+    sparse_cases = sparse_calibration_cases() if "sparse" in kernels else []
     features = case_features(cases, dtype, has_tensor_descriptors(device))
-    times = []
-    for i, case in enumerate(cases):
+    sparse_matrix = sparse_case_features(sparse_cases) if sparse_cases else _empty(len(SPARSE_FEATURES))
+    total = len(cases) + len(sparse_cases)
+    times, sparse_times = [], []
+    for case in cases:
         times.append(time_case(case, dtype, device))
         if progress is not None:
-            progress(i + 1, len(cases))
-    times = np.array(times)
-    fitted = times >= HOST_BOUND_S
-    if fitted.sum() < len(FEATURES):
-        raise ValueError(
-            f"only {fitted.sum()} of {len(cases)} calibration cases kept this GPU busy for {HOST_BOUND_S * 1e3:g} ms "
-            f"or more; the cost model needs at least {len(FEATURES)} that are not host-bound."
-        )
-    coefficients = fit_coefficients(features[fitted], times[fitted])
-    errors = relative_errors(features, times, coefficients)
+            progress(len(times), total)
+    for case in sparse_cases:
+        sparse_times.append(time_sparse_case(case, dtype, device))
+        if progress is not None:
+            progress(len(times) + len(sparse_times), total)
+    times, sparse_times = np.array(times), np.array(sparse_times)
+    coefficients, errors, fitted = _fit(features, times, FEATURES, "GNA")
+    sparse = None
+    sparse_errors, sparse_fitted = np.zeros(0), np.zeros(0, dtype=bool)
+    sparse_info = {}
+    if sparse_cases:
+        sparse, sparse_errors, sparse_fitted = _fit(sparse_matrix, sparse_times, SPARSE_FEATURES, "sparse")
+        sparse_info = _error_info("sparse_", sparse_errors, sparse_fitted)
     import triton
 
     model = CostModel(
         gpu=gpu,
         coefficients=coefficients,
+        sparse_coefficients=sparse,
         info={
             "date": datetime.date.today().isoformat(),
             "dtype": dtype_name(dtype),
             "torch": torch.__version__,
             "triton": triton.__version__,
             "python": platform.python_version(),
-            "cases": int(fitted.sum()),
-            "host_bound_cases_left_out": int((~fitted).sum()),
-            "median_abs_relative_error": float(np.median(np.abs(errors[fitted]))),
-            "max_abs_relative_error": float(np.max(np.abs(errors[fitted]))),
+            **_error_info("", errors, fitted),
+            **sparse_info,
         },
     )
-    return Calibration(model, tuple(cases), features, times, errors, fitted)
+    return Calibration(model, tuple(cases), features, times, errors, fitted, tuple(sparse_cases), sparse_matrix,
+                       sparse_times, sparse_errors, sparse_fitted)
 
 
 def default_path(gpu: str) -> Path:

@@ -1,6 +1,8 @@
 """The cost model: predicted GNA kernel time as a linear function of the features (planner.features).
 
-`time = sum_i coefficient_i * feature_i`, one coefficient per feature, in seconds per unit. Coefficients
+`time = sum_i coefficient_i * feature_i`, one coefficient per feature, in seconds per unit. A model may also
+carry a second set for the sparse kernel (`sparse_coefficients`, over planner.sparse_features'
+SPARSE_FEATURES, JSON key "sparse_coefficients"); files without it load with None there. Coefficients
 differ per GPU and are data: one JSON file per GPU, named after the GPU (`torch.cuda.get_device_name()`).
 The planner looks in the user's folder first (`user_coefficients_dir()`, where `natsim calibrate` writes),
 then in the files shipped with natsim (planner/coefficients/). Without a file for the GPU at hand there is
@@ -21,30 +23,43 @@ import numpy as np
 import torch
 
 from .features import FEATURES
+from .sparse_features import SPARSE_FEATURES
 
 COEFFICIENTS_DIR = Path(__file__).resolve().parent / "coefficients"
 DATA_DIR_ENV = "NATSIM_DATA_DIR"
 FORMAT = "natsim-cost-model/1"
 
 
+def _checked(coefficients: Mapping[str, float], features: Sequence[str], label: str) -> dict[str, float]:
+    """`coefficients` as floats in `features` order, or a sentence error: exactly those names, each finite and
+    non-negative."""
+    names = set(coefficients)
+    if names != set(features):
+        raise ValueError(f"{label} must name exactly the features {tuple(features)}, got {sorted(names)}.")
+    values = {name: float(coefficients[name]) for name in features}
+    if any(not np.isfinite(v) or v < 0 for v in values.values()):
+        raise ValueError(f"{label} must be finite and non-negative, got {label}={values}.")
+    return values
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per unit of each feature on one GPU, with how and when they were fitted (`info`)."""
+    """Seconds per unit of each feature on one GPU, with how and when they were fitted (`info`).
+
+    `coefficients` are the GNA kernel's (FEATURES); `sparse_coefficients` the sparse kernel's
+    (SPARSE_FEATURES), or None for a model calibrated without it.
+    """
 
     gpu: str
     coefficients: Mapping[str, float]
     info: Mapping[str, object] = field(default_factory=dict)
+    sparse_coefficients: Optional[Mapping[str, float]] = None
 
     def __post_init__(self) -> None:
-        names = set(self.coefficients)
-        if names != set(FEATURES):
-            raise ValueError(
-                f"coefficients must name exactly the features {FEATURES}, got {sorted(names)}."
-            )
-        values = {name: float(self.coefficients[name]) for name in FEATURES}
-        if any(not np.isfinite(v) or v < 0 for v in values.values()):
-            raise ValueError(f"coefficients must be finite and non-negative, got coefficients={values}.")
-        object.__setattr__(self, "coefficients", values)
+        object.__setattr__(self, "coefficients", _checked(self.coefficients, FEATURES, "coefficients"))
+        if self.sparse_coefficients is not None:
+            sparse = _checked(self.sparse_coefficients, SPARSE_FEATURES, "sparse_coefficients")
+            object.__setattr__(self, "sparse_coefficients", sparse)
         object.__setattr__(self, "info", dict(self.info))
 
     @property
@@ -61,14 +76,29 @@ class CostModel:
         row = np.asarray(features, np.float64)
         return {name: float(row[i] * self.coefficients[name]) for i, name in enumerate(FEATURES)}
 
+    def predict_sparse(self, features: np.ndarray) -> np.ndarray:
+        """Predicted seconds of sparse-kernel calls for feature rows `(n, len(SPARSE_FEATURES))` (or one row)."""
+        if self.sparse_coefficients is None:
+            raise ValueError(
+                f"the cost model of {self.gpu} has no sparse-kernel coefficients; "
+                "run `natsim calibrate --kernels gna,sparse` on that GPU to fit them."
+            )
+        vector = np.array([self.sparse_coefficients[name] for name in SPARSE_FEATURES])
+        return np.asarray(features, np.float64) @ vector
+
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "gpu": self.gpu, "coefficients": dict(self.coefficients), "info": dict(self.info)}
+        data = {"format": FORMAT, "gpu": self.gpu, "coefficients": dict(self.coefficients)}
+        if self.sparse_coefficients is not None:
+            data["sparse_coefficients"] = dict(self.sparse_coefficients)
+        data["info"] = dict(self.info)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "CostModel":
         if data.get("format") != FORMAT:
             raise ValueError(f"a cost model must have format {FORMAT!r}, got format={data.get('format')!r}.")
-        return cls(gpu=str(data["gpu"]), coefficients=data["coefficients"], info=data.get("info", {}))
+        return cls(gpu=str(data["gpu"]), coefficients=data["coefficients"], info=data.get("info", {}),
+                   sparse_coefficients=data.get("sparse_coefficients"))
 
     def save(self, path: Union[str, Path]) -> Path:
         path = Path(path)

@@ -8,6 +8,8 @@ non-negative (no feature makes a kernel faster) by the Lawson-Hanson active-set 
 
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 import numpy as np
 
 from .features import FEATURES
@@ -40,33 +42,40 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iterations: int = 0) -> np.ndarray:
     return x
 
 
-def fit_coefficients(features: np.ndarray, times: np.ndarray) -> dict[str, float]:
+def fit_coefficients(
+    features: np.ndarray, times: np.ndarray, names: Sequence[str] = FEATURES
+) -> dict[str, float]:
     """Coefficients (seconds per unit, by feature name) that best explain `times` from `features`.
 
-    `features` is `(n, len(FEATURES))` (planner.features.feature_matrix), `times` the `n` measured seconds.
+    `features` is `(n, len(names))`, columns in `names` order: the GNA kernel's FEATURES
+    (planner.features.feature_matrix) unless told otherwise (the sparse kernel's SPARSE_FEATURES);
+    `times` the `n` measured seconds.
     """
+    names = tuple(names)
     features = np.asarray(features, np.float64)
     times = np.asarray(times, np.float64)
-    if features.ndim != 2 or features.shape[1] != len(FEATURES):
+    if features.ndim != 2 or features.shape[1] != len(names):
         raise ValueError(
-            f"features must be (n, {len(FEATURES)}) with columns {FEATURES}, got shape {features.shape}."
+            f"features must be (n, {len(names)}) with columns {names}, got shape {features.shape}."
         )
     if times.shape != (features.shape[0],):
         raise ValueError(f"times must hold one time per feature row ({features.shape[0]}), got shape {times.shape}.")
     if not np.all(np.isfinite(times)) or np.any(times <= 0):
         raise ValueError("times must be positive and finite, got a non-positive or non-finite time.")
-    if features.shape[0] < len(FEATURES):
+    if features.shape[0] < len(names):
         raise ValueError(
-            f"fitting {len(FEATURES)} coefficients needs at least as many measurements, got {features.shape[0]}."
+            f"fitting {len(names)} coefficients needs at least as many measurements, got {features.shape[0]}."
         )
     weighted = features / times[:, None]
     scale = np.linalg.norm(weighted, axis=0)
     scale[scale == 0] = 1.0
     solution = nnls(weighted / scale, np.ones_like(times)) / scale
-    return {name: float(value) for name, value in zip(FEATURES, solution)}
+    return {name: float(value) for name, value in zip(names, solution)}
 
 
-def relative_errors(features: np.ndarray, times: np.ndarray, coefficients: dict[str, float]) -> np.ndarray:
-    """(predicted - measured) / measured per measurement."""
-    vector = np.array([coefficients[name] for name in FEATURES])
+def relative_errors(
+    features: np.ndarray, times: np.ndarray, coefficients: Mapping[str, float], names: Sequence[str] = FEATURES
+) -> np.ndarray:
+    """(predicted - measured) / measured per measurement (feature columns in `names` order)."""
+    vector = np.array([coefficients[name] for name in names])
     return (np.asarray(features, np.float64) @ vector - times) / times

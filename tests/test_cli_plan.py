@@ -176,13 +176,13 @@ def test_calibrate_writes_coefficients_that_plan_reads(monkeypatch, tmp_path):
     monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: float(calibration.case_features([case], dtype)[0] @ truth))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     path = tmp_path / "fake.json"
-    result = invoke("calibrate", "--output", str(path))
+    result = invoke("calibrate", "--output", str(path), "--kernels", "gna")
     assert result.exit_code == 0, result.output
     assert "written to" in result.stdout and "launch" in result.stdout
     model = CostModel.load(path)
     assert model.gpu == "Fake GPU"
     assert model.coefficients["full_flops"] == pytest.approx(COEFFICIENTS["full_flops"], rel=1e-6)
-    record = json.loads(invoke("calibrate", "--output", str(path), "--json").stdout)
+    record = json.loads(invoke("calibrate", "--output", str(path), "--json", "--kernels", "gna").stdout)
     assert record["model"]["gpu"] == "Fake GPU" and len(record["measurements"]) == len(calibration.calibration_cases())
     planned = json.loads(invoke("plan", "--shape", "30x48x80", "--sparsity", "0.9", "--coefficients", str(path), "--json").stdout)
     assert planned["gpu"] == "Fake GPU" and planned["basis"] == "cost model"
@@ -201,7 +201,7 @@ def test_calibrate_writes_to_the_user_data_folder_not_into_the_package(monkeypat
     monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: float(calibration.case_features([case], dtype)[0] @ truth))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     shipped = sorted(COEFFICIENTS_DIR.iterdir())
-    result = invoke("calibrate")
+    result = invoke("calibrate", "--kernels", "gna")
     assert result.exit_code == 0, result.output
     path = tmp_path / "natsim" / "coefficients" / "fake-gpu.json"
     assert CostModel.load(path).gpu == "Fake GPU" and str(path) in "".join(result.stdout.split())

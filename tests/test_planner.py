@@ -445,7 +445,9 @@ def test_calibrate_times_every_case_and_fits_them(monkeypatch):
     monkeypatch.setattr(calibration, "time_case", fake_time)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     progress = []
-    result = calibration.calibrate(dtype="fp16", progress=lambda done, total: progress.append((done, total)))
+    result = calibration.calibrate(
+        dtype="fp16", progress=lambda done, total: progress.append((done, total)), kernels=("gna",)
+    )
     assert timed == calibration_cases() and progress[-1] == (len(timed), len(timed))
     assert result.model.gpu == "Fake GPU" and result.model.info["dtype"] == "fp16"
     for name in FEATURES:
@@ -468,7 +470,7 @@ def test_calibrate_leaves_host_bound_cases_out_of_the_fit(monkeypatch):
     monkeypatch.setattr(calibration, "gpu_of", lambda device: "Fake GPU")
     monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: next(times))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    result = calibration.calibrate()
+    result = calibration.calibrate(kernels=("gna",))
     expected_fitted = np.array([i not in host_bound and t >= calibration.HOST_BOUND_S for i, t in enumerate(exact)])
     assert (result.fitted == expected_fitted).all() and (~result.fitted).any()
     assert result.model.info["cases"] == expected_fitted.sum()
@@ -484,7 +486,7 @@ def test_calibrate_refuses_a_gpu_where_every_case_is_host_bound(monkeypatch):
     monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: 0.5 * calibration.HOST_BOUND_S)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(ValueError, match="not host-bound"):
-        calibration.calibrate()
+        calibration.calibrate(kernels=("gna",))
 
 
 def test_shipped_coefficient_files_load():
