@@ -9,7 +9,8 @@ heads, head_dim 128, bf16); the second call runs inside the NVTX range "profiled
 restricts ncu to. Cases named `permuted-*` run the kernel alone on permuted tokens
 (`gna_attention_permuted`, the warp-specialized loop where every tile is full); the others run
 `gna_attention` as a model calls it (the token layout read in place; dense attention over the flattened
-sequence); `cudnn-*` run SDPA's cuDNN backend on the same tensors. `--list` prints the case names.
+sequence); `cudnn-*` run SDPA's cuDNN backend on the same tensors; `sparse-*` run `sparse_attention` on a
+random 128x128 block mask of the given density. `--list` prints the case names.
 """
 
 from __future__ import annotations
@@ -32,13 +33,23 @@ CASES = {
     "permuted-1d-256": ((32768,), (2048,), (256,), (128,)),
     "cudnn-hunyuan-dense": ((30, 48, 80), (30, 48, 80), (1, 1, 1), None),
 }
+# name: (tokens, density of a random 128x128 block mask): the sparse kernel on Wan 480p (21x30x52 tokens)
+SPARSE_CASES = {"sparse-all-480p": (32760, 1.0), "sparse-random70-480p": (32760, 0.3)}
 HEADS, HEAD_DIM, DTYPE = 24, 128, torch.bfloat16
 
 
 def _call(name: str):
     """The call to profile, on fresh random inputs."""
-    shape, window, stride, tile = CASES[name]
     torch.manual_seed(0)
+    if name in SPARSE_CASES:
+        from natsim.kernels import prepare_sparse, sparse_attention
+
+        tokens, density = SPARSE_CASES[name]
+        q, k, v = (torch.randn(1, tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(3))
+        blocks = -(-tokens // 128)
+        work = prepare_sparse(torch.rand(1, HEADS, blocks, blocks, device="cuda") < density, 128, 128, tokens)
+        return lambda: sparse_attention(q, k, v, work)
+    shape, window, stride, tile = CASES[name]
     q, k, v = (torch.randn(1, *shape, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(3))
     if name.startswith("cudnn-"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -60,11 +71,11 @@ def _call(name: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("case", nargs="?", choices=sorted(CASES), help="the case to run")
+    parser.add_argument("case", nargs="?", choices=sorted({**CASES, **SPARSE_CASES}), help="the case to run")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     args = parser.parse_args()
     if args.list or args.case is None:
-        print("\n".join(sorted(CASES)))
+        print("\n".join(sorted({**CASES, **SPARSE_CASES})))
         return
     run = _call(args.case)
     run()
