@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 import triton
+from timing import bench, rel
 
 import natsim
 from natsim.kernels import gna_attention, gna_attention_permuted, permute
-from natsim.kernels import gna_launch, ops
+from natsim.kernels import ops
 from natsim.kernels.tiles import default_tiles, tile_pairs
 from natsim.planner.costmodel import COEFFICIENTS_DIR, CostModel
 from natsim.planner.features import features_of
@@ -48,22 +49,6 @@ LAYOUTS = [
 OVERHEAD_CASES = [((8, 16, 16), 4, 64, (3, 5, 5), (1, 1, 1)), ((32, 32), 8, 64, (9, 9), (1, 1)),
                   ((1024,), 2, 128, (128,), (1,)), ((64, 64), 16, 64, (13, 13), (2, 2)),
                   ((4, 16, 16), 8, 128, (3, 7, 7), (1, 1, 1))]
-
-
-def bench(fn, min_calls: int = 10) -> float:
-    """Median milliseconds, at least `min_calls` timed calls."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once_ms = (time.perf_counter() - t0) * 1e3
-    return float(triton.testing.do_bench(fn, warmup=max(25, 2 * once_ms), rep=max(200, min_calls * once_ms),
-                                         return_mode="median"))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def qkv(shape, heads):

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import torch
 import triton
+from timing import bench, rel
 
 import natsim
 from natsim.kernels import SparseMask, gna_attention, prepare_sparse, sparse_attention, sparse_reference
@@ -48,22 +49,6 @@ TOLERANCE = 1e-2
 # (q_block, kv_block, merges) for a fine 16x16 mask; coarser ones are its OR-pooled supersets.
 FINE_CONFIGS = [(16, 16, ("xor", "consecutive", None)), (32, 32, ("xor", "consecutive", None)),
                 (64, 64, ("xor", "consecutive", None)), (128, 128, (None,)), (128, 16, (None,))]
-
-
-def bench(fn: Callable, min_calls: int = 10) -> float:
-    """Median milliseconds, at least `min_calls` timed calls."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    once_ms = (time.perf_counter() - t0) * 1e3
-    return float(triton.testing.do_bench(fn, warmup=max(25, 2 * once_ms), rep=max(100, min_calls * once_ms),
-                                         return_mode="median"))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def sdpa_cudnn(q, k, v):

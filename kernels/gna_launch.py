@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Optional
 

@@ -75,20 +75,27 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.arguments = (window, stride, dilation, causal, scale)
 
 
-def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
-    """Gradients of the torch reference, recomputed under autograd (CPU path only)."""
-    from .reference import reference_attention
-
-    q, k, v = ctx.saved_tensors
-    window, stride, dilation, causal, scale = ctx.arguments
+def _recomputed_gradients(reference, q, k, v, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    """dq, dk, dv of `reference(q, k, v) -> (out, lse)` recomputed under autograd: the CPU path's backward."""
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, lse = reference_attention(*inputs, window, stride, dilation, causal, scale, return_lse=True)
+        out, lse = reference(*inputs)
         outputs, grads = [out], [grad_out]
         if grad_lse is not None and grad_lse.numel():
             outputs.append(lse)
             grads.append(grad_lse)
-        dq, dk, dv = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+
+
+def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    """Gradients of the torch reference, recomputed under autograd (CPU path only)."""
+    from .reference import reference_attention
+
+    window, stride, dilation, causal, scale = ctx.arguments
+    dq, dk, dv = _recomputed_gradients(
+        lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True),
+        *ctx.saved_tensors, grad_out, grad_lse,
+    )
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -153,14 +160,10 @@ def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 
     q, k, v, mask = ctx.saved_tensors
     q_block, kv_block, scale = ctx.arguments
-    with torch.enable_grad():
-        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, lse = sparse_reference(*inputs, mask, q_block, kv_block, scale, return_lse=True)
-        outputs, grads = [out], [grad_out]
-        if grad_lse is not None and grad_lse.numel():
-            outputs.append(lse)
-            grads.append(grad_lse)
-        dq, dk, dv = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    dq, dk, dv = _recomputed_gradients(
+        lambda q, k, v: sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True),
+        q, k, v, grad_out, grad_lse,
+    )
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

@@ -19,3 +19,16 @@ def _private_coefficient_folder(tmp_path_factory, monkeypatch):
     coefficients calibrated on the machine running the tests neither change what the planner picks nor get
     written over."""
     monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path_factory.mktemp("natsim-data")))
+
+
+@pytest.fixture
+def reference_path(monkeypatch):
+    """CPU tensors take the torch reference (no interpreter) for the duration of a test, without the one-time
+    CPU warnings (`use_triton` reads TRITON_INTERPRET per call)."""
+    from natsim.kernels import gna_launch, sparse
+
+    if os.path.exists("/dev/nvidia0"):
+        pytest.skip("the reference path is the CPU path")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(gna_launch, "_warned_cpu", True)
+    monkeypatch.setattr(sparse, "_warned_cpu", True)

@@ -34,15 +34,6 @@ def qkv(shape=SHAPE, heads=2, head_dim=32, dtype=torch.float16, **kwargs):
     return [torch.randn(1, *shape, heads, head_dim, device=DEVICE, **kwargs).to(dtype) for _ in range(3)]
 
 
-@pytest.fixture
-def reference_path(monkeypatch):
-    """CPU tensors take the torch reference (no interpreter) for the duration of a test."""
-    if DEVICE == "cuda":
-        pytest.skip("the reference path is the CPU path")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(gna_launch, "_warned_cpu", True)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Gradients: refused on the Triton path, right on the reference path
 

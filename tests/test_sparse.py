@@ -25,7 +25,6 @@ from natsim.kernels import (
     sparse_reference,
     sparse_tile_counts,
 )
-from natsim.kernels import sparse as sparse_module
 from natsim.kernels.ops import SPARSE_GRADIENT_REFUSAL
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -276,15 +275,6 @@ def test_kernel_path_refuses_inputs_that_require_grad(which):
     assert str(error.value) == SPARSE_GRADIENT_REFUSAL
     with torch.no_grad():
         assert_matches(q.detach(), k.detach(), v.detach(), mask, 16, 16)
-
-
-@pytest.fixture
-def reference_path(monkeypatch):
-    """CPU tensors take the torch reference (no interpreter) for the duration of a test."""
-    if DEVICE == "cuda":
-        pytest.skip("the reference path is the CPU path")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(sparse_module, "_warned_cpu", True)
 
 
 def test_reference_path_gradients_equal_autograd_through_the_reference(reference_path):
