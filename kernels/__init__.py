@@ -1,4 +1,5 @@
-"""natsim.kernels: Triton kernels for GNA (token permutation, forward attention) and their torch reference."""
+"""natsim.kernels: Triton kernels for GNA and for any block mask (forward attention, token permutation), the
+registered operators they run as (kernels/ops.py), and their torch references."""
 
 from .attention import gna_attention, gna_attention_permuted, gna_tile_counts
 from .permute import permute, permute_reference, unpermute, unpermute_reference

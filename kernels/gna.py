@@ -1,4 +1,4 @@
-"""The GNA forward kernel over permuted tokens (multi-D tiles, static KV tiling) and its launcher.
+"""The GNA forward kernel (multi-D tiles, static KV tiling); its launcher is kernels/gna_launch.py.
 
 One program handles one Q tile of one (batch, head). It finds its own KV tiles from the GNA parameters with
 `window_bounds` (kernels/window.py), per dimension: from `start(first query) // T_KV` to
@@ -23,7 +23,7 @@ yields a boolean mask cost more than it saved (packing and unpacking predicates;
 HunyuanVideo stride 1x1x1 on the H100). With DEBUG on, both loops count the tiles that pass
 the full-tile test, so the per-Q-tile counts are still the kernel's own decisions.
 
-Compile-time switches (the launcher sets them, kernels/attention.py):
+Compile-time switches (the launcher sets them, kernels/gna_launch.py):
 
 - `MASKED`: some visited tile may be partial or padded. The launcher works this out on the host per
   dimension (`needs_mask`); when it is False (dense attention and block-sparse configurations) only loop 1
@@ -33,6 +33,12 @@ Compile-time switches (the launcher sets them, kernels/attention.py):
   Pointer loads remain for GPUs before Hopper and for unaligned strides. The interpreter runs both.
 - `WARP_SPECIALIZE`: loop 1 as a warp-specialized `tl.range` (producer warpgroup for the copies).
 - `HEAD_MAJOR`: grid over (batch * heads, Q tiles) instead of (Q tiles, batch * heads) (tuning only; slower).
+- `LAYOUT`: where q, k, v and o live. 0: permuted sequences `[B, tokens, H, D]` (kernels/permute.py), every
+  dilation group padded to whole tiles; a tile is a run of tokens. 1: the caller's `[B, L0, L1, L2, H, D]`
+  read in place through rank-4 descriptors, a tile a box of the layout whose padding lies out of bounds (read
+  as zeros, stores dropped); no dilation. 2: a 1-D layout in place through the rank-2 descriptors of mode 0
+  over its real rows. Triton 3.6 cannot warp-specialize a loop that loads through rank-4 descriptors, so the
+  launcher uses mode 1 without `WARP_SPECIALIZE`.
 
 The softmax scale (times log2 e) is applied with one fused multiply-add per score (`qk * scale - m`), the
 running maximum is kept in scaled units, and the online-softmax recurrence is the usual flash-attention one
