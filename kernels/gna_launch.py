@@ -109,9 +109,12 @@ def permutes(problem: Problem, descriptors: bool = True) -> bool:
 
 
 def descriptor_strides_ok(t: torch.Tensor) -> bool:
-    """Descriptors need a contiguous last dimension and every other stride a multiple of 16 bytes."""
+    """Descriptors need a contiguous last dimension, every other stride a multiple of 16 bytes, and positive
+    strides along the token dimensions (those between batch and heads: an expanded, stride-0 one is not a
+    layout a descriptor can walk)."""
     size = t.element_size()
-    return t.stride(-1) == 1 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+    return (t.stride(-1) == 1 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+            and all(st > 0 for st in t.stride()[1:-2]))
 
 
 def aligned(*tensors: torch.Tensor) -> bool:

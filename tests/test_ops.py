@@ -164,6 +164,16 @@ def test_non_contiguous_inputs_read_in_place_match_the_reference():
     assert rel_error(out, ref) < 5e-3
 
 
+def test_inputs_expanded_along_a_token_dimension_take_the_permuted_path():
+    """A stride-0 token dimension (one frame's keys repeated over time) cannot be read through a descriptor."""
+    q, _, _ = qkv()
+    k, v = (torch.randn(1, 1, *SHAPE[1:], 2, 32, device=DEVICE).half().expand(1, *SHAPE, 2, 32) for _ in range(2))
+    problem = natsim.Problem(SHAPE, ARGS["window"], ARGS["stride"], causal=ARGS["causal"])
+    assert not gna_launch.takes_layout_path(problem, q, k, v)
+    out = gna_attention(q, k, v, **ARGS)
+    assert rel_error(out, reference_attention(q.double(), k.double(), v.double(), **ARGS)) < 5e-3
+
+
 def test_repeated_calls_use_the_new_tensors_and_one_cached_call():
     gna_launch._calls.clear()
     first = qkv()
