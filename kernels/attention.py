@@ -19,13 +19,12 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from natsim import Problem
 
 from . import ops
-from .backend import use_triton
-from .checks import BoolOrBools, IntOrInts, check_kernel_inputs, kernel_tiles
+from .backend import autocast_inputs, runs_eagerly, use_triton
+from .checks import BoolOrBools, IntOrInts, check_kernel_inputs, check_tensors, kernel_tiles
 from .gna_launch import forward, make_call
 from .layout import TileLayout
 from .tiles import default_tiles
@@ -37,26 +36,6 @@ def _per_dim(value, ndim: int) -> list:
     if isinstance(value, (int, bool)):
         return [value] * ndim
     return list(value) if isinstance(value, (tuple, list)) else value
-
-
-def _autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Inside an autocast region, floating inputs of another dtype are cast to the region's dtype."""
-    device = q.device.type
-    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
-    return q, k, v
-
-
-def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """A plain eager call that needs no operator: plain tensors, no dispatch mode, no gradient to track."""
-    return (
-        type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-        and _get_current_dispatch_mode() is None
-        and (q.is_cuda or q.is_cpu)
-    )
 
 
 def gna_attention_permuted(
@@ -78,9 +57,7 @@ def gna_attention_permuted(
     """
     if not isinstance(problem, Problem):
         raise TypeError(f"problem must be a natsim.Problem, got {type(problem).__name__}.")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+    check_tensors(q, k, v)
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError(
             "q, k and v must share dtype and device, got "
@@ -147,11 +124,9 @@ def gna_attention(
     `[B, *shape, heads]` in float32. Inputs that require grad under grad mode are refused on the Triton path
     (no backward kernel yet); inside an autocast region q, k, v are cast to its dtype.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
-    q, k, v = _autocast(q, k, v)
-    if _eager(q, k, v):
+    check_tensors(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
+    if runs_eagerly(q, k, v):
         out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
     else:
         ndim = q.dim() - 3

@@ -1,10 +1,13 @@
-"""Where a call runs: Triton on CUDA tensors (or anywhere under TRITON_INTERPRET=1), torch otherwise."""
+"""Where a call runs: Triton on CUDA tensors (or anywhere under TRITON_INTERPRET=1), torch otherwise; and how
+the public entry points (gna_attention, sparse_attention) decide between their eager fast path and their
+registered operator."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def interpreting() -> bool:
@@ -15,3 +18,25 @@ def interpreting() -> bool:
 def use_triton(tensor: torch.Tensor) -> bool:
     """Run the Triton kernels for `tensor`: it lives on a CUDA device, or the interpreter is on."""
     return tensor.is_cuda or interpreting()
+
+
+def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Inside an autocast region, floating inputs of another dtype are cast to the region's dtype."""
+    device = q.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
+    return q, k, v
+
+
+def runs_eagerly(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """A plain eager call that needs no operator: plain tensors, no dispatch mode, no gradient to track, not
+    under torch.compile; the entry point then calls its implementation without PyTorch's dispatcher."""
+    return (
+        type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        and _get_current_dispatch_mode() is None
+        and (q.is_cuda or q.is_cpu)
+    )
+

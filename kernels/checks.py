@@ -22,11 +22,16 @@ MIN_TILE_TOKENS = 16
 MAX_TILE_TOKENS = 256
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
-    """Check that q, k, v are `[B, *shape, heads, head_dim]` tensors that agree; return `shape`."""
+def check_tensors(q: object, k: object, v: object) -> None:
+    """q, k and v are torch tensors."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """Check that q, k, v are `[B, *shape, heads, head_dim]` tensors that agree; return `shape`."""
+    check_tensors(q, k, v)
     if not 4 <= q.dim() <= 6:
         raise ValueError(
             "q must be [batch, *spatial, heads, head_dim] with 1 to 3 spatial dimensions, "

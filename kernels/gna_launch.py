@@ -142,11 +142,11 @@ def _install_allocator() -> None:
         triton.set_allocator(_torch_allocator)
 
 
+_CPU, _CUDA = torch.device("cpu"), torch.device("cuda")
+
+
 def _torch_allocator(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device=_CPU if interpreting() else _CUDA)
-
-
-_CPU, _CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 class PreboundKernel:

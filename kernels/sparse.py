@@ -42,8 +42,9 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .backend import interpreting, use_triton
-from .checks import KERNEL_DTYPES
+from . import ops
+from .backend import autocast_inputs, interpreting, runs_eagerly, use_triton
+from .checks import KERNEL_DTYPES, check_tensors
 from .gna import LOG2E, _softmax_step
 from .gna_launch import _install_allocator, aligned, descriptor_strides_ok, has_tensor_descriptors, launch_config
 from .sparsemask import SparseMask, check_block, check_dense_mask
@@ -392,9 +393,7 @@ def _lists(dense: torch.Tensor, members: torch.Tensor, seq_len: int, kv_block: i
 
 def check_sparse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q, k, v are matching `[B, N, heads, head_dim]` tensors."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+    check_tensors(q, k, v)
     if q.dim() != 4:
         raise ValueError(f"q must be [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
     if k.shape != q.shape or v.shape != q.shape:
@@ -587,18 +586,13 @@ def sparse_attention(
     for a query that attends nothing, whose output is 0). Inputs that require grad under grad mode are
     refused on the Triton path; CPU tensors without TRITON_INTERPRET=1 run `sparse_reference`.
     """
-    from . import ops
-    from .attention import _autocast, _eager
-
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
-    q, k, v = _autocast(q, k, v)
+    check_tensors(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     schedule = "grid" if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be None, 'grid' or 'lpt', got schedule={schedule!r}.")
     if isinstance(mask, SparseWork):
-        if not _eager(q, k, v) or not use_triton(q):
+        if not runs_eagerly(q, k, v) or not use_triton(q):
             raise ValueError(
                 "a SparseWork runs in plain eager calls of the Triton kernel only; pass the boolean mask or the "
                 "SparseMask under torch.compile, autograd or on the torch reference path."
@@ -611,7 +605,7 @@ def sparse_attention(
     if merge not in MERGES:
         raise ValueError(f"merge must be None, 'consecutive' or 'xor', got merge={merge!r}.")
     scale = None if scale is None else float(scale)
-    if _eager(q, k, v):
+    if runs_eagerly(q, k, v):
         out, lse = sparse_forward_impl(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
                                        programs)
     else:

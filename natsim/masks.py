@@ -5,26 +5,5 @@ name. `import natsim` does not import it, so the simulator keeps running without
 `natsim.masks` where masks are built.
 """
 
-from natsim.kernels.masks import (
-    from_order,
-    gna_block_mask,
-    hilbert_inverse,
-    hilbert_order,
-    intersection,
-    keep_global,
-    to_order,
-    topp,
-    union,
-)
-
-__all__ = [
-    "hilbert_order",
-    "hilbert_inverse",
-    "to_order",
-    "from_order",
-    "topp",
-    "union",
-    "intersection",
-    "keep_global",
-    "gna_block_mask",
-]
+from natsim.kernels.masks import *  # noqa: F401,F403 (the names of its __all__)
+from natsim.kernels.masks import __all__  # noqa: F401
