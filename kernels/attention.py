@@ -23,7 +23,7 @@ import torch
 from natsim import Problem
 
 from . import ops
-from .backend import autocast_inputs, runs_eagerly, use_triton
+from .backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
 from .checks import BoolOrBools, IntOrInts, check_kernel_inputs, check_tensors, kernel_tiles
 from .gna_launch import forward, make_call
 from .layout import TileLayout
@@ -68,6 +68,7 @@ def gna_attention_permuted(
             f"gna_attention_permuted runs the Triton kernel only: it needs CUDA tensors (or "
             f"TRITON_INTERPRET=1), got q.device={q.device}."
         )
+    refuse_untracked("gna_attention_permuted", q, k, v)
     if q.dim() != 4:
         raise ValueError(f"q must be permuted to [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
     check_kernel_inputs(q)

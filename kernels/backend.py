@@ -40,3 +40,19 @@ def runs_eagerly(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and (q.is_cuda or q.is_cpu)
     )
 
+
+def refuse_untracked(name: str, *tensors: torch.Tensor) -> None:
+    """Entry points that launch Triton directly (no operator, no autograd formula) refuse what they would get
+    silently wrong: inputs that require grad under grad mode (the output would carry no gradient), and
+    torch.compile (Dynamo would trace into the launch). `name` is the entry point, for the sentence."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"{name} launches a Triton kernel with no backward pass, and its input requires grad: the output "
+            "would silently carry no gradient. Call it under torch.no_grad(), or use gna_attention, whose torch "
+            "reference on CPU tensors is differentiable."
+        )
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{name} is an eager entry point (tuning, benchmarks, debugging), not a registered operator: under "
+            "torch.compile call gna_attention or sparse_attention instead."
+        )

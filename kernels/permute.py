@@ -17,7 +17,7 @@ import triton.language as tl
 
 from natsim.problem import as_ints, as_shape
 
-from .backend import use_triton
+from .backend import refuse_untracked, use_triton
 from .layout import TileLayout
 
 IntOrInts = Union[int, Sequence[int]]
@@ -114,6 +114,7 @@ def permute(x: torch.Tensor, tile: IntOrInts, dilation: IntOrInts = 1) -> torch.
     layout = _layout(shape, tile, dilation)
     if not use_triton(x):
         return permute_reference(x, layout.tile, layout.dilation)
+    refuse_untracked("permute", x)
     x = x.contiguous()
     batch, heads, head_dim = x.shape[0], x.shape[-2], x.shape[-1]
     channels = heads * head_dim
@@ -139,6 +140,7 @@ def unpermute(y: torch.Tensor, shape: IntOrInts, tile: IntOrInts, dilation: IntO
         )
     if not use_triton(y):
         return unpermute_reference(y, shape, layout.tile, layout.dilation)
+    refuse_untracked("unpermute", y)
     y = y.contiguous()
     batch, heads, head_dim = y.shape[0], y.shape[-2], y.shape[-1]
     channels = heads * head_dim

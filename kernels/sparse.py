@@ -552,6 +552,11 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
             _warned_cpu = True
         return sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True)
     check_sparse_kernel(q)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "sparse_attention with a mask prepares its work on the host, which a CUDA graph cannot capture: "
+            "build it before the capture with prepare_sparse(mask, ...) and pass that SparseWork as the mask."
+        )
     work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device)
     out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs)
     return out, lse

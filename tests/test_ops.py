@@ -240,3 +240,35 @@ def test_catalog_and_kernel_defaults_share_one_tile_list():
     assert default_tiles(natsim.Problem(shape, (9, 21, 40), (3, 7, 8)), 128) in pairs
     assert math.prod(default_tiles(natsim.Problem(shape, (9, 21, 40)), 128)[0]) in (64, 128)
     assert np.isfinite(H100.vector).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Entry points that launch Triton directly refuse what they would get silently wrong
+
+
+def test_direct_entry_points_refuse_inputs_that_require_grad():
+    from natsim.kernels import gna_attention_permuted, permute, unpermute
+
+    q, k, v = qkv((8, 16))
+    problem, tile = natsim.Problem((8, 16), (3, 5)), (4, 8)
+    qp, kp, vp = (permute(t, tile) for t in (q, k, v))
+    with pytest.raises(RuntimeError, match="gna_attention_permuted launches a Triton kernel with no backward"):
+        gna_attention_permuted(qp.requires_grad_(), kp, vp, problem, tile, tile)
+    with pytest.raises(RuntimeError, match="permute launches a Triton kernel with no backward"):
+        permute(q.clone().requires_grad_(), tile)
+    with pytest.raises(RuntimeError, match="unpermute launches a Triton kernel with no backward"):
+        unpermute(kp.clone().requires_grad_(), (8, 16), tile)
+    with torch.no_grad():
+        assert torch.equal(unpermute(permute(q.requires_grad_(), tile), (8, 16), tile), q)
+
+
+def test_direct_entry_points_refuse_torch_compile():
+    from natsim.kernels import gna_attention_permuted, permute
+
+    torch._dynamo.reset()
+    q, k, v = qkv((8, 16))
+    problem, tile = natsim.Problem((8, 16), (3, 5)), (4, 8)
+    qp, kp, vp = (permute(t, tile) for t in (q, k, v))
+    compiled = torch.compile(lambda q, k, v: gna_attention_permuted(q, k, v, problem, tile, tile), fullgraph=True)
+    with pytest.raises(Exception, match="not a registered operator"):
+        compiled(qp, kp, vp)
