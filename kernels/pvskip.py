@@ -29,8 +29,8 @@ def sparse_pv_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out, lse, skipped)` of `[B, N, heads, head_dim]` q, k, v on prepared `work`: the output (q's dtype),
     the natural-log LSE `[B, N, heads]` (-inf and output 0 for a query that attends nothing) and, per work
-    item `(b * heads + h) * groups + g`, the (query block, list entry) pairs whose P @ V was skipped (int64),
-    the kernel's third debug count."""
+    item `(b * heads + h) * groups + g`, the attended (query block, KV block) pairs whose P @ V was skipped
+    (int64), the kernel's third debug count."""
     check_sparse_qkv(q, k, v)
     check_mask_batch(work.mask_batch, work.mask_heads, q)
     pv_threshold = check_pv_threshold(pv_threshold)
@@ -83,7 +83,8 @@ def sparse_pv_reference(
         if pv_threshold is not None:
             gap = torch.where(row_ok, m_local - m_new, float("-inf"))
             skip = gap.view(len(item), group, qb).amax(-1) < pv_threshold  # [I, R]
-            skipped += (skip & (members >= 0)).sum(-1) * valid.sum(-1)
+            attended = ((bits[entry][:, None, :] >> torch.arange(group, device=device)[None, :, None]) & 1) != 0
+            skipped += ((skip & (members >= 0)) * (attended & valid[:, None, :]).sum(-1)).sum(-1)
             keep_row = ~skip[:, member_of_row]
         acc = acc + (p * keep_row[..., None]) @ v[b[:, None], keys, h[:, None]].to(compute)
         m_i = m_new

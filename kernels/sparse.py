@@ -29,7 +29,8 @@ How one program works (one *work item*: a group of query blocks of one (batch, h
   `kernels/pvskip.py` is the torch reference of the rule, walking the same tiles.
 - DEBUG (a constexpr, compiled out otherwise): each work item records the KV blocks it loaded and the (query
   block, KV block) pairs it computed (loaded blocks times its members), the figures `natsim.merge` predicts
-  (`MergeResult.merged.visited` and `visited * group_sizes`), and the pairs whose P @ V the PV skip left out.
+  (`MergeResult.merged.visited` and `visited * group_sizes`), and the attended (query block, KV block) pairs
+  of the mask whose P @ V the PV skip left out.
 
 The online softmax is GNA's (`_softmax_step`, base 2, fp32 accumulators, the running maximum in scaled units).
 """
@@ -167,7 +168,7 @@ def _attend_item(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     loaded = full_tiles * 0  # DEBUG: KV blocks loaded
-    skipped = full_tiles * 0  # DEBUG: (query block, KV block) pairs whose P @ V the PV skip left out
+    skipped = full_tiles * 0  # DEBUG: attended (query block, KV block) pairs whose P @ V the PV skip left out
     leader = (q_blk >= 0) & (rows % QB == 0)  # one row per real member
 
     # Loop 1: whole tiles of blocks every member attends, wholly before N: no mask code.
@@ -198,8 +199,10 @@ def _attend_item(
         if PV_SKIP:
             acc, l_i, m_i, skip_row = _skipping_step(acc, l_i, m_i, qk, v, qk_scale, pv_lambda, row_ok, QB,
                                                      BLOCK_M)
-            if DEBUG:
-                skipped += tl.sum(tl.where(leader & skip_row, 1, 0)) * tl.minimum(end - e0, P)
+            if DEBUG:  # the entries of the tile each skipping member attends
+                attended = (((bits[None, :] >> member[:, None]) & 1) != 0) & (e < end)[None, :] \
+                    & (within == 0)[None, :]
+                skipped += tl.sum(tl.where(leader & skip_row, tl.sum(attended.to(tl.int32), 1), 0))
         else:
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
@@ -703,8 +706,8 @@ def sparse_attention(
 @dataclass(frozen=True)
 class SparseTileCounts:
     """The kernel's own debug counts, one entry per program (work item) `[B, H, groups]`: `loaded` KV blocks,
-    `computed` (query block, KV block) pairs, `pv_skipped` pairs of those whose P @ V the PV skip left out (0
-    without `pv_threshold`), and `members` `[B, H, groups, R]`, the query blocks of each program (-1 where the
+    `computed` (query block, KV block) pairs, `pv_skipped` pairs of the mask (attended) whose P @ V the PV
+    skip left out (0 without `pv_threshold`; at most the mask's pairs), and `members` `[B, H, groups, R]`, the query blocks of each program (-1 where the
     last group is short). `natsim.merge(mask[b, h], R, method)` predicts `merged.visited` and
     `merged.visited * group_sizes` for the same `members` (its `groups`)."""
 
