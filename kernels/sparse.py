@@ -96,7 +96,7 @@ def _load_kv_tile(K, V, k_desc, v_desc, LIST, e0, end, slots, within, seq_len, s
 def _skipping_step(acc, l_i, m_i, qk, v, qk_scale, pv_lambda, row_ok,
                    QB: tl.constexpr, BLOCK_M: tl.constexpr):
     """`_softmax_step` with SpargeAttn's PV skip (its section 3.4, Algorithm 1 line 15): the scores `qk` still
-    update the running maximum and sum of every row, but a query block (a member: rows `QB` apart) whose
+    update the running maximum and sum of every row, but a query block (a member: `QB` consecutive rows) whose
     real rows all have their tile maximum below their running maximum by more than `pv_lambda` (scaled base-2
     units, negative) adds nothing to its accumulator; when every member skips, P @ V is not computed at all.
     Returns the new state and which rows skipped."""
