@@ -264,6 +264,9 @@ def test_sparge_keeps_scattered_blocks_whole():
 def test_sparge_counts_a_block_of_zeros_as_scattered(dtype):
     q, k, _ = planted(128, 1, 32, 16, 16, 1, 12.0 * 32 ** 0.5, seed=2)
     k[0, 32:48] = 0.0  # key block 2 holds only zero vectors: alike to nothing
+    from natsim.kernels.predictors import self_similarity
+
+    assert self_similarity(k.to(dtype), 16)[0, 0, 2] == 0  # finite: no 0 / 0
     mask = sparge(q.to(dtype), k.to(dtype), 16, 16)
     assert mask[0, 0, :, 2].all()
     assert mask[0, 0].sum() <= 32  # the other blocks are alike: at least half the pairs are dropped
