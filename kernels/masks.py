@@ -1,11 +1,12 @@
-"""Content-adaptive block masks for `sparse_attention` (issue 10, first part), public as `natsim.masks`.
+"""Content-adaptive block masks for `sparse_attention` (issue 10), public as `natsim.masks`.
 
 - `hilbert_order` / `hilbert_inverse`, `to_order` / `from_order`: a Hilbert-curve token order for 2-D and 3-D
   layouts of any size, so that the tokens of one block are near each other in the layout and a block mask
   can be sparse (DFSAttn, SpargeAttn). The order is numpy only.
-- `topp`: FG-Attn's mask predictor (section 5.3): mean-pooled q and k blocks, softmax over KV blocks, the
-  smallest set of KV blocks per query block that holds probability `p`. Torch ops only, so it runs where q
-  and k are.
+- `topp`, `sparge`, `hierarchical` (kernels/predictors.py): FG-Attn's, SpargeAttn's and DFSAttn's mask
+  predictors from q and k, torch ops only, so they run where q and k are.
+- `MaskCache` (kernels/maskcache.py): DFSAttn's reuse of masks across diffusion steps, with dense warm-up
+  steps and its shrinking budget (Algorithm 1).
 - `union`, `intersection`, `keep_global`, `gna_block_mask`: combining masks, always-kept global rows and
   columns (text tokens, the first frame) and natsim's GNA window as a block mask, so that local attention is
   kept whatever a predictor says.
@@ -23,6 +24,8 @@ from typing import Iterable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .maskcache import MaskCache
+from .predictors import hierarchical, sparge, topp
 from .sparse import MIN_Q_BLOCK
 from .sparsemask import check_block
 
@@ -32,6 +35,9 @@ __all__ = [
     "to_order",
     "from_order",
     "topp",
+    "sparge",
+    "hierarchical",
+    "MaskCache",
     "union",
     "intersection",
     "keep_global",
@@ -130,65 +136,6 @@ def from_order(y: torch.Tensor, order: Union[np.ndarray, torch.Tensor]) -> torch
     inverse = torch.empty_like(index)
     inverse[index] = torch.arange(index.numel(), device=index.device)
     return y.index_select(1, inverse)
-
-
-# -- FG-Attn top-p ----------------------------------------------------------------------------------------------
-
-
-def _mean_pool(x: torch.Tensor, block: int) -> torch.Tensor:
-    """float32 `[B, H, ceil(N / block), D]`: the mean of each block of tokens; the last block over its real ones."""
-    batch, n, heads, dim = x.shape
-    blocks = -(-n // block)
-    padded = torch.zeros(batch, blocks * block, heads, dim, device=x.device, dtype=torch.float32)
-    padded[:, :n] = x.float()
-    sums = padded.view(batch, blocks, block, heads, dim).sum(2)
-    counts = (n - torch.arange(blocks, device=x.device) * block).clamp(max=block).to(torch.float32)
-    return (sums / counts[None, :, None, None]).transpose(1, 2)
-
-
-def topp(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_block: int,
-    kv_block: int,
-    p: float,
-    *,
-    scale: Optional[float] = None,
-) -> torch.Tensor:
-    """FG-Attn's top-p block mask (section 5.3): bool `[B, H, ceil(N / q_block), ceil(N / kv_block)]`.
-
-    q and k (`[B, N, heads, head_dim]`, any device and float dtype) are mean-pooled over query and key blocks
-    (a last partial block over its real tokens); `softmax(pooled_q @ pooled_k^T * scale)` over KV blocks
-    (float32, `scale` defaults to `head_dim ** -0.5`) estimates how much of a query block's attention each key
-    block holds. Each query block keeps the smallest set of key blocks, largest probability first, whose
-    mass reaches `p`; equal probabilities are taken lowest key block first, so the mask is deterministic and
-    a larger `p` keeps a superset. Blocks whose float32 probability is 0 are never kept, so `p = 1` keeps
-    every block with nonzero probability (and the most probable block is always kept).
-    """
-    for name, t in (("q", q), ("k", k)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(
-            "q and k must be [batch, tokens, heads, head_dim] tensors of one shape, got "
-            f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}."
-        )
-    if q.device != k.device or not q.dtype.is_floating_point or not k.dtype.is_floating_point:
-        raise ValueError(
-            "q and k must be floating-point tensors on one device, got "
-            f"q: {q.dtype} on {q.device}, k: {k.dtype} on {k.device}."
-        )
-    q_block = check_block("q_block", q_block, MIN_Q_BLOCK)
-    kv_block = check_block("kv_block", kv_block)
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
-        raise ValueError(f"p must be a probability in (0, 1], got p={p!r}.")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    scores = torch.matmul(_mean_pool(q, q_block), _mean_pool(k, kv_block).transpose(-1, -2)) * scale
-    probs = torch.softmax(scores, dim=-1)
-    sorted_probs, index = torch.sort(probs, dim=-1, descending=True, stable=True)
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the blocks kept ahead of each one
-    keep = (before < p) & (sorted_probs > 0)
-    return torch.zeros_like(keep).scatter(-1, index, keep)
 
 
 # -- combining masks --------------------------------------------------------------------------------------------

@@ -125,21 +125,26 @@ def sparse_forward(
     return_lse: bool,
     schedule: str,
     programs: Optional[int],
+    pv_threshold: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of `[B, N, heads, head_dim]` under a boolean block mask `[B|1, H|1, nQ, nKV]`: the
-    output, and the LSE `[B, N, heads]` (empty unless `return_lse`). The host work (grouping, union lists)
-    happens inside, so a compiled graph holds one opaque call."""
+    output, and the LSE `[B, N, heads]` (empty unless `return_lse`); `pv_threshold` turns on SpargeAttn's
+    PV skip. The host work (grouping, union lists) happens inside, so a compiled graph holds one opaque
+    call."""
     from .sparse import sparse_forward_impl
 
-    out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs)
+    out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs,
+                                   pv_threshold)
     return out, (_no_lse(q) if not return_lse else lse)
 
 
 @sparse_forward.register_fake
-def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs):
-    from .sparse import _dense_mask, check_mask_batch, check_sparse_qkv
+def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs,
+                         pv_threshold=None):
+    from .sparse import _dense_mask, check_mask_batch, check_pv_threshold, check_sparse_qkv
 
     check_sparse_qkv(q, k, v)
+    check_pv_threshold(pv_threshold)
     _dense_mask(mask, q_block, kv_block, q.shape[1])  # the same sentence errors as eager
     check_mask_batch(mask.shape[0], mask.shape[1], q)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
@@ -147,7 +152,7 @@ def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_
 
 
 def _sparse_setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs = inputs
+    q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs, pv_threshold = inputs
     if use_triton(q):
         raise RuntimeError(SPARSE_GRADIENT_REFUSAL)
     ctx.save_for_backward(q, k, v, mask)
@@ -164,7 +169,7 @@ def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
         lambda q, k, v: sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True),
         q, k, v, grad_out, grad_lse,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 sparse_forward.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)

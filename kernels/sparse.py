@@ -23,15 +23,21 @@ How one program works (one *work item*: a group of query blocks of one (batch, h
 - Scheduling. `"grid"`: one program per work item. `"lpt"`: a persistent kernel of about one program per SM
   slot; programs take work items from a queue (one atomic counter) sorted longest-first by list length
   (longest-processing-time first, FG-Attn appendix B).
+- PV skip (`pv_threshold`, SpargeAttn's second stage, its section 3.4): per tile, a member whose real rows all
+  have their tile maximum more than `-pv_threshold` below their running maximum leaves the tile's P @ V out
+  of its accumulator (the running sum still counts the tile); a tile every member skips runs no P @ V.
+  `kernels/pvskip.py` is the torch reference of the rule, walking the same tiles.
 - DEBUG (a constexpr, compiled out otherwise): each work item records the KV blocks it loaded and the (query
   block, KV block) pairs it computed (loaded blocks times its members), the figures `natsim.merge` predicts
-  (`MergeResult.merged.visited` and `visited * group_sizes`).
+  (`MergeResult.merged.visited` and `visited * group_sizes`), and the attended (query block, KV block) pairs
+  of the mask whose P @ V the PV skip left out.
 
 The online softmax is GNA's (`_softmax_step`, base 2, fp32 accumulators, the running maximum in scaled units).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -87,14 +93,37 @@ def _load_kv_tile(K, V, k_desc, v_desc, LIST, e0, end, slots, within, seq_len, s
 
 
 @triton.jit
+def _skipping_step(acc, l_i, m_i, qk, v, qk_scale, pv_lambda, row_ok,
+                   QB: tl.constexpr, BLOCK_M: tl.constexpr):
+    """`_softmax_step` with SpargeAttn's PV skip (its section 3.4, Algorithm 1 line 15): the scores `qk` still
+    update the running maximum and sum of every row, but a query block (a member: `QB` consecutive rows) whose
+    real rows all have their tile maximum below their running maximum by more than `pv_lambda` (scaled base-2
+    units, negative) adds nothing to its accumulator; when every member skips, P @ V is not computed at all.
+    Returns the new state and which rows skipped."""
+    R: tl.constexpr = BLOCK_M // QB
+    m_local = tl.max(qk, 1) * qk_scale
+    m_new = tl.maximum(m_i, m_local)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    gap = tl.where(row_ok, m_local - m_new, float("-inf"))
+    skip = tl.max(tl.reshape(gap, [R, QB]), 1) < pv_lambda  # per member
+    skip_row = tl.reshape(tl.broadcast_to(skip[:, None], [R, QB]), [BLOCK_M])
+    if tl.sum(tl.where(skip_row, 0, 1)) > 0:
+        acc = tl.dot(tl.where(skip_row[:, None], 0.0, p).to(v.dtype), v, acc)
+    return acc, l_i, m_new, skip_row
+
+
+@triton.jit
 def _attend_item(
     w, Q, K, V, O, LSE, COUNTS, MEMBERS, OFFSETS, FULL_TILES, LIST, BITS,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
-    heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale,
+    heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale, pv_lambda,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PV_SKIP: tl.constexpr,
 ):
     """Attention of work item `w` = (batch * heads + head) * groups + group: its members' query rows against
     the union of their KV blocks (module docstring)."""
@@ -139,13 +168,21 @@ def _attend_item(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     loaded = full_tiles * 0  # DEBUG: KV blocks loaded
+    skipped = full_tiles * 0  # DEBUG: attended (query block, KV block) pairs whose P @ V the PV skip left out
+    leader = (q_blk >= 0) & (rows % QB == 0)  # one row per real member
 
     # Loop 1: whole tiles of blocks every member attends, wholly before N: no mask code.
     for t in tl.range(0, full_tiles, warp_specialize=WARP_SPECIALIZE):
         k, v, e, ok = _load_kv_tile(K_bh, V_bh, k_desc, v_desc, LIST, start + t * P, end, slots, within,
                                     seq_len, stride_kn, stride_vn, dims, KVB, BLOCK_N, False, USE_TMA)
         qk = tl.dot(q, k.T)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+        if PV_SKIP:
+            acc, l_i, m_i, skip_row = _skipping_step(acc, l_i, m_i, qk, v, qk_scale, pv_lambda, row_ok, QB,
+                                                     BLOCK_M)
+            if DEBUG:
+                skipped += tl.sum(tl.where(leader & skip_row, 1, 0)) * P
+        else:
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
             loaded += P
 
@@ -159,7 +196,15 @@ def _attend_item(
         keep = (((bits[None, :] >> member[:, None]) & 1) != 0) & ok[None, :]
         qk = tl.dot(q, k.T)
         qk = tl.where(keep, qk, float("-inf"))
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+        if PV_SKIP:
+            acc, l_i, m_i, skip_row = _skipping_step(acc, l_i, m_i, qk, v, qk_scale, pv_lambda, row_ok, QB,
+                                                     BLOCK_M)
+            if DEBUG:  # the entries of the tile each skipping member attends
+                attended = (((bits[None, :] >> member[:, None]) & 1) != 0) & (e < end)[None, :] \
+                    & (within == 0)[None, :]
+                skipped += tl.sum(tl.where(leader & skip_row, tl.sum(attended.to(tl.int32), 1), 0))
+        else:
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
             loaded += tl.minimum(end - e0, P)
 
@@ -172,10 +217,11 @@ def _attend_item(
     if WRITE_LSE:  # [B, N, heads]
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         tl.store(LSE + (b * seq_len + token) * heads + h, lse, mask=row_ok)
-    if DEBUG:  # per work item: KV blocks loaded, (query block, KV block) pairs computed
-        real_members = tl.sum(tl.where(q_blk >= 0, 1, 0)) // QB
-        tl.store(COUNTS + 2 * w, loaded)
-        tl.store(COUNTS + 2 * w + 1, loaded * real_members)
+    if DEBUG:  # per work item: KV blocks loaded, (query block, KV block) pairs computed and PV-skipped
+        real_members = tl.sum(tl.where(leader, 1, 0))
+        tl.store(COUNTS + 3 * w, loaded)
+        tl.store(COUNTS + 3 * w + 1, loaded * real_members)
+        tl.store(COUNTS + 3 * w + 2, skipped)
 
 
 @triton.jit
@@ -183,10 +229,10 @@ def sparse_forward_kernel(
     Q, K, V, O, LSE, COUNTS, MEMBERS, OFFSETS, FULL_TILES, LIST, BITS, ORDER, QUEUE,
     stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
-    heads, groups, num_items, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale,
+    heads, groups, num_items, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale, pv_lambda,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr, USE_TMA: tl.constexpr,
-    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False, PV_SKIP: tl.constexpr = False,
 ):
     """Grid: one program per work item, grid (groups, batch * heads). Persistent: programs take work items
     from `ORDER` (longest first) through the atomic counter `QUEUE` until none is left."""
@@ -197,16 +243,17 @@ def sparse_forward_kernel(
             _attend_item(w, Q, K, V, O, LSE, COUNTS, MEMBERS, OFFSETS, FULL_TILES, LIST, BITS,
                          stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                          stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
-                         heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale,
-                         QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA, WARP_SPECIALIZE)
+                         heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale, pv_lambda,
+                         QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA, WARP_SPECIALIZE,
+                         PV_SKIP)
             i = tl.atomic_add(QUEUE, 1)
     else:
         w = tl.program_id(1) * groups + tl.program_id(0)
         _attend_item(w, Q, K, V, O, LSE, COUNTS, MEMBERS, OFFSETS, FULL_TILES, LIST, BITS,
                      stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                      stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
-                     heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale,
-                     QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA, WARP_SPECIALIZE)
+                     heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale, pv_lambda,
+                     QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA, WARP_SPECIALIZE, PV_SKIP)
 
 
 # -- the host work: groups, union lists, member bits ----------------------------------------------------------
@@ -410,6 +457,20 @@ def check_sparse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k and v must be floating-point tensors, got dtype={q.dtype}.")
 
 
+def check_pv_threshold(pv_threshold) -> Optional[float]:
+    """None (no PV skip) or SpargeAttn's lambda: a negative finite number, in natural-log units of the scaled
+    scores."""
+    if pv_threshold is None:
+        return None
+    if isinstance(pv_threshold, bool) or not isinstance(pv_threshold, (int, float)) \
+            or not -math.inf < pv_threshold < 0:
+        raise ValueError(
+            "pv_threshold must be None or a negative finite number (how far below a row's running maximum a "
+            f"tile's maximum must fall for its P @ V to be skipped), got pv_threshold={pv_threshold!r}."
+        )
+    return float(pv_threshold)
+
+
 def check_sparse_kernel(q: torch.Tensor) -> None:
     """What the Triton kernel runs: fp16/bf16 and head_dim 32, 64 or 128."""
     if q.dtype not in KERNEL_DTYPES:
@@ -458,9 +519,11 @@ def run_sparse(
     programs: Optional[int] = None,
     debug: bool = False,
     specialize: bool = False,
+    pv_threshold: Optional[float] = None,
 ):
     """`(out, lse, counts)` of one launch on prepared work (`lse` None unless asked; `counts` int32
-    `[B * H * groups, 2]` with `debug`, else None). `specialize` warp-specializes the unmasked loop where its
+    `[B * H * groups, 3]` with `debug`: KV blocks loaded, pairs computed, pairs PV-skipped; else None);
+    `pv_threshold` (None or negative) turns on the PV skip. `specialize` warp-specializes the unmasked loop where its
     tiles load through descriptors (8 warps, 2 stages; Triton 3.6 builds it with 8 warps, not with 4), except
     with the LSE or debug counts (the LSE came out wrong under Triton 3.6's warp specialization in the GNA
     kernel); benchmarks/sparse.py --tune times it."""
@@ -474,14 +537,15 @@ def run_sparse(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, seq_len, heads), dtype=torch.float32, device=q.device) if return_lse else None
     items = batch * heads * work.groups
-    counts = torch.zeros((items, 2), dtype=torch.int32, device=q.device) if debug else None
+    counts = torch.zeros((items, 3), dtype=torch.int32, device=q.device) if debug else None
+    pv_threshold = check_pv_threshold(pv_threshold)
     use_tma = (work.block_n == work.kv_block and has_tensor_descriptors(q.device)
                and all(descriptor_strides_ok(t) for t in (k, v)) and aligned(k, v))
     if use_tma:
         _install_allocator()
     config = launch_config(work.block_m, work.block_n, head_dim, masked=True, tma=use_tma, specialize=False)
     options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    specialize = specialize and use_tma and not (return_lse or debug)
+    specialize = specialize and use_tma and not (return_lse or debug or pv_threshold is not None)
     if specialize:
         options = dict(num_warps=8, num_stages=2)
     persistent = schedule == "lpt"
@@ -497,7 +561,7 @@ def run_sparse(
         grid = (work.groups, batch * heads)
     scale = head_dim**-0.5 if scale is None else float(scale)
     key = (work.block_m, work.block_n, work.q_block, work.kv_block, head_dim, q.dtype, use_tma, persistent,
-           return_lse, debug, specialize)
+           return_lse, debug, specialize, pv_threshold is not None)
     stages = _STAGES.get(key, options["num_stages"])
     while True:
         try:
@@ -507,9 +571,10 @@ def run_sparse(
                 *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out),
                 heads, work.groups, items, work.mask_heads, 0 if work.mask_batch == 1 else 1,
                 0 if work.mask_heads == 1 else 1, seq_len, scale * LOG2E,
+                0.0 if pv_threshold is None else pv_threshold * LOG2E,
                 QB=work.q_block, KVB=work.kv_block, BLOCK_M=work.block_m, BLOCK_N=work.block_n, HEAD_DIM=head_dim,
                 WRITE_LSE=return_lse, DEBUG=debug, USE_TMA=use_tma, PERSISTENT=persistent,
-                WARP_SPECIALIZE=specialize, num_warps=options["num_warps"], num_stages=stages,
+                WARP_SPECIALIZE=specialize, PV_SKIP=pv_threshold is not None, num_warps=options["num_warps"], num_stages=stages,
             )
             break
         except OutOfResources:  # raised while compiling, before the launch: retry with one stage fewer
@@ -537,9 +602,11 @@ _warned_cpu = False
 
 
 def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int, merge: Optional[str],
-                        scale: Optional[float], return_lse: bool, schedule: str, programs: Optional[int]):
+                        scale: Optional[float], return_lse: bool, schedule: str, programs: Optional[int],
+                        pv_threshold: Optional[float] = None):
     """`(out, lse)` of a boolean block mask: the Triton kernel (CUDA tensors or the interpreter), else the torch
-    reference with a one-time warning. What both the operator and the eager fast path run."""
+    reference (of the PV skip with `pv_threshold`) with a one-time warning. What both the operator and the
+    eager fast path run."""
     global _warned_cpu
     check_sparse_qkv(q, k, v)
     check_mask_batch(mask.shape[0], mask.shape[1], q)
@@ -550,6 +617,11 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
             warnings.warn("sparse_attention got CPU tensors: running the torch reference (exact but slow); "
                           "use CUDA tensors for the Triton kernel.", stacklevel=4)
             _warned_cpu = True
+        if pv_threshold is not None:
+            from .pvskip import sparse_pv_reference
+
+            work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device)
+            return sparse_pv_reference(work, q, k, v, pv_threshold, scale)[:2]
         return sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True)
     check_sparse_kernel(q)
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -558,7 +630,7 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
             "build it before the capture with prepare_sparse(mask, ...) and pass that SparseWork as the mask."
         )
     work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device)
-    out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs)
+    out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
     return out, lse
 
 
@@ -575,6 +647,7 @@ def sparse_attention(
     return_lse: bool = False,
     schedule: Optional[str] = None,
     programs: Optional[int] = None,
+    pv_threshold: Optional[float] = None,
 ):
     """Attention of `[B, N, heads, head_dim]` q, k, v under a block mask: query i attends key j exactly when
     `mask[b, h, i // q_block, j // kv_block]`.
@@ -587,6 +660,10 @@ def sparse_attention(
       The output never depends on it: each row is masked by its own block's row.
     - `schedule`: `"grid"` (default, one program per group) or `"lpt"` (persistent, longest group first;
       `programs` sets how many, default about one per SM slot).
+    - `pv_threshold`: None (exact), or SpargeAttn's lambda (negative, natural-log units of the scaled scores):
+      a query block skips a tile's P @ V when every one of its rows has the tile's maximum score more than
+      `-pv_threshold` below its running maximum (module docstring; an approximation that depends on the
+      order of the tiles, which `kernels/pvskip.py` reproduces in torch).
     Returns the output (q's dtype) and with `return_lse` the natural-log LSE `[B, N, heads]` (float32, -inf
     for a query that attends nothing, whose output is 0). Inputs that require grad under grad mode are
     refused on the Triton path; CPU tensors without TRITON_INTERPRET=1 run `sparse_reference`.
@@ -602,7 +679,7 @@ def sparse_attention(
                 "a SparseWork runs in plain eager calls of the Triton kernel only; pass the boolean mask or the "
                 "SparseMask under torch.compile, autograd or on the torch reference path."
             )
-        out, lse, _ = run_sparse(mask, q, k, v, scale, return_lse, schedule, programs)
+        out, lse, _ = run_sparse(mask, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
         return (out, lse) if return_lse else out
     if q.dim() < 2:
         raise ValueError(f"q must be [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
@@ -610,26 +687,35 @@ def sparse_attention(
     if merge not in MERGES:
         raise ValueError(f"merge must be None, 'consecutive' or 'xor', got merge={merge!r}.")
     scale = None if scale is None else float(scale)
+    pv_threshold = check_pv_threshold(pv_threshold)
+    if pv_threshold is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(
+            "pv_threshold skips products by a data-dependent rule that has no backward pass, and q, k or v "
+            "requires grad: call it under torch.no_grad() (or torch.inference_mode()), or pass "
+            "pv_threshold=None for gradients."
+        )
     if runs_eagerly(q, k, v):
         out, lse = sparse_forward_impl(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
-                                       programs)
+                                       programs, pv_threshold)
     else:
         out, lse = ops.sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
-                                      programs)
+                                      programs, pv_threshold)
     return (out, lse) if return_lse else out
 
 
 @dataclass(frozen=True)
 class SparseTileCounts:
     """The kernel's own debug counts, one entry per program (work item) `[B, H, groups]`: `loaded` KV blocks,
-    `computed` (query block, KV block) pairs, and `members` `[B, H, groups, R]`, the query blocks of each
-    program (-1 where the last group is short). `natsim.merge(mask[b, h], R, method)` predicts
-    `merged.visited` and `merged.visited * group_sizes` for the same `members` (its `groups`)."""
+    `computed` (query block, KV block) pairs, `pv_skipped` pairs of the mask (attended) whose P @ V the PV
+    skip left out (0 without `pv_threshold`; at most the mask's pairs), and `members` `[B, H, groups, R]`, the query blocks of each program (-1 where the
+    last group is short). `natsim.merge(mask[b, h], R, method)` predicts `merged.visited` and
+    `merged.visited * group_sizes` for the same `members` (its `groups`)."""
 
     loaded: np.ndarray
     computed: np.ndarray
     members: np.ndarray
     merge_seconds: float
+    pv_skipped: np.ndarray
 
 
 def sparse_tile_counts(
@@ -645,21 +731,28 @@ def sparse_tile_counts(
     head_dim: int = 32,
     device: Union[str, torch.device] = "cuda",
     dtype: torch.dtype = torch.float16,
+    pv_threshold: Optional[float] = None,
+    inputs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    scale: Optional[float] = None,
 ) -> SparseTileCounts:
-    """Run the kernel with its debug counters on (random inputs of the mask's batch and heads, N = `seq_len`,
-    by default the mask's blocks times its rows) and return its per-program counts."""
+    """Run the kernel with its debug counters on and return its per-program counts: on `inputs` (q, k, v of
+    the mask's batch and heads, on `device`), else on random ones (N = `seq_len`, by default the mask's blocks
+    times its rows; `head_dim`, `dtype`). The PV-skip count depends on the inputs: pass them with
+    `pv_threshold`."""
     if isinstance(mask, SparseMask):
         seq_len = mask.seq_len if seq_len is None else seq_len
     elif seq_len is None and q_block is not None and isinstance(mask, torch.Tensor) and mask.dim() == 4:
         seq_len = mask.shape[2] * q_block
     work = prepare_sparse(mask, q_block, kv_block, seq_len, merge=merge, block_m=block_m, block_n=block_n,
                           device=torch.device(device))
-    shape = (work.mask_batch, work.seq_len, work.mask_heads, head_dim)
-    q, k, v = (torch.randn(shape, device=device).to(dtype) for _ in range(3))
-    _, _, counts = run_sparse(work, q, k, v, schedule=schedule, debug=True)
-    counts = counts.cpu().numpy().astype(np.int64).reshape(work.mask_batch, work.mask_heads, work.groups, 2)
+    if inputs is None:
+        shape = (work.mask_batch, work.seq_len, work.mask_heads, head_dim)
+        inputs = tuple(torch.randn(shape, device=device).to(dtype) for _ in range(3))
+    q, k, v = inputs
+    _, _, counts = run_sparse(work, q, k, v, scale, schedule=schedule, debug=True, pv_threshold=pv_threshold)
+    counts = counts.cpu().numpy().astype(np.int64).reshape(q.shape[0], q.shape[2], work.groups, 3)
     members = work.members.cpu().numpy().astype(np.int64).reshape(work.mask_batch, work.mask_heads, work.groups, -1)
-    return SparseTileCounts(counts[..., 0], counts[..., 1], members, work.merge_seconds)
+    return SparseTileCounts(counts[..., 0], counts[..., 1], members, work.merge_seconds, counts[..., 2])
 
 
 # -- torch reference -----------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""natsim.masks (kernels/masks.py), issue 10's first part: the Hilbert order, FG-Attn's top-p predictor, mask
-combination and the GNA window as a block mask.
+"""natsim.masks (kernels/masks.py), issue 10: the Hilbert order, mask combination and the GNA window as a block
+mask (the predictors and the mask cache: tests/test_predictors.py).
 
-The references here are written from the definitions: top-p's pooled probabilities in float64 numpy, the GNA
-mask from tests/bruteforce.py's exact N x N mask OR-pooled over blocks, combinations as numpy booleans.
+The references here are written from the definitions: the GNA mask from tests/bruteforce.py's exact N x N
+mask OR-pooled over blocks, combinations as numpy booleans.
 """
 
 from __future__ import annotations
@@ -110,107 +110,6 @@ def test_to_order_and_back():
     assert torch.equal(y, x[:, torch.from_numpy(order)])
     assert torch.equal(from_order(y, order), x)
     assert torch.equal(from_order(to_order(x, torch.from_numpy(order)), torch.from_numpy(order)), x)
-
-
-# -- top-p ------------------------------------------------------------------------------------------------------
-
-
-def pooled_probs(q: torch.Tensor, k: torch.Tensor, q_block: int, kv_block: int, scale: float) -> np.ndarray:
-    """float64 `[B, H, nQ, nKV]`: softmax over key blocks of mean-pooled q and k, one block at a time."""
-    q, k = q.double().numpy(), k.double().numpy()
-    n = q.shape[1]
-    pq = np.stack([q[:, i:i + q_block].mean(1) for i in range(0, n, q_block)], axis=1)  # [B, nQ, H, D]
-    pk = np.stack([k[:, j:j + kv_block].mean(1) for j in range(0, n, kv_block)], axis=1)
-    scores = np.einsum("bqhd,bkhd->bhqk", pq, pk) * scale
-    scores -= scores.max(-1, keepdims=True)
-    e = np.exp(scores)
-    return e / e.sum(-1, keepdims=True)
-
-
-def planted(n: int, heads: int, dim: int, q_block: int, kv_block: int, per_row: int, strength: float, seed: int):
-    """q and k whose attention lives in known key blocks: block-constant keys along orthonormal directions,
-    each query block the sum of its planted blocks' directions times `strength`, plus small token noise.
-    Returns q, k and the planted bool `[1, heads, nQ, nKV]` mask."""
-    gen = torch.Generator().manual_seed(seed)
-    num_q, num_kv = -(-n // q_block), -(-n // kv_block)
-    assert num_kv <= dim
-    plant = torch.zeros(1, heads, num_q, num_kv, dtype=torch.bool)
-    q = torch.zeros(1, n, heads, dim)
-    k = torch.zeros(1, n, heads, dim)
-    for h in range(heads):
-        basis = torch.linalg.qr(torch.randn(dim, dim, generator=gen))[0][:num_kv]  # orthonormal rows
-        k[0, :, h] = basis.repeat_interleave(kv_block, 0)[:n]
-        for i in range(num_q):
-            cols = torch.randperm(num_kv, generator=gen)[:per_row]
-            plant[0, h, i, cols] = True
-            q[0, i * q_block:(i + 1) * q_block, h] = strength * basis[cols].sum(0)
-    q += 0.05 * torch.randn(q.shape, generator=gen)
-    k += 0.05 * torch.randn(k.shape, generator=gen)
-    return q, k, plant
-
-
-@pytest.mark.parametrize("n, q_block, kv_block", [(512, 16, 16), (500, 32, 16), (1000, 16, 32)])
-def test_topp_recovers_planted_blocks(n, q_block, kv_block):
-    dim, per_row = 64, 3
-    q, k, plant = planted(n, 2, dim, q_block, kv_block, per_row, strength=12.0 * dim ** 0.5, seed=n)
-    mask = topp(q, k, q_block, kv_block, 0.95)
-    recall = (mask & plant).sum() / plant.sum()
-    assert recall >= 0.95
-    assert mask.float().mean() <= 1.1 * plant.float().mean()  # at the planted density, not by keeping more
-    # the exact attention mass inside the predicted blocks, token by token
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * dim ** -0.5
-    probs = torch.softmax(scores, -1)
-    tokens = mask.repeat_interleave(q_block, 2)[:, :, :n].repeat_interleave(kv_block, 3)[..., :n]
-    assert (probs * tokens).sum(-1).mean() >= 0.95
-
-
-@SETTINGS
-@given(
-    n=st.integers(1, 300),
-    q_block=st.sampled_from([8, 16, 32]),
-    kv_block=st.sampled_from([1, 4, 16, 64]),
-    p=st.floats(0.05, 1.0),
-    temperature=st.sampled_from([0.5, 2.0, 8.0]),
-    seed=st.integers(0, 2**16),
-)
-def test_topp_keeps_the_smallest_set_reaching_p(n, q_block, kv_block, p, temperature, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q = temperature * torch.randn(2, n, 2, 16, generator=gen)
-    k = torch.randn(2, n, 2, 16, generator=gen)
-    mask = topp(q, k, q_block, kv_block, p).numpy()
-    probs = pooled_probs(q, k, q_block, kv_block, 16 ** -0.5)
-    assert mask.shape == probs.shape and mask.dtype == bool
-    kept = np.where(mask, probs, 0.0)
-    assert (kept.sum(-1) >= p - 1e-5).all()
-    # minimal: without its least probable kept block no row reaches p
-    smallest = np.where(mask, probs, np.inf).min(-1)
-    assert (kept.sum(-1) - smallest < p + 1e-5).all()
-    # the kept blocks are the most probable ones
-    dropped_max = np.where(mask, -np.inf, probs).max(-1)
-    assert (dropped_max <= smallest + 1e-6).all()
-
-
-def test_topp_is_monotone_in_p_and_keeps_all_at_one():
-    gen = torch.Generator().manual_seed(0)
-    q, k = 4 * torch.randn(1, 300, 3, 32, generator=gen), torch.randn(1, 300, 3, 32, generator=gen)
-    masks = [topp(q, k, 16, 8, p) for p in (0.1, 0.3, 0.5, 0.8, 0.95, 0.999)]
-    for small, large in zip(masks, masks[1:]):
-        assert (small <= large).all()
-    assert (masks[0].sum(-1) >= 1).all()
-    assert topp(q / 4, k, 16, 8, 1.0).all()  # nothing underflows at this temperature
-
-
-def test_topp_breaks_ties_by_lowest_block():
-    q, k = torch.zeros(1, 64, 1, 16), torch.zeros(1, 64, 1, 16)  # every block equally probable (1/4)
-    mask = topp(q, k, 16, 16, 0.5)
-    assert torch.equal(mask[0, 0], torch.tensor([[True, True, False, False]] * 4))
-
-
-def test_topp_scale_and_dtypes():
-    gen = torch.Generator().manual_seed(1)
-    q, k = torch.randn(1, 128, 2, 32, generator=gen), torch.randn(1, 128, 2, 32, generator=gen)
-    assert torch.equal(topp(q, k, 16, 16, 0.7, scale=0.5), topp(2 * q, k, 16, 16, 0.7, scale=0.25))
-    assert topp(q.half(), k.half(), 16, 16, 0.7).shape == (1, 2, 8, 8)
 
 
 # -- combining masks and the GNA window ------------------------------------------------------------------------

@@ -305,3 +305,150 @@ def test_compiled_fullgraph_equals_eager_without_graph_breaks():
     (out, total), (eager_out, eager_total) = compiled(q, k, v, mask), _model(q, k, v, mask)
     assert torch.equal(out, eager_out)
     torch.testing.assert_close(total, eager_total)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SpargeAttn's PV skip (pv_threshold): the kernel against the torch reference of the rule (kernels/pvskip.py),
+# the reference against float64 attention when nothing is skipped, and the rule worked out by hand.
+# Integer q and k with scale 1/4 make every score a multiple of 1/4 computed exactly (fp16 products, fp32
+# sums), and the thresholds sit halfway between multiples: the skip decisions are the same in both.
+
+
+def integer_inputs(batch, n, heads, head_dim, seed, boost=32):
+    """q, k in {-1, 0, 1} (k's first `boost` keys tripled, so that later tiles often fall far below them) and
+    random v, fp16 on DEVICE."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randint(-1, 2, (batch, n, heads, head_dim), generator=gen).float() for _ in range(2))
+    k[:, :boost] *= 3
+    v = torch.randn(batch, n, heads, head_dim, generator=gen)
+    return [t.to(DEVICE, torch.float16) for t in (q, k, v)]
+
+
+PV_THRESHOLDS = (-0.625, -1.625, -3.125)  # -(j + 1/2) / 4: never a difference of two scores
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    q_block=st.sampled_from((8, 16, 32)),
+    kv_block=st.sampled_from((4, 16, 32)),
+    n=st.integers(40, 130),
+    density=st.sampled_from((0.4, 0.8, 1.0)),
+    merge=st.sampled_from((None, "consecutive", "xor")),
+    schedule=st.sampled_from(("grid", "lpt")),
+    pv_threshold=st.sampled_from(PV_THRESHOLDS),
+    seed=st.integers(0, 1000),
+)
+def test_pv_skip_kernel_equals_the_reference_of_its_rule(q_block, kv_block, n, density, merge, schedule,
+                                                        pv_threshold, seed):
+    from natsim.kernels.pvskip import sparse_pv_reference
+
+    q, k, v = integer_inputs(1, n, 2, 32, seed)
+    mask = random_mask(1, 2, n, q_block, kv_block, density, seed=seed)
+    work = prepare_sparse(mask, q_block, kv_block, n, merge=merge)
+    out, lse = sparse_attention(q, k, v, work, scale=0.25, return_lse=True, schedule=schedule,
+                                pv_threshold=pv_threshold)
+    ref_out, ref_lse, ref_skipped = sparse_pv_reference(work, q.float(), k.float(), v.float(), pv_threshold, 0.25)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    counts = sparse_tile_counts(mask, q_block, kv_block, seq_len=n, merge=merge, schedule=schedule, device=DEVICE,
+                                pv_threshold=pv_threshold, inputs=(q, k, v), scale=0.25)
+    np.testing.assert_array_equal(counts.pv_skipped.reshape(-1), ref_skipped.cpu().numpy())
+    assert (counts.pv_skipped <= counts.computed).all()
+
+
+def test_pv_skip_happens_and_stays_close_to_exact_attention():
+    from natsim.kernels.pvskip import sparse_pv_reference
+
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.randint(-1, 2, (1, 128, 2, 32), generator=gen).float() for _ in range(2))
+    q[..., :8] = 1  # every query leans towards the first 32 keys: later tiles score about 4 lower
+    k[:, :32, :, :8] = 2
+    q, k, v = (t.to(DEVICE, torch.float16) for t in (q, k, torch.randn(1, 128, 2, 32, generator=gen)))
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device=DEVICE)
+    work = prepare_sparse(mask, 16, 16, 128, block_n=16)
+    counts = sparse_tile_counts(mask, 16, 16, device=DEVICE, block_n=16, pv_threshold=-3.125, inputs=(q, k, v),
+                                scale=0.25)
+    assert counts.pv_skipped.sum() > 0.1 * counts.computed.sum()  # the rule fires on these inputs
+    skipped = sparse_attention(q, k, v, work, scale=0.25, pv_threshold=-3.125).double().cpu()
+    exact = sparse_pv_reference(work, q.double(), k.double(), v.double(), None, 0.25)[0].cpu()
+    assert (skipped - exact).abs().sum() / exact.abs().sum() < 0.05  # SpargeAttn's L1 error budget
+
+
+@pytest.mark.parametrize("merge", [None, "consecutive", "xor"])
+def test_pv_reference_without_skips_is_float64_attention(merge):
+    from natsim.kernels.pvskip import sparse_pv_reference
+
+    q, k, v = (t.double() for t in random_inputs(2, 75, 2, 32, seed=8))
+    mask = random_mask(2, 1, 75, 8, 16, 0.5, seed=8)
+    mask[0, 0, 2] = False  # an empty query block
+    work = prepare_sparse(mask, 8, 16, 75, merge=merge)
+    ref_out, ref_lse = dense_softmax(q, k, v, mask, 8, 16)
+    for threshold in (None, -1e9):
+        out, lse, skipped = sparse_pv_reference(work, q, k, v, threshold)
+        torch.testing.assert_close(out.cpu(), ref_out)
+        torch.testing.assert_close(lse.cpu(), ref_lse)
+        assert skipped.sum() == 0
+
+
+def two_block_case():
+    """One head, N = 32, two query and two key blocks of 16: every query scores 3 against key block 0 (ones
+    in v) and 0 against key block 1 (tens in v); scale 1."""
+    q = torch.zeros(1, 32, 1, 32)
+    k = torch.zeros(1, 32, 1, 32)
+    q[..., 0] = 1.0
+    k[:, :16, :, 0] = 3.0
+    v = torch.cat([torch.ones(1, 16, 1, 32), 10 * torch.ones(1, 16, 1, 32)], 1)
+    return q, k, v
+
+
+@pytest.mark.parametrize("pv_threshold, skipped", [(-2.0, True), (-4.0, False), (None, False)])
+def test_pv_skip_rule_by_hand(pv_threshold, skipped):
+    # Block 0 comes first (ascending list): running maximum 3. Block 1's maximum 0 is 3 below it: below
+    # lambda = -2, so its P @ V is skipped while its exp(0 - 3) per key still counts in the sum; not below -4.
+    q, k, v = (t.to(DEVICE, torch.float16) for t in two_block_case())
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool, device=DEVICE)
+    work = prepare_sparse(mask, 16, 16, 32, block_n=16)  # one KV block per tile
+    out, lse = sparse_attention(q, k, v, work, scale=1.0, return_lse=True, pv_threshold=pv_threshold)
+    e3 = float(np.exp(3.0))
+    expected = e3 / (e3 + 1) if skipped else (e3 + 10) / (e3 + 1)
+    torch.testing.assert_close(out.float().cpu(), torch.full((1, 32, 1, 32), expected), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.cpu(), torch.full((1, 32, 1), float(np.log(16 * e3 + 16))), atol=1e-4,
+                               rtol=1e-4)
+    counts = sparse_tile_counts(mask, 16, 16, device=DEVICE, block_n=16, pv_threshold=pv_threshold,
+                                inputs=(q, k, v), scale=1.0)
+    assert counts.pv_skipped.tolist() == [[[1, 1] if skipped else [0, 0]]]
+
+
+def test_pv_skip_on_the_reference_path(reference_path):
+    q, k, v = two_block_case()
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    # On the CPU path the tiles are the GPU kernel's, 128 keys: both KV blocks of 16 share one tile, whose
+    # maximum (3) never falls below the running one: nothing is skipped, as on the GPU.
+    out = sparse_attention(q, k, v, mask, 16, 16, scale=1.0, pv_threshold=-2.0)
+    e3 = float(np.exp(3.0))
+    torch.testing.assert_close(out, torch.full((1, 32, 1, 32), (e3 + 10) / (e3 + 1)))
+    # N = 256 in key blocks of 128 (one per tile): block 0 holds the 16 keys scoring 3 (ones in v) and 112
+    # scoring 0 (tens); block 1, 128 keys scoring 0 (tens), falls 3 below: skipped, its exp(-3) per key
+    # still summed.
+    q2 = q[:, :1].expand(1, 256, 1, 32)
+    k2 = torch.cat([k[:, :16], torch.zeros(1, 240, 1, 32)], 1)
+    v2 = torch.cat([torch.ones(1, 16, 1, 32), torch.full((1, 240, 1, 32), 10.0)], 1)
+    mask2 = torch.ones(1, 1, 16, 2, dtype=torch.bool)
+    out = sparse_attention(q2, k2, v2, mask2, 16, 128, scale=1.0, pv_threshold=-2.0)
+    torch.testing.assert_close(out, torch.full((1, 256, 1, 32), (16 * e3 + 1120) / (16 * e3 + 240)))
+    exact = sparse_attention(q2, k2, v2, mask2, 16, 128, scale=1.0)
+    torch.testing.assert_close(exact, torch.full((1, 256, 1, 32), (16 * e3 + 2400) / (16 * e3 + 240)))
+
+
+def test_pv_skip_compiles_and_refuses_bad_thresholds():
+    q, k, v = integer_inputs(1, 64, 1, 32, seed=9)
+    mask = random_mask(1, 1, 64, 16, 16, 0.7, seed=9)
+    for bad in (0, 0.5, float("nan"), float("-inf"), True, "x"):
+        with pytest.raises(ValueError, match=r"pv_threshold must be None or a negative finite number"):
+            sparse_attention(q, k, v, mask, 16, 16, pv_threshold=bad)
+    with pytest.raises(ValueError, match=r"pv_threshold skips products by a data-dependent rule"):
+        sparse_attention(q.float().requires_grad_(), k.float(), v.float(), mask, 16, 16, pv_threshold=-1.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: sparse_attention(q, k, v, mask, 16, 16, pv_threshold=-0.625),
+                             fullgraph=True)
+    assert torch.equal(compiled(q, k, v), sparse_attention(q, k, v, mask, 16, 16, pv_threshold=-0.625))
