@@ -34,6 +34,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from natsim import merge as natsim_merge
 from natsim.kernels import SparseMask, SparseWork, prepare_sparse, sparse_attention
 from natsim.kernels.backend import runs_eagerly, use_triton
 from natsim.kernels.sparse import MIN_Q_BLOCK, SPARSE_HEAD_DIMS, default_blocks
@@ -495,6 +496,8 @@ def best_mask(
     if model is not None and model.sparse_coefficients is None:
         model = None
 
+    if "xor" in merges:
+        natsim_merge(np.eye(2, dtype=bool), 2, "xor")  # compile natsim.merge first, so merge_s times the merge only
     scored, rows, pooled = [], {}, {}
     for qb in q_options:
         for kb in kv_options:
