@@ -77,6 +77,10 @@ def or_pool(mask: torch.Tensor, q_factor: int, kv_factor: int) -> torch.Tensor:
     return padded.view(batch, heads, rows, q_factor, cols, kv_factor).any(5).any(3)
 
 
+def _ratio(dense: float, score: float) -> float:
+    return dense / score if score > 0 else math.inf
+
+
 def _describe(value) -> str:
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return f"a {type(value).__name__} of dtype {value.dtype} and shape {tuple(value.shape)}"
@@ -202,8 +206,9 @@ class MaskPlan:
 
     @property
     def predicted_speedup(self) -> float:
-        """Dense attention (the same kernel, every 128 x 128 block) over this plan, in the basis' unit."""
-        return self.dense_score / self.score
+        """Dense attention (the same kernel, every 128 x 128 block) over this plan, in the basis' unit (infinite
+        for an empty mask counted in tile work)."""
+        return _ratio(self.dense_score, self.score)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -265,7 +270,7 @@ class MaskPlan:
             table.add_row(
                 f"{c.q_block}x{c.kv_block}", c.merge, f"{c.density:.1%}", f"{c.work:.1%}", f"{c.tiles:,}",
                 f"{c.score * 1e3:.4g}" if self.calibrated else f"{c.score:.4g}",
-                f"{self.dense_score / c.score:.2f}x", f"{c.merge_s * 1e3:.3g}" if c.merge == "xor" else "",
+                f"{_ratio(self.dense_score, c.score):.2f}x", f"{c.merge_s * 1e3:.3g}" if c.merge == "xor" else "",
                 "[green]chosen[/green]" if chosen else "",
             )
         return table
@@ -401,13 +406,15 @@ def _positive(name: str, value, default: int) -> int:
 
 
 def _blocks(name: str, values: Optional[Sequence[int]], finest: int) -> tuple[int, ...]:
-    """The granularities to score along one axis: `values` (or BLOCKS) from the mask's own block up."""
-    chosen = BLOCKS if values is None else tuple(values)
-    bad = [b for b in chosen if isinstance(b, bool) or b not in BLOCKS or b < finest]
+    """The granularities to score along one axis: `values`, or by default the mask's own block and those of
+    BLOCKS above it (each a power of two from the mask's block to 128)."""
+    allowed = tuple(sorted({finest, *(b for b in BLOCKS if b > finest)}))
+    chosen = allowed if values is None else tuple(values)
+    bad = [b for b in chosen if isinstance(b, bool) or b not in allowed]
     if bad or not chosen:
         raise ValueError(
-            f"{name} must be a non-empty subset of {BLOCKS} of blocks at least the mask's {finest}, got "
-            f"{name}={tuple(chosen)!r}."
+            f"{name} must be a non-empty subset of {allowed} (the mask's block {finest} and coarser ones up to "
+            f"{BLOCKS[-1]}), got {name}={tuple(chosen)!r}."
         )
     return tuple(sorted(set(int(b) for b in chosen)))
 
@@ -463,7 +470,8 @@ def best_mask(
     - `device` picks the GPU whose stored coefficients score the candidates (None: the current CUDA device; a
       GPU's name or alias such as "h100" plans for it from any machine), unless `cost_model` is given.
       Without sparse coefficients candidates are ranked by computed token pairs and the plan says so.
-    - `q_blocks`, `kv_blocks`: the granularities to try (default 16, 32, 64, 128, from the mask's own up);
+    - `q_blocks`, `kv_blocks`: the granularities to try (default: the mask's own block and 16, 32, 64, 128
+      above it);
       `merges`: among "none", "consecutive", "xor" (a merge needs query blocks under 128).
     - `keep_mask`: keep the pooled mask in the plan, so that `plan(q, k, v)` runs it.
 
