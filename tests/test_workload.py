@@ -1,0 +1,94 @@
+"""The synthetic video-attention workload (benchmarks/workload.py): shapes and seeding, the 3-D rotary
+embedding against its defining property, normalised smooth fields, and attention that is local, has sharp and
+soft heads, and gives its global tokens weight (small CPU layouts)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load(name: str):
+    """A benchmark script as a module (its sibling imports, such as `timing`, resolve from benchmarks/)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+workload = load("workload")
+
+
+def attention(w):
+    q, k = w.q.double(), w.k.double()
+    return torch.softmax(torch.einsum("bnhd,bmhd->bhnm", q, k) / math.sqrt(q.shape[-1]), dim=-1)
+
+
+def test_shapes_dtype_and_seeding():
+    w = workload.video_qkv("small", head_dim=64, dtype=torch.float16, seed=3)
+    n = math.prod(workload.LAYOUTS["small"])
+    assert w.q.shape == w.k.shape == w.v.shape == (1, n, workload.HEADS["small"], 64)
+    assert w.q.dtype == torch.float16 and torch.isfinite(w.q).all() and torch.isfinite(w.k).all()
+    again = workload.video_qkv("small", head_dim=64, dtype=torch.float16, seed=3)
+    other = workload.video_qkv("small", head_dim=64, dtype=torch.float16, seed=4)
+    assert torch.equal(w.q, again.q) and torch.equal(w.k, again.k) and torch.equal(w.v, again.v)
+    assert not torch.equal(w.q, other.q)
+    assert w.global_tokens.numel() == 4 and w.temperature.shape == (2,)
+    assert ((w.temperature >= 0.5) & (w.temperature <= 3.0)).all()
+    with pytest.raises(ValueError, match="shape must be one of"):
+        workload.video_qkv("4k")
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        workload.video_qkv((2, 2, 2), 1, 5)
+
+
+def test_rope_3d_scores_depend_on_the_offset_only_and_keep_norms():
+    shape = (3, 4, 5)
+    n = math.prod(shape)
+    x = torch.randn(1, 1, 1, 24, dtype=torch.float64).expand(1, n, 1, 24)
+    y = torch.randn(1, 1, 1, 24, dtype=torch.float64).expand(1, n, 1, 24)
+    rx, ry = workload.rope_3d(x, shape), workload.rope_3d(y, shape)
+    assert torch.allclose(rx.norm(dim=-1), x.norm(dim=-1))
+    coords = torch.stack(torch.meshgrid(*(torch.arange(s) for s in shape), indexing="ij")).reshape(3, -1).T
+    index = {tuple(c.tolist()): i for i, c in enumerate(coords)}
+    score = lambda a, b: float(rx[0, index[a], 0] @ ry[0, index[b], 0])  # noqa: E731
+    assert score((0, 0, 0), (1, 2, 3)) == pytest.approx(score((1, 1, 1), (2, 3, 4)), abs=1e-5)  # angles in float32
+    assert score((2, 3, 4), (0, 0, 1)) == pytest.approx(score((2, 3, 3), (0, 0, 0)), abs=1e-5)  # angles in float32
+    assert score((0, 0, 0), (1, 0, 0)) != pytest.approx(score((0, 0, 0), (0, 1, 0)), abs=1e-3)
+
+
+def test_smooth_fields_are_normalised_and_smooth():
+    g = torch.Generator().manual_seed(0)
+    field = workload.smooth_field(8, (4, 10, 12), (1.0, 3.0, 3.0), g, "cpu").view(4, 10, 12, 8)
+    assert torch.allclose(field.reshape(-1, 8).mean(0), torch.zeros(8), atol=1e-5)
+    assert torch.allclose(field.reshape(-1, 8).std(0), torch.ones(8), atol=1e-5)
+    near = (field[:, :, 1:] * field[:, :, :-1]).mean()  # correlation of width neighbours
+    far = (field[:, :, 6:] * field[:, :, :-6]).mean()
+    assert near > 0.8 and far < near - 0.3
+
+
+def test_attention_is_local_has_sharp_and_soft_heads_and_global_tokens():
+    w = workload.video_qkv((4, 8, 12), 4, 64, dtype=torch.float32, seed=1)
+    p = attention(w)[0]  # [H, N, N]
+    n = p.shape[-1]
+    coords = torch.stack(torch.meshgrid(*(torch.arange(s) for s in w.shape), indexing="ij")).reshape(3, -1).T
+    distance = (coords[:, None, :] - coords[None, :, :]).abs().max(-1).values
+    near = (distance <= 2).double()
+    local_mass = (p * near).sum(-1).mean(-1)  # per head
+    uniform = near.sum(-1).mean() / n
+    assert (local_mass > 2 * uniform).all()
+    # sharper heads (larger temperature) concentrate more mass in their top 5% of keys
+    top = p.sort(-1, descending=True).values[..., : n // 20].sum(-1).mean(-1)
+    order = torch.argsort(w.temperature)
+    assert top[order[-1]] > top[order[0]]
+    per_global = p[..., w.global_tokens].mean()
+    assert per_global > 5.0 / n
