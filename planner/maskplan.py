@@ -230,6 +230,22 @@ class MaskPlan:
         """This plan holding another fine mask (e.g. the next diffusion step's), pooled once, for `plan(q, k, v)`."""
         return replace(self, mask=self.pool(mask), _works={})
 
+    def prepared(self, device: Union[str, torch.device]) -> SparseWork:
+        """The kernel's host work for the plan's own mask on `device` (`prepare_sparse` at the plan's blocks and
+        merge), done on the first request and kept: `plan(q, k, v)` reuses it on eager Triton calls, and its
+        `prepare_seconds` / `merge_seconds` say what it cost."""
+        if self.mask is None:
+            raise ValueError("this plan holds no mask to prepare: use plan.with_mask(mask) first.")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        work = self._works.get(device)
+        if work is None:
+            work = prepare_sparse(self.mask, self.q_block, self.kv_block, self.seq_len, merge=self.kernel_merge,
+                                  device=device)
+            self._works[device] = work
+        return work
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[MaskLike] = None, *,
                  scale: Optional[float] = None, return_lse: bool = False, schedule: Optional[str] = None):
         """`sparse_attention` of `[B, N, heads, head_dim]` q, k, v under `mask` (at the plan's fine blocks,
@@ -247,12 +263,8 @@ class MaskPlan:
         else:
             pooled = self.mask
             if isinstance(q, torch.Tensor) and use_triton(q) and runs_eagerly(q, k, v):
-                work = self._works.get(q.device)
-                if work is None:
-                    work = prepare_sparse(pooled, self.q_block, self.kv_block, self.seq_len, merge=self.kernel_merge,
-                                          device=q.device)
-                    self._works[q.device] = work
-                return sparse_attention(q, k, v, work, scale=scale, return_lse=return_lse, schedule=schedule)
+                return sparse_attention(q, k, v, self.prepared(q.device), scale=scale, return_lse=return_lse,
+                                        schedule=schedule)
         return sparse_attention(q, k, v, pooled.to(q.device), self.q_block, self.kv_block, merge=self.kernel_merge,
                                 scale=scale, return_lse=return_lse, schedule=schedule)
 

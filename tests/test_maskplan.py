@@ -143,6 +143,8 @@ def test_the_plan_runs_the_pooled_mask_like_the_reference(q_block, kv_block, mer
     expected = sparse_reference(q.double(), k.double(), v.double(), pooled, q_block, kv_block)
     out = plan(q, k, v)
     assert (out.double() - expected).norm() / expected.norm() < 5e-3
+    work = plan.prepared("cpu")  # the host work of the plan's own mask is prepared once and kept
+    assert plan.prepared(torch.device("cpu")) is work and (work.q_block, work.kv_block) == (q_block, kv_block)
 
     # A plan read back from JSON runs the next mask it is given, pooled the same way.
     other = natsim.masks.topp(q, k, 16, 16, 0.3)
