@@ -135,3 +135,14 @@ def test_masks_benchmark_small_run_gives_sane_numbers(monkeypatch, reference_pat
     assert layout["sdpa_error"] < 1e-5  # SDPA (math, fp32) against the exact fp32 attention
     out = capsys.readouterr().out
     assert "kernel x" in out and "e2e x" in out
+
+
+def test_video_model_benchmark_small_run(reference_path, tmp_path):
+    record = load("video_model").main(["--small", "--no-cache", "--steps", "3", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "video_model_small.json").read_text()) == json.loads(json.dumps(record))
+    assert {"device", "torch", "triton", "date"} <= set(record)
+    assert len(record["dense_step_s"]) == len(record["masked_step_s"]) == 3
+    assert record["dense_calls"] == 0 and record["predictions_per_layer"] == 3  # no cache: a mask every step
+    assert sum(record["plans"].values()) == record["model"]["layers"]  # one plan per layer
+    assert math.isfinite(record["final_latent_rel_diff"]) and record["final_latent_rel_diff"] < 0.5
+    assert record["first_masked_step"] == 0 and record["first_masked_prediction_rel_diff"] < 0.5
