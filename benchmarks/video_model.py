@@ -1,7 +1,7 @@
 """A Wan 2.1 1.3B-sized video transformer with random weights over 10 denoising steps: SDPA against predicted
 masks (issue 10, end to end), one run, one JSON:
 
-    python benchmarks/video_model.py --out benchmarks/results [--steps 10] [--layers 30] [--predictor topp --p 0.9]
+    python benchmarks/video_model.py --out benchmarks/results [--steps 10] [--layers 30] [--predictor topp --p 0.8]
     python benchmarks/video_model.py --small --no-cache        # CPU, seconds
 
 The model is built here, not loaded (no weights are downloaded, and diffusers need not be installed): Wan 2.1's
@@ -13,7 +13,7 @@ Its self-attention modules have the attributes diffusers' attention processors u
 `norm_q`, `norm_k`, `to_out`, `heads`, `set_processor`), so the processors of examples/diffusers_processor.py
 run on it unchanged:
 - dense: the model's own processor, `scaled_dot_product_attention` (the cuDNN backend on the GPU);
-- masked: `MaskedWanAttnProcessor`: the predictor (natsim.masks; default topp p=0.9 at 16-token blocks of
+- masked: `MaskedWanAttnProcessor`: the predictor (natsim.masks; default topp p=0.8 at 16-token blocks of
   Hilbert-ordered tokens) per layer, `natsim.masks.MaskCache(steps)` (dense warm-up steps, mask reuse, the
   budget per step; `--no-cache` predicts at every step instead), one `best_mask` plan per layer.
 The denoising loop is a plain Euler flow-matching loop over `steps` timesteps from the same noise and text.
@@ -237,7 +237,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=None, help="blocks (default 30; --small 2)")
     parser.add_argument("--predictor", default="topp", help="topp (knob --p), sparge (--cdf) or hierarchical (the cache's budget)")
-    parser.add_argument("--p", type=float, default=0.9)
+    parser.add_argument("--p", type=float, default=0.8)
     parser.add_argument("--cdf", type=float, default=0.9)
     parser.add_argument("--block", type=int, default=16, help="tokens per mask block of the predictor")
     parser.add_argument("--no-cache", action="store_true", help="predict at every step, no dense steps (no MaskCache)")

@@ -102,6 +102,7 @@ def register(app: typer.Typer) -> None:
             help="GPU whose coefficients predict the times: a GPU listed below (h100), which need not be present, or a torch device (default: the current CUDA device, if any).",
         ),
         coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
+        limit: int = typer.Option(16, "--limit", help="Rows in the table (0 for all); --json is never cut."),
         as_json: bool = typer.Option(False, "--json", help="Print the mask plan as one JSON document instead of a table."),
     ) -> None:
         """Score a saved block mask at every granularity and merge; show the table, fastest first.
@@ -130,7 +131,9 @@ def register(app: typer.Typer) -> None:
                  else "no cost model: ranked by token pairs computed, no time predicted")
         title = (f"{file.name}: N={plan.seq_len:,}, mask {plan.fine_q_block}x{plan.fine_kv_block} blocks, "
                  f"{plan.batch}x{plan.heads} heads, head_dim {plan.head_dim}, {plan.dtype}; {basis}; best score first")
-        out.print(plan.candidates_table(title))
+        out.print(plan.candidates_table(title, limit=limit))
+        if 0 < limit < len(plan.candidates):
+            out.print(f"[dim]{len(plan.candidates) - limit} more rows: raise --limit or use --json.[/dim]")
         out.print(
             f"chosen: {plan.q_block}x{plan.kv_block}, merge {plan.merge}, {plan.predicted_speedup:.2f}x over dense "
             + (f"({plan.score * 1e3:.4g} ms vs {plan.dense_score * 1e3:.4g} ms)" if plan.calibrated else "(tile work)")

@@ -270,15 +270,17 @@ class MaskPlan:
 
     # -- reporting and storage ----------------------------------------------------------------------------
 
-    def candidates_table(self, title: Optional[str] = None) -> Table:
-        """Every candidate, best score first: blocks, merge, density, computed work, tiles, predicted time (or
-        tile work) and speedup over dense; the chosen one marked."""
+    def candidates_table(self, title: Optional[str] = None, limit: int = 0) -> Table:
+        """The candidates, best score first (the first `limit`, all for 0; the chosen one always): blocks,
+        merge, density, computed work, tiles, predicted time (or tile work) and speedup over dense."""
         table = Table(title=title, title_justify="left")
         for name in ("Q x KV block", "merge", "density", "work", "tiles", "predicted ms" if self.calibrated
                      else "tile work", "speedup", "merge ms", ""):
             table.add_column(name, justify="right")
-        for c in self.candidates:
+        for i, c in enumerate(self.candidates):
             chosen = (c.q_block, c.kv_block, c.merge) == (self.q_block, self.kv_block, self.merge)
+            if 0 < limit <= i and not chosen:
+                continue
             table.add_row(
                 f"{c.q_block}x{c.kv_block}", c.merge, f"{c.density:.1%}", f"{c.work:.1%}", f"{c.tiles:,}",
                 f"{c.score * 1e3:.4g}" if self.calibrated else f"{c.score:.4g}",
@@ -518,7 +520,7 @@ def best_mask(
 
     if "xor" in merges:
         natsim_merge(np.eye(2, dtype=bool), 2, "xor")  # compile natsim.merge first, so merge_s times the merge only
-    scored, rows, pooled = [], {}, {}
+    scored, rows = [], {}
     for qb in q_options:
         for kb in kv_options:
             coarse = or_pool(dense, qb // q_block, kb // kv_block)
@@ -528,7 +530,6 @@ def best_mask(
                 candidate, row = _candidate(coarse, qb, kb, merge, seq_len, batch, heads, head_dim, model)
                 scored.append(candidate)
                 rows[(qb, kb, merge)] = row
-                pooled[(qb, kb)] = coarse
     if not scored:
         raise ValueError(f"no candidate to score: merges={merges!r} need query blocks under {DENSE_BLOCK}.")
     scored.sort(key=lambda c: (c.score, _preference(c)))
@@ -546,5 +547,5 @@ def best_mask(
         kv_block=winner.kv_block, merge=winner.merge, batch=batch, heads=heads, head_dim=head_dim,
         dtype=dtype_name(dtype), gpu=gpu, basis=BASIS_COST_MODEL if model is not None else BASIS_TILES,
         score=winner.score, dense_score=dense_candidate.score, breakdown=breakdown, candidates=tuple(scored),
-        mask=pooled[(winner.q_block, winner.kv_block)] if keep_mask else None,
+        mask=or_pool(dense, winner.q_block // q_block, winner.kv_block // kv_block) if keep_mask else None,
     )
