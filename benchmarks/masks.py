@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import statistics
 import sys
 import time
@@ -51,7 +50,7 @@ from workload import HEADS, LAYOUTS, video_qkv  # noqa: E402
 import natsim  # noqa: E402
 import natsim.masks  # noqa: E402
 from natsim.planner import best_mask  # noqa: E402
-from natsim.planner.maskplan import or_pool, token_density  # noqa: E402
+from natsim.planner.maskplan import token_density  # noqa: E402
 
 PREDICTORS = ("topp", "sparge", "hierarchical", "gna_topp")
 NEEDS = {"topp": "topp", "sparge": "sparge", "hierarchical": "hierarchical", "gna_topp": "topp"}
@@ -86,6 +85,8 @@ def exact_attention(q, k, v, fine: int, chunk: int = 2048):
     mass = torch.zeros((heads, nq, nkv), dtype=torch.float32, device=q.device)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     scale = dim**-0.5
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # bf16 inputs are exact in TF32; accumulation stays fp32
     with torch.no_grad():
         for h in range(heads):
             kt = k[0, :, h].float().T
@@ -99,6 +100,7 @@ def exact_attention(q, k, v, fine: int, chunk: int = 2048):
                 row_pad = -p.shape[0] % fine
                 per_block = F.pad(per_block, (0, 0, 0, row_pad)).view(-1, fine, nkv).sum(1)
                 mass[h, first // fine: first // fine + per_block.shape[0]] = per_block
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     return mass, out
 
 
@@ -303,17 +305,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
             raise SystemExit("benchmarks/masks.py needs a CUDA GPU; use --small for the CPU run.")
         layouts, device, dtype = [s.strip() for s in args.layouts.split(",")], torch.device("cuda"), torch.bfloat16
         densities = [0.1, 0.2, 0.3]
-        torch.backends.cuda.matmul.allow_tf32 = True  # exact attention: bf16 inputs are exact in TF32
     if args.densities:
         densities = [float(d) for d in args.densities.split(",")]
     plan_device = args.plan_device or (None if device.type == "cuda" else "h100")
-    results = []
-    for layout in layouts:
-        if layout not in LAYOUTS:
-            raise SystemExit(f"--layouts must name layouts of {sorted(LAYOUTS)}, got {layout!r}.")
-        heads = args.heads if args.heads is not None else HEADS[layout]
-        print(f"{layout}: {LAYOUTS[layout]} x {heads} heads", flush=True)
-        results.append(run_layout(layout, heads, densities, predictors, device, dtype, plan_device, args.seed))
     import triton
 
     record = {
@@ -321,14 +315,21 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "natsim": getattr(natsim, "__version__", None),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv), "densities": densities, "predictors": predictors, "layouts": results,
+        "command": " ".join(sys.argv), "densities": densities, "predictors": predictors, "layouts": [],
     }
-    print(table(results))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / ("masks_small.json" if args.small else "masks.json")
-        path.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {path}")
+    for layout in layouts:
+        if layout not in LAYOUTS:
+            raise SystemExit(f"--layouts must name layouts of {sorted(LAYOUTS)}, got {layout!r}.")
+        heads = args.heads if args.heads is not None else HEADS[layout]
+        print(f"{layout}: {LAYOUTS[layout]} x {heads} heads", flush=True)
+        record["layouts"].append(run_layout(layout, heads, densities, predictors, device, dtype, plan_device,
+                                            args.seed))
+        if args.out is not None:  # after every layout, so that a run cut short keeps what it measured
+            args.out.mkdir(parents=True, exist_ok=True)
+            path = args.out / ("masks_small.json" if args.small else "masks.json")
+            path.write_text(json.dumps(record, indent=2) + "\n")
+            print(f"wrote {path}", flush=True)
+    print(table(record["layouts"]))
     return record
 
 

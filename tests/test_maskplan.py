@@ -246,3 +246,18 @@ def test_cli_bad_files_are_one_red_line_and_exit_2(tmp_path, content, name, mess
     assert "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
     assert message in " ".join(result.stderr.split())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["none", "consecutive", "xor"])
+def test_gpu_plans_run_the_pooled_mask_like_the_reference(merge):
+    torch.manual_seed(0)
+    n, heads = 3000, 4
+    q, k, v = (torch.randn(1, n, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fine = natsim.masks.topp(q, k, 16, 16, 0.7)
+    assert best_mask(fine, 16, 16, n, device="h100").calibrated
+    for q_block, kv_block in ((16, 16), (32, 128), (64, 32)):
+        plan = best_mask(fine, 16, 16, n, q_blocks=[q_block], kv_blocks=[kv_block], merges=[merge])
+        expected = sparse_reference(q, k, v, plan.mask, q_block, kv_block)
+        for out in (plan(q, k, v), plan(q, k, v, mask=fine)):
+            assert ((out.float() - expected.float()).norm() / expected.float().norm()).item() < 1e-2
