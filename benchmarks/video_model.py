@@ -133,10 +133,10 @@ class Block(nn.Module):
     def forward(self, x, text, temb, rotary_emb):
         shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + temb).chunk(6, dim=1)
         h = (self.norm1(x.float()) * (1 + scale) + shift).type_as(x)
-        x = x + self.attn1(h, rotary_emb) * gate
+        x = x + (self.attn1(h, rotary_emb) * gate).type_as(x)
         x = x + self.attn2(self.norm2(x), text)
         h = (self.norm3(x.float()) * (1 + c_scale) + c_shift).type_as(x)
-        return x + self.ffn(h) * c_gate
+        return x + (self.ffn(h) * c_gate).type_as(x)
 
 
 class VideoDiT(nn.Module):

@@ -132,8 +132,9 @@ def register(app: typer.Typer) -> None:
         title = (f"{file.name}: N={plan.seq_len:,}, mask {plan.fine_q_block}x{plan.fine_kv_block} blocks, "
                  f"{plan.batch}x{plan.heads} heads, head_dim {plan.head_dim}, {plan.dtype}; {basis}; best score first")
         out.print(plan.candidates_table(title, limit=limit))
-        if 0 < limit < len(plan.candidates):
-            out.print(f"[dim]{len(plan.candidates) - limit} more rows: raise --limit or use --json.[/dim]")
+        hidden = sum(1 for i, c in enumerate(plan.candidates) if 0 < limit <= i and c != plan.chosen)
+        if hidden:
+            out.print(f"[dim]{hidden} more rows: raise --limit or use --json.[/dim]")
         out.print(
             f"chosen: {plan.q_block}x{plan.kv_block}, merge {plan.merge}, {plan.predicted_speedup:.2f}x over dense "
             + (f"({plan.score * 1e3:.4g} ms vs {plan.dense_score * 1e3:.4g} ms)" if plan.calibrated else "(tile work)")
