@@ -303,12 +303,14 @@ def sim_command(
         out.print(figures_table(result))
 
 
-# `natsim plan` and `natsim calibrate` live beside this file; they use the helpers above.
+# `natsim plan`, `natsim calibrate` and `natsim mask` live beside this file; they use the helpers above.
 from .calibrate import register as register_calibrate  # noqa: E402
+from .mask import register as register_mask  # noqa: E402
 from .plan import register as register_plan  # noqa: E402
 
 register_plan(app)
 register_calibrate(app)
+register_mask(app)
 
 if __name__ == "__main__":
     app()

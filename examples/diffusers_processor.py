@@ -1,16 +1,27 @@
-"""Run every self-attention of a diffusers video transformer through a natsim Plan.
+"""Run every self-attention of a diffusers video transformer through natsim: a GNA Plan, or a content-adaptive
+mask predicted per layer and step.
 
     pip install diffusers
     python examples/diffusers_processor.py
 
-`GNAWanAttnProcessor` is a drop-in attention processor for the self-attention (`attn1`) of diffusers'
-`WanTransformer3DModel`: it does what the model's own processor does (projections, RMS norms, rotary
-embedding, output projection) but computes attention with `plan(q, k, v)`. Video tokens in Wan are the
-patches of the latent in row-major (frames, height, width) order, which is natsim's token layout.
+Both processors are drop-in attention processors for the self-attention (`attn1`) of diffusers'
+`WanTransformer3DModel`, with diffusers' call convention `processor(attn, hidden_states,
+encoder_hidden_states=None, attention_mask=None, rotary_emb=None)`: they do what the model's own processor
+does (projections, RMS norms, rotary embedding, output projection) and compute the attention differently.
+Video tokens in Wan are the patches of the latent in row-major (frames, height, width) order, which is
+natsim's token layout.
+
+- `GNAWanAttnProcessor`: attention with `plan(q, k, v)`, a GNA plan from `natsim.planner.best`.
+- `MaskedWanAttnProcessor`: per layer and diffusion step, a mask predictor (e.g. natsim.masks.topp on
+  Hilbert-ordered tokens) gives a block mask; `natsim.masks.MaskCache` decides when to predict again and
+  keeps the first steps dense (its `dense_fraction`); the layer's first mask is planned with
+  `natsim.planner.best_mask` (granularity and merge), and every later mask of that layer runs with that plan.
+  A `StepClock` shared by the processors tells them the step (the denoising loop sets it).
 
 The demo builds a tiny Wan transformer from its config with random weights (nothing is downloaded),
 checks that with a window covering the whole layout the GNA processor reproduces the model's own dense
-attention, then runs it with a sparse plan. It needs diffusers and says so when it is missing.
+attention, then runs it with a sparse plan, and with masks predicted by topp. It needs diffusers and says so
+when it is missing.
 """
 
 from __future__ import annotations
@@ -18,10 +29,13 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import time
+from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
-from natsim.planner import Plan, best
+from natsim.planner import MaskPlan, Plan, best, best_mask
 
 
 class GNAWanAttnProcessor:
@@ -71,6 +85,132 @@ def use_gna(model, plan: Plan) -> list[GNAWanAttnProcessor]:
     processors = []
     for block in model.blocks:
         processor = GNAWanAttnProcessor(plan)
+        block.attn1.set_processor(processor)
+        processors.append(processor)
+    return processors
+
+
+class StepClock:
+    """The diffusion step the mask processors of one model read: the denoising loop sets `clock.step = i`
+    before each forward pass (classifier-free guidance passes of one step share it)."""
+
+    def __init__(self, step: int = 0):
+        self.step = step
+
+
+Predictor = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def mask_cache(num_steps: int, **options):
+    """`natsim.masks.MaskCache(num_steps, **options)`, with a sentence when this natsim does not have it yet."""
+    import natsim.masks
+
+    cache_class = getattr(natsim.masks, "MaskCache", None)
+    if cache_class is None:
+        raise RuntimeError(
+            "natsim.masks.MaskCache is not in this natsim (it comes with the mask predictors of issue 10); pass "
+            "cache=None to MaskedWanAttnProcessor to predict a mask at every step instead."
+        )
+    return cache_class(num_steps, **options)
+
+
+class MaskedWanAttnProcessor:
+    """Wan self-attention under a predicted block mask: the model's projections, norms and rotary embedding,
+    then, per call (one layer, one step):
+
+    1. tokens into `order` (default: `natsim.masks.hilbert_order(shape)`, so that a block of tokens is compact
+       in the video; None keeps row-major order);
+    2. the mask: `cache.mask(key, clock.step, lambda budget: predictor(q, k, budget))` with a MaskCache (None
+       means a dense step: `scaled_dot_product_attention`, as the model itself computes it), or without a
+       cache `predictor(q, k, budget)` at every step. `predictor` returns a bool `[B|1, heads|1, ceil(N /
+       block), ceil(N / block)]` mask of the ordered tokens;
+    3. the layer's first mask is planned (`best_mask(mask, block, block, N, ..., **plan_options)`, on
+       `plan_device`'s cost model) and every mask of the layer runs with that plan (pooled to its blocks, its
+       host work prepared once per new mask);
+    4. tokens back to row-major order and the output projection.
+
+    q, k, v go to the kernel in `dtype` (default: the model's when it is fp16 or bf16, else fp16); counts of
+    the calls, the dense steps and the predictions, and the planning time, are kept for reports.
+    """
+
+    def __init__(self, shape, predictor: Predictor, *, key=0, clock: Optional[StepClock] = None, cache=None,
+                 budget: float = 0.3, block: int = 16, order="hilbert", dtype: Optional[torch.dtype] = None,
+                 plan_device=None, plan_options: Optional[dict] = None):
+        import natsim.masks
+
+        self.shape = tuple(int(s) for s in shape)
+        self.predictor, self.key, self.cache, self.budget, self.block = predictor, key, cache, budget, block
+        self.clock = clock if clock is not None else StepClock()
+        self.order = natsim.masks.hilbert_order(self.shape) if isinstance(order, str) and order == "hilbert" else order
+        self.dtype, self.plan_device, self.plan_options = dtype, plan_device, dict(plan_options or {})
+        self.plan: Optional[MaskPlan] = None
+        self.plan_seconds = 0.0
+        self._running: Optional[MaskPlan] = None  # the plan holding the mask in use
+        self._mask: Optional[torch.Tensor] = None
+        self.calls = self.dense_calls = self.predictions = 0
+
+    def _predict(self, q: torch.Tensor, k: torch.Tensor, budget: float) -> torch.Tensor:
+        self.predictions += 1
+        return self.predictor(q, k, budget)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Attention of ordered `[B, N, heads, head_dim]` tensors in the model's dtype: dense steps as the model
+        computes them, sparse ones in the kernel's dtype."""
+        dtype = self.dtype or (query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.float16)
+        q, k = query.to(dtype), key.to(dtype)
+        if self.cache is None:
+            mask = self._predict(q, k, self.budget)
+        else:
+            mask = self.cache.mask(self.key, self.clock.step, lambda budget: self._predict(q, k, budget))
+        if mask is None:  # a dense step
+            self.dense_calls += 1
+            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
+            return out.transpose(1, 2)
+        if self.plan is None:
+            start = time.perf_counter()
+            kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16  # recorded only
+            self.plan = best_mask(mask, self.block, self.block, q.shape[1], heads=q.shape[2], batch=q.shape[0],
+                                  head_dim=q.shape[3], dtype=kernel_dtype, device=self.plan_device,
+                                  keep_mask=False, **self.plan_options)
+            self.plan_seconds = time.perf_counter() - start
+        if mask is not self._mask:  # a new mask: pool it once, its host work is prepared on first use
+            self._running, self._mask = self.plan.with_mask(mask), mask
+        return self._running(q, k, value.to(dtype))
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("MaskedWanAttnProcessor serves self-attention only (no encoder states, no mask).")
+        batch, tokens, _ = hidden_states.shape
+        if tokens != math.prod(self.shape):
+            raise ValueError(
+                f"the processor is for a layout of {math.prod(self.shape)} tokens {self.shape}, got {tokens} "
+                "tokens; make one per latent size."
+            )
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
+        if self.order is not None:
+            import natsim.masks
+
+            query, key, value = (natsim.masks.to_order(t, self.order) for t in (query, key, value))
+        out = self._attend(query, key, value)
+        if self.order is not None:
+            out = natsim.masks.from_order(out, self.order)
+        self.calls += 1
+        out = out.reshape(batch, tokens, -1).type_as(hidden_states)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def use_masks(model, shape, predictor: Predictor, *, cache=None, clock: Optional[StepClock] = None,
+              **options) -> list[MaskedWanAttnProcessor]:
+    """Give every block's self-attention of a Wan transformer a MaskedWanAttnProcessor (key = the block's index),
+    all sharing `cache` and `clock`; `options` go to each processor."""
+    clock = clock if clock is not None else StepClock()
+    processors = []
+    for index, block in enumerate(model.blocks):
+        processor = MaskedWanAttnProcessor(shape, predictor, key=index, clock=clock, cache=cache, **options)
         block.attn1.set_processor(processor)
         processors.append(processor)
     return processors
@@ -138,6 +278,19 @@ def main() -> int:
     print(
         f"GNA window {plan.problem.window}, stride {plan.problem.stride} (sparsity {plan.sparsity:.2f}): "
         f"output differs from dense attention by {float((sparse - own).norm() / own.norm()):.2e} (random weights)"
+    )
+
+    import natsim.masks
+
+    model = tiny_wan()
+    topp = lambda q, k, budget: natsim.masks.topp(q, k, 16, 16, 0.9)  # noqa: E731 (p fixed; budget unused)
+    processors = use_masks(model, layout, topp, dtype=dtype)
+    with torch.no_grad():
+        masked = model(**inputs)[0]
+    print(
+        f"topp masks (p 0.9, Hilbert order), planned at {processors[0].plan.q_block}x{processors[0].plan.kv_block} "
+        f"merge {processors[0].plan.merge}: output differs from dense attention by "
+        f"{float((masked - own).norm() / own.norm()):.2e}"
     )
     return 0
 
