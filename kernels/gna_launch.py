@@ -15,6 +15,9 @@ Two data paths (kernels/gna.py, `LAYOUT`):
   unpermute o and the LSE: dilation groups, GPUs before Hopper, unaligned tensors.
 Dense attention (window = shape, non-causal, default tiles) runs as 1-D attention over the flattened layout:
 every query attends every key either way, and only the last tile holds padding instead of every dimension's.
+Two kernels share the arguments and both paths: static KV tiling (kernels/gna.py) and dynamic KV tiling
+(kernels/gna_dynamic.py); `kv_tiling=None` lets `choose_tiles` (kernels/tiles.py) pick the mode with the tiles,
+between both on the layout path and static on the permuted one, whose gathers are not calibrated.
 """
 
 from __future__ import annotations

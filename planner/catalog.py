@@ -63,7 +63,9 @@ def check_head_dim(head_dim: object) -> int:
     return head_dim
 
 
-def tile_catalog(shape: Sequence[int], head_dim: int = 128, kv_tilings: Sequence[str] = ("static",)) -> list[TileConfig]:
+def tile_catalog(
+    shape: Sequence[int], head_dim: int = 128, kv_tilings: Sequence[str] = ("static",)
+) -> list[TileConfig]:
     """The multi-D tile configurations the planner scores for a token layout `shape` and `head_dim`, each
     tile pair in every KV tiling mode of `kv_tilings` ("static", "dynamic")."""
     head_dim = check_head_dim(head_dim)
