@@ -2,6 +2,7 @@
 
     python benchmarks/gna.py --out benchmarks/results            # the benchmark table
     python benchmarks/gna.py --out DIR --tune                    # launch-configuration sweep of our kernel
+    python benchmarks/gna.py --out DIR --kv-tiling               # static against dynamic KV tiling (issue 12)
 
 Every case runs on permuted tokens (the permutation is timed separately, beside a plain copy of the same
 bytes). FlexAttention gets the identical mask and tile layout: its BlockMask is built from
@@ -208,6 +209,80 @@ def tune(out_dir: Path) -> None:
     (out_dir / name).write_text(json.dumps(record, indent=1))
 
 
+# Issue 12's rows: name, shape, heads, window, stride, NATTEN's documented H100 figure in ms (docs/performance.md,
+# NATTEN's hopper-fna docs; None where NATTEN documents none for the configuration).
+KV_TILING_CASES = [
+    ("HunyuanVideo", (30, 48, 80), 24, (18, 24, 24), (1, 1, 1), 79.0),
+    ("HunyuanVideo", (30, 48, 80), 24, (18, 24, 24), (1, 8, 8), None),
+    ("FLUX 4K", (256, 256), 24, (80, 80), (1, 1), None),
+    ("Cosmos", (16, 44, 80), 32, (16, 24, 16), (1, 1, 1), None),
+]
+MODES = ("static", "dynamic")
+
+
+def kv_tiling_rows() -> list[dict]:
+    """Both KV tiling modes end to end through `gna_attention`, each at its best tiles by predicted work and at
+    the other mode's, beside SDPA cuDNN dense, the simulator's tile speedup and natsim's choice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from natsim.kernels import gna_attention
+    from natsim.kernels.tiles import choose_tiles
+    from timing import bench as bench_long, rel
+
+    rows = []
+    for name, shape, heads, window, stride, natten_ms in KV_TILING_CASES:
+        problem = natsim.Problem(shape, window, stride)
+        q, k, v = qkv(shape, heads)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            dense = [t.reshape(1, -1, heads, HEAD_DIM).transpose(1, 2) for t in (q, k, v)]
+            cudnn_ms = bench_long(lambda: torch.nn.functional.scaled_dot_product_attention(*dense))
+        best = {mode: choose_tiles(problem, HEAD_DIM, (mode,))[:2] for mode in MODES}
+        chosen = choose_tiles(problem, HEAD_DIM, MODES)
+        reference = None
+        case_rows = []
+        for tiles in dict.fromkeys(best.values()):
+            for mode in MODES:
+                call = lambda: gna_attention(q, k, v, window, stride, q_tile=tiles[0], kv_tile=tiles[1],  # noqa: E731
+                                             kv_tiling=mode)
+                out = call()
+                reference = out if reference is None else reference
+                sim = natsim.simulate(problem, natsim.TileConfig(*tiles, kv_tiling=mode))
+                ms = bench_long(call)
+                row = {"case": name, "shape": list(shape), "heads": heads, "window": list(window),
+                       "stride": list(stride), "q_tile": list(tiles[0]), "kv_tile": list(tiles[1]), "kv_tiling": mode,
+                       "best_tiles_of_mode": tiles == best[mode], "ms": ms, "sdpa_cudnn_ms": cudnn_ms,
+                       "natten_documented_ms": natten_ms, "tile_speedup": sim.tile_speedup,
+                       "visited_tiles": sim.visited_tiles, "full_tiles": sim.full_tiles,
+                       "realised_speedup": cudnn_ms / ms, "rel_diff_vs_first_row": rel(out, reference),
+                       "natsim_choice": {"q_tile": list(chosen[0]), "kv_tile": list(chosen[1]), "kv_tiling": chosen[2]}}
+                row["realised_over_simulated"] = row["realised_speedup"] / sim.tile_speedup
+                print(json.dumps(row), flush=True)
+                case_rows.append(row)
+        fastest = min(case_rows, key=lambda r: r["ms"])
+        for row in case_rows:
+            row["natsim_choice_ms"] = next(r["ms"] for r in case_rows if (r["q_tile"], r["kv_tile"], r["kv_tiling"])
+                                           == (list(chosen[0]), list(chosen[1]), chosen[2]))
+            row["fastest_measured_ms"] = fastest["ms"]
+        rows.extend(case_rows)
+    return rows
+
+
+def kv_tiling_table(rows) -> str:
+    head = ("| case | stride | tiles (Q / KV) | mode | ms | cuDNN dense ms | NATTEN documented ms | realised speedup | "
+            "simulated tile speedup | realised / simulated | natsim's choice (ms) | fastest measured ms |")
+    lines = [head, "|" + "---|" * 12]
+    dims = lambda v: "x".join(map(str, v))  # noqa: E731
+    for r in rows:
+        choice = r["natsim_choice"]
+        natten = "-" if r["natten_documented_ms"] is None else f"{r['natten_documented_ms']:.1f}"
+        lines.append(f"| {r['case']} {dims(r['shape'])} w{dims(r['window'])} | {dims(r['stride'])} | "
+                     f"{dims(r['q_tile'])} / {dims(r['kv_tile'])} | {r['kv_tiling']} | {r['ms']:.2f} | "
+                     f"{r['sdpa_cudnn_ms']:.1f} | {natten} | {r['realised_speedup']:.2f}x | {r['tile_speedup']:.2f}x | "
+                     f"{r['realised_over_simulated']:.2f} | {dims(choice['q_tile'])} / {dims(choice['kv_tile'])} "
+                     f"{choice['kv_tiling']} ({r['natsim_choice_ms']:.2f}) | {r['fastest_measured_ms']:.2f} |")
+    return "\n".join(lines)
+
+
 def environment() -> dict:
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.date.today().isoformat()}
@@ -234,10 +309,17 @@ def main(argv=None) -> None:
     parser.add_argument("--tune", action="store_true", help="sweep launch configurations instead")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
     parser.add_argument("--families", default="hunyuan,flux,1d")
+    parser.add_argument("--kv-tiling", action="store_true", help="static against dynamic KV tiling instead")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tune:
         tune(args.out)
+        return
+    if args.kv_tiling:
+        record = {**environment(), "rows": kv_tiling_rows()}
+        name = f"gna-kv-tiling-{record['device'].replace(' ', '_')}-{record['date']}.json"
+        (args.out / name).write_text(json.dumps(record, indent=1))
+        print(kv_tiling_table(record["rows"]))
         return
     rows = []
     for family, shape, window, strides, tile in FAMILIES:

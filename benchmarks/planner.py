@@ -77,6 +77,7 @@ def measure(shape, sparsity) -> dict:
         "stride": list(plan.problem.stride),
         "q_tile": list(plan.tiles.q_tile),
         "kv_tile": list(plan.tiles.kv_tile),
+        "kv_tiling": plan.tiles.kv_tiling,
         "sparsity": plan.sparsity,
         "tile_speedup": plan.tile_speedup,
         "block_sparse": plan.simulation.block_sparse,
@@ -93,12 +94,14 @@ def measure_gpu(shape, sparsity) -> dict:
     """
     plan = best(shape, sparsity, heads=GPU_HEADS, head_dim=GPU_HEAD_DIM, dtype=torch.bfloat16)
     device = torch.device("cuda", torch.cuda.current_device())
-    pick = (plan.problem.window, plan.problem.stride, plan.tiles.q_tile, plan.tiles.kv_tile)
+    pick = (plan.problem.window, plan.problem.stride, plan.tiles.q_tile, plan.tiles.kv_tile, plan.tiles.kv_tiling)
     timed = list(plan.search.top)
-    if all((c.window, c.stride, c.q_tile, c.kv_tile) != pick for c in timed):
-        timed.append(Candidate(*pick, plan.score, plan.sparsity, plan.tile_speedup, plan.simulation.block_sparse))
+    if all((c.window, c.stride, c.q_tile, c.kv_tile, c.kv_tiling) != pick for c in timed):
+        timed.append(Candidate(*pick[:4], plan.score, plan.sparsity, plan.tile_speedup, plan.simulation.block_sparse,
+                               pick[4]))
     cases = [
-        Case(natsim.Problem(shape, c.window, c.stride), natsim.TileConfig(c.q_tile, c.kv_tile), GPU_HEADS, GPU_HEAD_DIM)
+        Case(natsim.Problem(shape, c.window, c.stride), natsim.TileConfig(c.q_tile, c.kv_tile, kv_tiling=c.kv_tiling),
+             GPU_HEADS, GPU_HEAD_DIM)
         for c in timed
     ]
     rounds: list[list[float]] = [[] for _ in cases]
@@ -109,7 +112,8 @@ def measure_gpu(shape, sparsity) -> dict:
     candidates = [
         {**c.to_dict(), "measured_s": statistics.median(times), "rounds_s": times} for c, times in zip(timed, rounds)
     ]
-    chosen = next(c for c, t in zip(candidates, timed) if (t.window, t.stride, t.q_tile, t.kv_tile) == pick)
+    chosen = next(c for c, t in zip(candidates, timed)
+                  if (t.window, t.stride, t.q_tile, t.kv_tile, t.kv_tiling) == pick)
     fastest = min(c["measured_s"] for c in candidates)
     errors = [abs(c["score"] - c["measured_s"]) / c["measured_s"] for c in candidates] if plan.calibrated else []
     return {

@@ -15,7 +15,8 @@ from .parsing import CliInputError
 
 def _cases_table(calibration) -> Table:
     table = Table(title=f"calibration on {calibration.model.gpu}", title_justify="left")
-    for name in ("shape", "window", "stride", "Q / KV tile", "heads x head_dim", "measured ms", "predicted ms", "error"):
+    for name in ("shape", "window", "stride", "Q / KV tile", "KV tiling", "heads x head_dim", "measured ms",
+                 "predicted ms", "error"):
         table.add_column(name, justify="right")
     predicted = calibration.model.predict(calibration.features)
     rows = zip(calibration.cases, calibration.times, predicted, calibration.errors, calibration.fitted)
@@ -26,6 +27,7 @@ def _cases_table(calibration) -> Table:
             fmt_dims(p.window),
             fmt_dims(p.stride),
             f"{fmt_dims(case.tiles.q_tile)} / {fmt_dims(case.tiles.kv_tile)}",
+            case.tiles.kv_tiling,
             f"{case.heads} x {case.head_dim}",
             f"{measured * 1e3:.3f}",
             f"{guess * 1e3:.3f}",

@@ -84,10 +84,11 @@ def gna_attention_permuted(
 
 
 @functools.lru_cache(maxsize=256)
-def _permuted_call(problem, q_tile, kv_tile, batch, heads, head_dim, scale, return_lse, options, debug=False):
+def _permuted_call(problem, q_tile, kv_tile, batch, heads, head_dim, scale, return_lse, options, debug=False,
+                   kv_tiling="static"):
     return make_call(problem, problem.shape, q_tile, kv_tile, batch=batch, heads=heads, head_dim=head_dim,
                      scale=scale, layout_tensors=None, return_lse=return_lse, debug=debug, options=dict(options),
-                     check_alignment=True)
+                     check_alignment=True, kv_tiling=kv_tiling)
 
 
 def _check_permuted(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -115,12 +116,16 @@ def gna_attention(
     q_tile: Optional[IntOrInts] = None,
     kv_tile: Optional[IntOrInts] = None,
     return_lse: bool = False,
+    kv_tiling: Optional[str] = None,
 ):
     """Generalized Neighborhood Attention, forward, on `[B, *shape, heads, head_dim]` tensors (1 to 3 dims).
 
     Scalars broadcast over dimensions. `q_tile` / `kv_tile` are per-dimension tile shapes; one given alone is
     used for both, and without either natsim picks the tiles with the least predicted work for this problem
     among those the kernel runs well (natsim.kernels.tiles; dense attention runs over the flattened sequence).
+    `kv_tiling` "static" visits the fixed grid of KV tiles a Q tile's keys overlap (kernels/gna.py); "dynamic"
+    tiles exactly the box of keys it needs from the box's corner (kernels/gna_dynamic.py); None (default) lets
+    natsim choose by predicted work where both are costed (the in-place path; static elsewhere).
     Returns the output in q's layout, and with `return_lse` also the natural-log log-sum-exp
     `[B, *shape, heads]` in float32. Inputs that require grad under grad mode are refused on the Triton path
     (no backward kernel yet); inside an autocast region q, k, v are cast to its dtype.
@@ -128,14 +133,15 @@ def gna_attention(
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
     if runs_eagerly(q, k, v):
-        out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
+        out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
+                           kv_tiling)
     else:
         ndim = q.dim() - 3
         out, lse = ops.gna_forward(
             q, k, v, _per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim),
             _per_dim(causal, ndim), None if scale is None else float(scale),
             None if q_tile is None else _per_dim(q_tile, ndim), None if kv_tile is None else _per_dim(kv_tile, ndim),
-            return_lse,
+            return_lse, kv_tiling,
         )
     return (out, lse) if return_lse else out
 
@@ -151,12 +157,18 @@ def gna_tile_counts(
     head_dim: int = 32,
     device: str = "cuda",
     dtype: torch.dtype = torch.float16,
+    kv_tiling: str = "static",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Run the kernel with its debug counters on (random inputs, batch 1, one head).
+    """Run the kernel of `kv_tiling` ("static" or "dynamic") with its debug counters on (random inputs,
+    batch 1, one head, permuted tokens).
 
     Returns `(visited, unmasked)`, one entry per Q tile in permuted order: the KV tiles the kernel visited
-    and the KV tiles it ran without the window mask. Compare with `natsim.simulate(..., per_q_tile=True)`.
+    and the KV tiles it found full (every real query attends every real key; the static kernel runs exactly
+    these without the window mask, the dynamic one all of them but those holding keys past the group's end).
+    Compare with `natsim.simulate(problem, TileConfig(..., kv_tiling=kv_tiling), per_q_tile=True)`.
     """
+    if kv_tiling not in ("static", "dynamic"):
+        raise ValueError(f"kv_tiling must be 'static' or 'dynamic', got kv_tiling={kv_tiling!r}.")
     problem = Problem(shape, window, stride, dilation, causal)
     if q_tile is None and kv_tile is None:
         q_dims, kv_dims = default_tiles(problem, head_dim)
@@ -168,7 +180,8 @@ def gna_tile_counts(
     k = torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype)
     v = torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype)
     check_kernel_inputs(q)
-    call = _permuted_call(problem, q_dims, kv_dims, 1, 1, head_dim, head_dim**-0.5, False, (), debug=True)
+    call = _permuted_call(problem, q_dims, kv_dims, 1, 1, head_dim, head_dim**-0.5, False, (), debug=True,
+                          kv_tiling=kv_tiling)
     _, _, counts = call.run_permuted(q, k, v)
     counts = counts.cpu().numpy().astype(np.int64)
     return counts[:, 0], counts[:, 1]

@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from natsim import Problem, TileConfig
+from natsim.tiles import KV_TILINGS
 
 IntOrInts = Union[int, Sequence[int]]
 BoolOrBools = Union[bool, Sequence[bool]]
@@ -77,6 +78,13 @@ def check_kernel_inputs(q: torch.Tensor) -> None:
     head_dim = q.shape[-1]
     if head_dim not in KERNEL_HEAD_DIMS:
         raise ValueError(f"the GNA kernel supports head_dim in {KERNEL_HEAD_DIMS}, got head_dim={head_dim}.")
+
+
+def check_kv_tiling(kv_tiling: object) -> None:
+    """`kv_tiling` is "static", "dynamic" or None (natsim chooses)."""
+    if kv_tiling is not None and kv_tiling not in KV_TILINGS:
+        raise ValueError(f"kv_tiling must be one of {KV_TILINGS} or None (natsim chooses), "
+                         f"got kv_tiling={kv_tiling!r}.")
 
 
 def kernel_tiles(

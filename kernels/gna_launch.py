@@ -15,6 +15,9 @@ Two data paths (kernels/gna.py, `LAYOUT`):
   unpermute o and the LSE: dilation groups, GPUs before Hopper, unaligned tensors.
 Dense attention (window = shape, non-causal, default tiles) runs as 1-D attention over the flattened layout:
 every query attends every key either way, and only the last tile holds padding instead of every dimension's.
+Two kernels share the arguments and both paths: static KV tiling (kernels/gna.py) and dynamic KV tiling
+(kernels/gna_dynamic.py); `kv_tiling=None` lets `choose_tiles` (kernels/tiles.py) pick the mode with the tiles,
+between both on the layout path and static on the permuted one, whose gathers are not calibrated.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from natsim import Problem
 
 from .backend import interpreting
 from .gna import LOG2E, gna_forward_kernel
+from .gna_dynamic import gna_dynamic_kernel
 from .layout import TileLayout, as_3d
 from .permute import permute, unpermute
 
@@ -47,28 +51,37 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # -- what the kernel needs to know, from plain Python values ---------------------------------------------------
 
 
+KERNELS = {"static": gna_forward_kernel, "dynamic": gna_dynamic_kernel}
+
+
 @functools.lru_cache(maxsize=512)
-def needs_mask(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> bool:
+def needs_mask(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...],
+               kv_tiling: str = "static") -> bool:
     """Whether any KV tile the kernel visits can be partial (window mask) or reach into padding.
 
     The kernel's visited tiles per Q tile are a box, one KV tile range per dimension, and a tile is full when
     it is full along every dimension, so checking every dimension on its own is exact: this mirrors the
-    kernel's `_dim_setup` and its `full` test for each dilation group length and Q tile along the dimension.
-    False for dense attention and block-sparse configurations; the kernel then compiles no mask code.
+    kernel's `_dim_setup` (static) or `_box` (dynamic: tiles start at `start(first)`) and its `full` test for
+    each dilation group length and Q tile along the dimension. False for dense attention and block-sparse
+    configurations; the kernel then compiles no mask code.
     """
     from natsim.window import group_length, window_bounds
 
     for L, w, s, d, c, tq, tk in zip(problem.shape, problem.window, problem.stride, problem.dilation,
                                      problem.causal, q_tile, kv_tile):
         for length in {group_length(L, d, g) for g in range(d)}:
-            if length % tk:
+            if length % tk and kv_tiling == "static":
                 return True  # the last KV tile of the group holds padding keys
             for first in range(0, length, tq):
                 last = min(first + tq, length) - 1
                 start_first, end_first = window_bounds(first, length, w, s, c)
                 start_last, end_last = window_bounds(last, length, w, s, c)
-                for tile in range(int(start_first) // tk, (int(end_last) + tk - 1) // tk):
-                    if not (start_last <= tile * tk and end_first >= tile * tk + tk):
+                if kv_tiling == "dynamic":
+                    origin, count = int(start_first), -(-(int(end_last) - int(start_first)) // tk)
+                else:
+                    origin, count = int(start_first) // tk * tk, -(-int(end_last) // tk) - int(start_first) // tk
+                for key in range(origin, origin + count * tk, tk):
+                    if not (start_last <= key and end_first >= key + tk):
                         return True
     return False
 
@@ -212,7 +225,8 @@ class GnaCall:
     """Everything about a GNA forward call but its tensors: run it with `gna_call(...).run(q, k, v)`.
 
     `problem`, `q_tile`, `kv_tile` are what the kernel runs (a dense problem as 1-D over the flattened layout);
-    `shape` is the caller's layout. `layout` selects the data path (module docstring). `kernel` is the
+    `shape` is the caller's layout; `kv_tiling` which kernel: static (kernels/gna.py) or dynamic
+    (kernels/gna_dynamic.py) KV tiles. `layout` selects the data path (module docstring). `kernel` is the
     pre-bound launch for the tensors the kernel reads: the caller's (layout) or permuted ones.
     """
 
@@ -224,6 +238,7 @@ class GnaCall:
     return_lse: bool
     debug: bool
     kernel: PreboundKernel
+    kv_tiling: str = "static"
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """`(out, lse)` of `[B, *shape, heads, head_dim]` inputs in that layout (`lse` None unless asked)."""
@@ -284,14 +299,19 @@ def make_call(
     debug: bool = False,
     options: Optional[dict] = None,
     check_alignment: bool = False,
+    kv_tiling: str = "static",
 ) -> GnaCall:
     """Work out one call. `layout_tensors` are q, k, v in the kernel's layout for the layout path (their strides
     are bound), or None for the permuted path. `options` override `launch_config`'s (tuning; `MASKED` may only
     be forced on) and may set `HEAD_MAJOR`. `check_alignment`: check the tensors' alignment on every launch
-    (callers that pass their own permuted tensors; `forward` keys on it instead)."""
+    (callers that pass their own permuted tensors; `forward` keys on it instead). `kv_tiling` picks the
+    kernel; the dynamic one gathers box tiles with pointer loads on the permuted path and is never
+    warp-specialized (Triton 3.6 does not specialize its loops: rank-4 descriptors or pointer gathers)."""
+    if kv_tiling not in KERNELS:
+        raise ValueError(f"kv_tiling must be one of {tuple(KERNELS)} here, got kv_tiling={kv_tiling!r}.")
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
-    masked = needs_mask(problem, q_tile, kv_tile)
+    masked = needs_mask(problem, q_tile, kv_tile, kv_tiling)
     layout = layout_tensors is not None
     # The kernel's LAYOUT switch: 0 permuted sequences; 1 the token layout in rank-4 boxes; 2 a 1-D layout in
     # place, through the same rank-2 descriptors as permuted sequences. Triton 3.6 cannot warp-specialize a
@@ -299,7 +319,7 @@ def make_call(
     # single-partition loop.
     mode = 0 if not layout else (2 if problem.ndim == 1 else 1)
     launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim, masked, True,
-                           specialize=not (return_lse or debug) and mode != 1)
+                           specialize=not (return_lse or debug) and mode != 1 and kv_tiling == "static")
     launch.update(options or {})
     if masked and not launch["MASKED"]:
         raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
@@ -336,7 +356,8 @@ def make_call(
     grid = (batch * heads, q_layout.num_tiles, 1) if head_major else (q_layout.num_tiles, batch * heads, 1)
     options = {name: launch[name] for name in LAUNCH_OPTIONS}
     return GnaCall(problem, shape, q_tile, kv_tile, layout, return_lse, debug,
-                   PreboundKernel(gna_forward_kernel, grid, arguments, options, check_alignment=check_alignment))
+                   PreboundKernel(KERNELS[kv_tiling], grid, arguments, options, check_alignment=check_alignment),
+                   kv_tiling)
 
 
 def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -359,38 +380,40 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
 
 def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_tile=None, kv_tile=None,
-            return_lse=False):
+            return_lse=False, kv_tiling=None):
     """GNA forward of `[B, *shape, heads, head_dim]` tensors: `(out, lse)`, `lse` None unless asked.
 
-    The first call with given tensor metadata and arguments validates everything and works the call out
-    (`_prepare`); later ones look it up. Tensor metadata (shapes, dtypes, devices, strides, 16-byte
-    alignment; for CPU tensors whether the interpreter is on) is part of the key, so a call with other
-    tensors is checked afresh. Lists among the arguments are keyed as tuples.
+    `kv_tiling` "static" or "dynamic" picks the kernel; None lets natsim choose by predicted work
+    (kernels/tiles.py, `choose_tiles`). The first call with given tensor metadata and arguments validates
+    everything and works the call out (`_prepare`); later ones look it up. Tensor metadata (shapes, dtypes,
+    devices, strides, 16-byte alignment; for CPU tensors whether the interpreter is on) is part of the key, so
+    a call with other tensors is checked afresh. Lists among the arguments are keyed as tuples.
     """
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
            q.stride(), k.stride(), v.stride(), q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
            and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(),
-           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
+           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling)
     try:
         run = _calls.get(key)
     except TypeError:  # a list among the arguments
         key = tuple(tuple(item) if isinstance(item, list) else item for item in key)
         run = _calls.get(key)
     if run is None:
-        run = _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
+        run = _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling)
         if len(_calls) >= MAX_CALLS:
             _calls.pop(next(iter(_calls)))
         _calls[key] = run
     return run(q, k, v)
 
 
-def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse):
+def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling):
     """Validate a call and return the function that runs it on tensors like these."""
-    from .checks import check_kernel_inputs, check_qkv, kernel_tiles, problem_of
-    from .tiles import default_tiles
+    from .checks import check_kernel_inputs, check_kv_tiling, check_qkv, kernel_tiles, problem_of
+    from .tiles import choose_tiles
 
     shape = check_qkv(q, k, v)
     problem = problem_of(shape, window, stride, dilation, causal)
+    check_kv_tiling(kv_tiling)
     if not (q.is_cuda or interpreting()):
         return functools.partial(_run_reference, problem=problem, scale=scale, return_lse=return_lse)
     check_kernel_inputs(q)
@@ -399,13 +422,16 @@ def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, 
     kernel_problem = problem
     if q_tile is None and kv_tile is None:
         kernel_problem = dense_as_1d(problem) or problem
-        q_dims, kv_dims = default_tiles(kernel_problem, head_dim)
+        given = (None, None)
     else:
-        q_dims, kv_dims = kernel_tiles(problem, q_tile, kv_tile)
+        given = kernel_tiles(problem, q_tile, kv_tile)
     views = tuple(t.reshape(batch, *kernel_problem.shape, heads, head_dim) for t in (q, k, v))
     layout = takes_layout_path(kernel_problem, *views)
+    # natsim chooses between the modes only where both are costed alike: the in-place path (kernels/tiles.py).
+    modes = (kv_tiling,) if kv_tiling is not None else (tuple(KERNELS) if layout else ("static",))
+    q_dims, kv_dims, mode = choose_tiles(kernel_problem, head_dim, modes, *given)
     call = make_call(kernel_problem, shape, q_dims, kv_dims, batch=batch, heads=heads, head_dim=head_dim,
-                     scale=scale, layout_tensors=views if layout else None, return_lse=return_lse)
+                     scale=scale, layout_tensors=views if layout else None, return_lse=return_lse, kv_tiling=mode)
     return call.run
 
 

@@ -41,12 +41,13 @@ def gna_forward(
     q_tile: Optional[Sequence[int]],
     kv_tile: Optional[Sequence[int]],
     return_lse: bool,
+    kv_tiling: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
-    unless `return_lse`)."""
+    unless `return_lse`). `kv_tiling`: "static", "dynamic" or None (natsim chooses)."""
     out, lse = forward(q, k, v, tuple(window), tuple(stride), tuple(dilation), tuple(causal), scale,
                        None if q_tile is None else tuple(q_tile), None if kv_tile is None else tuple(kv_tile),
-                       return_lse)  # tuples: the schema hands over lists, which the call cache cannot hash
+                       return_lse, kv_tiling)  # tuples: the schema hands over lists, which the call cache cannot hash
     return out, (_no_lse(q) if lse is None else lse)
 
 
@@ -59,16 +60,18 @@ def _no_lse(q: torch.Tensor) -> torch.Tensor:
 
 
 @gna_forward.register_fake
-def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse):
-    from .checks import check_qkv, problem_of
+def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
+                      kv_tiling=None):
+    from .checks import check_kv_tiling, check_qkv, problem_of
 
     problem_of(check_qkv(q, k, v), window, stride, dilation, causal)  # the same sentence errors as eager
+    check_kv_tiling(kv_tiling)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
     return torch.empty_like(q), lse
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse = inputs
+    q, k, v, window, stride, dilation, causal, scale = inputs[:8]
     if use_triton(q):
         raise RuntimeError(GRADIENT_REFUSAL)
     ctx.save_for_backward(q, k, v)
@@ -96,7 +99,7 @@ def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
         lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True),
         *ctx.saved_tensors, grad_out, grad_lse,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 gna_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -7,8 +7,15 @@ with power-of-two sides no longer than the next power of two of their dimension,
 hold only padding. A KV tile is either the Q tile's shape or, for half as many keys, the Q tile halved along
 one dimension (NATTEN's 4x8x8 / 2x8x8 pattern).
 
-`default_tiles` picks, among these, the tiles with the least predicted work for the problem: the simulator's
-exact counts of full and masked tile pairs, weighted by what they cost this kernel relative to each other.
+`choose_tiles` picks, among these and the KV tiling modes it is offered, the tiles with the least predicted
+work for the problem: the simulator's exact counts of full and masked tile pairs, weighted by what they cost
+this kernel relative to each other; `default_tiles` is its static-only choice.
+
+The relative costs come from the static kernel's calibration. The dynamic kernel (kernels/gna_dynamic.py)
+does the same work per box tile on the in-place path (one descriptor load per K/V tile at any corner, the same
+two loops), so its simulated counts are weighted the same there; callers offer it only on that path. Its
+permuted path gathers every box tile with pointer loads, a cost no calibration has measured yet, so it is
+never chosen there unless asked for.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 from natsim import Problem, TileConfig, simulate
 
@@ -70,10 +77,11 @@ def tile_pairs(shape: Sequence[int], head_dim: int) -> list[tuple[tuple[int, ...
     return pairs
 
 
-def relative_cost(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], head_dim: int) -> float:
+def relative_cost(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], head_dim: int,
+                  kv_tiling: str = "static") -> float:
     """Predicted work of one head in units of a full-tile FLOP: FLOPs of full and masked tile pairs (padding
     included; those of tiles under 128 keys cost more), KV tile visits and programs, each at its relative cost."""
-    result = simulate(problem, TileConfig(q_tile, kv_tile))
+    result = simulate(problem, TileConfig(q_tile, kv_tile, kv_tiling=kv_tiling))
     pair_flops = 4.0 * head_dim * math.prod(q_tile) * math.prod(kv_tile)
     masked = result.visited_tiles - result.full_tiles
     narrow = NARROW_KV_FLOP_COST * result.visited_tiles if math.prod(kv_tile) < WIDE_TILE else 0.0
@@ -82,9 +90,20 @@ def relative_cost(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int,
 
 
 @functools.lru_cache(maxsize=512)
+def choose_tiles(problem: Problem, head_dim: int, kv_tilings: tuple[str, ...] = ("static",),
+                 q_tile: Optional[tuple[int, ...]] = None, kv_tile: Optional[tuple[int, ...]] = None,
+                 ) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """The (Q tile, KV tile, KV tiling) with the least predicted work for `problem` among the catalog's tiles
+    (or the given `q_tile` / `kv_tile`) and `kv_tilings`; the first in catalog order, static first, on ties."""
+    if q_tile is not None and kv_tile is not None:
+        pairs = [(q_tile, kv_tile)]
+    else:
+        pairs = tile_pairs(problem.shape, head_dim) or [FALLBACK_TILES[problem.ndim]]
+    options = [(q, kv, mode) for q, kv in pairs for mode in kv_tilings]
+    return min(options, key=lambda option: relative_cost(problem, option[0], option[1], head_dim, option[2]))
+
+
 def default_tiles(problem: Problem, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The (Q tile, KV tile) with the least predicted work for `problem` (first in catalog order on ties)."""
-    pairs = tile_pairs(problem.shape, head_dim)
-    if not pairs:
-        return FALLBACK_TILES[problem.ndim]
-    return min(pairs, key=lambda pair: relative_cost(problem, pair[0], pair[1], head_dim))
+    """The (Q tile, KV tile) with the least predicted work for `problem` under static KV tiling."""
+    q_tile, kv_tile, _ = choose_tiles(problem, head_dim)
+    return q_tile, kv_tile

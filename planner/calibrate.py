@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from natsim import Problem, TileConfig, block_mask, simulate
+from natsim.tiles import KV_TILINGS
 
 from natsim.kernels.gna_launch import has_tensor_descriptors, permutes
 from natsim.kernels.sparse import default_blocks, prepare_sparse
@@ -98,6 +99,23 @@ DILATED = (
 )
 
 
+# Dynamic KV tiling (kernels/gna_dynamic.py): stride-1 layouts where its boxes save tiles, and one where they
+# save none (1x8x8), so the fit sees the dynamic kernel's per-tile cost whatever its counts. The features are
+# the static kernel's, from the dynamic mode's simulated counts: the in-place dynamic kernel does the same
+# work per tile (a descriptor load at any corner, the same two loops); the fit's errors on these cases say how
+# well that holds. (shape, window, stride, q_tile, kv_tile); head_dim 128, in place (no dilation).
+DYNAMIC = (
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), (4, 4, 4), (4, 4, 4)),
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), (2, 8, 4), (2, 8, 4)),
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), (2, 8, 8), (2, 4, 8)),
+    ((30, 48, 80), (18, 24, 24), (1, 8, 8), (2, 8, 8), (2, 8, 8)),
+    ((256, 256), (80, 80), (1, 1), (8, 16), (8, 16)),
+    ((256, 256), (80, 80), (1, 1), (16, 8), (16, 8)),
+    ((16, 44, 80), (16, 24, 16), (1, 1, 1), (2, 4, 16), (2, 4, 16)),
+    ((24, 40, 64), (18, 28, 40), (1, 1, 1), (1, 16, 8), (1, 16, 8)),
+)
+
+
 @dataclass(frozen=True)
 class Case:
     """One configuration to time: a GNA problem, its tiles, and the tensor sizes (batch 1)."""
@@ -120,6 +138,8 @@ def calibration_cases() -> list[Case]:
         cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile), HEADS, 128))
     for shape, window, stride, dilation, q_tile, kv_tile in DILATED:
         cases.append(Case(Problem(shape, window, stride, dilation), TileConfig(q_tile, kv_tile), HEADS, 128))
+    for shape, window, stride, q_tile, kv_tile in DYNAMIC:
+        cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile, kv_tiling="dynamic"), HEADS, 128))
     return cases
 
 
@@ -150,7 +170,8 @@ def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats:
 
     def run():
         return gna_attention(
-            q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=case.tiles.q_tile, kv_tile=case.tiles.kv_tile
+            q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=case.tiles.q_tile, kv_tile=case.tiles.kv_tile,
+            kv_tiling=case.tiles.kv_tiling,
         )
 
     return median_seconds(run, device, min_repeats)
@@ -402,6 +423,7 @@ def calibrate(
             progress(len(times) + len(sparse_times), total)
     times, sparse_times = np.array(times), np.array(sparse_times)
     coefficients, errors, fitted = _fit(features, times, FEATURES, "GNA")
+    dynamic = np.array([case.tiles.kv_tiling == "dynamic" for case in cases])
     sparse = None
     sparse_errors, sparse_fitted = np.zeros(0), np.zeros(0, dtype=bool)
     sparse_info = {}
@@ -421,6 +443,8 @@ def calibrate(
             "triton": triton.__version__,
             "python": platform.python_version(),
             **_error_info("", errors, fitted),
+            **(_error_info("dynamic_", errors[dynamic], fitted[dynamic]) if (fitted & dynamic).any() else {}),
+            "kv_tilings": list(KV_TILINGS) if (fitted & dynamic).any() else ["static"],
             **sparse_info,
         },
     )

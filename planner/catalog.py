@@ -3,7 +3,8 @@
 What the GNA kernel can run (dtypes, head dims, tile token counts) and which tile shapes it runs *well*
 (`natsim.kernels.tiles`: boxes of 64 or 128 tokens with power-of-two sides, KV tiles equal to the Q tile or
 half of it) are decided by natsim.kernels and imported from there, not copied: the kernel's own default tiles
-come from the same list.
+come from the same list. Each tile pair comes in the KV tiling modes asked for (static first, so that a tie
+keeps the static kernel).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Sequence
 import torch
 
 from natsim import TileConfig
+from natsim.tiles import KV_TILINGS
 from natsim.kernels.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from natsim.kernels.tiles import TILE_TOKENS, tile_pairs
 
@@ -61,10 +63,17 @@ def check_head_dim(head_dim: object) -> int:
     return head_dim
 
 
-def tile_catalog(shape: Sequence[int], head_dim: int = 128) -> list[TileConfig]:
-    """The multi-D tile configurations the planner scores for a token layout `shape` and `head_dim`."""
+def tile_catalog(
+    shape: Sequence[int], head_dim: int = 128, kv_tilings: Sequence[str] = ("static",)
+) -> list[TileConfig]:
+    """The multi-D tile configurations the planner scores for a token layout `shape` and `head_dim`, each
+    tile pair in every KV tiling mode of `kv_tilings` ("static", "dynamic")."""
     head_dim = check_head_dim(head_dim)
-    catalog = [TileConfig(q_shape, kv_shape) for q_shape, kv_shape in tile_pairs(shape, head_dim)]
+    modes = [mode for mode in KV_TILINGS if mode in kv_tilings]
+    if not modes or len(modes) != len(set(kv_tilings)):
+        raise ValueError(f"kv_tilings must name one or both of {KV_TILINGS}, got kv_tilings={tuple(kv_tilings)!r}.")
+    catalog = [TileConfig(q_shape, kv_shape, kv_tiling=mode)
+               for q_shape, kv_shape in tile_pairs(shape, head_dim) for mode in modes]
     if not catalog:
         smallest = min(q for q, _ in TILE_TOKENS[head_dim])
         raise ValueError(

@@ -67,6 +67,13 @@ class CostModel:
         """The coefficients in FEATURES order."""
         return np.array([self.coefficients[name] for name in FEATURES])
 
+    @property
+    def kv_tilings(self) -> tuple[str, ...]:
+        """The KV tiling modes whose kernels this model was calibrated or checked on (`info["kv_tilings"]`, by
+        `natsim calibrate` since the dynamic kernel; older files: the static kernel only). The planner
+        scores only these modes with it."""
+        return tuple(self.info.get("kv_tilings", ("static",)))
+
     def predict(self, features: np.ndarray) -> np.ndarray:
         """Predicted seconds for feature rows `(n, len(FEATURES))` (or one row)."""
         return np.asarray(features, np.float64) @ self.vector

@@ -29,6 +29,10 @@ def _score(plan: "Plan", value: float) -> str:
     return f"{value:.4g} pairs"
 
 
+def _kv_tiling(mode: str) -> str:
+    return "dynamic (box per Q tile)" if mode == "dynamic" else "static (fixed grid)"
+
+
 def _choice_table(plan: "Plan") -> Table:
     sim, problem = plan.simulation, plan.problem
     table = Table(title=f"GNA plan for shape {_dims(problem.shape)}", title_justify="left", show_header=False)
@@ -38,6 +42,7 @@ def _choice_table(plan: "Plan") -> Table:
         ("window", _dims(problem.window)),
         ("stride", _dims(problem.stride)),
         ("Q tile / KV tile", f"{_dims(plan.tiles.q_tile)} / {_dims(plan.tiles.kv_tile)}"),
+        ("KV tiling", _kv_tiling(plan.tiles.kv_tiling)),
         ("sparsity (target)", f"{sim.sparsity:.4f} ({plan.target_sparsity:g})"),
         ("FLOP-wise speedup", f"{sim.flop_speedup:.2f}x"),
         ("tile speedup", f"{sim.tile_speedup:.2f}x"),
@@ -60,7 +65,14 @@ def _choice_table(plan: "Plan") -> Table:
 
 def _basis(plan: "Plan") -> Text:
     if plan.calibrated:
-        return Text(f"Ranked by the cost model fitted on {plan.gpu} (predicted kernel time; plans read q, k, v in place, no permutation).")
+        modes = plan.search.kv_tilings
+        scope = ("both KV tiling modes, scored with the same features (the dynamic kernel's per-tile work on the "
+                 "in-place path equals the static one's; its calibration cases are in the fit)"
+                 if "dynamic" in modes else
+                 "static KV tiling only: these coefficients were not calibrated on the dynamic kernel (run "
+                 "`natsim calibrate` to include it)")
+        return Text(f"Ranked by the cost model fitted on {plan.gpu} (predicted kernel time; plans read q, k, v in "
+                    f"place, no permutation); {scope}.")
     where = plan.gpu if plan.gpu else "this machine (no CUDA GPU)"
     gpus = known_gpus()
     others = (
@@ -71,7 +83,8 @@ def _basis(plan: "Plan") -> Text:
     )
     return Text(
         f"No cost-model coefficients for {where}: configurations were ranked by simulated tile work alone "
-        f"(Q x KV tokens summed over visited tiles), and no time is predicted.{others} Run `natsim calibrate` "
+        f"(Q x KV tokens summed over visited tiles, static and dynamic KV tiling alike), and no time is "
+        f"predicted.{others} Run `natsim calibrate` "
         "on the GPU to fit its own.",
         style="yellow",
     )
@@ -83,6 +96,7 @@ def _same(candidate: "Candidate", plan: "Plan") -> bool:
         and candidate.stride == plan.problem.stride
         and candidate.q_tile == plan.tiles.q_tile
         and candidate.kv_tile == plan.tiles.kv_tile
+        and candidate.kv_tiling == plan.tiles.kv_tiling
     )
 
 
@@ -125,7 +139,8 @@ def _reasons(plan: "Plan") -> list[str]:
 
 def _runners_up(plan: "Plan") -> Table:
     table = Table(title="runners-up: the best of each other window, and stride 1", title_justify="left")
-    for name in ("window", "stride", "Q tile", "KV tile", "score", "vs plan", "tile speedup", "block-sparse"):
+    for name in ("window", "stride", "Q tile", "KV tile", "KV tiling", "score", "vs plan", "tile speedup",
+                 "block-sparse"):
         table.add_column(name, justify="right")
     for c in plan.runners_up:
         table.add_row(
@@ -133,6 +148,7 @@ def _runners_up(plan: "Plan") -> Table:
             _dims(c.stride),
             _dims(c.q_tile),
             _dims(c.kv_tile),
+            c.kv_tiling,
             _score(plan, c.score),
             f"{c.score / plan.score - 1.0:+.1%}",
             f"{c.tile_speedup:.2f}x",

@@ -47,6 +47,7 @@ class Candidate:
     sparsity: float
     tile_speedup: float
     block_sparse: bool
+    kv_tiling: str = "static"
 
     def to_dict(self) -> dict:
         return {
@@ -54,6 +55,7 @@ class Candidate:
             "stride": list(self.stride),
             "q_tile": list(self.q_tile),
             "kv_tile": list(self.kv_tile),
+            "kv_tiling": self.kv_tiling,
             "score": self.score,
             "sparsity": self.sparsity,
             "tile_speedup": self.tile_speedup,
@@ -71,14 +73,15 @@ class Candidate:
             sparsity=float(data["sparsity"]),
             tile_speedup=float(data["tile_speedup"]),
             block_sparse=bool(data["block_sparse"]),
+            kv_tiling=str(data.get("kv_tiling", "static")),  # plans written before dynamic KV tiling: static
         )
 
 
 @dataclass(frozen=True)
 class Search:
-    """How the choice was made: the windows tried, how many configurations were scored, and the
-    best-scored configurations, best first (`top[0]` is the best score, which the tie rule may have
-    passed over for a smaller stride); `top` is what a benchmark times to check the cost model."""
+    """How the choice was made: the windows tried, the KV tiling modes scored, how many configurations were
+    scored, and the best-scored configurations, best first (`top[0]` is the best score, which the tie rule
+    may have passed over for a smaller stride); `top` is what a benchmark times to check the cost model."""
 
     windows: tuple[tuple[int, ...], ...]
     window_given: bool
@@ -86,6 +89,7 @@ class Search:
     scored: int
     top: tuple[Candidate, ...]
     tie_tolerance: float
+    kv_tilings: tuple[str, ...] = ("static",)
 
     @property
     def fastest(self) -> Candidate:
@@ -99,6 +103,7 @@ class Search:
             "scored": self.scored,
             "top": [c.to_dict() for c in self.top],
             "tie_tolerance": self.tie_tolerance,
+            "kv_tilings": list(self.kv_tilings),
         }
 
     @classmethod
@@ -110,6 +115,7 @@ class Search:
             scored=int(data["scored"]),
             top=tuple(Candidate.from_dict(c) for c in data["top"]),
             tie_tolerance=float(data["tie_tolerance"]),
+            kv_tilings=tuple(str(m) for m in data.get("kv_tilings", ("static",))),  # older plans: static only
         )
 
 
@@ -184,13 +190,14 @@ class Plan:
             "causal": self.problem.causal,
             "q_tile": self.tiles.q_tile,
             "kv_tile": self.tiles.kv_tile,
+            "kv_tiling": self.tiles.kv_tiling,
         }
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None, return_lse: bool = False
     ):
-        """GNA of `[B, *shape, heads, head_dim]` tensors with this plan's window, stride and tiles
-        (returns what `gna_attention` returns: the output, and with `return_lse` its log-sum-exp)."""
+        """GNA of `[B, *shape, heads, head_dim]` tensors with this plan's window, stride, tiles and KV tiling
+        mode (returns what `gna_attention` returns: the output, and with `return_lse` its log-sum-exp)."""
         if isinstance(q, torch.Tensor) and tuple(q.shape[1:-2]) != self.problem.shape:
             raise ValueError(
                 f"this plan is for token layout shape={self.problem.shape}, got q with spatial shape "

@@ -25,6 +25,7 @@ from natsim import SweepResult, TileConfig, simulate, sweep
 from natsim.dimension import ceil_div
 from natsim.kernels.checks import kernel_tiles
 from natsim.kernels.gna_launch import permutes
+from natsim.tiles import KV_TILINGS
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 
 from .catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
@@ -54,6 +55,12 @@ def stride_candidates(window: Sequence[int], max_stride: Optional[Sequence[int]]
             values.add(w)
         per_dim.append(sorted(values))
     return list(itertools.product(*per_dim))
+
+
+def kv_tilings_of(cost_model: Optional[CostModel]) -> tuple[str, ...]:
+    """The KV tiling modes to score: those the cost model was calibrated on (`CostModel.kv_tilings`), or both
+    without one (simulated tile work counts either mode's tiles exactly)."""
+    return KV_TILINGS if cost_model is None else cost_model.kv_tilings
 
 
 def choose(scores: np.ndarray, stride_products: np.ndarray, tolerance: float = TIE_TOLERANCE) -> int:
@@ -276,7 +283,7 @@ def best(
     >>> out = plan(q, k, v)                        # doctest: +SKIP
     """
     r = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model)
-    catalog = tile_catalog(r.shape, r.head_dim)
+    catalog = tile_catalog(r.shape, r.head_dim, kv_tilings_of(r.cost_model))
     if r.window is not None:
         windows, band = (r.window,), None
     else:
@@ -301,6 +308,7 @@ def best(
             sparsity=1.0 - float(rows["attended_pairs"][row]) / (n * n),
             tile_speedup=float(rows["num_kv_tiles"][row] / rows["max_kv_tiles"][row]),
             block_sparse=bool(rows["full_tiles"][row] == rows["visited_tiles"][row]),
+            kv_tiling=tiles.kv_tiling,
         )
 
     winner = candidate(chosen)
@@ -312,7 +320,7 @@ def best(
         )
     return Plan(
         problem=Problem(r.shape, winner.window, winner.stride, causal=r.causal),
-        tiles=TileConfig(winner.q_tile, winner.kv_tile),
+        tiles=TileConfig(winner.q_tile, winner.kv_tile, kv_tiling=winner.kv_tiling),
         target_sparsity=r.target,
         head_dim=r.head_dim,
         dtype=dtype_name(r.dtype),
@@ -330,5 +338,6 @@ def best(
             scored=int(len(scores)),
             top=tuple(candidate(int(row)) for row in np.argsort(scores, kind="stable")[:TOP]),
             tie_tolerance=TIE_TOLERANCE,
+            kv_tilings=kv_tilings_of(r.cost_model),
         ),
     )

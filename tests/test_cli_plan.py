@@ -7,6 +7,7 @@ The commands are registered on an app of their own here (cli/plan.py and cli/cal
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -209,3 +210,17 @@ def test_calibrate_writes_to_the_user_data_folder_not_into_the_package(monkeypat
     planned = json.loads(invoke("plan", "--shape", "30x48x80", "--sparsity", "0.9", "--device", "fake gpu", "--json").stdout)
     assert planned["gpu"] == "Fake GPU" and planned["basis"] == "cost model"
     assert "$NATSIM_DATA_DIR/coefficients" in " ".join(invoke("calibrate", "--help").stdout.split())
+
+
+def test_plan_shows_and_records_the_kv_tiling_mode():
+    """Stride 1 on HunyuanVideo: ranked by tile work, the dynamic mode wins; report and JSON both say so."""
+    args = ("plan", "--shape", "30x48x80", "--sparsity", "0.9", "--window", "18x24x24", "--max-stride", "1",
+            "--device", "cpu")
+    expected = best((30, 48, 80), 0.9, window=(18, 24, 24), max_stride=1, device="cpu")
+    report = invoke(*args)
+    assert report.exit_code == 0, report.output
+    text = " ".join(report.stdout.split())
+    assert re.search(r"KV tiling\W+dynamic \(box per Q tile\)", text)
+    record = json.loads(invoke(*args, "--json").stdout)
+    assert record["tiles"]["kv_tiling"] == expected.tiles.kv_tiling == "dynamic"
+    assert Plan.from_dict(record) == expected

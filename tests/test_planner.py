@@ -303,7 +303,7 @@ def test_a_plan_runs_gna_attention_with_exactly_its_settings():
     q, k, v = (torch.randn((1, 4, 8, 8, 2, 32), dtype=torch.float16) for _ in range(3))
     p, t = plan.problem, plan.tiles
     expected = gna_attention(
-        q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=t.q_tile, kv_tile=t.kv_tile
+        q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=t.q_tile, kv_tile=t.kv_tile, kv_tiling=t.kv_tiling
     )
     assert torch.equal(plan(q, k, v), expected)
     assert torch.equal(Plan.from_json(plan.to_json())(q, k, v), expected)
@@ -427,7 +427,7 @@ def test_calibration_fit_rejects_bad_input(features, times, message):
 
 def test_calibration_cases_run_on_catalog_tiles():
     for case in calibration_cases():
-        assert case.tiles in tile_catalog(case.problem.shape, case.head_dim)
+        assert case.tiles in tile_catalog(case.problem.shape, case.head_dim, ("static", "dynamic"))
 
 
 def test_calibrate_times_every_case_and_fits_them(monkeypatch):
@@ -499,3 +499,89 @@ def test_shipped_coefficient_files_load():
         model = CostModel.load(path)
         assert path.name == gpu_file_name(model.gpu)
         assert all(value >= 0 for value in model.coefficients.values())
+
+
+# -- KV tiling modes (issue 12) ------------------------------------------------------------------------------
+
+BOTH = ("static", "dynamic")
+
+
+def test_the_catalog_holds_every_tile_pair_in_each_mode_asked_for_static_first():
+    static = tile_catalog((30, 48, 80), 128)
+    both = tile_catalog((30, 48, 80), 128, BOTH)
+    assert all(t.kv_tiling == "static" for t in static)
+    assert both[0::2] == static
+    assert [(t.q_tile, t.kv_tile, t.kv_tiling) for t in both[1::2]] == [(t.q_tile, t.kv_tile, "dynamic") for t in static]
+    with pytest.raises(ValueError, match=r"kv_tilings must name one or both of \('static', 'dynamic'\), got"):
+        tile_catalog((30, 48, 80), 128, ("grid",))
+
+
+def test_without_a_cost_model_both_modes_are_ranked_by_simulated_tile_work():
+    """HunyuanVideo at stride 1: dynamic boxes need fewer tile pairs than any static grid (the simulator)."""
+    plan = best((30, 48, 80), 0.9, window=(18, 24, 24), max_stride=1)
+    assert plan.search.kv_tilings == BOTH and not plan.calibrated
+    problem = Problem((30, 48, 80), (18, 24, 24))
+    work = {(t.q_tile, t.kv_tile, t.kv_tiling): simulate(problem, t).visited_tiles * t.q_tokens * t.kv_tokens
+            for t in tile_catalog((30, 48, 80), 128, BOTH)}
+    assert plan.score == min(work.values())
+    assert plan.tiles.kv_tiling == "dynamic"
+    assert work[(plan.tiles.q_tile, plan.tiles.kv_tile, "dynamic")] < min(
+        w for (q, kv, mode), w in work.items() if mode == "static")
+    assert "KV tiling" in render(plan.explain()) and "dynamic (box per Q tile)" in render(plan.explain())
+
+
+def test_a_cost_model_scores_only_the_modes_it_was_calibrated_on():
+    static_only = best((30, 48, 80), 0.9, window=(18, 24, 24), max_stride=1, cost_model=TEST_GPU)
+    assert static_only.search.kv_tilings == ("static",) and static_only.tiles.kv_tiling == "static"
+    assert "static KV tiling only" in render(static_only.explain())
+    both = CostModel("Test GPU", COEFFICIENTS, info={"kv_tilings": list(BOTH)})
+    plan = best((30, 48, 80), 0.9, window=(18, 24, 24), max_stride=1, cost_model=both)
+    assert plan.search.kv_tilings == BOTH
+    features = features_of(simulate(plan.problem, plan.tiles), batch_heads=1, head_dim=128, element_bytes=2,
+                           permutation=False)
+    assert plan.score == pytest.approx(float(both.predict(features)))
+    assert plan.score <= static_only.score
+
+
+def test_plans_with_dynamic_tiles_round_trip_and_older_plans_read_as_static():
+    plan = best((30, 48, 80), 0.9, window=(18, 24, 24), max_stride=1)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.tiles.kv_tiling == "dynamic"
+    record = plan.to_dict()
+    record["tiles"]["kv_tiling"] = "static"
+    for candidate in record["runners_up"] + record["search"]["top"]:
+        del candidate["kv_tiling"]
+    del record["search"]["kv_tilings"]
+    old = Plan.from_dict(record)
+    assert old.search.kv_tilings == ("static",) and all(c.kv_tiling == "static" for c in old.search.top)
+
+
+def test_a_dynamic_plan_runs_the_dynamic_kernel():
+    torch.manual_seed(1)
+    plan = best((6, 8, 8), 0.5, window=(3, 5, 5), max_stride=1, head_dim=32, dtype=torch.float16)
+    plan = Plan.from_dict({**plan.to_dict(), "tiles": {**plan.tiles.to_dict(), "kv_tiling": "dynamic"}})
+    q, k, v = (torch.randn((1, 6, 8, 8, 2, 32), dtype=torch.float16) for _ in range(3))
+    p, t = plan.problem, plan.tiles
+    expected = gna_attention(q, k, v, p.window, p.stride, q_tile=t.q_tile, kv_tile=t.kv_tile, kv_tiling="dynamic")
+    assert torch.equal(plan(q, k, v), expected)
+    reference = reference_attention(q.double(), k.double(), v.double(), p.window, p.stride)
+    assert float((expected.double() - reference).norm() / reference.norm()) < 5e-3
+
+
+def test_calibration_marks_the_dynamic_mode_once_its_cases_are_fitted(monkeypatch):
+    from natsim.planner import calibrate as calibration
+
+    truth = np.array([COEFFICIENTS[name] for name in FEATURES])
+    cases = calibration_cases()
+    assert any(c.tiles.kv_tiling == "dynamic" for c in cases)
+    monkeypatch.setattr(calibration, "gpu_of", lambda device: "Fake GPU")
+    monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: float(case_features([case], dtype)[0] @ truth))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    model = calibration.calibrate(kernels=("gna",)).model
+    assert model.kv_tilings == BOTH
+    assert model.info["dynamic_cases"] == sum(c.tiles.kv_tiling == "dynamic" for c in cases)
+    assert model.info["dynamic_max_abs_relative_error"] < 1e-9
+    # a GPU where every dynamic case is host-bound has no fitted dynamic case: static only
+    monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: (
+        0.5 * calibration.HOST_BOUND_S if case.tiles.kv_tiling == "dynamic" else float(case_features([case], dtype)[0] @ truth)))
+    assert calibration.calibrate(kernels=("gna",)).model.kv_tilings == ("static",)
