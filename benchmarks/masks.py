@@ -9,7 +9,9 @@ HunyuanVideo 30x48x80 with 24 heads; head_dim 128, bf16), tokens in Hilbert-curv
 
 Predictors (each looked up in natsim.masks when the run starts):
 - `topp`: FG-Attn's mean-pooled top-p (knob p), at the fine block (16 tokens on Wan, 32 on HunyuanVideo);
-- `sparge`: SpargeAttn's self-similarity + TopCdf (knob cdf, sim_threshold 0.6), at the fine block;
+- `sparge`: SpargeAttn's self-similarity + TopCdf (knob cdf), at the fine block; sim_threshold is the largest of
+  0.6, 0.4, 0.2, 0, -1 at which the target density is reachable (dissimilar blocks are always computed, so a
+  high threshold puts a floor under the density: 0.73 of the pairs at 0.6 on the Wan 480p workload);
 - `hierarchical`: DFSAttn's sub-block scoring (knob keep, the kept share of KV blocks), 64-token blocks scored
   from 16-token sub-blocks (the fine block on HunyuanVideo);
 - `gna_topp`: a GNA neighbourhood window (always kept) OR topp (knob p). The window's block mask in the
@@ -59,7 +61,7 @@ FINE_BLOCK = {"small": 16, "wan480p": 16, "hunyuan": 32}
 HIER_BLOCK, HIER_SUB_BLOCK = 64, 16
 WINDOWS = {"small": (3, 3, 5), "wan480p": (3, 7, 9), "hunyuan": (3, 9, 13)}
 BISECT_STEPS = 14
-SPARGE_SIM = 0.6
+SPARGE_SIMS = (0.6, 0.4, 0.2, 0.0, -1.0)  # SpargeAttn's similarity threshold, highest first
 
 
 def predictor_function(name: str) -> Callable:
@@ -140,16 +142,30 @@ def window_block_mask(shape, window, order: np.ndarray, block: int, device) -> t
     return mask[None, None]
 
 
-def make_predictor(name: str, q, k, fine: int, window_mask: Optional[torch.Tensor]):
-    """(call(knob) -> mask, its block, knob range) of one predictor on q, k."""
+def sparge_threshold(function: Callable, q, k, fine: int, target: float) -> float:
+    """The largest of SPARGE_SIMS whose sparsest mask (cdf 1e-4) is no denser than `target`: below it every
+    block counts as dissimilar enough to be computed in full, and no cdf reaches the target."""
+    n = q.shape[1]
+    for threshold in SPARGE_SIMS:
+        if token_density(function(q, k, fine, fine, cdf=1e-4, sim_threshold=threshold), fine, fine, n) <= target:
+            return threshold
+    return SPARGE_SIMS[-1]
+
+
+def make_predictor(name: str, q, k, fine: int, window_mask: Optional[torch.Tensor], target: float):
+    """(call(knob) -> mask, its block, knob range, fixed settings) of one predictor on q, k for a target
+    density (only sparge's similarity threshold depends on it)."""
     function = predictor_function(name)
     if name == "topp":
-        return (lambda x: function(q, k, fine, fine, x)), fine, (1e-4, 1.0)
+        return (lambda x: function(q, k, fine, fine, x)), fine, (1e-4, 1.0), {}
     if name == "sparge":
-        return (lambda x: function(q, k, fine, fine, cdf=x, sim_threshold=SPARGE_SIM)), fine, (1e-4, 1.0)
+        sim = sparge_threshold(function, q, k, fine, target)
+        return ((lambda x: function(q, k, fine, fine, cdf=x, sim_threshold=sim)), fine, (1e-4, 1.0),
+                {"sim_threshold": sim})
     if name == "hierarchical":
-        return (lambda x: function(q, k, HIER_BLOCK, HIER_BLOCK, keep=x, sub_block=HIER_SUB_BLOCK)), HIER_BLOCK, (1e-4, 1.0)
-    return (lambda x: natsim.masks.union(function(q, k, fine, fine, x), window_mask)), fine, (1e-4, 1.0)
+        return ((lambda x: function(q, k, HIER_BLOCK, HIER_BLOCK, keep=x, sub_block=HIER_SUB_BLOCK)), HIER_BLOCK,
+                (1e-4, 1.0), {})
+    return (lambda x: natsim.masks.union(function(q, k, fine, fine, x), window_mask)), fine, (1e-4, 1.0), {}
 
 
 def match_density(call: Callable, block: int, n: int, target: float, bounds) -> tuple[float, torch.Tensor, float]:
@@ -229,8 +245,8 @@ def run_layout(layout: str, heads: int, densities, predictors, device, dtype, pl
     window_mask = window_block_mask(shape, window, order, fine, device) if "gna_topp" in predictors else None
     rows = []
     for name in predictors:
-        call, block, bounds = make_predictor(name, q, k, fine, window_mask)
         for target in densities:
+            call, block, bounds, settings = make_predictor(name, q, k, fine, window_mask, target)
             knob, mask, density = match_density(call, block, n, target, bounds)
             predictor_ms = bench(lambda: call(knob))
             plan = best_mask(mask, block, block, n, heads=heads, head_dim=q.shape[-1], dtype="bf16",
@@ -240,7 +256,7 @@ def run_layout(layout: str, heads: int, densities, predictors, device, dtype, pl
             kernel_ms = bench(lambda: plan(q, k, v))
             row = {
                 "predictor": name, "knob": KNOBS[name], "value": knob, "target_density": target,
-                "density": density, "block": block,
+                "settings": settings, "density": density, "block": block,
                 "recall": recall(mass, mask, block, block, fine, n),
                 "recall_run": recall(mass, plan.mask, plan.q_block, plan.kv_block, fine, n),
                 "density_run": plan.chosen.density, "error": rel(out, exact),

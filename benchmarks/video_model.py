@@ -236,10 +236,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--small", action="store_true", help="a 2-block model on a small latent on the CPU")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=None, help="blocks (default 30; --small 2)")
-    parser.add_argument("--predictor", default="topp", help="topp (knob --p), sparge (--cdf) or hierarchical (the cache's budget)")
+    parser.add_argument("--predictor", default="hierarchical",
+                        help="hierarchical (keeps the cache's budget of KV blocks: DFSAttn's setup, the default), "
+                             "topp (knob --p) or sparge (--cdf)")
     parser.add_argument("--p", type=float, default=0.8)
     parser.add_argument("--cdf", type=float, default=0.9)
-    parser.add_argument("--block", type=int, default=16, help="tokens per mask block of the predictor")
+    parser.add_argument("--block", type=int, default=64,
+                        help="tokens per mask block of the predictor (hierarchical scores it from 16-token sub-blocks)")
     parser.add_argument("--no-cache", action="store_true", help="predict at every step, no dense steps (no MaskCache)")
     parser.add_argument("--dense-fraction", type=float, default=0.25, help="MaskCache's dense warm-up share of steps")
     parser.add_argument("--plan-merges", default="none,consecutive", help="merges best_mask scores per layer")
@@ -283,7 +286,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     planning = sum(p.plan_seconds for p in processors)
     plans = Counter(f"{p.plan.q_block}x{p.plan.kv_block} {p.plan.merge}" for p in processors if p.plan is not None)
     densities = [p.plan.chosen.density for p in processors if p.plan is not None]
-    first_sparse = next((i for i in range(args.steps) if processors[0].dense_calls <= i), None)
+    warm_up = processors[0].dense_calls - processors[0].fallbacks  # the cache's dense steps
+    first_sparse = next((i for i in range(args.steps) if warm_up <= i), None)
     import triton
 
     record = {
@@ -301,7 +305,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "dense_total_s": sum(dense_times), "masked_total_s": sum(masked_times), "planning_s": planning,
         "speedup_total": sum(dense_times) / sum(masked_times),
         "speedup_total_without_planning": sum(dense_times) / max(sum(masked_times) - planning, 1e-12),
-        "dense_calls": processors[0].dense_calls, "predictions_per_layer": processors[0].predictions,
+        "dense_calls": processors[0].dense_calls - processors[0].fallbacks,
+        "dense_fallback_layers": sum(p.fallbacks > 0 for p in processors), "predictions_per_layer": processors[0].predictions,
         "plans": dict(plans), "planned_density_mean": statistics.fmean(densities) if densities else None,
         "final_latent_rel_diff": rel(masked_out, dense_out),
         "first_masked_step": first_sparse,

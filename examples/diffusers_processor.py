@@ -126,7 +126,10 @@ class MaskedWanAttnProcessor:
        block), ceil(N / block)]` mask of the ordered tokens;
     3. the layer's first mask is planned (`best_mask(mask, block, block, N, ..., **plan_options)`, on
        `plan_device`'s cost model) and every mask of the layer runs with that plan (pooled to its blocks, its
-       host work prepared once per new mask);
+       host work prepared once per new mask); when that plan predicts no gain over dense attention through
+       the kernel (`plan.predicted_speedup <= min_speedup`, default 1: the pooled mask keeps nearly every block),
+       the layer runs dense attention instead (`fallbacks` counts those calls; `min_speedup=0` always runs
+       the plan);
     4. tokens back to row-major order and the output projection.
 
     q, k, v go to the kernel in `dtype` (default: the model's when it is fp16 or bf16, else fp16); counts of
@@ -135,7 +138,7 @@ class MaskedWanAttnProcessor:
 
     def __init__(self, shape, predictor: Predictor, *, key=0, clock: Optional[StepClock] = None, cache=None,
                  budget: float = 0.3, block: int = 16, order="hilbert", dtype: Optional[torch.dtype] = None,
-                 plan_device=None, plan_options: Optional[dict] = None):
+                 plan_device=None, plan_options: Optional[dict] = None, min_speedup: float = 1.0):
         import natsim.masks
 
         self.shape = tuple(int(s) for s in shape)
@@ -143,11 +146,12 @@ class MaskedWanAttnProcessor:
         self.clock = clock if clock is not None else StepClock()
         self.order = natsim.masks.hilbert_order(self.shape) if isinstance(order, str) and order == "hilbert" else order
         self.dtype, self.plan_device, self.plan_options = dtype, plan_device, dict(plan_options or {})
+        self.min_speedup = float(min_speedup)
         self.plan: Optional[MaskPlan] = None
         self.plan_seconds = 0.0
         self._running: Optional[MaskPlan] = None  # the plan holding the mask in use
         self._mask: Optional[torch.Tensor] = None
-        self.calls = self.dense_calls = self.predictions = 0
+        self.calls = self.dense_calls = self.predictions = self.fallbacks = 0
 
     def _predict(self, q: torch.Tensor, k: torch.Tensor, budget: float) -> torch.Tensor:
         self.predictions += 1
@@ -162,17 +166,18 @@ class MaskedWanAttnProcessor:
             mask = self._predict(q, k, self.budget)
         else:
             mask = self.cache.mask(self.key, self.clock.step, lambda budget: self._predict(q, k, budget))
-        if mask is None:  # a dense step
-            self.dense_calls += 1
-            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
-            return out.transpose(1, 2)
-        if self.plan is None:
+        if mask is not None and self.plan is None:
             start = time.perf_counter()
             kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16  # recorded only
             self.plan = best_mask(mask, self.block, self.block, q.shape[1], heads=q.shape[2], batch=q.shape[0],
                                   head_dim=q.shape[3], dtype=kernel_dtype, device=self.plan_device,
                                   keep_mask=False, **self.plan_options)
             self.plan_seconds = time.perf_counter() - start
+        if mask is None or self.plan.predicted_speedup <= self.min_speedup:  # a dense step, or no gain
+            self.dense_calls += 1
+            self.fallbacks += mask is not None
+            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
+            return out.transpose(1, 2)
         if mask is not self._mask:  # a new mask: pool it once, its host work is prepared on first use
             self._running, self._mask = self.plan.with_mask(mask), mask
         return self._running(q, k, value.to(dtype))

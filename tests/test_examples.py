@@ -81,7 +81,7 @@ def test_mask_processor_equals_dense_attention_when_the_mask_is_all_true(options
     model, inputs = example.tiny_wan(), example.tiny_inputs()
     with torch.no_grad():
         own = model(**inputs)[0]
-        processors = example.use_masks(model, (4, 8, 8), all_true(), plan_options=options)
+        processors = example.use_masks(model, (4, 8, 8), all_true(), plan_options=options, min_speedup=0.0)
         ours = model(**inputs)[0]
     assert all(p.calls == 1 and p.predictions == 1 and p.dense_calls == 0 for p in processors)
     plan = processors[0].plan
@@ -96,7 +96,8 @@ def test_mask_processor_on_the_reference_path_is_exact(reference_path):
     model, inputs = example.tiny_wan(), example.tiny_inputs()
     with torch.no_grad():
         own = model(**inputs)[0]
-        example.use_masks(model, (4, 8, 8), all_true(), dtype=torch.float32, order=None)
+        example.use_masks(model, (4, 8, 8), all_true(), dtype=torch.float32, order=None,
+                          min_speedup=0.0)
         ours = model(**inputs)[0]
     assert float((ours - own).norm() / own.norm()) < 1e-5
 
@@ -124,7 +125,8 @@ def test_mask_processor_follows_the_cache_dense_steps_refreshes_and_reuse():
     clock = example.StepClock()
     with torch.no_grad():
         own = model(**inputs)[0]
-        processors = example.use_masks(model, (4, 8, 8), predictor, cache=ScriptedCache(), clock=clock)
+        processors = example.use_masks(model, (4, 8, 8), predictor, cache=ScriptedCache(), clock=clock,
+                                       min_speedup=0.0)
         outs = []
         for step in range(4):
             clock.step = step
@@ -135,6 +137,20 @@ def test_mask_processor_follows_the_cache_dense_steps_refreshes_and_reuse():
     assert all(float((o - own).norm() / own.norm()) < 1e-3 for o in outs[1:])
     plans = [p.plan for p in processors]
     assert all(p is not None and p.mask is None for p in plans)  # one plan per layer, made on its first mask
+
+
+def test_mask_processor_runs_dense_attention_when_its_plan_predicts_no_gain():
+    pytest.importorskip("diffusers")
+    example = load("diffusers_processor")
+    model, inputs = example.tiny_wan(), example.tiny_inputs()
+    with torch.no_grad():
+        own = model(**inputs)[0]
+        processors = example.use_masks(model, (4, 8, 8), all_true(), dtype=torch.float32, order=None)
+        ours = model(**inputs)[0]
+    # an all-True mask computes everything: no candidate beats dense attention, so the layers fall back
+    assert all(p.plan.predicted_speedup <= 1.0 for p in processors)
+    assert all(p.fallbacks == 1 and p.dense_calls == 1 and p.predictions == 1 for p in processors)
+    assert float((ours - own).norm() / own.norm()) < 1e-6  # the model's own attention, exactly
 
 
 def test_mask_processor_refuses_another_layout_and_names_a_missing_cache(monkeypatch):

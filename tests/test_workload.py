@@ -95,22 +95,7 @@ def test_attention_is_local_has_sharp_and_soft_heads_and_global_tokens():
     assert per_global > 5.0 / n
 
 
-def _stand_ins(monkeypatch):
-    """Until natsim.masks has sparge and hierarchical (another change brings them), small stand-ins with their
-    call signatures, built on topp, let the benchmark's smoke run exercise every row; the real ones are used
-    when present."""
-    import natsim.masks
-
-    if not hasattr(natsim.masks, "sparge"):
-        monkeypatch.setattr(natsim.masks, "sparge", lambda q, k, qb, kb, *, cdf=0.9, sim_threshold=0.6, scale=None:
-                            natsim.masks.topp(q, k, qb, kb, cdf, scale=scale), raising=False)
-    if not hasattr(natsim.masks, "hierarchical"):
-        monkeypatch.setattr(natsim.masks, "hierarchical", lambda q, k, qb, kb, *, keep, sub_block=16, scale=None:
-                            natsim.masks.topp(q, k, qb, kb, keep, scale=scale), raising=False)
-
-
-def test_masks_benchmark_small_run_gives_sane_numbers(monkeypatch, reference_path, tmp_path, capsys):
-    _stand_ins(monkeypatch)
+def test_masks_benchmark_small_run_gives_sane_numbers(reference_path, tmp_path, capsys):
     record = load("masks").main(["--small", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "masks_small.json").read_text()) == json.loads(json.dumps(record))
     assert {"device", "torch", "triton", "date"} <= set(record) and record["device"] == "cpu"
