@@ -136,15 +136,6 @@ def test_autocast_on_cuda():
     assert out.dtype == torch.bfloat16 and ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def test_cuda_inputs_that_require_grad_are_refused():
-    q, k, v = (torch.randn(1, 12, 20, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    with pytest.raises(RuntimeError, match="no backward pass yet"):
-        gna_attention(q, k, v, (5, 7))
-    with torch.no_grad():
-        gna_attention(q, k, v, (5, 7))
-
-
 def test_layout_path_equals_permuted_path_at_real_size():
     shape, window, stride, tile = (30, 48, 80), (18, 24, 24), (1, 8, 8), (2, 8, 8)
     q, k, v = (torch.randn(1, *shape, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
