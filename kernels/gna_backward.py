@@ -444,10 +444,11 @@ def _problem_arguments(problem: Problem, q_layout: TileLayout, kv_layout: TileLa
 
 
 def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile: tuple[int, ...],
-                      kv_tile: tuple[int, ...], scale: float, debug: bool = False):
+                      kv_tile: tuple[int, ...], scale: float, debug: bool = False, options: Optional[dict] = None):
     """dq, dk, dv (and, with `debug`, the dK/dV kernel's `[KV tiles, 2]` counts of visiting Q tiles and full
     pairs, else None) of permuted contiguous tensors: q, out, grad_out `[B, q tokens, H, D]` and lse, grad_lse
-    (or None) `[B, q tokens, H]` fp32 in `q_tile` order; k, v `[B, kv tokens, H, D]` in `kv_tile` order."""
+    (or None) `[B, q tokens, H]` fp32 in `q_tile` order; k, v `[B, kv tokens, H, D]` in `kv_tile` order.
+    `options` override the launch options (`num_warps`, `num_stages`; benchmarks/backward.py --tune)."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
@@ -459,7 +460,7 @@ def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q
     shared = dict(q_tokens=q_layout.num_tokens, kv_tokens=kv_layout.num_tokens, heads=heads,
                   qk_scale=scale * LOG2E, scale=scale, HEAD_DIM=head_dim,
                   MASKED=needs_mask(problem, q_tile, kv_tile), **_problem_arguments(problem, q_layout, kv_layout))
-    options = _launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim)
+    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **(options or {})}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     counts = torch.zeros((kv_layout.num_tiles, 2), dtype=torch.int32, device=q.device) if debug else None
     steps = {f"STEPS{i}": n.bit_length() + 1 for i, n in enumerate(q_layout.tiles_per_group)}
@@ -498,3 +499,19 @@ def gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, scale:
     )
     return tuple(unpermute(g, problem.shape, tile, dilation).reshape(q.shape)
                  for g, tile in ((dq, q_tile), (dk, kv_tile), (dv, kv_tile)))
+
+
+def backward_tile_counts(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], head_dim: int = 32,
+                         device: str = "cuda", dtype: torch.dtype = torch.float16):
+    """Run the backward with the dK/dV kernel's debug counters on (random permuted inputs, batch 1, one head)
+    and return `(visited, full)` per KV tile in permuted order: the Q tiles it ran and how many of those pairs
+    are full. Compare with `natsim.simulate_backward`."""
+    q_tokens = TileLayout(problem.shape, q_tile, problem.dilation).num_tokens
+    kv_tokens = TileLayout(problem.shape, kv_tile, problem.dilation).num_tokens
+    q, out, grad_out = (torch.randn((1, q_tokens, 1, head_dim), device=device, dtype=dtype) for _ in range(3))
+    k, v = (torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype) for _ in range(2))
+    lse = torch.zeros((1, q_tokens, 1), device=device)
+    *_, counts = backward_permuted(q, k, v, out, lse, grad_out, None, problem, q_tile, kv_tile, head_dim**-0.5,
+                                   debug=True)
+    counts = counts.cpu().numpy().astype("int64")
+    return counts[:, 0], counts[:, 1]
