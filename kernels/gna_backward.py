@@ -80,8 +80,8 @@ def _first_q_tile(threshold, group_len, window, stride, STEPS, CAUSAL: tl.conste
         else:
             holds = end >= threshold
         searching = lo < hi
+        lo = tl.where(searching, tl.where(holds, lo, mid + 1), lo)
         hi = tl.where(searching & holds, mid, hi)
-        lo = tl.where(searching & (holds == 0), mid + 1, lo)
     return lo
 
 
