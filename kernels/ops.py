@@ -7,9 +7,11 @@ decisions are made from them, never from tensor values.
 
 Gradients (issue 13): `natsim::gna_forward` saves q, k, v, the output and the LSE, and its backward runs the
 Triton backward kernels (kernels/gna_backward.py) on the Triton path; callers that need gradients ask the
-forward for the LSE (gna_attention does). The sparse kernel has no backward pass yet: a call whose inputs
-require grad under grad mode is refused at once on its Triton path. The torch reference (CPU tensors without
-the interpreter) is differentiable on both: its backward recomputes the reference under autograd.
+forward for the LSE (gna_attention does). `natsim::sparse_forward` does the same with
+kernels/sparse_backward.py. Each backward is an operator of its own (`natsim::gna_backward`,
+`natsim::sparse_backward`, with fake implementations), so that torch.compile keeps it in its graph; a forward
+called without the LSE is run again for it in the backward. The torch reference (CPU tensors without the
+interpreter) is differentiable on both: its backward recomputes the reference under autograd.
 """
 
 from __future__ import annotations
@@ -142,14 +144,6 @@ gna_forward.register_autograd(_backward, setup_context=_setup_context)
 
 # == natsim::sparse_forward: attention under any block mask (kernels/sparse.py) ===================================
 
-SPARSE_GRADIENT_REFUSAL = (
-    "natsim's Triton sparse attention kernel has no backward pass yet, and q, k or v requires grad: the output "
-    "would silently carry no gradient to them. For inference, call it under torch.no_grad() (or "
-    "torch.inference_mode()); for gradients today, run the torch reference on CPU tensors "
-    "(natsim.kernels.sparse_reference, or sparse_attention on CPU tensors without TRITON_INTERPRET=1)."
-)
-
-
 @torch.library.custom_op("natsim::sparse_forward", mutates_args=())
 def sparse_forward(
     q: torch.Tensor,
@@ -185,24 +179,63 @@ def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_
 
 
 def _sparse_setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs = inputs
-    if use_triton(q):
-        raise RuntimeError(SPARSE_GRADIENT_REFUSAL)
-    ctx.save_for_backward(q, k, v, mask)
+    # By position: q, k, v, mask, q_block, kv_block, merge, scale lead the schema; later arguments select
+    # kernel variants and take no gradient.
+    q, k, v, mask, q_block, kv_block, merge, scale = inputs[:8]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, out, lse)
     ctx.arguments = (q_block, kv_block, scale)
+    ctx.num_inputs = len(inputs)
+    ctx.set_materialize_grads(False)
+
+
+@torch.library.custom_op("natsim::sparse_backward", mutates_args=())
+def sparse_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    q_block: int,
+    kv_block: int,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `natsim::sparse_forward` on the Triton path (kernels/sparse_backward.py, on the unmerged
+    block mask: merging never changes an output row). An empty `lse` (a forward called without `return_lse`)
+    runs the forward again for it."""
+    from .sparse import sparse_forward_impl
+    from .sparse_backward import sparse_backward as run_backward
+
+    if not lse.numel():
+        out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, None, scale, True, "grid", None)
+    return run_backward(q, k, v, out, lse, grad_out, grad_lse, mask, q_block, kv_block, scale)
+
+
+@sparse_backward.register_fake
+def _sparse_backward_fake(q, k, v, mask, out, lse, grad_out, grad_lse, q_block, kv_block, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
-    """Gradients of the torch reference, recomputed under autograd (CPU path only)."""
-    from .sparse import sparse_reference
-
-    q, k, v, mask = ctx.saved_tensors
+    """The gradients of q, k and v (none for the other arguments): through `natsim::sparse_backward` on the
+    Triton path, the torch reference's recomputed under autograd on the CPU path."""
+    q, k, v, mask, out, lse = ctx.saved_tensors
     q_block, kv_block, scale = ctx.arguments
-    dq, dk, dv = _recomputed_gradients(
-        lambda q, k, v: sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True),
-        q, k, v, grad_out, grad_lse,
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    grad_lse = grad_lse if grad_lse is not None and grad_lse.numel() else None
+    if use_triton(q):
+        dq, dk, dv = sparse_backward(q, k, v, mask, out, lse, grad_out, grad_lse, q_block, kv_block, scale)
+    else:
+        from .sparse import sparse_reference
+
+        dq, dk, dv = _recomputed_gradients(
+            lambda q, k, v: sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True),
+            q, k, v, grad_out, grad_lse,
+        )
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 sparse_forward.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)
