@@ -235,9 +235,11 @@ def table(rows) -> str:
         f = lambda key, d=1: f"{r[key]:.{d}f}" if isinstance(r.get(key), float) else "-"  # noqa: E731
         tiles = f"{'x'.join(map(str, r['bwd_q_tile']))} / {'x'.join(map(str, r['bwd_kv_tile']))}"
         lines.append(
-            f"| {r['case']} | {tiles} | {f('fwd_ms')} | {f('bwd_ms')} ({f('bwd_kernels_ms')}) | {f('bwd_over_fwd', 2)} | "
-            f"{f('realised_bwd_speedup', 2)} / {f('sim_speedup_mean', 2)} | {f('flex_fwd_ms')} / {f('flex_bwd_ms')} | "
-            f"{f('sdpa_cudnn_fwd_ms')} / {f('sdpa_cudnn_bwd_ms')} | {f('sdpa_flash_fwd_ms')} / {f('sdpa_flash_bwd_ms')} | "
+            f"| {r['case']} | {tiles} | {f('fwd_ms')} | {f('bwd_ms')} ({f('bwd_kernels_ms')}) | "
+            f"{f('bwd_over_fwd', 2)} | {f('realised_bwd_speedup', 2)} / {f('sim_speedup_mean', 2)} | "
+            f"{f('flex_fwd_ms')} / {f('flex_bwd_ms')} | "
+            f"{f('sdpa_cudnn_fwd_ms')} / {f('sdpa_cudnn_bwd_ms')} | "
+            f"{f('sdpa_flash_fwd_ms')} / {f('sdpa_flash_bwd_ms')} | "
             f"{f('rel_err_dq', 4)} / {f('rel_err_dk', 4)} / {f('rel_err_dv', 4)} |")
     return "\n".join(lines)
 

@@ -133,7 +133,8 @@ def gna_attention(
     else:
         ndim = q.dim() - 3
         # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
-        needs_lse = return_lse or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        needs_lse = return_lse or tracked
         out, lse = ops.gna_forward(
             q, k, v, _per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim),
             _per_dim(causal, ndim), None if scale is None else float(scale),

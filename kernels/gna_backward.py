@@ -152,8 +152,9 @@ def _window_mask(q_first0, q_first1, q_first2, k_first0, k_first1, k_first2, len
                  W0, W1, W2, S0, S1, S2, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
                  TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
                  TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, KEYS_FIRST: tl.constexpr):
-    """`[BLOCK_M, BLOCK_N]` mask (`[BLOCK_N, BLOCK_M]` when KEYS_FIRST): query row r of the Q tile at `q_first` attends key column c of the KV tile at
-    `k_first` (in-group coordinates). Windows end inside the group, so padding keys are dropped too."""
+    """`[BLOCK_M, BLOCK_N]` mask (`[BLOCK_N, BLOCK_M]` when KEYS_FIRST): query row r of the Q tile at `q_first`
+    attends key column c of the KV tile at `k_first` (in-group coordinates). Windows end inside the group, so
+    padding keys are dropped too."""
     rows = tl.arange(0, TQ0 * TQ1 * TQ2)
     cols = tl.arange(0, TK0 * TK1 * TK2)
     s0, e0 = window_bounds(q_first0 + rows // (TQ1 * TQ2), len0, W0, S0, C0)

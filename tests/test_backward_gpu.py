@@ -2,7 +2,8 @@
 
 Gradients of `gna_attention` (the registered operator and its Triton backward) against the float32 chunked
 reference on full video layouts (two heads, to keep the reference quick), the dK/dV kernel's tile counts
-against `natsim.simulate_backward`, and forward + backward under torch.compile.
+against `natsim.simulate_backward`, forward + backward under torch.compile, and `sparse_attention`'s gradients
+against autograd through `sparse_reference` in float32.
 """
 
 from __future__ import annotations
@@ -75,3 +76,21 @@ def test_compiled_forward_and_backward_equal_eager():
     want = torch.autograd.grad(loss(q, k, v), (q, k, v))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("q_block, kv_block, merge, density", [
+    (128, 128, None, 0.3), (64, 16, "xor", 0.5), (16, 128, "consecutive", 0.7),
+])
+def test_sparse_attention_gradients_match_the_float32_reference(q_block, kv_block, merge, density):
+    from natsim.kernels import sparse_attention, sparse_reference
+
+    torch.manual_seed(0)
+    seq_len, heads = 16000, 2
+    mask = torch.rand(1, heads, -(-seq_len // q_block), -(-seq_len // kv_block), device="cuda") < density
+    q, k, v, g = (torch.randn(1, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(sparse_attention(*leaves, mask, q_block, kv_block, merge=merge), leaves, g)
+    inputs = [t.float().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(sparse_reference(*inputs, mask, q_block, kv_block), inputs, g.float())
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert rel(a, b) < TOLERANCE[torch.bfloat16], (name, rel(a, b))

@@ -81,7 +81,7 @@ def test_permute_round_trip_at_real_size():
 
 # ---------------------------------------------------------------------------------------------------------
 # As real models call it: default tiles on layouts the tiles do not divide, torch.compile, CUDA graphs,
-# gradients refused, the in-place and permuted paths.
+# the in-place and permuted paths (gradients: tests/test_backward_gpu.py).
 
 PADDED = [
     # shape, window, stride (default tiles; dense runs over the flattened sequence)
