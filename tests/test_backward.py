@@ -99,12 +99,12 @@ def test_backward_kernels_match_float64_reference_gradients(case, dtype):
 
 @pytest.mark.parametrize("problem, q_tile, kv_tile", [
     (Problem((9, 8), (4, 4), (4, 4)), (4, 4), (4, 4)),  # stride = window: blocked attention, block-sparse
-    (Problem((12, 10), (4, 3), 1, (2, 1), (False, True)), (4, 4), (2, 8)),  # even window, dilation, causal
+    (Problem((8, 10), (4, 3), 1, (2, 1), (False, True)), (4, 4), (2, 8)),  # even window, dilation, causal
     (Problem((40,), 40), (16,), (32,)),  # dense: no mask code, padding keys and queries
     (Problem((3, 4, 5), (3, 2, 4), (1, 2, 3), 1, (True, False, False)), (2, 2, 4), (2, 2, 4)),
 ])
 def test_backward_kernel_edge_cases(problem, q_tile, kv_tile):
-    kernel_against_reference(problem, q_tile, kv_tile, torch.float32, with_lse_gradient=True, batch=2, heads=2)
+    kernel_against_reference(problem, q_tile, kv_tile, torch.float32, with_lse_gradient=True, batch=2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -227,9 +227,9 @@ def test_a_plan_is_differentiable():
 
 
 def test_reference_path_passes_gradcheck_with_dilation_and_causal(reference_path):
-    q, k, v = (torch.randn(1, 5, 4, 1, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 4, 3, 1, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
     assert torch.autograd.gradcheck(
-        lambda q, k, v: gna_attention(q, k, v, (2, 3), (1, 2), (2, 1), (True, False), return_lse=True), (q, k, v))
+        lambda q, k, v: gna_attention(q, k, v, (2, 2), (1, 2), (2, 1), (True, False), return_lse=True), (q, k, v))
 
 
 def test_chunked_reference_gradients_equal_autograd_through_the_reference():
