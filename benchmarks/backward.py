@@ -180,12 +180,15 @@ def run(with_flex: bool, with_check: bool, save) -> list[dict]:
     return rows
 
 
-TUNE = [  # (q tile, kv tile, launch options) for the backward kernels
+TUNE = [  # (q tile, kv tile, launch options) for the backward kernels; ATOMIC_DQ: dQ by atomics, no dQ kernel
     ((1, 8, 8), (2, 8, 8), {}),
     ((1, 8, 8), (2, 8, 8), dict(num_warps=4, num_stages=2)),
     ((1, 8, 8), (2, 8, 8), dict(num_warps=8, num_stages=3)),
+    ((1, 8, 8), (2, 8, 8), dict(ATOMIC_DQ=True)),
+    ((1, 8, 8), (2, 8, 8), dict(ATOMIC_DQ=True, num_warps=4)),
     ((1, 4, 8), (2, 8, 8), dict(num_warps=4)),
     ((1, 4, 8), (2, 8, 8), dict(num_warps=8)),
+    ((1, 4, 8), (2, 8, 8), dict(ATOMIC_DQ=True, num_warps=8)),
     ((2, 8, 8), (2, 8, 8), dict(num_warps=8)),
     ((1, 8, 8), (1, 8, 8), dict(num_warps=4)),
     ((2, 8, 8), (1, 8, 8), dict(num_warps=8)),
@@ -212,7 +215,7 @@ def tune() -> list[dict]:
                 row["ms"] = bench(call)
                 row["sim_speedup_mean"] = natsim.simulate_backward(problem, natsim.TileConfig(q_tile, kv_tile)) \
                     .tile_speedup_mean
-                if q_tile == TUNE[0][0]:
+                if q_tile == TUNE[0][0]:  # same permutation of q: the first tokens' dq compare directly
                     reference = dq if reference is None else reference
                     row["rel_diff_dq_first_tokens"] = rel(dq, reference)
             except Exception as error:

@@ -188,28 +188,35 @@ def _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, MASKED: tl.constexpr):
-    """One visiting Q tile's contribution to dK (unscaled) and dV; `keep` is `[keys, queries]` when MASKED."""
+    """One visiting Q tile's contribution to dK (unscaled) and dV, and `ds^T` (`[keys, queries]`, for an
+    atomic dQ); `keep` is `[keys, queries]` when MASKED."""
     qk = tl.dot(k, tl.trans(q))
     p = tl.math.exp2(qk * qk_scale - lse2[None, :])
     if MASKED:
         p = tl.where(keep, p, 0.0)
     dv = tl.dot(p.to(do.dtype), do, dv)
     dp = tl.dot(v, tl.trans(do))
-    ds = p * (dp - delta[None, :])
-    dk = tl.dot(ds.to(q.dtype), q, dk)
-    return dk, dv
+    ds = (p * (dp - delta[None, :])).to(q.dtype)
+    dk = tl.dot(ds, q, dk)
+    return dk, dv, ds
+
+
+@triton.jit
+def _add_dq(DQ, q_offsets, ds, k, scale):
+    """ATOMIC_DQ: add this pair's `ds k * scale` to the fp32 dQ rows (relaxed atomics; order is irrelevant)."""
+    tl.atomic_add(DQ + q_offsets, tl.dot(tl.trans(ds), k) * scale, sem="relaxed")
 
 
 @triton.jit
 def dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, COUNTS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, COUNTS,
     q_tokens, kv_tokens, heads, qk_scale, scale,
     L0, L1, L2, W0, W1, W2, S0, S1, S2, D0, D1, D2,
     NQ0, NQ1, NQ2, NK0, NK1, NK2, STEPS0, STEPS1, STEPS2,
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, DEBUG: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, DEBUG: tl.constexpr, ATOMIC_DQ: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
@@ -270,7 +277,9 @@ def dkdv_kernel(
         stat = (b * q_tokens + tokens) * heads + h
         lse2 = tl.load(LSE + stat) * 1.4426950408889634
         delta = tl.load(DELTA + stat)
-        dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
+        dk, dv, ds = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
+        if ATOMIC_DQ:
+            _add_dq(DQ, q_offsets, ds, k, scale)
         if DEBUG:
             visited += 1
             full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
@@ -292,7 +301,9 @@ def dkdv_kernel(
             keep = _window_mask(t0 * TQ0, t1 * TQ1, t2 * TQ2, j0 * TK0, j1 * TK1, j2 * TK2,
                                 len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
                                 TQ0, TQ1, TQ2, TK0, TK1, TK2, True)
-            dk, dv = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
+            dk, dv, ds = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
+            if ATOMIC_DQ:
+                _add_dq(DQ, q_offsets, ds, k, scale)
             if DEBUG:
                 visited += 1
                 full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
@@ -449,7 +460,9 @@ def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q
     """dq, dk, dv (and, with `debug`, the dK/dV kernel's `[KV tiles, 2]` counts of visiting Q tiles and full
     pairs, else None) of permuted contiguous tensors: q, out, grad_out `[B, q tokens, H, D]` and lse, grad_lse
     (or None) `[B, q tokens, H]` fp32 in `q_tile` order; k, v `[B, kv tokens, H, D]` in `kv_tile` order.
-    `options` override the launch options (`num_warps`, `num_stages`; benchmarks/backward.py --tune)."""
+    `options` override the launch options (`num_warps`, `num_stages`; benchmarks/backward.py --tune) and may set
+    `ATOMIC_DQ`: dQ accumulated by the dK/dV kernel with fp32 atomic adds (five tile products per pair instead
+    of seven, no dQ kernel; a tuning variant, not yet timed on a GPU)."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
@@ -462,13 +475,18 @@ def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q
                   qk_scale=scale * LOG2E, scale=scale, HEAD_DIM=head_dim,
                   MASKED=needs_mask(problem, q_tile, kv_tile), **_problem_arguments(problem, q_layout, kv_layout))
     options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **(options or {})}
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    atomic = bool(options.pop("ATOMIC_DQ", False))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q)
     counts = torch.zeros((kv_layout.num_tiles, 2), dtype=torch.int32, device=q.device) if debug else None
     steps = {f"STEPS{i}": n.bit_length() + 1 for i, n in enumerate(q_layout.tiles_per_group)}
-    dkdv_kernel[(kv_layout.num_tiles, batch * heads)](q, k, v, grad_out, lse, delta, dk, dv,
+    dkdv_kernel[(kv_layout.num_tiles, batch * heads)](q, k, v, grad_out, lse, delta, dk, dv, dq,
                                                       delta if counts is None else counts, **shared, **steps,
-                                                      DEBUG=debug, **options)
-    dq_kernel[(q_layout.num_tiles, batch * heads)](q, k, v, grad_out, lse, delta, dq, **shared, **options)
+                                                      DEBUG=debug, ATOMIC_DQ=atomic, **options)
+    if atomic:
+        dq = dq.to(q.dtype)
+    else:
+        dq_kernel[(q_layout.num_tiles, batch * heads)](q, k, v, grad_out, lse, delta, dq, **shared, **options)
     return dq, dk, dv, counts
 
 

@@ -297,3 +297,19 @@ def test_sparse_attention_is_differentiable_under_compile_and_merging():
     want = torch.autograd.grad(sparse_reference(*inputs, mask, 16, 32).square().sum(), inputs)
     for a, b in zip(got, want):
         assert rel_error(a, b) < 1e-2
+
+
+def test_atomic_dq_variant_matches_float64_reference_gradients():
+    from natsim.kernels.gna_backward import backward_permuted
+    from natsim.kernels.permute import permute, unpermute
+
+    problem, q_tile, kv_tile = Problem((6, 10), (3, 4), (1, 2), 1, (True, False)), (2, 8), (4, 4)
+    q, k, v, g = (torch.randn(1, 6, 10, 2, 16) for _ in range(4))
+    want, out, lse = reference_grads(problem, q, k, v, g)
+    permuted = lambda x, tile: permute(x.float(), tile)  # noqa: E731
+    dq, dk, dv, _ = backward_permuted(permuted(q, q_tile), permuted(k, kv_tile), permuted(v, kv_tile),
+                                      permuted(out, q_tile), permuted(lse[..., None], q_tile)[..., 0].contiguous(),
+                                      permuted(g, q_tile), None, problem, q_tile, kv_tile, 16**-0.5,
+                                      options=dict(ATOMIC_DQ=True))
+    for name, got, tile, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), (q_tile, kv_tile, kv_tile), want):
+        assert rel_error(unpermute(got, problem.shape, tile), ref) < 1e-4, name

@@ -94,3 +94,23 @@ def test_sparse_attention_gradients_match_the_float32_reference(q_block, kv_bloc
     want = torch.autograd.grad(sparse_reference(*inputs, mask, q_block, kv_block), inputs, g.float())
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert rel(a, b) < TOLERANCE[torch.bfloat16], (name, rel(a, b))
+
+
+@pytest.mark.parametrize("stride", [(1, 1, 1), (16, 8, 8)])
+def test_atomic_dq_variant_matches_the_float32_reference(stride):
+    from natsim.kernels.gna_backward import backward_permuted
+    from natsim.kernels.gna_launch import forward
+    from natsim.kernels.permute import permute, unpermute
+
+    shape, window = (30, 48, 80), (18, 24, 24)
+    problem = natsim.Problem(shape, window, stride)
+    q_tile, kv_tile = backward_tiles(problem, 128)
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(1, *shape, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = forward(q, k, v, window, stride, 1, False, None, None, None, True)
+    dq, _, _, _ = backward_permuted(permute(q, q_tile), permute(k, kv_tile), permute(v, kv_tile),
+                                    permute(out, q_tile), permute(lse[..., None], q_tile)[..., 0].contiguous(),
+                                    permute(g, q_tile), None, problem, q_tile, kv_tile, 128**-0.5,
+                                    options=dict(ATOMIC_DQ=True))
+    want = reference_gradients(q, k, v, g, window, stride)[0]
+    assert rel(unpermute(dq, shape, q_tile), want) < TOLERANCE[torch.bfloat16]
