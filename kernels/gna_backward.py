@@ -19,6 +19,10 @@ element mask. `MASKED=False` (the host's `needs_mask`: dense and block-sparse co
 first loop alone over the whole box. Padding queries carry dO = 0, delta = 0 and a finite LSE, so they add
 nothing to dK and dV. With DEBUG on, the dK/dV kernel counts per KV tile the Q tiles it ran and how many of
 them are full (gna-semantics.md's definition), to be held against `natsim.simulate_backward`.
+
+`ATOMIC_DQ` (a tuning switch, off by default) has the dK/dV kernel add each pair's `ds k` to an fp32 dQ with
+atomics instead of running `dq_kernel`: five tile products per pair instead of seven. The backward reads the
+permuted layout only (the forward's in-place LAYOUT 1 is not mirrored here): `gna_backward` permutes.
 """
 
 from __future__ import annotations
