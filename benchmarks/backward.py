@@ -180,11 +180,14 @@ def run(with_flex: bool, with_check: bool, save) -> list[dict]:
     return rows
 
 
-TUNE = [  # (q tile, kv tile, launch options) for the backward kernels; ATOMIC_DQ: dQ by atomics, no dQ kernel
+TUNE = [  # (q tile, kv tile, options) for the backward kernels; ATOMIC_DQ: dQ by atomics; USE_TMA: descriptors
     ((1, 8, 8), (2, 8, 8), {}),
     ((1, 8, 8), (2, 8, 8), dict(num_warps=4, num_stages=2)),
     ((1, 8, 8), (2, 8, 8), dict(num_warps=8, num_stages=3)),
     ((1, 8, 8), (2, 8, 8), dict(ATOMIC_DQ=True)),
+    ((1, 8, 8), (2, 8, 8), dict(USE_TMA=True)),
+    ((1, 8, 8), (2, 8, 8), dict(USE_TMA=True, ATOMIC_DQ=True)),
+    ((1, 8, 8), (2, 8, 8), dict(USE_TMA=True, num_warps=4)),
     ((1, 8, 8), (2, 8, 8), dict(ATOMIC_DQ=True, num_warps=4)),
     ((1, 4, 8), (2, 8, 8), dict(num_warps=4)),
     ((1, 4, 8), (2, 8, 8), dict(num_warps=8)),

@@ -20,9 +20,10 @@ first loop alone over the whole box. Padding queries carry dO = 0, delta = 0 and
 nothing to dK and dV. With DEBUG on, the dK/dV kernel counts per KV tile the Q tiles it ran and how many of
 them are full (gna-semantics.md's definition), to be held against `natsim.simulate_backward`.
 
-`ATOMIC_DQ` (a tuning switch, off by default) has the dK/dV kernel add each pair's `ds k` to an fp32 dQ with
-atomics instead of running `dq_kernel`: five tile products per pair instead of seven. The backward reads the
-permuted layout only (the forward's in-place LAYOUT 1 is not mirrored here): `gna_backward` permutes.
+Two tuning switches, off by default and not yet timed on a GPU: `USE_TMA` reads q, dO, k and v through rank-2
+tensor descriptors as the forward does; `ATOMIC_DQ` has the dK/dV kernel add each pair's `ds k` to an fp32 dQ
+with atomics instead of running `dq_kernel` (five tile products per pair instead of seven). The backward reads
+the permuted layout only (the forward's in-place LAYOUT 1 is not mirrored here): `gna_backward` permutes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import triton.language as tl
 from natsim import Problem
 
 from .gna import LOG2E, _dim_setup, _full_run, _is_full
-from .gna_launch import dense_as_1d, needs_mask
+from .gna_launch import _install_allocator, dense_as_1d, needs_mask
 from .layout import TileLayout, as_3d
 from .permute import permute, unpermute
 from .tiles import box_shapes, halves, relative_cost
@@ -191,6 +192,26 @@ def _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
 
 
 @triton.jit
+def _head_rows(P, base, tokens, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, USE_TMA: tl.constexpr):
+    """What `_rows` reads one head of a permuted `[B, tokens, heads, HEAD_DIM]` tensor through: a rank-2 tensor
+    descriptor at `P + base` in boxes of BLOCK rows (USE_TMA), else the pointer `P` itself."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(P + base, shape=[tokens, HEAD_DIM], strides=[heads * HEAD_DIM, 1],
+                                         block_shape=[BLOCK, HEAD_DIM])
+    else:
+        return P
+
+
+@triton.jit
+def _rows(source, offsets, row0, USE_TMA: tl.constexpr):
+    """Rows `row0 ..` of one head: a descriptor box (USE_TMA), else a pointer load at `source + offsets`."""
+    if USE_TMA:
+        return source.load([row0, 0])
+    else:
+        return tl.load(source + offsets)
+
+
+@triton.jit
 def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, MASKED: tl.constexpr):
     """One visiting Q tile's contribution to dK (unscaled) and dV, and `ds^T` (`[keys, queries]`, for an
     atomic dQ); `keep` is `[keys, queries]` when MASKED."""
@@ -221,6 +242,7 @@ def dkdv_kernel(
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
     HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, DEBUG: tl.constexpr, ATOMIC_DQ: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
@@ -259,10 +281,14 @@ def dkdv_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q_group = group * (NQ0 * NQ1 * NQ2)
     q_base = b * q_tokens * heads * HEAD_DIM + h * HEAD_DIM
-    kv_offsets = (b * kv_tokens * heads * HEAD_DIM + h * HEAD_DIM
-                  + (kv_tile * BLOCK_N + cols).to(tl.int64)[:, None] * (heads * HEAD_DIM) + dims[None, :])
-    k = tl.load(K + kv_offsets)
-    v = tl.load(V + kv_offsets)
+    kv_base = b * kv_tokens * heads * HEAD_DIM + h * HEAD_DIM
+    kv_offsets = kv_base + (kv_tile * BLOCK_N + cols).to(tl.int64)[:, None] * (heads * HEAD_DIM) + dims[None, :]
+    q_src = _head_rows(Q, q_base, q_tokens, heads, HEAD_DIM, BLOCK_M, USE_TMA)
+    do_src = _head_rows(DO, q_base, q_tokens, heads, HEAD_DIM, BLOCK_M, USE_TMA)
+    k = _rows(_head_rows(K, kv_base, kv_tokens, heads, HEAD_DIM, BLOCK_N, USE_TMA), kv_offsets,
+              kv_tile * BLOCK_N, USE_TMA)
+    v = _rows(_head_rows(V, kv_base, kv_tokens, heads, HEAD_DIM, BLOCK_N, USE_TMA), kv_offsets,
+              kv_tile * BLOCK_N, USE_TMA)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     visited = num_q * 0
@@ -276,8 +302,8 @@ def dkdv_kernel(
         tile = q_group + (t0 * NQ1 + t1) * NQ2 + t2
         tokens = (tile * BLOCK_M + rows).to(tl.int64)
         q_offsets = q_base + tokens[:, None] * (heads * HEAD_DIM) + dims[None, :]
-        q = tl.load(Q + q_offsets)
-        do = tl.load(DO + q_offsets)
+        q = _rows(q_src, q_offsets, tile * BLOCK_M, USE_TMA)
+        do = _rows(do_src, q_offsets, tile * BLOCK_M, USE_TMA)
         stat = (b * q_tokens + tokens) * heads + h
         lse2 = tl.load(LSE + stat) * 1.4426950408889634
         delta = tl.load(DELTA + stat)
@@ -297,8 +323,8 @@ def dkdv_kernel(
             tile = q_group + (t0 * NQ1 + t1) * NQ2 + t2
             tokens = (tile * BLOCK_M + rows).to(tl.int64)
             q_offsets = q_base + tokens[:, None] * (heads * HEAD_DIM) + dims[None, :]
-            q = tl.load(Q + q_offsets)
-            do = tl.load(DO + q_offsets)
+            q = _rows(q_src, q_offsets, tile * BLOCK_M, USE_TMA)
+            do = _rows(do_src, q_offsets, tile * BLOCK_M, USE_TMA)
             stat = (b * q_tokens + tokens) * heads + h
             lse2 = tl.load(LSE + stat) * 1.4426950408889634
             delta = tl.load(DELTA + stat)
@@ -342,7 +368,7 @@ def dq_kernel(
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
@@ -384,11 +410,17 @@ def dq_kernel(
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     kv_group = group * (NK0 * NK1 * NK2)
-    kv_base = b * kv_tokens * heads * HEAD_DIM + h * HEAD_DIM + cols.to(tl.int64)[:, None] * (heads * HEAD_DIM)
+    kv_head = b * kv_tokens * heads * HEAD_DIM + h * HEAD_DIM
+    kv_base = kv_head + cols.to(tl.int64)[:, None] * (heads * HEAD_DIM)
+    k_src = _head_rows(K, kv_head, kv_tokens, heads, HEAD_DIM, BLOCK_N, USE_TMA)
+    v_src = _head_rows(V, kv_head, kv_tokens, heads, HEAD_DIM, BLOCK_N, USE_TMA)
     tokens = (q_tile * BLOCK_M + rows).to(tl.int64)
-    q_offsets = b * q_tokens * heads * HEAD_DIM + h * HEAD_DIM + tokens[:, None] * (heads * HEAD_DIM) + dims[None, :]
-    q = tl.load(Q + q_offsets)
-    do = tl.load(DO + q_offsets)
+    q_head = b * q_tokens * heads * HEAD_DIM + h * HEAD_DIM
+    q_offsets = q_head + tokens[:, None] * (heads * HEAD_DIM) + dims[None, :]
+    q = _rows(_head_rows(Q, q_head, q_tokens, heads, HEAD_DIM, BLOCK_M, USE_TMA), q_offsets, q_tile * BLOCK_M,
+              USE_TMA)
+    do = _rows(_head_rows(DO, q_head, q_tokens, heads, HEAD_DIM, BLOCK_M, USE_TMA), q_offsets, q_tile * BLOCK_M,
+               USE_TMA)
     stat = (b * q_tokens + tokens) * heads + h
     lse2 = tl.load(LSE + stat) * 1.4426950408889634
     delta = tl.load(DELTA + stat)
@@ -400,8 +432,8 @@ def dq_kernel(
     for _ in tl.range(0, num_full):
         tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
         kv_offsets = kv_base + (tile * BLOCK_N).to(tl.int64) * (heads * HEAD_DIM) + dims[None, :]
-        k = tl.load(K + kv_offsets)
-        v = tl.load(V + kv_offsets)
+        k = _rows(k_src, kv_offsets, tile * BLOCK_N, USE_TMA)
+        v = _rows(v_src, kv_offsets, tile * BLOCK_N, USE_TMA)
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, 0, False)
         k0, k1, k2 = _next_tile(k0, k1, k2, f1, g1, f2, g2)
 
@@ -410,8 +442,8 @@ def dq_kernel(
             k0, k1, k2 = _slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
             tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
             kv_offsets = kv_base + (tile * BLOCK_N).to(tl.int64) * (heads * HEAD_DIM) + dims[None, :]
-            k = tl.load(K + kv_offsets)
-            v = tl.load(V + kv_offsets)
+            k = _rows(k_src, kv_offsets, tile * BLOCK_N, USE_TMA)
+            v = _rows(v_src, kv_offsets, tile * BLOCK_N, USE_TMA)
             keep = _window_mask(first0, first1, first2, k0 * TK0, k1 * TK1, k2 * TK2, len0, len1, len2,
                                 W0, W1, W2, S0, S1, S2, C0, C1, C2, TQ0, TQ1, TQ2, TK0, TK1, TK2, False)
             dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
@@ -466,7 +498,8 @@ def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q
     (or None) `[B, q tokens, H]` fp32 in `q_tile` order; k, v `[B, kv tokens, H, D]` in `kv_tile` order.
     `options` override the launch options (`num_warps`, `num_stages`; benchmarks/backward.py --tune) and may set
     `ATOMIC_DQ`: dQ accumulated by the dK/dV kernel with fp32 atomic adds (five tile products per pair instead
-    of seven, no dQ kernel; a tuning variant, not yet timed on a GPU)."""
+    of seven, no dQ kernel) and `USE_TMA`: q, dO, k, v read through tensor descriptors (Hopper's bulk copies)
+    instead of pointer tiles; tuning variants, not yet timed on a GPU."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
@@ -480,6 +513,8 @@ def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q
                   MASKED=needs_mask(problem, q_tile, kv_tile), **_problem_arguments(problem, q_layout, kv_layout))
     options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **(options or {})}
     atomic = bool(options.pop("ATOMIC_DQ", False))
+    if options.get("USE_TMA"):
+        _install_allocator()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q)
     counts = torch.zeros((kv_layout.num_tiles, 2), dtype=torch.int32, device=q.device) if debug else None

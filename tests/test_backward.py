@@ -299,7 +299,8 @@ def test_sparse_attention_is_differentiable_under_compile_and_merging():
         assert rel_error(a, b) < 1e-2
 
 
-def test_atomic_dq_variant_matches_float64_reference_gradients():
+@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(USE_TMA=True), dict(ATOMIC_DQ=True, USE_TMA=True)])
+def test_tuning_variants_match_float64_reference_gradients(options):
     from natsim.kernels.gna_backward import backward_permuted
     from natsim.kernels.permute import permute, unpermute
 
@@ -310,6 +311,6 @@ def test_atomic_dq_variant_matches_float64_reference_gradients():
     dq, dk, dv, _ = backward_permuted(permuted(q, q_tile), permuted(k, kv_tile), permuted(v, kv_tile),
                                       permuted(out, q_tile), permuted(lse[..., None], q_tile)[..., 0].contiguous(),
                                       permuted(g, q_tile), None, problem, q_tile, kv_tile, 16**-0.5,
-                                      options=dict(ATOMIC_DQ=True))
+                                      options=options)
     for name, got, tile, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), (q_tile, kv_tile, kv_tile), want):
         assert rel_error(unpermute(got, problem.shape, tile), ref) < 1e-4, name

@@ -96,8 +96,9 @@ def test_sparse_attention_gradients_match_the_float32_reference(q_block, kv_bloc
         assert rel(a, b) < TOLERANCE[torch.bfloat16], (name, rel(a, b))
 
 
+@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(USE_TMA=True), dict(USE_TMA=True, ATOMIC_DQ=True)])
 @pytest.mark.parametrize("stride", [(1, 1, 1), (16, 8, 8)])
-def test_atomic_dq_variant_matches_the_float32_reference(stride):
+def test_tuning_variants_match_the_float32_reference(stride, options):
     from natsim.kernels.gna_backward import backward_permuted
     from natsim.kernels.gna_launch import forward
     from natsim.kernels.permute import permute, unpermute
@@ -108,9 +109,9 @@ def test_atomic_dq_variant_matches_the_float32_reference(stride):
     torch.manual_seed(0)
     q, k, v, g = (torch.randn(1, *shape, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = forward(q, k, v, window, stride, 1, False, None, None, None, True)
-    dq, _, _, _ = backward_permuted(permute(q, q_tile), permute(k, kv_tile), permute(v, kv_tile),
-                                    permute(out, q_tile), permute(lse[..., None], q_tile)[..., 0].contiguous(),
-                                    permute(g, q_tile), None, problem, q_tile, kv_tile, 128**-0.5,
-                                    options=dict(ATOMIC_DQ=True))
-    want = reference_gradients(q, k, v, g, window, stride)[0]
-    assert rel(unpermute(dq, shape, q_tile), want) < TOLERANCE[torch.bfloat16]
+    grads = backward_permuted(permute(q, q_tile), permute(k, kv_tile), permute(v, kv_tile), permute(out, q_tile),
+                              permute(lse[..., None], q_tile)[..., 0].contiguous(), permute(g, q_tile), None,
+                              problem, q_tile, kv_tile, 128**-0.5, options=options)[:3]
+    want = reference_gradients(q, k, v, g, window, stride)
+    for name, got, tile, ref in zip(("dq", "dk", "dv"), grads, (q_tile, kv_tile, kv_tile), want):
+        assert rel(unpermute(got, shape, tile), ref) < TOLERANCE[torch.bfloat16], name
