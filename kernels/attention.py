@@ -127,8 +127,9 @@ def gna_attention(
     tiles exactly the box of keys it needs from the box's corner (kernels/gna_dynamic.py); None (default) lets
     natsim choose by predicted work where both are costed (the in-place path; static elsewhere).
     Returns the output in q's layout, and with `return_lse` also the natural-log log-sum-exp
-    `[B, *shape, heads]` in float32. Inputs that require grad under grad mode are refused on the Triton path
-    (no backward kernel yet); inside an autocast region q, k, v are cast to its dtype.
+    `[B, *shape, heads]` in float32. Differentiable with respect to q, k and v (and through the LSE): the
+    Triton backward kernels on CUDA tensors, the reference's gradients on CPU ones; inside an autocast region
+    q, k, v are cast to its dtype.
     """
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
@@ -137,11 +138,14 @@ def gna_attention(
                            kv_tiling)
     else:
         ndim = q.dim() - 3
+        # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
+        tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        needs_lse = return_lse or tracked
         out, lse = ops.gna_forward(
             q, k, v, _per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim),
             _per_dim(causal, ndim), None if scale is None else float(scale),
             None if q_tile is None else _per_dim(q_tile, ndim), None if kv_tile is None else _per_dim(kv_tile, ndim),
-            return_lse, kv_tiling,
+            needs_lse, kv_tiling,
         )
     return (out, lse) if return_lse else out
 

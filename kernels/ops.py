@@ -5,10 +5,13 @@ fullgraph=True)` keeps a call in its graph without tracing into Triton, and CUDA
 other op. Every argument that selects a kernel variant is a plain int, float or bool list: the host-side
 decisions are made from them, never from tensor values.
 
-Gradients (issue 13): the Triton kernels have no backward pass yet. A call whose inputs require grad under
-grad mode is refused at once on the Triton path, with the ways to get gradients today, instead of returning
-an output that silently drops them. The torch reference (CPU tensors without the interpreter) is
-differentiable: its backward recomputes the reference under autograd.
+Gradients (issue 13): `natsim::gna_forward` saves q, k, v, the output and the LSE, and its backward runs the
+Triton backward kernels (kernels/gna_backward.py) on the Triton path; callers that need gradients ask the
+forward for the LSE (gna_attention does). `natsim::sparse_forward` does the same with
+kernels/sparse_backward.py. Each backward is an operator of its own (`natsim::gna_backward`,
+`natsim::sparse_backward`, with fake implementations), so that torch.compile keeps it in its graph; a forward
+called without the LSE is run again for it in the backward. The torch reference (CPU tensors without the
+interpreter) is differentiable on both: its backward recomputes the reference under autograd.
 """
 
 from __future__ import annotations
@@ -19,13 +22,6 @@ import torch
 
 from .backend import use_triton
 from .gna_launch import forward
-
-GRADIENT_REFUSAL = (
-    "natsim's Triton GNA kernel has no backward pass yet, and q, k or v requires grad: the output would "
-    "silently carry no gradient to them. For inference, call it under torch.no_grad() (or "
-    "torch.inference_mode()); for gradients today, run the torch reference on CPU tensors "
-    "(natsim.kernels.reference_attention, or gna_attention on CPU tensors without TRITON_INTERPRET=1)."
-)
 
 
 @torch.library.custom_op("natsim::gna_forward", mutates_args=())
@@ -71,11 +67,14 @@ def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
+    # By position: q, k, v, window, stride, dilation, causal, scale lead the schema; later arguments (tiles,
+    # return_lse and any added after them) select kernel variants and take no gradient.
     q, k, v, window, stride, dilation, causal, scale = inputs[:8]
-    if use_triton(q):
-        raise RuntimeError(GRADIENT_REFUSAL)
-    ctx.save_for_backward(q, k, v)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
     ctx.arguments = (window, stride, dilation, causal, scale)
+    ctx.num_inputs = len(inputs)
+    ctx.set_materialize_grads(False)  # an unused LSE (the usual case) brings None, not a tensor of zeros
 
 
 def _recomputed_gradients(reference, q, k, v, grad_out: torch.Tensor, grad_lse: torch.Tensor):
@@ -90,16 +89,57 @@ def _recomputed_gradients(reference, q, k, v, grad_out: torch.Tensor, grad_lse: 
         return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
 
 
-def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
-    """Gradients of the torch reference, recomputed under autograd (CPU path only)."""
-    from .reference import reference_attention
+@torch.library.custom_op("natsim::gna_backward", mutates_args=())
+def gna_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    window: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    causal: Sequence[bool],
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `natsim::gna_forward` on the Triton path: the backward kernels (kernels/gna_backward.py)
+    from the forward's output and LSE; an empty `lse` (a forward called without `return_lse`) runs the
+    forward again for it. An operator of its own, so that AOTAutograd (torch.compile) keeps the backward in
+    its graph as one opaque call."""
+    from .checks import problem_of
+    from .gna_backward import gna_backward as run_backward
 
-    window, stride, dilation, causal, scale = ctx.arguments
-    dq, dk, dv = _recomputed_gradients(
-        lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True),
-        *ctx.saved_tensors, grad_out, grad_lse,
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    problem = problem_of(tuple(q.shape[1:-2]), tuple(window), tuple(stride), tuple(dilation), tuple(causal))
+    if not lse.numel():
+        out, lse = forward(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal, scale,
+                           None, None, True)
+    return run_backward(q, k, v, out, lse, grad_out, grad_lse, problem, scale)
+
+
+@gna_backward.register_fake
+def _gna_backward_fake(q, k, v, out, lse, grad_out, grad_lse, window, stride, dilation, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    """The gradients of q, k and v (none for the other arguments): through `natsim::gna_backward` on the
+    Triton path, the torch reference's recomputed under autograd on the CPU path."""
+    q, k, v, out, lse = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    grad_lse = grad_lse if grad_lse is not None and grad_lse.numel() else None
+    if use_triton(q):
+        dq, dk, dv = gna_backward(q, k, v, out, lse, grad_out, grad_lse, *ctx.arguments)
+    else:
+        from .reference import reference_attention
+
+        window, stride, dilation, causal, scale = ctx.arguments
+        dq, dk, dv = _recomputed_gradients(
+            lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True),
+            q, k, v, grad_out, grad_lse,
+        )
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 gna_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -107,13 +147,11 @@ gna_forward.register_autograd(_backward, setup_context=_setup_context)
 
 # == natsim::sparse_forward: attention under any block mask (kernels/sparse.py) ===================================
 
-SPARSE_GRADIENT_REFUSAL = (
-    "natsim's Triton sparse attention kernel has no backward pass yet, and q, k or v requires grad: the output "
-    "would silently carry no gradient to them. For inference, call it under torch.no_grad() (or "
-    "torch.inference_mode()); for gradients today, run the torch reference on CPU tensors "
-    "(natsim.kernels.sparse_reference, or sparse_attention on CPU tensors without TRITON_INTERPRET=1)."
+PV_SKIP_GRADIENT_REFUSAL = (
+    "pv_threshold skips products by a data-dependent rule that has no backward pass, and q, k or v requires "
+    "grad: call it under torch.no_grad() (or torch.inference_mode()), or pass pv_threshold=None for gradients "
+    "(the backward kernels differentiate exact attention under the block mask)."
 )
-
 
 @torch.library.custom_op("natsim::sparse_forward", mutates_args=())
 def sparse_forward(
@@ -155,24 +193,65 @@ def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_
 
 
 def _sparse_setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs, pv_threshold = inputs
-    if use_triton(q):
-        raise RuntimeError(SPARSE_GRADIENT_REFUSAL)
-    ctx.save_for_backward(q, k, v, mask)
+    # By position: q, k, v, mask, q_block, kv_block, merge, scale lead the schema; later arguments select
+    # kernel variants and take no gradient.
+    q, k, v, mask, q_block, kv_block, merge, scale = inputs[:8]
+    if inputs[11] is not None:  # pv_threshold
+        raise RuntimeError(PV_SKIP_GRADIENT_REFUSAL)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, out, lse)
     ctx.arguments = (q_block, kv_block, scale)
+    ctx.num_inputs = len(inputs)
+    ctx.set_materialize_grads(False)
+
+
+@torch.library.custom_op("natsim::sparse_backward", mutates_args=())
+def sparse_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    q_block: int,
+    kv_block: int,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `natsim::sparse_forward` on the Triton path (kernels/sparse_backward.py, on the unmerged
+    block mask: merging never changes an output row). An empty `lse` (a forward called without `return_lse`)
+    runs the forward again for it."""
+    from .sparse import sparse_forward_impl
+    from .sparse_backward import sparse_backward as run_backward
+
+    if not lse.numel():
+        out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, None, scale, True, "grid", None)
+    return run_backward(q, k, v, out, lse, grad_out, grad_lse, mask, q_block, kv_block, scale)
+
+
+@sparse_backward.register_fake
+def _sparse_backward_fake(q, k, v, mask, out, lse, grad_out, grad_lse, q_block, kv_block, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
-    """Gradients of the torch reference, recomputed under autograd (CPU path only)."""
-    from .sparse import sparse_reference
-
-    q, k, v, mask = ctx.saved_tensors
+    """The gradients of q, k and v (none for the other arguments): through `natsim::sparse_backward` on the
+    Triton path, the torch reference's recomputed under autograd on the CPU path."""
+    q, k, v, mask, out, lse = ctx.saved_tensors
     q_block, kv_block, scale = ctx.arguments
-    dq, dk, dv = _recomputed_gradients(
-        lambda q, k, v: sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True),
-        q, k, v, grad_out, grad_lse,
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    grad_lse = grad_lse if grad_lse is not None and grad_lse.numel() else None
+    if use_triton(q):
+        dq, dk, dv = sparse_backward(q, k, v, mask, out, lse, grad_out, grad_lse, q_block, kv_block, scale)
+    else:
+        from .sparse import sparse_reference
+
+        dq, dk, dv = _recomputed_gradients(
+            lambda q, k, v: sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True),
+            q, k, v, grad_out, grad_lse,
+        )
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 sparse_forward.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)

@@ -91,3 +91,46 @@ def reference_attention(
     if return_lse:
         return out, lse.reshape(batch, *shape, heads)
     return out
+
+
+def reference_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    window: IntOrInts,
+    stride: IntOrInts = 1,
+    dilation: IntOrInts = 1,
+    causal: BoolOrBools = False,
+    scale: Optional[float] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `reference_attention(q, k, v, ...)` for the output gradient `grad_out`, in `compute_dtype`.
+
+    The softmax backward written out per chunk of queries (scores, exact softmax, `ds = p * (dO v^T -
+    rowsum(dO * O))`), without autograd: memory stays at one chunk of scores, so full video layouts can be
+    checked on a GPU (autograd through `reference_attention` would keep every chunk's probabilities).
+    """
+    shape = check_qkv(q, k, v)
+    problem = problem_of(shape, window, stride, dilation, causal)
+    batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    n = math.prod(shape)
+    scale = head_dim**-0.5 if scale is None else scale
+    qf, kf, vf, gf = (t.reshape(batch, n, heads, head_dim).to(compute_dtype) for t in (q, k, v, grad_out))
+    tables = _dim_tables(problem, q.device)
+    dq = torch.empty_like(qf)
+    dk = torch.zeros_like(kf)
+    dv = torch.zeros_like(vf)
+    chunk = max(1, CHUNK_ELEMENTS // (batch * heads * n))
+    for first in range(0, n, chunk):
+        rows = torch.arange(first, min(first + chunk, n), device=q.device)
+        mask = _chunk_mask(tables, list(torch.unravel_index(rows, shape)))
+        scores = (torch.einsum("bqhd,bkhd->bhqk", qf[:, rows], kf) * scale).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+        delta = (out * gf[:, rows]).sum(-1).permute(0, 2, 1)  # [b, h, q]
+        ds = probs * (torch.einsum("bqhd,bkhd->bhqk", gf[:, rows], vf) - delta[..., None])
+        dq[:, rows] = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+        dk += torch.einsum("bhqk,bqhd->bkhd", ds, qf[:, rows]) * scale
+        dv += torch.einsum("bhqk,bqhd->bkhd", probs, gf[:, rows])
+    return tuple(t.reshape(q.shape) for t in (dq, dk, dv))

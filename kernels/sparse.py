@@ -665,8 +665,10 @@ def sparse_attention(
       `-pv_threshold` below its running maximum (module docstring; an approximation that depends on the
       order of the tiles, which `kernels/pvskip.py` reproduces in torch).
     Returns the output (q's dtype) and with `return_lse` the natural-log LSE `[B, N, heads]` (float32, -inf
-    for a query that attends nothing, whose output is 0). Inputs that require grad under grad mode are
-    refused on the Triton path; CPU tensors without TRITON_INTERPRET=1 run `sparse_reference`.
+    for a query that attends nothing, whose output is 0). Differentiable with respect to q, k and v (the
+    Triton backward kernels, kernels/sparse_backward.py, on the unmerged mask; the reference's gradients on
+    the CPU path), except with `pv_threshold`, whose skips have no gradient (refused). CPU tensors without
+    TRITON_INTERPRET=1 run `sparse_reference`.
     """
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
@@ -689,17 +691,15 @@ def sparse_attention(
     scale = None if scale is None else float(scale)
     pv_threshold = check_pv_threshold(pv_threshold)
     if pv_threshold is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError(
-            "pv_threshold skips products by a data-dependent rule that has no backward pass, and q, k or v "
-            "requires grad: call it under torch.no_grad() (or torch.inference_mode()), or pass "
-            "pv_threshold=None for gradients."
-        )
+        raise ValueError(ops.PV_SKIP_GRADIENT_REFUSAL)
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if runs_eagerly(q, k, v):
         out, lse = sparse_forward_impl(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
                                        programs, pv_threshold)
     else:
-        out, lse = ops.sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
-                                      programs, pv_threshold)
+        # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
+        out, lse = ops.sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse or tracked,
+                                      schedule, programs, pv_threshold)
     return (out, lse) if return_lse else out
 
 

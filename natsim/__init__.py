@@ -4,6 +4,7 @@ The simulator (this package) needs only numpy (and numba for 1-D tiling and merg
 first use); `natsim.kernels` and `natsim.planner` need torch and triton.
 """
 
+from .backward import BackwardSim, simulate_backward
 from .blockmask import BlockMask, block_mask
 from .estimate import end_to_end_speedup
 from .problem import Problem
@@ -16,6 +17,8 @@ __all__ = [
     "TileConfig",
     "SimResult",
     "simulate",
+    "BackwardSim",
+    "simulate_backward",
     "BlockMask",
     "block_mask",
     "SweepResult",

@@ -81,7 +81,7 @@ def test_permute_round_trip_at_real_size():
 
 # ---------------------------------------------------------------------------------------------------------
 # As real models call it: default tiles on layouts the tiles do not divide, torch.compile, CUDA graphs,
-# gradients refused, the in-place and permuted paths.
+# the in-place and permuted paths (gradients: tests/test_backward_gpu.py).
 
 PADDED = [
     # shape, window, stride (default tiles; dense runs over the flattened sequence)
@@ -134,15 +134,6 @@ def test_autocast_on_cuda():
         out = gna_attention(q, k, v, (5, 7, 9), (1, 2, 3))
     ref = reference_attention(q.double(), k.double(), v.double(), (5, 7, 9), (1, 2, 3))
     assert out.dtype == torch.bfloat16 and ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-def test_cuda_inputs_that_require_grad_are_refused():
-    q, k, v = (torch.randn(1, 12, 20, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    with pytest.raises(RuntimeError, match="no backward pass yet"):
-        gna_attention(q, k, v, (5, 7))
-    with torch.no_grad():
-        gna_attention(q, k, v, (5, 7))
 
 
 def test_layout_path_equals_permuted_path_at_real_size():

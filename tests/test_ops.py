@@ -1,4 +1,4 @@
-"""GNA as real models call it: the registered operator under torch.compile, gradients refused or right,
+"""GNA as real models call it: the registered operator under torch.compile, gradients on the reference path,
 autocast, the in-place (layout) and permuted data paths, and the default tiles.
 
 On this CPU machine the Triton kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
@@ -16,7 +16,6 @@ import torch
 import natsim
 from natsim import planner
 from natsim.kernels import gna_attention, gna_launch, reference_attention
-from natsim.kernels.ops import GRADIENT_REFUSAL
 from natsim.kernels.tiles import default_tiles, tile_pairs
 from natsim.planner.costmodel import CostModel
 from natsim.planner.features import features_of
@@ -35,16 +34,7 @@ def qkv(shape=SHAPE, heads=2, head_dim=32, dtype=torch.float16, **kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Gradients: refused on the Triton path, right on the reference path
-
-
-@pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_kernel_path_refuses_inputs_that_require_grad(which):
-    q, k, v = qkv()
-    dict(q=q, k=k, v=v)[which].requires_grad_()
-    with pytest.raises(RuntimeError, match="no backward pass yet") as error:
-        gna_attention(q, k, v, **ARGS)
-    assert "torch.no_grad()" in str(error.value) and "reference" in str(error.value)
+# Gradients on the reference path (the Triton backward: tests/test_backward.py)
 
 
 def test_kernel_path_runs_under_no_grad_and_inference_mode():
@@ -54,14 +44,6 @@ def test_kernel_path_runs_under_no_grad_and_inference_mode():
         assert rel_error(gna_attention(q, k, v, **ARGS), ref) < 5e-3
     with torch.inference_mode():
         assert rel_error(gna_attention(q.detach(), k.detach(), v.detach(), **ARGS), ref) < 5e-3
-
-
-def test_a_plan_refuses_inputs_that_require_grad():
-    plan = planner.best((8, 16), 0.5, head_dim=32, dtype=torch.float16, device="cpu")
-    q, k, v = qkv((8, 16))
-    k.requires_grad_()
-    with pytest.raises(RuntimeError, match=GRADIENT_REFUSAL[:40]):
-        plan(q, k, v)
 
 
 def test_reference_path_gradients_equal_autograd_through_the_reference(reference_path):

@@ -25,7 +25,6 @@ from natsim.kernels import (
     sparse_reference,
     sparse_tile_counts,
 )
-from natsim.kernels.ops import SPARSE_GRADIENT_REFUSAL
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bruteforce  # noqa: E402
@@ -263,18 +262,6 @@ def test_bad_inputs_raise_sentences(call, message):
     mask = random_mask(1, 2, 64, 16, 16, 0.5)
     with pytest.raises((ValueError, TypeError), match=message):
         call(q, mask)
-
-
-@pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_kernel_path_refuses_inputs_that_require_grad(which):
-    q, k, v = random_inputs(1, 64, 1, 32)
-    dict(q=q, k=k, v=v)[which].requires_grad_()
-    mask = random_mask(1, 1, 64, 16, 16, 0.5)
-    with pytest.raises(RuntimeError, match="no backward pass yet") as error:
-        sparse_attention(q, k, v, mask, 16, 16)
-    assert str(error.value) == SPARSE_GRADIENT_REFUSAL
-    with torch.no_grad():
-        assert_matches(q.detach(), k.detach(), v.detach(), mask, 16, 16)
 
 
 def test_reference_path_gradients_equal_autograd_through_the_reference(reference_path):

@@ -1,0 +1,316 @@
+"""The GNA backward pass: the Triton kernels (CPU interpreter) against float64 gradients of the reference, their
+tile counts against `natsim.simulate_backward`, that against the brute-force mask, and the operator's autograd
+(torch.compile, activation checkpointing, the LSE's gradient, a Plan).
+
+The interpreter runs the kernels on tiny problems with 16- and 32-token tiles, one head, head_dim 16: slow
+per tile, so few hypothesis examples.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bruteforce as bf  # noqa: E402
+
+import natsim  # noqa: E402
+from natsim import Problem, TileConfig, simulate, simulate_backward  # noqa: E402
+from natsim.kernels import gna_attention, reference_attention  # noqa: E402
+from natsim.kernels import ops  # noqa: E402
+from natsim.kernels.gna_backward import backward_tile_counts, backward_tiles, gna_backward  # noqa: E402
+from natsim.kernels.reference import reference_gradients  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+SIMULATOR = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+TOLERANCE = {torch.float16: 1e-2, torch.float32: 1e-4}
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||, with a floor of 1e-3 per element under the norm: with a one-key window the
+    gradient of q is exactly zero and a rounding residue must not count as an infinite error."""
+    floor = 1e-3 * math.sqrt(want.numel())
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(floor)).item()
+
+
+@st.composite
+def kernel_problems(draw, max_tokens: int = 96):
+    """A problem of at most `max_tokens` tokens (stride, dilation, causal, even windows, stride = window all
+    drawn) and backward tiles of 16 or 32 tokens the kernel can run (Q tile as large as the KV tile or half)."""
+    ndim = draw(st.integers(1, 3))
+    side = {1: max_tokens, 2: 10, 3: 5}[ndim]
+    shape = tuple(draw(st.integers(2, side)) for _ in range(ndim))
+    dims = []
+    for L in shape:
+        d = draw(st.integers(1, min(L, 2)))
+        w = draw(st.integers(1, L // d))
+        s = draw(st.sampled_from(sorted({1, w, max(1, w // 2)})))
+        dims.append((w, s, d, draw(st.booleans())))
+    w, s, d, c = zip(*dims)
+    problem = Problem(shape, w, s, d, c)
+    kv_exps = [0] * ndim
+    for _ in range(draw(st.integers(4, 5))):
+        kv_exps[draw(st.integers(0, ndim - 1))] += 1
+    q_exps = list(kv_exps)
+    if sum(q_exps) == 5 and draw(st.booleans()):
+        q_exps[max(i for i in range(ndim) if q_exps[i])] -= 1
+    return problem, tuple(2**e for e in q_exps), tuple(2**e for e in kv_exps)
+
+
+def reference_grads(problem: Problem, q, k, v, grad_out, grad_lse=None):
+    """float64 gradients of the reference (autograd through `reference_attention`), and its output and LSE."""
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, lse = reference_attention(*inputs, problem.window, problem.stride, problem.dilation, problem.causal,
+                                   return_lse=True)
+    outputs, grads = [out], [grad_out.double()]
+    if grad_lse is not None:
+        outputs.append(lse)
+        grads.append(grad_lse.double())
+    return torch.autograd.grad(outputs, inputs, grads), out.detach(), lse.detach()
+
+
+def kernel_against_reference(problem: Problem, q_tile, kv_tile, dtype, with_lse_gradient=False, batch=1, heads=1):
+    q, k, v, g = (torch.randn(batch, *problem.shape, heads, 16, device=DEVICE).to(dtype) for _ in range(4))
+    grad_lse = torch.randn(batch, *problem.shape, heads, device=DEVICE) if with_lse_gradient else None
+    want, out, lse = reference_grads(problem, q, k, v, g, grad_lse)
+    got = gna_backward(q, k, v, out.to(dtype), lse.float(), g, grad_lse, problem, None, q_tile, kv_tile)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype and a.shape == b.shape
+        assert rel_error(a, b) < TOLERANCE[dtype], f"{name}: {rel_error(a, b):.2e} for {problem}, {q_tile}/{kv_tile}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Triton kernels (interpreter) against float64 gradients
+
+
+@KERNEL
+@given(kernel_problems(), st.sampled_from([torch.float16, torch.float32]))
+def test_backward_kernels_match_float64_reference_gradients(case, dtype):
+    kernel_against_reference(*case, dtype)
+
+
+@pytest.mark.parametrize("problem, q_tile, kv_tile", [
+    (Problem((9, 8), (4, 4), (4, 4)), (4, 4), (4, 4)),  # stride = window: blocked attention, block-sparse
+    (Problem((8, 10), (4, 3), 1, (2, 1), (False, True)), (4, 4), (2, 8)),  # even window, dilation, causal
+    (Problem((40,), 40), (16,), (32,)),  # dense: no mask code, padding keys and queries
+    (Problem((3, 4, 5), (3, 2, 4), (1, 2, 3), 1, (True, False, False)), (2, 2, 4), (2, 2, 4)),
+])
+def test_backward_kernel_edge_cases(problem, q_tile, kv_tile):
+    kernel_against_reference(problem, q_tile, kv_tile, torch.float32, with_lse_gradient=True, batch=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tile counts: the dK/dV kernel's own decisions, the simulator, the brute-force mask
+
+
+@KERNEL
+@given(kernel_problems(max_tokens=200))
+def test_dkdv_kernel_tile_counts_equal_the_simulator(case):
+    problem, q_tile, kv_tile = case
+    visited, full = backward_tile_counts(problem, q_tile, kv_tile, head_dim=16, device=DEVICE)
+    sim = simulate_backward(problem, TileConfig(q_tile, kv_tile))
+    np.testing.assert_array_equal(visited, sim.per_kv_tile_visited)
+    np.testing.assert_array_equal(full, sim.per_kv_tile_full)
+
+
+@SIMULATOR
+@given(st.data())
+def test_simulate_backward_equals_the_brute_force_mask(data):
+    problem = data.draw(bf.problems(max_tokens=300))
+    tiles = data.draw(bf.multi_tiles(problem, kv_tiling="static"))
+    q_tile, kv_tile = tiles.dims(problem)
+    mask = bf.attention_mask(problem)
+    q_of, _, num_q = bf.multi_d_layout(problem, q_tile)
+    kv_of, _, num_kv = bf.multi_d_layout(problem, kv_tile)
+    visited, full = bf.static_counts(mask, q_of, num_q, kv_of, num_kv)
+    sim = simulate_backward(problem, TileConfig(q_tile, kv_tile))
+    np.testing.assert_array_equal(sim.per_kv_tile_visited, visited.sum(axis=0))
+    np.testing.assert_array_equal(sim.per_kv_tile_full, full.sum(axis=0))
+    forward = simulate(problem, TileConfig(q_tile, kv_tile))
+    assert (sim.visited_tiles, sim.full_tiles) == (forward.visited_tiles, forward.full_tiles)
+    assert sim.max_q_tiles == visited.sum(axis=0).max()
+    assert sim.tile_speedup == pytest.approx(forward.num_q_tiles / visited.sum(axis=0).max())
+
+
+def test_simulate_backward_refuses_what_the_backward_kernel_does_not_run():
+    problem = Problem((16, 16), (5, 5))
+    with pytest.raises(ValueError, match="static KV tiling"):
+        simulate_backward(problem, TileConfig(4, 4, kv_tiling="dynamic"))
+    with pytest.raises(ValueError, match="tiling='1d'"):
+        simulate_backward(problem, TileConfig(16, 16, tiling="1d"))
+    with pytest.raises(TypeError, match="natsim.Problem"):
+        simulate_backward((16, 16), TileConfig(4, 4))
+
+
+def test_backward_tiles_hold_128_keys_and_half_as_many_queries():
+    problem = Problem((30, 48, 80), (18, 24, 24), (16, 8, 8))
+    q_tile, kv_tile = backward_tiles(problem, 128)
+    assert math.prod(kv_tile) == 128 and math.prod(q_tile) == 64
+    assert sum(a != b for a, b in zip(q_tile, kv_tile)) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The operator: autograd, torch.compile, checkpointing
+
+ARGS = dict(window=(3, 4, 2), stride=(1, 2, 2), dilation=(1, 1, 2), causal=(True, False, False))
+SHAPE = (4, 6, 5)
+
+
+def leaves(dtype=torch.float16, shape=SHAPE, heads=2, head_dim=32):
+    torch.manual_seed(0)
+    return [torch.randn(1, *shape, heads, head_dim, device=DEVICE).to(dtype).requires_grad_() for _ in range(3)]
+
+
+def test_gna_attention_gradients_through_the_kernels_match_the_reference():
+    q, k, v = leaves()
+    out, lse = gna_attention(q, k, v, **ARGS, return_lse=True)
+    assert out.grad_fn is not None
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse))
+    want, _, _ = reference_grads(Problem(SHAPE, **ARGS), q, k, v, grad_out, grad_lse)
+    for a, b in zip(got, want):
+        assert rel_error(a, b) < 1e-2
+
+
+def test_operator_called_without_the_lse_recomputes_it_for_the_backward():
+    q, k, v = leaves()
+    out, lse = ops.gna_forward(q, k, v, *([list(ARGS[name]) for name in ("window", "stride", "dilation", "causal")]),
+                               None, None, None, False)
+    assert lse.numel() == 0
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    want, _, _ = reference_grads(Problem(SHAPE, **ARGS), q, k, v, grad_out)
+    for a, b in zip(got, want):
+        assert rel_error(a, b) < 1e-2
+
+
+def _loss(q, k, v):
+    return gna_attention(q, k, v, **ARGS).float().square().sum()
+
+
+def test_compiled_forward_and_backward_equal_eager_without_graph_breaks():
+    q, k, v = leaves()
+    compiled = torch.compile(_loss, fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(_loss(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_activation_checkpointing_recomputes_to_the_same_gradients():
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v = leaves()
+    got = torch.autograd.grad(checkpoint(_loss, q, k, v, use_reentrant=False), (q, k, v))
+    want = torch.autograd.grad(_loss(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_plan_is_differentiable():
+    from natsim import planner
+
+    plan = planner.best((8, 16), 0.5, head_dim=32, dtype=torch.float16, device="cpu")
+    q, k, v = leaves(shape=(8, 16))
+    got = torch.autograd.grad(plan(q, k, v).float().sum(), (q, k, v))
+    want, _, _ = reference_grads(plan.problem, q, k, v, torch.ones(1, 8, 16, 2, 32, device=DEVICE))
+    for a, b in zip(got, want):
+        assert rel_error(a, b) < 1e-2
+
+
+def test_reference_path_passes_gradcheck_with_dilation_and_causal(reference_path):
+    q, k, v = (torch.randn(1, 4, 3, 1, 2, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: gna_attention(q, k, v, (2, 2), (1, 2), (2, 1), (True, False), return_lse=True), (q, k, v))
+
+
+def test_chunked_reference_gradients_equal_autograd_through_the_reference():
+    problem = Problem((5, 6, 7), (3, 4, 2), (1, 2, 2), (1, 1, 2), (True, False, False))
+    q, k, v, g = (torch.randn(2, 5, 6, 7, 3, 8, dtype=torch.float64) for _ in range(4))
+    want, _, _ = reference_grads(problem, q, k, v, g)
+    got = reference_gradients(q, k, v, g, problem.window, problem.stride, problem.dilation, problem.causal,
+                              compute_dtype=torch.float64)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sparse attention's backward (kernels/sparse_backward.py) against sparse_reference's gradients
+
+
+@st.composite
+def sparse_problems(draw):
+    """A random block mask (batch and heads of 1 broadcasting, empty rows) over N not a multiple of the blocks."""
+    q_block = draw(st.sampled_from([8, 16, 32]))
+    kv_block = draw(st.sampled_from([1, 4, 16, 32]))
+    seq_len = draw(st.integers(9, 70))
+    batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    mask_batch, mask_heads = draw(st.sampled_from([1, batch])), draw(st.sampled_from([1, heads]))
+    density = draw(st.sampled_from([0.2, 0.6, 1.0]))
+    seed = draw(st.integers(0, 2**16))
+    return q_block, kv_block, seq_len, batch, heads, mask_batch, mask_heads, density, seed
+
+
+@KERNEL
+@given(sparse_problems(), st.sampled_from([torch.float16, torch.float32]), st.booleans())
+def test_sparse_backward_kernels_match_float64_reference_gradients(case, dtype, with_lse_gradient):
+    from natsim.kernels import sparse_reference
+    from natsim.kernels.sparse_backward import sparse_backward
+
+    q_block, kv_block, seq_len, batch, heads, mask_batch, mask_heads, density, seed = case
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(mask_batch, mask_heads, -(-seq_len // q_block), -(-seq_len // kv_block),
+                      generator=generator) < density
+    mask[..., -1, :] = False  # a query block that attends nothing
+    q, k, v, g = (torch.randn(batch, seq_len, heads, 16, generator=generator).to(dtype) for _ in range(4))
+    inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    out, lse = sparse_reference(*inputs, mask, q_block, kv_block, return_lse=True)
+    grad_lse = torch.randn(lse.shape, generator=generator).masked_fill(lse.isinf(), 0.0) if with_lse_gradient else None
+    want = torch.autograd.grad([out] + ([lse] if with_lse_gradient else []), inputs,
+                               [g.double()] + ([grad_lse.double()] if with_lse_gradient else []))
+    got = sparse_backward(q, k, v, out.detach().to(dtype), lse.detach().float(), g, grad_lse, mask, q_block, kv_block)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert rel_error(a, b) < TOLERANCE[dtype], f"{name}: {rel_error(a, b):.2e}"
+
+
+def test_sparse_attention_is_differentiable_under_compile_and_merging():
+    from natsim.kernels import sparse_attention, sparse_reference
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 60, 2, 32, device=DEVICE).half().requires_grad_() for _ in range(3))
+    mask = torch.rand(1, 2, 4, 2) < 0.6
+    mask[0, 0, 0] = True
+
+    def loss(q, k, v):
+        return sparse_attention(q, k, v, mask, 16, 32, merge="consecutive").float().square().sum()
+
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(sparse_reference(*inputs, mask, 16, 32).square().sum(), inputs)
+    for a, b in zip(got, want):
+        assert rel_error(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(USE_TMA=True), dict(ATOMIC_DQ=True, USE_TMA=True)])
+def test_tuning_variants_match_float64_reference_gradients(options):
+    from natsim.kernels.gna_backward import backward_permuted
+    from natsim.kernels.permute import permute, unpermute
+
+    problem, q_tile, kv_tile = Problem((6, 10), (3, 4), (1, 2), 1, (True, False)), (2, 8), (4, 4)
+    q, k, v, g = (torch.randn(1, 6, 10, 2, 16) for _ in range(4))
+    want, out, lse = reference_grads(problem, q, k, v, g)
+    permuted = lambda x, tile: permute(x.float(), tile)  # noqa: E731
+    dq, dk, dv, _ = backward_permuted(permuted(q, q_tile), permuted(k, kv_tile), permuted(v, kv_tile),
+                                      permuted(out, q_tile), permuted(lse[..., None], q_tile)[..., 0].contiguous(),
+                                      permuted(g, q_tile), None, problem, q_tile, kv_tile, 16**-0.5,
+                                      options=options)
+    for name, got, tile, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), (q_tile, kv_tile, kv_tile), want):
+        assert rel_error(unpermute(got, problem.shape, tile), ref) < 1e-4, name

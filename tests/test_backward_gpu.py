@@ -1,0 +1,117 @@
+"""The GNA backward on a CUDA GPU at real sizes: `pytest -m gpu tests/test_backward_gpu.py`.
+
+Gradients of `gna_attention` (the registered operator and its Triton backward) against the float32 chunked
+reference on full video layouts (two heads, to keep the reference quick), the dK/dV kernel's tile counts
+against `natsim.simulate_backward`, forward + backward under torch.compile, and `sparse_attention`'s gradients
+against autograd through `sparse_reference` in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import natsim
+from natsim.kernels import gna_attention
+from natsim.kernels.gna_backward import backward_tile_counts, backward_tiles
+from natsim.kernels.reference import reference_gradients
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+REAL = [
+    # shape, window, stride, dilation, causal, head_dim, dtype
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), 1, False, 128, torch.bfloat16),
+    ((30, 48, 80), (18, 24, 24), (16, 8, 8), 1, False, 128, torch.bfloat16),
+    ((30, 48, 80), (30, 48, 80), 1, 1, False, 128, torch.bfloat16),
+    ((256, 256), (80, 80), (16, 16), 1, False, 64, torch.bfloat16),
+    ((8192,), 2048, 256, 1, True, 128, torch.float16),
+    ((13, 21, 35), (5, 8, 7), (2, 3, 1), (2, 1, 3), (True, False, False), 64, torch.float16),
+    ((12, 40, 40), (4, 9, 8), (4, 3, 8), (1, 2, 1), False, 32, torch.float16),
+]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("shape, window, stride, dilation, causal, head_dim, dtype", REAL)
+def test_gradients_match_the_float32_reference_on_full_layouts(shape, window, stride, dilation, causal, head_dim,
+                                                               dtype):
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(1, *shape, 2, head_dim, device="cuda", dtype=dtype) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = gna_attention(q, k, v, window, stride, dilation, causal)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = reference_gradients(q.detach(), k.detach(), v.detach(), g, window, stride, dilation, causal)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert rel(a, b) < TOLERANCE[dtype], (name, rel(a, b))
+
+
+@pytest.mark.parametrize("shape, window, stride", [
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1)), ((30, 48, 80), (18, 24, 24), (1, 8, 8)),
+    ((30, 48, 80), (18, 24, 24), (16, 8, 8)), ((256, 256), (80, 80), (16, 16)),
+])
+def test_dkdv_tile_counts_equal_the_simulator_at_real_sizes(shape, window, stride):
+    problem = natsim.Problem(shape, window, stride)
+    q_tile, kv_tile = backward_tiles(problem, 128)
+    visited, full = backward_tile_counts(problem, q_tile, kv_tile)
+    sim = natsim.simulate_backward(problem, natsim.TileConfig(q_tile, kv_tile))
+    np.testing.assert_array_equal(visited, sim.per_kv_tile_visited)
+    np.testing.assert_array_equal(full, sim.per_kv_tile_full)
+
+
+def test_compiled_forward_and_backward_equal_eager():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 12, 20, 24, 3, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+
+    def loss(q, k, v):
+        return gna_attention(q, k, v, (5, 7, 9), (1, 2, 3)).float().square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("q_block, kv_block, merge, density", [
+    (128, 128, None, 0.3), (64, 16, "xor", 0.5), (16, 128, "consecutive", 0.7),
+])
+def test_sparse_attention_gradients_match_the_float32_reference(q_block, kv_block, merge, density):
+    from natsim.kernels import sparse_attention, sparse_reference
+
+    torch.manual_seed(0)
+    seq_len, heads = 16000, 2
+    mask = torch.rand(1, heads, -(-seq_len // q_block), -(-seq_len // kv_block), device="cuda") < density
+    q, k, v, g = (torch.randn(1, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(sparse_attention(*leaves, mask, q_block, kv_block, merge=merge), leaves, g)
+    inputs = [t.float().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(sparse_reference(*inputs, mask, q_block, kv_block), inputs, g.float())
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert rel(a, b) < TOLERANCE[torch.bfloat16], (name, rel(a, b))
+
+
+@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(USE_TMA=True), dict(USE_TMA=True, ATOMIC_DQ=True)])
+@pytest.mark.parametrize("stride", [(1, 1, 1), (16, 8, 8)])
+def test_tuning_variants_match_the_float32_reference(stride, options):
+    from natsim.kernels.gna_backward import backward_permuted
+    from natsim.kernels.gna_launch import forward
+    from natsim.kernels.permute import permute, unpermute
+
+    shape, window = (30, 48, 80), (18, 24, 24)
+    problem = natsim.Problem(shape, window, stride)
+    q_tile, kv_tile = backward_tiles(problem, 128)
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(1, *shape, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = forward(q, k, v, window, stride, 1, False, None, None, None, True)
+    grads = backward_permuted(permute(q, q_tile), permute(k, kv_tile), permute(v, kv_tile), permute(out, q_tile),
+                              permute(lse[..., None], q_tile)[..., 0].contiguous(), permute(g, q_tile), None,
+                              problem, q_tile, kv_tile, 128**-0.5, options=options)[:3]
+    want = reference_gradients(q, k, v, g, window, stride)
+    for name, got, tile, ref in zip(("dq", "dk", "dv"), grads, (q_tile, kv_tile, kv_tile), want):
+        assert rel(unpermute(got, shape, tile), ref) < TOLERANCE[torch.bfloat16], name
