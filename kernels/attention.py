@@ -84,10 +84,11 @@ def gna_attention_permuted(
 
 
 @functools.lru_cache(maxsize=256)
-def _permuted_call(problem, q_tile, kv_tile, batch, heads, head_dim, scale, return_lse, options, debug=False):
+def _permuted_call(problem, q_tile, kv_tile, batch, heads, head_dim, scale, return_lse, options, debug=False,
+                   frames=None):
     return make_call(problem, problem.shape, q_tile, kv_tile, batch=batch, heads=heads, head_dim=head_dim,
                      scale=scale, layout_tensors=None, return_lse=return_lse, debug=debug, options=dict(options),
-                     check_alignment=True)
+                     check_alignment=True, frames=frames)
 
 
 def _check_permuted(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -115,6 +116,7 @@ def gna_attention(
     q_tile: Optional[IntOrInts] = None,
     kv_tile: Optional[IntOrInts] = None,
     return_lse: bool = False,
+    frame_offsets: Optional[tuple[int, int, int]] = None,
 ):
     """Generalized Neighborhood Attention, forward, on `[B, *shape, heads, head_dim]` tensors (1 to 3 dims).
 
@@ -124,18 +126,23 @@ def gna_attention(
     Returns the output in q's layout, and with `return_lse` also the natural-log log-sum-exp
     `[B, *shape, heads]` in float32. Inputs that require grad under grad mode are refused on the Triton path
     (no backward kernel yet); inside an autocast region q, k, v are cast to its dtype.
+
+    `frame_offsets=(q0, k0, L0)` (natsim.distributed's halo exchange): q holds frames `[q0, q0 + Tq)` of the
+    layout's dimension 0, which has `L0` frames, and k, v hold frames `[k0, k0 + Tk)`, every frame q's windows
+    reach; windows are the global layout's. The output covers q's frames.
     """
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
     if runs_eagerly(q, k, v):
-        out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse)
+        out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
+                           None if frame_offsets is None else tuple(frame_offsets))
     else:
         ndim = q.dim() - 3
         out, lse = ops.gna_forward(
             q, k, v, _per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim),
             _per_dim(causal, ndim), None if scale is None else float(scale),
             None if q_tile is None else _per_dim(q_tile, ndim), None if kv_tile is None else _per_dim(kv_tile, ndim),
-            return_lse,
+            return_lse, None if frame_offsets is None else list(frame_offsets),
         )
     return (out, lse) if return_lse else out
 
@@ -151,24 +158,44 @@ def gna_tile_counts(
     head_dim: int = 32,
     device: str = "cuda",
     dtype: torch.dtype = torch.float16,
+    frames: Optional[tuple[int, int, int, int]] = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run the kernel with its debug counters on (random inputs, batch 1, one head).
 
     Returns `(visited, unmasked)`, one entry per Q tile in permuted order: the KV tiles the kernel visited
-    and the KV tiles it ran without the window mask. Compare with `natsim.simulate(..., per_q_tile=True)`.
+    and the KV tiles it ran without the window mask. Compare with `natsim.simulate(..., per_q_tile=True)`,
+    or with `frames=(q0, q1, k0, k1)` (queries in frames `[q0, q1)` of dimension 0, keys in `[k0, k1)`) with
+    `natsim.partition.rank_tiles`.
     """
     problem = Problem(shape, window, stride, dilation, causal)
     if q_tile is None and kv_tile is None:
         q_dims, kv_dims = default_tiles(problem, head_dim)
     else:
         q_dims, kv_dims = kernel_tiles(problem, q_tile, kv_tile)
-    q_tokens = TileLayout(problem.shape, q_dims, problem.dilation).num_tokens
-    kv_tokens = TileLayout(problem.shape, kv_dims, problem.dilation).num_tokens
+    q_shape = kv_shape = problem.shape
+    if frames is not None:
+        from .gna_launch import frames_as_3d
+
+        from natsim.partition import key_frames
+
+        frames = tuple(int(x) for x in frames)
+        need = key_frames(problem, frames[0], frames[1])
+        if not (0 <= frames[0] < frames[1] <= problem.shape[0] and frames[2] <= need[0] and need[1] <= frames[3]
+                <= problem.shape[0]):
+            raise ValueError(f"frames must be (q0, q1, k0, k1) with 0 <= q0 < q1 <= {problem.shape[0]} and keys "
+                             f"[k0, k1) within the layout holding the frames the queries attend, {need}, got "
+                             f"frames={frames}.")
+        problem, q_dims, kv_dims = frames_as_3d(problem, q_dims, kv_dims)
+        q_shape = (frames[1] - frames[0], *problem.shape[1:])
+        kv_shape = (frames[3] - frames[2], *problem.shape[1:])
+    q_tokens = TileLayout(q_shape, q_dims, problem.dilation).num_tokens
+    kv_tokens = TileLayout(kv_shape, kv_dims, problem.dilation).num_tokens
     q = torch.randn((1, q_tokens, 1, head_dim), device=device, dtype=dtype)
     k = torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype)
     v = torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype)
     check_kernel_inputs(q)
-    call = _permuted_call(problem, q_dims, kv_dims, 1, 1, head_dim, head_dim**-0.5, False, (), debug=True)
+    call = _permuted_call(problem, q_dims, kv_dims, 1, 1, head_dim, head_dim**-0.5, False, (), debug=True,
+                          frames=frames)
     _, _, counts = call.run_permuted(q, k, v)
     counts = counts.cpu().numpy().astype(np.int64)
     return counts[:, 0], counts[:, 1]

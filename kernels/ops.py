@@ -41,12 +41,15 @@ def gna_forward(
     q_tile: Optional[Sequence[int]],
     kv_tile: Optional[Sequence[int]],
     return_lse: bool,
+    frame_offsets: Optional[Sequence[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
-    unless `return_lse`)."""
+    unless `return_lse`). `frame_offsets=(q0, k0, L0)`: q and k, v hold frame ranges of dimension 0
+    (kernels/gna_launch.py)."""
     out, lse = forward(q, k, v, tuple(window), tuple(stride), tuple(dilation), tuple(causal), scale,
                        None if q_tile is None else tuple(q_tile), None if kv_tile is None else tuple(kv_tile),
-                       return_lse)  # tuples: the schema hands over lists, which the call cache cannot hash
+                       return_lse, None if frame_offsets is None else tuple(frame_offsets))
+    # tuples: the schema hands over lists, which the call cache cannot hash
     return out, (_no_lse(q) if lse is None else lse)
 
 
@@ -59,20 +62,26 @@ def _no_lse(q: torch.Tensor) -> torch.Tensor:
 
 
 @gna_forward.register_fake
-def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse):
+def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
+                      frame_offsets=None):
     from .checks import check_qkv, problem_of
+    from .reference import check_frames
 
-    problem_of(check_qkv(q, k, v), window, stride, dilation, causal)  # the same sentence errors as eager
+    if frame_offsets is None:  # the same sentence errors as eager
+        problem_of(check_qkv(q, k, v), window, stride, dilation, causal)
+    else:
+        check_frames(q, k, v, window, stride, dilation, causal, list(frame_offsets))
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
     return torch.empty_like(q), lse
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse = inputs
+    q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, *frames = inputs
     if use_triton(q):
         raise RuntimeError(GRADIENT_REFUSAL)
     ctx.save_for_backward(q, k, v)
     ctx.arguments = (window, stride, dilation, causal, scale)
+    ctx.frame_offsets = frames[0] if frames else None
 
 
 def _recomputed_gradients(reference, q, k, v, grad_out: torch.Tensor, grad_lse: torch.Tensor):
@@ -93,10 +102,11 @@ def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 
     window, stride, dilation, causal, scale = ctx.arguments
     dq, dk, dv = _recomputed_gradients(
-        lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True),
+        lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True,
+                                            frame_offsets=ctx.frame_offsets),
         *ctx.saved_tensors, grad_out, grad_lse,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 gna_forward.register_autograd(_backward, setup_context=_setup_context)
