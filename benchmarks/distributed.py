@@ -31,7 +31,7 @@ import natsim.distributed as nd
 from natsim import Problem
 from natsim.kernels import distributed as kd
 from natsim.kernels import gna_attention
-from natsim.partition import STRATEGIES, even_split, offsets, strategy_cost
+from natsim.partition import STRATEGIES, aligned_split, even_split, offsets, strategy_cost
 
 # name, shape, window, stride (the HunyuanVideo layout: 30 x 48 x 80 tokens, 24 heads of 128, bf16)
 FULL = dict(shape=(30, 48, 80), heads=24, head_dim=128, dtype=torch.bfloat16, repeats=10, configs=[
@@ -44,15 +44,6 @@ SMALL = dict(shape=(8, 8, 16), heads=4, head_dim=32, dtype=torch.float32, repeat
     ("w5x4x4 s1x1x1", (5, 4, 4), (1, 1, 1)),
     ("w5x4x4 s4x2x2", (5, 4, 4), (4, 2, 2)),
 ])
-
-
-def aligned_split(problem: Problem, world: int) -> tuple[int, ...]:
-    """An even split moved onto stride-group boundaries along frames where that keeps every rank non-empty."""
-    s = problem.stride[0]
-    cuts = [round(problem.shape[0] * r / world / s) * s for r in range(1, world)]
-    t = [0, *cuts, problem.shape[0]]
-    split = tuple(b - a for a, b in zip(t, t[1:]))
-    return split if all(n > 0 for n in split) else even_split(problem.shape[0], world)
 
 
 def wall_ms(fn, repeats: int, device: torch.device) -> float:

@@ -49,6 +49,16 @@ def even_split(frames: int, world_size: int) -> tuple[int, ...]:
     return tuple(base + (1 if r < extra else 0) for r in range(world_size))
 
 
+def aligned_split(problem: Problem, world_size: int) -> tuple[int, ...]:
+    """`even_split` with its cuts moved to the nearest stride-group boundary along dimension 0, so that no
+    stride group (which shares one window) straddles two ranks; `even_split` if a rank would be left empty."""
+    s, frames = problem.stride[0] * problem.dilation[0], problem.shape[0]
+    cuts = [round(frames * r / world_size / s) * s for r in range(1, world_size)]
+    t = [0, *cuts, frames]
+    split = tuple(b - a for a, b in zip(t, t[1:]))
+    return split if all(n > 0 for n in split) else even_split(frames, world_size)
+
+
 def check_split(split: Sequence[int], frames: int) -> tuple[int, ...]:
     """`split` as a tuple of non-negative ints summing to `frames` (sentence error otherwise)."""
     sizes = tuple(int(n) for n in split)
