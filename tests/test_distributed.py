@@ -311,3 +311,57 @@ def _run_world(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_world(world):
     _run_world(world)
+
+
+# -- planner and CLI ---------------------------------------------------------------------------------------
+
+
+def test_best_with_world_size_knows_its_strategy():
+    from natsim.planner import best
+
+    single = best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), device="h100")
+    parallel = best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), device="h100", world_size=2)
+    assert parallel.plan == single and parallel.problem == single.problem  # attributes fall through to the plan
+    assert parallel.strategy in ("ulysses", "halo") and sum(parallel.split) == 30
+    chosen = parallel.costs[parallel.strategy]
+    assert all(chosen.seconds <= other.seconds for other in parallel.costs.values())
+    # compute priced from the plan's own prediction: ulysses halves the heads, so half the single-GPU time
+    ulysses = parallel.costs["ulysses"]
+    assert ulysses.ranks[0].seconds - ulysses.ranks[0].bytes_sent / parallel.bytes_per_second == pytest.approx(
+        single.score / 2, rel=1e-9)
+    record = parallel.to_dict()
+    assert record["strategy"] == parallel.strategy and len(record["strategies"][parallel.strategy]["ranks"]) == 2
+    with pytest.raises(ValueError, match="cannot exceed the 30 frames"):
+        best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), world_size=31)
+    # 5 heads do not divide over 2 ranks: halo is the only strategy
+    assert best((30, 48, 80), 0.9, heads=5, window=(18, 24, 24), world_size=2).strategy == "halo"
+
+
+def test_cli_plan_world_size():
+    from typer.testing import CliRunner
+
+    from natsim.cli.main import app
+
+    result = CliRunner().invoke(app, ["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--heads", "24",
+                                      "--window", "18x24x24", "--world-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert "key frames" in result.output and "halo" in result.output and "ulysses" in result.output
+    bad = CliRunner().invoke(app, ["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--world-size", "0"])
+    assert bad.exit_code == 2 and "world_size must be a positive int" in bad.output
+
+
+def test_example_runs_under_torchrun(tmp_path):
+    """examples/distributed.py as the README runs it: two gloo processes under torchrun (the reference path)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "distributed.py"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(_free_port()), str(example)], capture_output=True, text=True,
+                            timeout=WORLD_DEADLINE_S, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2
+    assert all(float(line.rsplit(" ", 1)[1]) < 1e-5 for line in lines), lines
