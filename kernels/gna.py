@@ -40,6 +40,12 @@ Compile-time switches (the launcher sets them, kernels/gna_launch.py):
   over its real rows. Triton 3.6 cannot warp-specialize a loop that loads through rank-4 descriptors, so the
   launcher uses mode 1 without `WARP_SPECIALIZE`.
 
+Frame ranges (natsim.distributed's halo exchange): q and o may hold frames `[Q0_OFF, Q0_OFF + L0)` of
+dimension 0 of a layout of `G0` frames, and k, v frames `[K0_OFF, K0_OFF + KL0)` holding every frame those
+queries attend. Window bounds along dimension 0 are the global layout's (`_frame_groups`: a local dilation group
+is a run of a global one, and key groups may be rotated against query groups); Q and KV tiles are cut from the
+local first frames. A whole layout has offsets 0 and `G0 == KL0 == L0`, and the kernel is what it was.
+
 The softmax scale (times log2 e) is applied with one fused multiply-add per score (`qk * scale - m`), the
 running maximum is kept in scaled units, and the online-softmax recurrence is the usual flash-attention one
 in base 2 with fp32 accumulators. Kernels always see three dimensions (kernels/layout.py): a 1-D or 2-D
@@ -154,7 +160,7 @@ def _layout_descriptor(base, L0, L1, L2, stride0, stride1, stride2,
                                      block_shape=[T0, T1, T2, HEAD_DIM])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G0", "KL0", "Q0_OFF", "K0_OFF"])  # frame offsets: one compile for every rank
 def gna_forward_kernel(
     Q, K, V, O, LSE, COUNTS,
     stride_qb, stride_q0, stride_q1, stride_q2, stride_qh,

@@ -185,6 +185,44 @@ def test_kernel_on_frames_matches_the_reference(case):
     assert ((out.double() - expected).norm() / expected.norm()).item() < 5e-3
 
 
+def test_frame_offsets_compile_fullgraph_and_reference_gradients(reference_path):
+    """The operator with frame offsets under torch.compile(fullgraph=True), and the reference path's
+    gradients (CPU) equal autograd through the reference on the whole layout, restricted to the frames."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 9, 6, 2, 32, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    args = dict(window=(5, 3), stride=(2, 1))
+
+    def model(q, k, v):
+        return gna_attention(q[:, 3:7], k[:, 1:9], v[:, 1:9], **args, frame_offsets=(3, 1, 9)) * 2.0
+
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(q, k, v)
+    expected = reference_attention(q, k, v, **args)[:, 3:7] * 2.0
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_kernel_on_frames_gpu(dilation):
+    """HunyuanVideo-like frame ranges on the GPU in bf16: layout path (dilation 1) and permuted path."""
+    shape, window, stride = (30, 24, 40), (9, 12, 12), (4, 4, 4)
+    problem = Problem(shape, window, stride, (dilation, 1, 1))
+    q, k, v = (torch.randn(1, *shape, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    whole = gna_attention(q, k, v, window, stride, (dilation, 1, 1))
+    for q0, q1 in ((0, 15), (15, 30), (7, 19)):
+        k0, k1 = key_frames(problem, q0, q1)
+        out = gna_attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], window, stride, (dilation, 1, 1),
+                            frame_offsets=(q0, k0, 30))
+        expected = reference_attention(q[:, q0:q1].double(), k[:, k0:k1].double(), v[:, k0:k1].double(), window,
+                                       stride, (dilation, 1, 1), frame_offsets=(q0, k0, 30))
+        assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2
+        assert ((out.float() - whole[:, q0:q1].float()).norm() / whole[:, q0:q1].float().norm()).item() < 1e-2
+
+
 def test_frame_offsets_errors():
     q = torch.randn(1, 4, 6, 2, 32, dtype=torch.float16)
     k = torch.randn(1, 5, 6, 2, 32, dtype=torch.float16)
