@@ -193,6 +193,23 @@ def _halo(kernel, problem: Problem, q, k, v, split: tuple[int, ...], rank: int, 
     return kernel(q, keys[0], keys[1], frame_offsets=(own[0], need[rank][0], problem.shape[0]))
 
 
+def _mask_heads(mask, heads: int, lo: int, hi: int):
+    """Heads `[lo, hi)` of a per-head block mask (a tensor or SparseMask); a mask of one head broadcasts."""
+    if isinstance(mask, SparseMask):
+        count = mask.kv_num_blocks.shape[1]
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        count = mask.shape[1]
+    else:
+        return mask  # sparse_attention rejects it with its own sentence
+    if count not in (1, heads):
+        raise ValueError(f"mask must have 1 or heads={heads} heads (its dimension 1), got {count}.")
+    if count == 1:
+        return mask
+    if isinstance(mask, SparseMask):
+        return replace(mask, kv_num_blocks=mask.kv_num_blocks[:, lo:hi], kv_indices=mask.kv_indices[:, lo:hi])
+    return mask[:, lo:hi]
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -220,16 +237,7 @@ def sparse_attention(
     heads = q.shape[-2]
     check_heads(heads, size)
     h = heads // size
-    lo, hi = rank * h, (rank + 1) * h
-    mask_heads = (mask.kv_num_blocks if isinstance(mask, SparseMask) else mask).shape[1] if isinstance(
-        mask, (SparseMask, torch.Tensor)) and (isinstance(mask, SparseMask) or mask.dim() == 4) else None
-    if mask_heads not in (None, 1, heads):
-        raise ValueError(f"mask must have 1 or heads={heads} heads (its dimension 1), got {mask_heads}.")
-    if isinstance(mask, SparseMask):
-        if mask.kv_num_blocks.shape[1] != 1:
-            mask = replace(mask, kv_num_blocks=mask.kv_num_blocks[:, lo:hi], kv_indices=mask.kv_indices[:, lo:hi])
-    elif isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] != 1:
-        mask = mask[:, lo:hi]
+    mask = _mask_heads(mask, heads, rank * h, (rank + 1) * h)
 
     def attend(q, k, v):
         return _sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, scale=scale, schedule=schedule)
