@@ -119,7 +119,20 @@ def run_case(name, window, stride, split_name, setup, q, k, v, single_out, singl
     measured = {s: record["strategies"][s]["ms"] for s in STRATEGIES}
     record["faster_measured"] = min(measured, key=measured.get)
     record["auto_picked_faster"] = auto == record["faster_measured"]
+    record["best_speedup_over_1gpu"] = single_ms / min(measured.values())
+    record["halo_over_ulysses_bytes"] = (record["strategies"]["halo"]["bytes_moved"]
+                                         / record["strategies"]["ulysses"]["bytes_moved"])
     return record
+
+
+def targets(records: list) -> dict:
+    """Issue 11's targets, from the block-sparse stride-16x8x8 records (best split) and every record's auto."""
+    sparse = [r for r in records if r["stride"][0] == 16] or records
+    return {"best_speedup_over_1gpu_16x8x8": max(r["best_speedup_over_1gpu"] for r in sparse),
+            "target_speedup": 1.8,
+            "min_halo_over_ulysses_bytes_16x8x8": min(r["halo_over_ulysses_bytes"] for r in sparse),
+            "target_bytes_ratio": 1 / 3,
+            "auto_picked_faster_everywhere": all(r["auto_picked_faster"] for r in records)}
 
 
 def main() -> None:
@@ -167,7 +180,7 @@ def write(out: Path, records: list, setup: dict, world: int, device: torch.devic
                   torch=torch.__version__, triton=triton.__version__, natsim=natsim.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   shape=list(setup["shape"]), heads=setup["heads"], head_dim=setup["head_dim"],
-                  dtype=str(setup["dtype"]).replace("torch.", ""), records=records)
+                  dtype=str(setup["dtype"]).replace("torch.", ""), targets=targets(records), records=records)
     out.mkdir(parents=True, exist_ok=True)
     slug = name.replace(" ", "_").replace("/", "_")
     path = out / f"distributed-{'small-' if setup is SMALL else ''}{slug}-x{world}-{result['date'][:10]}.json"
@@ -183,7 +196,12 @@ def write(out: Path, records: list, setup: dict, world: int, device: torch.devic
             print(f"{r['config']:<20} {'/'.join(map(str, r['split'])):<8} {r['single_gpu_ms']:9.2f} {label:<14} "
                   f"{e['ms']:9.2f} {e['speedup_over_1gpu']:7.2f}x {e['bytes_moved'] / 1e6:9.1f} {predicted} "
                   f"{e['max_rel_error_vs_1gpu']:8.1e}")
-        print(f"{'':<20} auto picked {r['auto_choice']}, faster measured {r['faster_measured']}")
+        print(f"{'':<20} auto picked {r['auto_choice']}, faster measured {r['faster_measured']}; halo / ulysses "
+              f"bytes {r['halo_over_ulysses_bytes']:.2f}")
+    goal = result["targets"]
+    print(f"targets: best speedup at stride 16x8x8 {goal['best_speedup_over_1gpu_16x8x8']:.2f}x (>= 1.8), halo / "
+          f"ulysses bytes {goal['min_halo_over_ulysses_bytes_16x8x8']:.2f} (<= 0.33), auto picked the faster "
+          f"strategy everywhere: {goal['auto_picked_faster_everywhere']}")
     print(f"wrote {path}")
 
 
