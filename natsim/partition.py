@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import numpy as np
@@ -73,6 +74,7 @@ def offsets(split: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(x) for x in np.concatenate([[0], np.cumsum(split)]))
 
 
+@lru_cache(maxsize=4096)
 def key_frames(problem: Problem, q_start: int, q_stop: int) -> tuple[int, int]:
     """The frames `[k_start, k_stop)` of dimension 0 that queries in frames `[q_start, q_stop)` attend (the
     hull over their dilation groups); `(q_start, q_start)` for no queries."""
