@@ -3,12 +3,13 @@
 Each rank of a process group holds a slab of frames of the token layout, `[B, T_r, *rest, heads, head_dim]`
 with rank r holding frames `[t_r, t_{r+1})` of dimension 0 (uneven slabs allowed; the split is all-gathered
 from the group or given), and gets back its frames of the output. Everything moves through PyTorch's own
-collectives (NCCL on GPUs, gloo on CPUs): `all_to_all` with exact per-peer tensors, nothing home-made.
+collectives (NCCL on GPUs, gloo on CPUs): `all_to_all_single` and batched point-to-point with exact per-peer
+sizes, nothing home-made.
 
 - `"ulysses"` (DeepSpeed-Ulysses): all-to-all from frame-sharded to head-sharded full sequences, the
   single-GPU kernel on `heads / P` heads of the whole layout, all-to-all back. Heads must divide by P.
-- `"halo"`: every rank keeps its heads and receives, from the ranks that hold them, the key/value frames its
-  queries' windows reach (natsim.partition.key_frames: GNA window bounds with stride, dilation and causal),
+- `"halo"`: every rank keeps its heads and receives point-to-point (`batch_isend_irecv`), from the ranks that
+  hold them, the key/value frames its queries' windows reach (natsim.partition.key_frames: GNA window bounds with stride, dilation and causal),
   then runs the kernel on its queries against that frame range (`gna_attention(..., frame_offsets=...)`:
   global window bounds). Under dilation along dimension 0 the frames received are the hull over the rank's
   dilation groups (exact, a few extra frames may travel).
@@ -171,26 +172,56 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return (lo, max(lo, hi))
 
 
+def _send_receive(sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[torch.Tensor, int]],
+                  group) -> None:
+    """Point-to-point: every `(tensor, rank)` of `sends` to that rank of `group`, every one of `receives` filled
+    from it, batched (`batch_isend_irecv`); each pair of ranks lists its messages in the same order."""
+    ops = [dist.P2POp(dist.isend, t, _global(peer, group), group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, _global(peer, group), group) for t, peer in receives]
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+
+def _global(rank: int, group) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
 def _halo(kernel, problem: Problem, q, k, v, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
-    """Receive exactly the key/value frames this rank's queries reach, run the kernel on that frame range."""
+    """Receive exactly the key/value frames this rank's queries reach, run the kernel on that frame range.
+
+    The frames land in one `[2, B, frames, ...]` buffer (k, v): halo frames straight from the peers (for batch
+    1 a frame range is contiguous; otherwise through a staging copy), this rank's own frames copied in while
+    they travel."""
     t = offsets(split)
-    size = len(split)
     own = (t[rank], t[rank + 1])
-    need = [key_frames(problem, t[j], t[j + 1]) for j in range(size)]
-    kv = torch.stack((k, v))  # [2, B, T_r, ..., H, D]
-    send, shapes = [], []
-    for j in range(size):
-        give = _overlap(need[j], own) if j != rank else (own[0], own[0])
-        take = _overlap(need[rank], (t[j], t[j + 1])) if j != rank else (own[0], own[0])
-        send.append(kv[:, :, give[0] - own[0]:give[1] - own[0]])
-        shapes.append((2, kv.shape[1], take[1] - take[0], *kv.shape[3:]))
-    recv = _exchange(send, shapes, group)
-    if split[rank] == 0:
+    need = [key_frames(problem, t[j], t[j + 1]) for j in range(len(split))]
+    first, last = need[rank]
+    keys = k.new_empty((2, k.shape[0], last - first, *k.shape[2:])) if split[rank] else None
+    sends, receives, staged = [], [], []
+    for j in range(len(split)):
+        if j == rank:
+            continue
+        give = _overlap(need[j], own)
+        if give[1] > give[0]:
+            sends += [(x[:, give[0] - own[0]:give[1] - own[0]].contiguous(), j) for x in (k, v)]
+        take = _overlap(need[rank], (t[j], t[j + 1]))
+        if take[1] > take[0] and keys is not None:
+            for view in keys[:, :, take[0] - first:take[1] - first]:
+                buffer = view if view.is_contiguous() else torch.empty_like(view)
+                receives.append((buffer, j))
+                staged.append((view, buffer))
+    if keys is None:  # no frames here: only send
+        _send_receive(sends, receives, group)
         return q.new_empty(q.shape)
     mine = _overlap(need[rank], own)
-    pieces = [recv[j] if j != rank else kv[:, :, mine[0] - own[0]:mine[1] - own[0]] for j in range(size)]
-    keys = torch.cat([p for p in pieces if p.shape[2]], dim=2)
-    return kernel(q, keys[0], keys[1], frame_offsets=(own[0], need[rank][0], problem.shape[0]))
+    keys[0, :, mine[0] - first:mine[1] - first] = k[:, mine[0] - own[0]:mine[1] - own[0]]
+    keys[1, :, mine[0] - first:mine[1] - first] = v[:, mine[0] - own[0]:mine[1] - own[0]]
+    _send_receive(sends, receives, group)
+    for view, buffer in staged:
+        if buffer is not view:
+            view.copy_(buffer)
+    return kernel(q, keys[0], keys[1], frame_offsets=(own[0], first, problem.shape[0]))
 
 
 def _mask_heads(mask, heads: int, lo: int, hi: int):

@@ -280,13 +280,17 @@ def _worker(rank: int, world: int, port: int) -> None:
     from natsim.kernels import SparseMask, sparse_reference
 
     sent = []
-    exchange = kd._exchange
+    exchange, send_receive = kd._exchange, kd._send_receive
 
-    def counting(send, shapes, group):
+    def counting_exchange(send, shapes, group):
         sent.append(sum(t.numel() * t.element_size() for j, t in enumerate(send) if j != rank))
         return exchange(send, shapes, group)
 
-    kd._exchange = counting
+    def counting_send_receive(sends, receives, group):
+        sent.append(sum(t.numel() * t.element_size() for t, _ in sends))
+        return send_receive(sends, receives, group)
+
+    kd._exchange, kd._send_receive = counting_exchange, counting_send_receive
     try:
         for index, (shape, window, stride, dilation, causal, splits) in enumerate(GNA_CASES):
             if world not in splits:
@@ -335,7 +339,7 @@ def _worker(rank: int, world: int, port: int) -> None:
             error = ((out.double() - expected).norm() / expected.norm()).item()
             assert error < 5e-3, f"sparse ({type(given).__name__}) rank {rank}/{world}: error {error}"
     finally:
-        kd._exchange = exchange
+        kd._exchange, kd._send_receive = exchange, send_receive
         dist.destroy_process_group()
 
 
