@@ -80,9 +80,9 @@ class ByteCounter:
         self.exchange, self.send_receive = kd._exchange, kd._send_receive
         kd._exchange, kd._send_receive = self.counted_exchange, self.counted_send_receive
 
-    def counted_exchange(self, send, shapes, group):
+    def counted_exchange(self, send, shapes, group, **options):
         self.bytes += sum(t.numel() * t.element_size() for j, t in enumerate(send) if j != self.rank)
-        return self.exchange(send, shapes, group)
+        return self.exchange(send, shapes, group, **options)
 
     def counted_send_receive(self, sends, receives, group):
         self.bytes += sum(t.numel() * t.element_size() for t, _ in sends)

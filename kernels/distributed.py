@@ -138,33 +138,41 @@ def check_heads(heads: int, world_size: int) -> None:
                          f"by the world size, got heads={heads}, world_size={world_size}.")
 
 
-def _exchange(send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]], group) -> list[torch.Tensor]:
-    """Rank j gets `send[j]`; returns what every rank sent here, shaped `recv_shapes[j]`. One
-    `all_to_all_single` over flat buffers with exact per-peer sizes (gloo's list all_to_all needs equal
-    shapes; this takes any)."""
+def _exchange(send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]], group,
+              packed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Rank j gets `send[j]`; returns what every rank sent here: one flat buffer and its pieces shaped
+    `recv_shapes[j]` (views, in rank order). One `all_to_all_single` with exact per-peer sizes (gloo's list
+    all_to_all needs equal shapes; this takes any). `packed`: the send pieces already laid out one after the
+    other in rank order in this contiguous tensor (no copy)."""
     sizes_out = [t.numel() for t in send]
     sizes_in = [math.prod(shape) for shape in recv_shapes]
-    buffer = send[0].new_empty(sum(sizes_out))
-    for piece, t in zip(buffer.split(sizes_out), send):
-        piece.view(t.shape).copy_(t)
+    if packed is None:
+        packed = send[0].new_empty(sum(sizes_out))
+        for piece, t in zip(packed.split(sizes_out), send):
+            piece.view(t.shape).copy_(t)
     received = send[0].new_empty(sum(sizes_in))
-    dist.all_to_all_single(received, buffer, sizes_in, sizes_out, group=group)
-    return [piece.view(shape) for piece, shape in zip(received.split(sizes_in), recv_shapes)]
+    dist.all_to_all_single(received, packed.reshape(-1), sizes_in, sizes_out, group=group)
+    return received, [piece.view(shape) for piece, shape in zip(received.split(sizes_in), recv_shapes)]
 
 
-def _ulysses(attend, q, k, v, split: tuple[int, ...], group, token_dim: int = 1) -> torch.Tensor:
-    """All-to-all to head-sharded full sequences, `attend`, all-to-all back (tokens along `token_dim`)."""
+def _ulysses(attend, q, k, v, split: tuple[int, ...], group) -> torch.Tensor:
+    """All-to-all to head-sharded full sequences, `attend`, all-to-all back (tokens along dimension 1).
+
+    With batch 1 the frames received from the ranks, in rank order, are the whole sequence as they land, and
+    the output's frames for the ranks, in rank order, are the output itself: no copies but the head slices."""
     size, rank = len(split), dist.get_rank(group)
-    h = q.shape[-2] // size
-    qkv = torch.stack((q, k, v))  # [3, B, T_r, ..., H, D]: one message per peer
-    send = [qkv[..., j * h:(j + 1) * h, :] for j in range(size)]
-    recv = _exchange(send, [(3, q.shape[0], n, *q.shape[2:-2], h, q.shape[-1]) for n in split], group)
-    whole = torch.cat(recv, dim=token_dim + 1)
-    out = attend(whole[0], whole[1], whole[2])  # [B, L, ..., h, D]
+    batch, rest, h, head_dim = q.shape[0], q.shape[2:-2], q.shape[-2] // size, q.shape[-1]
+    shapes = [(batch, n, *rest, h, head_dim) for n in split]
+    whole = []
+    for x in (q, k, v):
+        received, parts = _exchange([x[..., j * h:(j + 1) * h, :] for j in range(size)], shapes, group)
+        whole.append(received.view(1, sum(split), *rest, h, head_dim) if batch == 1 else torch.cat(parts, dim=1))
+    out = attend(*whole)  # [B, L, ..., h, D]
     t = offsets(split)
-    send = [out.narrow(token_dim, t[j], split[j]) for j in range(size)]
-    recv = _exchange(send, [(q.shape[0], split[rank], *q.shape[2:-2], h, q.shape[-1])] * size, group)
-    return torch.cat(recv, dim=-2)
+    send = [out.narrow(1, t[j], split[j]) for j in range(size)]
+    packed = out if batch == 1 and out.is_contiguous() else None
+    _, parts = _exchange(send, [(batch, split[rank], *rest, h, head_dim)] * size, group, packed=packed)
+    return torch.cat(parts, dim=-2)
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:

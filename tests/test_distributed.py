@@ -282,9 +282,9 @@ def _worker(rank: int, world: int, port: int) -> None:
     sent = []
     exchange, send_receive = kd._exchange, kd._send_receive
 
-    def counting_exchange(send, shapes, group):
+    def counting_exchange(send, shapes, group, **options):
         sent.append(sum(t.numel() * t.element_size() for j, t in enumerate(send) if j != rank))
-        return exchange(send, shapes, group)
+        return exchange(send, shapes, group, **options)
 
     def counting_send_receive(sends, receives, group):
         sent.append(sum(t.numel() * t.element_size() for t, _ in sends))
