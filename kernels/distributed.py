@@ -9,9 +9,9 @@ sizes, nothing home-made.
 - `"ulysses"` (DeepSpeed-Ulysses): all-to-all from frame-sharded to head-sharded full sequences, the
   single-GPU kernel on `heads / P` heads of the whole layout, all-to-all back. Heads must divide by P.
 - `"halo"`: every rank keeps its heads and receives point-to-point (`batch_isend_irecv`), from the ranks that
-  hold them, the key/value frames its queries' windows reach (natsim.partition.key_frames: GNA window bounds with stride, dilation and causal),
-  then runs the kernel on its queries against that frame range (`gna_attention(..., frame_offsets=...)`:
-  global window bounds). Under dilation along dimension 0 the frames received are the hull over the rank's
+  hold them, the key/value frames its queries' windows reach (natsim.partition.key_frames: GNA window bounds
+  with stride, dilation and causal), then runs the kernel on its queries against that frame range
+  (`gna_attention(..., frame_offsets=...)`: global window bounds). Under dilation along dimension 0 the frames received are the hull over the rank's
   dilation groups (exact, a few extra frames may travel).
 - `"auto"`: the strategy whose slowest rank is predicted fastest by natsim.partition (per-rank tile work of
   the kernel's tiles, bytes moved, default rates); `natsim.planner.best(..., world_size=P)` ranks with a
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from natsim import Problem, TileConfig
-from natsim.partition import (STRATEGIES, check_split, choose_strategy, key_frames, offsets, strategy_cost)
+from natsim.partition import STRATEGIES, check_split, choose_strategy, key_frames, offsets, strategy_cost
 
 from .attention import gna_attention as _gna_attention
 from .checks import BoolOrBools, IntOrInts, check_qkv
