@@ -270,6 +270,7 @@ def best(
     max_stride: Optional[IntOrInts] = None,
     device: Union[None, str, torch.device] = None,
     cost_model: Optional[CostModel] = None,
+    world_size: Optional[int] = None,
 ) -> Plan:
     """The fastest GNA configuration of `shape` whose sparsity is at least `target_sparsity`.
 
@@ -277,7 +278,8 @@ def best(
     catalog; `causal` applies per dimension; `window` fixes the window (it must meet the target);
     `max_stride` caps the stride per dimension; `device` picks the GPU whose stored coefficients rank the
     configurations (None: the current CUDA device), unless `cost_model` is given. Without coefficients the
-    plan ranks by simulated tile work and says so (`plan.basis`, `plan.explain()`).
+    plan ranks by simulated tile work and says so (`plan.basis`, `plan.explain()`). `world_size=P`: a
+    `planner.parallel.ParallelPlan` for P ranks sharding frames, which knows its strategy and split.
 
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
@@ -318,7 +320,7 @@ def best(
         breakdown = r.cost_model.breakdown(
             scorer.features(rows["tile_index"][picked], rows["visited_tiles"][picked], rows["full_tiles"][picked])[0]
         )
-    return Plan(
+    plan = Plan(
         problem=Problem(r.shape, winner.window, winner.stride, causal=r.causal),
         tiles=TileConfig(winner.q_tile, winner.kv_tile, kv_tiling=winner.kv_tiling),
         target_sparsity=r.target,
@@ -341,3 +343,8 @@ def best(
             kv_tilings=kv_tilings_of(r.cost_model),
         ),
     )
+    if world_size is None:
+        return plan
+    from .parallel import parallel_plan  # several GPUs (issue 11)
+
+    return parallel_plan(plan, world_size)
