@@ -145,6 +145,7 @@ class MaskedWanAttnProcessor:
         self.predictor, self.key, self.cache, self.budget, self.block = predictor, key, cache, budget, block
         self.clock = clock if clock is not None else StepClock()
         self.order = natsim.masks.hilbert_order(self.shape) if isinstance(order, str) and order == "hilbert" else order
+        self._orders: dict = {}  # device -> (order, its inverse) as index tensors there, made once
         self.dtype, self.plan_device, self.plan_options = dtype, plan_device, dict(plan_options or {})
         self.min_speedup = float(min_speedup)
         self.plan: Optional[MaskPlan] = None
@@ -182,6 +183,16 @@ class MaskedWanAttnProcessor:
             self._running, self._mask = self.plan.with_mask(mask), mask
         return self._running(q, k, value.to(dtype))
 
+    def _device_orders(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token order and its inverse as index tensors on `device` (copied there once, not per call)."""
+        import natsim.masks
+
+        if device not in self._orders:
+            order = torch.as_tensor(self.order, dtype=torch.int64).cpu()
+            self._orders[device] = (order.to(device), torch.as_tensor(natsim.masks.hilbert_inverse(order.numpy()),
+                                                                      dtype=torch.int64).to(device))
+        return self._orders[device]
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError("MaskedWanAttnProcessor serves self-attention only (no encoder states, no mask).")
@@ -199,10 +210,11 @@ class MaskedWanAttnProcessor:
         if self.order is not None:
             import natsim.masks
 
-            query, key, value = (natsim.masks.to_order(t, self.order) for t in (query, key, value))
+            order, inverse = self._device_orders(query.device)
+            query, key, value = (natsim.masks.to_order(t, order) for t in (query, key, value))
         out = self._attend(query, key, value)
         if self.order is not None:
-            out = natsim.masks.from_order(out, self.order)
+            out = natsim.masks.to_order(out, inverse)  # from_order, without rebuilding the inverse per call
         self.calls += 1
         out = out.reshape(batch, tokens, -1).type_as(hidden_states)
         return attn.to_out[1](attn.to_out[0](out))
