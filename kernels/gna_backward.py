@@ -455,6 +455,12 @@ def dq_kernel(
 
 KV_TILE_TOKENS = 128  # keys per backward KV tile; its Q tile holds half as many queries
 DELTA_ROWS = 64
+# The variant `backward_permuted` runs unless told otherwise: launch options and tuning switches (ATOMIC_DQ,
+# USE_TMA) over `_launch_options`' defaults; benchmarks/backward.py --tune times the alternatives.
+DEFAULT_VARIANT: dict = {}
+# Tile products per visited (Q tile, KV tile) pair, by ATOMIC_DQ: the dK/dV kernel's q k^T, dO v^T, p^T dO and
+# ds^T q, plus the dQ kernel's q k^T, dO v^T and ds k (seven), or ds k in the dK/dV kernel instead (five).
+TILE_PRODUCTS = {False: 7, True: 5}
 # Tiles for layouts too small for any 128-token box: the forward's fallback shapes, queries halved.
 FALLBACK_TILES = {1: ((64,), (128,)), 2: ((8, 8), (16, 8)), 3: ((1, 8, 8), (2, 8, 8))}
 
@@ -511,7 +517,8 @@ def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q
     shared = dict(q_tokens=q_layout.num_tokens, kv_tokens=kv_layout.num_tokens, heads=heads,
                   qk_scale=scale * LOG2E, scale=scale, HEAD_DIM=head_dim,
                   MASKED=needs_mask(problem, q_tile, kv_tile), **_problem_arguments(problem, q_layout, kv_layout))
-    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **(options or {})}
+    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **DEFAULT_VARIANT,
+               **(options or {})}
     atomic = bool(options.pop("ATOMIC_DQ", False))
     if options.get("USE_TMA"):
         _install_allocator()

@@ -1,0 +1,116 @@
+"""Compile the GNA backward kernels for a GPU target offline and report registers and spills per variant.
+
+    PYTHONPATH=/path/to/triton-3.6 python benchmarks/compile_backward.py --out DIR [--arch 90]
+
+No GPU needed: `triton.compile` lowers each variant of benchmarks/backward.py's tune sweep (tiles x ATOMIC_DQ x
+USE_TMA x num_warps x num_stages, masked and mask-free) to PTX for `--arch`, and the ptxas bundled with Triton
+assembles it with `-v`, whose report gives registers per thread and spill stores/loads (what a run on the card
+would read from the loaded kernel's `n_regs` / `n_spills`). A variant that fails to compile is reported with its
+error, so that the sweep can drop it before it costs device time. Writes `compile-backward-sm<arch>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from backward import TUNE, HEAD_DIM
+
+from natsim.kernels.gna_backward import dkdv_kernel, dq_kernel
+
+INTS = ("q_tokens", "kv_tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
+        "NQ0", "NQ1", "NQ2", "NK0", "NK1", "NK2", "STEPS0", "STEPS1", "STEPS2")
+FLOATS = ("qk_scale", "scale")
+# Pointer arguments: bf16 tensors, fp32 statistics; DQ is fp32 under ATOMIC_DQ; COUNTS gets DELTA without DEBUG.
+BF16 = ("Q", "K", "V", "DO", "DK", "DV")
+FP32 = ("LSE", "DELTA", "COUNTS")
+
+
+def signature(fn, constexprs: dict, atomic: bool) -> tuple[dict, dict]:
+    """(signature, attrs) of `fn`: every argument typed, pointers 16-byte aligned as torch's allocations are."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in BF16 or (name == "DQ" and not atomic):
+            sig[name] = "*bf16"
+        elif name in FP32 or name == "DQ":
+            sig[name] = "*fp32"
+        elif name in INTS:
+            sig[name] = "i32"
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            raise ValueError(f"argument {name!r} of {fn.__name__} has no type here; add it to this script.")
+        if sig[name].startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def ptxas_report(ptx: str, arch: int) -> dict:
+    """Registers, spill bytes and shared memory from `ptxas -v` on `ptx` (the ptxas bundled with Triton)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        done = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(source), "-o", str(Path(folder) / "k.o")],
+                              capture_output=True, text=True)
+    text = done.stdout + done.stderr
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else None  # noqa: E731
+    return {"ptxas_rc": done.returncode, "registers": number(r"Used (\d+) registers"),
+            "spill_stores": number(r"(\d+) bytes spill stores"), "spill_loads": number(r"(\d+) bytes spill loads"),
+            "stack_frame": number(r"(\d+) bytes stack frame")}
+
+
+def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, arch: int) -> dict:
+    options = dict(options)
+    atomic = bool(options.pop("ATOMIC_DQ", False))
+    tma = bool(options.pop("USE_TMA", False))
+    tq, tk = (tuple(t) + (1,) * (3 - len(t)) for t in (q_tile, kv_tile))
+    constexprs = dict(C0=False, C1=False, C2=False, TQ0=tq[0], TQ1=tq[1], TQ2=tq[2], TK0=tk[0], TK1=tk[1],
+                      TK2=tk[2], HEAD_DIM=HEAD_DIM, MASKED=masked, USE_TMA=tma)
+    if fn is dkdv_kernel:
+        constexprs.update(DEBUG=False, ATOMIC_DQ=atomic)
+    sig, attrs = signature(fn, constexprs, atomic)
+    launch = {"num_warps": options.get("num_warps", 8), "num_stages": options.get("num_stages", 2)}
+    row = {"kernel": fn.__name__, "q_tile": list(q_tile), "kv_tile": list(kv_tile), "masked": masked,
+           "ATOMIC_DQ": atomic, "USE_TMA": tma, **launch}
+    try:
+        compiled = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs),
+                                  target=GPUTarget("cuda", arch, 128), options=launch)
+        row.update(shared_bytes=compiled.metadata.shared, **ptxas_report(compiled.asm["ptx"], arch))
+    except Exception as error:  # reported, so that the sweep drops the variant
+        row["error"] = f"{type(error).__name__}: {error}"[:400]
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for q_tile, kv_tile, options in TUNE:
+        for masked in (True, False):
+            kernels = (dkdv_kernel,) if options.get("ATOMIC_DQ") else (dkdv_kernel, dq_kernel)
+            for fn in kernels:
+                row = compile_variant(fn, q_tile, kv_tile, options, masked, args.arch)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    record = {"triton": triton.__version__, "arch": args.arch, "rows": rows}
+    (args.out / f"compile-backward-sm{args.arch}.json").write_text(json.dumps(record, indent=1))
+    bad = [r for r in rows if "error" in r or r.get("spill_stores")]
+    print(f"{len(rows)} variants compiled for sm_{args.arch}; {len(bad)} failed or spill.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
