@@ -12,8 +12,7 @@ program per Q tile, as the forward), and unpermutes dq, dk, dv. One row per call
 | `full_flops` | FLOP | 2 * T_Q * T_KV * head_dim per tile product of full (Q tile, KV tile) pairs: the kernels' tile products per pair (`TILE_PRODUCTS`: 7, or 5 with ATOMIC_DQ) |
 | `masked_flops` | FLOP | the same for pairs that run under the element mask (only where the kernels compile it: `needs_mask`) |
 | `pair_visits` | pair | visited (Q tile, KV tile) pairs (`natsim.simulate_backward`'s): the per-iteration overhead of both kernels' loops |
-| `dkdv_programs` | program | KV tiles launched (padding included): loading K and V, storing dK and dV |
-| `dq_programs` | program | Q tiles launched by the dQ kernel (none with ATOMIC_DQ) |
+| `programs` | program | programs launched (padding tiles included): the dK/dV kernel's KV tiles (loading K and V, storing dK and dV) and the dQ kernel's Q tiles (none with ATOMIC_DQ); one feature, since the backward's Q tiles are always half its KV tiles and the two counts move together |
 | `memory_bytes` | byte | permuting q, k, v, out, dO and the LSE, the delta pass, unpermuting dq, dk, dv |
 | `launch` | call | 1: launches and host overhead per call |
 
@@ -40,8 +39,7 @@ from .features import padded_tokens
 if TYPE_CHECKING:
     from .costmodel import CostModel
 
-BACKWARD_FEATURES = ("full_flops", "masked_flops", "pair_visits", "dkdv_programs", "dq_programs", "memory_bytes",
-                     "launch")
+BACKWARD_FEATURES = ("full_flops", "masked_flops", "pair_visits", "programs", "memory_bytes", "launch")
 FORWARD_TILE_PRODUCTS = 2  # QK^T and PV per visited pair in the forward kernel
 LSE_BYTES = 4  # fp32 statistics: the LSE and delta per query
 
@@ -121,8 +119,7 @@ def backward_features(work: BackwardWork, *, batch_heads: int, head_dim: int, el
         full * pair_flops,
         (work.visited_pairs - full) * pair_flops,
         float(work.visited_pairs * batch_heads),
-        float(work.dkdv_programs * batch_heads),
-        0.0 if atomic else float(work.dq_programs * batch_heads),
+        float((work.dkdv_programs + (0 if atomic else work.dq_programs)) * batch_heads),
         float(moved * batch_heads),
         1.0,
     ])

@@ -386,23 +386,30 @@ def backward_case_features(cases: Sequence[BackwardCase], dtype: torch.dtype) ->
                                        head_dim=c.head_dim, element_bytes=size) for c in cases])
 
 
-def backward_case_call(case: BackwardCase, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
-    """A call of the GNA backward for `case` on random inputs (the forward's output and LSE computed once):
-    what `natsim::gna_backward` runs in a training step."""
-    from natsim.kernels.gna_backward import gna_backward
+def backward_case_inputs(case: BackwardCase, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Random q, k, v and output gradient for `case`, with the forward's output and LSE: `(q, k, v, out, lse,
+    grad_out)`, what `natsim::gna_backward` receives in a training step."""
     from natsim.kernels.gna_launch import forward
 
     p = case.problem
     q, k, v, grad = (torch.randn((1, *p.shape, case.heads, case.head_dim), device=device, dtype=dtype)
                      for _ in range(4))
     out, lse = forward(q, k, v, p.window, p.stride, p.dilation, p.causal, None, None, None, True)
-    return lambda: gna_backward(q, k, v, out, lse, grad, None, p)
+    return q, k, v, out, lse, grad
+
+
+def backward_case_call(case: BackwardCase, inputs: Sequence[torch.Tensor]) -> Callable[[], object]:
+    """The GNA backward call of `case` on `inputs` (`backward_case_inputs`), returning dq, dk, dv."""
+    from natsim.kernels.gna_backward import gna_backward
+
+    q, k, v, out, lse, grad = inputs
+    return lambda: gna_backward(q, k, v, out, lse, grad, None, case.problem)
 
 
 def time_backward_case(case: BackwardCase, dtype: torch.dtype, device: torch.device,
                        min_repeats: int = BACKWARD_MIN_REPEATS) -> float:
     """Median seconds of one GNA backward call for `case` on a CUDA `device`."""
-    return median_seconds(backward_case_call(case, dtype, device), device, min_repeats)
+    return median_seconds(backward_case_call(case, backward_case_inputs(case, dtype, device)), device, min_repeats)
 
 
 def check_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
