@@ -2,8 +2,9 @@
 
     PYTHONPATH=/path/to/triton-3.6 python benchmarks/compile_backward.py --out DIR [--arch 90]
 
-No GPU needed: `triton.compile` lowers each variant of benchmarks/backward.py's tune sweep (tiles x ATOMIC_DQ x
-USE_TMA x num_warps x num_stages, masked and mask-free) to PTX for `--arch`, and the ptxas bundled with Triton
+No GPU needed: `triton.compile` lowers each variant of benchmarks/backward.py's tune sweep (Q-tile halvings x
+ATOMIC_DQ x USE_TMA x num_stages) for each problem of its table (HunyuanVideo dense, 1x1x1, 1x8x8, 16x8x8: the
+backward's own tiles and mask switch for each) to PTX for `--arch`, and the ptxas bundled with Triton
 assembles it with `-v`, whose report gives registers per thread and spill stores/loads (what a run on the card
 would read from the loaded kernel's `n_regs` / `n_spills`). A variant that fails to compile is reported with its
 error, so that the sweep can drop it before it costs device time. Writes `compile-backward-sm<arch>.json`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import sys
@@ -22,9 +24,11 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 
-from backward import TUNE, HEAD_DIM
+from backward import CASES, HEAD_DIM, SHAPE, TUNE
 
-from natsim.kernels.gna_backward import dkdv_kernel, dq_kernel
+import natsim
+from natsim.kernels.gna_backward import _launch_options, backward_tiles, dkdv_kernel, dq_kernel
+from natsim.kernels.gna_launch import dense_as_1d, needs_mask
 
 INTS = ("q_tokens", "kv_tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
         "NQ0", "NQ1", "NQ2", "NK0", "NK1", "NK2", "STEPS0", "STEPS1", "STEPS2")
@@ -71,7 +75,7 @@ def ptxas_report(ptx: str, arch: int) -> dict:
 
 
 def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, arch: int) -> dict:
-    options = dict(options)
+    options = {**_launch_options(math.prod(q_tile), math.prod(kv_tile), HEAD_DIM), **options}
     atomic = bool(options.pop("ATOMIC_DQ", False))
     tma = bool(options.pop("USE_TMA", False))
     tq, tk = (tuple(t) + (1,) * (3 - len(t)) for t in (q_tile, kv_tile))
@@ -80,7 +84,7 @@ def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, arch: int)
     if fn is dkdv_kernel:
         constexprs.update(DEBUG=False, ATOMIC_DQ=atomic)
     sig, attrs = signature(fn, constexprs, atomic)
-    launch = {"num_warps": options.get("num_warps", 8), "num_stages": options.get("num_stages", 2)}
+    launch = {"num_warps": options["num_warps"], "num_stages": options["num_stages"]}
     row = {"kernel": fn.__name__, "q_tile": list(q_tile), "kv_tile": list(kv_tile), "masked": masked,
            "ATOMIC_DQ": atomic, "USE_TMA": tma, **launch}
     try:
@@ -98,12 +102,21 @@ def main(argv=None) -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for q_tile, kv_tile, options in TUNE:
-        for masked in (True, False):
+    rows, seen = [], set()
+    for halvings, options in TUNE:
+        for case, (stride, window) in CASES.items():
+            problem = natsim.Problem(SHAPE, window, stride)
+            problem = dense_as_1d(problem) or problem
+            q_tile, kv_tile = backward_tiles(problem, HEAD_DIM, halvings)
+            masked = needs_mask(problem, q_tile, kv_tile)
             kernels = (dkdv_kernel,) if options.get("ATOMIC_DQ") else (dkdv_kernel, dq_kernel)
             for fn in kernels:
-                row = compile_variant(fn, q_tile, kv_tile, options, masked, args.arch)
+                key = (fn.__name__, q_tile, kv_tile, masked, json.dumps(options, sort_keys=True))
+                if key in seen:
+                    continue
+                seen.add(key)
+                row = {"case": case, "q_halvings": halvings,
+                       **compile_variant(fn, q_tile, kv_tile, options, masked, args.arch)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     record = {"triton": triton.__version__, "arch": args.arch, "rows": rows}

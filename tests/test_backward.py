@@ -157,6 +157,14 @@ def test_backward_tiles_hold_128_keys_and_half_as_many_queries():
     assert sum(a != b for a, b in zip(q_tile, kv_tile)) == 1
 
 
+@pytest.mark.parametrize("problem", [Problem((30, 48, 80), (18, 24, 24), (16, 8, 8)), Problem((64, 64), (9, 9)),
+                                     Problem((4096,), (512,))])
+def test_backward_tiles_with_two_q_halvings_hold_a_quarter_of_the_kv_box(problem):
+    q_tile, kv_tile = backward_tiles(problem, 128, q_halvings=2)
+    assert math.prod(kv_tile) == 128 and math.prod(q_tile) == 32
+    assert all(kv % q == 0 for q, kv in zip(q_tile, kv_tile))  # each side halved zero, one or two times
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The operator: autograd, torch.compile, checkpointing
 
