@@ -211,10 +211,11 @@ def tune_bench(fn) -> float:
     return bench_median(fn, min_calls=3, min_rep_ms=50.0)
 
 
-def tune(budget_s: float = TUNE_BUDGET_S) -> dict:
+def tune(budget_s: float = TUNE_BUDGET_S, save=lambda result: None) -> dict:
     """Backward kernels alone on permuted tensors for each TUNE variant at TUNE_STRIDES, until `budget_s` has
     passed (variants not started are listed as skipped). Gradients of each variant are unpermuted and compared
-    with the first variant's; the winner is the fastest over both strides among those within BF16_TOLERANCE."""
+    with the first variant's; the winner is the fastest over both strides among those within BF16_TOLERANCE.
+    `save(result)` after each variant, so that a run cut short keeps its winner so far."""
     from natsim.kernels import unpermute
 
     q, k, v, g = inputs(SHAPE)
@@ -252,7 +253,10 @@ def tune(budget_s: float = TUNE_BUDGET_S) -> dict:
             row["elapsed_s"] = time.time() - start
             print(json.dumps(row), flush=True)
             rows.append(row)
-    return {"rows": rows, "skipped": skipped, "winner": tune_winner(rows)}
+        save({"rows": rows, "skipped": skipped, "winner": tune_winner(rows)})
+    result = {"rows": rows, "skipped": skipped, "winner": tune_winner(rows)}
+    save(result)
+    return result
 
 
 def tune_winner(rows) -> dict | None:
@@ -279,8 +283,9 @@ def use_variant(path: Path) -> dict:
     record = json.loads(Path(path).read_text())
     variant = record.get("winner", record) if isinstance(record, dict) else None
     if not variant or "q_halvings" not in variant:
-        raise SystemExit(f"--variant {path}: no winner in it (a --tune JSON with a winner, or "
-                         '{"q_halvings": 1, "options": {}}).')
+        print(f"--variant {path}: no winner in it; running natsim's default backward variant.", flush=True)
+        return {"q_halvings": gna_backward.Q_TILE_HALVINGS, "options": dict(gna_backward.DEFAULT_VARIANT),
+                "note": f"no winner in {path}"}
     gna_backward.Q_TILE_HALVINGS = int(variant["q_halvings"])
     gna_backward.DEFAULT_VARIANT.clear()
     gna_backward.DEFAULT_VARIANT.update(variant.get("options", {}))
@@ -327,8 +332,7 @@ def main(argv=None) -> None:
     device = record["device"].replace(" ", "_")
     if args.tune:
         path = args.out / f"backward-tune-{device}-{record['date']}.json"
-        result = tune(args.budget_s)
-        path.write_text(json.dumps({**record, **result}, indent=1))
+        result = tune(args.budget_s, lambda result: path.write_text(json.dumps({**record, **result}, indent=1)))
         print(f"winner: {json.dumps(result['winner'])}; skipped {len(result['skipped'])} variants; wrote {path}")
         return
     if args.variant is not None:

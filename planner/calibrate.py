@@ -343,6 +343,7 @@ def time_sparse_case(
 # (shape, window, stride, dilation, causal, head_dim): the backward's tiles are its own (backward_tiles), so the
 # cases vary the problem only. Masked stride-1 and block-sparse 3-D windows, dense (flattened to 1-D), 2-D and
 # 1-D windows, causal with padding (44 rows), dilation (the permutation's bytes grow with padding), head_dim 64.
+# Ten, each a kernel specialisation of its own (tiles, mask, head_dim), so that compiling stays near a minute.
 BACKWARD_CASES = (
     ((16, 32, 48), (8, 16, 24), (1, 1, 1), (1, 1, 1), False, 128),
     ((16, 32, 48), (8, 16, 24), (8, 8, 8), (1, 1, 1), False, 128),
@@ -351,7 +352,6 @@ BACKWARD_CASES = (
     ((16, 44, 80), (8, 20, 40), (1, 4, 8), (1, 1, 1), (True, False, False), 128),
     ((16, 32, 48), (4, 8, 12), (1, 1, 1), (2, 2, 2), False, 128),
     ((256, 256), (80, 80), (1, 1), (1, 1), False, 128),
-    ((256, 256), (80, 80), (16, 16), (1, 1), False, 128),
     ((32768,), (2048,), (1,), (1,), False, 128),
     ((32768,), (2048,), (256,), (1,), False, 64),
     ((16384,), (16384,), (1,), (1,), True, 128),
