@@ -75,7 +75,6 @@ class BackwardWork:
         return self.q_padded // self.q_tokens
 
 
-@functools.lru_cache(maxsize=4096)
 def backward_work(problem: Problem, head_dim: int) -> BackwardWork:
     """The backward's work for `problem` at `head_dim`, as `natsim::gna_backward` runs it (default tiles).
 
@@ -84,7 +83,11 @@ def backward_work(problem: Problem, head_dim: int) -> BackwardWork:
     seconds on a dense 1-D layout of 100k tokens, and the cost model needs totals only.
     """
     kernel_problem = dense_as_1d(problem) or problem
-    q_tile, kv_tile = backward_tiles(kernel_problem, head_dim)
+    return _backward_work(kernel_problem, *backward_tiles(kernel_problem, head_dim))
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_work(kernel_problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> BackwardWork:
     counts = simulate(kernel_problem, TileConfig(q_tile, kv_tile))
     return BackwardWork(
         problem=kernel_problem,
