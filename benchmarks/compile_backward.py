@@ -121,8 +121,9 @@ def main(argv=None) -> None:
                 rows.append(row)
     record = {"triton": triton.__version__, "arch": args.arch, "rows": rows}
     (args.out / f"compile-backward-sm{args.arch}.json").write_text(json.dumps(record, indent=1))
-    bad = [r for r in rows if "error" in r or r.get("spill_stores")]
-    print(f"{len(rows)} variants compiled for sm_{args.arch}; {len(bad)} failed or spill.")
+    failed = sum("error" in r or r.get("ptxas_rc") for r in rows)
+    spilling = sum(bool(r.get("spill_stores")) for r in rows)
+    print(f"{len(rows)} kernel variants for sm_{args.arch}: {failed} failed to compile, {spilling} spill registers.")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,12 @@ def test_backward_tiles_with_two_q_halvings_hold_a_quarter_of_the_kv_box(problem
     assert all(kv % q == 0 for q, kv in zip(q_tile, kv_tile))  # each side halved zero, one or two times
 
 
+@pytest.mark.parametrize("problem", [Problem((4, 8, 16), (3, 5, 6), (1, 2, 1)), Problem((4, 8, 16), (4, 8, 16))])
+def test_backward_kernels_with_quarter_q_tiles_match_the_reference(problem):
+    """The tiles of `q_halvings=2` (benchmarks/backward.py --tune), masked and mask-free, in the interpreter."""
+    kernel_against_reference(problem, *backward_tiles(problem, 128, q_halvings=2), torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The operator: autograd, torch.compile, checkpointing
 
