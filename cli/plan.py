@@ -41,6 +41,23 @@ def load_cost_model(path: Path):
         raise CliInputError(f"--coefficients {path} is not a readable cost model: {error}") from None
 
 
+def rank_table(parallel):
+    """The per-rank table of a `ParallelPlan`: every strategy's ranks, the chosen one marked."""
+    from rich.table import Table
+
+    table = Table(title=f"{parallel.world_size} ranks, frames split {'/'.join(map(str, parallel.split))}: "
+                        f"{parallel.strategy} (predicted {parallel.seconds * 1e3:.2f} ms, slowest rank)")
+    for column in ("strategy", "rank", "frames", "heads", "key frames", "visited tiles", "MB sent", "MB received",
+                   "predicted ms"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for row in parallel.rows():
+        mark = " *" if row["strategy"] == parallel.strategy else ""
+        table.add_row(row["strategy"] + mark, str(row["rank"]), "{}-{}".format(*row["frames"]), str(row["heads"]),
+                      "{}-{}".format(*row["key_frames"]), f"{row['visited_tiles']:,}", f"{row['bytes_sent'] / 1e6:,.1f}",
+                      f"{row['bytes_received'] / 1e6:,.1f}", f"{row['predicted_s'] * 1e3:.2f}")
+    return table
+
+
 def register(app: typer.Typer) -> None:
     """Add the `plan` command to `app`."""
     from .main import ListsGpusInHelp, out, reports_bad_input  # the app's conventions (imported late: main registers us)
@@ -66,6 +83,7 @@ def register(app: typer.Typer) -> None:
         steps: Optional[int] = typer.Option(None, "--steps", help="Diffusion steps in all (default 1)."),
         training: bool = typer.Option(False, "--training", help="Rank by forward + backward time (training), the backward by its own coefficients (`natsim calibrate --kernels gna,backward`), else by tile work."),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document instead of a report."),
+        world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks sharing the layout's frames (context parallelism): also choose the strategy (ulysses or halo) and the frame split, and show the per-rank table."),
     ) -> None:
         """Choose the fastest GNA configuration of a layout that is at least as sparse as asked.
 
@@ -86,6 +104,7 @@ def register(app: typer.Typer) -> None:
             "max_stride": None if max_stride is None else broadcast(parse_dims(max_stride, "--max-stride"), ndim, "--max-stride"),
             "device": device,
             "training": training,
+            "world_size": world_size,
         }
         if coefficients is not None:
             options["cost_model"] = load_cost_model(coefficients)
@@ -98,6 +117,8 @@ def register(app: typer.Typer) -> None:
             print_json(out, payload)
             return
         out.print(plan.explain())
+        if world_size is not None:
+            out.print(rank_table(plan))
         if estimate is not None:
             out.print(
                 f"End-to-end estimate: {estimate['speedup']:.2f}x with attention {attention_share:.0%} of the time, "

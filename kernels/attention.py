@@ -85,10 +85,10 @@ def gna_attention_permuted(
 
 @functools.lru_cache(maxsize=256)
 def _permuted_call(problem, q_tile, kv_tile, batch, heads, head_dim, scale, return_lse, options, debug=False,
-                   kv_tiling="static"):
+                   kv_tiling="static", frames=None):
     return make_call(problem, problem.shape, q_tile, kv_tile, batch=batch, heads=heads, head_dim=head_dim,
                      scale=scale, layout_tensors=None, return_lse=return_lse, debug=debug, options=dict(options),
-                     check_alignment=True, kv_tiling=kv_tiling)
+                     check_alignment=True, kv_tiling=kv_tiling, frames=frames)
 
 
 def _check_permuted(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -117,6 +117,7 @@ def gna_attention(
     kv_tile: Optional[IntOrInts] = None,
     return_lse: bool = False,
     kv_tiling: Optional[str] = None,
+    frame_offsets: Optional[tuple[int, int, int]] = None,
 ):
     """Generalized Neighborhood Attention, forward, on `[B, *shape, heads, head_dim]` tensors (1 to 3 dims).
 
@@ -130,12 +131,17 @@ def gna_attention(
     `[B, *shape, heads]` in float32. Differentiable with respect to q, k and v (and through the LSE): the
     Triton backward kernels on CUDA tensors, the reference's gradients on CPU ones; inside an autocast region
     q, k, v are cast to its dtype.
+
+    `frame_offsets=(q0, k0, L0)` (natsim.distributed's halo exchange; static KV tiling, no backward kernel):
+    q holds frames `[q0, q0 + Tq)` of the layout's dimension 0, which has `L0` frames, and k, v hold frames
+    `[k0, k0 + Tk)`, every frame q's windows reach; windows are the global layout's. The output covers q's
+    frames.
     """
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
     if runs_eagerly(q, k, v):
         out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
-                           kv_tiling)
+                           kv_tiling, None if frame_offsets is None else tuple(frame_offsets))
     else:
         ndim = q.dim() - 3
         # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
@@ -145,7 +151,7 @@ def gna_attention(
             q, k, v, _per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim),
             _per_dim(causal, ndim), None if scale is None else float(scale),
             None if q_tile is None else _per_dim(q_tile, ndim), None if kv_tile is None else _per_dim(kv_tile, ndim),
-            needs_lse, kv_tiling,
+            needs_lse, kv_tiling, None if frame_offsets is None else list(frame_offsets),
         )
     return (out, lse) if return_lse else out
 
@@ -162,6 +168,7 @@ def gna_tile_counts(
     device: str = "cuda",
     dtype: torch.dtype = torch.float16,
     kv_tiling: str = "static",
+    frames: Optional[tuple[int, int, int, int]] = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run the kernel of `kv_tiling` ("static" or "dynamic") with its debug counters on (random inputs,
     batch 1, one head, permuted tokens).
@@ -170,22 +177,42 @@ def gna_tile_counts(
     and the KV tiles it found full (every real query attends every real key; the static kernel runs exactly
     these without the window mask, the dynamic one all of them but those holding keys past the group's end).
     Compare with `natsim.simulate(problem, TileConfig(..., kv_tiling=kv_tiling), per_q_tile=True)`.
+    With `frames=(q0, q1, k0, k1)` (queries in frames `[q0, q1)` of dimension 0, keys in `[k0, k1)`; static
+    KV tiling) compare with `natsim.partition.rank_tiles`.
     """
     if kv_tiling not in ("static", "dynamic"):
         raise ValueError(f"kv_tiling must be 'static' or 'dynamic', got kv_tiling={kv_tiling!r}.")
+    if frames is not None and kv_tiling != "static":
+        raise ValueError(f"frames run with static KV tiling only, got kv_tiling={kv_tiling!r}.")
     problem = Problem(shape, window, stride, dilation, causal)
     if q_tile is None and kv_tile is None:
         q_dims, kv_dims = default_tiles(problem, head_dim)
     else:
         q_dims, kv_dims = kernel_tiles(problem, q_tile, kv_tile)
-    q_tokens = TileLayout(problem.shape, q_dims, problem.dilation).num_tokens
-    kv_tokens = TileLayout(problem.shape, kv_dims, problem.dilation).num_tokens
+    q_shape = kv_shape = problem.shape
+    if frames is not None:
+        from .gna_launch import frames_as_3d
+
+        from natsim.partition import key_frames
+
+        frames = tuple(int(x) for x in frames)
+        need = key_frames(problem, frames[0], frames[1])
+        if not (0 <= frames[0] < frames[1] <= problem.shape[0] and frames[2] <= need[0] and need[1] <= frames[3]
+                <= problem.shape[0]):
+            raise ValueError(f"frames must be (q0, q1, k0, k1) with 0 <= q0 < q1 <= {problem.shape[0]} and keys "
+                             f"[k0, k1) within the layout holding the frames the queries attend, {need}, got "
+                             f"frames={frames}.")
+        problem, q_dims, kv_dims = frames_as_3d(problem, q_dims, kv_dims)
+        q_shape = (frames[1] - frames[0], *problem.shape[1:])
+        kv_shape = (frames[3] - frames[2], *problem.shape[1:])
+    q_tokens = TileLayout(q_shape, q_dims, problem.dilation).num_tokens
+    kv_tokens = TileLayout(kv_shape, kv_dims, problem.dilation).num_tokens
     q = torch.randn((1, q_tokens, 1, head_dim), device=device, dtype=dtype)
     k = torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype)
     v = torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype)
     check_kernel_inputs(q)
     call = _permuted_call(problem, q_dims, kv_dims, 1, 1, head_dim, head_dim**-0.5, False, (), debug=True,
-                          kv_tiling=kv_tiling)
+                          kv_tiling=kv_tiling, frames=frames)
     _, _, counts = call.run_permuted(q, k, v)
     counts = counts.cpu().numpy().astype(np.int64)
     return counts[:, 0], counts[:, 1]

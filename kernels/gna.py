@@ -40,6 +40,12 @@ Compile-time switches (the launcher sets them, kernels/gna_launch.py):
   over its real rows. Triton 3.6 cannot warp-specialize a loop that loads through rank-4 descriptors, so the
   launcher uses mode 1 without `WARP_SPECIALIZE`.
 
+Frame ranges (natsim.distributed's halo exchange): q and o may hold frames `[Q0_OFF, Q0_OFF + L0)` of
+dimension 0 of a layout of `G0` frames, and k, v frames `[K0_OFF, K0_OFF + KL0)` holding every frame those
+queries attend. Window bounds along dimension 0 are the global layout's (`_frame_groups`: a local dilation group
+is a run of a global one, and key groups may be rotated against query groups); Q and KV tiles are cut from the
+local first frames. A whole layout has offsets 0 and `G0 == KL0 == L0`, and the kernel is what it was.
+
 The softmax scale (times log2 e) is applied with one fused multiply-add per score (`qk * scale - m`), the
 running maximum is kept in scaled units, and the online-softmax recurrence is the usual flash-attention one
 in base 2 with fp32 accumulators. Kernels always see three dimensions (kernels/layout.py): a 1-D or 2-D
@@ -57,14 +63,38 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dim_setup(first, group_len, window, stride, CAUSAL: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr):
-    """Per dimension: the Q tile's last real query, window bounds of first/last, and its KV tile range."""
-    last = tl.minimum(first + TQ, group_len) - 1
-    start_first, end_first = window_bounds(first, group_len, window, stride, CAUSAL)
-    start_last, end_last = window_bounds(last, group_len, window, stride, CAUSAL)
+def _dim_setup(first, q_len, group_len, q_off, k_off, window, stride, CAUSAL: tl.constexpr, TQ: tl.constexpr,
+               TK: tl.constexpr):
+    """Per dimension: the Q tile's last real query, window bounds of first/last, and its KV tile range.
+
+    `q_len` real queries of the local group sit at in-group coordinates `q_off + i` of a group of `group_len`;
+    keys are local from in-group coordinate `k_off` (both offsets 0 and `q_len == group_len` but for dimension 0
+    of a frame range, see `frame_groups`)."""
+    last = tl.minimum(first + TQ, q_len) - 1
+    start_first, end_first = window_bounds(first + q_off, group_len, window, stride, CAUSAL)
+    start_last, end_last = window_bounds(last + q_off, group_len, window, stride, CAUSAL)
+    start_first -= k_off
+    end_first -= k_off
+    start_last -= k_off
+    end_last -= k_off
     kv_lo = start_first // TK
     kv_hi = (end_last + TK - 1) // TK
     return start_last, end_first, kv_lo, kv_hi
+
+
+@triton.jit
+def _frame_groups(gi0, G0, KL0, Q0_OFF, K0_OFF, D0):
+    """Dimension 0 of a frame range (halo exchange, natsim.distributed): q holds global frames
+    `[Q0_OFF, Q0_OFF + L0)` of `G0`, k and v frames `[K0_OFF, K0_OFF + KL0)`. Local dilation group `gi0` of the
+    queries is global group `(Q0_OFF + gi0) % D0`; returns the in-group offset of its first query, that group's
+    global length, the local key group holding it, that key group's in-group offset and its local length. A
+    whole layout (offsets 0, `G0 == KL0 == L0`) gives `0, len, gi0, 0, len`."""
+    x0 = Q0_OFF + gi0
+    gg0 = x0 % D0
+    kg0 = (gg0 + D0 - K0_OFF % D0) % D0
+    glen0 = G0 // D0 + tl.where(gg0 < G0 % D0, 1, 0)
+    klen0 = KL0 // D0 + tl.where(kg0 < KL0 % D0, 1, 0)
+    return x0 // D0, glen0, kg0, (K0_OFF + kg0) // D0, klen0
 
 
 @triton.jit
@@ -130,7 +160,7 @@ def _layout_descriptor(base, L0, L1, L2, stride0, stride1, stride2,
                                      block_shape=[T0, T1, T2, HEAD_DIM])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G0", "KL0", "Q0_OFF", "K0_OFF"])  # frame offsets: one compile for every rank
 def gna_forward_kernel(
     Q, K, V, O, LSE, COUNTS,
     stride_qb, stride_q0, stride_q1, stride_q2, stride_qh,
@@ -140,6 +170,7 @@ def gna_forward_kernel(
     heads, qk_scale,
     L0, L1, L2, W0, W1, W2, S0, S1, S2, D0, D1, D2,
     NQ0, NQ1, NQ2, NK0, NK1, NK2,
+    G0, KL0, Q0_OFF, K0_OFF,
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
@@ -175,18 +206,22 @@ def gna_forward_kernel(
     first2 = (t % NQ2) * TQ2
     real_tile = (first0 < len0) & (first1 < len1) & (first2 < len2)
 
-    sl0, ef0, lo0, hi0 = _dim_setup(first0, len0, W0, S0, C0, TQ0, TK0)
-    sl1, ef1, lo1, hi1 = _dim_setup(first1, len1, W1, S1, C1, TQ1, TK1)
-    sl2, ef2, lo2, hi2 = _dim_setup(first2, len2, W2, S2, C2, TQ2, TK2)
+    qo0, glen0, kg0, ko0, klen0 = _frame_groups(gi0, G0, KL0, Q0_OFF, K0_OFF, D0)  # frame range, dim 0
+
+    sl0, ef0, lo0, hi0 = _dim_setup(first0, len0, glen0, qo0, ko0, W0, S0, C0, TQ0, TK0)
+    sl1, ef1, lo1, hi1 = _dim_setup(first1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
+    sl2, ef2, lo2, hi2 = _dim_setup(first2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
     num_kv = tl.where(real_tile, (hi0 - lo0) * (hi1 - lo1) * (hi2 - lo2), 0)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     kv_tiles_per_group = NK0 * NK1 * NK2
-    kv_group = group * kv_tiles_per_group
+    kv_group = ((kg0 * D1 + gi1) * D2 + gi2) * kv_tiles_per_group  # group index, kg0 == gi0 but for frames
     q_row0 = q_tile * BLOCK_M
     # Per-row window bounds (in-group coordinates) and per-column key offsets inside a KV tile.
-    qs0, qe0 = window_bounds(first0 + rows // (TQ1 * TQ2), len0, W0, S0, C0)
+    qs0, qe0 = window_bounds(qo0 + first0 + rows // (TQ1 * TQ2), glen0, W0, S0, C0)
+    qs0 -= ko0
+    qe0 -= ko0
     qs1, qe1 = window_bounds(first1 + (rows // TQ2) % TQ1, len1, W1, S1, C1)
     qs2, qe2 = window_bounds(first2 + rows % TQ2, len2, W2, S2, C2)
     c0 = cols // (TK1 * TK2)
@@ -201,9 +236,9 @@ def gna_forward_kernel(
     if LAYOUT == 1:  # q, k, v, o are [B, L0, L1, L2, heads, head_dim]: tiles are boxes, padding is out of bounds
         q_desc = _layout_descriptor(Q + b * stride_qb + h * stride_qh, L0, L1, L2, stride_q0, stride_q1, stride_q2,
                                     TQ0, TQ1, TQ2, HEAD_DIM)
-        k_desc = _layout_descriptor(K + b * stride_kb + h * stride_kh, L0, L1, L2, stride_k0, stride_k1, stride_k2,
+        k_desc = _layout_descriptor(K + b * stride_kb + h * stride_kh, KL0, L1, L2, stride_k0, stride_k1, stride_k2,
                                     TK0, TK1, TK2, HEAD_DIM)
-        v_desc = _layout_descriptor(V + b * stride_vb + h * stride_vh, L0, L1, L2, stride_v0, stride_v1, stride_v2,
+        v_desc = _layout_descriptor(V + b * stride_vb + h * stride_vh, KL0, L1, L2, stride_v0, stride_v1, stride_v2,
                                     TK0, TK1, TK2, HEAD_DIM)
         q = q_desc.load([first0, first1, first2, 0]).reshape([BLOCK_M, HEAD_DIM])
         k_base = K  # unused: loads go through the descriptors
@@ -253,7 +288,7 @@ def gna_forward_kernel(
         qk = tl.dot(q, k)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
-            unmasked += _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
+            unmasked += _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2, TK0, TK1, TK2)
         # Next KV tile: step the last dimension, carry into the ones before it.
         k2 += 1
         wrap2 = k2 == g2
@@ -315,7 +350,7 @@ def gna_forward_kernel(
             qk = tl.where(keep, qk, float("-inf"))
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
             if DEBUG:
-                unmasked += _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
+                unmasked += _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2, TK0, TK1, TK2)
 
     # Padding queries (and only they) can end with no key at all: give them zeros, not 0 / 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

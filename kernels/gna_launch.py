@@ -18,6 +18,11 @@ every query attends every key either way, and only the last tile holds padding i
 Two kernels share the arguments and both paths: static KV tiling (kernels/gna.py) and dynamic KV tiling
 (kernels/gna_dynamic.py); `kv_tiling=None` lets `choose_tiles` (kernels/tiles.py) pick the mode with the tiles,
 between both on the layout path and static on the permuted one, whose gathers are not calibrated.
+
+Frame ranges (`frame_offsets`, for natsim.distributed's halo exchange): q holds frames `[q0, q0 + Tq)` of
+dimension 0 of a layout of `L0` frames and k, v frames `[k0, k0 + Tk)`, which must hold every frame the queries'
+windows reach. Window bounds are global; Q and KV tiles are cut from the local first frames
+(natsim.partition.frame_dim_tiles counts them the same way). No dense-as-1-D there.
 """
 
 from __future__ import annotations
@@ -84,6 +89,25 @@ def needs_mask(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ..
                     if not (start_last <= key and end_first >= key + tk):
                         return True
     return False
+
+
+def needs_mask_frames(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...],
+                      frames: tuple[int, int, int, int]) -> bool:
+    """`needs_mask` for queries in frames `[q0, q1)` against keys in `[k0, k1)` (`frames`) of `problem`:
+    dimension 0 from the simulator's per-rank counts, the other dimensions as `needs_mask`."""
+    from natsim.partition import frame_dim_tiles
+    from natsim.window import group_length
+
+    q0, q1, k0, k1 = frames
+    d, tk = problem.dilation[0], kv_tile[0]
+    dim0 = frame_dim_tiles(problem, q_tile[0], tk, q0, q1 - q0, k0, k1 - k0)
+    if (dim0.full != dim0.visited).any() or any(group_length(k1 - k0, d, g) % tk for g in range(d)):
+        return True
+    if problem.ndim == 1:
+        return False
+    rest = Problem(problem.shape[1:], problem.window[1:], problem.stride[1:], problem.dilation[1:],
+                   problem.causal[1:])
+    return needs_mask(rest, q_tile[1:], kv_tile[1:])
 
 
 def launch_config(
@@ -239,10 +263,23 @@ class GnaCall:
     debug: bool
     kernel: PreboundKernel
     kv_tiling: str = "static"
+    frames: Optional[tuple[int, int, int, int]] = None  # (q0, q1, k0, k1) along dimension 0, or None
+
+    @property
+    def q_shape(self) -> tuple[int, ...]:
+        """The layout q and o hold: the problem's, or its query frames."""
+        return self.problem.shape if self.frames is None else (self.frames[1] - self.frames[0],
+                                                               *self.problem.shape[1:])
+
+    @property
+    def kv_shape(self) -> tuple[int, ...]:
+        """The layout k and v hold: the problem's, or its key frames."""
+        return self.problem.shape if self.frames is None else (self.frames[3] - self.frames[2],
+                                                               *self.problem.shape[1:])
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """`(out, lse)` of `[B, *shape, heads, head_dim]` inputs in that layout (`lse` None unless asked)."""
-        flattened = self.problem.shape != self.shape  # dense attention as 1-D: views when contiguous
+        flattened = self.q_shape != self.shape  # dense attention as 1-D: views when contiguous
         if flattened:
             batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
             q, k, v = (t.reshape(batch, *self.problem.shape, heads, head_dim) for t in (q, k, v))
@@ -254,9 +291,9 @@ class GnaCall:
             dilation = self.problem.dilation
             out_p, lse_p, _ = self.run_permuted(permute(q, self.q_tile, dilation), permute(k, self.kv_tile, dilation),
                                                 permute(v, self.kv_tile, dilation))
-            out = unpermute(out_p, self.problem.shape, self.q_tile, dilation)
+            out = unpermute(out_p, self.q_shape, self.q_tile, dilation)
             lse = (None if lse_p is None
-                   else unpermute(lse_p[..., None], self.problem.shape, self.q_tile, dilation)[..., 0])
+                   else unpermute(lse_p[..., None], self.q_shape, self.q_tile, dilation)[..., 0])
         if flattened:
             out = out.view(batch, *self.shape, heads, head_dim)
             lse = None if lse is None else lse.view(batch, *self.shape, heads)
@@ -300,18 +337,26 @@ def make_call(
     options: Optional[dict] = None,
     check_alignment: bool = False,
     kv_tiling: str = "static",
+    frames: Optional[tuple[int, int, int, int]] = None,
 ) -> GnaCall:
     """Work out one call. `layout_tensors` are q, k, v in the kernel's layout for the layout path (their strides
     are bound), or None for the permuted path. `options` override `launch_config`'s (tuning; `MASKED` may only
     be forced on) and may set `HEAD_MAJOR`. `check_alignment`: check the tensors' alignment on every launch
     (callers that pass their own permuted tensors; `forward` keys on it instead). `kv_tiling` picks the
     kernel; the dynamic one gathers box tiles with pointer loads on the permuted path and is never
-    warp-specialized (Triton 3.6 does not specialize its loops: rank-4 descriptors or pointer gathers)."""
+    warp-specialized (Triton 3.6 does not specialize its loops: rank-4 descriptors or pointer gathers).
+    `frames` `(q0, q1, k0, k1)`: q holds frames `[q0, q1)` of dimension 0 and k, v `[k0, k1)` (module
+    docstring); static KV tiling only."""
     if kv_tiling not in KERNELS:
         raise ValueError(f"kv_tiling must be one of {tuple(KERNELS)} here, got kv_tiling={kv_tiling!r}.")
-    q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
-    kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
-    masked = needs_mask(problem, q_tile, kv_tile, kv_tiling)
+    if frames is not None and kv_tiling != "static":
+        raise ValueError(f"frame ranges run with static KV tiling only, got kv_tiling={kv_tiling!r}.")
+    q0, q1, k0, k1 = (0, problem.shape[0], 0, problem.shape[0]) if frames is None else frames
+    q_shape, kv_shape = (q1 - q0, *problem.shape[1:]), (k1 - k0, *problem.shape[1:])
+    q_layout = TileLayout(q_shape, q_tile, problem.dilation).to_3d()
+    kv_layout = TileLayout(kv_shape, kv_tile, problem.dilation).to_3d()
+    masked = (needs_mask(problem, q_tile, kv_tile, kv_tiling) if frames is None
+              else needs_mask_frames(problem, q_tile, kv_tile, frames))
     layout = layout_tensors is not None
     # The kernel's LAYOUT switch: 0 permuted sequences; 1 the token layout in rank-4 boxes; 2 a 1-D layout in
     # place, through the same rank-2 descriptors as permuted sequences. Triton 3.6 cannot warp-specialize a
@@ -329,7 +374,7 @@ def make_call(
     head_major = launch.pop("HEAD_MAJOR", False)
     if layout:
         strides = [(t.stride(0), *_token_strides(t, problem.ndim), t.stride(-2)) for t in layout_tensors]
-        contiguous = torch.empty((batch, *problem.shape, heads, head_dim), device="meta")
+        contiguous = torch.empty((batch, *q_shape, heads, head_dim), device="meta")
         strides.append((contiguous.stride(0), *_token_strides(contiguous, problem.ndim), contiguous.stride(-2)))
     else:  # contiguous permuted [B, tokens, H, D]: only the token stride (position 2) is read
         q_tokens, kv_tokens = q_layout.num_tokens, kv_layout.num_tokens
@@ -351,13 +396,15 @@ def make_call(
         HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug, HEAD_MAJOR=head_major, LAYOUT=mode,
         **{name: value for name, value in launch.items() if name not in LAUNCH_OPTIONS},
     )
+    if kv_tiling == "static":  # the frame range (the whole layout without one); the dynamic kernel has none
+        arguments.update(G0=as_3d(problem.shape)[0], KL0=kv_layout.shape[0], Q0_OFF=q0, K0_OFF=k0)
     if layout and not arguments["USE_TMA"]:
         raise ValueError("the layout path reads through tensor descriptors: USE_TMA cannot be turned off there.")
     grid = (batch * heads, q_layout.num_tiles, 1) if head_major else (q_layout.num_tiles, batch * heads, 1)
     options = {name: launch[name] for name in LAUNCH_OPTIONS}
     return GnaCall(problem, shape, q_tile, kv_tile, layout, return_lse, debug,
                    PreboundKernel(KERNELS[kv_tiling], grid, arguments, options, check_alignment=check_alignment),
-                   kv_tiling)
+                   kv_tiling, frames)
 
 
 def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -380,7 +427,7 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
 
 def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_tile=None, kv_tile=None,
-            return_lse=False, kv_tiling=None):
+            return_lse=False, kv_tiling=None, frame_offsets=None):
     """GNA forward of `[B, *shape, heads, head_dim]` tensors: `(out, lse)`, `lse` None unless asked.
 
     `kv_tiling` "static" or "dynamic" picks the kernel; None lets natsim choose by predicted work
@@ -392,14 +439,17 @@ def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_t
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
            q.stride(), k.stride(), v.stride(), q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
            and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(),
-           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling)
+           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, frame_offsets)
     try:
         run = _calls.get(key)
     except TypeError:  # a list among the arguments
         key = tuple(tuple(item) if isinstance(item, list) else item for item in key)
         run = _calls.get(key)
     if run is None:
-        run = _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling)
+        run = (_prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling)
+               if frame_offsets is None else
+               _prepare_frames(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
+                               kv_tiling, frame_offsets))
         if len(_calls) >= MAX_CALLS:
             _calls.pop(next(iter(_calls)))
         _calls[key] = run
@@ -435,7 +485,56 @@ def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, 
     return call.run
 
 
-def _run_reference(q, k, v, *, problem: Problem, scale, return_lse):
+def _prepare_frames(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
+                    frame_offsets):
+    """`_prepare` for a frame range: q holds frames from `frame_offsets[0]`, k and v from `frame_offsets[1]`,
+    of a layout of `frame_offsets[2]` frames along dimension 0 (static KV tiling only)."""
+    from .checks import check_kernel_inputs, check_kv_tiling, kernel_tiles
+    from .reference import check_frames
+    from .tiles import default_tiles
+
+    problem, frames = check_frames(q, k, v, window, stride, dilation, causal, frame_offsets)
+    check_kv_tiling(kv_tiling)
+    if kv_tiling == "dynamic":
+        raise ValueError("frame_offsets (natsim.distributed's halo exchange) run with static KV tiling only, got "
+                         "kv_tiling='dynamic'.")
+    if not (q.is_cuda or interpreting()):
+        return functools.partial(_run_reference, problem=problem, scale=scale, return_lse=return_lse,
+                                 frame_offsets=frame_offsets)
+    check_kernel_inputs(q)
+    batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    if q_tile is None and kv_tile is None:
+        q_dims, kv_dims = default_tiles(problem, head_dim)
+    else:
+        q_dims, kv_dims = kernel_tiles(problem, q_tile, kv_tile)
+    problem, q_dims, kv_dims = frames_as_3d(problem, q_dims, kv_dims)
+    views = tuple(t.reshape(*t.shape[:-2], *(1,) * (6 - t.dim()), *t.shape[-2:]) for t in (q, k, v))
+    layout = takes_layout_path(problem, *views)
+    call = make_call(problem, tuple(views[0].shape[1:-2]), q_dims, kv_dims, batch=batch, heads=heads, head_dim=head_dim,
+                     scale=scale, layout_tensors=views if layout else None, return_lse=return_lse, frames=frames)
+
+    def run(q, k, v):
+        out, lse = call.run(*(t.reshape(t.shape[0], t.shape[1], *problem.shape[1:], *t.shape[-2:])
+                              for t in (q, k, v)))
+        return out.view(q.shape), None if lse is None else lse.view(q.shape[:-1])
+
+    return run
+
+
+def frames_as_3d(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]):
+    """A frame-range problem with trailing dimensions of length 1 up to three (window, stride, dilation 1,
+    tiles 1): the kernel pads at the front (kernels/layout.py), and the frame offsets act on its dimension 0,
+    which must be the layout's first. Counts and token order are unchanged."""
+    pad = 3 - problem.ndim
+    if not pad:
+        return problem, q_tile, kv_tile
+    ones = (1,) * pad
+    return (Problem(problem.shape + ones, problem.window + ones, problem.stride + ones, problem.dilation + ones,
+                    problem.causal + (False,) * pad), q_tile + ones, kv_tile + ones)
+
+
+def _run_reference(q, k, v, *, problem: Problem, scale, return_lse, frame_offsets=None):
     """CPU tensors without the interpreter: the exact torch reference, with a one-time warning."""
     global _warned_cpu
     from .reference import reference_attention
@@ -447,5 +546,5 @@ def _run_reference(q, k, v, *, problem: Problem, scale, return_lse):
                       "use CUDA tensors for the Triton kernel.", stacklevel=4)
         _warned_cpu = True
     result = reference_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
-                                 scale, return_lse)
+                                 scale, return_lse, frame_offsets=frame_offsets)
     return result if return_lse else (result, None)

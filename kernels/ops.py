@@ -24,6 +24,13 @@ from .backend import use_triton
 from .gna_launch import forward
 
 
+FRAMES_GRADIENT_REFUSAL = (
+    "gna_attention with frame_offsets (natsim.distributed's halo exchange) has no backward kernel yet, and q, k "
+    "or v requires grad: call it under torch.no_grad() for inference, or compute gradients on one device "
+    "without frame_offsets (or with the torch reference on CPU tensors)."
+)
+
+
 @torch.library.custom_op("natsim::gna_forward", mutates_args=())
 def gna_forward(
     q: torch.Tensor,
@@ -38,12 +45,15 @@ def gna_forward(
     kv_tile: Optional[Sequence[int]],
     return_lse: bool,
     kv_tiling: Optional[str] = None,
+    frame_offsets: Optional[Sequence[int]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
-    unless `return_lse`). `kv_tiling`: "static", "dynamic" or None (natsim chooses)."""
+    unless `return_lse`). `kv_tiling`: "static", "dynamic" or None (natsim chooses). `frame_offsets=(q0, k0,
+    L0)`: q and k, v hold frame ranges of dimension 0 (kernels/gna_launch.py)."""
     out, lse = forward(q, k, v, tuple(window), tuple(stride), tuple(dilation), tuple(causal), scale,
                        None if q_tile is None else tuple(q_tile), None if kv_tile is None else tuple(kv_tile),
-                       return_lse, kv_tiling)  # tuples: the schema hands over lists, which the call cache cannot hash
+                       return_lse, kv_tiling, None if frame_offsets is None else tuple(frame_offsets))
+    # tuples: the schema hands over lists, which the call cache cannot hash
     return out, (_no_lse(q) if lse is None else lse)
 
 
@@ -57,10 +67,14 @@ def _no_lse(q: torch.Tensor) -> torch.Tensor:
 
 @gna_forward.register_fake
 def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
-                      kv_tiling=None):
+                      kv_tiling=None, frame_offsets=None):
     from .checks import check_kv_tiling, check_qkv, problem_of
+    from .reference import check_frames
 
-    problem_of(check_qkv(q, k, v), window, stride, dilation, causal)  # the same sentence errors as eager
+    if frame_offsets is None:  # the same sentence errors as eager
+        problem_of(check_qkv(q, k, v), window, stride, dilation, causal)
+    else:
+        check_frames(q, k, v, window, stride, dilation, causal, list(frame_offsets))
     check_kv_tiling(kv_tiling)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
     return torch.empty_like(q), lse
@@ -68,11 +82,15 @@ def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, 
 
 def _setup_context(ctx, inputs, output) -> None:
     # By position: q, k, v, window, stride, dilation, causal, scale lead the schema; later arguments (tiles,
-    # return_lse and any added after them) select kernel variants and take no gradient.
+    # return_lse, kv_tiling) select kernel variants and take no gradient; frame_offsets comes last.
     q, k, v, window, stride, dilation, causal, scale = inputs[:8]
+    frame_offsets = inputs[12] if len(inputs) > 12 else None
+    if frame_offsets is not None and use_triton(q):
+        raise RuntimeError(FRAMES_GRADIENT_REFUSAL)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.arguments = (window, stride, dilation, causal, scale)
+    ctx.frame_offsets = frame_offsets
     ctx.num_inputs = len(inputs)
     ctx.set_materialize_grads(False)  # an unused LSE (the usual case) brings None, not a tensor of zeros
 
@@ -136,7 +154,8 @@ def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 
         window, stride, dilation, causal, scale = ctx.arguments
         dq, dk, dv = _recomputed_gradients(
-            lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True),
+            lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True,
+                                                frame_offsets=ctx.frame_offsets),
             q, k, v, grad_out, grad_lse,
         )
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)

@@ -4,15 +4,20 @@ The mask of a query at coordinate `x` is a product over dimensions of "key `y` i
 and inside its window", with the window bounds from `natsim.dimension.key_ranges` (the one Python
 definition of the window). Chunks keep memory at about `CHUNK_ELEMENTS` scores at a time, so the reference
 also runs at real sizes on a GPU, in float64 if asked.
+
+With `frame_offsets=(q0, k0, L0)` q holds frames `[q0, q0 + Tq)` of dimension 0 of a layout of `L0` frames and
+k, v frames `[k0, k0 + Tk)` (natsim.distributed's halo exchange): the mask is the global one restricted to
+those frames, and k, v must hold every frame the queries attend.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from natsim import Problem
 from natsim.dimension import key_ranges
 
 from .checks import BoolOrBools, IntOrInts, check_qkv, problem_of
@@ -20,30 +25,64 @@ from .checks import BoolOrBools, IntOrInts, check_qkv, problem_of
 CHUNK_ELEMENTS = 1 << 27
 
 
-def _dim_tables(problem, device) -> list[tuple[torch.Tensor, ...]]:
-    """Per dimension: (group, start, end) of every coordinate, and (group, in-group index) of every key."""
+def _dim_tables(problem, device, frames=None) -> list[tuple[torch.Tensor, ...]]:
+    """Per dimension: (group, start, end) of every query coordinate, and (group, in-group index) of every key
+    coordinate; along dimension 0 only the query / key frames of `frames = (q0, q1, k0, k1)` if given."""
     tables = []
-    for L, w, s, d, c in zip(problem.shape, problem.window, problem.stride, problem.dilation, problem.causal):
+    for dim, (L, w, s, d, c) in enumerate(zip(problem.shape, problem.window, problem.stride, problem.dilation,
+                                               problem.causal)):
         start, end = key_ranges(L, w, s, d, c)
         coord = torch.arange(L, device=device)
-        tables.append(
-            (coord % d, torch.as_tensor(start, device=device), torch.as_tensor(end, device=device), coord // d)
-        )
+        group, start, end = coord % d, torch.as_tensor(start, device=device), torch.as_tensor(end, device=device)
+        queries, keys = slice(None), slice(None)
+        if dim == 0 and frames is not None:
+            queries, keys = slice(frames[0], frames[1]), slice(frames[2], frames[3])
+        tables.append((group[queries], start[queries], end[queries], group[keys], (coord // d)[keys]))
     return tables
 
 
 def _chunk_mask(tables, coords: list[torch.Tensor]) -> torch.Tensor:
-    """`[chunk, N]` boolean mask for queries at per-dimension coordinates `coords`."""
+    """`[chunk, N_keys]` boolean mask for queries at per-dimension coordinates `coords`."""
     mask = None
     ndim = len(tables)
-    for i, ((group, start, end, in_group), x) in enumerate(zip(tables, coords)):
-        m = (group[None, :] == group[x][:, None]) & (in_group[None, :] >= start[x][:, None])
+    for i, ((group, start, end, key_group, in_group), x) in enumerate(zip(tables, coords)):
+        m = (key_group[None, :] == group[x][:, None]) & (in_group[None, :] >= start[x][:, None])
         m &= in_group[None, :] < end[x][:, None]
         view = [m.shape[0]] + [1] * ndim
         view[1 + i] = m.shape[1]
         m = m.reshape(view)
         mask = m if mask is None else mask & m
     return mask.reshape(mask.shape[0], -1)
+
+
+def check_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntOrInts, stride: IntOrInts,
+                 dilation: IntOrInts, causal: BoolOrBools,
+                 frame_offsets: Sequence[int]) -> tuple[Problem, tuple[int, int, int, int]]:
+    """Check a frame-range call (module docstring): the global problem and `(q0, q1, k0, k1)`."""
+    if not isinstance(frame_offsets, (tuple, list)) or len(frame_offsets) != 3 or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in frame_offsets):
+        raise ValueError("frame_offsets must be three non-negative ints (query offset, key offset, frames of "
+                         f"dimension 0), got frame_offsets={frame_offsets!r}.")
+    q0, k0, frames = (int(x) for x in frame_offsets)
+    if k.shape != v.shape or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:]:
+        raise ValueError("k and v must have the same shape, and q's but along dimension 0 of the layout, got "
+                         f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}.")
+    check_qkv(q, q, q)  # q's own layout and dtype rules
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("q, k and v must share dtype and device, got dtypes "
+                         f"({q.dtype}, {k.dtype}, {v.dtype}), devices ({q.device}, {k.device}, {v.device}).")
+    q1, k1 = q0 + q.shape[1], k0 + k.shape[1]
+    if q.shape[1] < 1 or k.shape[1] < 1 or q1 > frames or k1 > frames:
+        raise ValueError(f"q's frames [{q0}, {q1}) and k's frames [{k0}, {k1}) must be non-empty and lie within "
+                         f"the {frames} frames of dimension 0, got frame_offsets={tuple(frame_offsets)}.")
+    problem = problem_of((frames, *q.shape[2:-2]), window, stride, dilation, causal)
+    from natsim.partition import key_frames
+
+    need = key_frames(problem, q0, q1)
+    if need[0] < k0 or need[1] > k1:
+        raise ValueError(f"k and v must hold every frame that q's frames [{q0}, {q1}) attend, [{need[0]}, "
+                         f"{need[1]}), got frames [{k0}, {k1}).")
+    return problem, (q0, q1, k0, k1)
 
 
 def reference_attention(
@@ -57,26 +96,34 @@ def reference_attention(
     scale: Optional[float] = None,
     return_lse: bool = False,
     compute_dtype: Optional[torch.dtype] = None,
+    frame_offsets: Optional[Sequence[int]] = None,
 ):
     """GNA on `[B, *shape, heads, head_dim]` tensors with the exact element mask, computed in chunks.
 
     Scores and softmax are computed in `compute_dtype` (float64 for float64 inputs, float32 otherwise);
     the output has q's dtype and the optional log-sum-exp `[B, *shape, heads]` is in `compute_dtype`.
+    `frame_offsets=(q0, k0, L0)`: q and k, v hold frame ranges of a layout of `L0` frames (module docstring).
     """
-    shape = check_qkv(q, k, v)
-    problem = problem_of(shape, window, stride, dilation, causal)
+    frames = None
+    if frame_offsets is None:
+        shape = check_qkv(q, k, v)
+        problem = problem_of(shape, window, stride, dilation, causal)
+    else:
+        problem, frames = check_frames(q, k, v, window, stride, dilation, causal, frame_offsets)
+        shape = tuple(q.shape[1:-2])
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     n = math.prod(shape)
+    n_keys = math.prod(k.shape[1:-2])
     scale = head_dim**-0.5 if scale is None else scale
     qf = q.reshape(batch, n, heads, head_dim).to(compute_dtype)
-    kf = k.reshape(batch, n, heads, head_dim).to(compute_dtype)
-    vf = v.reshape(batch, n, heads, head_dim).to(compute_dtype)
-    tables = _dim_tables(problem, q.device)
+    kf = k.reshape(batch, n_keys, heads, head_dim).to(compute_dtype)
+    vf = v.reshape(batch, n_keys, heads, head_dim).to(compute_dtype)
+    tables = _dim_tables(problem, q.device, frames)
     out = torch.empty((batch, n, heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, n, heads), dtype=compute_dtype, device=q.device)
-    chunk = max(1, CHUNK_ELEMENTS // (batch * heads * n))
+    chunk = max(1, CHUNK_ELEMENTS // (batch * heads * n_keys))
     for first in range(0, n, chunk):
         rows = torch.arange(first, min(first + chunk, n), device=q.device)
         coords = list(torch.unravel_index(rows, shape))

@@ -282,6 +282,7 @@ def best(
     device: Union[None, str, torch.device] = None,
     cost_model: Optional[CostModel] = None,
     training: bool = False,
+    world_size: Optional[int] = None,
 ) -> Plan:
     """The fastest GNA configuration of `shape` whose sparsity is at least `target_sparsity`.
 
@@ -291,6 +292,8 @@ def best(
     configurations (None: the current CUDA device), unless `cost_model` is given. Without coefficients the
     plan ranks by simulated tile work and says so (`plan.basis`, `plan.explain()`). `training` ranks by
     forward + backward time (the backward's own coefficients; without them, forward + backward tile work).
+    `world_size=P`: a `planner.parallel.ParallelPlan` for P ranks sharding frames, which knows its strategy and
+    split.
 
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
@@ -343,7 +346,7 @@ def best(
                                                 r.cost_model, **call))
     dense = Problem(r.shape, r.shape)
     dense_backward = backward_score(dense, r.cost_model, **call) if r.training else None
-    return Plan(
+    plan = Plan(
         problem=Problem(r.shape, winner.window, winner.stride, causal=r.causal),
         tiles=TileConfig(winner.q_tile, winner.kv_tile, kv_tiling=winner.kv_tiling),
         target_sparsity=r.target,
@@ -369,3 +372,8 @@ def best(
         backward_score=winner.backward_score,
         dense_backward_score=dense_backward,
     )
+    if world_size is None:
+        return plan
+    from .parallel import parallel_plan  # several GPUs (issue 11)
+
+    return parallel_plan(plan, world_size)

@@ -1,0 +1,268 @@
+"""Context parallelism in the simulator: a layout sharded along its first dimension over P ranks.
+
+Rank r holds frames `[t_r, t_{r+1})` of dimension 0 (a "frame" is one index of dimension 0 with everything
+behind it). Two ways to attend across ranks (natsim.distributed runs them):
+
+- **ulysses**: all-to-all from frame-sharded to head-sharded tensors, every rank runs the whole layout for
+  `heads / P` heads, all-to-all back. Per rank: the full problem's tiles times its heads.
+- **halo**: every rank keeps its heads and queries and receives the key/value frames its queries' windows
+  reach (`key_frames`), then runs the kernel on its queries against that frame range. The kernel's tiles are
+  cut from the rank's own first query frame and first key frame (`frame_dim_tiles`), so the per-rank counts
+  are not a slice of the single-process counts; they are what the kernel's debug counters report.
+
+Under dilation along dimension 0 a rank's frames fall into several dilation groups; each is a contiguous
+run of its global group, and the key frames a rank receives are the hull over its groups (a few frames of
+other groups may ride along; the kernel never reads them).
+
+Numpy only, like the rest of the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .dimension import DimTiles, ceil_div, dim_tiles, key_ranges
+from .problem import Problem
+from .simulate import outer_per_q_tile
+from .tiles import TileConfig
+from .window import window_bounds
+
+STRATEGIES = ("ulysses", "halo")
+
+# What a strategy costs, for choosing between them without a calibrated GPU (natsim.distributed's "auto"):
+# seconds per FLOP of a visited tile pair (the H100 calibration's full-tile rate, kernels/tiles.py) and
+# bytes per second a rank sends or receives (NVLink between two GPUs of one host, order of magnitude).
+TILE_FLOP_SECONDS = 1.78e-15
+LINK_BYTES_PER_SECOND = 150e9
+
+
+def even_split(frames: int, world_size: int) -> tuple[int, ...]:
+    """Frames per rank, as even as possible, the first ranks one larger (torch.chunk-like but never empty
+    while there are enough frames)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}.")
+    base, extra = divmod(frames, world_size)
+    return tuple(base + (1 if r < extra else 0) for r in range(world_size))
+
+
+def aligned_split(problem: Problem, world_size: int) -> tuple[int, ...]:
+    """`even_split` with its cuts moved to the nearest stride-group boundary along dimension 0, so that no
+    stride group (which shares one window) straddles two ranks; `even_split` if a rank would be left empty."""
+    s, frames = problem.stride[0] * problem.dilation[0], problem.shape[0]
+    cuts = [round(frames * r / world_size / s) * s for r in range(1, world_size)]
+    t = [0, *cuts, frames]
+    split = tuple(b - a for a, b in zip(t, t[1:]))
+    return split if all(n > 0 for n in split) else even_split(frames, world_size)
+
+
+def check_split(split: Sequence[int], frames: int) -> tuple[int, ...]:
+    """`split` as a tuple of non-negative ints summing to `frames` (sentence error otherwise)."""
+    sizes = tuple(int(n) for n in split)
+    if any(n < 0 for n in sizes) or sum(sizes) != frames:
+        raise ValueError(f"split must be non-negative frame counts that add up to the {frames} frames of "
+                         f"dimension 0, got split={tuple(split)}.")
+    return sizes
+
+
+def offsets(split: Sequence[int]) -> tuple[int, ...]:
+    """First frame of every rank, and the total at the end: `(t_0, ..., t_P)`."""
+    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(split)]))
+
+
+@lru_cache(maxsize=4096)
+def key_frames(problem: Problem, q_start: int, q_stop: int) -> tuple[int, int]:
+    """The frames `[k_start, k_stop)` of dimension 0 that queries in frames `[q_start, q_stop)` attend (the
+    hull over their dilation groups); `(q_start, q_start)` for no queries."""
+    if q_stop <= q_start:
+        return q_start, q_start
+    L, w, s, d, c = problem.shape[0], problem.window[0], problem.stride[0], problem.dilation[0], problem.causal[0]
+    start, end = key_ranges(L, w, s, d, c)
+    x = np.arange(q_start, q_stop)
+    group = x % d
+    return int((group + d * start[x]).min()), int((group + d * (end[x] - 1)).max()) + 1
+
+
+def frame_dim_tiles(problem: Problem, q_tile: int, kv_tile: int, q_start: int, q_len: int, k_start: int,
+                    k_len: int) -> DimTiles:
+    """Tile counts along dimension 0 for queries in frames `[q_start, q_start + q_len)` against keys in
+    `[k_start, k_start + k_len)`, tiles cut from the local first frames, numbered like the kernel's (local
+    dilation groups of the query frames; static KV tiling). The keys must cover every query's window."""
+    L, w, s, d, c = problem.shape[0], problem.window[0], problem.stride[0], problem.dilation[0], problem.causal[0]
+    nq = ceil_div(q_len, q_tile * d)
+    gi = np.arange(d)[:, None]
+    len_q = q_len // d + (gi < q_len % d)
+    x0 = q_start + gi
+    gg = x0 % d
+    kg = (gg - k_start) % d
+    q_off, k_off = x0 // d, (k_start + kg) // d
+    glen = L // d + (gg < L % d)
+    klen = k_len // d + (kg < k_len % d)
+    first = np.arange(nq)[None, :] * q_tile
+    real = first < len_q
+    last = np.maximum(np.minimum(first + q_tile, len_q) - 1, 0)
+    start_first, end_first = window_bounds(np.where(real, first, 0) + q_off, glen, w, s, c)
+    start_last, end_last = window_bounds(last + q_off, glen, w, s, c)
+    start_first, end_first, start_last, end_last = (a - k_off for a in (start_first, end_first, start_last,
+                                                                         end_last))
+    kv_first = start_first // kv_tile
+    visited = np.where(real, ceil_div(end_last, kv_tile) - kv_first, 0)
+    m = np.arange(max(int(visited.max(initial=0)), 1))[None, None, :]
+    key_start = (kv_first * kv_tile)[..., None] + m * kv_tile
+    key_end = np.minimum(key_start + kv_tile, klen[..., None])
+    full_flags = (m < visited[..., None]) & (start_last[..., None] <= key_start) & (end_first[..., None] >= key_end)
+    starts, ends = key_ranges(L, w, s, d, c)
+    pairs = int((ends - starts)[q_start:q_start + q_len].sum())
+    return DimTiles(groups=d, q_tiles_per_group=nq, kv_tiles_per_group=ceil_div(k_len, kv_tile * d),
+                    visited=visited.astype(np.int64), full=full_flags.sum(axis=-1).astype(np.int64),
+                    kv_first=kv_first.astype(np.int64), full_flags=full_flags, attended_pairs=pairs)
+
+
+@dataclass(frozen=True)
+class RankTiles:
+    """One rank's tile work for one head: totals, the busiest Q tile, and per-Q-tile counts in the kernel's
+    permuted order (as `natsim.kernels.gna_tile_counts(..., frames=...)` returns them)."""
+
+    visited: int
+    full: int
+    most: int
+    num_q_tiles: int
+    per_q_tile_visited: np.ndarray
+    per_q_tile_full: np.ndarray
+
+
+def rank_tiles(problem: Problem, tiles: TileConfig, q_frames: tuple[int, int],
+               k_frames: Optional[tuple[int, int]] = None) -> RankTiles:
+    """Tile work of queries in frames `q_frames = (start, stop)` against keys in `k_frames` (default: exactly
+    the frames they reach, `key_frames`), multi-D static tiling."""
+    if tiles.tiling != "multi" or tiles.kv_tiling != "static":
+        raise ValueError(f"per-rank tile counts need multi-D tiles with static KV tiling, got tiling="
+                         f"{tiles.tiling!r}, kv_tiling={tiles.kv_tiling!r}.")
+    q_start, q_stop = q_frames
+    k_start, k_stop = key_frames(problem, q_start, q_stop) if k_frames is None else k_frames
+    q_tile, kv_tile = tiles.dims(problem)
+    dims = [frame_dim_tiles(problem, q_tile[0], kv_tile[0], q_start, q_stop - q_start, k_start, k_stop - k_start)]
+    dims += [dim_tiles(L, w, s, d, c, tq, tk, False) for L, w, s, d, c, tq, tk in zip(
+        problem.shape[1:], problem.window[1:], problem.stride[1:], problem.dilation[1:], problem.causal[1:],
+        q_tile[1:], kv_tile[1:])]
+    visited = outer_per_q_tile([d.visited for d in dims])
+    full = outer_per_q_tile([d.full for d in dims])
+    return RankTiles(int(visited.sum()), int(full.sum()), int(visited.max(initial=0)), visited.size, visited, full)
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """One rank under one strategy: heads it runs, tile work (all its heads), frames received, bytes."""
+
+    rank: int
+    frames: tuple[int, int]
+    heads: int
+    visited_tiles: int
+    full_tiles: int
+    key_frames: tuple[int, int]
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "frames": list(self.frames), "heads": self.heads,
+                "visited_tiles": self.visited_tiles, "full_tiles": self.full_tiles,
+                "key_frames": list(self.key_frames), "bytes_sent": self.bytes_sent,
+                "bytes_received": self.bytes_received, "predicted_s": self.seconds}
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    """Every rank's cost under one strategy; the call takes as long as the slowest rank."""
+
+    strategy: str
+    ranks: tuple[RankCost, ...]
+
+    @property
+    def seconds(self) -> float:
+        return max(r.seconds for r in self.ranks)
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes sent by all ranks together."""
+        return sum(r.bytes_sent for r in self.ranks)
+
+    @property
+    def max_visited_tiles(self) -> int:
+        return max(r.visited_tiles for r in self.ranks)
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank's tiles over the mean (1.0 is perfect balance)."""
+        mean = sum(r.visited_tiles for r in self.ranks) / len(self.ranks)
+        return self.max_visited_tiles / mean if mean else 1.0
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "predicted_s": self.seconds, "bytes_moved": self.bytes_moved,
+                "imbalance": self.imbalance, "ranks": [r.to_dict() for r in self.ranks]}
+
+
+def _tile_flops(tiles: TileConfig, problem: Problem, head_dim: int) -> float:
+    q_tile, kv_tile = tiles.dims(problem)
+    return 4.0 * head_dim * math.prod(q_tile) * math.prod(kv_tile)
+
+
+def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], strategy: str, *, batch: int,
+                  heads: int, head_dim: int, element_bytes: int, tile_seconds: Optional[float] = None,
+                  bytes_per_second: float = LINK_BYTES_PER_SECOND) -> StrategyCost:
+    """Per-rank tile work and bytes of `strategy` with frames split `split` over the ranks.
+
+    Seconds per rank = visited tiles (all its heads, batch included) x `tile_seconds` + the larger of bytes
+    sent and received / `bytes_per_second`. `tile_seconds` defaults to one tile pair's FLOPs at
+    `TILE_FLOP_SECONDS`. Ulysses needs `heads` divisible by the world size.
+    """
+    split = check_split(split, problem.shape[0])
+    P = len(split)
+    t = offsets(split)
+    frame_bytes = math.prod(problem.shape[1:]) * heads * head_dim * element_bytes * batch  # one frame, all heads
+    if tile_seconds is None:
+        tile_seconds = _tile_flops(tiles, problem, head_dim) * TILE_FLOP_SECONDS
+    ranks = []
+    if strategy == "ulysses":
+        if heads % P:
+            raise ValueError(f"the ulysses strategy shards heads over the {P} ranks: heads must be divisible by "
+                             f"the world size, got heads={heads}, world_size={P}.")
+        from .simulate import simulate
+
+        whole = simulate(problem, tiles)
+        local = heads // P
+        for r in range(P):
+            # q, k, v out: (P - 1) of P head slices of own frames; back: own heads of everyone else's frames.
+            sent = (3 * split[r] * (P - 1) + (problem.shape[0] - split[r])) * frame_bytes // P
+            received = (3 * (problem.shape[0] - split[r]) + split[r] * (P - 1)) * frame_bytes // P
+            work = whole.visited_tiles * local * batch
+            ranks.append(RankCost(r, (t[r], t[r + 1]), local, work, whole.full_tiles * local * batch,
+                                  (0, problem.shape[0]), sent, received,
+                                  work * tile_seconds + max(sent, received) / bytes_per_second))
+    elif strategy == "halo":
+        needs = [key_frames(problem, t[r], t[r + 1]) for r in range(P)]
+        for r in range(P):
+            own = (t[r], t[r + 1])
+            received = 2 * (needs[r][1] - needs[r][0] - _overlap(needs[r], own)) * frame_bytes
+            sent = 2 * sum(_overlap(needs[j], own) for j in range(P) if j != r) * frame_bytes
+            work = rank_tiles(problem, tiles, own, needs[r]) if split[r] else None
+            visited = work.visited * heads * batch if work else 0
+            full = work.full * heads * batch if work else 0
+            ranks.append(RankCost(r, own, heads, visited, full, needs[r], sent, received,
+                                  visited * tile_seconds + max(sent, received) / bytes_per_second))
+    else:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got strategy={strategy!r}.")
+    return StrategyCost(strategy, tuple(ranks))
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def choose_strategy(costs: Sequence[StrategyCost]) -> StrategyCost:
+    """The strategy whose slowest rank is fastest (first listed on ties)."""
+    return min(costs, key=lambda c: c.seconds)
