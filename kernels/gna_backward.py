@@ -185,9 +185,9 @@ def _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
                TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
                TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr):
     """1 when every real query of Q tile (t0, t1, t2) attends every real key of KV tile (j0, j1, j2) (DEBUG)."""
-    sl0, ef0, _, _ = _dim_setup(t0 * TQ0, len0, W0, S0, C0, TQ0, TK0)
-    sl1, ef1, _, _ = _dim_setup(t1 * TQ1, len1, W1, S1, C1, TQ1, TK1)
-    sl2, ef2, _, _ = _dim_setup(t2 * TQ2, len2, W2, S2, C2, TQ2, TK2)
+    sl0, ef0, _, _ = _dim_setup(t0 * TQ0, len0, len0, 0, 0, W0, S0, C0, TQ0, TK0)
+    sl1, ef1, _, _ = _dim_setup(t1 * TQ1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
+    sl2, ef2, _, _ = _dim_setup(t2 * TQ2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
     return _is_full(j0, j1, j2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
 
 
@@ -391,9 +391,9 @@ def dq_kernel(
     real_tile = (first0 < len0) & (first1 < len1) & (first2 < len2)
 
     # The forward's KV tiles of this Q tile, and the full box inside them.
-    sl0, ef0, lo0, hi0 = _dim_setup(first0, len0, W0, S0, C0, TQ0, TK0)
-    sl1, ef1, lo1, hi1 = _dim_setup(first1, len1, W1, S1, C1, TQ1, TK1)
-    sl2, ef2, lo2, hi2 = _dim_setup(first2, len2, W2, S2, C2, TQ2, TK2)
+    sl0, ef0, lo0, hi0 = _dim_setup(first0, len0, len0, 0, 0, W0, S0, C0, TQ0, TK0)
+    sl1, ef1, lo1, hi1 = _dim_setup(first1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
+    sl2, ef2, lo2, hi2 = _dim_setup(first2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
     num_kv = tl.where(real_tile, (hi0 - lo0) * (hi1 - lo1) * (hi2 - lo2), 0)
     if MASKED:
         f0, g0 = _full_run(sl0, ef0, lo0, hi0, TK0)
