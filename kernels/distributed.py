@@ -106,12 +106,15 @@ def gna_attention(
     scale: Optional[float] = None,
     q_tile: Optional[IntOrInts] = None,
     kv_tile: Optional[IntOrInts] = None,
+    kv_tiling: Optional[str] = None,
 ) -> torch.Tensor:
     """GNA on a layout sharded along dimension 0 over `group` (default: the world): this rank's output frames.
 
     q, k, v are this rank's `[B, T_r, *rest, heads, head_dim]`; window, stride, dilation and causal are the
     whole layout's (`natsim.kernels.gna_attention`). `split` (frames per rank) skips the all-gather of slab
-    sizes. `strategy`: `"ulysses"`, `"halo"` or `"auto"` (module docstring). Every rank must make the same call.
+    sizes. `strategy`: `"ulysses"`, `"halo"` or `"auto"` (module docstring). `kv_tiling` as in
+    `natsim.kernels.gna_attention` for Ulysses; the halo path's frame ranges run static KV tiling only (None
+    there means static). Every rank must make the same call.
     """
     refuse_gradients(q, k, v)
     shape = check_qkv(q, k, v)
@@ -129,7 +132,10 @@ def gna_attention(
                                kv_tile=kv_tile)
     if strategy == "ulysses":
         check_heads(heads, size)
-        return _ulysses(lambda q, k, v: kernel(q, k, v), q, k, v, split, group)
+        return _ulysses(lambda q, k, v: kernel(q, k, v, kv_tiling=kv_tiling), q, k, v, split, group)
+    if kv_tiling == "dynamic":
+        raise ValueError("the halo strategy runs frame ranges with static KV tiling only, got kv_tiling='dynamic'; "
+                         "use strategy='ulysses' or kv_tiling=None.")
     return _halo(kernel, problem, q, k, v, split, rank, group)
 
 

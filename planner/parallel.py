@@ -57,6 +57,8 @@ class ParallelPlan:
         from natsim.distributed import gna_attention
 
         args = self.plan.kernel_arguments()
+        if self.strategy == "halo":  # frame ranges run static KV tiling only
+            args.pop("kv_tiling", None)
         return gna_attention(q, k, v, args.pop("window"), args.pop("stride"), args.pop("dilation"),
                              args.pop("causal"), group=group, strategy=self.strategy, split=self.split,
                              scale=scale, **args)
