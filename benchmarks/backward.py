@@ -2,6 +2,7 @@
 
     python benchmarks/backward.py --out benchmarks/results           # the issue-13 table (HunyuanVideo)
     python benchmarks/backward.py --out DIR --tune                   # backward tiles and launch options
+    python benchmarks/backward.py --out DIR --variant DIR/backward-tune-*.json   # the table with the winner
 
 HunyuanVideo 30x48x80, 24 heads, head_dim 128, bf16, window 18x24x24 at strides 1x1x1, 1x8x8 and 16x8x8,
 and dense attention. Ours: `gna_attention` with q, k, v requiring grad (the registered operator, its
@@ -36,7 +37,6 @@ from natsim.kernels.reference import reference_gradients
 
 HEADS, HEAD_DIM, DTYPE = 24, 128, torch.bfloat16
 SHAPE, WINDOW = (30, 48, 80), (18, 24, 24)
-STRIDES = [(1, 1, 1), (1, 8, 8), (16, 8, 8)]
 FLEX_TILE = (2, 8, 8)
 CHECK_HEADS = 2
 BF16_TOLERANCE = 2e-2
@@ -142,15 +142,19 @@ def sdpa(q, k, v, g) -> dict:
     return row
 
 
-def run(with_flex: bool, with_check: bool, save) -> list[dict]:
-    """Every row: ours and SDPA first, then FlexAttention (its compiles take longest); `save(rows)` after each
-    step, so that a run cut short keeps what it measured."""
+CASES = {"dense": ((1, 1, 1), SHAPE), "1x1x1": ((1, 1, 1), WINDOW), "1x8x8": ((1, 8, 8), WINDOW),
+         "16x8x8": ((16, 8, 8), WINDOW)}
+FLEX_ORDER = ("16x8x8", "1x8x8", "1x1x1", "dense")  # block-sparse rows first: the targets are theirs
+
+
+def run(cases, with_flex: bool, with_check: bool, save) -> list[dict]:
+    """The rows named in `cases` (CASES keys): ours and SDPA first, then FlexAttention in the same order (its
+    compiles take longest); `save(rows)` after each step, so that a run cut short keeps what it measured."""
     q, k, v, g = inputs(SHAPE)
     baseline = sdpa(q, k, v, g)
     print(json.dumps(baseline), flush=True)
-    cases = [((1, 1, 1), SHAPE)] + [(s, WINDOW) for s in STRIDES]
     rows = []
-    for stride, window in cases:
+    for stride, window in (CASES[name] for name in cases):
         problem = natsim.Problem(SHAPE, window, stride)
         row = {"case": "dense" if window == SHAPE else "x".join(map(str, stride)), "shape": list(SHAPE),
                "window": list(window), "stride": list(stride), "heads": HEADS, "head_dim": HEAD_DIM,
@@ -159,9 +163,6 @@ def run(with_flex: bool, with_check: bool, save) -> list[dict]:
             timings, grads = ours(problem, q, k, v, g)
             row.update(timings)
             row["bwd_over_fwd"] = row["bwd_ms"] / row["fwd_ms"]
-            dense_bwd = rows[0].get("bwd_ms") if rows else row["bwd_ms"]
-            if dense_bwd is not None:
-                row["realised_bwd_speedup"] = dense_bwd / row["bwd_ms"]
             if with_check:
                 row.update(check(problem, q, k, v, g, grads))
             del grads
@@ -170,8 +171,13 @@ def run(with_flex: bool, with_check: bool, save) -> list[dict]:
         print(json.dumps(row), flush=True)
         rows.append(row)
         save(rows)
+    dense = [r["bwd_ms"] for r in rows if r["case"] == "dense" and "bwd_ms" in r]
+    for row in rows:
+        if dense and "bwd_ms" in row:
+            row["realised_bwd_speedup"] = dense[0] / row["bwd_ms"]
+    save(rows)
     if with_flex:
-        for row in rows:
+        for row in sorted(rows, key=lambda r: FLEX_ORDER.index(r["case"])):
             row.update(flex(natsim.Problem(SHAPE, tuple(row["window"]), tuple(row["stride"])), q, k, v, g))
             if "flex_bwd_ms" in row and "bwd_ms" in row:
                 row["flex_bwd_over_ours"] = row["flex_bwd_ms"] / row["bwd_ms"]
@@ -180,52 +186,109 @@ def run(with_flex: bool, with_check: bool, save) -> list[dict]:
     return rows
 
 
-TUNE = [  # (q tile, kv tile, options) for the backward kernels; ATOMIC_DQ: dQ by atomics; USE_TMA: descriptors
-    ((1, 8, 8), (2, 8, 8), {}),
-    ((1, 8, 8), (2, 8, 8), dict(num_warps=4, num_stages=2)),
-    ((1, 8, 8), (2, 8, 8), dict(num_warps=8, num_stages=3)),
-    ((1, 8, 8), (2, 8, 8), dict(ATOMIC_DQ=True)),
-    ((1, 8, 8), (2, 8, 8), dict(USE_TMA=True)),
-    ((1, 8, 8), (2, 8, 8), dict(USE_TMA=True, ATOMIC_DQ=True)),
-    ((1, 8, 8), (2, 8, 8), dict(USE_TMA=True, num_warps=4)),
-    ((1, 8, 8), (2, 8, 8), dict(ATOMIC_DQ=True, num_warps=4)),
-    ((1, 4, 8), (2, 8, 8), dict(num_warps=4)),
-    ((1, 4, 8), (2, 8, 8), dict(num_warps=8)),
-    ((1, 4, 8), (2, 8, 8), dict(ATOMIC_DQ=True, num_warps=8)),
-    ((2, 8, 8), (2, 8, 8), dict(num_warps=8)),
-    ((1, 8, 8), (1, 8, 8), dict(num_warps=4)),
-    ((2, 8, 8), (1, 8, 8), dict(num_warps=8)),
+# Backward variants for --tune, most promising first (the sweep stops starting new ones past its time budget):
+# (Q tile halvings of the 128-key KV box, options of `backward_permuted`). Halvings 2 (32 queries) is the dK/dV
+# tile that compiles without register spills on sm_90 (benchmarks/compile_backward.py); 4-warp launches of the
+# default tiles, and USE_TMA with ATOMIC_DQ on them, spill 0.8-3 KB there and are left out.
+TUNE = [
+    (1, {}),
+    (2, {}),
+    (1, dict(USE_TMA=True)),
+    (2, dict(USE_TMA=True)),
+    (1, dict(ATOMIC_DQ=True)),
+    (2, dict(ATOMIC_DQ=True)),
+    (2, dict(num_stages=3)),
+    (1, dict(num_stages=3)),
+    (2, dict(USE_TMA=True, ATOMIC_DQ=True)),
 ]
+TUNE_STRIDES = [(1, 8, 8), (16, 8, 8)]
+TUNE_BUDGET_S = 120.0
 
 
-def tune() -> list[dict]:
-    """Backward kernels alone on permuted tensors for each (tiles, options) at strides 1x1x1 and 16x8x8."""
+def tune_bench(fn) -> float:
+    """Median milliseconds over at least three calls (a backward variant takes 0.1 to 0.3 s here)."""
+    return bench_median(fn, min_calls=3, min_rep_ms=50.0)
+
+
+def tune(budget_s: float = TUNE_BUDGET_S, save=lambda result: None) -> dict:
+    """Backward kernels alone on permuted tensors for each TUNE variant at TUNE_STRIDES, until `budget_s` has
+    passed (variants not started are listed as skipped). Gradients of each variant are unpermuted and compared
+    with the first variant's; the winner is the fastest over both strides among those within BF16_TOLERANCE.
+    `save(result)` after each variant, so that a run cut short keeps its winner so far."""
+    from natsim.kernels import unpermute
+
     q, k, v, g = inputs(SHAPE)
-    rows = []
-    for stride in [(1, 1, 1), (16, 8, 8)]:
-        problem = natsim.Problem(SHAPE, WINDOW, stride)
+    start = time.time()
+    cases = []
+    for stride in TUNE_STRIDES:
         out, lse = forward(q, k, v, WINDOW, stride, 1, False, None, None, None, True)
-        reference = None
-        for q_tile, kv_tile, options in TUNE:
-            row = {"stride": list(stride), "q_tile": list(q_tile), "kv_tile": list(kv_tile), "options": options}
+        cases.append((natsim.Problem(SHAPE, WINDOW, stride), out, lse))
+    rows, reference, skipped = [], {}, []
+    for index, (halvings, options) in enumerate(TUNE):
+        if time.time() - start > budget_s:
+            skipped.append({"q_halvings": halvings, "options": options})
+            continue
+        for problem, out, lse in cases:
+            q_tile, kv_tile = backward_tiles(problem, HEAD_DIM, halvings)
+            row = {"variant": index, "stride": list(problem.stride), "q_halvings": halvings, "q_tile": list(q_tile),
+                   "kv_tile": list(kv_tile), "options": options}
             try:
                 qp, op, gp = (permute(t, q_tile) for t in (q, out, g))
                 kp, vp = (permute(t, kv_tile) for t in (k, v))
                 lp = permute(lse[..., None], q_tile)[..., 0].contiguous()
                 call = lambda: backward_permuted(qp, kp, vp, op, lp, gp, None, problem, q_tile, kv_tile,  # noqa: E731
-                                                 HEAD_DIM**-0.5, options=options)
-                dq = call()[0][:, :1024].float()
-                row["ms"] = bench(call)
+                                                 HEAD_DIM**-0.5, options=dict(options))
+                dq, dk, dv, _ = call()
+                grads = [unpermute(t, SHAPE, tile) for t, tile in ((dq, q_tile), (dk, kv_tile), (dv, kv_tile))]
+                key = tuple(problem.stride)
+                reference.setdefault(key, grads)
+                row["rel_diff_vs_first"] = max(rel(a, b) for a, b in zip(grads, reference[key]))
+                del dq, dk, dv, grads
+                row["ms"] = tune_bench(call)
                 row["sim_speedup_mean"] = natsim.simulate_backward(problem, natsim.TileConfig(q_tile, kv_tile)) \
                     .tile_speedup_mean
-                if q_tile == TUNE[0][0]:  # same permutation of q: the first tokens' dq compare directly
-                    reference = dq if reference is None else reference
-                    row["rel_diff_dq_first_tokens"] = rel(dq, reference)
             except Exception as error:
                 row["error"] = f"{type(error).__name__}: {error}"[:300]
+            row["elapsed_s"] = time.time() - start
             print(json.dumps(row), flush=True)
             rows.append(row)
-    return rows
+        save({"rows": rows, "skipped": skipped, "winner": tune_winner(rows)})
+    result = {"rows": rows, "skipped": skipped, "winner": tune_winner(rows)}
+    save(result)
+    return result
+
+
+def tune_winner(rows) -> dict | None:
+    """The variant with the least total time over the tuned strides, among those that ran every stride within
+    BF16_TOLERANCE of the first variant's gradients: `{"q_halvings", "options", "total_ms"}`, or None."""
+    totals: dict[int, list] = {}
+    for row in rows:
+        totals.setdefault(row["variant"], []).append(row)
+    good = {index: sum(r["ms"] for r in group) for index, group in totals.items()
+            if len(group) == len(TUNE_STRIDES) and all("ms" in r and r["rel_diff_vs_first"] < BF16_TOLERANCE
+                                                       for r in group)}
+    if not good:
+        return None
+    index = min(good, key=good.get)
+    halvings, options = TUNE[index]
+    return {"variant": index, "q_halvings": halvings, "options": options, "total_ms": good[index]}
+
+
+def use_variant(path: Path) -> dict:
+    """Run the backward with the winner of a --tune JSON (or a JSON object `{"q_halvings", "options"}`): set
+    natsim's backward defaults (tiles and launch options) for this process, and return what was set."""
+    from natsim.kernels import gna_backward
+
+    record = json.loads(Path(path).read_text())
+    variant = record.get("winner", record) if isinstance(record, dict) else None
+    if not variant or "q_halvings" not in variant:
+        print(f"--variant {path}: no winner in it; running natsim's default backward variant.", flush=True)
+        return {"q_halvings": gna_backward.Q_TILE_HALVINGS, "options": dict(gna_backward.DEFAULT_VARIANT),
+                "note": f"no winner in {path}"}
+    gna_backward.Q_TILE_HALVINGS = int(variant["q_halvings"])
+    gna_backward.DEFAULT_VARIANT.clear()
+    gna_backward.DEFAULT_VARIANT.update(variant.get("options", {}))
+    return {"q_halvings": gna_backward.Q_TILE_HALVINGS, "options": dict(gna_backward.DEFAULT_VARIANT)}
 
 
 def environment() -> dict:
@@ -256,17 +319,30 @@ def main(argv=None) -> None:
     parser.add_argument("--tune", action="store_true", help="sweep backward tiles and launch options instead")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
     parser.add_argument("--no-check", action="store_true", help="skip the float32 gradient check")
+    parser.add_argument("--budget-s", type=float, default=TUNE_BUDGET_S,
+                        help="--tune: start no new variant after this many seconds")
+    parser.add_argument("--variant", type=Path, default=None,
+                        help="run the table with the winner of this --tune JSON (tiles and launch options)")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"table rows, joined by ',' (default: {','.join(CASES)}); FlexAttention runs in this order")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     record = environment()
     device = record["device"].replace(" ", "_")
     if args.tune:
-        record["rows"] = tune()
-        (args.out / f"backward-tune-{device}-{record['date']}.json").write_text(json.dumps(record, indent=1))
+        path = args.out / f"backward-tune-{device}-{record['date']}.json"
+        result = tune(args.budget_s, lambda result: path.write_text(json.dumps({**record, **result}, indent=1)))
+        print(f"winner: {json.dumps(result['winner'])}; skipped {len(result['skipped'])} variants; wrote {path}")
         return
+    if args.variant is not None:
+        record["variant"] = use_variant(args.variant)
+    cases = [name.strip() for name in args.cases.split(",") if name.strip()]
+    unknown = [name for name in cases if name not in CASES]
+    if unknown:
+        raise SystemExit(f"--cases takes names from {','.join(CASES)}, got {unknown}.")
     path = args.out / f"backward-{device}-{record['date']}.json"
-    rows = run(not args.no_flex, not args.no_check, lambda rows: path.write_text(json.dumps({**record, "rows": rows},
-                                                                                           indent=1)))
+    rows = run(cases, not args.no_flex, not args.no_check,
+               lambda rows: path.write_text(json.dumps({**record, "rows": rows}, indent=1)))
     print(table(rows))
 
 

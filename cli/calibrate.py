@@ -1,5 +1,5 @@
-"""`natsim calibrate`: time natsim's GNA kernels (and its sparse kernel) on this GPU and write its cost-model
-coefficients."""
+"""`natsim calibrate`: time natsim's GNA kernels (and its sparse kernel, and the GNA backward pass) on this GPU
+and write its cost-model coefficients."""
 
 from __future__ import annotations
 
@@ -57,6 +57,30 @@ def _sparse_cases_table(calibration) -> Table:
     return table
 
 
+def _backward_cases_table(calibration) -> Table:
+    table = Table(title=f"GNA backward calibration on {calibration.model.gpu}", title_justify="left")
+    for name in ("shape", "window", "stride", "dilation", "backward Q / KV tile", "heads x head_dim", "measured ms",
+                 "predicted ms", "error"):
+        table.add_column(name, justify="right")
+    predicted = calibration.model.predict_backward(calibration.backward_features)
+    rows = zip(calibration.backward_cases, calibration.backward_times, predicted, calibration.backward_errors,
+               calibration.backward_fitted)
+    for case, measured, guess, error, fitted in rows:
+        p, record = case.problem, case.to_dict()
+        table.add_row(
+            fmt_dims(p.shape),
+            fmt_dims(p.window),
+            fmt_dims(p.stride),
+            fmt_dims(p.dilation),
+            f"{fmt_dims(record['bwd_q_tile'])} / {fmt_dims(record['bwd_kv_tile'])}",
+            f"{case.heads} x {case.head_dim}",
+            f"{measured * 1e3:.3f}",
+            f"{guess * 1e3:.3f}",
+            f"{error:+.1%}" if fitted else "host-bound, not fitted",
+        )
+    return table
+
+
 def _coefficients_table(model) -> Table:
     table = Table(title="coefficients (seconds per unit)", title_justify="left")
     table.add_column("kernel")
@@ -66,11 +90,29 @@ def _coefficients_table(model) -> Table:
         table.add_row("gna", name, f"{value:.4e}")
     for name, value in (model.sparse_coefficients or {}).items():
         table.add_row("sparse", name, f"{value:.4e}")
+    for name, value in (model.backward_coefficients or {}).items():
+        table.add_row("backward", name, f"{value:.4e}")
     return table
 
 
+def _summary(calibration, path) -> str:
+    """One line: each calibrated kernel's fit (cases, host-bound ones left out, median and max |error|)."""
+    info, parts = calibration.model.info, []
+    for label, prefix, cases in (("fitted", "", calibration.cases), ("sparse kernel", "sparse_",
+                                 calibration.sparse_cases), ("GNA backward", "backward_", calibration.backward_cases)):
+        if cases:
+            parts.append(
+                f"{label} on {info[prefix + 'cases']} cases ({info[prefix + 'host_bound_cases_left_out']} "
+                f"host-bound left out): median |error| {info[prefix + 'median_abs_relative_error']:.1%}, "
+                f"max {info[prefix + 'max_abs_relative_error']:.1%}"
+            )
+    if not calibration.cases:
+        parts.append("GNA kernel coefficients kept from the stored cost model")
+    return "; ".join(parts) + f"; written to {path}"
+
+
 def parse_kernels(text: str) -> tuple[str, ...]:
-    """'gna,sparse' -> ('gna', 'sparse'): the kernels to calibrate, 'gna' always among them."""
+    """'gna,sparse' -> ('gna', 'sparse'): the kernels to calibrate."""
     from natsim.planner.calibrate import check_kernels
 
     names = tuple(part.strip().lower() for part in text.split(","))
@@ -78,8 +120,8 @@ def parse_kernels(text: str) -> tuple[str, ...]:
         return check_kernels(names)
     except ValueError:
         raise CliInputError(
-            f"--kernels takes 'gna' or 'gna,sparse' (a cost model always carries the GNA kernel's coefficients), "
-            f"got --kernels {text!r}."
+            f"--kernels takes one or more of gna, sparse, backward joined by ',' (without gna, this GPU's stored "
+            f"cost model is extended), got --kernels {text!r}."
         ) from None
 
 
@@ -99,7 +141,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
         kernels: str = typer.Option(
             "gna,sparse", "--kernels",
-            help="Kernels to time and fit, joined by ',': gna (the GNA kernel, always) and sparse (the block-mask kernel).",
+            help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`). Without gna, this GPU's stored cost model is extended.",
         ),
     ) -> None:
         """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
@@ -121,6 +163,8 @@ def register(app: typer.Typer) -> None:
             predicted = calibration.model.predict(calibration.features)
             sparse_predicted = (calibration.model.predict_sparse(calibration.sparse_features)
                                 if calibration.sparse_cases else [])
+            backward_predicted = (calibration.model.predict_backward(calibration.backward_features)
+                                  if calibration.backward_cases else [])
             print_json(
                 out,
                 {
@@ -143,23 +187,19 @@ def register(app: typer.Typer) -> None:
                         for case, t, g, f in zip(calibration.sparse_cases, calibration.sparse_times,
                                                  sparse_predicted, calibration.sparse_fitted)
                     ],
+                    "backward_measurements": [
+                        {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
+                        for case, t, g, f in zip(calibration.backward_cases, calibration.backward_times,
+                                                 backward_predicted, calibration.backward_fitted)
+                    ],
                 },
             )
             return
-        out.print(_cases_table(calibration))
+        if calibration.cases:
+            out.print(_cases_table(calibration))
         if calibration.sparse_cases:
             out.print(_sparse_cases_table(calibration))
+        if calibration.backward_cases:
+            out.print(_backward_cases_table(calibration))
         out.print(_coefficients_table(calibration.model))
-        info = calibration.model.info
-        left_out = info["host_bound_cases_left_out"]
-        out.print(
-            f"fitted on {info['cases']} cases ({left_out} host-bound left out): median |error| "
-            f"{info['median_abs_relative_error']:.1%}, max {info['max_abs_relative_error']:.1%}"
-            + (
-                f"; sparse kernel on {info['sparse_cases']} cases ({info['sparse_host_bound_cases_left_out']} "
-                f"host-bound left out): median |error| {info['sparse_median_abs_relative_error']:.1%}, "
-                f"max {info['sparse_max_abs_relative_error']:.1%}"
-                if calibration.sparse_cases else ""
-            )
-            + f"; written to {path}"
-        )
+        out.print(_summary(calibration, path))

@@ -81,6 +81,7 @@ def register(app: typer.Typer) -> None:
         attention_share: Optional[float] = typer.Option(None, "--attention-share", help="Share of end-to-end time spent in attention, for the end-to-end estimate."),
         dense_steps: Optional[int] = typer.Option(None, "--dense-steps", help="Diffusion steps kept dense (default 0)."),
         steps: Optional[int] = typer.Option(None, "--steps", help="Diffusion steps in all (default 1)."),
+        training: bool = typer.Option(False, "--training", help="Rank by forward + backward time (training), the backward by its own coefficients (`natsim calibrate --kernels gna,backward`), else by tile work."),
         as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document instead of a report."),
         world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks sharing the layout's frames (context parallelism): also choose the strategy (ulysses or halo) and the frame split, and show the per-rank table."),
     ) -> None:
@@ -102,6 +103,7 @@ def register(app: typer.Typer) -> None:
             "window": None if window is None else broadcast(parse_dims(window, "--window"), ndim, "--window"),
             "max_stride": None if max_stride is None else broadcast(parse_dims(max_stride, "--max-stride"), ndim, "--max-stride"),
             "device": device,
+            "training": training,
             "world_size": world_size,
         }
         if coefficients is not None:

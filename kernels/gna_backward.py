@@ -453,19 +453,43 @@ def dq_kernel(
 
 # -- host side: tiles, permutation, launches --------------------------------------------------------------------
 
-KV_TILE_TOKENS = 128  # keys per backward KV tile; its Q tile holds half as many queries
+KV_TILE_TOKENS = 128  # keys per backward KV tile; its Q tile holds 1 / 2**Q_TILE_HALVINGS as many queries
+# 1: 64 queries per 128 keys. 2 (32 queries) keeps the dK/dV kernel's registers under 255 without spills at
+# head_dim 128 on sm_90 (benchmarks/compile_backward.py); benchmarks/backward.py --tune times both.
+Q_TILE_HALVINGS = 1
 DELTA_ROWS = 64
+# The variant `backward_permuted` runs unless told otherwise: launch options and tuning switches (ATOMIC_DQ,
+# USE_TMA) over `_launch_options`' defaults; benchmarks/backward.py --tune times the alternatives.
+DEFAULT_VARIANT: dict = {}
+# Tile products per visited (Q tile, KV tile) pair, by ATOMIC_DQ: the dK/dV kernel's q k^T, dO v^T, p^T dO and
+# ds^T q, plus the dQ kernel's q k^T, dO v^T and ds k (seven), or ds k in the dK/dV kernel instead (five).
+TILE_PRODUCTS = {False: 7, True: 5}
 # Tiles for layouts too small for any 128-token box: the forward's fallback shapes, queries halved.
 FALLBACK_TILES = {1: ((64,), (128,)), 2: ((8, 8), (16, 8)), 3: ((1, 8, 8), (2, 8, 8))}
 
 
-@functools.lru_cache(maxsize=512)
-def backward_tiles(problem: Problem, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def backward_tiles(problem: Problem, head_dim: int,
+                   q_halvings: Optional[int] = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The backward's (Q tile, KV tile): KV boxes of 128 keys and Q tiles of half of one (the mirror of the
-    forward's 128-query / 64-key pairs: the dK/dV program keeps two `[keys, head_dim]` fp32 accumulators),
-    the one with the least predicted work by the forward's relative costs (kernels/tiles.py)."""
+    forward's 128-query / 64-key pairs: the dK/dV program keeps two `[keys, head_dim]` fp32 accumulators), or
+    of a quarter with `q_halvings=2` (default: Q_TILE_HALVINGS), the one with the least predicted work by the
+    forward's relative costs (kernels/tiles.py)."""
+    return _backward_tiles(problem, head_dim, Q_TILE_HALVINGS if q_halvings is None else q_halvings)
+
+
+def _q_shapes(kv_shape: tuple[int, ...], q_halvings: int) -> list[tuple[int, ...]]:
+    """Q tile shapes of `kv_shape` halved `q_halvings` times (along any dimensions), in a fixed order."""
+    shapes = [kv_shape]
+    for _ in range(q_halvings):
+        shapes = list(dict.fromkeys(half for shape in shapes for half in halves(shape)))
+    return shapes
+
+
+@functools.lru_cache(maxsize=512)
+def _backward_tiles(problem: Problem, head_dim: int, q_halvings: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     limits = [1 << (length - 1).bit_length() for length in problem.shape]
-    pairs = [(q_shape, kv_shape) for kv_shape in box_shapes(KV_TILE_TOKENS, limits) for q_shape in halves(kv_shape)]
+    pairs = [(q_shape, kv_shape) for kv_shape in box_shapes(KV_TILE_TOKENS, limits)
+             for q_shape in _q_shapes(kv_shape, q_halvings)]
     if not pairs:
         return FALLBACK_TILES[problem.ndim]
     return min(pairs, key=lambda pair: relative_cost(problem, pair[0], pair[1], head_dim))
@@ -511,7 +535,8 @@ def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q
     shared = dict(q_tokens=q_layout.num_tokens, kv_tokens=kv_layout.num_tokens, heads=heads,
                   qk_scale=scale * LOG2E, scale=scale, HEAD_DIM=head_dim,
                   MASKED=needs_mask(problem, q_tile, kv_tile), **_problem_arguments(problem, q_layout, kv_layout))
-    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **(options or {})}
+    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **DEFAULT_VARIANT,
+               **(options or {})}
     atomic = bool(options.pop("ATOMIC_DQ", False))
     if options.get("USE_TMA"):
         _install_allocator()

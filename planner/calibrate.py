@@ -15,6 +15,12 @@ coefficient set (planner.sparse_features): block masks at the granularities a ma
 (128x128, 128x16, 64x64, 64x128, 32x32, 16x16), merged by XOR, consecutively or not at all, on 16k to 35k tokens
 with the same 24 heads. Their features come from the prepared work (`prepare_sparse` on the CPU, with the
 GPU's program tiles), their times from `time_sparse_case`, the same host-bound rule and the same fit.
+
+The GNA backward pass (`natsim::gna_backward`: permutation, delta pass, dK/dV and dQ kernels on the backward's
+own tiles) gets a third set (`backward_calibration_cases`, BACKWARD_CASES) and coefficients
+(planner.backward_features): masked, block-sparse, dense, causal and dilated problems in 1-D, 2-D and 3-D on 16k
+to 33k tokens, 24 heads. Calibrating it without 'gna' (`kernels=("backward",)`) extends this GPU's stored cost
+model instead of refitting the forward: the quick way to add backward coefficients to a shipped file.
 """
 
 from __future__ import annotations
@@ -35,13 +41,15 @@ from natsim.kernels.gna_launch import has_tensor_descriptors, permutes
 from natsim.kernels.sparse import default_blocks, prepare_sparse
 
 from .catalog import as_dtype, dtype_name, element_bytes
-from .costmodel import CostModel, gpu_file_name, gpu_of, user_coefficients_dir
+from .backward_features import BACKWARD_FEATURES, backward_features, backward_work
+from .costmodel import CostModel, cost_model_for, gpu_file_name, gpu_of, user_coefficients_dir
 from .features import FEATURES, features_of
 from .fit import fit_coefficients, relative_errors
 from .sparse_features import SPARSE_FEATURES
 from .sparse_features import sparse_features as work_features
 
-KERNELS = ("gna", "sparse")
+KERNELS = ("gna", "sparse", "backward")
+DEFAULT_KERNELS = ("gna", "sparse")  # what `calibrate` times unless told: the backward is asked for by name
 
 # Tile shapes per number of dimensions, one per (Q tokens, KV tokens) pair of the catalog.
 TILES = {
@@ -330,15 +338,89 @@ def time_sparse_case(
     return median_seconds(lambda: sparse_attention(q, k, v, work), device, min_repeats)
 
 
+# -- the GNA backward pass -----------------------------------------------------------------------------------------
+
+# (shape, window, stride, dilation, causal, head_dim): the backward's tiles are its own (backward_tiles), so the
+# cases vary the problem only. Masked stride-1 and block-sparse 3-D windows, dense (flattened to 1-D), 2-D and
+# 1-D windows, causal with padding (44 rows), dilation (the permutation's bytes grow with padding), head_dim 64.
+# Ten, each a kernel specialisation of its own (tiles, mask, head_dim), so that compiling stays near a minute.
+BACKWARD_CASES = (
+    ((16, 32, 48), (8, 16, 24), (1, 1, 1), (1, 1, 1), False, 128),
+    ((16, 32, 48), (8, 16, 24), (8, 8, 8), (1, 1, 1), False, 128),
+    ((16, 32, 48), (8, 16, 24), (1, 8, 8), (1, 1, 1), False, 64),
+    ((16, 32, 48), (16, 32, 48), (1, 1, 1), (1, 1, 1), False, 128),
+    ((16, 44, 80), (8, 20, 40), (1, 4, 8), (1, 1, 1), (True, False, False), 128),
+    ((16, 32, 48), (4, 8, 12), (1, 1, 1), (2, 2, 2), False, 128),
+    ((256, 256), (80, 80), (1, 1), (1, 1), False, 128),
+    ((32768,), (2048,), (1,), (1,), False, 128),
+    ((32768,), (2048,), (256,), (1,), False, 64),
+    ((16384,), (16384,), (1,), (1,), True, 128),
+)
+BACKWARD_MIN_REPEATS = 10  # backward calls take 10-200 ms: ten make a stable median and keep calibration short
+
+
+@dataclass(frozen=True)
+class BackwardCase:
+    """One GNA backward call to time: a problem and the tensor sizes (batch 1); tiles are the backward's own."""
+
+    problem: Problem
+    heads: int
+    head_dim: int
+
+    def to_dict(self) -> dict:
+        work = backward_work(self.problem, self.head_dim)
+        return {**self.problem.to_dict(), "heads": self.heads, "head_dim": self.head_dim,
+                "bwd_q_tile": list(work.q_tile), "bwd_kv_tile": list(work.kv_tile)}
+
+
+def backward_calibration_cases() -> list[BackwardCase]:
+    """The GNA backward calls `natsim calibrate --kernels ...,backward` times (BACKWARD_CASES)."""
+    return [BackwardCase(Problem(shape, window, stride, dilation, causal), HEADS, head_dim)
+            for shape, window, stride, dilation, causal, head_dim in BACKWARD_CASES]
+
+
+def backward_case_features(cases: Sequence[BackwardCase], dtype: torch.dtype) -> np.ndarray:
+    """The backward feature matrix of `cases` (rows in order), from the simulator."""
+    size = element_bytes(dtype)
+    return np.stack([backward_features(backward_work(c.problem, c.head_dim), batch_heads=c.heads,
+                                       head_dim=c.head_dim, element_bytes=size) for c in cases])
+
+
+def backward_case_inputs(case: BackwardCase, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Random q, k, v and output gradient for `case`, with the forward's output and LSE: `(q, k, v, out, lse,
+    grad_out)`, what `natsim::gna_backward` receives in a training step."""
+    from natsim.kernels.gna_launch import forward
+
+    p = case.problem
+    q, k, v, grad = (torch.randn((1, *p.shape, case.heads, case.head_dim), device=device, dtype=dtype)
+                     for _ in range(4))
+    out, lse = forward(q, k, v, p.window, p.stride, p.dilation, p.causal, None, None, None, True)
+    return q, k, v, out, lse, grad
+
+
+def backward_case_call(case: BackwardCase, inputs: Sequence[torch.Tensor]) -> Callable[[], object]:
+    """The GNA backward call of `case` on `inputs` (`backward_case_inputs`), returning dq, dk, dv."""
+    from natsim.kernels.gna_backward import gna_backward
+
+    q, k, v, out, lse, grad = inputs
+    return lambda: gna_backward(q, k, v, out, lse, grad, None, case.problem)
+
+
+def time_backward_case(case: BackwardCase, dtype: torch.dtype, device: torch.device,
+                       min_repeats: int = BACKWARD_MIN_REPEATS) -> float:
+    """Median seconds of one GNA backward call for `case` on a CUDA `device`."""
+    return median_seconds(backward_case_call(case, backward_case_inputs(case, dtype, device)), device, min_repeats)
+
+
 def check_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
-    """The kernels to calibrate, in KERNELS order: 'gna', or 'gna' and 'sparse' (a cost model always carries
-    the GNA kernel's coefficients)."""
+    """The kernels to calibrate, in KERNELS order: any of 'gna', 'sparse', 'backward', at least one. Without
+    'gna', `calibrate` extends the GPU's stored cost model (which carries the GNA kernel's coefficients)."""
     names = tuple(kernels)
     unknown = [name for name in names if name not in KERNELS]
-    if unknown or "gna" not in names:
+    if unknown or not names:
         raise ValueError(
-            f"kernels must be 'gna' or 'gna' and 'sparse' (a cost model always carries the GNA kernel's "
-            f"coefficients), got kernels={names!r}."
+            f"kernels must name one or more of {KERNELS} (without 'gna', the GPU's stored cost model is extended), "
+            f"got kernels={names!r}."
         )
     return tuple(name for name in KERNELS if name in names)
 
@@ -352,8 +434,9 @@ class Calibration:
     """A fitted cost model with the measurements behind it.
 
     `fitted[i]` says whether case i entered the fit (False: host-bound, under HOST_BOUND_S); `errors` are
-    (predicted - measured) / measured for every case. The `sparse_` fields are the same for the sparse
-    kernel's cases (empty when it was not calibrated).
+    (predicted - measured) / measured for every case. The `sparse_` and `backward_` fields are the same for the
+    sparse kernel's and the GNA backward's cases; each set is empty when it was not calibrated (the GNA set too,
+    when only the others were, extending a stored model).
     """
 
     model: CostModel
@@ -367,6 +450,11 @@ class Calibration:
     sparse_times: np.ndarray = field(default_factory=lambda: np.zeros(0))
     sparse_errors: np.ndarray = field(default_factory=lambda: np.zeros(0))
     sparse_fitted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    backward_cases: tuple[BackwardCase, ...] = ()
+    backward_features: np.ndarray = field(default_factory=lambda: _empty(len(BACKWARD_FEATURES)))
+    backward_times: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    backward_errors: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    backward_fitted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
 
 def _fit(features: np.ndarray, times: np.ndarray, names: Sequence[str], kernel: str):
@@ -394,10 +482,12 @@ def calibrate(
     device: Union[None, str, torch.device] = None,
     dtype: Union[torch.dtype, str] = torch.bfloat16,
     progress: Optional[Callable[[int, int], None]] = None,
-    kernels: Iterable[str] = KERNELS,
+    kernels: Iterable[str] = DEFAULT_KERNELS,
 ) -> Calibration:
-    """Time `calibration_cases()` (and with 'sparse' in `kernels`, `sparse_calibration_cases()`) with
-    natsim.kernels on a CUDA GPU and fit the cost model to them."""
+    """Time the calibration cases of `kernels` ('gna': `calibration_cases()`, 'sparse':
+    `sparse_calibration_cases()`, 'backward': `backward_calibration_cases()`) with natsim.kernels on a CUDA GPU
+    and fit the cost model to them. Without 'gna' the GPU's stored cost model (`cost_model_for`) is extended:
+    its other coefficients are kept, those of the kernels calibrated replaced."""
     kernels = check_kernels(kernels)
     dtype = as_dtype(dtype)
     gpu = gpu_of(device)
@@ -406,50 +496,67 @@ def calibrate(
             f"calibration times the Triton kernels on a CUDA GPU, got device={device!r} "
             f"(torch.cuda.is_available() is {torch.cuda.is_available()})."
         )
+    base = None if "gna" in kernels else cost_model_for(gpu)
+    if "gna" not in kernels and base is None:
+        raise ValueError(
+            f"kernels={kernels!r} leaves out 'gna', which extends the stored cost model of {gpu}, but there is none; "
+            "calibrate with 'gna' among the kernels."
+        )
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    cases = calibration_cases()
+    cases = calibration_cases() if "gna" in kernels else []
     sparse_cases = sparse_calibration_cases() if "sparse" in kernels else []
-    features = case_features(cases, dtype, has_tensor_descriptors(device))
+    backward_cases = backward_calibration_cases() if "backward" in kernels else []
+    features = case_features(cases, dtype, has_tensor_descriptors(device)) if cases else _empty(len(FEATURES))
     sparse_matrix = sparse_case_features(sparse_cases) if sparse_cases else _empty(len(SPARSE_FEATURES))
-    total = len(cases) + len(sparse_cases)
-    times, sparse_times = [], []
-    for case in cases:
-        times.append(time_case(case, dtype, device))
-        if progress is not None:
-            progress(len(times), total)
-    for case in sparse_cases:
-        sparse_times.append(time_sparse_case(case, dtype, device))
-        if progress is not None:
-            progress(len(times) + len(sparse_times), total)
-    times, sparse_times = np.array(times), np.array(sparse_times)
-    coefficients, errors, fitted = _fit(features, times, FEATURES, "GNA")
-    dynamic = np.array([case.tiles.kv_tiling == "dynamic" for case in cases])
-    sparse = None
+    backward_matrix = (backward_case_features(backward_cases, dtype) if backward_cases
+                       else _empty(len(BACKWARD_FEATURES)))
+    total = len(cases) + len(sparse_cases) + len(backward_cases)
+    timed: list[float] = []
+
+    def time_all(items, timer) -> np.ndarray:
+        start = len(timed)
+        for item in items:
+            timed.append(timer(item, dtype, device))
+            if progress is not None:
+                progress(len(timed), total)
+        return np.array(timed[start:])
+
+    times = time_all(cases, time_case)
+    sparse_times = time_all(sparse_cases, time_sparse_case)
+    backward_times = time_all(backward_cases, time_backward_case)
+    info = dict(base.info) if base is not None else {}
+    coefficients, errors, fitted = (base.coefficients, np.zeros(0), np.zeros(0, dtype=bool)) if base else \
+        _fit(features, times, FEATURES, "GNA")
+    if cases:
+        dynamic = np.array([case.tiles.kv_tiling == "dynamic" for case in cases])
+        info.update(_error_info("", errors, fitted))
+        if (fitted & dynamic).any():
+            info.update(_error_info("dynamic_", errors[dynamic], fitted[dynamic]))
+        info["kv_tilings"] = list(KV_TILINGS) if (fitted & dynamic).any() else ["static"]
+    sparse = base.sparse_coefficients if base is not None else None
     sparse_errors, sparse_fitted = np.zeros(0), np.zeros(0, dtype=bool)
-    sparse_info = {}
     if sparse_cases:
         sparse, sparse_errors, sparse_fitted = _fit(sparse_matrix, sparse_times, SPARSE_FEATURES, "sparse")
-        sparse_info = _error_info("sparse_", sparse_errors, sparse_fitted)
+        info.update(_error_info("sparse_", sparse_errors, sparse_fitted))
+    backward = base.backward_coefficients if base is not None else None
+    backward_errors, backward_fitted = np.zeros(0), np.zeros(0, dtype=bool)
+    if backward_cases:
+        backward, backward_errors, backward_fitted = _fit(backward_matrix, backward_times, BACKWARD_FEATURES,
+                                                          "backward")
+        info.update(_error_info("backward_", backward_errors, backward_fitted))
     import triton
 
-    model = CostModel(
-        gpu=gpu,
-        coefficients=coefficients,
-        sparse_coefficients=sparse,
-        info={
-            "date": datetime.date.today().isoformat(),
-            "dtype": dtype_name(dtype),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "python": platform.python_version(),
-            **_error_info("", errors, fitted),
-            **(_error_info("dynamic_", errors[dynamic], fitted[dynamic]) if (fitted & dynamic).any() else {}),
-            "kv_tilings": list(KV_TILINGS) if (fitted & dynamic).any() else ["static"],
-            **sparse_info,
-        },
-    )
+    stamp = {"date": datetime.date.today().isoformat(), "dtype": dtype_name(dtype), "torch": torch.__version__,
+             "triton": triton.__version__, "python": platform.python_version()}
+    if base is None:
+        info.update(stamp)
+    else:
+        info["extended"] = {**stamp, "kernels": list(kernels)}
+    model = CostModel(gpu=gpu, coefficients=coefficients, sparse_coefficients=sparse,
+                      backward_coefficients=backward, info=info)
     return Calibration(model, tuple(cases), features, times, errors, fitted, tuple(sparse_cases), sparse_matrix,
-                       sparse_times, sparse_errors, sparse_fitted)
+                       sparse_times, sparse_errors, sparse_fitted, tuple(backward_cases), backward_matrix,
+                       backward_times, backward_errors, backward_fitted)
 
 
 def default_path(gpu: str) -> Path:

@@ -2,7 +2,8 @@
 
 `time = sum_i coefficient_i * feature_i`, one coefficient per feature, in seconds per unit. A model may also
 carry a second set for the sparse kernel (`sparse_coefficients`, over planner.sparse_features'
-SPARSE_FEATURES, JSON key "sparse_coefficients"); files without it load with None there. Coefficients
+SPARSE_FEATURES, JSON key "sparse_coefficients") and a third for the GNA backward pass (`backward_coefficients`,
+over planner.backward_features' BACKWARD_FEATURES); files without them load with None there. Coefficients
 differ per GPU and are data: one JSON file per GPU, named after the GPU (`torch.cuda.get_device_name()`).
 The planner looks in the user's folder first (`user_coefficients_dir()`, where `natsim calibrate` writes),
 then in the files shipped with natsim (planner/coefficients/). Without a file for the GPU at hand there is
@@ -22,6 +23,7 @@ from typing import Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .backward_features import BACKWARD_FEATURES
 from .features import FEATURES
 from .sparse_features import SPARSE_FEATURES
 
@@ -47,19 +49,24 @@ class CostModel:
     """Seconds per unit of each feature on one GPU, with how and when they were fitted (`info`).
 
     `coefficients` are the GNA kernel's (FEATURES); `sparse_coefficients` the sparse kernel's
-    (SPARSE_FEATURES), or None for a model calibrated without it.
+    (SPARSE_FEATURES) and `backward_coefficients` the GNA backward pass's (BACKWARD_FEATURES), each None for a
+    model calibrated without it.
     """
 
     gpu: str
     coefficients: Mapping[str, float]
     info: Mapping[str, object] = field(default_factory=dict)
     sparse_coefficients: Optional[Mapping[str, float]] = None
+    backward_coefficients: Optional[Mapping[str, float]] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coefficients", _checked(self.coefficients, FEATURES, "coefficients"))
         if self.sparse_coefficients is not None:
             sparse = _checked(self.sparse_coefficients, SPARSE_FEATURES, "sparse_coefficients")
             object.__setattr__(self, "sparse_coefficients", sparse)
+        if self.backward_coefficients is not None:
+            backward = _checked(self.backward_coefficients, BACKWARD_FEATURES, "backward_coefficients")
+            object.__setattr__(self, "backward_coefficients", backward)
         object.__setattr__(self, "info", dict(self.info))
 
     @property
@@ -93,10 +100,28 @@ class CostModel:
         vector = np.array([self.sparse_coefficients[name] for name in SPARSE_FEATURES])
         return np.asarray(features, np.float64) @ vector
 
+    def predict_backward(self, features: np.ndarray) -> np.ndarray:
+        """Predicted seconds of GNA backward calls for feature rows `(n, len(BACKWARD_FEATURES))` (or one row)."""
+        if self.backward_coefficients is None:
+            raise ValueError(
+                f"the cost model of {self.gpu} has no backward coefficients; "
+                "run `natsim calibrate --kernels gna,backward` on that GPU to fit them."
+            )
+        vector = np.array([self.backward_coefficients[name] for name in BACKWARD_FEATURES])
+        return np.asarray(features, np.float64) @ vector
+
+    def backward_breakdown(self, features: np.ndarray) -> dict[str, float]:
+        """Predicted seconds of one backward feature row, per feature."""
+        self.predict_backward(features)  # the sentence error without backward coefficients
+        row = np.asarray(features, np.float64)
+        return {name: float(row[i] * self.backward_coefficients[name]) for i, name in enumerate(BACKWARD_FEATURES)}
+
     def to_dict(self) -> dict:
         data = {"format": FORMAT, "gpu": self.gpu, "coefficients": dict(self.coefficients)}
         if self.sparse_coefficients is not None:
             data["sparse_coefficients"] = dict(self.sparse_coefficients)
+        if self.backward_coefficients is not None:
+            data["backward_coefficients"] = dict(self.backward_coefficients)
         data["info"] = dict(self.info)
         return data
 
@@ -105,7 +130,8 @@ class CostModel:
         if data.get("format") != FORMAT:
             raise ValueError(f"a cost model must have format {FORMAT!r}, got format={data.get('format')!r}.")
         return cls(gpu=str(data["gpu"]), coefficients=data["coefficients"], info=data.get("info", {}),
-                   sparse_coefficients=data.get("sparse_coefficients"))
+                   sparse_coefficients=data.get("sparse_coefficients"),
+                   backward_coefficients=data.get("backward_coefficients"))
 
     def save(self, path: Union[str, Path]) -> Path:
         path = Path(path)

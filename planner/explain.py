@@ -9,6 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from .backward_features import FORWARD_TILE_PRODUCTS, tile_products
 from .costmodel import describe_gpus, known_gpus
 
 if TYPE_CHECKING:
@@ -52,7 +53,14 @@ def _choice_table(plan: "Plan") -> Table:
     ]
     if any(problem.causal):
         rows.insert(2, ("causal", _dims(problem.causal)))
-    if plan.calibrated:
+    if plan.training:
+        q_tile, kv_tile = plan.backward_tiles
+        rows.append(("backward Q tile / KV tile", f"{_dims(q_tile)} / {_dims(kv_tile)}"))
+        unit = f"on {plan.gpu}" if plan.calibrated else "tile work (forward-equivalent pairs)"
+        rows.append(("forward + backward", f"{_score(plan, plan.forward_score)} + {_score(plan, plan.backward_score)}"
+                                           f" = {_score(plan, plan.score)} {unit}"))
+        rows.append(("speedup over dense (fwd + bwd)", f"{plan.predicted_speedup:.2f}x"))
+    elif plan.calibrated:
         rows.append(("predicted time", f"{plan.predicted_time_s * 1e3:.4g} ms on {plan.gpu}"))
         rows.append(("predicted speedup over dense", f"{plan.predicted_speedup:.2f}x"))
     else:
@@ -63,7 +71,24 @@ def _choice_table(plan: "Plan") -> Table:
     return table
 
 
+def _training_basis(plan: "Plan") -> Text:
+    if plan.calibrated:
+        return Text(f"Ranked for training by forward + backward time: the cost model fitted on {plan.gpu}, its "
+                    "backward coefficients for the backward kernels (their own tiles, permutation included).")
+    where = plan.gpu if plan.gpu else "this machine (no CUDA GPU)"
+    return Text(
+        f"No backward coefficients for {where} (no cost model, or one fitted without them): configurations were ranked "
+        "for training by simulated tile work, forward + backward (Q x KV tokens over visited tiles, each backward "
+        f"pair counted by its tile products over the forward's: {tile_products()} / {FORWARD_TILE_PRODUCTS}), and no "
+        "time is predicted. Run "
+        "`natsim calibrate --kernels gna,backward` on the GPU to fit them.",
+        style="yellow",
+    )
+
+
 def _basis(plan: "Plan") -> Text:
+    if plan.training:
+        return _training_basis(plan)
     if plan.calibrated:
         modes = plan.search.kv_tilings
         scope = ("both KV tiling modes, scored with the same features (the dynamic kernel's per-tile work on the "

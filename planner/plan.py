@@ -36,7 +36,8 @@ class Candidate:
     """One scored configuration: its settings, its score and the figures that explain the score.
 
     `score` is predicted seconds under a cost model, otherwise tile work (token pairs computed, padding
-    and masked pairs included: the sum over visited tiles of Q tokens x KV tokens).
+    and masked pairs included: the sum over visited tiles of Q tokens x KV tokens). In a training plan it is
+    forward + backward, and `backward_score` the backward's part (None otherwise).
     """
 
     window: tuple[int, ...]
@@ -48,8 +49,10 @@ class Candidate:
     tile_speedup: float
     block_sparse: bool
     kv_tiling: str = "static"
+    backward_score: Optional[float] = None
 
     def to_dict(self) -> dict:
+        extra = {} if self.backward_score is None else {"backward_score": self.backward_score}
         return {
             "window": list(self.window),
             "stride": list(self.stride),
@@ -60,6 +63,7 @@ class Candidate:
             "sparsity": self.sparsity,
             "tile_speedup": self.tile_speedup,
             "block_sparse": self.block_sparse,
+            **extra,
         }
 
     @classmethod
@@ -74,6 +78,7 @@ class Candidate:
             tile_speedup=float(data["tile_speedup"]),
             block_sparse=bool(data["block_sparse"]),
             kv_tiling=str(data.get("kv_tiling", "static")),  # plans written before dynamic KV tiling: static
+            backward_score=None if data.get("backward_score") is None else float(data["backward_score"]),
         )
 
 
@@ -127,6 +132,9 @@ class Plan:
     "simulated tiles" (no coefficients for the GPU at hand: tile work only, no time prediction).
     `score` / `dense_score` are in the basis' unit: seconds, or token pairs of tile work; the dense
     reference is self attention as `gna_attention` runs it: 1-D over the flattened layout, 128-token tiles.
+    A `training` plan was ranked by forward + backward (`best(..., training=True)`): `score` and `dense_score`
+    are sums, `backward_score` / `dense_backward_score` their backward parts (the backward runs its own tiles,
+    `backward_tiles`); otherwise those are None.
     """
 
     problem: Problem
@@ -142,6 +150,9 @@ class Plan:
     breakdown: Mapping[str, float]
     runners_up: tuple[Candidate, ...]
     search: Search
+    training: bool = False
+    backward_score: Optional[float] = None
+    dense_backward_score: Optional[float] = None
 
     @cached_property
     def simulation(self) -> SimResult:
@@ -160,6 +171,31 @@ class Plan:
         """Predicted seconds per call (any permutation included) for `heads` heads (one head when None),
         batch 1; None without a cost model."""
         return self.score if self.calibrated else None
+
+    @property
+    def forward_score(self) -> float:
+        """The forward's part of `score`, in the basis' unit."""
+        return self.score - (self.backward_score or 0.0)
+
+    @property
+    def predicted_forward_time_s(self) -> Optional[float]:
+        """Predicted seconds of the forward call alone; None without a cost model."""
+        return self.forward_score if self.calibrated else None
+
+    @property
+    def predicted_backward_time_s(self) -> Optional[float]:
+        """Predicted seconds of the backward call (training plans under a cost model), else None."""
+        return self.backward_score if self.calibrated else None
+
+    @property
+    def backward_tiles(self) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(Q tile, KV tile) the backward runs for this plan (training plans), else None."""
+        if not self.training:
+            return None
+        from .backward_features import backward_work
+
+        work = backward_work(self.problem, self.head_dim)
+        return work.q_tile, work.kv_tile
 
     @property
     def predicted_speedup(self) -> float:
@@ -231,6 +267,11 @@ class Plan:
             "figures": {name: record[name] for name in FIGURES},
             "runners_up": [c.to_dict() for c in self.runners_up],
             "search": self.search.to_dict(),
+            "training": self.training,
+            "backward_score": self.backward_score,
+            "dense_backward_score": self.dense_backward_score,
+            "predicted_forward_time_s": self.predicted_forward_time_s,
+            "predicted_backward_time_s": self.predicted_backward_time_s,
         }
 
     @classmethod
@@ -258,6 +299,8 @@ class Plan:
             raise ValueError(
                 f"basis must be {BASIS_COST_MODEL!r} or {BASIS_TILES!r}, got basis={data['basis']!r}."
             )
+        if data.get("training") and data.get("backward_score") is None:
+            raise ValueError("a training plan (training=true) must have a numeric 'backward_score', got None.")
         section = "problem"
         try:
             p = data["problem"]
@@ -284,6 +327,10 @@ class Plan:
             breakdown={k: float(v) for k, v in data["breakdown"].items()},
             runners_up=runners_up,
             search=search,
+            training=bool(data.get("training", False)),  # plans written before training plans: forward only
+            backward_score=None if data.get("backward_score") is None else float(data["backward_score"]),
+            dense_backward_score=(None if data.get("dense_backward_score") is None
+                                  else float(data["dense_backward_score"])),
         )
 
     def to_json(self, indent: Optional[int] = 2) -> str:

@@ -5,7 +5,9 @@ The search (issue 4):
    shaped like the layout, aligned to KV tiles first);
 2. per window, strides per dimension from {1, 2, 4, 8, ...} and the window itself (capped by
    `max_stride`) and every tile configuration of the catalog, simulated in bulk with `natsim.sweep`;
-3. scored with the cost model of the GPU at hand (predicted seconds), or without one by tile work;
+3. scored with the cost model of the GPU at hand (predicted seconds), or without one by tile work; with
+   `training=True` by forward + backward (planner.backward_features), the backward by its own coefficients, or
+   by tile work for both where the cost model has none;
 4. among the configurations within TIE_TOLERANCE (2%) of the best score the smallest stride product
    wins: a larger stride gives up translational equivariance, so it must buy more than noise.
 """
@@ -30,6 +32,7 @@ from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, a
 
 from .catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
 from .costmodel import CostModel, cost_model_for, gpu_of
+from .backward_features import backward_breakdown, backward_score, backward_scores
 from .features import feature_matrix, sweep_features, tile_arrays
 from .plan import BASIS_COST_MODEL, BASIS_TILES, Candidate, Plan, Search
 from .windows import candidate_windows, window_sparsity
@@ -212,9 +215,11 @@ class _Request:
     max_stride: Optional[tuple[int, ...]]
     gpu: Optional[str]
     cost_model: Optional[CostModel]
+    training: bool = False
 
 
-def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model) -> _Request:
+def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
+               training=False) -> _Request:
     shape = as_shape(shape)
     ndim = len(shape)
     target = _check_sparsity(target_sparsity)
@@ -230,7 +235,12 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
             raise ValueError(f"window={window} has sparsity {achieved:.6f} on shape={shape}, below {target_sparsity=}.")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise TypeError(f"cost_model must be a natsim.planner.CostModel, got {type(cost_model).__name__}.")
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {training=}.")
     gpu = cost_model.gpu if cost_model is not None else gpu_of(device)
+    cost_model = cost_model if cost_model is not None else cost_model_for(gpu)
+    if training and cost_model is not None and cost_model.backward_coefficients is None:
+        cost_model = None  # forward seconds and backward tile work do not add up: tile work for both
     return _Request(
         shape=shape,
         target=target,
@@ -241,7 +251,8 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         window=window,
         max_stride=max_stride,
         gpu=gpu,
-        cost_model=cost_model if cost_model is not None else cost_model_for(gpu),
+        cost_model=cost_model,
+        training=training,
     )
 
 
@@ -270,6 +281,7 @@ def best(
     max_stride: Optional[IntOrInts] = None,
     device: Union[None, str, torch.device] = None,
     cost_model: Optional[CostModel] = None,
+    training: bool = False,
     world_size: Optional[int] = None,
 ) -> Plan:
     """The fastest GNA configuration of `shape` whose sparsity is at least `target_sparsity`.
@@ -278,13 +290,16 @@ def best(
     catalog; `causal` applies per dimension; `window` fixes the window (it must meet the target);
     `max_stride` caps the stride per dimension; `device` picks the GPU whose stored coefficients rank the
     configurations (None: the current CUDA device), unless `cost_model` is given. Without coefficients the
-    plan ranks by simulated tile work and says so (`plan.basis`, `plan.explain()`). `world_size=P`: a
-    `planner.parallel.ParallelPlan` for P ranks sharding frames, which knows its strategy and split.
+    plan ranks by simulated tile work and says so (`plan.basis`, `plan.explain()`). `training` ranks by
+    forward + backward time (the backward's own coefficients; without them, forward + backward tile work).
+    `world_size=P`: a `planner.parallel.ParallelPlan` for P ranks sharding frames, which knows its strategy and
+    split.
 
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
     """
-    r = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model)
+    r = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
+                   training)
     catalog = tile_catalog(r.shape, r.head_dim, kv_tilings_of(r.cost_model))
     if r.window is not None:
         windows, band = (r.window,), None
@@ -296,6 +311,11 @@ def best(
     rows = _sweep_windows(r, windows, catalog)
     scorer = _Scorer(r.shape, catalog, r.cost_model, r.heads or 1, r.head_dim, element_bytes(r.dtype))
     scores = scorer.score(rows["tile_index"], rows["visited_tiles"], rows["full_tiles"])
+    call = dict(batch_heads=r.heads or 1, head_dim=r.head_dim, element_bytes=element_bytes(r.dtype))
+    if r.training:
+        backward = backward_scores(r.shape, r.causal, windows, rows["window_index"], rows["stride"], r.cost_model,
+                                   **call)
+        scores = scores + backward
     chosen = choose(scores, rows["stride"].prod(axis=1))
     n = math.prod(r.shape)
 
@@ -311,6 +331,7 @@ def best(
             tile_speedup=float(rows["num_kv_tiles"][row] / rows["max_kv_tiles"][row]),
             block_sparse=bool(rows["full_tiles"][row] == rows["visited_tiles"][row]),
             kv_tiling=tiles.kv_tiling,
+            backward_score=float(backward[row]) if r.training else None,
         )
 
     winner = candidate(chosen)
@@ -320,6 +341,11 @@ def best(
         breakdown = r.cost_model.breakdown(
             scorer.features(rows["tile_index"][picked], rows["visited_tiles"][picked], rows["full_tiles"][picked])[0]
         )
+        if r.training:
+            breakdown.update(backward_breakdown(Problem(r.shape, winner.window, winner.stride, causal=r.causal),
+                                                r.cost_model, **call))
+    dense = Problem(r.shape, r.shape)
+    dense_backward = backward_score(dense, r.cost_model, **call) if r.training else None
     plan = Plan(
         problem=Problem(r.shape, winner.window, winner.stride, causal=r.causal),
         tiles=TileConfig(winner.q_tile, winner.kv_tile, kv_tiling=winner.kv_tiling),
@@ -330,7 +356,7 @@ def best(
         gpu=r.gpu,
         basis=BASIS_COST_MODEL if r.cost_model is not None else BASIS_TILES,
         score=winner.score,
-        dense_score=scorer.dense_score(),
+        dense_score=scorer.dense_score() + (dense_backward or 0.0),
         breakdown=breakdown,
         runners_up=tuple(candidate(row) for row in _runner_up_rows(rows, scores, chosen)),
         search=Search(
@@ -342,6 +368,9 @@ def best(
             tie_tolerance=TIE_TOLERANCE,
             kv_tilings=kv_tilings_of(r.cost_model),
         ),
+        training=r.training,
+        backward_score=winner.backward_score,
+        dense_backward_score=dense_backward,
     )
     if world_size is None:
         return plan

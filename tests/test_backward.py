@@ -157,6 +157,20 @@ def test_backward_tiles_hold_128_keys_and_half_as_many_queries():
     assert sum(a != b for a, b in zip(q_tile, kv_tile)) == 1
 
 
+@pytest.mark.parametrize("problem", [Problem((30, 48, 80), (18, 24, 24), (16, 8, 8)), Problem((64, 64), (9, 9)),
+                                     Problem((4096,), (512,))])
+def test_backward_tiles_with_two_q_halvings_hold_a_quarter_of_the_kv_box(problem):
+    q_tile, kv_tile = backward_tiles(problem, 128, q_halvings=2)
+    assert math.prod(kv_tile) == 128 and math.prod(q_tile) == 32
+    assert all(kv % q == 0 for q, kv in zip(q_tile, kv_tile))  # each side halved zero, one or two times
+
+
+@pytest.mark.parametrize("problem", [Problem((4, 8, 16), (3, 5, 6), (1, 2, 1)), Problem((4, 8, 16), (4, 8, 16))])
+def test_backward_kernels_with_quarter_q_tiles_match_the_reference(problem):
+    """The tiles of `q_halvings=2` (benchmarks/backward.py --tune), masked and mask-free, in the interpreter."""
+    kernel_against_reference(problem, *backward_tiles(problem, 128, q_halvings=2), torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The operator: autograd, torch.compile, checkpointing
 

@@ -1,0 +1,130 @@
+"""Compile the GNA backward kernels for a GPU target offline and report registers and spills per variant.
+
+    PYTHONPATH=/path/to/triton-3.6 python benchmarks/compile_backward.py --out DIR [--arch 90]
+
+No GPU needed: `triton.compile` lowers each variant of benchmarks/backward.py's tune sweep (Q-tile halvings x
+ATOMIC_DQ x USE_TMA x num_stages) for each problem of its table (HunyuanVideo dense, 1x1x1, 1x8x8, 16x8x8: the
+backward's own tiles and mask switch for each) to PTX for `--arch`, and the ptxas bundled with Triton
+assembles it with `-v`, whose report gives registers per thread and spill stores/loads (what a run on the card
+would read from the loaded kernel's `n_regs` / `n_spills`). A variant that fails to compile is reported with its
+error, so that the sweep can drop it before it costs device time. Writes `compile-backward-sm<arch>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from backward import CASES, HEAD_DIM, SHAPE, TUNE
+
+import natsim
+from natsim.kernels.gna_backward import _launch_options, backward_tiles, dkdv_kernel, dq_kernel
+from natsim.kernels.gna_launch import dense_as_1d, needs_mask
+
+INTS = ("q_tokens", "kv_tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
+        "NQ0", "NQ1", "NQ2", "NK0", "NK1", "NK2", "STEPS0", "STEPS1", "STEPS2")
+FLOATS = ("qk_scale", "scale")
+# Pointer arguments: bf16 tensors, fp32 statistics; DQ is fp32 under ATOMIC_DQ; COUNTS gets DELTA without DEBUG.
+BF16 = ("Q", "K", "V", "DO", "DK", "DV")
+FP32 = ("LSE", "DELTA", "COUNTS")
+
+
+def signature(fn, constexprs: dict, atomic: bool) -> tuple[dict, dict]:
+    """(signature, attrs) of `fn`: every argument typed, pointers 16-byte aligned as torch's allocations are."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in BF16 or (name == "DQ" and not atomic):
+            sig[name] = "*bf16"
+        elif name in FP32 or name == "DQ":
+            sig[name] = "*fp32"
+        elif name in INTS:
+            sig[name] = "i32"
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            raise ValueError(f"argument {name!r} of {fn.__name__} has no type here; add it to this script.")
+        if sig[name].startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def ptxas_report(ptx: str, arch: int) -> dict:
+    """Registers, spill bytes and shared memory from `ptxas -v` on `ptx` (the ptxas bundled with Triton)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        done = subprocess.run([str(ptxas), f"-arch=sm_{arch}a", "-v", str(source), "-o", str(Path(folder) / "k.o")],
+                              capture_output=True, text=True)
+    text = done.stdout + done.stderr
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else None  # noqa: E731
+    return {"ptxas_rc": done.returncode, "registers": number(r"Used (\d+) registers"),
+            "spill_stores": number(r"(\d+) bytes spill stores"), "spill_loads": number(r"(\d+) bytes spill loads"),
+            "stack_frame": number(r"(\d+) bytes stack frame")}
+
+
+def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, arch: int) -> dict:
+    options = {**_launch_options(math.prod(q_tile), math.prod(kv_tile), HEAD_DIM), **options}
+    atomic = bool(options.pop("ATOMIC_DQ", False))
+    tma = bool(options.pop("USE_TMA", False))
+    tq, tk = (tuple(t) + (1,) * (3 - len(t)) for t in (q_tile, kv_tile))
+    constexprs = dict(C0=False, C1=False, C2=False, TQ0=tq[0], TQ1=tq[1], TQ2=tq[2], TK0=tk[0], TK1=tk[1],
+                      TK2=tk[2], HEAD_DIM=HEAD_DIM, MASKED=masked, USE_TMA=tma)
+    if fn is dkdv_kernel:
+        constexprs.update(DEBUG=False, ATOMIC_DQ=atomic)
+    sig, attrs = signature(fn, constexprs, atomic)
+    launch = {"num_warps": options["num_warps"], "num_stages": options["num_stages"]}
+    row = {"kernel": fn.__name__, "q_tile": list(q_tile), "kv_tile": list(kv_tile), "masked": masked,
+           "ATOMIC_DQ": atomic, "USE_TMA": tma, **launch}
+    try:
+        compiled = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs),
+                                  target=GPUTarget("cuda", arch, 128), options=launch)
+        row.update(shared_bytes=compiled.metadata.shared, **ptxas_report(compiled.asm["ptx"], arch))
+    except Exception as error:  # reported, so that the sweep drops the variant
+        row["error"] = f"{type(error).__name__}: {error}"[:400]
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, seen = [], set()
+    for halvings, options in TUNE:
+        for case, (stride, window) in CASES.items():
+            problem = natsim.Problem(SHAPE, window, stride)
+            problem = dense_as_1d(problem) or problem
+            q_tile, kv_tile = backward_tiles(problem, HEAD_DIM, halvings)
+            masked = needs_mask(problem, q_tile, kv_tile)
+            kernels = (dkdv_kernel,) if options.get("ATOMIC_DQ") else (dkdv_kernel, dq_kernel)
+            for fn in kernels:
+                key = (fn.__name__, q_tile, kv_tile, masked, json.dumps(options, sort_keys=True))
+                if key in seen:
+                    continue
+                seen.add(key)
+                row = {"case": case, "q_halvings": halvings,
+                       **compile_variant(fn, q_tile, kv_tile, options, masked, args.arch)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    record = {"triton": triton.__version__, "arch": args.arch, "rows": rows}
+    (args.out / f"compile-backward-sm{args.arch}.json").write_text(json.dumps(record, indent=1))
+    failed = sum("error" in r or r.get("ptxas_rc") for r in rows)
+    spilling = sum(bool(r.get("spill_stores")) for r in rows)
+    print(f"{len(rows)} kernel variants for sm_{args.arch}: {failed} failed to compile, {spilling} spill registers.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

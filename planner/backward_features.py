@@ -1,0 +1,165 @@
+"""The cost model's features for the GNA backward pass, from the simulator's KV-major counts.
+
+The backward (natsim.kernels.gna_backward, through `natsim::gna_backward`) runs on tiles of its own,
+`backward_tiles(problem, head_dim)`, whatever tiles the forward ran: dense attention as 1-D over the flattened
+layout (`dense_as_1d`), as the forward does. It permutes q, k, v, the output and dO into those tiles, runs the
+delta pass, the dK/dV kernel (one program per KV tile over the Q tiles that visit it) and the dQ kernel (one
+program per Q tile, as the forward), and unpermutes dq, dk, dv. One row per call, one column per feature
+(batch and heads multiply everything but `launch`):
+
+| feature | unit | what it counts |
+|---|---|---|
+| `full_flops` | FLOP | 2 * T_Q * T_KV * head_dim per tile product of full (Q tile, KV tile) pairs: the kernels' tile products per pair (`TILE_PRODUCTS`: 7, or 5 with ATOMIC_DQ) |
+| `masked_flops` | FLOP | the same for pairs that run under the element mask (only where the kernels compile it: `needs_mask`) |
+| `pair_visits` | pair | visited (Q tile, KV tile) pairs (`natsim.simulate_backward`'s): the per-iteration overhead of both kernels' loops |
+| `programs` | program | programs launched (padding tiles included): the dK/dV kernel's KV tiles (loading K and V, storing dK and dV) and the dQ kernel's Q tiles (none with ATOMIC_DQ); one feature, since the backward's Q tiles are always half its KV tiles and the two counts move together |
+| `memory_bytes` | byte | permuting q, k, v, out, dO and the LSE, the delta pass, unpermuting dq, dk, dv |
+| `launch` | call | 1: launches and host overhead per call |
+
+`backward_tile_work` is the same call in the planner's unit without a cost model: forward-equivalent token
+pairs, each backward pair counting `TILE_PRODUCTS / FORWARD_TILE_PRODUCTS` times (7 tile products against the
+forward kernel's 2, QK^T and PV).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import numpy as np
+
+from natsim import Problem, TileConfig, simulate
+from natsim.kernels.gna_backward import DEFAULT_VARIANT, TILE_PRODUCTS, backward_tiles
+from natsim.kernels.gna_launch import dense_as_1d, needs_mask
+
+from .features import padded_tokens
+
+if TYPE_CHECKING:
+    from .costmodel import CostModel
+
+BACKWARD_FEATURES = ("full_flops", "masked_flops", "pair_visits", "programs", "memory_bytes", "launch")
+FORWARD_TILE_PRODUCTS = 2  # QK^T and PV per visited pair in the forward kernel
+LSE_BYTES = 4  # fp32 statistics: the LSE and delta per query
+
+
+@dataclass(frozen=True)
+class BackwardWork:
+    """What the backward runs for one problem (batch 1, one head): its tiles, whether its kernels compile the
+    mask, the simulated KV-major pair counts, programs launched and the permuted lengths."""
+
+    problem: Problem  # as the kernels see it: dense attention flattened to 1-D
+    q_tile: tuple[int, ...]
+    kv_tile: tuple[int, ...]
+    masked: bool
+    visited_pairs: int
+    full_pairs: int
+    q_padded: int
+    kv_padded: int
+
+    @property
+    def q_tokens(self) -> int:
+        return math.prod(self.q_tile)
+
+    @property
+    def kv_tokens(self) -> int:
+        return math.prod(self.kv_tile)
+
+    @property
+    def dkdv_programs(self) -> int:
+        return self.kv_padded // self.kv_tokens
+
+    @property
+    def dq_programs(self) -> int:
+        return self.q_padded // self.q_tokens
+
+
+def backward_work(problem: Problem, head_dim: int) -> BackwardWork:
+    """The backward's work for `problem` at `head_dim`, as `natsim::gna_backward` runs it (default tiles).
+
+    The pair totals are `natsim.simulate_backward`'s (the KV-major view holds the same pairs as the Q-major
+    one, and the tests hold them equal), taken from the vectorised `natsim.simulate`: the KV-major loop takes
+    seconds on a dense 1-D layout of 100k tokens, and the cost model needs totals only.
+    """
+    kernel_problem = dense_as_1d(problem) or problem
+    return _backward_work(kernel_problem, *backward_tiles(kernel_problem, head_dim))
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_work(kernel_problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> BackwardWork:
+    counts = simulate(kernel_problem, TileConfig(q_tile, kv_tile))
+    return BackwardWork(
+        problem=kernel_problem,
+        q_tile=q_tile,
+        kv_tile=kv_tile,
+        masked=needs_mask(kernel_problem, q_tile, kv_tile),
+        visited_pairs=counts.visited_tiles,
+        full_pairs=counts.full_tiles,
+        q_padded=padded_tokens(kernel_problem.shape, q_tile, kernel_problem.dilation),
+        kv_padded=padded_tokens(kernel_problem.shape, kv_tile, kernel_problem.dilation),
+    )
+
+
+def tile_products(atomic_dq: bool = bool(DEFAULT_VARIANT.get("ATOMIC_DQ", False))) -> int:
+    """Tile products per visited pair of the backward kernels (the default variant's unless told)."""
+    return TILE_PRODUCTS[atomic_dq]
+
+
+def backward_features(work: BackwardWork, *, batch_heads: int, head_dim: int, element_bytes: int) -> np.ndarray:
+    """The feature row (BACKWARD_FEATURES order) of one backward call of `work` on `batch_heads` heads."""
+    atomic = bool(DEFAULT_VARIANT.get("ATOMIC_DQ", False))
+    pair_flops = 2.0 * tile_products(atomic) * work.q_tokens * work.kv_tokens * head_dim * batch_heads
+    full = work.full_pairs if work.masked else work.visited_pairs
+    tokens = work.problem.num_tokens
+    row = head_dim * element_bytes
+    # In: q, out, dO (q tiles) and k, v (kv tiles) read real, written padded; the LSE likewise in fp32.
+    # Delta pass: out and dO read, delta written. Out: dq, dk, dv read padded, written real.
+    moved = (3 * (tokens + work.q_padded) + 2 * (tokens + work.kv_padded)) * row + (tokens + work.q_padded) * LSE_BYTES
+    moved += 2 * work.q_padded * row + work.q_padded * LSE_BYTES
+    moved += (work.q_padded + 2 * work.kv_padded + 3 * tokens) * row
+    return np.array([
+        full * pair_flops,
+        (work.visited_pairs - full) * pair_flops,
+        float(work.visited_pairs * batch_heads),
+        float((work.dkdv_programs + (0 if atomic else work.dq_programs)) * batch_heads),
+        float(moved * batch_heads),
+        1.0,
+    ])
+
+
+def backward_tile_work(work: BackwardWork) -> float:
+    """The backward in forward-equivalent token pairs (one head): its visited pairs' Q x KV tokens, times its
+    tile products over the forward's (the planner's score without a cost model, added to the forward's)."""
+    return work.visited_pairs * work.q_tokens * work.kv_tokens * tile_products() / FORWARD_TILE_PRODUCTS
+
+
+def backward_score(problem: Problem, cost_model: Optional["CostModel"], *, batch_heads: int, head_dim: int,
+                   element_bytes: int) -> float:
+    """One backward call of `problem` in the planner's unit: predicted seconds under `cost_model`'s backward
+    coefficients, or without a cost model `backward_tile_work` (one head, as the forward's tile work)."""
+    work = backward_work(problem, head_dim)
+    if cost_model is None:
+        return backward_tile_work(work)
+    features = backward_features(work, batch_heads=batch_heads, head_dim=head_dim, element_bytes=element_bytes)
+    return float(cost_model.predict_backward(features))
+
+
+def backward_scores(shape: tuple[int, ...], causal: tuple[bool, ...], windows: Sequence[tuple[int, ...]],
+                    window_index: np.ndarray, strides: np.ndarray, cost_model: Optional["CostModel"],
+                    **call) -> np.ndarray:
+    """`backward_score` per sweep row (`windows[window_index[i]]`, `strides[i]`): the backward runs its own
+    tiles, so rows that differ only in the forward's tiles share one score; `call` is batch_heads, head_dim,
+    element_bytes."""
+    keys = [(int(w), tuple(int(s) for s in stride)) for w, stride in zip(window_index, strides)]
+    scores = {key: backward_score(Problem(shape, windows[key[0]], key[1], causal=causal), cost_model, **call)
+              for key in dict.fromkeys(keys)}
+    return np.array([scores[key] for key in keys], np.float64)
+
+
+def backward_breakdown(problem: Problem, cost_model: "CostModel", **call) -> dict[str, float]:
+    """Predicted seconds of one backward call of `problem` per feature, named `backward_<feature>` (beside the
+    forward's in `Plan.breakdown`); `call` is batch_heads, head_dim, element_bytes."""
+    work = backward_work(problem, call["head_dim"])
+    row = backward_features(work, **call)
+    return {f"backward_{name}": seconds for name, seconds in cost_model.backward_breakdown(row).items()}
