@@ -20,9 +20,12 @@ first loop alone over the whole box. Padding queries carry dO = 0, delta = 0 and
 nothing to dK and dV. With DEBUG on, the dK/dV kernel counts per KV tile the Q tiles it ran and how many of
 them are full (gna-semantics.md's definition), to be held against `natsim.simulate_backward`.
 
-Two tuning switches, off by default and not yet timed on a GPU: `USE_TMA` reads q, dO, k and v through rank-2
-tensor descriptors as the forward does; `ATOMIC_DQ` has the dK/dV kernel add each pair's `ds k` to an fp32 dQ
-with atomics instead of running `dq_kernel` (five tile products per pair instead of seven). The backward reads
+Two tuning switches: `ATOMIC_DQ` (on by default, `DEFAULT_VARIANT`) has the dK/dV kernel add each pair's `ds k`
+to an fp32 dQ with atomics instead of running `dq_kernel` (five tile products per pair instead of seven; dQ's
+summation order then varies from run to run, within fp32 rounding); on the H100 it took 119-120 ms against
+140-148 ms at HunyuanVideo strides 1x8x8 and 16x8x8 (`benchmarks/backward.py --tune`,
+benchmarks/results/backward-tune-*.json). `USE_TMA` (off) reads q, dO, k and v through rank-2 tensor
+descriptors as the forward does: 3-5% faster alone, but with ATOMIC_DQ on 64-query tiles it spills registers. The backward reads
 the permuted layout only (the forward's in-place LAYOUT 1 is not mirrored here): `gna_backward` permutes.
 """
 
@@ -460,7 +463,7 @@ Q_TILE_HALVINGS = 1
 DELTA_ROWS = 64
 # The variant `backward_permuted` runs unless told otherwise: launch options and tuning switches (ATOMIC_DQ,
 # USE_TMA) over `_launch_options`' defaults; benchmarks/backward.py --tune times the alternatives.
-DEFAULT_VARIANT: dict = {}
+DEFAULT_VARIANT: dict = {"ATOMIC_DQ": True}  # the H100 tune's winner (module docstring)
 # Tile products per visited (Q tile, KV tile) pair, by ATOMIC_DQ: the dK/dV kernel's q k^T, dO v^T, p^T dO and
 # ds^T q, plus the dQ kernel's q k^T, dO v^T and ds k (seven), or ds k in the dK/dV kernel instead (five).
 TILE_PRODUCTS = {False: 7, True: 5}

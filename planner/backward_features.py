@@ -101,9 +101,9 @@ def _backward_work(kernel_problem: Problem, q_tile: tuple[int, ...], kv_tile: tu
     )
 
 
-def tile_products(atomic_dq: bool = bool(DEFAULT_VARIANT.get("ATOMIC_DQ", False))) -> int:
-    """Tile products per visited pair of the backward kernels (the default variant's unless told)."""
-    return TILE_PRODUCTS[atomic_dq]
+def tile_products(atomic_dq: Optional[bool] = None) -> int:
+    """Tile products per visited pair of the backward kernels (the default variant's, read now, unless told)."""
+    return TILE_PRODUCTS[bool(DEFAULT_VARIANT.get("ATOMIC_DQ", False)) if atomic_dq is None else atomic_dq]
 
 
 def backward_features(work: BackwardWork, *, batch_heads: int, head_dim: int, element_bytes: int) -> np.ndarray:

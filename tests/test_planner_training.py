@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import bruteforce as bf
 from natsim import Problem, TileConfig, simulate_backward, sweep
-from natsim.kernels.gna_backward import TILE_PRODUCTS, backward_tiles
+from natsim.kernels.gna_backward import DEFAULT_VARIANT, TILE_PRODUCTS, backward_tiles
 from natsim.kernels.gna_launch import dense_as_1d, needs_mask
 from natsim.kernels.layout import TileLayout
 from natsim.planner import CostModel, Plan, best, predicted_times
@@ -78,13 +78,14 @@ def test_backward_features_are_the_work_in_their_units(problem, heads):
     work = backward_work(problem, head_dim)
     row = dict(zip(BACKWARD_FEATURES, backward_features(work, batch_heads=heads, head_dim=head_dim,
                                                         element_bytes=size)))
-    pair_flops = 2 * TILE_PRODUCTS[False] * math.prod(work.q_tile) * math.prod(work.kv_tile) * head_dim * heads
+    atomic = bool(DEFAULT_VARIANT.get("ATOMIC_DQ", False))  # dQ in the dK/dV kernel: no dQ kernel
+    pair_flops = 2 * TILE_PRODUCTS[atomic] * math.prod(work.q_tile) * math.prod(work.kv_tile) * head_dim * heads
     masked = work.visited_pairs - work.full_pairs if work.masked else 0
     assert work.masked or work.visited_pairs == work.full_pairs  # mask-free kernels: every visited pair is full
     assert row["full_flops"] == pytest.approx((work.visited_pairs - masked) * pair_flops)
     assert row["masked_flops"] == pytest.approx(masked * pair_flops)
     assert row["pair_visits"] == work.visited_pairs * heads
-    assert row["programs"] == (work.dkdv_programs + work.dq_programs) * heads
+    assert row["programs"] == (work.dkdv_programs + (0 if atomic else work.dq_programs)) * heads
     # Bytes: five tensors permuted in, three out, the delta pass reading two; plus fp32 LSE and delta.
     n, qp, kp = work.problem.num_tokens, work.q_padded, work.kv_padded
     tensor_bytes = ((n + qp) * 3 + (n + kp) * 2 + 2 * qp + (qp + n) + 2 * (kp + n)) * head_dim * size
