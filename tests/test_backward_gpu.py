@@ -74,8 +74,10 @@ def test_compiled_forward_and_backward_equal_eager():
     compiled = torch.compile(loss, fullgraph=True)
     got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
     want = torch.autograd.grad(loss(q, k, v), (q, k, v))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # dK and dV are summed in a fixed order: bit-identical. dQ is summed by fp32 atomics (ATOMIC_DQ, the
+    # default), whose order varies per run: equal up to bf16 rounding of the same fp32 sum.
+    torch.testing.assert_close(got[1:], want[1:], rtol=0, atol=0)
+    torch.testing.assert_close(got[0], want[0], rtol=2 ** -7, atol=1e-5)
 
 
 @pytest.mark.parametrize("q_block, kv_block, merge, density", [
