@@ -197,7 +197,12 @@ def test_plans_written_before_training_read_as_forward_plans_and_a_training_plan
 def test_cost_models_round_trip_their_backward_coefficients_and_reject_bad_ones(tmp_path):
     model = CostModel("Test GPU", FORWARD, backward_coefficients=BACKWARD)
     assert CostModel.load(model.save(tmp_path / "m.json")) == model
-    assert CostModel.load(COEFFICIENTS_DIR / "nvidia-h100-80gb-hbm3.json").backward_coefficients is None
+    shipped = CostModel.load(COEFFICIENTS_DIR / "nvidia-h100-80gb-hbm3.json")
+    assert set(shipped.backward_coefficients) == set(BACKWARD_FEATURES)  # calibrated on the H100
+    older = json.loads((COEFFICIENTS_DIR / "nvidia-h100-80gb-hbm3.json").read_text())
+    del older["backward_coefficients"]  # a file written before the backward was calibrated
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert CostModel.load(tmp_path / "older.json").backward_coefficients is None
     with pytest.raises(ValueError, match="backward_coefficients must name exactly the features"):
         CostModel("Test GPU", FORWARD, backward_coefficients={**BACKWARD, "kv_tile_visits": 1.0})
     with pytest.raises(ValueError, match="Forward GPU has no backward coefficients"):
