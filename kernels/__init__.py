@@ -1,5 +1,7 @@
-"""natsim.kernels: Triton kernels for GNA and for any block mask (forward attention, token permutation), the
-registered operators they run as (kernels/ops.py), and their torch references."""
+"""natsim.kernels: Triton kernels for GNA (static and dynamic KV tiling, frame ranges) and for any block mask,
+forward and backward, token permutation, the registered operators they run as (kernels/ops.py: autograd goes
+through them), and their torch references. Context parallelism is natsim.distributed (kernels/distributed.py);
+mask predictors are natsim.masks (kernels/masks.py, predictors.py, maskcache.py)."""
 
 from .attention import gna_attention, gna_attention_permuted, gna_tile_counts
 from .permute import permute, permute_reference, unpermute, unpermute_reference
