@@ -119,7 +119,8 @@ class MaskedWanAttnProcessor:
     then, per call (one layer, one step):
 
     1. tokens into `order` (default: `natsim.masks.hilbert_order(shape)`, so that a block of tokens is compact
-       in the video; None keeps row-major order);
+       in the video; None keeps row-major order), only when a mask is predicted or run: dense steps attend the
+       row-major tokens, since dense attention does not depend on their order;
     2. the mask: `cache.mask(key, clock.step, lambda budget: predictor(q, k, budget))` with a MaskCache (None
        means a dense step: `scaled_dot_product_attention`, as the model itself computes it), or without a
        cache `predictor(q, k, budget)` at every step. `predictor` returns a bool `[B|1, heads|1, ceil(N /
@@ -130,7 +131,7 @@ class MaskedWanAttnProcessor:
        the kernel (`plan.predicted_speedup <= min_speedup`, default 1: the pooled mask keeps nearly every block),
        the layer runs dense attention instead (`fallbacks` counts those calls; `min_speedup=0` always runs
        the plan);
-    4. tokens back to row-major order and the output projection.
+    4. tokens back to row-major order (after a sparse step) and the output projection.
 
     q, k, v go to the kernel in `dtype` (default: the model's when it is fp16 or bf16, else fp16); counts of
     the calls, the dense steps and the predictions, and the planning time, are kept for reports.
@@ -159,20 +160,30 @@ class MaskedWanAttnProcessor:
         return self.predictor(q, k, budget)
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Attention of ordered `[B, N, heads, head_dim]` tensors in the model's dtype: dense steps as the model
-        computes them, sparse ones in the kernel's dtype."""
+        """Attention of row-major `[B, N, heads, head_dim]` tensors in the model's dtype: dense steps as the model
+        computes them (on row-major tokens: dense attention does not depend on their order), sparse ones on
+        tokens in `order`, in the kernel's dtype. Tokens are reordered only when a mask is predicted or run."""
+        import natsim.masks
+
         dtype = self.dtype or (query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.float16)
-        q, k = query.to(dtype), key.to(dtype)
-        if self.cache is None:
-            mask = self._predict(q, k, self.budget)
-        else:
-            mask = self.cache.mask(self.key, self.clock.step, lambda budget: self._predict(q, k, budget))
+        order, inverse = self._device_orders(query.device)
+        ordered: dict = {}
+
+        def in_order(name: str, t: torch.Tensor) -> torch.Tensor:  # each tensor reordered once per call
+            if name not in ordered:
+                ordered[name] = (t if order is None else natsim.masks.to_order(t, order)).to(dtype)
+            return ordered[name]
+
+        def predict(budget: float) -> torch.Tensor:
+            return self._predict(in_order("q", query), in_order("k", key), budget)
+
+        mask = predict(self.budget) if self.cache is None else self.cache.mask(self.key, self.clock.step, predict)
         if mask is not None and self.plan is None:
             start = time.perf_counter()
             kernel_dtype = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16  # recorded only
-            self.plan = best_mask(mask, self.block, self.block, q.shape[1], heads=q.shape[2], batch=q.shape[0],
-                                  head_dim=q.shape[3], dtype=kernel_dtype, device=self.plan_device,
-                                  keep_mask=False, **self.plan_options)
+            self.plan = best_mask(mask, self.block, self.block, query.shape[1], heads=query.shape[2],
+                                  batch=query.shape[0], head_dim=query.shape[3], dtype=kernel_dtype,
+                                  device=self.plan_device, keep_mask=False, **self.plan_options)
             self.plan_seconds = time.perf_counter() - start
         if mask is None or self.plan.predicted_speedup <= self.min_speedup:  # a dense step, or no gain
             self.dense_calls += 1
@@ -181,12 +192,16 @@ class MaskedWanAttnProcessor:
             return out.transpose(1, 2)
         if mask is not self._mask:  # a new mask: pool it once, its host work is prepared on first use
             self._running, self._mask = self.plan.with_mask(mask), mask
-        return self._running(q, k, value.to(dtype))
+        out = self._running(in_order("q", query), in_order("k", key), in_order("v", value))
+        return out if inverse is None else natsim.masks.to_order(out, inverse)  # back to row-major order
 
-    def _device_orders(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The token order and its inverse as index tensors on `device` (copied there once, not per call)."""
+    def _device_orders(self, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The token order and its inverse as index tensors on `device` (copied there once, not per call);
+        None, None without an order."""
         import natsim.masks
 
+        if self.order is None:
+            return None, None
         if device not in self._orders:
             order = torch.as_tensor(self.order, dtype=torch.int64).cpu()
             self._orders[device] = (order.to(device), torch.as_tensor(natsim.masks.hilbert_inverse(order.numpy()),
@@ -207,14 +222,7 @@ class MaskedWanAttnProcessor:
         value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
             query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
-        if self.order is not None:
-            import natsim.masks
-
-            order, inverse = self._device_orders(query.device)
-            query, key, value = (natsim.masks.to_order(t, order) for t in (query, key, value))
         out = self._attend(query, key, value)
-        if self.order is not None:
-            out = natsim.masks.to_order(out, inverse)  # from_order, without rebuilding the inverse per call
         self.calls += 1
         out = out.reshape(batch, tokens, -1).type_as(hidden_states)
         return attn.to_out[1](attn.to_out[0](out))

@@ -139,6 +139,25 @@ def test_mask_processor_follows_the_cache_dense_steps_refreshes_and_reuse():
     assert all(p is not None and p.mask is None for p in plans)  # one plan per layer, made on its first mask
 
 
+def test_mask_processor_leaves_tokens_in_place_on_dense_steps(monkeypatch):
+    pytest.importorskip("diffusers")
+    import natsim.masks
+
+    example = load("diffusers_processor")
+    model, inputs = example.tiny_wan(), example.tiny_inputs()
+    reorders = []
+    to_order = natsim.masks.to_order
+    monkeypatch.setattr(natsim.masks, "to_order", lambda t, order: reorders.append(t.shape) or to_order(t, order))
+    clock = example.StepClock()
+    with torch.no_grad():
+        example.use_masks(model, (4, 8, 8), all_true(), cache=ScriptedCache(), clock=clock, min_speedup=0.0)
+        model(**inputs)  # step 0: dense
+        assert reorders == []
+        clock.step = 1
+        model(**inputs)  # step 1: a prediction and the sparse kernel: q, k, v in, the output back, per layer
+    assert len(reorders) == 4 * len(model.blocks)
+
+
 def test_mask_processor_runs_dense_attention_when_its_plan_predicts_no_gain():
     pytest.importorskip("diffusers")
     example = load("diffusers_processor")
