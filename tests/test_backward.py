@@ -183,9 +183,12 @@ def leaves(dtype=torch.float16, shape=SHAPE, heads=2, head_dim=32):
     return [torch.randn(1, *shape, heads, head_dim, device=DEVICE).to(dtype).requires_grad_() for _ in range(3)]
 
 
-def test_gna_attention_gradients_through_the_kernels_match_the_reference():
+@pytest.mark.parametrize("kv_tiling", [None, "static", "dynamic"])
+def test_gna_attention_gradients_through_the_kernels_match_the_reference(kv_tiling):
+    """The backward runs its own (static) tiles whatever KV tiling the forward used: the gradient is the
+    attention's, not the tiling's."""
     q, k, v = leaves()
-    out, lse = gna_attention(q, k, v, **ARGS, return_lse=True)
+    out, lse = gna_attention(q, k, v, **ARGS, return_lse=True, kv_tiling=kv_tiling)
     assert out.grad_fn is not None
     grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
     got = torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse))
