@@ -98,6 +98,23 @@ def _frame_groups(gi0, G0, KL0, Q0_OFF, K0_OFF, D0):
 
 
 @triton.jit
+def _tile_in_group(tile, L0, L1, L2, D0, D1, D2, N0, N1, N2):
+    """Where tile `tile` lies when tiles are numbered dilation group by group, N0 x N1 x N2 per group: the
+    group's index and per-dimension coordinates, the group's per-dimension lengths, and the tile's
+    per-dimension index inside the group (shared by the forward, dynamic and backward kernels)."""
+    per_group = N0 * N1 * N2
+    group = tile // per_group
+    t = tile % per_group
+    gi0 = group // (D1 * D2)
+    gi1 = (group // D2) % D1
+    gi2 = group % D2
+    len0 = L0 // D0 + tl.where(gi0 < L0 % D0, 1, 0)
+    len1 = L1 // D1 + tl.where(gi1 < L1 % D1, 1, 0)
+    len2 = L2 // D2 + tl.where(gi2 < L2 % D2, 1, 0)
+    return group, gi0, gi1, gi2, len0, len1, len2, t // (N1 * N2), (t // N2) % N1, t % N2
+
+
+@triton.jit
 def _full_run(start_last, end_first, kv_lo, kv_hi, TK: tl.constexpr):
     """Per dimension: the run [f, g) of visited KV tiles that every real query attends completely, and that
     hold no padding keys (`end_first <= group length`); empty (f == g) when there is none."""
@@ -192,18 +209,11 @@ def gna_forward_kernel(
     h = (bh % heads).to(tl.int64)
 
     # Which dilation group and which tile of the group this program holds.
-    q_tiles_per_group = NQ0 * NQ1 * NQ2
-    group = q_tile // q_tiles_per_group
-    t = q_tile % q_tiles_per_group
-    gi0 = group // (D1 * D2)
-    gi1 = (group // D2) % D1
-    gi2 = group % D2
-    len0 = L0 // D0 + tl.where(gi0 < L0 % D0, 1, 0)
-    len1 = L1 // D1 + tl.where(gi1 < L1 % D1, 1, 0)
-    len2 = L2 // D2 + tl.where(gi2 < L2 % D2, 1, 0)
-    first0 = (t // (NQ1 * NQ2)) * TQ0
-    first1 = ((t // NQ2) % NQ1) * TQ1
-    first2 = (t % NQ2) * TQ2
+    group, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = _tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
+                                                                         NQ0, NQ1, NQ2)
+    first0 = i0 * TQ0
+    first1 = i1 * TQ1
+    first2 = i2 * TQ2
     real_tile = (first0 < len0) & (first1 < len1) & (first2 < len2)
 
     qo0, glen0, kg0, ko0, klen0 = _frame_groups(gi0, G0, KL0, Q0_OFF, K0_OFF, D0)  # frame range, dim 0

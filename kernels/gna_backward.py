@@ -40,7 +40,7 @@ import triton.language as tl
 
 from natsim import Problem
 
-from .gna import LOG2E, _dim_setup, _full_run, _is_full
+from .gna import LOG2E, _dim_setup, _full_run, _is_full, _tile_in_group
 from .gna_launch import _install_allocator, dense_as_1d, needs_mask
 from .layout import TileLayout, as_3d
 from .permute import permute, unpermute
@@ -253,18 +253,8 @@ def dkdv_kernel(
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    kv_tiles_per_group = NK0 * NK1 * NK2
-    group = kv_tile // kv_tiles_per_group
-    t = kv_tile % kv_tiles_per_group
-    gi0 = group // (D1 * D2)
-    gi1 = (group // D2) % D1
-    gi2 = group % D2
-    len0 = L0 // D0 + tl.where(gi0 < L0 % D0, 1, 0)
-    len1 = L1 // D1 + tl.where(gi1 < L1 % D1, 1, 0)
-    len2 = L2 // D2 + tl.where(gi2 < L2 % D2, 1, 0)
-    j0 = t // (NK1 * NK2)
-    j1 = (t // NK2) % NK1
-    j2 = t % NK2
+    group, gi0, gi1, gi2, len0, len1, len2, j0, j1, j2 = _tile_in_group(kv_tile, L0, L1, L2, D0, D1, D2,
+                                                                         NK0, NK1, NK2)
 
     # Which Q tiles visit this KV tile, per dimension: [lo, hi), and the full run [f, g) inside it.
     lo0, hi0, f0, g0 = _q_runs(j0, len0, W0, S0, STEPS0, C0, TQ0, TK0)
@@ -379,18 +369,11 @@ def dq_kernel(
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    q_tiles_per_group = NQ0 * NQ1 * NQ2
-    group = q_tile // q_tiles_per_group
-    t = q_tile % q_tiles_per_group
-    gi0 = group // (D1 * D2)
-    gi1 = (group // D2) % D1
-    gi2 = group % D2
-    len0 = L0 // D0 + tl.where(gi0 < L0 % D0, 1, 0)
-    len1 = L1 // D1 + tl.where(gi1 < L1 % D1, 1, 0)
-    len2 = L2 // D2 + tl.where(gi2 < L2 % D2, 1, 0)
-    first0 = (t // (NQ1 * NQ2)) * TQ0
-    first1 = ((t // NQ2) % NQ1) * TQ1
-    first2 = (t % NQ2) * TQ2
+    group, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = _tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
+                                                                         NQ0, NQ1, NQ2)
+    first0 = i0 * TQ0
+    first1 = i1 * TQ1
+    first2 = i2 * TQ2
     real_tile = (first0 < len0) & (first1 < len1) & (first2 < len2)
 
     # The forward's KV tiles of this Q tile, and the full box inside them.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gna import _layout_descriptor, _softmax_step
+from .gna import _layout_descriptor, _softmax_step, _tile_in_group
 from .window import window_bounds
 
 
@@ -166,18 +166,11 @@ def gna_dynamic_kernel(
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
 
-    q_tiles_per_group = NQ0 * NQ1 * NQ2
-    group = q_tile // q_tiles_per_group
-    t = q_tile % q_tiles_per_group
-    gi0 = group // (D1 * D2)
-    gi1 = (group // D2) % D1
-    gi2 = group % D2
-    len0 = L0 // D0 + tl.where(gi0 < L0 % D0, 1, 0)
-    len1 = L1 // D1 + tl.where(gi1 < L1 % D1, 1, 0)
-    len2 = L2 // D2 + tl.where(gi2 < L2 % D2, 1, 0)
-    first0 = (t // (NQ1 * NQ2)) * TQ0
-    first1 = ((t // NQ2) % NQ1) * TQ1
-    first2 = (t % NQ2) * TQ2
+    group, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = _tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
+                                                                         NQ0, NQ1, NQ2)
+    first0 = i0 * TQ0
+    first1 = i1 * TQ1
+    first2 = i2 * TQ2
     real_tile = (first0 < len0) & (first1 < len1) & (first2 < len2)
 
     o0, n0, f0, g0, sl0, ef0 = _box(first0, len0, W0, S0, C0, TQ0, TK0)
