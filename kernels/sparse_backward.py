@@ -55,6 +55,17 @@ def _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads):
 
 
 @triton.jit
+def _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads):
+    """This program's batch and head (grid axis 1 runs over batch * heads) and the index of its `[nQ, nKV]`
+    block mask, which may be shared along batch or heads (`mask_b_step` / `mask_h_step` 0); all int64."""
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    mask_item = (b * mask_b_step) * mask_heads + h * mask_h_step
+    return b.to(tl.int64), h.to(tl.int64), mask_item.to(tl.int64)
+
+
+@triton.jit
 def sparse_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COL_COUNT, COL_INDEX,
     seq_len, heads, num_q_blocks, num_kv_blocks, num_q_tiles, num_kv_tiles, mask_b_step, mask_h_step, mask_heads,
@@ -62,13 +73,8 @@ def sparse_dkdv_kernel(
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     kv_tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    mask_item = (b * mask_b_step) * mask_heads + h * mask_h_step
-    b = b.to(tl.int64)
-    h = h.to(tl.int64)
-    MASK_BH = MASK + mask_item.to(tl.int64) * num_q_blocks * num_kv_blocks
+    b, h, mask_item = _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads)
+    MASK_BH = MASK + mask_item * num_q_blocks * num_kv_blocks
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     k_tokens = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,7 +85,7 @@ def sparse_dkdv_kernel(
     v = tl.load(V + kv_offsets, mask=k_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    column = mask_item.to(tl.int64) * num_kv_tiles + kv_tile
+    column = mask_item * num_kv_tiles + kv_tile
     count = tl.load(COL_COUNT + column)
     for i in tl.range(0, count):
         q_tile = tl.load(COL_INDEX + column * num_q_tiles + i)
@@ -107,13 +113,8 @@ def sparse_dq_kernel(
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    mask_item = (b * mask_b_step) * mask_heads + h * mask_h_step
-    b = b.to(tl.int64)
-    h = h.to(tl.int64)
-    MASK_BH = MASK + mask_item.to(tl.int64) * num_q_blocks * num_kv_blocks
+    b, h, mask_item = _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads)
+    MASK_BH = MASK + mask_item * num_q_blocks * num_kv_blocks
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     q_tokens = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -124,7 +125,7 @@ def sparse_dq_kernel(
     do = tl.load(DO + q_offsets, mask=q_ok, other=0.0)
     lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    row = mask_item.to(tl.int64) * num_q_tiles + q_tile
+    row = mask_item * num_q_tiles + q_tile
     count = tl.load(ROW_COUNT + row)
     for i in tl.range(0, count):
         kv_tile = tl.load(ROW_INDEX + row * num_kv_tiles + i)
