@@ -31,7 +31,7 @@ from timing import rel
 
 import natsim
 from natsim.kernels import gna_attention, permute
-from natsim.kernels.gna_backward import backward_permuted, backward_tiles
+from natsim.kernels.gna_backward import DEFAULT_VARIANT, backward_permuted, backward_tiles
 from natsim.kernels.gna_launch import dense_as_1d, forward
 from natsim.kernels.reference import reference_gradients
 
@@ -85,9 +85,13 @@ def ours(problem, q, k, v, g) -> dict:
     qp, op, gp = (permute(flat(t), q_tile) for t in (q, out.detach(), g))
     kp, vp = (permute(flat(t), kv_tile) for t in (k, v))
     lp = permute(flat(lse[..., None]), q_tile)[..., 0].contiguous()
+    mirrored = None  # the dQ kernel's own orders (without ATOMIC_DQ), permuted outside the timing as well
+    if not DEFAULT_VARIANT.get("ATOMIC_DQ", False):
+        mirrored = (permute(flat(q), kv_tile), permute(flat(g), kv_tile), permute(flat(k), q_tile),
+                    permute(flat(v), q_tile))
     scale = HEAD_DIM**-0.5
     row["bwd_kernels_ms"] = bench(lambda: backward_permuted(qp, kp, vp, op, lp, gp, None, kernel_problem, q_tile,
-                                                            kv_tile, scale))
+                                                            kv_tile, scale, mirrored=mirrored))
     return row, grads
 
 
@@ -187,19 +191,19 @@ def run(cases, with_flex: bool, with_check: bool, save) -> list[dict]:
 
 
 # Backward variants for --tune, most promising first (the sweep stops starting new ones past its time budget):
-# (Q tile halvings of the 128-key KV box, options of `backward_permuted`). Halvings 2 (32 queries) is the dK/dV
-# tile that compiles without register spills on sm_90 (benchmarks/compile_backward.py); 4-warp launches of the
-# default tiles, and USE_TMA with ATOMIC_DQ on them, spill 0.8-3 KB there and are left out.
+# (Q tile halvings of the 128-key KV box, options of `backward_permuted`). History (H100, 2026-11-23,
+# backward-tune-*.json): the first tune made ATOMIC_DQ the default (120 / 119 ms at 1x8x8 / 16x8x8 against
+# 148 / 140 for a dQ kernel on the dK/dV kernel's tiles; USE_TMA and 32-query tiles slower); a second found
+# TMA bulk reductions for the atomic dQ and a rotated Q order per program within 2% (both dropped); the third,
+# timing `gna_backward` whole, made the dQ kernel run on mirrored tiles (128 queries, 64 keys) with three
+# stages the default: 106.2 / 102.9 ms against 112.6 / 107.2 for ATOMIC_DQ.
 TUNE = [
-    (1, {}),
-    (2, {}),
-    (1, dict(USE_TMA=True)),
-    (2, dict(USE_TMA=True)),
+    (1, dict(ATOMIC_DQ=False, num_stages=3)),
     (1, dict(ATOMIC_DQ=True)),
-    (2, dict(ATOMIC_DQ=True)),
-    (2, dict(num_stages=3)),
-    (1, dict(num_stages=3)),
-    (2, dict(USE_TMA=True, ATOMIC_DQ=True)),
+    (1, dict(ATOMIC_DQ=False, num_stages=3, DQ_STAGES=4)),
+    (1, dict(ATOMIC_DQ=False, num_stages=3, USE_TMA=True)),
+    (1, dict(ATOMIC_DQ=False)),
+    (2, dict(ATOMIC_DQ=False, num_stages=3)),
 ]
 TUNE_STRIDES = [(1, 8, 8), (16, 8, 8)]
 TUNE_BUDGET_S = 120.0
@@ -211,11 +215,12 @@ def tune_bench(fn) -> float:
 
 
 def tune(budget_s: float = TUNE_BUDGET_S, save=lambda result: None) -> dict:
-    """Backward kernels alone on permuted tensors for each TUNE variant at TUNE_STRIDES, until `budget_s` has
-    passed (variants not started are listed as skipped). Gradients of each variant are unpermuted and compared
-    with the first variant's; the winner is the fastest over both strides among those within BF16_TOLERANCE.
-    `save(result)` after each variant, so that a run cut short keeps its winner so far."""
-    from natsim.kernels import unpermute
+    """`gna_backward` as training calls it (permutations, kernels, unpermutations) for each TUNE variant at
+    TUNE_STRIDES, until `budget_s` has passed (variants not started are listed as skipped); each variant is
+    set as natsim's default for its run. Gradients are compared with the first variant's; the winner is the
+    fastest over both strides among those within BF16_TOLERANCE. `save(result)` after each variant, so that a
+    run cut short keeps its winner so far."""
+    from natsim.kernels import gna_backward as module
 
     q, k, v, g = inputs(SHAPE)
     start = time.time()
@@ -223,27 +228,26 @@ def tune(budget_s: float = TUNE_BUDGET_S, save=lambda result: None) -> dict:
     for stride in TUNE_STRIDES:
         out, lse = forward(q, k, v, WINDOW, stride, 1, False, None, None, None, True)
         cases.append((natsim.Problem(SHAPE, WINDOW, stride), out, lse))
+    defaults = module.Q_TILE_HALVINGS, dict(module.DEFAULT_VARIANT)
     rows, reference, skipped = [], {}, []
     for index, (halvings, options) in enumerate(TUNE):
         if time.time() - start > budget_s:
             skipped.append({"q_halvings": halvings, "options": options})
             continue
+        module.Q_TILE_HALVINGS = halvings
+        module.DEFAULT_VARIANT.clear()
+        module.DEFAULT_VARIANT.update(options)
         for problem, out, lse in cases:
             q_tile, kv_tile = backward_tiles(problem, HEAD_DIM, halvings)
             row = {"variant": index, "stride": list(problem.stride), "q_halvings": halvings, "q_tile": list(q_tile),
                    "kv_tile": list(kv_tile), "options": options}
             try:
-                qp, op, gp = (permute(t, q_tile) for t in (q, out, g))
-                kp, vp = (permute(t, kv_tile) for t in (k, v))
-                lp = permute(lse[..., None], q_tile)[..., 0].contiguous()
-                call = lambda: backward_permuted(qp, kp, vp, op, lp, gp, None, problem, q_tile, kv_tile,  # noqa: E731
-                                                 HEAD_DIM**-0.5, options=dict(options))
-                dq, dk, dv, _ = call()
-                grads = [unpermute(t, SHAPE, tile) for t, tile in ((dq, q_tile), (dk, kv_tile), (dv, kv_tile))]
+                call = lambda: module.gna_backward(q, k, v, out, lse, g, None, problem)  # noqa: E731
+                grads = call()
                 key = tuple(problem.stride)
                 reference.setdefault(key, grads)
                 row["rel_diff_vs_first"] = max(rel(a, b) for a, b in zip(grads, reference[key]))
-                del dq, dk, dv, grads
+                del grads
                 row["ms"] = tune_bench(call)
                 row["sim_speedup_mean"] = natsim.simulate_backward(problem, natsim.TileConfig(q_tile, kv_tile)) \
                     .tile_speedup_mean
@@ -253,6 +257,9 @@ def tune(budget_s: float = TUNE_BUDGET_S, save=lambda result: None) -> dict:
             print(json.dumps(row), flush=True)
             rows.append(row)
         save({"rows": rows, "skipped": skipped, "winner": tune_winner(rows)})
+    module.Q_TILE_HALVINGS = defaults[0]
+    module.DEFAULT_VARIANT.clear()
+    module.DEFAULT_VARIANT.update(defaults[1])
     result = {"rows": rows, "skipped": skipped, "winner": tune_winner(rows)}
     save(result)
     return result

@@ -36,6 +36,7 @@ FLOATS = ("qk_scale", "scale")
 # Pointer arguments: bf16 tensors, fp32 statistics; DQ is fp32 under ATOMIC_DQ; COUNTS gets DELTA without DEBUG.
 BF16 = ("Q", "K", "V", "DO", "DK", "DV")
 FP32 = ("LSE", "DELTA", "COUNTS")
+SWITCHES = ("ATOMIC_DQ", "USE_TMA")
 
 
 def signature(fn, constexprs: dict, atomic: bool) -> tuple[dict, dict]:
@@ -76,17 +77,17 @@ def ptxas_report(ptx: str, arch: int) -> dict:
 
 def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, arch: int) -> dict:
     options = {**_launch_options(math.prod(q_tile), math.prod(kv_tile), HEAD_DIM), **options}
-    atomic = bool(options.pop("ATOMIC_DQ", False))
-    tma = bool(options.pop("USE_TMA", False))
+    switches = {name: bool(options.pop(name, False)) for name in SWITCHES}  # the kernels' tuning constexprs
+    atomic = switches["ATOMIC_DQ"]
     tq, tk = (tuple(t) + (1,) * (3 - len(t)) for t in (q_tile, kv_tile))
     constexprs = dict(C0=False, C1=False, C2=False, TQ0=tq[0], TQ1=tq[1], TQ2=tq[2], TK0=tk[0], TK1=tk[1],
-                      TK2=tk[2], HEAD_DIM=HEAD_DIM, MASKED=masked, USE_TMA=tma)
+                      TK2=tk[2], HEAD_DIM=HEAD_DIM, MASKED=masked, USE_TMA=switches["USE_TMA"])
     if fn is dkdv_kernel:
-        constexprs.update(DEBUG=False, ATOMIC_DQ=atomic)
+        constexprs.update(DEBUG=False, **{name: switches[name] for name in SWITCHES if name != "USE_TMA"})
     sig, attrs = signature(fn, constexprs, atomic)
     launch = {"num_warps": options["num_warps"], "num_stages": options["num_stages"]}
     row = {"kernel": fn.__name__, "q_tile": list(q_tile), "kv_tile": list(kv_tile), "masked": masked,
-           "ATOMIC_DQ": atomic, "USE_TMA": tma, **launch}
+           **switches, **launch}
     try:
         compiled = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs),
                                   target=GPUTarget("cuda", arch, 128), options=launch)

@@ -11,22 +11,27 @@ padded to whole tiles, zeros at padding), with the forward's natural-log LSE:
    per dimension), and among those the run of full pairs. It recomputes `p = exp(q k^T * scale - lse)` for
    each visiting Q tile and accumulates `dV += p^T dO` and `dK += (p * (dO V^T - delta))^T Q * scale`.
 3. `dq_kernel`: one program per Q tile over the same KV tiles as the forward (its `_dim_setup` /
-   `_full_run`), accumulating `dQ += (p * (dO V^T - delta)) K * scale`.
+   `_full_run`), accumulating `dQ += (p * (dO V^T - delta)) K * scale`. It runs on the mirrored tiles: the
+   dK/dV kernel's KV box as its Q tile and its Q tile as the KV tile (128 queries against 64 keys, the
+   forward's proportions), so that each K and V tile it loads serves 128 queries; q, dO, the LSE and delta
+   are permuted into the KV tiles' order for it, k and v into the Q tiles'.
 
 Both attention kernels run two loops as the forward does: the full box (every real query attends every key;
 no padding keys) without any mask code, then the rest of the visited box (five slabs around it) under the
 element mask. `MASKED=False` (the host's `needs_mask`: dense and block-sparse configurations) compiles the
 first loop alone over the whole box. Padding queries carry dO = 0, delta = 0 and a finite LSE, so they add
-nothing to dK and dV. With DEBUG on, the dK/dV kernel counts per KV tile the Q tiles it ran and how many of
-them are full (gna-semantics.md's definition), to be held against `natsim.simulate_backward`.
+nothing to dK and dV. The LSE and delta are read head-major (`[B, H, tokens]`, contiguous per head). With DEBUG
+on, the dK/dV kernel counts per KV tile the Q tiles it ran and how many of them are full (gna-semantics.md's
+definition), to be held against `natsim.simulate_backward`.
 
-Two tuning switches: `ATOMIC_DQ` (on by default, `DEFAULT_VARIANT`) has the dK/dV kernel add each pair's `ds k`
-to an fp32 dQ with atomics instead of running `dq_kernel` (five tile products per pair instead of seven; dQ's
-summation order then varies from run to run, within fp32 rounding); on the H100 it took 119-120 ms against
-140-148 ms at HunyuanVideo strides 1x8x8 and 16x8x8 (`benchmarks/backward.py --tune`,
-benchmarks/results/backward-tune-*.json). `USE_TMA` (off) reads q, dO, k and v through rank-2 tensor
-descriptors as the forward does: 3-5% faster alone, but with ATOMIC_DQ on 64-query tiles it spills registers. The backward reads
-the permuted layout only (the forward's in-place LAYOUT 1 is not mirrored here): `gna_backward` permutes.
+Tuning (`DEFAULT_VARIANT`, `benchmarks/backward.py --tune`, benchmarks/results/backward-tune-*.json): three
+stages for both kernels, dQ on the mirrored tiles. `ATOMIC_DQ` (off) has the dK/dV kernel add each pair's
+`ds k` to an fp32 dQ with atomics instead (five tile products per pair, no dQ kernel, dQ's summation order
+varying from run to run): Nsight Compute showed its atomics missing L2 at HunyuanVideo sizes (40 GB of DRAM
+traffic against 9 GB for the dK/dV kernel without them), and on the H100 `gna_backward` took 112.6 / 107.2 ms
+with it against 106.2 / 102.9 ms without, at strides 1x8x8 / 16x8x8. `USE_TMA` (off) reads q, dO, k and v
+through rank-2 tensor descriptors; it was not faster. The backward reads the permuted layout only (the
+forward's in-place LAYOUT 1 is not mirrored here): `gna_backward` permutes.
 """
 
 from __future__ import annotations
@@ -297,7 +302,7 @@ def dkdv_kernel(
         q_offsets = q_base + tokens[:, None] * (heads * HEAD_DIM) + dims[None, :]
         q = _rows(q_src, q_offsets, tile * BLOCK_M, USE_TMA)
         do = _rows(do_src, q_offsets, tile * BLOCK_M, USE_TMA)
-        stat = (b * q_tokens + tokens) * heads + h
+        stat = bh.to(tl.int64) * q_tokens + tokens
         lse2 = tl.load(LSE + stat) * 1.4426950408889634
         delta = tl.load(DELTA + stat)
         dk, dv, ds = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
@@ -318,7 +323,7 @@ def dkdv_kernel(
             q_offsets = q_base + tokens[:, None] * (heads * HEAD_DIM) + dims[None, :]
             q = _rows(q_src, q_offsets, tile * BLOCK_M, USE_TMA)
             do = _rows(do_src, q_offsets, tile * BLOCK_M, USE_TMA)
-            stat = (b * q_tokens + tokens) * heads + h
+            stat = bh.to(tl.int64) * q_tokens + tokens
             lse2 = tl.load(LSE + stat) * 1.4426950408889634
             delta = tl.load(DELTA + stat)
             keep = _window_mask(t0 * TQ0, t1 * TQ1, t2 * TQ2, j0 * TK0, j1 * TK1, j2 * TK2,
@@ -407,7 +412,7 @@ def dq_kernel(
               USE_TMA)
     do = _rows(_head_rows(DO, q_head, q_tokens, heads, HEAD_DIM, BLOCK_M, USE_TMA), q_offsets, q_tile * BLOCK_M,
                USE_TMA)
-    stat = (b * q_tokens + tokens) * heads + h
+    stat = bh.to(tl.int64) * q_tokens + tokens
     lse2 = tl.load(LSE + stat) * 1.4426950408889634
     delta = tl.load(DELTA + stat)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -446,10 +451,11 @@ Q_TILE_HALVINGS = 1
 DELTA_ROWS = 64
 # The variant `backward_permuted` runs unless told otherwise: launch options and tuning switches (ATOMIC_DQ,
 # USE_TMA) over `_launch_options`' defaults; benchmarks/backward.py --tune times the alternatives.
-DEFAULT_VARIANT: dict = {"ATOMIC_DQ": True}  # the H100 tune's winner (module docstring)
-# Tile products per visited (Q tile, KV tile) pair, by ATOMIC_DQ: the dK/dV kernel's q k^T, dO v^T, p^T dO and
-# ds^T q, plus the dQ kernel's q k^T, dO v^T and ds k (seven), or ds k in the dK/dV kernel instead (five).
-TILE_PRODUCTS = {False: 7, True: 5}
+DEFAULT_VARIANT: dict = {"ATOMIC_DQ": False, "num_stages": 3}  # the H100 tune's winner (module docstring)
+# Tile products per visited (Q tile, KV tile) pair: the dK/dV kernel's q k^T, dO v^T, p^T dO and ds^T q (plus
+# ds^T k with ATOMIC_DQ), and the dQ kernel's q k^T, dO v^T and ds k on its own (mirrored) pairs.
+DKDV_PRODUCTS = 4
+DQ_PRODUCTS = 3
 # Tiles for layouts too small for any 128-token box: the forward's fallback shapes, queries halved.
 FALLBACK_TILES = {1: ((64,), (128,)), 2: ((8, 8), (16, 8)), 3: ((1, 8, 8), (2, 8, 8))}
 
@@ -502,49 +508,100 @@ def _problem_arguments(problem: Problem, q_layout: TileLayout, kv_layout: TileLa
 
 
 def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile: tuple[int, ...],
-                      kv_tile: tuple[int, ...], scale: float, debug: bool = False, options: Optional[dict] = None):
+                      kv_tile: tuple[int, ...], scale: float, debug: bool = False, options: Optional[dict] = None,
+                      mirrored: Optional[tuple] = None):
     """dq, dk, dv (and, with `debug`, the dK/dV kernel's `[KV tiles, 2]` counts of visiting Q tiles and full
     pairs, else None) of permuted contiguous tensors: q, out, grad_out `[B, q tokens, H, D]` and lse, grad_lse
-    (or None) `[B, q tokens, H]` fp32 in `q_tile` order; k, v `[B, kv tokens, H, D]` in `kv_tile` order.
-    `options` override the launch options (`num_warps`, `num_stages`; benchmarks/backward.py --tune) and may set
-    `ATOMIC_DQ`: dQ accumulated by the dK/dV kernel with fp32 atomic adds (five tile products per pair instead
-    of seven, no dQ kernel) and `USE_TMA`: q, dO, k, v read through tensor descriptors (Hopper's bulk copies)
-    instead of pointer tiles; tuning variants, not yet timed on a GPU."""
-    q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
-    kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
+    (or None) `[B, q tokens, H]` fp32 in `q_tile` order; k, v `[B, kv tokens, H, D]` in `kv_tile` order; dq
+    comes back in `q_tile` order, dk and dv in `kv_tile` order.
+
+    Without ATOMIC_DQ, dQ runs on the mirrored tiles (`kv_tile` queries, `q_tile` keys: 128 queries against
+    64 keys, so that each K/V tile it loads serves twice the queries), on q, dO, LSE, delta in `kv_tile` order
+    and k, v in `q_tile` order: `mirrored=(q, grad_out, k, v)` in those orders if the caller has them, else they
+    are permuted here. `options` override the launch options (`num_warps`, `num_stages`; benchmarks/backward.py
+    --tune) and the tuning switches (module docstring); `DQ_STAGES` sets the dQ kernel's stages alone."""
+    dq, dq_tile, dk, dv, counts = _backward(q, k, v, out, lse, grad_out, grad_lse, problem, q_tile, kv_tile, scale,
+                                            debug, options, mirrored)
+    return (dq if dq_tile == q_tile else _repermute(dq, problem, dq_tile, q_tile)), dk, dv, counts
+
+
+def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, kv_tile, scale: float, debug: bool,
+              options: Optional[dict], mirrored: Optional[tuple]):
+    """`backward_permuted`'s work: dq and the tile order it comes in (`q_tile`, or `kv_tile` from the mirrored
+    dQ kernel), dk, dv, counts."""
     batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
-    rows = q.shape[0] * q.shape[1] * heads
+    options = {**DEFAULT_VARIANT, **(options or {})}
+    atomic = bool(options.pop("ATOMIC_DQ", False))
+    dq_stages = options.pop("DQ_STAGES", None)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    rows = q.shape[0] * q.shape[1] * heads
     delta_kernel[(triton.cdiv(rows, DELTA_ROWS),)](out, grad_out, delta if grad_lse is None else grad_lse, delta,
                                                  rows, HEAD_DIM=head_dim, BLOCK=DELTA_ROWS,
                                                  HAS_DLSE=grad_lse is not None)
-    shared = dict(q_tokens=q_layout.num_tokens, kv_tokens=kv_layout.num_tokens, heads=heads,
-                  qk_scale=scale * LOG2E, scale=scale, HEAD_DIM=head_dim,
-                  MASKED=needs_mask(problem, q_tile, kv_tile), **_problem_arguments(problem, q_layout, kv_layout))
-    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **DEFAULT_VARIANT,
-               **(options or {})}
-    atomic = bool(options.pop("ATOMIC_DQ", False))
+    head_major = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  [B, H, tokens]: contiguous per head
+    dk, dv, dq, counts = _dkdv(q, k, v, grad_out, head_major(lse), head_major(delta), problem, q_tile, kv_tile,
+                               scale, debug, atomic, dict(options))
+    if atomic:
+        return dq.to(q.dtype), q_tile, dk, dv, counts
+    if mirrored is None:
+        mirrored = tuple(_repermute(x, problem, tile, other)
+                         for x, tile, other in ((q, q_tile, kv_tile), (grad_out, q_tile, kv_tile),
+                                                (k, kv_tile, q_tile), (v, kv_tile, q_tile)))
+    stats = (head_major(_repermute(x[..., None], problem, q_tile, kv_tile)[..., 0]) for x in (lse, delta))
+    if dq_stages is not None:
+        options["num_stages"] = dq_stages
+    return _dq(*mirrored, *stats, problem, kv_tile, q_tile, scale, options), kv_tile, dk, dv, counts
+
+
+def _repermute(x, problem: Problem, tile: tuple[int, ...], other: tuple[int, ...]):
+    """A permuted `[B, tokens, ...]` tensor in `tile` order, permuted into `other` order instead."""
+    batch, rest = x.shape[0], x.shape[2:]
+    return permute(unpermute(x, problem.shape, tile, problem.dilation).reshape(batch, *problem.shape, *rest),
+                   other, problem.dilation)
+
+
+def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, debug: bool,
+          atomic: bool, options: dict):
+    """The dK/dV kernel's launch: dk, dv, dq (fp32, summed by atomics; None without `atomic`), counts."""
+    q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
+    kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
+    batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
+    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **options}
     if options.get("USE_TMA"):
         _install_allocator()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else torch.empty_like(q)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else None
     counts = torch.zeros((kv_layout.num_tiles, 2), dtype=torch.int32, device=q.device) if debug else None
     steps = {f"STEPS{i}": n.bit_length() + 1 for i, n in enumerate(q_layout.tiles_per_group)}
-    dkdv_kernel[(kv_layout.num_tiles, batch * heads)](q, k, v, grad_out, lse, delta, dk, dv, dq,
-                                                      delta if counts is None else counts, **shared, **steps,
-                                                      DEBUG=debug, ATOMIC_DQ=atomic, **options)
-    if atomic:
-        dq = dq.to(q.dtype)
-    else:
-        dq_kernel[(q_layout.num_tiles, batch * heads)](q, k, v, grad_out, lse, delta, dq, **shared, **options)
-    return dq, dk, dv, counts
+    dkdv_kernel[(kv_layout.num_tiles, batch * heads)](
+        q, k, v, grad_out, lse, delta, dk, dv, dk if dq is None else dq, delta if counts is None else counts,
+        q_tokens=q_layout.num_tokens, kv_tokens=kv_layout.num_tokens, heads=heads, qk_scale=scale * LOG2E,
+        scale=scale, HEAD_DIM=head_dim, MASKED=needs_mask(problem, q_tile, kv_tile),
+        **_problem_arguments(problem, q_layout, kv_layout), **steps, DEBUG=debug, ATOMIC_DQ=atomic, **options)
+    return dk, dv, dq, counts
+
+
+def _dq(q, grad_out, k, v, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, options: dict):
+    """The dQ kernel's launch on its own tiles (q, grad_out, lse, delta in `q_tile` order; k, v in `kv_tile`)."""
+    q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
+    kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
+    batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
+    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **options}
+    if options.get("USE_TMA"):
+        _install_allocator()
+    dq = torch.empty_like(q)
+    dq_kernel[(q_layout.num_tiles, batch * heads)](
+        q, k, v, grad_out, lse, delta, dq, q_tokens=q_layout.num_tokens, kv_tokens=kv_layout.num_tokens,
+        heads=heads, qk_scale=scale * LOG2E, scale=scale, HEAD_DIM=head_dim,
+        MASKED=needs_mask(problem, q_tile, kv_tile), **_problem_arguments(problem, q_layout, kv_layout), **options)
+    return dq
 
 
 def gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, scale: Optional[float] = None,
                  q_tile: Optional[tuple[int, ...]] = None, kv_tile: Optional[tuple[int, ...]] = None):
     """dq, dk, dv of GNA on `[B, *shape, H, D]` tensors, from the forward's output and natural-log LSE
     `[B, *shape, H]`; `grad_lse` may be None. Tiles default to `backward_tiles` (dense attention as 1-D over the
-    flattened layout, as the forward runs it). Runs on the permuted layout: permute, three launches, unpermute."""
+    flattened layout, as the forward runs it). Runs on the permuted layout: permute, the kernels, unpermute."""
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     scale = head_dim**-0.5 if scale is None else float(scale)
     shape = tuple(q.shape[1:-2])
@@ -561,13 +618,17 @@ def gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, scale:
     def stats(x):  # [B, *shape, H] fp32 as a permuted [B, tokens, H]
         return tokens(x.float()[..., None], q_tile)[..., 0].contiguous()
 
-    dq, dk, dv, _ = backward_permuted(
+    grad_out = grad_out.to(q.dtype)
+    mirrored = None
+    if not DEFAULT_VARIANT.get("ATOMIC_DQ", False):  # the dQ kernel's own orders, permuted once from the inputs
+        mirrored = (tokens(q, kv_tile), tokens(grad_out, kv_tile), tokens(k, q_tile), tokens(v, q_tile))
+    dq, dq_tile, dk, dv, _ = _backward(
         tokens(q, q_tile), tokens(k, kv_tile), tokens(v, kv_tile), tokens(out, q_tile), stats(lse),
-        tokens(grad_out.to(q.dtype), q_tile), None if grad_lse is None else stats(grad_lse), problem,
-        q_tile, kv_tile, scale,
+        tokens(grad_out, q_tile), None if grad_lse is None else stats(grad_lse), problem,
+        q_tile, kv_tile, scale, False, None, mirrored,
     )
     return tuple(unpermute(g, problem.shape, tile, dilation).reshape(q.shape)
-                 for g, tile in ((dq, q_tile), (dk, kv_tile), (dv, kv_tile)))
+                 for g, tile in ((dq, dq_tile), (dk, kv_tile), (dv, kv_tile)))
 
 
 def backward_tile_counts(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], head_dim: int = 32,

@@ -3,22 +3,23 @@
 The backward (natsim.kernels.gna_backward, through `natsim::gna_backward`) runs on tiles of its own,
 `backward_tiles(problem, head_dim)`, whatever tiles the forward ran: dense attention as 1-D over the flattened
 layout (`dense_as_1d`), as the forward does. It permutes q, k, v, the output and dO into those tiles, runs the
-delta pass, the dK/dV kernel (one program per KV tile over the Q tiles that visit it) and the dQ kernel (one
-program per Q tile, as the forward), and unpermutes dq, dk, dv. One row per call, one column per feature
-(batch and heads multiply everything but `launch`):
+delta pass and the dK/dV kernel (one program per KV tile over the Q tiles that visit it), and the dQ kernel on
+the mirrored tiles (one program per 128-query tile over 64-key tiles, as the forward; q and dO permuted into
+the KV tiles' order and k, v into the Q tiles'), or, with ATOMIC_DQ, dQ by atomics in the dK/dV kernel; then
+it unpermutes dq, dk, dv. One row per call, one column per feature (batch and heads multiply everything but
+`launch`):
 
 | feature | unit | what it counts |
 |---|---|---|
-| `full_flops` | FLOP | 2 * T_Q * T_KV * head_dim per tile product of full (Q tile, KV tile) pairs: the kernels' tile products per pair (`TILE_PRODUCTS`: 7, or 5 with ATOMIC_DQ) |
-| `masked_flops` | FLOP | the same for pairs that run under the element mask (only where the kernels compile it: `needs_mask`) |
-| `pair_visits` | pair | visited (Q tile, KV tile) pairs (`natsim.simulate_backward`'s): the per-iteration overhead of both kernels' loops |
-| `programs` | program | programs launched (padding tiles included): the dK/dV kernel's KV tiles (loading K and V, storing dK and dV) and the dQ kernel's Q tiles (none with ATOMIC_DQ); one feature, since the backward's Q tiles are always half its KV tiles and the two counts move together |
-| `memory_bytes` | byte | permuting q, k, v, out, dO and the LSE, the delta pass, unpermuting dq, dk, dv |
+| `full_flops` | FLOP | 2 * T_Q * T_KV * head_dim per tile product of full (Q tile, KV tile) pairs: the dK/dV kernel's four products per pair (five with ATOMIC_DQ), the dQ kernel's three per pair of its mirrored tiles |
+| `masked_flops` | FLOP | the same for pairs that run under the element mask (only where a kernel compiles it: `needs_mask`) |
+| `pair_visits` | pair | iterations of the kernels' loops: the dK/dV kernel's visited pairs (`natsim.simulate_backward`'s) plus the dQ kernel's (`natsim.simulate` on the mirrored tiles) |
+| `programs` | program | programs launched (padding tiles included): the dK/dV kernel's KV tiles (loading K and V, storing dK and dV) and the dQ kernel's Q tiles (none with ATOMIC_DQ) |
+| `memory_bytes` | byte | permuting q, k, v, out, dO and the LSE (q, dO, k, v twice without ATOMIC_DQ), the delta pass, unpermuting dq, dk, dv |
 | `launch` | call | 1: launches and host overhead per call |
 
 `backward_tile_work` is the same call in the planner's unit without a cost model: forward-equivalent token
-pairs, each backward pair counting `TILE_PRODUCTS / FORWARD_TILE_PRODUCTS` times (7 tile products against the
-forward kernel's 2, QK^T and PV).
+pairs, each backward pair counting its tile products over the forward kernel's 2 (QK^T and PV).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from natsim import Problem, TileConfig, simulate
-from natsim.kernels.gna_backward import DEFAULT_VARIANT, TILE_PRODUCTS, backward_tiles
+from natsim.kernels.gna_backward import DEFAULT_VARIANT, DKDV_PRODUCTS, DQ_PRODUCTS, backward_tiles
 from natsim.kernels.gna_launch import dense_as_1d, needs_mask
 
 from .features import padded_tokens
@@ -47,7 +48,8 @@ LSE_BYTES = 4  # fp32 statistics: the LSE and delta per query
 @dataclass(frozen=True)
 class BackwardWork:
     """What the backward runs for one problem (batch 1, one head): its tiles, whether its kernels compile the
-    mask, the simulated KV-major pair counts, programs launched and the permuted lengths."""
+    mask, the simulated pair counts of the dK/dV kernel (KV-major, on the backward's tiles) and of the dQ
+    kernel (Q-major, on the mirrored tiles), programs launched and the permuted lengths."""
 
     problem: Problem  # as the kernels see it: dense attention flattened to 1-D
     q_tile: tuple[int, ...]
@@ -57,6 +59,9 @@ class BackwardWork:
     full_pairs: int
     q_padded: int
     kv_padded: int
+    dq_masked: bool  # the dQ kernel's mask switch on its mirrored tiles
+    dq_visited_pairs: int
+    dq_full_pairs: int
 
     @property
     def q_tokens(self) -> int:
@@ -72,15 +77,16 @@ class BackwardWork:
 
     @property
     def dq_programs(self) -> int:
-        return self.q_padded // self.q_tokens
+        """The dQ kernel's programs: its Q tiles are the KV tile's shape (the mirrored tiles)."""
+        return self.kv_padded // self.kv_tokens
 
 
 def backward_work(problem: Problem, head_dim: int) -> BackwardWork:
     """The backward's work for `problem` at `head_dim`, as `natsim::gna_backward` runs it (default tiles).
 
-    The pair totals are `natsim.simulate_backward`'s (the KV-major view holds the same pairs as the Q-major
-    one, and the tests hold them equal), taken from the vectorised `natsim.simulate`: the KV-major loop takes
-    seconds on a dense 1-D layout of 100k tokens, and the cost model needs totals only.
+    The dK/dV kernel's pair totals are `natsim.simulate_backward`'s (the KV-major view holds the same pairs as
+    the Q-major one, and the tests hold them equal), taken from the vectorised `natsim.simulate`: the KV-major
+    loop takes seconds on a dense 1-D layout of 100k tokens, and the cost model needs totals only.
     """
     kernel_problem = dense_as_1d(problem) or problem
     return _backward_work(kernel_problem, *backward_tiles(kernel_problem, head_dim))
@@ -89,6 +95,7 @@ def backward_work(problem: Problem, head_dim: int) -> BackwardWork:
 @functools.lru_cache(maxsize=4096)
 def _backward_work(kernel_problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> BackwardWork:
     counts = simulate(kernel_problem, TileConfig(q_tile, kv_tile))
+    mirrored = simulate(kernel_problem, TileConfig(kv_tile, q_tile))
     return BackwardWork(
         problem=kernel_problem,
         q_tile=q_tile,
@@ -98,30 +105,48 @@ def _backward_work(kernel_problem: Problem, q_tile: tuple[int, ...], kv_tile: tu
         full_pairs=counts.full_tiles,
         q_padded=padded_tokens(kernel_problem.shape, q_tile, kernel_problem.dilation),
         kv_padded=padded_tokens(kernel_problem.shape, kv_tile, kernel_problem.dilation),
+        dq_masked=needs_mask(kernel_problem, kv_tile, q_tile),
+        dq_visited_pairs=mirrored.visited_tiles,
+        dq_full_pairs=mirrored.full_tiles,
     )
 
 
-def tile_products(atomic_dq: Optional[bool] = None) -> int:
-    """Tile products per visited pair of the backward kernels (the default variant's, read now, unless told)."""
-    return TILE_PRODUCTS[bool(DEFAULT_VARIANT.get("ATOMIC_DQ", False)) if atomic_dq is None else atomic_dq]
+def kernel_pairs(work: BackwardWork, atomic_dq: Optional[bool] = None) -> list[tuple[int, int, bool, int]]:
+    """`(visited, full, masked, tile products)` per backward kernel that runs (the default variant's, read now,
+    unless told): the dK/dV kernel, and the dQ kernel on the mirrored tiles unless dQ is summed by atomics."""
+    atomic = bool(DEFAULT_VARIANT.get("ATOMIC_DQ", False)) if atomic_dq is None else atomic_dq
+    kernels = [(work.visited_pairs, work.full_pairs, work.masked, DKDV_PRODUCTS + int(atomic))]  # + ds^T k
+    if not atomic:
+        kernels.append((work.dq_visited_pairs, work.dq_full_pairs, work.dq_masked, DQ_PRODUCTS))
+    return kernels
 
 
 def backward_features(work: BackwardWork, *, batch_heads: int, head_dim: int, element_bytes: int) -> np.ndarray:
     """The feature row (BACKWARD_FEATURES order) of one backward call of `work` on `batch_heads` heads."""
     atomic = bool(DEFAULT_VARIANT.get("ATOMIC_DQ", False))
-    pair_flops = 2.0 * tile_products(atomic) * work.q_tokens * work.kv_tokens * head_dim * batch_heads
-    full = work.full_pairs if work.masked else work.visited_pairs
+    product_flops = 2.0 * work.q_tokens * work.kv_tokens * head_dim * batch_heads
+    full_flops = masked_flops = visits = 0.0
+    for visited, full, masked, products in kernel_pairs(work, atomic):
+        full = full if masked else visited
+        full_flops += full * products * product_flops
+        masked_flops += (visited - full) * products * product_flops
+        visits += visited
     tokens = work.problem.num_tokens
     row = head_dim * element_bytes
     # In: q, out, dO (q tiles) and k, v (kv tiles) read real, written padded; the LSE likewise in fp32.
     # Delta pass: out and dO read, delta written. Out: dq, dk, dv read padded, written real.
     moved = (3 * (tokens + work.q_padded) + 2 * (tokens + work.kv_padded)) * row + (tokens + work.q_padded) * LSE_BYTES
     moved += 2 * work.q_padded * row + work.q_padded * LSE_BYTES
-    moved += (work.q_padded + 2 * work.kv_padded + 3 * tokens) * row
+    if atomic:  # dq in fp32, converted in place, then unpermuted from the q tiles
+        moved += (work.q_padded + 2 * work.kv_padded + 3 * tokens) * row
+    else:  # q, dO into the kv tiles, k, v into the q tiles, the LSE and delta re-permuted; dq from the kv tiles
+        moved += (2 * (tokens + work.kv_padded) + 2 * (tokens + work.q_padded)) * row
+        moved += 2 * (work.q_padded + 2 * tokens + work.kv_padded) * LSE_BYTES
+        moved += (3 * work.kv_padded + 3 * tokens) * row
     return np.array([
-        full * pair_flops,
-        (work.visited_pairs - full) * pair_flops,
-        float(work.visited_pairs * batch_heads),
+        full_flops,
+        masked_flops,
+        float(visits * batch_heads),
         float((work.dkdv_programs + (0 if atomic else work.dq_programs)) * batch_heads),
         float(moved * batch_heads),
         1.0,
@@ -129,9 +154,11 @@ def backward_features(work: BackwardWork, *, batch_heads: int, head_dim: int, el
 
 
 def backward_tile_work(work: BackwardWork) -> float:
-    """The backward in forward-equivalent token pairs (one head): its visited pairs' Q x KV tokens, times its
-    tile products over the forward's (the planner's score without a cost model, added to the forward's)."""
-    return work.visited_pairs * work.q_tokens * work.kv_tokens * tile_products() / FORWARD_TILE_PRODUCTS
+    """The backward in forward-equivalent token pairs (one head): each kernel's visited pairs' Q x KV tokens,
+    times its tile products over the forward's (the planner's score without a cost model, added to the
+    forward's)."""
+    products = sum(visited * count for visited, _, _, count in kernel_pairs(work))
+    return products * work.q_tokens * work.kv_tokens / FORWARD_TILE_PRODUCTS
 
 
 def backward_score(problem: Problem, cost_model: Optional["CostModel"], *, batch_heads: int, head_dim: int,

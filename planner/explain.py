@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .backward_features import FORWARD_TILE_PRODUCTS, tile_products
+from .backward_features import FORWARD_TILE_PRODUCTS
 from .costmodel import describe_gpus, known_gpus
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def _training_basis(plan: "Plan") -> Text:
     return Text(
         f"No backward coefficients for {where} (no cost model, or one fitted without them): configurations were ranked "
         "for training by simulated tile work, forward + backward (Q x KV tokens over visited tiles, each backward "
-        f"pair counted by its tile products over the forward's: {tile_products()} / {FORWARD_TILE_PRODUCTS}), and no "
+        f"kernel's pair counted by its tile products over the forward's {FORWARD_TILE_PRODUCTS}), and no "
         "time is predicted. Run "
         "`natsim calibrate --kernels gna,backward` on the GPU to fit them.",
         style="yellow",

@@ -35,9 +35,10 @@ TOLERANCE = {torch.float16: 1e-2, torch.float32: 1e-4}
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / ||want||, with a floor of 1e-3 per element under the norm: with a one-key window the
-    gradient of q is exactly zero and a rounding residue must not count as an infinite error."""
-    floor = 1e-3 * math.sqrt(want.numel())
+    """||got - want|| / ||want||, with a floor of 1e-2 per element under the norm (gradients here are of order
+    one): with a one-key window the gradient of q is exactly zero and a rounding residue (about 1e-6 per element
+    in float32, from `dO v - rowsum(dO o)`) must not count as an infinite error."""
+    floor = 1e-2 * math.sqrt(want.numel())
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(floor)).item()
 
 
@@ -316,13 +317,18 @@ def test_sparse_attention_is_differentiable_under_compile_and_merging():
         assert rel_error(a, b) < 1e-2
 
 
-@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(USE_TMA=True), dict(ATOMIC_DQ=True, USE_TMA=True)])
-def test_tuning_variants_match_float64_reference_gradients(options):
+@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(ATOMIC_DQ=False), dict(ATOMIC_DQ=False, USE_TMA=True),
+                                     dict(ATOMIC_DQ=True, USE_TMA=True),
+                                     dict(ATOMIC_DQ=False, num_stages=3, DQ_STAGES=2)])
+@pytest.mark.parametrize("problem, q_tile, kv_tile", [
+    (Problem((6, 10), (3, 4), (1, 2), 1, (True, False)), (2, 8), (4, 4)),  # masked pairs and full ones
+    (Problem((4, 8, 8), (2, 8, 8), (2, 4, 4)), (1, 4, 4), (2, 4, 4)),  # block-sparse: eight full Q tiles per KV tile
+])
+def test_tuning_variants_match_float64_reference_gradients(options, problem, q_tile, kv_tile):
     from natsim.kernels.gna_backward import backward_permuted
     from natsim.kernels.permute import permute, unpermute
 
-    problem, q_tile, kv_tile = Problem((6, 10), (3, 4), (1, 2), 1, (True, False)), (2, 8), (4, 4)
-    q, k, v, g = (torch.randn(1, 6, 10, 2, 16) for _ in range(4))
+    q, k, v, g = (torch.randn(1, *problem.shape, 2, 16) for _ in range(4))
     want, out, lse = reference_grads(problem, q, k, v, g)
     permuted = lambda x, tile: permute(x.float(), tile)  # noqa: E731
     dq, dk, dv, _ = backward_permuted(permuted(q, q_tile), permuted(k, kv_tile), permuted(v, kv_tile),

@@ -17,8 +17,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import bruteforce as bf
-from natsim import Problem, TileConfig, simulate_backward, sweep
-from natsim.kernels.gna_backward import DEFAULT_VARIANT, TILE_PRODUCTS, backward_tiles
+from natsim import Problem, TileConfig, simulate, simulate_backward, sweep
+from natsim.kernels.gna_backward import DEFAULT_VARIANT, backward_tiles
 from natsim.kernels.gna_launch import dense_as_1d, needs_mask
 from natsim.kernels.layout import TileLayout
 from natsim.planner import CostModel, Plan, best, predicted_times
@@ -28,7 +28,6 @@ from natsim.planner.backward_features import (
     FORWARD_TILE_PRODUCTS,
     backward_features,
     backward_work,
-    tile_products,
 )
 from natsim.planner.costmodel import COEFFICIENTS_DIR
 from natsim.planner.search import stride_candidates
@@ -66,30 +65,57 @@ def test_backward_work_counts_the_pairs_and_programs_of_the_backward_kernels(pro
     brute = bf.reference(kernel_problem, work.q_tile, work.kv_tile)
     assert (work.visited_pairs, work.full_pairs) == (int(brute.visited_matrix.sum()), int(brute.full_matrix.sum()))
     assert work.masked == needs_mask(kernel_problem, work.q_tile, work.kv_tile)
-    assert work.dq_programs == bf.multi_d_layout(kernel_problem, work.q_tile)[2]
+    # The dQ kernel runs on the mirrored tiles: KV-tile-shaped queries against Q-tile-shaped keys.
+    mirrored = bf.reference(kernel_problem, work.kv_tile, work.q_tile)
+    assert (work.dq_visited_pairs, work.dq_full_pairs) == (int(mirrored.visited_matrix.sum()),
+                                                           int(mirrored.full_matrix.sum()))
+    assert work.dq_masked == needs_mask(kernel_problem, work.kv_tile, work.q_tile)
+    assert work.dq_programs == bf.multi_d_layout(kernel_problem, work.kv_tile)[2]
     assert work.dkdv_programs == bf.multi_d_layout(kernel_problem, work.kv_tile)[2]
     assert work.q_padded == TileLayout(kernel_problem.shape, work.q_tile, kernel_problem.dilation).num_tokens
 
 
 @settings(max_examples=20, deadline=None)
-@given(problem=bf.problems(max_tokens=300), heads=st.integers(1, 4))
-def test_backward_features_are_the_work_in_their_units(problem, heads):
+@given(problem=bf.problems(max_tokens=300), heads=st.integers(1, 4), atomic=st.booleans())
+def test_backward_features_are_the_work_in_their_units(problem, heads, atomic):
     head_dim, size = 64, 2
     work = backward_work(problem, head_dim)
-    row = dict(zip(BACKWARD_FEATURES, backward_features(work, batch_heads=heads, head_dim=head_dim,
-                                                        element_bytes=size)))
-    atomic = bool(DEFAULT_VARIANT.get("ATOMIC_DQ", False))  # dQ in the dK/dV kernel: no dQ kernel
-    pair_flops = 2 * TILE_PRODUCTS[atomic] * math.prod(work.q_tile) * math.prod(work.kv_tile) * head_dim * heads
-    masked = work.visited_pairs - work.full_pairs if work.masked else 0
+    saved = dict(DEFAULT_VARIANT)
+    DEFAULT_VARIANT["ATOMIC_DQ"] = atomic
+    try:
+        row = dict(zip(BACKWARD_FEATURES, backward_features(work, batch_heads=heads, head_dim=head_dim,
+                                                            element_bytes=size)))
+    finally:
+        DEFAULT_VARIANT.clear()
+        DEFAULT_VARIANT.update(saved)
+    product = 2 * math.prod(work.q_tile) * math.prod(work.kv_tile) * head_dim * heads  # one tile product
+    # The dK/dV kernel: q k^T, dO v^T, p^T dO, ds^T q per pair, and ds^T k with atomics for dQ.
+    dkdv_masked = work.visited_pairs - work.full_pairs if work.masked else 0
+    full = (work.visited_pairs - dkdv_masked) * (5 if atomic else 4) * product
+    masked = dkdv_masked * (5 if atomic else 4) * product
+    visits = work.visited_pairs
+    if not atomic:  # the dQ kernel: q k^T, dO v^T, ds k per pair of its mirrored tiles
+        dq_masked = work.dq_visited_pairs - work.dq_full_pairs if work.dq_masked else 0
+        full += (work.dq_visited_pairs - dq_masked) * 3 * product
+        masked += dq_masked * 3 * product
+        visits += work.dq_visited_pairs
     assert work.masked or work.visited_pairs == work.full_pairs  # mask-free kernels: every visited pair is full
-    assert row["full_flops"] == pytest.approx((work.visited_pairs - masked) * pair_flops)
-    assert row["masked_flops"] == pytest.approx(masked * pair_flops)
-    assert row["pair_visits"] == work.visited_pairs * heads
+    assert row["full_flops"] == pytest.approx(full)
+    assert row["masked_flops"] == pytest.approx(masked)
+    assert row["pair_visits"] == visits * heads
     assert row["programs"] == (work.dkdv_programs + (0 if atomic else work.dq_programs)) * heads
-    # Bytes: five tensors permuted in, three out, the delta pass reading two; plus fp32 LSE and delta.
+    # Bytes: five tensors permuted in, three out, the delta pass reading two; plus fp32 LSE and delta. Without
+    # atomics q, dO and k, v are permuted a second time (into the mirrored tiles), dq comes out of the KV
+    # tiles' order, and the LSE and delta are re-permuted (out of one order, into the other).
     n, qp, kp = work.problem.num_tokens, work.q_padded, work.kv_padded
-    tensor_bytes = ((n + qp) * 3 + (n + kp) * 2 + 2 * qp + (qp + n) + 2 * (kp + n)) * head_dim * size
-    assert row["memory_bytes"] == pytest.approx((tensor_bytes + (n + qp) * 4 + qp * 4) * heads)
+    if atomic:
+        tensor_bytes = ((n + qp) * 3 + (n + kp) * 2 + 2 * qp + (qp + n) + 2 * (kp + n)) * head_dim * size
+        stat_bytes = ((n + qp) + qp) * 4
+    else:
+        tensor_bytes = ((n + qp) * 3 + (n + kp) * 2 + 2 * qp + 2 * (n + kp) + 2 * (n + qp) + 3 * (kp + n)) \
+            * head_dim * size
+        stat_bytes = ((n + qp) + qp + 2 * (qp + n) + 2 * (n + kp)) * 4
+    assert row["memory_bytes"] == pytest.approx((tensor_bytes + stat_bytes) * heads)
     assert row["launch"] == 1.0
 
 
@@ -157,7 +183,11 @@ def test_without_backward_coefficients_training_ranks_by_forward_and_backward_ti
     assert plan.training and not plan.calibrated and plan.predicted_time_s is None
     q_tile, kv_tile = backward_tiles(plan.problem, 128)
     kv_major = simulate_backward(plan.problem, TileConfig(q_tile, kv_tile))
-    backward = kv_major.visited_tiles * math.prod(q_tile) * math.prod(kv_tile) * tile_products()
+    if DEFAULT_VARIANT.get("ATOMIC_DQ", False):  # five tile products per pair in the dK/dV kernel
+        products = 5 * kv_major.visited_tiles
+    else:  # four in the dK/dV kernel, three per pair of the dQ kernel's mirrored tiles
+        products = 4 * kv_major.visited_tiles + 3 * simulate(plan.problem, TileConfig(kv_tile, q_tile)).visited_tiles
+    backward = products * math.prod(q_tile) * math.prod(kv_tile)
     assert plan.backward_score == pytest.approx(backward / FORWARD_TILE_PRODUCTS)
     forward = plan.simulation.visited_tiles * plan.tiles.q_tokens * plan.tiles.kv_tokens
     assert plan.forward_score == pytest.approx(forward)
