@@ -81,28 +81,25 @@ def test_compiled_forward_and_backward_equal_eager():
                                atol=1e-5 if DEFAULT_VARIANT.get("ATOMIC_DQ") else 0)
 
 
-def _replays_under_a_cuda_graph(attend, inputs):
-    """Capture forward + backward of `attend` on static `inputs` (leaves requiring grad, the last one the
-    output gradient, not a leaf) in a CUDA graph, refill the inputs, replay, and compare with eager calls."""
-    *leaves, grad = inputs
-
-    def step():
-        return torch.autograd.grad(attend(*leaves), leaves, grad)
-
-    side = torch.cuda.Stream()  # warm-up (compiles, allocator) off the default stream, as CUDA graphs ask
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+def _replays_under_a_cuda_graph(step, refill, stream=None):
+    """Capture `step` (returning gradients) in a CUDA graph on `stream` (default: a new side stream), refill the
+    static tensors in `refill` with new values, replay, and compare with an eager `step` on the new values."""
+    stream = torch.cuda.Stream() if stream is None else stream
+    stream.wait_stream(torch.cuda.current_stream())  # warm-up (compiles, allocator) off the default stream
+    with torch.cuda.stream(stream):
         step()
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         captured = step()
-    for t in inputs:
+    for t in refill:
         with torch.no_grad():
             t.copy_(torch.randn_like(t))
     graph.replay()
     torch.cuda.synchronize()
-    want = step()
+    with torch.cuda.stream(stream):
+        want = step()
+    torch.cuda.synchronize()
     for name, a, b in zip(("dq", "dk", "dv"), captured, want):
         assert rel(a, b) < 1e-6, (name, rel(a, b))  # the same kernels on the same inputs
 
@@ -110,19 +107,28 @@ def _replays_under_a_cuda_graph(attend, inputs):
 def test_gna_forward_and_backward_replay_under_a_cuda_graph():
     torch.manual_seed(1)
     shape = (6, 20, 24)
-    inputs = [torch.randn(1, *shape, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-              for _ in range(3)] + [torch.randn(1, *shape, 2, 64, device="cuda", dtype=torch.bfloat16)]
-    _replays_under_a_cuda_graph(lambda q, k, v: gna_attention(q, k, v, (3, 7, 9), (1, 2, 3)), inputs)
+    q, k, v, grad = (torch.randn(1, *shape, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    _replays_under_a_cuda_graph(
+        lambda: torch.autograd.grad(gna_attention(*leaves, (3, 7, 9), (1, 2, 3)), leaves, grad), [*leaves, grad])
 
 
-def test_sparse_forward_and_backward_replay_under_a_cuda_graph_with_a_prepared_mask():
-    from natsim.kernels import prepare_sparse, sparse_attention
+def test_sparse_backward_replays_under_a_cuda_graph():
+    """The backward alone (transposed lists built by torch ops, then the kernels) is captured. The forward with
+    gradients takes the bare mask, whose host preparation cannot be captured (a SparseWork, which can, refuses
+    autograd), so it runs eagerly first, on the capture stream: autograd runs a backward op on its forward's
+    stream."""
+    from natsim.kernels import sparse_attention
 
     torch.manual_seed(2)
-    work = prepare_sparse(torch.rand(1, 2, 8, 8, device="cuda") < 0.5, 128, 128, 1000)
-    inputs = [torch.randn(1, 1000, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
-              for _ in range(3)] + [torch.randn(1, 1000, 2, 64, device="cuda", dtype=torch.float16)]
-    _replays_under_a_cuda_graph(lambda q, k, v: sparse_attention(q, k, v, work), inputs)
+    mask = torch.rand(1, 2, 8, 8, device="cuda") < 0.5
+    q, k, v, grad = (torch.randn(1, 1000, 2, 64, device="cuda", dtype=torch.float16) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = sparse_attention(*leaves, mask, 128, 128)
+    _replays_under_a_cuda_graph(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True), [grad], stream)
 
 
 @pytest.mark.parametrize("q_block, kv_block, merge, density", [
