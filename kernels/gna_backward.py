@@ -488,7 +488,8 @@ def _backward_tiles(problem: Problem, head_dim: int, q_halvings: int) -> tuple[t
 
 
 def _launch_options(block_m: int, block_n: int, head_dim: int) -> dict:
-    """8 warps once a tile's fp32 accumulators reach 64 KiB (128 keys x 128 channels), else 4; two stages."""
+    """8 warps once a tile's fp32 accumulators reach 64 KiB (128 keys x 128 channels), else 4; two stages
+    (`DEFAULT_VARIANT` raises both kernels to three)."""
     return dict(num_warps=8 if max(block_m, block_n) * head_dim >= 128 * 128 else 4, num_stages=2)
 
 
