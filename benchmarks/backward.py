@@ -6,8 +6,8 @@
 
 HunyuanVideo 30x48x80, 24 heads, head_dim 128, bf16, window 18x24x24 at strides 1x1x1, 1x8x8 and 16x8x8,
 and dense attention. Ours: `gna_attention` with q, k, v requiring grad (the registered operator, its
-backward through `natsim::gna_backward`: permute, three kernels, unpermute); the backward alone is timed
-with `retain_graph`, and the backward kernels alone on permuted tensors. SDPA runs dense attention;
+backward through `natsim::gna_backward`: three kernels on the caller's layout in place); the backward alone is
+timed with `retain_graph`. SDPA runs dense attention;
 FlexAttention gets the identical element mask on the forward's permuted tiles (benchmarks/gna.py's
 `flex_block_mask`: partial and full 128x128 blocks plus a mask_mod) and is timed forward and forward +
 backward. Gradients are checked on two heads of the full layout against the float32 chunked reference
@@ -31,7 +31,7 @@ from timing import rel
 
 import natsim
 from natsim.kernels import gna_attention, permute
-from natsim.kernels.gna_backward import DEFAULT_VARIANT, backward_permuted, backward_tiles
+from natsim.kernels.gna_backward import backward_tiles
 from natsim.kernels.gna_launch import dense_as_1d, forward
 from natsim.kernels.reference import reference_gradients
 
@@ -77,21 +77,6 @@ def ours(problem, q, k, v, g) -> dict:
     row["bwd_ms"] = bench(lambda: torch.autograd.grad(out, (qg, kg, vg), g, retain_graph=True))
     row["fwd_bwd_ms"] = bench(lambda: torch.autograd.grad(gna_attention(qg, kg, vg, **args), (qg, kg, vg), g))
 
-    # The backward kernels alone (delta, dK/dV, dQ) on permuted tensors: what the permutations add.
-    kernel_problem = dense_as_1d(problem) or problem
-    q_tile, kv_tile = backward_tiles(kernel_problem, HEAD_DIM)
-    flat = lambda t: t.reshape(1, *kernel_problem.shape, *t.shape[-2:])  # noqa: E731
-    _, lse = forward(q, k, v, problem.window, problem.stride, 1, False, None, None, None, True)
-    qp, op, gp = (permute(flat(t), q_tile) for t in (q, out.detach(), g))
-    kp, vp = (permute(flat(t), kv_tile) for t in (k, v))
-    lp = permute(flat(lse[..., None]), q_tile)[..., 0].contiguous()
-    mirrored = None  # the dQ kernel's own orders (without ATOMIC_DQ), permuted outside the timing as well
-    if not DEFAULT_VARIANT.get("ATOMIC_DQ", False):
-        mirrored = (permute(flat(q), kv_tile), permute(flat(g), kv_tile), permute(flat(k), q_tile),
-                    permute(flat(v), q_tile))
-    scale = HEAD_DIM**-0.5
-    row["bwd_kernels_ms"] = bench(lambda: backward_permuted(qp, kp, vp, op, lp, gp, None, kernel_problem, q_tile,
-                                                            kv_tile, scale, mirrored=mirrored))
     return row, grads
 
 
@@ -191,17 +176,17 @@ def run(cases, with_flex: bool, with_check: bool, save) -> list[dict]:
 
 
 # Backward variants for --tune, most promising first (the sweep stops starting new ones past its time budget):
-# (Q tile halvings of the 128-key KV box, options of `backward_permuted`). History (H100, 2026-11-23,
+# (Q tile halvings of the 128-key KV box, `options` of `gna_backward`). History (H100, 2026-11-23,
 # backward-tune-*.json): the first tune made ATOMIC_DQ the default (120 / 119 ms at 1x8x8 / 16x8x8 against
 # 148 / 140 for a dQ kernel on the dK/dV kernel's tiles; USE_TMA and 32-query tiles slower); a second found
 # TMA bulk reductions for the atomic dQ and a rotated Q order per program within 2% (both dropped); the third,
 # timing `gna_backward` whole, made the dQ kernel run on mirrored tiles (128 queries, 64 keys) with three
-# stages the default: 106.2 / 102.9 ms against 112.6 / 107.2 for ATOMIC_DQ.
+# stages the default: 106.2 / 102.9 ms against 112.6 / 107.2 for ATOMIC_DQ. All three on permuted copies; the
+# kernels now read the caller's layout in place (USE_TMA, rank-2 descriptors over permuted copies, is gone).
 TUNE = [
     (1, dict(ATOMIC_DQ=False, num_stages=3)),
     (1, dict(ATOMIC_DQ=True)),
     (1, dict(ATOMIC_DQ=False, num_stages=3, DQ_STAGES=4)),
-    (1, dict(ATOMIC_DQ=False, num_stages=3, USE_TMA=True)),
     (1, dict(ATOMIC_DQ=False)),
     (2, dict(ATOMIC_DQ=False, num_stages=3)),
 ]
@@ -215,7 +200,7 @@ def tune_bench(fn) -> float:
 
 
 def tune(budget_s: float = TUNE_BUDGET_S, save=lambda result: None) -> dict:
-    """`gna_backward` as training calls it (permutations, kernels, unpermutations) for each TUNE variant at
+    """`gna_backward` as training calls it (the delta pass and both kernels) for each TUNE variant at
     TUNE_STRIDES, until `budget_s` has passed (variants not started are listed as skipped); each variant is
     set as natsim's default for its run. Gradients are compared with the first variant's; the winner is the
     fastest over both strides among those within BF16_TOLERANCE. `save(result)` after each variant, so that a
@@ -304,14 +289,14 @@ def environment() -> dict:
 
 
 def table(rows) -> str:
-    head = ("| case | bwd tiles | ours fwd ms | ours bwd ms (kernels) | bwd / fwd | realised / simulated bwd speedup | "
+    head = ("| case | bwd tiles | ours fwd ms | ours bwd ms | bwd / fwd | realised / simulated bwd speedup | "
             "flex fwd / bwd ms | cuDNN fwd / bwd ms | flash fwd / bwd ms | rel err dq / dk / dv |")
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         f = lambda key, d=1: f"{r[key]:.{d}f}" if isinstance(r.get(key), float) else "-"  # noqa: E731
         tiles = f"{'x'.join(map(str, r['bwd_q_tile']))} / {'x'.join(map(str, r['bwd_kv_tile']))}"
         lines.append(
-            f"| {r['case']} | {tiles} | {f('fwd_ms')} | {f('bwd_ms')} ({f('bwd_kernels_ms')}) | "
+            f"| {r['case']} | {tiles} | {f('fwd_ms')} | {f('bwd_ms')} | "
             f"{f('bwd_over_fwd', 2)} | {f('realised_bwd_speedup', 2)} / {f('sim_speedup_mean', 2)} | "
             f"{f('flex_fwd_ms')} / {f('flex_bwd_ms')} | "
             f"{f('sdpa_cudnn_fwd_ms')} / {f('sdpa_cudnn_bwd_ms')} | "

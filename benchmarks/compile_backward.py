@@ -1,14 +1,14 @@
 """Compile the GNA backward kernels for a GPU target offline and report registers and spills per variant.
 
-    PYTHONPATH=/path/to/triton-3.6 python benchmarks/compile_backward.py --out DIR [--arch 90]
+    PYTHONPATH=/path/to/triton-3.6 python benchmarks/compile_backward.py --out DIR [--arch 90] [--head-dim 64]
 
 No GPU needed: `triton.compile` lowers each variant of benchmarks/backward.py's tune sweep (Q-tile halvings x
-ATOMIC_DQ x USE_TMA x num_stages) for each problem of its table (HunyuanVideo dense, 1x1x1, 1x8x8, 16x8x8: the
-backward's own tiles and mask switch for each) to PTX for `--arch`, and the ptxas bundled with Triton
-assembles it with `-v`, whose report gives registers per thread and spill stores/loads (what a run on the card
-would read from the loaded kernel's `n_regs` / `n_spills`). A variant that fails to compile is reported with its
-error, so that the sweep can drop it before it costs device time. Writes `compile-backward-sm<arch>.json`.
-"""
+ATOMIC_DQ x num_stages) for each problem of its table (HunyuanVideo dense, 1x1x1, 1x8x8, 16x8x8: the
+backward's own tiles, mask and padding switches for each; the dQ kernel on its mirrored tiles) to PTX for
+`--arch`, and the ptxas bundled with Triton assembles it with `-v`, whose report gives registers per thread and
+spill stores/loads (what a run on the card would read from the loaded kernel's `n_regs` / `n_spills`). A
+variant that fails to compile is reported with its error, so that the sweep can drop it before it costs device
+time. Writes `compile-backward-sm<arch>-d<head_dim>-triton<version>.json`."""
 
 from __future__ import annotations
 
@@ -24,19 +24,19 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 
-from backward import CASES, HEAD_DIM, SHAPE, TUNE
+from backward import CASES, SHAPE, TUNE
 
 import natsim
-from natsim.kernels.gna_backward import _launch_options, backward_tiles, dkdv_kernel, dq_kernel
+from natsim.kernels.gna_backward import backward_tiles, launch_options, dkdv_kernel, dq_kernel, padded
 from natsim.kernels.gna_launch import dense_as_1d, needs_mask
 
-INTS = ("q_tokens", "kv_tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
+INTS = ("tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
         "NQ0", "NQ1", "NQ2", "NK0", "NK1", "NK2", "STEPS0", "STEPS1", "STEPS2")
 FLOATS = ("qk_scale", "scale")
 # Pointer arguments: bf16 tensors, fp32 statistics; DQ is fp32 under ATOMIC_DQ; COUNTS gets DELTA without DEBUG.
 BF16 = ("Q", "K", "V", "DO", "DK", "DV")
 FP32 = ("LSE", "DELTA", "COUNTS")
-SWITCHES = ("ATOMIC_DQ", "USE_TMA")
+SWITCHES = ("ATOMIC_DQ",)
 
 
 def signature(fn, constexprs: dict, atomic: bool) -> tuple[dict, dict]:
@@ -75,19 +75,23 @@ def ptxas_report(ptx: str, arch: int) -> dict:
             "stack_frame": number(r"(\d+) bytes stack frame")}
 
 
-def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, arch: int) -> dict:
-    options = {**_launch_options(math.prod(q_tile), math.prod(kv_tile), HEAD_DIM), **options}
+def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, pad: bool, arch: int,
+                    head_dim: int = 128) -> dict:
+    options = {**launch_options(math.prod(q_tile), math.prod(kv_tile)), **options}
+    dq_stages = options.pop("DQ_STAGES", None)
+    if fn is dq_kernel and dq_stages is not None:
+        options["num_stages"] = dq_stages
     switches = {name: bool(options.pop(name, False)) for name in SWITCHES}  # the kernels' tuning constexprs
     atomic = switches["ATOMIC_DQ"]
     tq, tk = (tuple(t) + (1,) * (3 - len(t)) for t in (q_tile, kv_tile))
     constexprs = dict(C0=False, C1=False, C2=False, TQ0=tq[0], TQ1=tq[1], TQ2=tq[2], TK0=tk[0], TK1=tk[1],
-                      TK2=tk[2], HEAD_DIM=HEAD_DIM, MASKED=masked, USE_TMA=switches["USE_TMA"])
+                      TK2=tk[2], HEAD_DIM=head_dim, MASKED=masked, PADDED=pad)
     if fn is dkdv_kernel:
-        constexprs.update(DEBUG=False, **{name: switches[name] for name in SWITCHES if name != "USE_TMA"})
+        constexprs.update(DEBUG=False, **switches)
     sig, attrs = signature(fn, constexprs, atomic)
     launch = {"num_warps": options["num_warps"], "num_stages": options["num_stages"]}
     row = {"kernel": fn.__name__, "q_tile": list(q_tile), "kv_tile": list(kv_tile), "masked": masked,
-           **switches, **launch}
+           "padded": pad, **switches, **launch}
     try:
         compiled = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs),
                                   target=GPUTarget("cuda", arch, 128), options=launch)
@@ -101,6 +105,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
+    parser.add_argument("--head-dim", type=int, default=128, help="head_dim of the compiled kernels")
+    parser.add_argument("--num-warps", type=int, default=None, help="override every variant's num_warps")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows, seen = [], set()
@@ -108,20 +114,26 @@ def main(argv=None) -> None:
         for case, (stride, window) in CASES.items():
             problem = natsim.Problem(SHAPE, window, stride)
             problem = dense_as_1d(problem) or problem
-            q_tile, kv_tile = backward_tiles(problem, HEAD_DIM, halvings)
-            masked = needs_mask(problem, q_tile, kv_tile)
-            kernels = (dkdv_kernel,) if options.get("ATOMIC_DQ") else (dkdv_kernel, dq_kernel)
-            for fn in kernels:
-                key = (fn.__name__, q_tile, kv_tile, masked, json.dumps(options, sort_keys=True))
+            q_tile, kv_tile = backward_tiles(problem, args.head_dim, halvings)
+            if args.num_warps is not None:
+                options = {**options, "num_warps": args.num_warps}
+            pad = padded(problem, q_tile, kv_tile)
+            kernels = [(dkdv_kernel, q_tile, kv_tile)]
+            if not options.get("ATOMIC_DQ"):  # the dQ kernel runs on the mirrored tiles
+                kernels.append((dq_kernel, kv_tile, q_tile))
+            for fn, tq, tk in kernels:
+                masked = needs_mask(problem, tq, tk)
+                key = (fn.__name__, tq, tk, masked, pad, json.dumps(options, sort_keys=True))
                 if key in seen:
                     continue
                 seen.add(key)
-                row = {"case": case, "q_halvings": halvings,
-                       **compile_variant(fn, q_tile, kv_tile, options, masked, args.arch)}
+                row = {"case": case, "q_halvings": halvings, "head_dim": args.head_dim,
+                       **compile_variant(fn, tq, tk, options, masked, pad, args.arch, args.head_dim)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    record = {"triton": triton.__version__, "arch": args.arch, "rows": rows}
-    (args.out / f"compile-backward-sm{args.arch}.json").write_text(json.dumps(record, indent=1))
+    record = {"triton": triton.__version__, "arch": args.arch, "head_dim": args.head_dim, "rows": rows}
+    name = f"compile-backward-sm{args.arch}-d{args.head_dim}-triton{triton.__version__}.json"
+    (args.out / name).write_text(json.dumps(record, indent=1))
     failed = sum("error" in r or r.get("ptxas_rc") for r in rows)
     spilling = sum(bool(r.get("spill_stores")) for r in rows)
     print(f"{len(rows)} kernel variants for sm_{args.arch}: {failed} failed to compile, {spilling} spill registers.")

@@ -1,10 +1,10 @@
-"""The GNA backward kernels (multi-D tiles, static KV tiling, permuted layout), flash-attention style.
+"""The GNA backward kernels (multi-D tiles, static KV tiling), flash-attention style, in place.
 
-Three launches on permuted sequences `[B, tokens, heads, head_dim]` (kernels/permute.py; every dilation group
-padded to whole tiles, zeros at padding), with the forward's natural-log LSE:
+Three launches on the caller's `[B, *shape, heads, head_dim]` tensors (contiguous, seen as `[B, tokens, heads,
+head_dim]`), with the forward's natural-log LSE:
 
-1. `delta_kernel`: `delta = rowsum(dO * O) - dLSE` per query, in fp32 (the softmax backward's row term; a
-   gradient flowing into the LSE output enters here, since d lse / d score = p).
+1. `delta_kernel`: `delta = rowsum(dO * O) - dLSE` per query, in fp32, written head-major (the softmax
+   backward's row term; a gradient flowing into the LSE output enters here, since d lse / d score = p).
 2. `dkdv_kernel`: one program per KV tile. It finds, per dimension, the Q tiles whose static KV range (the
    forward's `start(first) // T_KV .. ceil(end(last) / T_KV) - 1`, kernels/gna.py) holds this KV tile, by
    binary search over the Q tiles with `window_bounds` (start and end never decrease, so they form one run
@@ -13,25 +13,28 @@ padded to whole tiles, zeros at padding), with the forward's natural-log LSE:
 3. `dq_kernel`: one program per Q tile over the same KV tiles as the forward (its `_dim_setup` /
    `_full_run`), accumulating `dQ += (p * (dO V^T - delta)) K * scale`. It runs on the mirrored tiles: the
    dK/dV kernel's KV box as its Q tile and its Q tile as the KV tile (128 queries against 64 keys, the
-   forward's proportions), so that each K and V tile it loads serves 128 queries; q, dO, the LSE and delta
-   are permuted into the KV tiles' order for it, k and v into the Q tiles'.
+   forward's proportions), so that each K and V tile it loads serves 128 queries.
+
+Tiles are boxes of the layout, cut per dilation group (kernels/layout.py); a program gathers a tile's rows from
+their places in the caller's layout (`_tile_tokens`: one head's row is `head_dim` contiguous elements wherever
+it lies, so a gathered row costs what a row of a permuted copy would) and scatters dq, dk, dv back the same
+way: no permutation, no copies of q, k, v, dO. Rows past a group's end (padding) load as zeros and are not
+stored; only when some tile holds them (`PADDED`) do loads and stores carry a mask. Padding queries then carry
+dO = 0 and delta = 0 and add nothing to dK and dV; padding keys carry k = v = 0 and add nothing to dQ.
 
 Both attention kernels run two loops as the forward does: the full box (every real query attends every key;
 no padding keys) without any mask code, then the rest of the visited box (five slabs around it) under the
 element mask. `MASKED=False` (the host's `needs_mask`: dense and block-sparse configurations) compiles the
-first loop alone over the whole box. Padding queries carry dO = 0, delta = 0 and a finite LSE, so they add
-nothing to dK and dV. The LSE and delta are read head-major (`[B, H, tokens]`, contiguous per head). With DEBUG
-on, the dK/dV kernel counts per KV tile the Q tiles it ran and how many of them are full (gna-semantics.md's
-definition), to be held against `natsim.simulate_backward`.
+first loop alone over the whole box. The LSE and delta are read head-major (`[B, H, tokens]`, contiguous per
+head). With DEBUG on, the dK/dV kernel counts per KV tile the Q tiles it ran and how many of them are full
+(gna-semantics.md's definition), to be held against `natsim.simulate_backward`.
 
 Tuning (`DEFAULT_VARIANT`, `benchmarks/backward.py --tune`, benchmarks/results/backward-tune-*.json): three
 stages for both kernels, dQ on the mirrored tiles. `ATOMIC_DQ` (off) has the dK/dV kernel add each pair's
 `ds k` to an fp32 dQ with atomics instead (five tile products per pair, no dQ kernel, dQ's summation order
 varying from run to run): Nsight Compute showed its atomics missing L2 at HunyuanVideo sizes (40 GB of DRAM
 traffic against 9 GB for the dK/dV kernel without them), and on the H100 `gna_backward` took 112.6 / 107.2 ms
-with it against 106.2 / 102.9 ms without, at strides 1x8x8 / 16x8x8. `USE_TMA` (off) reads q, dO, k and v
-through rank-2 tensor descriptors; it was not faster. The backward reads the permuted layout only (the
-forward's in-place LAYOUT 1 is not mirrored here): `gna_backward` permutes.
+with it against 106.2 / 102.9 ms without, at strides 1x8x8 / 16x8x8 (then on permuted copies).
 """
 
 from __future__ import annotations
@@ -46,16 +49,17 @@ import triton.language as tl
 from natsim import Problem
 
 from .gna import LOG2E, _dim_setup, _full_run, _is_full, _tile_in_group
-from .gna_launch import _install_allocator, dense_as_1d, needs_mask
+from .gna_launch import dense_as_1d, needs_mask
 from .layout import TileLayout, as_3d
-from .permute import permute, unpermute
 from .tiles import box_shapes, halves, relative_cost
 from .window import window_bounds
 
 
 @triton.jit
-def delta_kernel(O, DO, DLSE, DELTA, rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """`DELTA[r] = sum_d O[r, d] * DO[r, d] - DLSE[r]` over `rows` contiguous rows of `HEAD_DIM`."""
+def delta_kernel(O, DO, DLSE, DELTA, rows, tokens, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_DLSE: tl.constexpr):
+    """`delta = sum_d O * DO - DLSE` per row of `[B, tokens, heads, HEAD_DIM]` (`rows` of them, contiguous),
+    written head-major (`[B, heads, tokens]`, as the attention kernels read it)."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, HEAD_DIM)
     inside = r < rows
@@ -65,7 +69,9 @@ def delta_kernel(O, DO, DLSE, DELTA, rows, HEAD_DIM: tl.constexpr, BLOCK: tl.con
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + r, mask=inside, other=0.0)
-    tl.store(DELTA + r, delta, mask=inside)
+    row = r // heads  # b * tokens + token
+    head_major = ((row // tokens) * heads + r % heads).to(tl.int64) * tokens + row % tokens
+    tl.store(DELTA + head_major, delta, mask=inside)
 
 
 @triton.jit
@@ -200,23 +206,41 @@ def _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
 
 
 @triton.jit
-def _head_rows(P, base, tokens, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, USE_TMA: tl.constexpr):
-    """What `_rows` reads one head of a permuted `[B, tokens, heads, HEAD_DIM]` tensor through: a rank-2 tensor
-    descriptor at `P + base` in boxes of BLOCK rows (USE_TMA), else the pointer `P` itself."""
-    if USE_TMA:
-        return tl.make_tensor_descriptor(P + base, shape=[tokens, HEAD_DIM], strides=[heads * HEAD_DIM, 1],
-                                         block_shape=[BLOCK, HEAD_DIM])
-    else:
-        return P
+def _tile_tokens(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                 T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr):
+    """The caller's tokens (row-major over `[L0, L1, L2]`, int64) under the rows of tile (i0, i1, i2) of
+    dilation group (gi0, gi1, gi2), and which rows are real. A row past its group's end (padding) lives nowhere
+    in memory: it reads the group's last token instead, so that loads need no mask, and callers neutralise it
+    (`_load_stats`) and never store it."""
+    r = tl.arange(0, T0 * T1 * T2)
+    c0 = i0 * T0 + r // (T1 * T2)
+    c1 = i1 * T1 + (r // T2) % T1
+    c2 = i2 * T2 + r % T2
+    real = (c0 < len0) & (c1 < len1) & (c2 < len2)
+    c0 = tl.minimum(c0, len0 - 1)
+    c1 = tl.minimum(c1, len1 - 1)
+    c2 = tl.minimum(c2, len2 - 1)
+    token = ((gi0 + D0 * c0).to(tl.int64) * L1 + gi1 + D1 * c1) * L2 + gi2 + D2 * c2
+    return token, real
 
 
 @triton.jit
-def _rows(source, offsets, row0, USE_TMA: tl.constexpr):
-    """Rows `row0 ..` of one head: a descriptor box (USE_TMA), else a pointer load at `source + offsets`."""
-    if USE_TMA:
-        return source.load([row0, 0])
+def _load_stats(LSE, DELTA, stat, real, PADDED: tl.constexpr):
+    """`lse * log2(e)` and delta of the rows at `stat` in the head-major statistics. A padding query gets an
+    infinite LSE, so that its p is 0 against every key: it adds nothing to dK and dV, whatever row it read."""
+    lse2 = tl.load(LSE + stat) * 1.4426950408889634
+    if PADDED:
+        lse2 = tl.where(real, lse2, float("inf"))
+    return lse2, tl.load(DELTA + stat)
+
+
+@triton.jit
+def _store_rows(P, offsets, values, real, PADDED: tl.constexpr):
+    """`P[offsets] = values` on the real rows."""
+    if PADDED:
+        tl.store(P + offsets, values.to(P.dtype.element_ty), mask=real[:, None])
     else:
-        return tl.load(source + offsets)
+        tl.store(P + offsets, values.to(P.dtype.element_ty))
 
 
 @triton.jit
@@ -235,30 +259,31 @@ def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, MASKED: tl.cons
 
 
 @triton.jit
-def _add_dq(DQ, q_offsets, ds, k, scale):
+def _add_dq(DQ, q_offsets, q_real, ds, k, scale, PADDED: tl.constexpr):
     """ATOMIC_DQ: add this pair's `ds k * scale` to the fp32 dQ rows (relaxed atomics; order is irrelevant)."""
-    tl.atomic_add(DQ + q_offsets, tl.dot(tl.trans(ds), k) * scale, sem="relaxed")
+    if PADDED:
+        tl.atomic_add(DQ + q_offsets, tl.dot(tl.trans(ds), k) * scale, mask=q_real[:, None], sem="relaxed")
+    else:
+        tl.atomic_add(DQ + q_offsets, tl.dot(tl.trans(ds), k) * scale, sem="relaxed")
 
 
 @triton.jit
 def dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ, COUNTS,
-    q_tokens, kv_tokens, heads, qk_scale, scale,
+    tokens, heads, qk_scale, scale,
     L0, L1, L2, W0, W1, W2, S0, S1, S2, D0, D1, D2,
     NQ0, NQ1, NQ2, NK0, NK1, NK2, STEPS0, STEPS1, STEPS2,
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, DEBUG: tl.constexpr, ATOMIC_DQ: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr, DEBUG: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr = False,
 ):
-    BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
-    BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
     kv_tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    group, gi0, gi1, gi2, len0, len1, len2, j0, j1, j2 = _tile_in_group(kv_tile, L0, L1, L2, D0, D1, D2,
+    _, gi0, gi1, gi2, len0, len1, len2, j0, j1, j2 = _tile_in_group(kv_tile, L0, L1, L2, D0, D1, D2,
                                                                          NK0, NK1, NK2)
 
     # Which Q tiles visit this KV tile, per dimension: [lo, hi), and the full run [f, g) inside it.
@@ -274,21 +299,17 @@ def dkdv_kernel(
         f0, g0, f1, g1, f2, g2 = lo0, hi0, lo1, hi1, lo2, hi2
         num_full = num_q
 
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    q_group = group * (NQ0 * NQ1 * NQ2)
-    q_base = b * q_tokens * heads * HEAD_DIM + h * HEAD_DIM
-    kv_base = b * kv_tokens * heads * HEAD_DIM + h * HEAD_DIM
-    kv_offsets = kv_base + (kv_tile * BLOCK_N + cols).to(tl.int64)[:, None] * (heads * HEAD_DIM) + dims[None, :]
-    q_src = _head_rows(Q, q_base, q_tokens, heads, HEAD_DIM, BLOCK_M, USE_TMA)
-    do_src = _head_rows(DO, q_base, q_tokens, heads, HEAD_DIM, BLOCK_M, USE_TMA)
-    k = _rows(_head_rows(K, kv_base, kv_tokens, heads, HEAD_DIM, BLOCK_N, USE_TMA), kv_offsets,
-              kv_tile * BLOCK_N, USE_TMA)
-    v = _rows(_head_rows(V, kv_base, kv_tokens, heads, HEAD_DIM, BLOCK_N, USE_TMA), kv_offsets,
-              kv_tile * BLOCK_N, USE_TMA)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    row_stride = heads * HEAD_DIM
+    base = b * tokens * row_stride + h * HEAD_DIM
+    stats = bh.to(tl.int64) * tokens  # this head's LSE and delta, head-major
+    kv_token, kv_real = _tile_tokens(j0, j1, j2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                     TK0, TK1, TK2)
+    kv_offsets = base + kv_token[:, None] * row_stride + dims[None, :]
+    k = tl.load(K + kv_offsets)
+    v = tl.load(V + kv_offsets)
+    dk = tl.zeros([TK0 * TK1 * TK2, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([TK0 * TK1 * TK2, HEAD_DIM], dtype=tl.float32)
     visited = num_q * 0
     full = num_q * 0
 
@@ -297,17 +318,15 @@ def dkdv_kernel(
     t1 = f1
     t2 = f2
     for _ in tl.range(0, num_full):
-        tile = q_group + (t0 * NQ1 + t1) * NQ2 + t2
-        tokens = (tile * BLOCK_M + rows).to(tl.int64)
-        q_offsets = q_base + tokens[:, None] * (heads * HEAD_DIM) + dims[None, :]
-        q = _rows(q_src, q_offsets, tile * BLOCK_M, USE_TMA)
-        do = _rows(do_src, q_offsets, tile * BLOCK_M, USE_TMA)
-        stat = bh.to(tl.int64) * q_tokens + tokens
-        lse2 = tl.load(LSE + stat) * 1.4426950408889634
-        delta = tl.load(DELTA + stat)
+        q_token, q_real = _tile_tokens(t0, t1, t2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                       TQ0, TQ1, TQ2)
+        q_offsets = base + q_token[:, None] * row_stride + dims[None, :]
+        q = tl.load(Q + q_offsets)
+        do = tl.load(DO + q_offsets)
+        lse2, delta = _load_stats(LSE, DELTA, stats + q_token, q_real, PADDED)
         dk, dv, ds = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
         if ATOMIC_DQ:
-            _add_dq(DQ, q_offsets, ds, k, scale)
+            _add_dq(DQ, q_offsets, q_real, ds, k, scale, PADDED)
         if DEBUG:
             visited += 1
             full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
@@ -318,27 +337,25 @@ def dkdv_kernel(
     if MASKED:
         for j in tl.range(0, num_q - num_full):
             t0, t1, t2 = _slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
-            tile = q_group + (t0 * NQ1 + t1) * NQ2 + t2
-            tokens = (tile * BLOCK_M + rows).to(tl.int64)
-            q_offsets = q_base + tokens[:, None] * (heads * HEAD_DIM) + dims[None, :]
-            q = _rows(q_src, q_offsets, tile * BLOCK_M, USE_TMA)
-            do = _rows(do_src, q_offsets, tile * BLOCK_M, USE_TMA)
-            stat = bh.to(tl.int64) * q_tokens + tokens
-            lse2 = tl.load(LSE + stat) * 1.4426950408889634
-            delta = tl.load(DELTA + stat)
+            q_token, q_real = _tile_tokens(t0, t1, t2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                           TQ0, TQ1, TQ2)
+            q_offsets = base + q_token[:, None] * row_stride + dims[None, :]
+            q = tl.load(Q + q_offsets)
+            do = tl.load(DO + q_offsets)
+            lse2, delta = _load_stats(LSE, DELTA, stats + q_token, q_real, PADDED)
             keep = _window_mask(t0 * TQ0, t1 * TQ1, t2 * TQ2, j0 * TK0, j1 * TK1, j2 * TK2,
                                 len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
                                 TQ0, TQ1, TQ2, TK0, TK1, TK2, True)
             dk, dv, ds = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
             if ATOMIC_DQ:
-                _add_dq(DQ, q_offsets, ds, k, scale)
+                _add_dq(DQ, q_offsets, q_real, ds, k, scale, PADDED)
             if DEBUG:
                 visited += 1
                 full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
                                    TQ0, TQ1, TQ2, TK0, TK1, TK2)
 
-    tl.store(DK + kv_offsets, (dk * scale).to(DK.dtype.element_ty))
-    tl.store(DV + kv_offsets, dv.to(DV.dtype.element_ty))
+    _store_rows(DK, kv_offsets, dk * scale, kv_real, PADDED)
+    _store_rows(DV, kv_offsets, dv, kv_real, PADDED)
     if DEBUG:
         if bh == 0:
             tl.store(COUNTS + 2 * kv_tile, visited)
@@ -360,21 +377,19 @@ def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, MASKED: tl.constexpr)
 @triton.jit
 def dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
-    q_tokens, kv_tokens, heads, qk_scale, scale,
+    tokens, heads, qk_scale, scale,
     L0, L1, L2, W0, W1, W2, S0, S1, S2, D0, D1, D2,
     NQ0, NQ1, NQ2, NK0, NK1, NK2,
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
-    BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    group, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = _tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
+    _, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = _tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
                                                                          NQ0, NQ1, NQ2)
     first0 = i0 * TQ0
     first1 = i1 * TQ1
@@ -397,60 +412,54 @@ def dq_kernel(
         f0, g0, f1, g1, f2, g2 = lo0, hi0, lo1, hi1, lo2, hi2
         num_full = num_kv
 
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    kv_group = group * (NK0 * NK1 * NK2)
-    kv_head = b * kv_tokens * heads * HEAD_DIM + h * HEAD_DIM
-    kv_base = kv_head + cols.to(tl.int64)[:, None] * (heads * HEAD_DIM)
-    k_src = _head_rows(K, kv_head, kv_tokens, heads, HEAD_DIM, BLOCK_N, USE_TMA)
-    v_src = _head_rows(V, kv_head, kv_tokens, heads, HEAD_DIM, BLOCK_N, USE_TMA)
-    tokens = (q_tile * BLOCK_M + rows).to(tl.int64)
-    q_head = b * q_tokens * heads * HEAD_DIM + h * HEAD_DIM
-    q_offsets = q_head + tokens[:, None] * (heads * HEAD_DIM) + dims[None, :]
-    q = _rows(_head_rows(Q, q_head, q_tokens, heads, HEAD_DIM, BLOCK_M, USE_TMA), q_offsets, q_tile * BLOCK_M,
-              USE_TMA)
-    do = _rows(_head_rows(DO, q_head, q_tokens, heads, HEAD_DIM, BLOCK_M, USE_TMA), q_offsets, q_tile * BLOCK_M,
-               USE_TMA)
-    stat = bh.to(tl.int64) * q_tokens + tokens
-    lse2 = tl.load(LSE + stat) * 1.4426950408889634
-    delta = tl.load(DELTA + stat)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    row_stride = heads * HEAD_DIM
+    base = b * tokens * row_stride + h * HEAD_DIM
+    q_token, q_real = _tile_tokens(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                   TQ0, TQ1, TQ2)
+    q_offsets = base + q_token[:, None] * row_stride + dims[None, :]
+    q = tl.load(Q + q_offsets)
+    do = tl.load(DO + q_offsets)
+    lse2, delta = _load_stats(LSE, DELTA, bh.to(tl.int64) * tokens + q_token, q_real, PADDED)
+    dq = tl.zeros([TQ0 * TQ1 * TQ2, HEAD_DIM], dtype=tl.float32)
 
     k0 = f0
     k1 = f1
     k2 = f2
     for _ in tl.range(0, num_full):
-        tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
-        kv_offsets = kv_base + (tile * BLOCK_N).to(tl.int64) * (heads * HEAD_DIM) + dims[None, :]
-        k = _rows(k_src, kv_offsets, tile * BLOCK_N, USE_TMA)
-        v = _rows(v_src, kv_offsets, tile * BLOCK_N, USE_TMA)
+        kv_token, kv_real = _tile_tokens(k0, k1, k2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                         TK0, TK1, TK2)
+        kv_offsets = base + kv_token[:, None] * row_stride + dims[None, :]
+        k = tl.load(K + kv_offsets)
+        v = tl.load(V + kv_offsets)
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, 0, False)
         k0, k1, k2 = _next_tile(k0, k1, k2, f1, g1, f2, g2)
 
     if MASKED:
         for j in tl.range(0, num_kv - num_full):
             k0, k1, k2 = _slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
-            tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
-            kv_offsets = kv_base + (tile * BLOCK_N).to(tl.int64) * (heads * HEAD_DIM) + dims[None, :]
-            k = _rows(k_src, kv_offsets, tile * BLOCK_N, USE_TMA)
-            v = _rows(v_src, kv_offsets, tile * BLOCK_N, USE_TMA)
+            kv_token, kv_real = _tile_tokens(k0, k1, k2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                             TK0, TK1, TK2)
+            kv_offsets = base + kv_token[:, None] * row_stride + dims[None, :]
+            k = tl.load(K + kv_offsets)
+            v = tl.load(V + kv_offsets)
             keep = _window_mask(first0, first1, first2, k0 * TK0, k1 * TK1, k2 * TK2, len0, len1, len2,
                                 W0, W1, W2, S0, S1, S2, C0, C1, C2, TQ0, TQ1, TQ2, TK0, TK1, TK2, False)
             dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
 
-    tl.store(DQ + q_offsets, (dq * scale).to(DQ.dtype.element_ty))
+    _store_rows(DQ, q_offsets, dq * scale, q_real, PADDED)
 
 
-# -- host side: tiles, permutation, launches --------------------------------------------------------------------
+# -- host side: tiles, launches ------------------------------------------------------------------------------------
 
 KV_TILE_TOKENS = 128  # keys per backward KV tile; its Q tile holds 1 / 2**Q_TILE_HALVINGS as many queries
 # 1: 64 queries per 128 keys. 2 (32 queries) keeps the dK/dV kernel's registers under 255 without spills at
 # head_dim 128 on sm_90 (benchmarks/compile_backward.py); benchmarks/backward.py --tune times both.
 Q_TILE_HALVINGS = 1
 DELTA_ROWS = 64
-# The variant `backward_permuted` runs unless told otherwise: launch options and tuning switches (ATOMIC_DQ,
-# USE_TMA) over `_launch_options`' defaults; benchmarks/backward.py --tune times the alternatives.
+# The variant `gna_backward` runs unless told otherwise: launch options and the tuning switch ATOMIC_DQ over
+# `launch_options`' defaults (`DQ_STAGES` sets the dQ kernel's stages alone); benchmarks/backward.py --tune
+# times the alternatives.
 DEFAULT_VARIANT: dict = {"ATOMIC_DQ": False, "num_stages": 3}  # the H100 tune's winner (module docstring)
 # Tile products per visited (Q tile, KV tile) pair: the dK/dV kernel's q k^T, dO v^T, p^T dO and ds^T q (plus
 # ds^T k with ATOMIC_DQ), and the dQ kernel's q k^T, dO v^T and ds k on its own (mirrored) pairs.
@@ -487,10 +496,12 @@ def _backward_tiles(problem: Problem, head_dim: int, q_halvings: int) -> tuple[t
     return min(pairs, key=lambda pair: relative_cost(problem, pair[0], pair[1], head_dim))
 
 
-def _launch_options(block_m: int, block_n: int, head_dim: int) -> dict:
-    """8 warps once a tile's fp32 accumulators reach 64 KiB (128 keys x 128 channels), else 4; two stages
-    (`DEFAULT_VARIANT` raises both kernels to three)."""
-    return dict(num_warps=8 if max(block_m, block_n) * head_dim >= 128 * 128 else 4, num_stages=2)
+def launch_options(block_m: int, block_n: int) -> dict:
+    """8 warps for tiles of 128 rows on either side, else 4; two stages (`DEFAULT_VARIANT` raises both GNA
+    kernels to three). Every head_dim counts: at 4 warps the dK/dV kernel's two `[128 keys, head_dim]` fp32
+    accumulators and its `[128, 64]` score tiles spill at head_dim 32, 64 and 128 alike (sm_90, Triton 3.6:
+    368 to 1940 bytes; none at 8 warps; benchmarks/compile_backward.py --head-dim)."""
+    return dict(num_warps=8 if max(block_m, block_n) >= 128 else 4, num_stages=2)
 
 
 def _problem_arguments(problem: Problem, q_layout: TileLayout, kv_layout: TileLayout) -> dict:
@@ -508,141 +519,110 @@ def _problem_arguments(problem: Problem, q_layout: TileLayout, kv_layout: TileLa
     )
 
 
-def backward_permuted(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile: tuple[int, ...],
-                      kv_tile: tuple[int, ...], scale: float, debug: bool = False, options: Optional[dict] = None,
-                      mirrored: Optional[tuple] = None):
-    """dq, dk, dv (and, with `debug`, the dK/dV kernel's `[KV tiles, 2]` counts of visiting Q tiles and full
-    pairs, else None) of permuted contiguous tensors: q, out, grad_out `[B, q tokens, H, D]` and lse, grad_lse
-    (or None) `[B, q tokens, H]` fp32 in `q_tile` order; k, v `[B, kv tokens, H, D]` in `kv_tile` order; dq
-    comes back in `q_tile` order, dk and dv in `kv_tile` order.
+def padded(problem: Problem, *tiles: tuple[int, ...]) -> bool:
+    """Whether a tile of any of `tiles` holds padding rows: the tiles of a dimension are cut per dilation group
+    to cover the longest group (TileLayout), so some group's last tile may reach past its end. Padding rows
+    then need masked loads and stores."""
+    from natsim.window import group_length
 
-    Without ATOMIC_DQ, dQ runs on the mirrored tiles (`kv_tile` queries, `q_tile` keys: 128 queries against
-    64 keys, so that each K/V tile it loads serves twice the queries), on q, dO, LSE, delta in `kv_tile` order
-    and k, v in `q_tile` order: `mirrored=(q, grad_out, k, v)` in those orders if the caller has them, else they
-    are permuted here. `options` override the launch options (`num_warps`, `num_stages`; benchmarks/backward.py
-    --tune) and the tuning switches (module docstring); `DQ_STAGES` sets the dQ kernel's stages alone."""
-    dq, dq_tile, dk, dv, counts = _backward(q, k, v, out, lse, grad_out, grad_lse, problem, q_tile, kv_tile, scale,
-                                            debug, options, mirrored)
-    return (dq if dq_tile == q_tile else _repermute(dq, problem, dq_tile, q_tile)), dk, dv, counts
+    return any(-(-L // (tile[i] * d)) * tile[i] != group_length(L, d, g)
+               for tile in tiles
+               for i, (L, d) in enumerate(zip(problem.shape, problem.dilation))
+               for g in range(d))
 
 
 def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, kv_tile, scale: float, debug: bool,
-              options: Optional[dict], mirrored: Optional[tuple]):
-    """`backward_permuted`'s work: dq and the tile order it comes in (`q_tile`, or `kv_tile` from the mirrored
-    dQ kernel), dk, dv, counts."""
-    batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
+              options: Optional[dict]):
+    """dq, dk, dv (and the dK/dV kernel's `[KV tiles, 2]` debug counts, else None) of contiguous `[B, tokens,
+    H, D]` tensors in the caller's token order (row-major over `problem.shape`), with the LSE and `grad_lse`
+    (or None) `[B, tokens, H]` in fp32. `options` override `DEFAULT_VARIANT` (module docstring)."""
+    batch, tokens, heads, head_dim = q.shape
     options = {**DEFAULT_VARIANT, **(options or {})}
     atomic = bool(options.pop("ATOMIC_DQ", False))
     dq_stages = options.pop("DQ_STAGES", None)
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    rows = q.shape[0] * q.shape[1] * heads
+    delta = torch.empty((batch, heads, tokens), dtype=torch.float32, device=q.device)
+    rows = batch * tokens * heads
     delta_kernel[(triton.cdiv(rows, DELTA_ROWS),)](out, grad_out, delta if grad_lse is None else grad_lse, delta,
-                                                 rows, HEAD_DIM=head_dim, BLOCK=DELTA_ROWS,
+                                                 rows, tokens, heads, HEAD_DIM=head_dim, BLOCK=DELTA_ROWS,
                                                  HAS_DLSE=grad_lse is not None)
-    head_major = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  [B, H, tokens]: contiguous per head
-    dk, dv, dq, counts = _dkdv(q, k, v, grad_out, head_major(lse), head_major(delta), problem, q_tile, kv_tile,
-                               scale, debug, atomic, dict(options))
+    lse = lse.transpose(1, 2).contiguous()  # head-major, as delta
+    pad = padded(problem, q_tile, kv_tile)
+    dk, dv, dq, counts = _dkdv(q, k, v, grad_out, lse, delta, problem, q_tile, kv_tile, scale, pad, debug, atomic,
+                               dict(options))
     if atomic:
-        return dq.to(q.dtype), q_tile, dk, dv, counts
-    if mirrored is None:
-        mirrored = tuple(_repermute(x, problem, tile, other)
-                         for x, tile, other in ((q, q_tile, kv_tile), (grad_out, q_tile, kv_tile),
-                                                (k, kv_tile, q_tile), (v, kv_tile, q_tile)))
-    stats = (head_major(_repermute(x[..., None], problem, q_tile, kv_tile)[..., 0]) for x in (lse, delta))
+        return dq.to(q.dtype), dk, dv, counts
     if dq_stages is not None:
         options["num_stages"] = dq_stages
-    return _dq(*mirrored, *stats, problem, kv_tile, q_tile, scale, options), kv_tile, dk, dv, counts
+    # The dQ kernel on the mirrored tiles: the KV box as its Q tile, the Q tile as its KV tile.
+    return _dq(q, grad_out, k, v, lse, delta, problem, kv_tile, q_tile, scale, pad, options), dk, dv, counts
 
 
-def _repermute(x, problem: Problem, tile: tuple[int, ...], other: tuple[int, ...]):
-    """A permuted `[B, tokens, ...]` tensor in `tile` order, permuted into `other` order instead."""
-    batch, rest = x.shape[0], x.shape[2:]
-    return permute(unpermute(x, problem.shape, tile, problem.dilation).reshape(batch, *problem.shape, *rest),
-                   other, problem.dilation)
-
-
-def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, debug: bool,
+def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, pad: bool, debug: bool,
           atomic: bool, options: dict):
     """The dK/dV kernel's launch: dk, dv, dq (fp32, summed by atomics; None without `atomic`), counts."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
-    batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
-    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **options}
-    if options.get("USE_TMA"):
-        _install_allocator()
+    batch, tokens, heads, head_dim = q.shape
+    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens), **options}
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else None
     counts = torch.zeros((kv_layout.num_tiles, 2), dtype=torch.int32, device=q.device) if debug else None
     steps = {f"STEPS{i}": n.bit_length() + 1 for i, n in enumerate(q_layout.tiles_per_group)}
     dkdv_kernel[(kv_layout.num_tiles, batch * heads)](
         q, k, v, grad_out, lse, delta, dk, dv, dk if dq is None else dq, delta if counts is None else counts,
-        q_tokens=q_layout.num_tokens, kv_tokens=kv_layout.num_tokens, heads=heads, qk_scale=scale * LOG2E,
-        scale=scale, HEAD_DIM=head_dim, MASKED=needs_mask(problem, q_tile, kv_tile),
-        **_problem_arguments(problem, q_layout, kv_layout), **steps, DEBUG=debug, ATOMIC_DQ=atomic, **options)
+        tokens=tokens, heads=heads, qk_scale=scale * LOG2E, scale=scale, HEAD_DIM=head_dim,
+        MASKED=needs_mask(problem, q_tile, kv_tile), PADDED=pad, **_problem_arguments(problem, q_layout, kv_layout),
+        **steps, DEBUG=debug, ATOMIC_DQ=atomic, **options)
     return dk, dv, dq, counts
 
 
-def _dq(q, grad_out, k, v, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, options: dict):
-    """The dQ kernel's launch on its own tiles (q, grad_out, lse, delta in `q_tile` order; k, v in `kv_tile`)."""
+def _dq(q, grad_out, k, v, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, pad: bool, options: dict):
+    """The dQ kernel's launch on its own tiles."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
-    batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
-    options = {**_launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim), **options}
-    if options.get("USE_TMA"):
-        _install_allocator()
+    batch, tokens, heads, head_dim = q.shape
+    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens), **options}
     dq = torch.empty_like(q)
     dq_kernel[(q_layout.num_tiles, batch * heads)](
-        q, k, v, grad_out, lse, delta, dq, q_tokens=q_layout.num_tokens, kv_tokens=kv_layout.num_tokens,
-        heads=heads, qk_scale=scale * LOG2E, scale=scale, HEAD_DIM=head_dim,
-        MASKED=needs_mask(problem, q_tile, kv_tile), **_problem_arguments(problem, q_layout, kv_layout), **options)
+        q, k, v, grad_out, lse, delta, dq, tokens=tokens, heads=heads, qk_scale=scale * LOG2E, scale=scale,
+        HEAD_DIM=head_dim, MASKED=needs_mask(problem, q_tile, kv_tile), PADDED=pad,
+        **_problem_arguments(problem, q_layout, kv_layout), **options)
     return dq
 
 
 def gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, scale: Optional[float] = None,
-                 q_tile: Optional[tuple[int, ...]] = None, kv_tile: Optional[tuple[int, ...]] = None):
+                 q_tile: Optional[tuple[int, ...]] = None, kv_tile: Optional[tuple[int, ...]] = None,
+                 options: Optional[dict] = None):
     """dq, dk, dv of GNA on `[B, *shape, H, D]` tensors, from the forward's output and natural-log LSE
     `[B, *shape, H]`; `grad_lse` may be None. Tiles default to `backward_tiles` (dense attention as 1-D over the
-    flattened layout, as the forward runs it). Runs on the permuted layout: permute, the kernels, unpermute."""
+    flattened layout, as the forward runs it). The kernels read and write the caller's layout in place;
+    `options` override the launch options and tuning switches of `DEFAULT_VARIANT` (benchmarks/backward.py
+    --tune)."""
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     scale = head_dim**-0.5 if scale is None else float(scale)
-    shape = tuple(q.shape[1:-2])
     if q_tile is None and kv_tile is None:
-        flat = dense_as_1d(problem)
-        if flat is not None:
-            problem = flat
+        problem = dense_as_1d(problem) or problem
         q_tile, kv_tile = backward_tiles(problem, head_dim)
-    dilation = problem.dilation
+    tokens = problem.num_tokens
 
-    def tokens(x, tile):  # [B, *problem.shape, H, D] permuted; detached: the backward tracks no graph
-        return permute(x.detach().reshape(batch, *problem.shape, *x.shape[len(shape) + 1:]), tile, dilation)
+    def flat(x, dtype=None):  # [B, tokens, ...] contiguous (no copy when it already is); detached
+        return x.detach().to(dtype or x.dtype).reshape(batch, tokens, *x.shape[q.dim() - 2:]).contiguous()
 
-    def stats(x):  # [B, *shape, H] fp32 as a permuted [B, tokens, H]
-        return tokens(x.float()[..., None], q_tile)[..., 0].contiguous()
-
-    grad_out = grad_out.to(q.dtype)
-    mirrored = None
-    if not DEFAULT_VARIANT.get("ATOMIC_DQ", False):  # the dQ kernel's own orders, permuted once from the inputs
-        mirrored = (tokens(q, kv_tile), tokens(grad_out, kv_tile), tokens(k, q_tile), tokens(v, q_tile))
-    dq, dq_tile, dk, dv, _ = _backward(
-        tokens(q, q_tile), tokens(k, kv_tile), tokens(v, kv_tile), tokens(out, q_tile), stats(lse),
-        tokens(grad_out, q_tile), None if grad_lse is None else stats(grad_lse), problem,
-        q_tile, kv_tile, scale, False, None, mirrored,
-    )
-    return tuple(unpermute(g, problem.shape, tile, dilation).reshape(q.shape)
-                 for g, tile in ((dq, dq_tile), (dk, kv_tile), (dv, kv_tile)))
+    stats = (flat(x, torch.float32) for x in (lse, grad_lse) if x is not None)
+    lse, grad_lse = next(stats), next(stats, None)
+    dq, dk, dv, _ = _backward(flat(q), flat(k), flat(v), flat(out), lse, flat(grad_out, q.dtype), grad_lse,
+                              problem, q_tile, kv_tile, scale, False, options)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
 
 
 def backward_tile_counts(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], head_dim: int = 32,
                          device: str = "cuda", dtype: torch.dtype = torch.float16):
-    """Run the backward with the dK/dV kernel's debug counters on (random permuted inputs, batch 1, one head)
-    and return `(visited, full)` per KV tile in permuted order: the Q tiles it ran and how many of those pairs
-    are full. Compare with `natsim.simulate_backward`."""
-    q_tokens = TileLayout(problem.shape, q_tile, problem.dilation).num_tokens
-    kv_tokens = TileLayout(problem.shape, kv_tile, problem.dilation).num_tokens
-    q, out, grad_out = (torch.randn((1, q_tokens, 1, head_dim), device=device, dtype=dtype) for _ in range(3))
-    k, v = (torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype) for _ in range(2))
-    lse = torch.zeros((1, q_tokens, 1), device=device)
-    *_, counts = backward_permuted(q, k, v, out, lse, grad_out, None, problem, q_tile, kv_tile, head_dim**-0.5,
-                                   debug=True)
+    """Run the backward with the dK/dV kernel's debug counters on (random inputs, batch 1, one head) and return
+    `(visited, full)` per KV tile in the tiles' order (dilation group by group, row-major inside one): the Q
+    tiles it ran and how many of those pairs are full. Compare with `natsim.simulate_backward`."""
+    tokens = problem.num_tokens
+    q, k, v, out, grad_out = (torch.randn((1, tokens, 1, head_dim), device=device, dtype=dtype) for _ in range(5))
+    lse = torch.zeros((1, tokens, 1), device=device)
+    *_, counts = _backward(q, k, v, out, lse, grad_out, None, problem, q_tile, kv_tile, head_dim**-0.5, True, None)
     counts = counts.cpu().numpy().astype("int64")
     return counts[:, 0], counts[:, 1]

@@ -6,7 +6,7 @@ programs and never changes an output row, so the gradients are those of the plai
 tiles are runs of consecutive tokens (`block_m` queries, `block_n` keys; multiples of the mask's blocks).
 
 Three launches on `[B, N, heads, head_dim]` tensors:
-1. `delta_kernel` (kernels/gna_backward.py): `delta = rowsum(dO * O) - dLSE` in fp32.
+1. `delta_kernel` (kernels/gna_backward.py): `delta = rowsum(dO * O) - dLSE` in fp32, head-major as the LSE.
 2. `sparse_dkdv_kernel`: one program per KV tile, over the Q tiles of its column of the tile mask.
 3. `sparse_dq_kernel`: one program per Q tile, over the KV tiles of its row.
 The tile mask (a tile pair is listed when any of its block pairs is attended) and its row and column lists
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .backend import interpreting
 from .gna import LOG2E
-from .gna_backward import DELTA_ROWS, delta_kernel
+from .gna_backward import DELTA_ROWS, delta_kernel, launch_options
 
 
 @triton.jit
@@ -46,9 +46,10 @@ def _element_mask(MASK, q_tokens, k_tokens, seq_len, num_kv_blocks, QB: tl.const
 
 @triton.jit
 def _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads):
-    """`lse * log2(e)` (0 for a query that attends nothing, whose every pair is masked) and delta of the rows."""
+    """`lse * log2(e)` (0 for a query that attends nothing, whose every pair is masked) and delta of the rows,
+    both head-major (`[B, heads, N]`)."""
     ok = q_tokens < seq_len
-    stat = (b * seq_len + q_tokens.to(tl.int64)) * heads + h
+    stat = (b * heads + h) * seq_len + q_tokens.to(tl.int64)
     lse = tl.load(LSE + stat, mask=ok, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)
     return lse * 1.4426950408889634, tl.load(DELTA + stat, mask=ok, other=0.0)
@@ -185,20 +186,21 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
     scale = head_dim**-0.5 if scale is None else float(scale)
     block_m, block_n = backward_blocks(q_block, kv_block, q.device) if blocks is None else blocks
     q, k, v, out, grad_out = (t.detach().contiguous() for t in (q, k, v, out, grad_out.to(q.dtype)))
-    lse = lse.detach().float().contiguous()
+    lse = lse.detach().float().transpose(1, 2).contiguous()  # head-major, as delta
     mask = mask.to(q.device, torch.bool).contiguous()
     row_count, row_index, col_count, col_index = tile_lists(mask, block_m, block_n, q_block, kv_block)
     rows = batch * seq_len * heads
-    delta = torch.empty((batch, seq_len, heads), dtype=torch.float32, device=q.device)
+    delta = torch.empty((batch, heads, seq_len), dtype=torch.float32, device=q.device)
     dlse = None if grad_lse is None else grad_lse.detach().float().contiguous()
     delta_kernel[(triton.cdiv(rows, DELTA_ROWS),)](out, grad_out, delta if dlse is None else dlse, delta, rows,
-                                                 HEAD_DIM=head_dim, BLOCK=DELTA_ROWS, HAS_DLSE=dlse is not None)
+                                                 seq_len, heads, HEAD_DIM=head_dim, BLOCK=DELTA_ROWS,
+                                                 HAS_DLSE=dlse is not None)
     num_q_tiles, num_kv_tiles = row_count.shape[-1], col_count.shape[-1]
     shared = dict(seq_len=seq_len, heads=heads, num_q_blocks=mask.shape[2], num_kv_blocks=mask.shape[3],
                   num_q_tiles=num_q_tiles, num_kv_tiles=num_kv_tiles, mask_b_step=0 if mask.shape[0] == 1 else 1,
                   mask_h_step=0 if mask.shape[1] == 1 else 1, mask_heads=mask.shape[1], qk_scale=scale * LOG2E,
                   scale=scale, QB=q_block, KVB=kv_block, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-                  num_warps=8 if max(block_m, block_n) * head_dim >= 128 * 128 else 4, num_stages=2)
+                  **launch_options(block_m, block_n))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mask_bytes = mask.view(torch.uint8)
     sparse_dkdv_kernel[(num_kv_tiles, batch * heads)](q, k, v, grad_out, lse, delta, dk, dv, mask_bytes, col_count,

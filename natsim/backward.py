@@ -29,8 +29,8 @@ class BackwardSim:
     """KV-major tile counts of one (problem, static multi-D tile configuration).
 
     `per_kv_tile_visited[i]` / `per_kv_tile_full[i]` count the Q tiles that visit KV tile i / of them the
-    full pairs; KV tiles are numbered as the permuted layout stores them (dilation groups first, then tiles
-    row-major within a group), padding-only tiles included with zero counts.
+    full pairs; KV tiles are numbered as the kernels number them (dilation groups first, then tiles row-major
+    within a group), padding-only tiles included with zero counts.
     """
 
     problem: Problem

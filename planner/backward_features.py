@@ -2,11 +2,10 @@
 
 The backward (natsim.kernels.gna_backward, through `natsim::gna_backward`) runs on tiles of its own,
 `backward_tiles(problem, head_dim)`, whatever tiles the forward ran: dense attention as 1-D over the flattened
-layout (`dense_as_1d`), as the forward does. It permutes q, k, v, the output and dO into those tiles, runs the
-delta pass and the dK/dV kernel (one program per KV tile over the Q tiles that visit it), and the dQ kernel on
-the mirrored tiles (one program per 128-query tile over 64-key tiles, as the forward; q and dO permuted into
-the KV tiles' order and k, v into the Q tiles'), or, with ATOMIC_DQ, dQ by atomics in the dK/dV kernel; then
-it unpermutes dq, dk, dv. One row per call, one column per feature (batch and heads multiply everything but
+layout (`dense_as_1d`), as the forward does. It reads and writes the caller's layout in place: the delta pass,
+the dK/dV kernel (one program per KV tile over the Q tiles that visit it), and the dQ kernel on the mirrored
+tiles (one program per 128-query tile over 64-key tiles, as the forward), or, with ATOMIC_DQ, dQ by atomics
+in the dK/dV kernel. One row per call, one column per feature (batch and heads multiply everything but
 `launch`):
 
 | feature | unit | what it counts |
@@ -15,7 +14,7 @@ it unpermutes dq, dk, dv. One row per call, one column per feature (batch and he
 | `masked_flops` | FLOP | the same for pairs that run under the element mask (only where a kernel compiles it: `needs_mask`) |
 | `pair_visits` | pair | iterations of the kernels' loops: the dK/dV kernel's visited pairs (`natsim.simulate_backward`'s) plus the dQ kernel's (`natsim.simulate` on the mirrored tiles) |
 | `programs` | program | programs launched (padding tiles included): the dK/dV kernel's KV tiles (loading K and V, storing dK and dV) and the dQ kernel's Q tiles (none with ATOMIC_DQ) |
-| `memory_bytes` | byte | permuting q, k, v, out, dO and the LSE (q, dO, k, v twice without ATOMIC_DQ), the delta pass, unpermuting dq, dk, dv |
+| `memory_bytes` | byte | outside the attention kernels: the delta pass (out and dO read, delta written), the LSE made head-major, and with ATOMIC_DQ the fp32 dQ zeroed and converted |
 | `launch` | call | 1: launches and host overhead per call |
 
 `backward_tile_work` is the same call in the planner's unit without a cost model: forward-equivalent token
@@ -43,13 +42,14 @@ if TYPE_CHECKING:
 BACKWARD_FEATURES = ("full_flops", "masked_flops", "pair_visits", "programs", "memory_bytes", "launch")
 FORWARD_TILE_PRODUCTS = 2  # QK^T and PV per visited pair in the forward kernel
 LSE_BYTES = 4  # fp32 statistics: the LSE and delta per query
+DQ_ACCUMULATOR_BYTES = 4  # ATOMIC_DQ sums dQ in fp32
 
 
 @dataclass(frozen=True)
 class BackwardWork:
     """What the backward runs for one problem (batch 1, one head): its tiles, whether its kernels compile the
     mask, the simulated pair counts of the dK/dV kernel (KV-major, on the backward's tiles) and of the dQ
-    kernel (Q-major, on the mirrored tiles), programs launched and the permuted lengths."""
+    kernel (Q-major, on the mirrored tiles), programs launched and the padded lengths of its tiles."""
 
     problem: Problem  # as the kernels see it: dense attention flattened to 1-D
     q_tile: tuple[int, ...]
@@ -133,16 +133,9 @@ def backward_features(work: BackwardWork, *, batch_heads: int, head_dim: int, el
         visits += visited
     tokens = work.problem.num_tokens
     row = head_dim * element_bytes
-    # In: q, out, dO (q tiles) and k, v (kv tiles) read real, written padded; the LSE likewise in fp32.
-    # Delta pass: out and dO read, delta written. Out: dq, dk, dv read padded, written real.
-    moved = (3 * (tokens + work.q_padded) + 2 * (tokens + work.kv_padded)) * row + (tokens + work.q_padded) * LSE_BYTES
-    moved += 2 * work.q_padded * row + work.q_padded * LSE_BYTES
-    if atomic:  # dq in fp32, converted in place, then unpermuted from the q tiles
-        moved += (work.q_padded + 2 * work.kv_padded + 3 * tokens) * row
-    else:  # q, dO into the kv tiles, k, v into the q tiles, the LSE and delta re-permuted; dq from the kv tiles
-        moved += (2 * (tokens + work.kv_padded) + 2 * (tokens + work.q_padded)) * row
-        moved += 2 * (work.q_padded + 2 * tokens + work.kv_padded) * LSE_BYTES
-        moved += (3 * work.kv_padded + 3 * tokens) * row
+    moved = 2 * tokens * row + 3 * tokens * LSE_BYTES  # delta pass (out, dO in; delta out), LSE head-major
+    if atomic:  # dq in fp32: zeroed, then read and written in q's dtype
+        moved += tokens * head_dim * 2 * DQ_ACCUMULATOR_BYTES + tokens * row
     return np.array([
         full_flops,
         masked_flops,

@@ -16,7 +16,7 @@ coefficient set (planner.sparse_features): block masks at the granularities a ma
 with the same 24 heads. Their features come from the prepared work (`prepare_sparse` on the CPU, with the
 GPU's program tiles), their times from `time_sparse_case`, the same host-bound rule and the same fit.
 
-The GNA backward pass (`natsim::gna_backward`: permutation, delta pass, dK/dV and dQ kernels on the backward's
+The GNA backward pass (`natsim::gna_backward`: delta pass, dK/dV and dQ kernels in place, on the backward's
 own tiles) gets a third set (`backward_calibration_cases`, BACKWARD_CASES) and coefficients
 (planner.backward_features): masked, block-sparse, dense, causal and dilated problems in 1-D, 2-D and 3-D on 16k
 to 33k tokens, 24 heads. Calibrating it without 'gna' (`kernels=("backward",)`) extends this GPU's stored cost

@@ -74,7 +74,7 @@ def _choice_table(plan: "Plan") -> Table:
 def _training_basis(plan: "Plan") -> Text:
     if plan.calibrated:
         return Text(f"Ranked for training by forward + backward time: the cost model fitted on {plan.gpu}, its "
-                    "backward coefficients for the backward kernels (their own tiles, permutation included).")
+                    "backward coefficients for the backward kernels (their own tiles, in place).")
     where = plan.gpu if plan.gpu else "this machine (no CUDA GPU)"
     return Text(
         f"No backward coefficients for {where} (no cost model, or one fitted without them): configurations were ranked "
