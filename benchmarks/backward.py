@@ -184,11 +184,12 @@ def run(cases, with_flex: bool, with_check: bool, save) -> list[dict]:
 # stages the default: 106.2 / 102.9 ms against 112.6 / 107.2 for ATOMIC_DQ. All three on permuted copies; the
 # kernels now read the caller's layout in place (USE_TMA, rank-2 descriptors over permuted copies, is gone).
 TUNE = [
+    (1, dict(ATOMIC_DQ=False, IN_TILE=True, num_stages=3)),
     (1, dict(ATOMIC_DQ=False, num_stages=3)),
-    (1, dict(ATOMIC_DQ=True)),
-    (1, dict(ATOMIC_DQ=False, num_stages=3, DQ_STAGES=4)),
-    (1, dict(ATOMIC_DQ=False)),
-    (2, dict(ATOMIC_DQ=False, num_stages=3)),
+    (1, dict(ATOMIC_DQ=True, IN_TILE=True)),
+    (1, dict(ATOMIC_DQ=False, IN_TILE=True, num_stages=3, DQ_STAGES=4)),
+    (1, dict(ATOMIC_DQ=False, IN_TILE=True)),
+    (2, dict(ATOMIC_DQ=False, IN_TILE=True, num_stages=3)),
 ]
 TUNE_STRIDES = [(1, 8, 8), (16, 8, 8)]
 TUNE_BUDGET_S = 120.0

@@ -3,7 +3,7 @@
     PYTHONPATH=/path/to/triton-3.6 python benchmarks/compile_backward.py --out DIR [--arch 90] [--head-dim 64]
 
 No GPU needed: `triton.compile` lowers each variant of benchmarks/backward.py's tune sweep (Q-tile halvings x
-ATOMIC_DQ x num_stages) for each problem of its table (HunyuanVideo dense, 1x1x1, 1x8x8, 16x8x8: the
+ATOMIC_DQ x IN_TILE x num_stages) for each problem of its table (HunyuanVideo dense, 1x1x1, 1x8x8, 16x8x8: the
 backward's own tiles, mask and padding switches for each; the dQ kernel on its mirrored tiles) to PTX for
 `--arch`, and the ptxas bundled with Triton assembles it with `-v`, whose report gives registers per thread and
 spill stores/loads (what a run on the card would read from the loaded kernel's `n_regs` / `n_spills`). A
@@ -36,7 +36,7 @@ FLOATS = ("qk_scale", "scale")
 # Pointer arguments: bf16 tensors, fp32 statistics; DQ is fp32 under ATOMIC_DQ; COUNTS gets DELTA without DEBUG.
 BF16 = ("Q", "K", "V", "DO", "DK", "DV")
 FP32 = ("LSE", "DELTA", "COUNTS")
-SWITCHES = ("ATOMIC_DQ",)
+SWITCHES = ("ATOMIC_DQ", "IN_TILE")
 
 
 def signature(fn, constexprs: dict, atomic: bool) -> tuple[dict, dict]:
@@ -85,9 +85,9 @@ def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, pad: bool,
     atomic = switches["ATOMIC_DQ"]
     tq, tk = (tuple(t) + (1,) * (3 - len(t)) for t in (q_tile, kv_tile))
     constexprs = dict(C0=False, C1=False, C2=False, TQ0=tq[0], TQ1=tq[1], TQ2=tq[2], TK0=tk[0], TK1=tk[1],
-                      TK2=tk[2], HEAD_DIM=head_dim, MASKED=masked, PADDED=pad)
+                      TK2=tk[2], HEAD_DIM=head_dim, MASKED=masked, PADDED=pad, IN_TILE=switches["IN_TILE"])
     if fn is dkdv_kernel:
-        constexprs.update(DEBUG=False, **switches)
+        constexprs.update(DEBUG=False, ATOMIC_DQ=switches["ATOMIC_DQ"])
     sig, attrs = signature(fn, constexprs, atomic)
     launch = {"num_warps": options["num_warps"], "num_stages": options["num_stages"]}
     row = {"kernel": fn.__name__, "q_tile": list(q_tile), "kv_tile": list(kv_tile), "masked": masked,

@@ -16,11 +16,12 @@ head_dim]`), with the forward's natural-log LSE:
    forward's proportions), so that each K and V tile it loads serves 128 queries.
 
 Tiles are boxes of the layout, cut per dilation group (kernels/layout.py); a program gathers a tile's rows from
-their places in the caller's layout (`_tile_tokens`: one head's row is `head_dim` contiguous elements wherever
+their places in the caller's layout (`_tile_rows`: one head's row is `head_dim` contiguous elements wherever
 it lies, so a gathered row costs what a row of a permuted copy would) and scatters dq, dk, dv back the same
-way: no permutation, no copies of q, k, v, dO. Rows past a group's end (padding) load as zeros and are not
-stored; only when some tile holds them (`PADDED`) do loads and stores carry a mask. Padding queries then carry
-dO = 0 and delta = 0 and add nothing to dK and dV; padding keys carry k = v = 0 and add nothing to dQ.
+way: no permuted copies of q, k, v, out or dO (at HunyuanVideo size the backward's peak extra memory is
+2.0 GB instead of 8.2). A row past
+its group's end (padding, only when some tile holds such rows: `PADDED`) reads the group's last token instead
+and is never stored; a padding query gets an infinite LSE, so that its p is 0 against every key.
 
 Both attention kernels run two loops as the forward does: the full box (every real query attends every key;
 no padding keys) without any mask code, then the rest of the visited box (five slabs around it) under the
@@ -29,12 +30,15 @@ first loop alone over the whole box. The LSE and delta are read head-major (`[B,
 head). With DEBUG on, the dK/dV kernel counts per KV tile the Q tiles it ran and how many of them are full
 (gna-semantics.md's definition), to be held against `natsim.simulate_backward`.
 
-Tuning (`DEFAULT_VARIANT`, `benchmarks/backward.py --tune`, benchmarks/results/backward-tune-*.json): three
-stages for both kernels, dQ on the mirrored tiles. `ATOMIC_DQ` (off) has the dK/dV kernel add each pair's
-`ds k` to an fp32 dQ with atomics instead (five tile products per pair, no dQ kernel, dQ's summation order
-varying from run to run): Nsight Compute showed its atomics missing L2 at HunyuanVideo sizes (40 GB of DRAM
-traffic against 9 GB for the dK/dV kernel without them), and on the H100 `gna_backward` took 112.6 / 107.2 ms
-with it against 106.2 / 102.9 ms without, at strides 1x8x8 / 16x8x8 (then on permuted copies).
+Tuning (`DEFAULT_VARIANT`, `benchmarks/backward.py --tune`, benchmarks/results/backward-*.json): three stages for
+both kernels, dQ on the mirrored tiles, `IN_TILE` (a row's token is its tile's first token plus a fixed in-tile
+offset: 5% more PTX instructions in the dK/dV loop than the permuted kernels had; computing each row's token
+from its coordinates, 16% more and 3-6% slower on the H100, backward-inplace-ab-*.json).
+`ATOMIC_DQ` (off) has the dK/dV kernel add each pair's `ds k` to an fp32 dQ with atomics instead (five tile
+products per pair, no dQ kernel, dQ's summation order varying from run to run): Nsight Compute showed its
+atomics missing L2 at HunyuanVideo sizes (40 GB of DRAM traffic against 9 GB for the dK/dV kernel without
+them), and on the H100 `gna_backward` took 112.6 / 107.2 ms with it against 106.2 / 102.9 ms without, at
+strides 1x8x8 / 16x8x8 (then on permuted copies).
 """
 
 from __future__ import annotations
@@ -206,22 +210,42 @@ def _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
 
 
 @triton.jit
-def _tile_tokens(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                 T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr):
-    """The caller's tokens (row-major over `[L0, L1, L2]`, int64) under the rows of tile (i0, i1, i2) of
-    dilation group (gi0, gi1, gi2), and which rows are real. A row past its group's end (padding) lives nowhere
-    in memory: it reads the group's last token instead, so that loads need no mask, and callers neutralise it
-    (`_load_stats`) and never store it."""
+def _in_tile_tokens(L1, L2, D0, D1, D2, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr):
+    """How far each row of a tile lies from the tile's first row, in tokens of the caller's layout (row-major
+    over `[L0, L1, L2]`; int32, as a tile spans less than the layout): the same for every tile of a program,
+    since tiles differ only in where they start."""
     r = tl.arange(0, T0 * T1 * T2)
-    c0 = i0 * T0 + r // (T1 * T2)
-    c1 = i1 * T1 + (r // T2) % T1
-    c2 = i2 * T2 + r % T2
-    real = (c0 < len0) & (c1 < len1) & (c2 < len2)
-    c0 = tl.minimum(c0, len0 - 1)
-    c1 = tl.minimum(c1, len1 - 1)
-    c2 = tl.minimum(c2, len2 - 1)
-    token = ((gi0 + D0 * c0).to(tl.int64) * L1 + gi1 + D1 * c1) * L2 + gi2 + D2 * c2
-    return token, real
+    return ((r // (T1 * T2)) * D0 * L1 + ((r // T2) % T1) * D1) * L2 + (r % T2) * D2
+
+
+@triton.jit
+def _tile_rows(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, in_tile, dims, row_stride,
+               T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, PADDED: tl.constexpr, IN_TILE: tl.constexpr):
+    """Where tile (i0, i1, i2) of dilation group (gi0, gi1, gi2) lives in the caller's layout: its rows' tokens
+    (int64, for the LSE and delta), the element offsets of its `[rows, head_dim]` cells from the head's first
+    element, and which rows are real.
+
+    Without padding, a row's token is, with IN_TILE, the tile's first token plus the program's fixed in-tile
+    offset (`in_tile`: one add per row), else computed from the row's coordinates. With PADDED, a row past its
+    group's end lives nowhere in memory: its coordinates are clamped to the group's last token, so that loads
+    need no mask, and callers neutralise it (`_load_stats`) and never store it. (Replacing padding rows'
+    tokens with `tl.where` instead spilled more registers in the masked dK/dV kernel: 496-744 bytes against
+    312 on sm_90, benchmarks/compile_backward.py.)"""
+    r = tl.arange(0, T0 * T1 * T2)
+    if IN_TILE and not PADDED:
+        token = ((gi0 + D0 * i0 * T0).to(tl.int64) * L1 + gi1 + D1 * i1 * T1) * L2 + gi2 + D2 * i2 * T2 + in_tile
+        real = r >= 0  # every row
+    else:
+        c0 = i0 * T0 + r // (T1 * T2)
+        c1 = i1 * T1 + (r // T2) % T1
+        c2 = i2 * T2 + r % T2
+        real = (c0 < len0) & (c1 < len1) & (c2 < len2)
+        if PADDED:
+            c0 = tl.minimum(c0, len0 - 1)
+            c1 = tl.minimum(c1, len1 - 1)
+            c2 = tl.minimum(c2, len2 - 1)
+        token = ((gi0 + D0 * c0).to(tl.int64) * L1 + gi1 + D1 * c1) * L2 + gi2 + D2 * c2
+    return token, token[:, None] * row_stride + dims[None, :], real
 
 
 @triton.jit
@@ -277,7 +301,7 @@ def dkdv_kernel(
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
     HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr, DEBUG: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr = False,
+    ATOMIC_DQ: tl.constexpr = False, IN_TILE: tl.constexpr = False,
 ):
     kv_tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -301,13 +325,14 @@ def dkdv_kernel(
 
     dims = tl.arange(0, HEAD_DIM)
     row_stride = heads * HEAD_DIM
-    base = b * tokens * row_stride + h * HEAD_DIM
+    base = b * tokens * row_stride + h * HEAD_DIM  # this head's first element
     stats = bh.to(tl.int64) * tokens  # this head's LSE and delta, head-major
-    kv_token, kv_real = _tile_tokens(j0, j1, j2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                     TK0, TK1, TK2)
-    kv_offsets = base + kv_token[:, None] * row_stride + dims[None, :]
-    k = tl.load(K + kv_offsets)
-    v = tl.load(V + kv_offsets)
+    q_in_tile = _in_tile_tokens(L1, L2, D0, D1, D2, TQ0, TQ1, TQ2)
+    kv_in_tile = _in_tile_tokens(L1, L2, D0, D1, D2, TK0, TK1, TK2)
+    kv_token, kv_offsets, kv_real = _tile_rows(j0, j1, j2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                               kv_in_tile, dims, row_stride, TK0, TK1, TK2, PADDED, IN_TILE)
+    k = tl.load(K + base + kv_offsets)
+    v = tl.load(V + base + kv_offsets)
     dk = tl.zeros([TK0 * TK1 * TK2, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([TK0 * TK1 * TK2, HEAD_DIM], dtype=tl.float32)
     visited = num_q * 0
@@ -318,15 +343,14 @@ def dkdv_kernel(
     t1 = f1
     t2 = f2
     for _ in tl.range(0, num_full):
-        q_token, q_real = _tile_tokens(t0, t1, t2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                       TQ0, TQ1, TQ2)
-        q_offsets = base + q_token[:, None] * row_stride + dims[None, :]
-        q = tl.load(Q + q_offsets)
-        do = tl.load(DO + q_offsets)
+        q_token, q_offsets, q_real = _tile_rows(t0, t1, t2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                                q_in_tile, dims, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
+        q = tl.load(Q + base + q_offsets)
+        do = tl.load(DO + base + q_offsets)
         lse2, delta = _load_stats(LSE, DELTA, stats + q_token, q_real, PADDED)
         dk, dv, ds = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
         if ATOMIC_DQ:
-            _add_dq(DQ, q_offsets, q_real, ds, k, scale, PADDED)
+            _add_dq(DQ + base, q_offsets, q_real, ds, k, scale, PADDED)
         if DEBUG:
             visited += 1
             full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
@@ -337,25 +361,24 @@ def dkdv_kernel(
     if MASKED:
         for j in tl.range(0, num_q - num_full):
             t0, t1, t2 = _slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
-            q_token, q_real = _tile_tokens(t0, t1, t2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                           TQ0, TQ1, TQ2)
-            q_offsets = base + q_token[:, None] * row_stride + dims[None, :]
-            q = tl.load(Q + q_offsets)
-            do = tl.load(DO + q_offsets)
+            q_token, q_offsets, q_real = _tile_rows(t0, t1, t2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1,
+                                                    D2, q_in_tile, dims, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
+            q = tl.load(Q + base + q_offsets)
+            do = tl.load(DO + base + q_offsets)
             lse2, delta = _load_stats(LSE, DELTA, stats + q_token, q_real, PADDED)
             keep = _window_mask(t0 * TQ0, t1 * TQ1, t2 * TQ2, j0 * TK0, j1 * TK1, j2 * TK2,
                                 len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
                                 TQ0, TQ1, TQ2, TK0, TK1, TK2, True)
             dk, dv, ds = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
             if ATOMIC_DQ:
-                _add_dq(DQ, q_offsets, q_real, ds, k, scale, PADDED)
+                _add_dq(DQ + base, q_offsets, q_real, ds, k, scale, PADDED)
             if DEBUG:
                 visited += 1
                 full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
                                    TQ0, TQ1, TQ2, TK0, TK1, TK2)
 
-    _store_rows(DK, kv_offsets, dk * scale, kv_real, PADDED)
-    _store_rows(DV, kv_offsets, dv, kv_real, PADDED)
+    _store_rows(DK + base, kv_offsets, dk * scale, kv_real, PADDED)
+    _store_rows(DV + base, kv_offsets, dv, kv_real, PADDED)
     if DEBUG:
         if bh == 0:
             tl.store(COUNTS + 2 * kv_tile, visited)
@@ -383,7 +406,7 @@ def dq_kernel(
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr, IN_TILE: tl.constexpr = False,
 ):
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -414,40 +437,40 @@ def dq_kernel(
 
     dims = tl.arange(0, HEAD_DIM)
     row_stride = heads * HEAD_DIM
-    base = b * tokens * row_stride + h * HEAD_DIM
-    q_token, q_real = _tile_tokens(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                   TQ0, TQ1, TQ2)
-    q_offsets = base + q_token[:, None] * row_stride + dims[None, :]
-    q = tl.load(Q + q_offsets)
-    do = tl.load(DO + q_offsets)
+    base = b * tokens * row_stride + h * HEAD_DIM  # this head's first element
+    q_in_tile = _in_tile_tokens(L1, L2, D0, D1, D2, TQ0, TQ1, TQ2)
+    q_token, q_offsets, q_real = _tile_rows(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                            q_in_tile, dims, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
+    q = tl.load(Q + base + q_offsets)
+    do = tl.load(DO + base + q_offsets)
     lse2, delta = _load_stats(LSE, DELTA, bh.to(tl.int64) * tokens + q_token, q_real, PADDED)
     dq = tl.zeros([TQ0 * TQ1 * TQ2, HEAD_DIM], dtype=tl.float32)
+    kv_in_tile = _in_tile_tokens(L1, L2, D0, D1, D2, TK0, TK1, TK2)
 
     k0 = f0
     k1 = f1
     k2 = f2
     for _ in tl.range(0, num_full):
-        kv_token, kv_real = _tile_tokens(k0, k1, k2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                         TK0, TK1, TK2)
-        kv_offsets = base + kv_token[:, None] * row_stride + dims[None, :]
-        k = tl.load(K + kv_offsets)
-        v = tl.load(V + kv_offsets)
+        kv_token, kv_offsets, kv_real = _tile_rows(k0, k1, k2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1,
+                                                   D2, kv_in_tile, dims, row_stride, TK0, TK1, TK2, PADDED, IN_TILE)
+        k = tl.load(K + base + kv_offsets)
+        v = tl.load(V + base + kv_offsets)
         dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, 0, False)
         k0, k1, k2 = _next_tile(k0, k1, k2, f1, g1, f2, g2)
 
     if MASKED:
         for j in tl.range(0, num_kv - num_full):
             k0, k1, k2 = _slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
-            kv_token, kv_real = _tile_tokens(k0, k1, k2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                             TK0, TK1, TK2)
-            kv_offsets = base + kv_token[:, None] * row_stride + dims[None, :]
-            k = tl.load(K + kv_offsets)
-            v = tl.load(V + kv_offsets)
+            kv_token, kv_offsets, kv_real = _tile_rows(k0, k1, k2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0,
+                                                       D1, D2, kv_in_tile, dims, row_stride, TK0, TK1, TK2, PADDED,
+                                                       IN_TILE)
+            k = tl.load(K + base + kv_offsets)
+            v = tl.load(V + base + kv_offsets)
             keep = _window_mask(first0, first1, first2, k0 * TK0, k1 * TK1, k2 * TK2, len0, len1, len2,
                                 W0, W1, W2, S0, S1, S2, C0, C1, C2, TQ0, TQ1, TQ2, TK0, TK1, TK2, False)
             dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
 
-    _store_rows(DQ, q_offsets, dq * scale, q_real, PADDED)
+    _store_rows(DQ + base, q_offsets, dq * scale, q_real, PADDED)
 
 
 # -- host side: tiles, launches ------------------------------------------------------------------------------------
@@ -457,10 +480,10 @@ KV_TILE_TOKENS = 128  # keys per backward KV tile; its Q tile holds 1 / 2**Q_TIL
 # head_dim 128 on sm_90 (benchmarks/compile_backward.py); benchmarks/backward.py --tune times both.
 Q_TILE_HALVINGS = 1
 DELTA_ROWS = 64
-# The variant `gna_backward` runs unless told otherwise: launch options and the tuning switch ATOMIC_DQ over
-# `launch_options`' defaults (`DQ_STAGES` sets the dQ kernel's stages alone); benchmarks/backward.py --tune
-# times the alternatives.
-DEFAULT_VARIANT: dict = {"ATOMIC_DQ": False, "num_stages": 3}  # the H100 tune's winner (module docstring)
+# The variant `gna_backward` runs unless told otherwise: launch options and the tuning switches ATOMIC_DQ and
+# IN_TILE over `launch_options`' defaults (`DQ_STAGES` sets the dQ kernel's stages alone); benchmarks/backward.py
+# --tune times the alternatives.
+DEFAULT_VARIANT: dict = {"ATOMIC_DQ": False, "IN_TILE": True, "num_stages": 3}  # H100 winners (module docstring)
 # Tile products per visited (Q tile, KV tile) pair: the dK/dV kernel's q k^T, dO v^T, p^T dO and ds^T q (plus
 # ds^T k with ATOMIC_DQ), and the dQ kernel's q k^T, dO v^T and ds k on its own (mirrored) pairs.
 DKDV_PRODUCTS = 4

@@ -317,8 +317,8 @@ def test_sparse_attention_is_differentiable_under_compile_and_merging():
         assert rel_error(a, b) < 1e-2
 
 
-@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(ATOMIC_DQ=False),
-                                     dict(ATOMIC_DQ=False, num_stages=3, DQ_STAGES=2)])
+@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(ATOMIC_DQ=False), dict(IN_TILE=True),
+                                     dict(ATOMIC_DQ=True, IN_TILE=True), dict(ATOMIC_DQ=False, num_stages=3, DQ_STAGES=2)])
 @pytest.mark.parametrize("problem, q_tile, kv_tile", [
     (Problem((6, 10), (3, 4), (1, 2), 1, (True, False)), (2, 8), (4, 4)),  # masked pairs and full ones
     (Problem((4, 8, 8), (2, 8, 8), (2, 4, 4)), (1, 4, 4), (2, 4, 4)),  # block-sparse: eight full Q tiles per KV tile
