@@ -40,8 +40,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     q, k, v, g = (torch.randn(1, *SHAPE, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = forward(q, k, v, WINDOW, stride, 1, False, None, None, None, True)
-    choices = [backward_tiles(problem, HEAD_DIM)] + [c for c in dict.fromkeys(CANDIDATES)
-                                                     if c != backward_tiles(problem, HEAD_DIM)]
+    default = backward_tiles(problem, HEAD_DIM)
+    choices = [default] + [choice for choice in CANDIDATES if choice != default]
     reference = gna_backward(q, k, v, out, lse, g, None, problem)
     rows = []
     for q_tile, kv_tile in choices:

@@ -19,9 +19,9 @@ Tiles are boxes of the layout, cut per dilation group (kernels/layout.py); a pro
 their places in the caller's layout (`_tile_rows`: one head's row is `head_dim` contiguous elements wherever
 it lies, so a gathered row costs what a row of a permuted copy would) and scatters dq, dk, dv back the same
 way: no permuted copies of q, k, v, out or dO (at HunyuanVideo size the backward's peak extra memory is
-2.0 GB instead of 8.2). A row past
-its group's end (padding, only when some tile holds such rows: `PADDED`) reads the group's last token instead
-and is never stored; a padding query gets an infinite LSE, so that its p is 0 against every key.
+2.0 GB instead of 8.2). A row past its group's end (padding, only when some tile holds such rows: `PADDED`)
+reads the group's last token instead and is never stored; a padding query gets an infinite LSE, so that its p
+is 0 against every key.
 
 Both attention kernels run two loops as the forward does: the full box (every real query attends every key;
 no padding keys) without any mask code, then the rest of the visited box (five slabs around it) under the
@@ -308,7 +308,7 @@ def dkdv_kernel(
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
     _, gi0, gi1, gi2, len0, len1, len2, j0, j1, j2 = _tile_in_group(kv_tile, L0, L1, L2, D0, D1, D2,
-                                                                         NK0, NK1, NK2)
+                                                                     NK0, NK1, NK2)
 
     # Which Q tiles visit this KV tile, per dimension: [lo, hi), and the full run [f, g) inside it.
     lo0, hi0, f0, g0 = _q_runs(j0, len0, W0, S0, STEPS0, C0, TQ0, TK0)
@@ -413,7 +413,7 @@ def dq_kernel(
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
     _, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = _tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
-                                                                         NQ0, NQ1, NQ2)
+                                                                     NQ0, NQ1, NQ2)
     first0 = i0 * TQ0
     first1 = i1 * TQ1
     first2 = i2 * TQ2
@@ -631,8 +631,8 @@ def gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, scale:
     def flat(x, dtype=None):  # [B, tokens, ...] contiguous (no copy when it already is); detached
         return x.detach().to(dtype or x.dtype).reshape(batch, tokens, *x.shape[q.dim() - 2:]).contiguous()
 
-    stats = (flat(x, torch.float32) for x in (lse, grad_lse) if x is not None)
-    lse, grad_lse = next(stats), next(stats, None)
+    lse = flat(lse, torch.float32)
+    grad_lse = None if grad_lse is None else flat(grad_lse, torch.float32)
     dq, dk, dv, _ = _backward(flat(q), flat(k), flat(v), flat(out), lse, flat(grad_out, q.dtype), grad_lse,
                               problem, q_tile, kv_tile, scale, False, options)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
