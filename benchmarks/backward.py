@@ -31,9 +31,10 @@ from timing import rel
 
 import natsim
 from natsim.kernels import gna_attention, permute
-from natsim.kernels.gna_backward import backward_tiles
-from natsim.kernels.gna_launch import dense_as_1d, forward
-from natsim.kernels.reference import reference_gradients
+from natsim.kernels.gna.backward import backward_tiles
+from natsim.kernels.gna.dispatch import forward
+from natsim.kernels.gna.launch import dense_as_1d
+from natsim.kernels.gna.reference import reference_gradients
 
 HEADS, HEAD_DIM, DTYPE = 24, 128, torch.bfloat16
 SHAPE, WINDOW = (30, 48, 80), (18, 24, 24)

@@ -23,8 +23,8 @@ import triton
 from timing import bench, rel
 
 import natsim
-from natsim.kernels.gna_backward import backward_tiles, gna_backward, padded
-from natsim.kernels.gna_launch import forward
+from natsim.kernels.gna.backward import backward_tiles, gna_backward, padded
+from natsim.kernels.gna.dispatch import forward
 
 SHAPE, WINDOW, HEADS, HEAD_DIM = (30, 48, 80), (18, 24, 24), 24, 128
 CANDIDATES = [((2, 8, 4), (2, 8, 8)), ((2, 4, 8), (2, 8, 8)), ((1, 8, 8), (2, 8, 8)), ((1, 4, 16), (2, 4, 16))]

@@ -27,8 +27,9 @@ from triton.backends.compiler import GPUTarget
 from backward import CASES, SHAPE, TUNE
 
 import natsim
-from natsim.kernels.gna_backward import backward_tiles, launch_options, dkdv_kernel, dq_kernel, padded
-from natsim.kernels.gna_launch import dense_as_1d, needs_mask
+from natsim.kernels.common.backward import launch_options
+from natsim.kernels.gna.backward import backward_tiles, dkdv_kernel, dq_kernel, padded
+from natsim.kernels.gna.launch import dense_as_1d, needs_mask
 
 INTS = ("tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
         "NQ0", "NQ1", "NQ2", "NK0", "NK1", "NK2", "STEPS0", "STEPS1", "STEPS2")

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import natsim
 import natsim.distributed as nd
 from natsim import Problem
-from natsim.kernels import distributed as kd
+from natsim.distributed import gna as distributed_gna
+from natsim.distributed import strategies
 from natsim.kernels import gna_attention
 from natsim.partition import STRATEGIES, aligned_split, even_split, offsets, strategy_cost
 
@@ -74,12 +75,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 class ByteCounter:
     """Counts the bytes this rank hands to torch.distributed for other ranks (natsim.distributed's all-to-all
-    `_exchange` and point-to-point `_send_receive`)."""
+    `exchange` and point-to-point `send_receive`)."""
 
     def __init__(self, rank: int):
         self.rank, self.bytes = rank, 0
-        self.exchange, self.send_receive = kd._exchange, kd._send_receive
-        kd._exchange, kd._send_receive = self.counted_exchange, self.counted_send_receive
+        self.exchange, self.send_receive = strategies.exchange, strategies.send_receive
+        strategies.exchange, strategies.send_receive = self.counted_exchange, self.counted_send_receive
 
     def counted_exchange(self, send, shapes, group, **options):
         self.bytes += sum(t.numel() * t.element_size() for j, t in enumerate(send) if j != self.rank)
@@ -98,8 +99,8 @@ def run_case(name, window, stride, split_name, setup, q, k, v, single_out, singl
     t = offsets(split)
     mine = slice(t[rank], t[rank + 1])
     ql, kl, vl = (x[:, mine].contiguous() for x in (q, k, v))
-    tiles = kd._tiles(problem, head_dim, None, None)
-    auto = kd.choose(problem, tiles, split, 1, heads, head_dim, q.element_size())
+    tiles = distributed_gna._tiles(problem, head_dim, None, None)
+    auto = nd.choose(problem, tiles, split, 1, heads, head_dim, q.element_size())
     record = dict(config=name, window=list(window), stride=list(stride), split=list(split), auto_choice=auto,
                   single_gpu_ms=single_ms, strategies={})
     runnable = [s for s in STRATEGIES if s != "ulysses" or heads % world == 0]  # ulysses: heads divide

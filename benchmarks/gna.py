@@ -25,7 +25,7 @@ import triton
 
 import natsim
 from natsim.kernels import gna_attention_permuted, permute, unpermute
-from natsim.kernels.layout import TileLayout
+from natsim.kernels.gna.layout import TileLayout
 
 HEADS, HEAD_DIM, DTYPE = 24, 128, torch.bfloat16
 
@@ -180,15 +180,16 @@ def tune(out_dir: Path) -> None:
     warp specialization on masked problems (Triton does not specialize a loop with the mask in it, and 4 warps
     alone spill), are skipped.
     """
-    from natsim.kernels import gna_launch as attention
+    from natsim.kernels.common.launch import launch_config
+    from natsim.kernels.gna.launch import needs_mask
 
     results = []
     shape, window, tile = (30, 48, 80), (18, 24, 24), (2, 8, 8)
     q, k, v = (permute(t, tile) for t in qkv(shape))
     for stride, win in [((1, 1, 1), shape), ((1, 1, 1), window), ((1, 8, 8), window), ((16, 8, 8), window)]:
         problem = natsim.Problem(shape, win, stride)
-        masked = attention.needs_mask(problem, tile, tile)
-        default = attention.launch_config(128, 128, HEAD_DIM, masked, True)
+        masked = needs_mask(problem, tile, tile)
+        default = launch_config(128, 128, HEAD_DIM, masked, True)
         reference = gna_attention_permuted(q, k, v, problem, tile, tile).float()
         for name, options in TUNE_VARIANTS:
             effective = {**default, **options}
@@ -226,7 +227,7 @@ def kv_tiling_rows() -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from natsim.kernels import gna_attention
-    from natsim.kernels.tiles import choose_tiles
+    from natsim.kernels.gna.tiles import choose_tiles
     from timing import bench as bench_long, rel
 
     rows = []

@@ -33,7 +33,7 @@ from timing import bench, rel
 import natsim
 from natsim.kernels import gna_attention, gna_attention_permuted, permute
 from natsim.kernels import ops
-from natsim.kernels.tiles import default_tiles, tile_pairs
+from natsim.kernels.gna.tiles import default_tiles, tile_pairs
 from natsim.planner.costmodel import COEFFICIENTS_DIR, CostModel
 from natsim.planner.features import features_of
 

@@ -343,7 +343,7 @@ def table(rows: list) -> None:
 def tune(out: Path, layouts: list, heads: int) -> None:
     """--tune: the unmasked loop warp-specialized (8 warps, 2 stages) against the default single-partition loop
     (8 warps, 3 stages), on 128x128 masks that load through descriptors, grid and lpt; outputs compared."""
-    from natsim.kernels.sparse import run_sparse
+    from natsim.kernels.sparse.forward import run_sparse
 
     rows = []
     generator = torch.Generator().manual_seed(0)

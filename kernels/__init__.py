@@ -1,11 +1,27 @@
-"""natsim.kernels: Triton kernels for GNA (static and dynamic KV tiling, frame ranges) and for any block mask,
-forward and backward, token permutation, the registered operators they run as (kernels/ops.py: autograd goes
-through them), and their torch references. Context parallelism is natsim.distributed (kernels/distributed.py);
-mask predictors are natsim.masks (kernels/masks.py, predictors.py, maskcache.py)."""
+"""natsim.kernels: what runs on the GPU. GNA (kernels/gna/) and attention under any block mask
+(kernels/sparse/), forward and backward, as PyTorch operators registered in one place (kernels/ops.py), each
+with a CPU path through its torch reference; kernels/common/ holds what the families share.
+"""
 
-from .attention import gna_attention, gna_attention_permuted, gna_tile_counts
-from .permute import permute, permute_reference, unpermute, unpermute_reference
-from .reference import reference_attention
+from .gna import (
+    gna_attention,
+    gna_attention_permuted,
+    gna_tile_counts,
+    permute,
+    permute_reference,
+    reference_attention,
+    unpermute,
+    unpermute_reference,
+)
+from .sparse import (
+    SparseMask,
+    SparseTileCounts,
+    SparseWork,
+    prepare_sparse,
+    sparse_attention,
+    sparse_reference,
+    sparse_tile_counts,
+)
 
 __all__ = [
     "gna_attention",
@@ -16,19 +32,6 @@ __all__ = [
     "permute_reference",
     "unpermute_reference",
     "reference_attention",
-]
-
-from .sparse import (  # noqa: E402  (issue 9: attention under any block mask)
-    SparseTileCounts,
-    SparseWork,
-    prepare_sparse,
-    sparse_attention,
-    sparse_reference,
-    sparse_tile_counts,
-)
-from .sparsemask import SparseMask  # noqa: E402
-
-__all__ += [
     "SparseMask",
     "SparseTileCounts",
     "SparseWork",

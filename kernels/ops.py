@@ -6,9 +6,9 @@ other op. Every argument that selects a kernel variant is a plain int, float or 
 decisions are made from them, never from tensor values.
 
 Gradients (issue 13): `natsim::gna_forward` saves q, k, v, the output and the LSE, and its backward runs the
-Triton backward kernels (kernels/gna_backward.py) on the Triton path; callers that need gradients ask the
+Triton backward kernels (kernels/gna/backward.py) on the Triton path; callers that need gradients ask the
 forward for the LSE (gna_attention does). `natsim::sparse_forward` does the same with
-kernels/sparse_backward.py. Each backward is an operator of its own (`natsim::gna_backward`,
+kernels/sparse/backward.py. Each backward is an operator of its own (`natsim::gna_backward`,
 `natsim::sparse_backward`, with fake implementations), so that torch.compile keeps it in its graph; a forward
 called without the LSE is run again for it in the backward. The torch reference (CPU tensors without the
 interpreter) is differentiable on both: its backward recomputes the reference under autograd.
@@ -20,8 +20,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from .backend import use_triton
-from .gna_launch import forward
+from .common.backend import use_triton
+from .gna.backward import gna_backward as run_gna_backward
+from .gna.checks import check_frames, check_kv_tiling, check_qkv, problem_of
+from .gna.dispatch import forward
+from .gna.reference import reference_attention
+from .sparse.backward import sparse_backward as run_sparse_backward
+from .sparse.checks import check_mask_batch, check_pv_threshold, check_sparse_qkv
+from .sparse.dispatch import sparse_forward_impl
+from .sparse.reference import sparse_reference
+from .sparse.work import dense_mask
 
 
 FRAMES_GRADIENT_REFUSAL = (
@@ -49,7 +57,7 @@ def gna_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
     unless `return_lse`). `kv_tiling`: "static", "dynamic" or None (natsim chooses). `frame_offsets=(q0, k0,
-    L0)`: q and k, v hold frame ranges of dimension 0 (kernels/gna_launch.py)."""
+    L0)`: q and k, v hold frame ranges of dimension 0 (kernels/gna/launch.py)."""
     out, lse = forward(q, k, v, tuple(window), tuple(stride), tuple(dilation), tuple(causal), scale,
                        None if q_tile is None else tuple(q_tile), None if kv_tile is None else tuple(kv_tile),
                        return_lse, kv_tiling, None if frame_offsets is None else tuple(frame_offsets))
@@ -68,9 +76,6 @@ def _no_lse(q: torch.Tensor) -> torch.Tensor:
 @gna_forward.register_fake
 def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
                       kv_tiling=None, frame_offsets=None):
-    from .checks import check_kv_tiling, check_qkv, problem_of
-    from .reference import check_frames
-
     if frame_offsets is None:  # the same sentence errors as eager
         problem_of(check_qkv(q, k, v), window, stride, dilation, causal)
     else:
@@ -122,18 +127,15 @@ def gna_backward(
     causal: Sequence[bool],
     scale: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of `natsim::gna_forward` on the Triton path: the backward kernels (kernels/gna_backward.py)
+    """dq, dk, dv of `natsim::gna_forward` on the Triton path: the backward kernels (kernels/gna/backward.py)
     from the forward's output and LSE; an empty `lse` (a forward called without `return_lse`) runs the
     forward again for it. An operator of its own, so that AOTAutograd (torch.compile) keeps the backward in
     its graph as one opaque call."""
-    from .checks import problem_of
-    from .gna_backward import gna_backward as run_backward
-
     problem = problem_of(tuple(q.shape[1:-2]), tuple(window), tuple(stride), tuple(dilation), tuple(causal))
     if not lse.numel():
         out, lse = forward(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal, scale,
                            None, None, True)
-    return run_backward(q, k, v, out, lse, grad_out, grad_lse, problem, scale)
+    return run_gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem, scale)
 
 
 @gna_backward.register_fake
@@ -150,8 +152,6 @@ def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     if use_triton(q):
         dq, dk, dv = gna_backward(q, k, v, out, lse, grad_out, grad_lse, *ctx.arguments)
     else:
-        from .reference import reference_attention
-
         window, stride, dilation, causal, scale = ctx.arguments
         dq, dk, dv = _recomputed_gradients(
             lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True,
@@ -164,7 +164,7 @@ def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 gna_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-# == natsim::sparse_forward: attention under any block mask (kernels/sparse.py) ===================================
+# == natsim::sparse_forward: attention under any block mask (kernels/sparse/forward.py) ===================================
 
 PV_SKIP_GRADIENT_REFUSAL = (
     "pv_threshold skips products by a data-dependent rule that has no backward pass, and q, k or v requires "
@@ -191,8 +191,6 @@ def sparse_forward(
     output, and the LSE `[B, N, heads]` (empty unless `return_lse`); `pv_threshold` turns on SpargeAttn's
     PV skip. The host work (grouping, union lists) happens inside, so a compiled graph holds one opaque
     call."""
-    from .sparse import sparse_forward_impl
-
     out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs,
                                    pv_threshold)
     return out, (_no_lse(q) if not return_lse else lse)
@@ -201,11 +199,9 @@ def sparse_forward(
 @sparse_forward.register_fake
 def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs,
                          pv_threshold=None):
-    from .sparse import _dense_mask, check_mask_batch, check_pv_threshold, check_sparse_qkv
-
     check_sparse_qkv(q, k, v)
     check_pv_threshold(pv_threshold)
-    _dense_mask(mask, q_block, kv_block, q.shape[1])  # the same sentence errors as eager
+    dense_mask(mask, q_block, kv_block, q.shape[1])  # the same sentence errors as eager
     check_mask_batch(mask.shape[0], mask.shape[1], q)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
     return torch.empty_like(q), lse
@@ -238,15 +234,12 @@ def sparse_backward(
     kv_block: int,
     scale: Optional[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of `natsim::sparse_forward` on the Triton path (kernels/sparse_backward.py, on the unmerged
+    """dq, dk, dv of `natsim::sparse_forward` on the Triton path (kernels/sparse/backward.py, on the unmerged
     block mask: merging never changes an output row). An empty `lse` (a forward called without `return_lse`)
     runs the forward again for it."""
-    from .sparse import sparse_forward_impl
-    from .sparse_backward import sparse_backward as run_backward
-
     if not lse.numel():
         out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, None, scale, True, "grid", None)
-    return run_backward(q, k, v, out, lse, grad_out, grad_lse, mask, q_block, kv_block, scale)
+    return run_sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask, q_block, kv_block, scale)
 
 
 @sparse_backward.register_fake
@@ -264,8 +257,6 @@ def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     if use_triton(q):
         dq, dk, dv = sparse_backward(q, k, v, mask, out, lse, grad_out, grad_lse, q_block, kv_block, scale)
     else:
-        from .sparse import sparse_reference
-
         dq, dk, dv = _recomputed_gradients(
             lambda q, k, v: sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True),
             q, k, v, grad_out, grad_lse,

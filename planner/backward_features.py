@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 
 from natsim import Problem, TileConfig, simulate
-from natsim.kernels.gna_backward import DEFAULT_VARIANT, DKDV_PRODUCTS, DQ_PRODUCTS, backward_tiles
-from natsim.kernels.gna_launch import dense_as_1d, needs_mask
+from natsim.kernels.gna.backward import DEFAULT_VARIANT, DKDV_PRODUCTS, DQ_PRODUCTS, backward_tiles
+from natsim.kernels.gna.launch import dense_as_1d, needs_mask
 
 from .features import padded_tokens
 

@@ -37,8 +37,9 @@ import torch
 from natsim import Problem, TileConfig, block_mask, simulate
 from natsim.tiles import KV_TILINGS
 
-from natsim.kernels.gna_launch import has_tensor_descriptors, permutes
-from natsim.kernels.sparse import default_blocks, prepare_sparse
+from natsim.kernels.common.launch import has_tensor_descriptors
+from natsim.kernels.gna.launch import permutes
+from natsim.kernels.sparse.work import default_blocks, prepare_sparse
 
 from .catalog import as_dtype, dtype_name, element_bytes
 from .backward_features import BACKWARD_FEATURES, backward_features, backward_work
@@ -153,7 +154,7 @@ def calibration_cases() -> list[Case]:
 
 def case_features(cases: Sequence[Case], dtype: torch.dtype, descriptors: bool = True) -> np.ndarray:
     """The feature matrix of `cases` (rows in order), from the simulator. `descriptors`: the GPU has tensor
-    descriptors, so only dilated calls permute tokens (natsim.kernels.gna_launch.permutes)."""
+    descriptors, so only dilated calls permute tokens (natsim.kernels.gna.launch.permutes)."""
     size = element_bytes(dtype)
     return np.stack(
         [
@@ -389,7 +390,7 @@ def backward_case_features(cases: Sequence[BackwardCase], dtype: torch.dtype) ->
 def backward_case_inputs(case: BackwardCase, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Random q, k, v and output gradient for `case`, with the forward's output and LSE: `(q, k, v, out, lse,
     grad_out)`, what `natsim::gna_backward` receives in a training step."""
-    from natsim.kernels.gna_launch import forward
+    from natsim.kernels.gna.dispatch import forward
 
     p = case.problem
     q, k, v, grad = (torch.randn((1, *p.shape, case.heads, case.head_dim), device=device, dtype=dtype)
@@ -400,7 +401,7 @@ def backward_case_inputs(case: BackwardCase, dtype: torch.dtype, device: torch.d
 
 def backward_case_call(case: BackwardCase, inputs: Sequence[torch.Tensor]) -> Callable[[], object]:
     """The GNA backward call of `case` on `inputs` (`backward_case_inputs`), returning dq, dk, dv."""
-    from natsim.kernels.gna_backward import gna_backward
+    from natsim.kernels.gna.backward import gna_backward
 
     q, k, v, out, lse, grad = inputs
     return lambda: gna_backward(q, k, v, out, lse, grad, None, case.problem)

@@ -15,8 +15,8 @@ import torch
 
 from natsim import TileConfig
 from natsim.tiles import KV_TILINGS
-from natsim.kernels.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
-from natsim.kernels.tiles import TILE_TOKENS, tile_pairs
+from natsim.kernels.common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
+from natsim.kernels.gna.tiles import TILE_TOKENS, tile_pairs
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 DTYPE_ALIASES = {

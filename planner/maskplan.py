@@ -36,9 +36,10 @@ from rich.text import Text
 
 from natsim import merge as natsim_merge
 from natsim.kernels import SparseMask, SparseWork, prepare_sparse, sparse_attention
-from natsim.kernels.backend import runs_eagerly, use_triton
-from natsim.kernels.sparse import MIN_Q_BLOCK, SPARSE_HEAD_DIMS, default_blocks
-from natsim.kernels.sparsemask import check_block, check_dense_mask, check_seq_len
+from natsim.kernels.common.backend import runs_eagerly, use_triton
+from natsim.kernels.sparse.checks import SPARSE_HEAD_DIMS
+from natsim.kernels.sparse.mask import check_block, check_dense_mask, check_seq_len
+from natsim.kernels.sparse.work import MIN_Q_BLOCK, default_blocks
 
 from .catalog import as_dtype, dtype_name
 from .costmodel import CostModel, cost_model_for, gpu_of

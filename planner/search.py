@@ -25,8 +25,8 @@ import torch
 
 from natsim import SweepResult, TileConfig, simulate, sweep
 from natsim.dimension import ceil_div
-from natsim.kernels.checks import kernel_tiles
-from natsim.kernels.gna_launch import permutes
+from natsim.kernels.gna.checks import kernel_tiles
+from natsim.kernels.gna.launch import permutes
 from natsim.tiles import KV_TILINGS
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 
@@ -39,7 +39,7 @@ from .windows import candidate_windows, window_sparsity
 
 TIE_TOLERANCE = 0.02
 # Plans have no dilation, so on GPUs with tensor descriptors (those with coefficients) the kernel reads q, k, v
-# in place: no permutation (natsim.kernels.gna_launch.permutes).
+# in place: no permutation (natsim.kernels.gna.launch.permutes).
 PERMUTES = False
 DENSE_TILE = 128
 RUNNERS_UP = 4

@@ -25,10 +25,11 @@ def _private_coefficient_folder(tmp_path_factory, monkeypatch):
 def reference_path(monkeypatch):
     """CPU tensors take the torch reference (no interpreter) for the duration of a test, without the one-time
     CPU warnings (`use_triton` reads TRITON_INTERPRET per call)."""
-    from natsim.kernels import gna_launch, sparse
+    from natsim.kernels.gna import dispatch as gna_dispatch
+    from natsim.kernels.sparse import dispatch as sparse_dispatch
 
     if os.path.exists("/dev/nvidia0"):
         pytest.skip("the reference path is the CPU path")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(gna_launch, "_warned_cpu", True)
-    monkeypatch.setattr(sparse, "_warned_cpu", True)
+    monkeypatch.setattr(gna_dispatch, "_warned_cpu", True)
+    monkeypatch.setattr(sparse_dispatch, "_warned_cpu", True)

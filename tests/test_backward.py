@@ -25,8 +25,8 @@ import natsim  # noqa: E402
 from natsim import Problem, TileConfig, simulate, simulate_backward  # noqa: E402
 from natsim.kernels import gna_attention, reference_attention  # noqa: E402
 from natsim.kernels import ops  # noqa: E402
-from natsim.kernels.gna_backward import backward_tile_counts, backward_tiles, gna_backward  # noqa: E402
-from natsim.kernels.reference import reference_gradients  # noqa: E402
+from natsim.kernels.gna.backward import backward_tile_counts, backward_tiles, gna_backward  # noqa: E402
+from natsim.kernels.gna.reference import reference_gradients  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
@@ -281,7 +281,7 @@ def sparse_problems(draw):
 @given(sparse_problems(), st.sampled_from([torch.float16, torch.float32]), st.booleans())
 def test_sparse_backward_kernels_match_float64_reference_gradients(case, dtype, with_lse_gradient):
     from natsim.kernels import sparse_reference
-    from natsim.kernels.sparse_backward import sparse_backward
+    from natsim.kernels.sparse.backward import sparse_backward
 
     q_block, kv_block, seq_len, batch, heads, mask_batch, mask_heads, density, seed = case
     generator = torch.Generator().manual_seed(seed)

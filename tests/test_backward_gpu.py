@@ -14,8 +14,8 @@ import torch
 
 import natsim
 from natsim.kernels import gna_attention
-from natsim.kernels.gna_backward import DEFAULT_VARIANT, backward_tile_counts, backward_tiles
-from natsim.kernels.reference import reference_gradients
+from natsim.kernels.gna.backward import DEFAULT_VARIANT, backward_tile_counts, backward_tiles
+from natsim.kernels.gna.reference import reference_gradients
 
 pytestmark = pytest.mark.gpu
 
@@ -152,8 +152,8 @@ def test_sparse_attention_gradients_match_the_float32_reference(q_block, kv_bloc
 @pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(ATOMIC_DQ=False, num_stages=2), dict(IN_TILE=True)])
 @pytest.mark.parametrize("stride", [(1, 1, 1), (16, 8, 8)])
 def test_tuning_variants_match_the_float32_reference(stride, options):
-    from natsim.kernels.gna_backward import gna_backward
-    from natsim.kernels.gna_launch import forward
+    from natsim.kernels.gna.backward import gna_backward
+    from natsim.kernels.gna.dispatch import forward
 
     shape, window = (30, 48, 80), (18, 24, 24)
     problem = natsim.Problem(shape, window, stride)

@@ -302,11 +302,11 @@ def _worker(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     import natsim.distributed as nd
-    from natsim.kernels import distributed as kd
+    from natsim.distributed import strategies
     from natsim.kernels import SparseMask, sparse_reference
 
     sent = []
-    exchange, send_receive = kd._exchange, kd._send_receive
+    exchange, send_receive = strategies.exchange, strategies.send_receive
 
     def counting_exchange(send, shapes, group, **options):
         sent.append(sum(t.numel() * t.element_size() for j, t in enumerate(send) if j != rank))
@@ -316,7 +316,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         sent.append(sum(t.numel() * t.element_size() for t, _ in sends))
         return send_receive(sends, receives, group)
 
-    kd._exchange, kd._send_receive = counting_exchange, counting_send_receive
+    strategies.exchange, strategies.send_receive = counting_exchange, counting_send_receive
     try:
         for index, (shape, window, stride, dilation, causal, splits) in enumerate(GNA_CASES):
             if world not in splits:
@@ -365,7 +365,7 @@ def _worker(rank: int, world: int, port: int) -> None:
             error = ((out.double() - expected).norm() / expected.norm()).item()
             assert error < 5e-3, f"sparse ({type(given).__name__}) rank {rank}/{world}: error {error}"
     finally:
-        kd._exchange, kd._send_receive = exchange, send_receive
+        strategies.exchange, strategies.send_receive = exchange, send_receive
         dist.destroy_process_group()
 
 

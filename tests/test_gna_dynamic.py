@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import natsim
-from natsim.kernels import gna_attention, gna_launch, gna_tile_counts, reference_attention
-from natsim.kernels.tiles import choose_tiles, relative_cost, tile_pairs
+from natsim.kernels import gna_attention, gna_tile_counts, reference_attention
+from natsim.kernels.gna import dispatch, launch
+from natsim.kernels.gna.tiles import choose_tiles, relative_cost, tile_pairs
 from natsim.window import group_length, window_bounds
 
 from test_kernels import kernel_problems
@@ -75,7 +76,7 @@ def data_path(request, monkeypatch):
     """Run calls on the in-place path where possible (descriptor loads at box corners) or force the permuted
     path (pointer gathers of box tiles)."""
     if request.param == "gathered":
-        monkeypatch.setattr(gna_launch, "takes_layout_path", lambda *args: False)
+        monkeypatch.setattr(dispatch, "takes_layout_path", lambda *args: False)
     return request.param
 
 
@@ -105,7 +106,7 @@ def test_dynamic_output_matches_reference_on_random_problems(case, seed, gathere
     problem, q_tile, kv_tile = case
     with pytest.MonkeyPatch.context() as patch:
         if gathered:
-            patch.setattr(gna_launch, "takes_layout_path", lambda *args: False)
+            patch.setattr(dispatch, "takes_layout_path", lambda *args: False)
         _check_output(problem, q_tile, kv_tile, seed)
 
 
@@ -129,13 +130,13 @@ def _box_needs_mask(problem: natsim.Problem, q_tile, kv_tile) -> bool:
 @given(kernel_problems())
 def test_needs_mask_for_dynamic_tiles_equals_brute_force(case):
     problem, q_tile, kv_tile = case
-    assert gna_launch.needs_mask(problem, q_tile, kv_tile, "dynamic") == _box_needs_mask(problem, q_tile, kv_tile)
+    assert launch.needs_mask(problem, q_tile, kv_tile, "dynamic") == _box_needs_mask(problem, q_tile, kv_tile)
 
 
 def test_unmasked_dynamic_kernel_runs_block_sparse_boxes():
     """Stride = window with tiles dividing it: every box tile full, so the kernel compiles no mask code."""
     problem, tile = natsim.Problem((8, 16), (4, 8), (4, 8)), (4, 8)
-    assert not gna_launch.needs_mask(problem, tile, tile, "dynamic")
+    assert not launch.needs_mask(problem, tile, tile, "dynamic")
     _check_output(problem, tile, tile, 3)
 
 
@@ -156,9 +157,9 @@ def test_choose_tiles_takes_the_least_predicted_work_over_both_modes():
 def test_natsim_chooses_static_on_the_gathered_path(monkeypatch):
     """Unasked, the permuted path (dilation) runs static tiles: the gather's cost is not calibrated."""
     chosen = []
-    monkeypatch.setattr(gna_launch, "_calls", {})
-    make_call = gna_launch.make_call
-    monkeypatch.setattr(gna_launch, "make_call",
+    monkeypatch.setattr(dispatch, "_calls", {})
+    make_call = dispatch.make_call
+    monkeypatch.setattr(dispatch, "make_call",
                         lambda *a, **kw: chosen.append(kw["kv_tiling"]) or make_call(*a, **kw))
     q, k, v = (torch.randn(1, 12, 10, 1, 32, device=DEVICE).half() for _ in range(3))
     gna_attention(q, k, v, (3, 4), dilation=(2, 1), q_tile=(4, 4))
@@ -209,7 +210,7 @@ GPU_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 1e-2}
 def test_gpu_dynamic_output_matches_float64_reference(case, gathered, monkeypatch):
     shape, window, stride, dilation, causal, q_tile, kv_tile, head_dim, dtype = case
     if gathered:
-        monkeypatch.setattr(gna_launch, "takes_layout_path", lambda *args: False)
+        monkeypatch.setattr(dispatch, "takes_layout_path", lambda *args: False)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, *shape, 2, head_dim, device="cuda", dtype=dtype) for _ in range(3))
     args = (window, stride, dilation, causal)

@@ -29,8 +29,8 @@ from natsim.kernels import (
     unpermute,
     unpermute_reference,
 )
-from natsim.kernels import gna_launch
-from natsim.kernels.window import window_bounds
+from natsim.kernels.gna import dispatch, launch
+from natsim.kernels.gna.geometry import window_bounds
 
 from bruteforce import attention_mask, multi_d_layout, window_1d
 
@@ -130,7 +130,7 @@ def test_attention_matches_float64_reference(case, monkeypatch):
     torch.manual_seed(hash(shape) % 1000)
     q, k, v = (torch.randn(1, *shape, 2, head_dim, device=DEVICE).to(dtype) for _ in range(3))
     poisoned = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)  # noqa: E731
-    monkeypatch.setattr(gna_launch, "new_output", poisoned)
+    monkeypatch.setattr(launch, "new_output", poisoned)
     out, lse = gna_attention(q, k, v, window, stride, dilation, causal, q_tile=q_tile, kv_tile=kv_tile,
                              return_lse=True)
     monkeypatch.undo()
@@ -208,7 +208,7 @@ def test_needs_mask_is_false_exactly_when_every_visited_tile_is_full_and_unpadde
     sim = natsim.simulate(problem, natsim.TileConfig(q_tile, kv_tile))
     padded = any(natsim_group_length(L, d, g) % t
                  for L, d, t in zip(problem.shape, problem.dilation, kv_tile) for g in range(d))
-    assert gna_launch.needs_mask(problem, q_tile, kv_tile) == (not sim.block_sparse or padded)
+    assert launch.needs_mask(problem, q_tile, kv_tile) == (not sim.block_sparse or padded)
 
 
 @settings(max_examples=12, deadline=None)
@@ -271,7 +271,7 @@ def test_bad_arguments_raise_sentences(change, error, message):
 
 def test_cpu_tensors_run_the_reference_with_one_warning(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(gna_launch, "_warned_cpu", False)
+    monkeypatch.setattr(dispatch, "_warned_cpu", False)
     q, k, v = (torch.randn(1, 6, 7, 2, 16, dtype=torch.float32) for _ in range(3))
     with pytest.warns(UserWarning, match="torch reference"):
         out = gna_attention(q, k, v, (3, 4))

@@ -15,8 +15,9 @@ import torch
 
 import natsim
 from natsim import planner
-from natsim.kernels import gna_attention, gna_launch, reference_attention
-from natsim.kernels.tiles import default_tiles, tile_pairs
+from natsim.kernels import gna_attention, reference_attention
+from natsim.kernels.gna import dispatch, launch
+from natsim.kernels.gna.tiles import default_tiles, tile_pairs
 from natsim.planner.costmodel import CostModel
 from natsim.planner.features import features_of
 
@@ -151,18 +152,18 @@ def test_inputs_expanded_along_a_token_dimension_take_the_permuted_path():
     q, _, _ = qkv()
     k, v = (torch.randn(1, 1, *SHAPE[1:], 2, 32, device=DEVICE).half().expand(1, *SHAPE, 2, 32) for _ in range(2))
     problem = natsim.Problem(SHAPE, ARGS["window"], ARGS["stride"], causal=ARGS["causal"])
-    assert not gna_launch.takes_layout_path(problem, q, k, v)
+    assert not launch.takes_layout_path(problem, q, k, v)
     out = gna_attention(q, k, v, **ARGS)
     assert rel_error(out, reference_attention(q.double(), k.double(), v.double(), **ARGS)) < 5e-3
 
 
 def test_repeated_calls_use_the_new_tensors_and_one_cached_call():
-    gna_launch._calls.clear()
+    dispatch._calls.clear()
     first = qkv()
     second = qkv()
     out_first = gna_attention(*first, **ARGS)
     out_second = gna_attention(*second, **ARGS)
-    assert len(gna_launch._calls) == 1
+    assert len(dispatch._calls) == 1
     for out, inputs in ((out_first, first), (out_second, second)):
         assert rel_error(out, reference_attention(*(t.double() for t in inputs), **ARGS)) < 5e-3
 
@@ -173,8 +174,8 @@ def test_dense_attention_with_default_tiles_runs_over_the_flattened_sequence():
     out, lse = gna_attention(q, k, v, shape, return_lse=True)
     ref, ref_lse = reference_attention(q.double(), k.double(), v.double(), shape, return_lse=True)
     assert rel_error(out, ref) < 5e-3 and torch.allclose(lse.double(), ref_lse, atol=1e-2)
-    assert gna_launch.dense_as_1d(natsim.Problem(shape, shape)) == natsim.Problem((105,), (105,))
-    assert gna_launch.dense_as_1d(natsim.Problem(shape, shape, causal=(True, False, False))) is None
+    assert launch.dense_as_1d(natsim.Problem(shape, shape)) == natsim.Problem((105,), (105,))
+    assert launch.dense_as_1d(natsim.Problem(shape, shape, causal=(True, False, False))) is None
 
 
 # ---------------------------------------------------------------------------------------------------------

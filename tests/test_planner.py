@@ -16,8 +16,9 @@ from rich.console import Console
 from natsim import Problem, TileConfig, simulate, sweep
 from natsim.dimension import dim_attended_pairs
 from natsim.kernels import gna_attention, reference_attention
-from natsim.kernels.checks import KERNEL_HEAD_DIMS, kernel_tiles
-from natsim.kernels.gna_launch import permutes
+from natsim.kernels.common.checks import KERNEL_HEAD_DIMS
+from natsim.kernels.gna.checks import kernel_tiles
+from natsim.kernels.gna.launch import permutes
 from natsim.planner import (
     FEATURES,
     TILE_TOKENS,

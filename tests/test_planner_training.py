@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 import bruteforce as bf
 from natsim import Problem, TileConfig, simulate, simulate_backward, sweep
-from natsim.kernels.gna_backward import DEFAULT_VARIANT, backward_tiles
-from natsim.kernels.gna_launch import dense_as_1d, needs_mask
-from natsim.kernels.layout import TileLayout
+from natsim.kernels.gna.backward import DEFAULT_VARIANT, backward_tiles
+from natsim.kernels.gna.launch import dense_as_1d, needs_mask
+from natsim.kernels.gna.layout import TileLayout
 from natsim.planner import CostModel, Plan, best, predicted_times
 from natsim.planner import calibrate as calibration
 from natsim.planner.backward_features import (
@@ -318,7 +318,7 @@ def test_the_backward_cases_run_the_backward_kernels_in_the_interpreter():
     """A tiny version of each kind of backward case (3-D masked, dilated, causal 1-D, dense) runs the call that
     `time_backward_case` times, with the backward's default tiles, and its gradients match float64 reference
     gradients."""
-    from natsim.kernels.reference import reference_gradients
+    from natsim.kernels.gna.reference import reference_gradients
 
     tiny = [Problem((4, 8, 16), (2, 4, 8)), Problem((4, 8, 16), (2, 4, 4), dilation=(1, 2, 2)),
             Problem((256,), (64,), causal=True), Problem((2, 8, 16), (2, 8, 16))]

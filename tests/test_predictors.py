@@ -264,7 +264,7 @@ def test_sparge_keeps_scattered_blocks_whole():
 def test_sparge_counts_a_block_of_zeros_as_scattered(dtype):
     q, k, _ = planted(128, 1, 32, 16, 16, 1, 12.0 * 32 ** 0.5, seed=2)
     k[0, 32:48] = 0.0  # key block 2 holds only zero vectors: alike to nothing
-    from natsim.kernels.predictors import self_similarity
+    from natsim.masks.predictors import self_similarity
 
     assert self_similarity(k.to(dtype), 16)[0, 0, 2] == 0  # finite: no 0 / 0
     mask = sparge(q.to(dtype), k.to(dtype), 16, 16)
@@ -304,7 +304,7 @@ def test_hierarchical_follows_its_definition(n, q_block, kv_block, sub_block, ke
 
 
 def test_hierarchical_chunks_give_the_same_mask(monkeypatch):
-    from natsim.kernels import predictors
+    from natsim.masks import predictors
 
     gen = torch.Generator().manual_seed(9)
     q, k = torch.randn(2, 300, 3, 16, generator=gen), torch.randn(2, 300, 3, 16, generator=gen)

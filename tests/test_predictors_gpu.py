@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from natsim.kernels import prepare_sparse, sparse_attention, sparse_tile_counts
-from natsim.kernels.pvskip import sparse_pv_reference
+from natsim.kernels.sparse.reference import sparse_pv_reference
 from natsim.masks import MaskCache, hierarchical, sparge, topp
 
 pytestmark = pytest.mark.gpu

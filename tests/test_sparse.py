@@ -327,7 +327,7 @@ PV_THRESHOLDS = (-0.625, -1.625, -3.125)  # -(j + 1/2) / 4: never a difference o
 )
 def test_pv_skip_kernel_equals_the_reference_of_its_rule(q_block, kv_block, n, density, merge, schedule,
                                                         pv_threshold, seed):
-    from natsim.kernels.pvskip import sparse_pv_reference
+    from natsim.kernels.sparse.reference import sparse_pv_reference
 
     q, k, v = integer_inputs(1, n, 2, 32, seed)
     mask = random_mask(1, 2, n, q_block, kv_block, density, seed=seed)
@@ -344,7 +344,7 @@ def test_pv_skip_kernel_equals_the_reference_of_its_rule(q_block, kv_block, n, d
 
 
 def test_pv_skip_happens_and_stays_close_to_exact_attention():
-    from natsim.kernels.pvskip import sparse_pv_reference
+    from natsim.kernels.sparse.reference import sparse_pv_reference
 
     gen = torch.Generator().manual_seed(7)
     q, k = (torch.randint(-1, 2, (1, 128, 2, 32), generator=gen).float() for _ in range(2))
@@ -363,7 +363,7 @@ def test_pv_skip_happens_and_stays_close_to_exact_attention():
 
 @pytest.mark.parametrize("merge", [None, "consecutive", "xor"])
 def test_pv_reference_without_skips_is_float64_attention(merge):
-    from natsim.kernels.pvskip import sparse_pv_reference
+    from natsim.kernels.sparse.reference import sparse_pv_reference
 
     q, k, v = (t.double() for t in random_inputs(2, 75, 2, 32, seed=8))
     mask = random_mask(2, 1, 75, 8, 16, 0.5, seed=8)

@@ -1,4 +1,4 @@
-"""The backward pass of sparse attention under a block mask (kernels/sparse.py), flash-attention style.
+"""The backward pass of sparse attention under a block mask (kernels/sparse/forward.py), flash-attention style.
 
 Semantics are the forward's: query i attends key j exactly when `mask[b, h, i // q_block, j // kv_block]`.
 The backward always runs on the unmerged block mask: query merging (`merge=`) only regroups the forward's
@@ -6,7 +6,7 @@ programs and never changes an output row, so the gradients are those of the plai
 tiles are runs of consecutive tokens (`block_m` queries, `block_n` keys; multiples of the mask's blocks).
 
 Three launches on `[B, N, heads, head_dim]` tensors:
-1. `delta_kernel` (kernels/gna_backward.py): `delta = rowsum(dO * O) - dLSE` in fp32, head-major as the LSE.
+1. `delta_kernel` (kernels/common/backward.py): `delta = rowsum(dO * O) - dLSE` in fp32, head-major as the LSE.
 2. `sparse_dkdv_kernel`: one program per KV tile, over the Q tiles of its column of the tile mask.
 3. `sparse_dq_kernel`: one program per Q tile, over the KV tiles of its row.
 The tile mask (a tile pair is listed when any of its block pairs is attended) and its row and column lists
@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreting
-from .gna import LOG2E
-from .gna_backward import DELTA_ROWS, delta_kernel, launch_options
+from ..common.backend import interpreting
+from ..common.backward import launch_options, softmax_delta
+from ..common.softmax import LOG2E
 
 
 @triton.jit
@@ -189,12 +189,7 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
     lse = lse.detach().float().transpose(1, 2).contiguous()  # head-major, as delta
     mask = mask.to(q.device, torch.bool).contiguous()
     row_count, row_index, col_count, col_index = tile_lists(mask, block_m, block_n, q_block, kv_block)
-    rows = batch * seq_len * heads
-    delta = torch.empty((batch, heads, seq_len), dtype=torch.float32, device=q.device)
-    dlse = None if grad_lse is None else grad_lse.detach().float().contiguous()
-    delta_kernel[(triton.cdiv(rows, DELTA_ROWS),)](out, grad_out, delta if dlse is None else dlse, delta, rows,
-                                                 seq_len, heads, HEAD_DIM=head_dim, BLOCK=DELTA_ROWS,
-                                                 HAS_DLSE=dlse is not None)
+    delta = softmax_delta(out, grad_out, None if grad_lse is None else grad_lse.detach().float().contiguous())
     num_q_tiles, num_kv_tiles = row_count.shape[-1], col_count.shape[-1]
     shared = dict(seq_len=seq_len, heads=heads, num_q_blocks=mask.shape[2], num_kv_blocks=mask.shape[3],
                   num_q_tiles=num_q_tiles, num_kv_tiles=num_kv_tiles, mask_b_step=0 if mask.shape[0] == 1 else 1,

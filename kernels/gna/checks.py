@@ -1,33 +1,26 @@
-"""Argument checks at the kernels' public boundary, with NATTEN-style sentence errors.
+"""Argument checks at GNA's public boundary, with NATTEN-style sentence errors.
 
 GNA parameters are validated by building a `natsim.Problem`; tile shapes by `natsim.TileConfig`. What is
-left here is about tensors: layout, matching q/k/v, and what the Triton kernel can run.
+left here is about tensors (layout, matching q/k/v, what the kernel can run), KV tiling modes, and frame
+ranges (`frame_offsets`, natsim.distributed's halo exchange).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
 from natsim import Problem, TileConfig
+from natsim.partition import key_frames
+from natsim.problem import BoolOrBools, IntOrInts
 from natsim.tiles import KV_TILINGS
 
-IntOrInts = Union[int, Sequence[int]]
-BoolOrBools = Union[bool, Sequence[bool]]
+from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS, check_matching, check_tensors
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-KERNEL_HEAD_DIMS = (32, 64, 128)
 MIN_TILE_TOKENS = 16
 MAX_TILE_TOKENS = 256
-
-
-def check_tensors(q: object, k: object, v: object) -> None:
-    """q, k and v are torch tensors."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
@@ -102,3 +95,31 @@ def kernel_tiles(
                 f"and {MAX_TILE_TOKENS}, got {name}={dims} ({tokens} tokens)."
             )
     return q_dims, kv_dims
+
+
+def check_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntOrInts, stride: IntOrInts,
+                 dilation: IntOrInts, causal: BoolOrBools,
+                 frame_offsets: Sequence[int]) -> tuple[Problem, tuple[int, int, int, int]]:
+    """Check a frame-range call: q holds frames `[q0, q0 + Tq)` of dimension 0 of a layout of `L0` frames and
+    k, v frames `[k0, k0 + Tk)`, which must hold every frame the queries' windows reach
+    (`frame_offsets=(q0, k0, L0)`). Returns the global problem and `(q0, q1, k0, k1)`."""
+    if not isinstance(frame_offsets, (tuple, list)) or len(frame_offsets) != 3 or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in frame_offsets):
+        raise ValueError("frame_offsets must be three non-negative ints (query offset, key offset, frames of "
+                         f"dimension 0), got frame_offsets={frame_offsets!r}.")
+    q0, k0, frames = (int(x) for x in frame_offsets)
+    if k.shape != v.shape or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:]:
+        raise ValueError("k and v must have the same shape, and q's but along dimension 0 of the layout, got "
+                         f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}.")
+    check_qkv(q, q, q)  # q's own layout and dtype rules
+    check_matching(q, k, v)
+    q1, k1 = q0 + q.shape[1], k0 + k.shape[1]
+    if q.shape[1] < 1 or k.shape[1] < 1 or q1 > frames or k1 > frames:
+        raise ValueError(f"q's frames [{q0}, {q1}) and k's frames [{k0}, {k1}) must be non-empty and lie within "
+                         f"the {frames} frames of dimension 0, got frame_offsets={tuple(frame_offsets)}.")
+    problem = problem_of((frames, *q.shape[2:-2]), window, stride, dilation, causal)
+    need = key_frames(problem, q0, q1)
+    if need[0] < k0 or need[1] > k1:
+        raise ValueError(f"k and v must hold every frame that q's frames [{q0}, {q1}) attend, [{need[0]}, "
+                         f"{need[1]}), got frames [{k0}, {k1}).")
+    return problem, (q0, q1, k0, k1)

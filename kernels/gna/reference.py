@@ -17,10 +17,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from natsim import Problem
 from natsim.dimension import key_ranges
+from natsim.problem import BoolOrBools, IntOrInts
 
-from .checks import BoolOrBools, IntOrInts, check_qkv, problem_of
+from .checks import check_frames, check_qkv, problem_of
 
 CHUNK_ELEMENTS = 1 << 27
 
@@ -53,36 +53,6 @@ def _chunk_mask(tables, coords: list[torch.Tensor]) -> torch.Tensor:
         m = m.reshape(view)
         mask = m if mask is None else mask & m
     return mask.reshape(mask.shape[0], -1)
-
-
-def check_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntOrInts, stride: IntOrInts,
-                 dilation: IntOrInts, causal: BoolOrBools,
-                 frame_offsets: Sequence[int]) -> tuple[Problem, tuple[int, int, int, int]]:
-    """Check a frame-range call (module docstring): the global problem and `(q0, q1, k0, k1)`."""
-    if not isinstance(frame_offsets, (tuple, list)) or len(frame_offsets) != 3 or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in frame_offsets):
-        raise ValueError("frame_offsets must be three non-negative ints (query offset, key offset, frames of "
-                         f"dimension 0), got frame_offsets={frame_offsets!r}.")
-    q0, k0, frames = (int(x) for x in frame_offsets)
-    if k.shape != v.shape or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:]:
-        raise ValueError("k and v must have the same shape, and q's but along dimension 0 of the layout, got "
-                         f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}.")
-    check_qkv(q, q, q)  # q's own layout and dtype rules
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError("q, k and v must share dtype and device, got dtypes "
-                         f"({q.dtype}, {k.dtype}, {v.dtype}), devices ({q.device}, {k.device}, {v.device}).")
-    q1, k1 = q0 + q.shape[1], k0 + k.shape[1]
-    if q.shape[1] < 1 or k.shape[1] < 1 or q1 > frames or k1 > frames:
-        raise ValueError(f"q's frames [{q0}, {q1}) and k's frames [{k0}, {k1}) must be non-empty and lie within "
-                         f"the {frames} frames of dimension 0, got frame_offsets={tuple(frame_offsets)}.")
-    problem = problem_of((frames, *q.shape[2:-2]), window, stride, dilation, causal)
-    from natsim.partition import key_frames
-
-    need = key_frames(problem, q0, q1)
-    if need[0] < k0 or need[1] > k1:
-        raise ValueError(f"k and v must hold every frame that q's frames [{q0}, {q1}) attend, [{need[0]}, "
-                         f"{need[1]}), got frames [{k0}, {k1}).")
-    return problem, (q0, q1, k0, k1)
 
 
 def reference_attention(

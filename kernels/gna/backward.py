@@ -6,16 +6,16 @@ head_dim]`), with the forward's natural-log LSE:
 1. `delta_kernel`: `delta = rowsum(dO * O) - dLSE` per query, in fp32, written head-major (the softmax
    backward's row term; a gradient flowing into the LSE output enters here, since d lse / d score = p).
 2. `dkdv_kernel`: one program per KV tile. It finds, per dimension, the Q tiles whose static KV range (the
-   forward's `start(first) // T_KV .. ceil(end(last) / T_KV) - 1`, kernels/gna.py) holds this KV tile, by
+   forward's `start(first) // T_KV .. ceil(end(last) / T_KV) - 1`, kernels/gna/forward.py) holds this KV tile, by
    binary search over the Q tiles with `window_bounds` (start and end never decrease, so they form one run
    per dimension), and among those the run of full pairs. It recomputes `p = exp(q k^T * scale - lse)` for
    each visiting Q tile and accumulates `dV += p^T dO` and `dK += (p * (dO V^T - delta))^T Q * scale`.
-3. `dq_kernel`: one program per Q tile over the same KV tiles as the forward (its `_dim_setup` /
-   `_full_run`), accumulating `dQ += (p * (dO V^T - delta)) K * scale`. It runs on the mirrored tiles: the
+3. `dq_kernel`: one program per Q tile over the same KV tiles as the forward (its `dim_setup` /
+   `full_run`), accumulating `dQ += (p * (dO V^T - delta)) K * scale`. It runs on the mirrored tiles: the
    dK/dV kernel's KV box as its Q tile and its Q tile as the KV tile (128 queries against 64 keys, the
    forward's proportions), so that each K and V tile it loads serves 128 queries.
 
-Tiles are boxes of the layout, cut per dilation group (kernels/layout.py); a program gathers a tile's rows from
+Tiles are boxes of the layout, cut per dilation group (kernels/gna/layout.py); a program gathers a tile's rows from
 their places in the caller's layout (`_tile_rows`: one head's row is `head_dim` contiguous elements wherever
 it lies, so a gathered row costs what a row of a permuted copy would) and scatters dq, dk, dv back the same
 way: no permuted copies of q, k, v, out or dO (at HunyuanVideo size the backward's peak extra memory is
@@ -52,30 +52,12 @@ import triton.language as tl
 
 from natsim import Problem
 
-from .gna import LOG2E, _dim_setup, _full_run, _is_full, _tile_in_group
-from .gna_launch import dense_as_1d, needs_mask
+from ..common.backward import launch_options, softmax_delta
+from ..common.softmax import LOG2E
+from .geometry import dim_setup, full_run, is_full, tile_in_group, window_bounds
+from .launch import dense_as_1d, needs_mask
 from .layout import TileLayout, as_3d
 from .tiles import box_shapes, halves, relative_cost
-from .window import window_bounds
-
-
-@triton.jit
-def delta_kernel(O, DO, DLSE, DELTA, rows, tokens, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_DLSE: tl.constexpr):
-    """`delta = sum_d O * DO - DLSE` per row of `[B, tokens, heads, HEAD_DIM]` (`rows` of them, contiguous),
-    written head-major (`[B, heads, tokens]`, as the attention kernels read it)."""
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.arange(0, HEAD_DIM)
-    inside = r < rows
-    offsets = r.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
-    o = tl.load(O + offsets, mask=inside[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + offsets, mask=inside[:, None], other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + r, mask=inside, other=0.0)
-    row = r // heads  # b * tokens + token
-    head_major = ((row // tokens) * heads + r % heads).to(tl.int64) * tokens + row % tokens
-    tl.store(DELTA + head_major, delta, mask=inside)
 
 
 @triton.jit
@@ -111,7 +93,7 @@ def _first_q_tile(threshold, group_len, window, stride, STEPS, CAUSAL: tl.conste
 @triton.jit
 def _q_runs(kv, group_len, window, stride, STEPS, CAUSAL: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr):
     """Per dimension, for KV tile `kv`: the run [a, b) of Q tiles whose static KV range holds it (the inverse
-    of the forward's `_dim_setup`), the run [f, g) of them whose pair is full without padding keys (what
+    of the forward's `dim_setup`), the run [f, g) of them whose pair is full without padding keys (what
     the unmasked loop may take), and the end of the run of full pairs by gna-semantics.md (`g_debug`, where
     the tile's padding keys do not count)."""
     key_lo = kv * TK
@@ -203,10 +185,10 @@ def _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
                TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
                TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr):
     """1 when every real query of Q tile (t0, t1, t2) attends every real key of KV tile (j0, j1, j2) (DEBUG)."""
-    sl0, ef0, _, _ = _dim_setup(t0 * TQ0, len0, len0, 0, 0, W0, S0, C0, TQ0, TK0)
-    sl1, ef1, _, _ = _dim_setup(t1 * TQ1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
-    sl2, ef2, _, _ = _dim_setup(t2 * TQ2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
-    return _is_full(j0, j1, j2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
+    sl0, ef0, _, _ = dim_setup(t0 * TQ0, len0, len0, 0, 0, W0, S0, C0, TQ0, TK0)
+    sl1, ef1, _, _ = dim_setup(t1 * TQ1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
+    sl2, ef2, _, _ = dim_setup(t2 * TQ2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
+    return is_full(j0, j1, j2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
 
 
 @triton.jit
@@ -307,7 +289,7 @@ def dkdv_kernel(
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    _, gi0, gi1, gi2, len0, len1, len2, j0, j1, j2 = _tile_in_group(kv_tile, L0, L1, L2, D0, D1, D2,
+    _, gi0, gi1, gi2, len0, len1, len2, j0, j1, j2 = tile_in_group(kv_tile, L0, L1, L2, D0, D1, D2,
                                                                      NK0, NK1, NK2)
 
     # Which Q tiles visit this KV tile, per dimension: [lo, hi), and the full run [f, g) inside it.
@@ -412,7 +394,7 @@ def dq_kernel(
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    _, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = _tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
+    _, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
                                                                      NQ0, NQ1, NQ2)
     first0 = i0 * TQ0
     first1 = i1 * TQ1
@@ -420,14 +402,14 @@ def dq_kernel(
     real_tile = (first0 < len0) & (first1 < len1) & (first2 < len2)
 
     # The forward's KV tiles of this Q tile, and the full box inside them.
-    sl0, ef0, lo0, hi0 = _dim_setup(first0, len0, len0, 0, 0, W0, S0, C0, TQ0, TK0)
-    sl1, ef1, lo1, hi1 = _dim_setup(first1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
-    sl2, ef2, lo2, hi2 = _dim_setup(first2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
+    sl0, ef0, lo0, hi0 = dim_setup(first0, len0, len0, 0, 0, W0, S0, C0, TQ0, TK0)
+    sl1, ef1, lo1, hi1 = dim_setup(first1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
+    sl2, ef2, lo2, hi2 = dim_setup(first2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
     num_kv = tl.where(real_tile, (hi0 - lo0) * (hi1 - lo1) * (hi2 - lo2), 0)
     if MASKED:
-        f0, g0 = _full_run(sl0, ef0, lo0, hi0, TK0)
-        f1, g1 = _full_run(sl1, ef1, lo1, hi1, TK1)
-        f2, g2 = _full_run(sl2, ef2, lo2, hi2, TK2)
+        f0, g0 = full_run(sl0, ef0, lo0, hi0, TK0)
+        f1, g1 = full_run(sl1, ef1, lo1, hi1, TK1)
+        f2, g2 = full_run(sl2, ef2, lo2, hi2, TK2)
         empty = (g0 == f0) | (g1 == f1) | (g2 == f2)
         g0 = tl.where(empty, f0, g0)
         num_full = tl.where(real_tile, (g0 - f0) * (g1 - f1) * (g2 - f2), 0)
@@ -479,7 +461,6 @@ KV_TILE_TOKENS = 128  # keys per backward KV tile; its Q tile holds 1 / 2**Q_TIL
 # 1: 64 queries per 128 keys. 2 (32 queries) keeps the dK/dV kernel's registers under 255 without spills at
 # head_dim 128 on sm_90 (benchmarks/compile_backward.py); benchmarks/backward.py --tune times both.
 Q_TILE_HALVINGS = 1
-DELTA_ROWS = 64
 # The variant `gna_backward` runs unless told otherwise: launch options and the tuning switches ATOMIC_DQ and
 # IN_TILE over `launch_options`' defaults (`DQ_STAGES` sets the dQ kernel's stages alone); benchmarks/backward.py
 # --tune times the alternatives.
@@ -497,7 +478,7 @@ def backward_tiles(problem: Problem, head_dim: int,
     """The backward's (Q tile, KV tile): KV boxes of 128 keys and Q tiles of half of one (the mirror of the
     forward's 128-query / 64-key pairs: the dK/dV program keeps two `[keys, head_dim]` fp32 accumulators), or
     of a quarter with `q_halvings=2` (default: Q_TILE_HALVINGS), the one with the least predicted work by the
-    forward's relative costs (kernels/tiles.py)."""
+    forward's relative costs (kernels/gna/tiles.py)."""
     return _backward_tiles(problem, head_dim, Q_TILE_HALVINGS if q_halvings is None else q_halvings)
 
 
@@ -517,14 +498,6 @@ def _backward_tiles(problem: Problem, head_dim: int, q_halvings: int) -> tuple[t
     if not pairs:
         return FALLBACK_TILES[problem.ndim]
     return min(pairs, key=lambda pair: relative_cost(problem, pair[0], pair[1], head_dim))
-
-
-def launch_options(block_m: int, block_n: int) -> dict:
-    """8 warps for tiles of 128 rows on either side, else 4; two stages (`DEFAULT_VARIANT` raises both GNA
-    kernels to three). Every head_dim counts: at 4 warps the dK/dV kernel's two `[128 keys, head_dim]` fp32
-    accumulators and its `[128, 64]` score tiles spill at head_dim 32, 64 and 128 alike (sm_90, Triton 3.6:
-    368 to 1940 bytes; none at 8 warps; benchmarks/compile_backward.py --head-dim)."""
-    return dict(num_warps=8 if max(block_m, block_n) >= 128 else 4, num_stages=2)
 
 
 def _problem_arguments(problem: Problem, q_layout: TileLayout, kv_layout: TileLayout) -> dict:
@@ -563,11 +536,7 @@ def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, k
     options = {**DEFAULT_VARIANT, **(options or {})}
     atomic = bool(options.pop("ATOMIC_DQ", False))
     dq_stages = options.pop("DQ_STAGES", None)
-    delta = torch.empty((batch, heads, tokens), dtype=torch.float32, device=q.device)
-    rows = batch * tokens * heads
-    delta_kernel[(triton.cdiv(rows, DELTA_ROWS),)](out, grad_out, delta if grad_lse is None else grad_lse, delta,
-                                                 rows, tokens, heads, HEAD_DIM=head_dim, BLOCK=DELTA_ROWS,
-                                                 HAS_DLSE=grad_lse is not None)
+    delta = softmax_delta(out, grad_out, grad_lse)
     lse = lse.transpose(1, 2).contiguous()  # head-major, as delta
     pad = padded(problem, q_tile, kv_tile)
     dk, dv, dq, counts = _dkdv(q, k, v, grad_out, lse, delta, problem, q_tile, kv_tile, scale, pad, debug, atomic,

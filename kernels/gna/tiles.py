@@ -1,6 +1,6 @@
 """The tile shapes natsim's GNA kernel runs well, and the default choice among them for one problem.
 
-A kernel tile holds a power-of-two number of tokens (kernels/checks.py says which counts it can run). Which
+A kernel tile holds a power-of-two number of tokens (kernels/gna/checks.py says which counts it can run). Which
 (Q tokens, KV tokens) pairs it runs *well* is measured knowledge, kept here so that both `gna_attention`'s
 defaults and the planner's catalog (natsim.planner.tile_catalog) come from one list. Tile shapes are boxes
 with power-of-two sides no longer than the next power of two of their dimension, since a longer side would
@@ -11,7 +11,7 @@ one dimension (NATTEN's 4x8x8 / 2x8x8 pattern).
 work for the problem: the simulator's exact counts of full and masked tile pairs, weighted by what they cost
 this kernel relative to each other; `default_tiles` is its static-only choice.
 
-The relative costs come from the static kernel's calibration. The dynamic kernel (kernels/gna_dynamic.py)
+The relative costs come from the static kernel's calibration. The dynamic kernel (kernels/gna/dynamic.py)
 does the same work per box tile on the in-place path (one descriptor load per K/V tile at any corner, the same
 two loops), so its simulated counts are weighted the same there; callers offer it only on that path. Its
 permuted path gathers every box tile with pointer loads, a cost no calibration has measured yet, so it is

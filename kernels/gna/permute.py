@@ -1,4 +1,4 @@
-"""Token permutation between a heads-last token layout and multi-D tiles (see kernels/layout.py).
+"""Token permutation between a heads-last token layout and multi-D tiles (see kernels/gna/layout.py).
 
 `permute` maps `[B, *shape, heads, head_dim]` to `[B, tokens, heads, head_dim]` in the permuted order, with
 zeros at padding positions; `unpermute` maps back and drops the padding. Both are a pure gather, so the round
@@ -9,18 +9,15 @@ trip is exact for every dtype. On CUDA tensors (or under TRITON_INTERPRET=1) Tri
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from natsim.problem import as_ints, as_shape
+from natsim.problem import IntOrInts, as_ints, as_shape
 
-from .backend import refuse_untracked, use_triton
+from ..common.backend import refuse_untracked, use_triton
 from .layout import TileLayout
-
-IntOrInts = Union[int, Sequence[int]]
 
 BLOCK_TOKENS = 16
 BLOCK_CHANNELS = 512

@@ -1,7 +1,12 @@
-"""The torch reference of SpargeAttn's PV skip (its section 3.4, Algorithm 1 line 15) as `sparse_attention`'s
-`pv_threshold` runs it: what the Triton kernel computes, tile by tile, in float32 (float64 for float64 inputs).
+"""The torch references of attention under a block mask: what the sparse kernel is tested against and what CPU
+tensors run.
 
-The skip depends on the order in which a program meets its keys (the running maximum), so this reference walks
+- `sparse_reference`: exact attention under the block mask expanded to elements.
+- `sparse_pv_reference`: SpargeAttn's PV skip (its section 3.4, Algorithm 1 line 15) as `sparse_attention`'s
+  `pv_threshold` runs it: what the Triton kernel computes, tile by tile, in float32 (float64 for float64
+  inputs).
+
+The PV skip depends on the order in which a program meets its keys (the running maximum), so this reference walks
 the kernel's own work (`SparseWork`): per work item, the members' rows against the item's list of KV blocks,
 `block_n // kv_block` list entries per tile, in list order. Per tile and member (query block): the tile's
 scores update every row's running maximum `m` and sum `l` as in FlashAttention; when every real row of the
@@ -12,11 +17,52 @@ tiles (vectorised over every work item), so it is for tests and the CPU path, no
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from .sparse import SparseWork, check_pv_threshold, check_sparse_qkv, check_mask_batch
+from .checks import check_mask_batch, check_pv_threshold, check_sparse_qkv
+from .mask import SparseMask
+from .work import SparseWork, dense_mask
+
+
+def sparse_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Union[torch.Tensor, SparseMask],
+    q_block: Optional[int] = None,
+    kv_block: Optional[int] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    chunk: int = 1024,
+):
+    """Exact attention of `[B, N, heads, head_dim]` tensors under the block mask expanded to elements, in float32
+    (float64 for float64 inputs), `chunk` query rows at a time; differentiable. Empty rows: output 0, LSE -inf."""
+    check_sparse_qkv(q, k, v)
+    dense, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
+    batch, seq_len, heads, head_dim = q.shape
+    dense = dense.to(q.device)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    kt = k.to(compute).permute(0, 2, 3, 1)  # [B, H, D, N]
+    vt = v.to(compute).transpose(1, 2)  # [B, H, N, D]
+    key_blocks = torch.arange(seq_len, device=q.device) // kv_block
+    outs, lses = [], []
+    for first in range(0, seq_len, chunk):
+        rows = torch.arange(first, min(first + chunk, seq_len), device=q.device)
+        allowed = dense[:, :, rows // q_block][..., key_blocks]  # [B|1, H|1, rows, N]
+        scores = (q[:, rows].to(compute).transpose(1, 2) @ kt) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        attends = allowed.any(-1, keepdim=True)
+        scores = torch.where(attends, scores, 0.0)  # empty rows: finite, and zeroed below
+        lse = torch.logsumexp(scores, -1, keepdim=True)
+        out = (torch.exp(scores - lse) @ vt) * attends
+        outs.append(out.transpose(1, 2))
+        lses.append(torch.where(attends, lse, float("-inf"))[..., 0].transpose(1, 2))
+    out = torch.cat(outs, 1).to(q.dtype)
+    lse = torch.cat(lses, 1)
+    return (out, lse) if return_lse else out
 
 
 def sparse_pv_reference(

@@ -2,10 +2,10 @@
 
 - `gna_attention(q, k, v, window, ...)`: `[B, *shape, heads, head_dim]` in and out. Runs the registered
   operator `natsim::gna_forward` (kernels/ops.py) under torch.compile, autograd or a dispatch mode, and in
-  plain eager calls goes straight to the same cached implementation (kernels/gna_launch.py), which skips the
+  plain eager calls goes straight to the same cached implementation (kernels/gna/dispatch.py), which skips the
   dispatcher's per-call cost. Both do exactly the same work.
 - `gna_attention_permuted(q, k, v, problem, q_tile, kv_tile, ...)`: tensors already permuted
-  (kernels/permute.py), q with `q_tile`, k and v with `kv_tile`; output in q's permuted order.
+  (kernels/gna/permute.py), q with `q_tile`, k and v with `kv_tile`; output in q's permuted order.
 - `gna_tile_counts(...)`: runs the kernel with its debug counters on and returns, per Q tile, the KV tiles
   visited and the KV tiles run without the window mask.
 
@@ -21,11 +21,15 @@ import numpy as np
 import torch
 
 from natsim import Problem
+from natsim.partition import key_frames
+from natsim.problem import BoolOrBools, IntOrInts
 
-from . import ops
-from .backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
-from .checks import BoolOrBools, IntOrInts, check_kernel_inputs, check_tensors, kernel_tiles
-from .gna_launch import forward, make_call
+from .. import ops
+from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
+from ..common.checks import check_matching, check_tensors
+from .checks import check_kernel_inputs, kernel_tiles
+from .dispatch import forward
+from .launch import frames_as_3d, make_call
 from .layout import TileLayout
 from .tiles import default_tiles
 
@@ -58,11 +62,7 @@ def gna_attention_permuted(
     if not isinstance(problem, Problem):
         raise TypeError(f"problem must be a natsim.Problem, got {type(problem).__name__}.")
     check_tensors(q, k, v)
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(
-            "q, k and v must share dtype and device, got "
-            f"dtypes ({q.dtype}, {k.dtype}, {v.dtype}), devices ({q.device}, {k.device}, {v.device})."
-        )
+    check_matching(q, k, v)
     if not use_triton(q):
         raise ValueError(
             f"gna_attention_permuted runs the Triton kernel only: it needs CUDA tensors (or "
@@ -124,8 +124,8 @@ def gna_attention(
     Scalars broadcast over dimensions. `q_tile` / `kv_tile` are per-dimension tile shapes; one given alone is
     used for both, and without either natsim picks the tiles with the least predicted work for this problem
     among those the kernel runs well (natsim.kernels.tiles; dense attention runs over the flattened sequence).
-    `kv_tiling` "static" visits the fixed grid of KV tiles a Q tile's keys overlap (kernels/gna.py); "dynamic"
-    tiles exactly the box of keys it needs from the box's corner (kernels/gna_dynamic.py); None (default) lets
+    `kv_tiling` "static" visits the fixed grid of KV tiles a Q tile's keys overlap (kernels/gna/forward.py); "dynamic"
+    tiles exactly the box of keys it needs from the box's corner (kernels/gna/dynamic.py); None (default) lets
     natsim choose by predicted work where both are costed (the in-place path; static elsewhere).
     Returns the output in q's layout, and with `return_lse` also the natural-log log-sum-exp
     `[B, *shape, heads]` in float32. Differentiable with respect to q, k and v (and through the LSE): the
@@ -191,10 +191,6 @@ def gna_tile_counts(
         q_dims, kv_dims = kernel_tiles(problem, q_tile, kv_tile)
     q_shape = kv_shape = problem.shape
     if frames is not None:
-        from .gna_launch import frames_as_3d
-
-        from natsim.partition import key_frames
-
         frames = tuple(int(x) for x in frames)
         need = key_frames(problem, frames[0], frames[1])
         if not (0 <= frames[0] < frames[1] <= problem.shape[0] and frames[2] <= need[0] and need[1] <= frames[3]

@@ -1,4 +1,4 @@
-"""Content-adaptive block-mask predictors (issue 10), public through `natsim.masks`.
+"""Content-adaptive block-mask predictors, public through `natsim.masks`.
 
 Each predictor looks at q and k (`[B, N, heads, head_dim]`, any device and float dtype) and returns the boolean
 block mask `[B, H, ceil(N / q_block), ceil(N / kv_block)]` that `sparse_attention` takes: True where a query
@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from .sparse import MIN_Q_BLOCK
-from .sparsemask import check_block
+from natsim.kernels.sparse.mask import check_block
+from natsim.kernels.sparse.work import MIN_Q_BLOCK
 
 # Elements of one float32 temporary of `hierarchical`'s sub-block scores (128 MiB); larger inputs go in chunks
 # of query blocks.

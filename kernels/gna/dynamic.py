@@ -1,6 +1,6 @@
-"""The GNA forward kernel with dynamic KV tiling (gna-semantics.md, section 2); launched by kernels/gna_launch.py.
+"""The GNA forward kernel with dynamic KV tiling (gna-semantics.md, section 2); launched by kernels/gna/launch.py.
 
-Static KV tiling (kernels/gna.py) visits the KV tiles of a fixed grid that the Q tile's keys overlap. Dynamic
+Static KV tiling (kernels/gna/forward.py) visits the KV tiles of a fixed grid that the Q tile's keys overlap. Dynamic
 KV tiling, the original FNA's choice, cuts out exactly the keys the Q tile needs and tiles that box: per
 dimension the box is `[start(first), end(last))`, the window bounds of the tile's first and last real
 queries, walked in KV tiles of the configured shape from the box's corner. Along one dimension the box takes
@@ -15,7 +15,7 @@ Where a box tile comes from:
 - `LAYOUT` 2 (a 1-D layout in place): one rank-2 descriptor load at the tile's first row.
 - `LAYOUT` 0 (permuted sequences: dilation groups, GPUs before Hopper): a box tile straddles up to eight
   stored tiles, so its keys are gathered with pointer loads, each key's permuted position worked out from its
-  in-group coordinates (kernels/layout.py); keys past the group's end are not read.
+  in-group coordinates (kernels/gna/layout.py); keys past the group's end are not read.
 
 The two KV loops are those of the static kernel: loop 1 runs, without any mask code, the box tiles every real
 query attends completely and that hold no key past the group's end (per dimension one run of the box's tiles,
@@ -29,8 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gna import _layout_descriptor, _softmax_step, _tile_in_group
-from .window import window_bounds
+from ..common.softmax import softmax_step
+from .geometry import layout_descriptor, tile_in_group, window_bounds
 
 
 @triton.jit
@@ -151,7 +151,7 @@ def gna_dynamic_kernel(
     MASKED: tl.constexpr = True, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
     HEAD_MAJOR: tl.constexpr = False, LAYOUT: tl.constexpr = 0,
 ):
-    """Same arguments as `gna_forward_kernel` (kernels/gna.py); `USE_TMA` only matters for LAYOUT 0's Q and O
+    """Same arguments as `gna_forward_kernel` (kernels/gna/forward.py); `USE_TMA` only matters for LAYOUT 0's Q and O
     (K and V are gathered there), and `WARP_SPECIALIZE` applies to loop 1."""
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
@@ -166,7 +166,7 @@ def gna_dynamic_kernel(
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
 
-    group, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = _tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
+    group, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
                                                                          NQ0, NQ1, NQ2)
     first0 = i0 * TQ0
     first1 = i1 * TQ1
@@ -195,10 +195,10 @@ def gna_dynamic_kernel(
     else:
         q_rows = num_q_tiles * BLOCK_M
     if LAYOUT == 1:
-        q_desc = _layout_descriptor(Q + b * stride_qb + h * stride_qh, L0, L1, L2, stride_q0, stride_q1, stride_q2,
+        q_desc = layout_descriptor(Q + b * stride_qb + h * stride_qh, L0, L1, L2, stride_q0, stride_q1, stride_q2,
                                     TQ0, TQ1, TQ2, HEAD_DIM)
-        k_desc = _layout_descriptor(K_head, L0, L1, L2, stride_k0, stride_k1, stride_k2, TK0, TK1, TK2, HEAD_DIM)
-        v_desc = _layout_descriptor(V_head, L0, L1, L2, stride_v0, stride_v1, stride_v2, TK0, TK1, TK2, HEAD_DIM)
+        k_desc = layout_descriptor(K_head, L0, L1, L2, stride_k0, stride_k1, stride_k2, TK0, TK1, TK2, HEAD_DIM)
+        v_desc = layout_descriptor(V_head, L0, L1, L2, stride_v0, stride_v1, stride_v2, TK0, TK1, TK2, HEAD_DIM)
         q = q_desc.load([first0, first1, first2, 0]).reshape([BLOCK_M, HEAD_DIM])
     elif LAYOUT == 2:
         q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_rows, HEAD_DIM],
@@ -244,7 +244,7 @@ def gna_dynamic_kernel(
                               c0, c1, c2, dims, kv_group, len0, len1, len2, NK1, NK2,
                               TK0, TK1, TK2, HEAD_DIM, LAYOUT, False)
         qk = tl.dot(q, k)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
             unmasked += _full_keys(key0, key1, key2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
         m2 += 1
@@ -274,7 +274,7 @@ def gna_dynamic_kernel(
             keep &= (c1[None, :] - (qs1 - key1)[:, None]).to(tl.uint32) < w1[:, None]
             keep &= (c2[None, :] - (qs2 - key2)[:, None]).to(tl.uint32) < w2[:, None]
             qk = tl.where(keep, qk, float("-inf"))
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+            acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
             if DEBUG:
                 unmasked += _full_keys(key0, key1, key2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2,
                                        TK0, TK1, TK2)
@@ -282,7 +282,7 @@ def gna_dynamic_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
     if LAYOUT == 1:
-        o_desc = _layout_descriptor(O + b * stride_ob + h * stride_oh, L0, L1, L2, stride_o0, stride_o1, stride_o2,
+        o_desc = layout_descriptor(O + b * stride_ob + h * stride_oh, L0, L1, L2, stride_o0, stride_o1, stride_o2,
                                     TQ0, TQ1, TQ2, HEAD_DIM)
         o_desc.store([first0, first1, first2, 0], out.reshape([TQ0, TQ1, TQ2, HEAD_DIM]))
     elif LAYOUT == 2 or USE_TMA:

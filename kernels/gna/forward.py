@@ -1,7 +1,7 @@
-"""The GNA forward kernel (multi-D tiles, static KV tiling); its launcher is kernels/gna_launch.py.
+"""The GNA forward kernel (multi-D tiles, static KV tiling); its launcher is kernels/gna/launch.py.
 
 One program handles one Q tile of one (batch, head). It finds its own KV tiles from the GNA parameters with
-`window_bounds` (kernels/window.py), per dimension: from `start(first query) // T_KV` to
+`window_bounds` (kernels/gna/geometry.py), per dimension: from `start(first query) // T_KV` to
 `ceil(end(last query) / T_KV) - 1`, where first/last are the tile's first and last real queries. It never
 reads a precomputed block list, so its tile counts can be held against natsim's simulator.
 
@@ -23,7 +23,7 @@ yields a boolean mask cost more than it saved (packing and unpacking predicates;
 HunyuanVideo stride 1x1x1 on the H100). With DEBUG on, both loops count the tiles that pass
 the full-tile test, so the per-Q-tile counts are still the kernel's own decisions.
 
-Compile-time switches (the launcher sets them, kernels/gna_launch.py):
+Compile-time switches (the launcher sets them, kernels/gna/launch.py):
 
 - `MASKED`: some visited tile may be partial or padded. The launcher works this out on the host per
   dimension (`needs_mask`); when it is False (dense attention and block-sparse configurations) only loop 1
@@ -33,7 +33,7 @@ Compile-time switches (the launcher sets them, kernels/gna_launch.py):
   Pointer loads remain for GPUs before Hopper and for unaligned strides. The interpreter runs both.
 - `WARP_SPECIALIZE`: loop 1 as a warp-specialized `tl.range` (producer warpgroup for the copies).
 - `HEAD_MAJOR`: grid over (batch * heads, Q tiles) instead of (Q tiles, batch * heads) (tuning only; slower).
-- `LAYOUT`: where q, k, v and o live. 0: permuted sequences `[B, tokens, H, D]` (kernels/permute.py), every
+- `LAYOUT`: where q, k, v and o live. 0: permuted sequences `[B, tokens, H, D]` (kernels/gna/permute.py), every
   dilation group padded to whole tiles; a tile is a run of tokens. 1: the caller's `[B, L0, L1, L2, H, D]`
   read in place through rank-4 descriptors, a tile a box of the layout whose padding lies out of bounds (read
   as zeros, stores dropped); no dilation. 2: a 1-D layout in place through the rank-2 descriptors of mode 0
@@ -42,13 +42,13 @@ Compile-time switches (the launcher sets them, kernels/gna_launch.py):
 
 Frame ranges (natsim.distributed's halo exchange): q and o may hold frames `[Q0_OFF, Q0_OFF + L0)` of
 dimension 0 of a layout of `G0` frames, and k, v frames `[K0_OFF, K0_OFF + KL0)` holding every frame those
-queries attend. Window bounds along dimension 0 are the global layout's (`_frame_groups`: a local dilation group
+queries attend. Window bounds along dimension 0 are the global layout's (`frame_groups`: a local dilation group
 is a run of a global one, and key groups may be rotated against query groups); Q and KV tiles are cut from the
 local first frames. A whole layout has offsets 0 and `G0 == KL0 == L0`, and the kernel is what it was.
 
 The softmax scale (times log2 e) is applied with one fused multiply-add per score (`qk * scale - m`), the
 running maximum is kept in scaled units, and the online-softmax recurrence is the usual flash-attention one
-in base 2 with fp32 accumulators. Kernels always see three dimensions (kernels/layout.py): a 1-D or 2-D
+in base 2 with fp32 accumulators. Kernels always see three dimensions (kernels/gna/layout.py): a 1-D or 2-D
 problem has leading dimensions of length 1.
 """
 
@@ -57,93 +57,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .window import window_bounds
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _dim_setup(first, q_len, group_len, q_off, k_off, window, stride, CAUSAL: tl.constexpr, TQ: tl.constexpr,
-               TK: tl.constexpr):
-    """Per dimension: the Q tile's last real query, window bounds of first/last, and its KV tile range.
-
-    `q_len` real queries of the local group sit at in-group coordinates `q_off + i` of a group of `group_len`;
-    keys are local from in-group coordinate `k_off` (both offsets 0 and `q_len == group_len` but for dimension 0
-    of a frame range, see `frame_groups`)."""
-    last = tl.minimum(first + TQ, q_len) - 1
-    start_first, end_first = window_bounds(first + q_off, group_len, window, stride, CAUSAL)
-    start_last, end_last = window_bounds(last + q_off, group_len, window, stride, CAUSAL)
-    start_first -= k_off
-    end_first -= k_off
-    start_last -= k_off
-    end_last -= k_off
-    kv_lo = start_first // TK
-    kv_hi = (end_last + TK - 1) // TK
-    return start_last, end_first, kv_lo, kv_hi
-
-
-@triton.jit
-def _frame_groups(gi0, G0, KL0, Q0_OFF, K0_OFF, D0):
-    """Dimension 0 of a frame range (halo exchange, natsim.distributed): q holds global frames
-    `[Q0_OFF, Q0_OFF + L0)` of `G0`, k and v frames `[K0_OFF, K0_OFF + KL0)`. Local dilation group `gi0` of the
-    queries is global group `(Q0_OFF + gi0) % D0`; returns the in-group offset of its first query, that group's
-    global length, the local key group holding it, that key group's in-group offset and its local length. A
-    whole layout (offsets 0, `G0 == KL0 == L0`) gives `0, len, gi0, 0, len`."""
-    x0 = Q0_OFF + gi0
-    gg0 = x0 % D0
-    kg0 = (gg0 + D0 - K0_OFF % D0) % D0
-    glen0 = G0 // D0 + tl.where(gg0 < G0 % D0, 1, 0)
-    klen0 = KL0 // D0 + tl.where(kg0 < KL0 % D0, 1, 0)
-    return x0 // D0, glen0, kg0, (K0_OFF + kg0) // D0, klen0
-
-
-@triton.jit
-def _tile_in_group(tile, L0, L1, L2, D0, D1, D2, N0, N1, N2):
-    """Where tile `tile` lies when tiles are numbered dilation group by group, N0 x N1 x N2 per group: the
-    group's index and per-dimension coordinates, the group's per-dimension lengths, and the tile's
-    per-dimension index inside the group (shared by the forward, dynamic and backward kernels)."""
-    per_group = N0 * N1 * N2
-    group = tile // per_group
-    t = tile % per_group
-    gi0 = group // (D1 * D2)
-    gi1 = (group // D2) % D1
-    gi2 = group % D2
-    len0 = L0 // D0 + tl.where(gi0 < L0 % D0, 1, 0)
-    len1 = L1 // D1 + tl.where(gi1 < L1 % D1, 1, 0)
-    len2 = L2 // D2 + tl.where(gi2 < L2 % D2, 1, 0)
-    return group, gi0, gi1, gi2, len0, len1, len2, t // (N1 * N2), (t // N2) % N1, t % N2
-
-
-@triton.jit
-def _full_run(start_last, end_first, kv_lo, kv_hi, TK: tl.constexpr):
-    """Per dimension: the run [f, g) of visited KV tiles that every real query attends completely, and that
-    hold no padding keys (`end_first <= group length`); empty (f == g) when there is none."""
-    f = tl.maximum((start_last + TK - 1) // TK, kv_lo)
-    g = tl.minimum(end_first // TK, kv_hi)
-    f = tl.minimum(f, kv_hi)
-    return f, tl.maximum(f, g)
-
-
-@triton.jit
-def _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2,
-             TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr):
-    """1 when every real query of the Q tile attends every real key of KV tile (k0, k1, k2), else 0 (DEBUG)."""
-    full = (sl0 <= k0 * TK0) & (ef0 >= tl.minimum(k0 * TK0 + TK0, len0))
-    full &= (sl1 <= k1 * TK1) & (ef1 >= tl.minimum(k1 * TK1 + TK1, len1))
-    full &= (sl2 <= k2 * TK2) & (ef2 >= tl.minimum(k2 * TK2 + TK2, len2))
-    return tl.where(full, 1, 0)
-
-
-@triton.jit
-def _softmax_step(acc, l_i, m_i, qk, v, qk_scale):
-    """One online-softmax update with raw scores `qk` (scaled here) and values `v`; `m_i` is scaled."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
+from ..common.softmax import LOG2E, softmax_step
+from .geometry import dim_setup, frame_groups, full_run, is_full, layout_descriptor, tile_in_group, window_bounds
 
 
 @triton.jit
@@ -166,15 +81,6 @@ def _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_kn, stride
         k = tl.load(k_base + offset * stride_kn)
         v = tl.load(v_base + offset * stride_vn)
     return k, v
-
-
-@triton.jit
-def _layout_descriptor(base, L0, L1, L2, stride0, stride1, stride2,
-                       T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A rank-4 tensor descriptor over one head of a `[L0, L1, L2, head_dim]` token layout, in boxes of one tile:
-    loads past the layout's end read zeros and stores there are dropped, so padding needs no memory."""
-    return tl.make_tensor_descriptor(base, shape=[L0, L1, L2, HEAD_DIM], strides=[stride0, stride1, stride2, 1],
-                                     block_shape=[T0, T1, T2, HEAD_DIM])
 
 
 @triton.jit(do_not_specialize=["G0", "KL0", "Q0_OFF", "K0_OFF"])  # frame offsets: one compile for every rank
@@ -209,18 +115,18 @@ def gna_forward_kernel(
     h = (bh % heads).to(tl.int64)
 
     # Which dilation group and which tile of the group this program holds.
-    group, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = _tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
+    group, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
                                                                          NQ0, NQ1, NQ2)
     first0 = i0 * TQ0
     first1 = i1 * TQ1
     first2 = i2 * TQ2
     real_tile = (first0 < len0) & (first1 < len1) & (first2 < len2)
 
-    qo0, glen0, kg0, ko0, klen0 = _frame_groups(gi0, G0, KL0, Q0_OFF, K0_OFF, D0)  # frame range, dim 0
+    qo0, glen0, kg0, ko0, klen0 = frame_groups(gi0, G0, KL0, Q0_OFF, K0_OFF, D0)  # frame range, dim 0
 
-    sl0, ef0, lo0, hi0 = _dim_setup(first0, len0, glen0, qo0, ko0, W0, S0, C0, TQ0, TK0)
-    sl1, ef1, lo1, hi1 = _dim_setup(first1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
-    sl2, ef2, lo2, hi2 = _dim_setup(first2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
+    sl0, ef0, lo0, hi0 = dim_setup(first0, len0, glen0, qo0, ko0, W0, S0, C0, TQ0, TK0)
+    sl1, ef1, lo1, hi1 = dim_setup(first1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
+    sl2, ef2, lo2, hi2 = dim_setup(first2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
     num_kv = tl.where(real_tile, (hi0 - lo0) * (hi1 - lo1) * (hi2 - lo2), 0)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -244,11 +150,11 @@ def gna_forward_kernel(
         q_rows = num_q_tiles * BLOCK_M
         kv_rows = D0 * D1 * D2 * kv_tiles_per_group * BLOCK_N
     if LAYOUT == 1:  # q, k, v, o are [B, L0, L1, L2, heads, head_dim]: tiles are boxes, padding is out of bounds
-        q_desc = _layout_descriptor(Q + b * stride_qb + h * stride_qh, L0, L1, L2, stride_q0, stride_q1, stride_q2,
+        q_desc = layout_descriptor(Q + b * stride_qb + h * stride_qh, L0, L1, L2, stride_q0, stride_q1, stride_q2,
                                     TQ0, TQ1, TQ2, HEAD_DIM)
-        k_desc = _layout_descriptor(K + b * stride_kb + h * stride_kh, KL0, L1, L2, stride_k0, stride_k1, stride_k2,
+        k_desc = layout_descriptor(K + b * stride_kb + h * stride_kh, KL0, L1, L2, stride_k0, stride_k1, stride_k2,
                                     TK0, TK1, TK2, HEAD_DIM)
-        v_desc = _layout_descriptor(V + b * stride_vb + h * stride_vh, KL0, L1, L2, stride_v0, stride_v1, stride_v2,
+        v_desc = layout_descriptor(V + b * stride_vb + h * stride_vh, KL0, L1, L2, stride_v0, stride_v1, stride_v2,
                                     TK0, TK1, TK2, HEAD_DIM)
         q = q_desc.load([first0, first1, first2, 0]).reshape([BLOCK_M, HEAD_DIM])
         k_base = K  # unused: loads go through the descriptors
@@ -279,9 +185,9 @@ def gna_forward_kernel(
     # Loop 1: the full KV tiles, a box [f0, g0) x [f1, g1) x [f2, g2) inside the visited box (per dimension the
     # full, unpadded tiles are one run); no mask code. Without MASKED the visited box is all full.
     if MASKED:
-        f0, g0 = _full_run(sl0, ef0, lo0, hi0, TK0)
-        f1, g1 = _full_run(sl1, ef1, lo1, hi1, TK1)
-        f2, g2 = _full_run(sl2, ef2, lo2, hi2, TK2)
+        f0, g0 = full_run(sl0, ef0, lo0, hi0, TK0)
+        f1, g1 = full_run(sl1, ef1, lo1, hi1, TK1)
+        f2, g2 = full_run(sl2, ef2, lo2, hi2, TK2)
         empty = (g0 == f0) | (g1 == f1) | (g2 == f2)
         g0 = tl.where(empty, f0, g0)  # no full tile: loop 2 (slab below/above f0) covers the whole box
         num_full = tl.where(real_tile, (g0 - f0) * (g1 - f1) * (g2 - f2), 0)
@@ -296,9 +202,9 @@ def gna_forward_kernel(
         k, v = _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_k2, stride_v2,
                             TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
         qk = tl.dot(q, k)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
-            unmasked += _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2, TK0, TK1, TK2)
+            unmasked += is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2, TK0, TK1, TK2)
         # Next KV tile: step the last dimension, carry into the ones before it.
         k2 += 1
         wrap2 = k2 == g2
@@ -358,15 +264,15 @@ def gna_forward_kernel(
             keep &= (c1[None, :] - (qs1 - k1 * TK1)[:, None]).to(tl.uint32) < w1[:, None]
             keep &= (c2[None, :] - (qs2 - k2 * TK2)[:, None]).to(tl.uint32) < w2[:, None]
             qk = tl.where(keep, qk, float("-inf"))
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+            acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
             if DEBUG:
-                unmasked += _is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2, TK0, TK1, TK2)
+                unmasked += is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2, TK0, TK1, TK2)
 
     # Padding queries (and only they) can end with no key at all: give them zeros, not 0 / 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
     if LAYOUT == 1:
-        o_desc = _layout_descriptor(O + b * stride_ob + h * stride_oh, L0, L1, L2, stride_o0, stride_o1, stride_o2,
+        o_desc = layout_descriptor(O + b * stride_ob + h * stride_oh, L0, L1, L2, stride_o0, stride_o1, stride_o2,
                                     TQ0, TQ1, TQ2, HEAD_DIM)
         o_desc.store([first0, first1, first2, 0], out.reshape([TQ0, TQ1, TQ2, HEAD_DIM]))
     elif USE_TMA:

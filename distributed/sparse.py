@@ -1,0 +1,68 @@
+"""Attention under any block mask on tokens sharded over a process group (Ulysses): head-parallel attention
+composes with any per-head block mask, so each rank runs its heads of the mask over the whole sequence."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Sequence, Union
+
+import torch
+
+from natsim.kernels import SparseMask
+from natsim.kernels import sparse_attention as single_gpu_sparse_attention
+
+from .collectives import check_heads, refuse_gradients, resolve_split, world
+from .strategies import ulysses
+
+
+def _mask_heads(mask, heads: int, lo: int, hi: int):
+    """Heads `[lo, hi)` of a per-head block mask (a tensor or SparseMask); a mask of one head broadcasts."""
+    if isinstance(mask, SparseMask):
+        count = mask.kv_num_blocks.shape[1]
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        count = mask.shape[1]
+    else:
+        return mask  # sparse_attention rejects it with its own sentence
+    if count not in (1, heads):
+        raise ValueError(f"mask must have 1 or heads={heads} heads (its dimension 1), got {count}.")
+    if count == 1:
+        return mask
+    if isinstance(mask, SparseMask):
+        return replace(mask, kv_num_blocks=mask.kv_num_blocks[:, lo:hi], kv_indices=mask.kv_indices[:, lo:hi])
+    return mask[:, lo:hi]
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Union[torch.Tensor, SparseMask],
+    q_block: Optional[int] = None,
+    kv_block: Optional[int] = None,
+    *,
+    group=None,
+    split: Optional[Sequence[int]] = None,
+    merge: Optional[str] = None,
+    scale: Optional[float] = None,
+    schedule: Optional[str] = None,
+) -> torch.Tensor:
+    """`natsim.kernels.sparse_attention` on `[B, N_r, heads, head_dim]` tokens sharded over `group` (Ulysses).
+
+    `mask` is the whole sequence's block mask (`[B or 1, heads or 1, nQ, nKV]` booleans or a `SparseMask`),
+    the same on every rank; each rank runs its `heads / P` heads of it. Returns this rank's output tokens.
+    """
+    refuse_gradients(q, k, v)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError("q must be a [batch, tokens, heads, head_dim] tensor, got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
+    size, rank = world(group)
+    split = resolve_split(q, split, group)
+    heads = q.shape[-2]
+    check_heads(heads, size)
+    h = heads // size
+    mask = _mask_heads(mask, heads, rank * h, (rank + 1) * h)
+
+    def attend(q, k, v):
+        return single_gpu_sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, scale=scale, schedule=schedule)
+
+    return ulysses(attend, q, k, v, split, group)

@@ -1,0 +1,25 @@
+"""Tensor checks every kernel family's public boundary shares, with NATTEN-style sentence errors, and what the
+Triton kernels can run (dtypes, head dims)."""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_HEAD_DIMS = (32, 64, 128)
+
+
+def check_tensors(q: object, k: object, v: object) -> None:
+    """q, k and v are torch tensors."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+
+
+def check_matching(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q, k and v share one dtype and one device."""
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(
+            "q, k and v must share dtype and device, got "
+            f"dtypes ({q.dtype}, {k.dtype}, {v.dtype}), devices ({q.device}, {k.device}, {v.device})."
+        )

@@ -1,0 +1,74 @@
+"""Launching the Triton kernels: launch options that fit in shared memory, whether a device and a tensor can
+use tensor descriptors (Hopper's bulk tensor copies), and the scratch allocator that in-kernel descriptors need.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .backend import interpreting
+
+SHARED_MEMORY_BUDGET = 227 * 1024  # bytes: what one H100 thread block may use
+
+
+def launch_config(
+    block_m: int, block_n: int, head_dim: int, masked: bool = True, tma: bool = False, specialize: bool = True
+) -> dict:
+    """Launch options for a tile of `block_m` queries, `block_n` keys and `head_dim` (see kernels/gna/forward.py).
+
+    A 128x128 tile without masks, with tensor descriptors, runs warp-specialized: `num_warps=4` asks for one
+    consumer warpgroup per 64 query rows (Triton's Hopper pass makes two of them and adds a producer
+    warpgroup for the K/V copies, 12 warps in all) and two K/V stages fill shared memory. Otherwise 8 warps
+    (4 for smaller tiles) and three pipeline stages when they fit in shared memory (measured faster than two
+    at 128x128x128 on the H100, benchmarks/results/gna-tune-*.json).
+
+    `specialize=False` keeps the single-partition loop: the launcher asks for it when the kernel writes the
+    LSE or debug counts. Under Triton 3.6's Hopper warp specialization the LSE came out wrong (off by more
+    than 1e-2 against float64 at HunyuanVideo 16x8x8) while the output was right (H100, 2026-11-22).
+    """
+    q_bytes, kv_bytes = 2 * block_m * head_dim, 2 * 2 * block_n * head_dim
+    large = block_m * head_dim >= 128 * 128
+    if specialize and tma and not masked and large and block_m == 128 and block_n == 128:
+        return dict(num_warps=4, num_stages=2, MASKED=False, USE_TMA=True, WARP_SPECIALIZE=True)
+    stages = 3 if q_bytes + 3 * kv_bytes <= SHARED_MEMORY_BUDGET else 2
+    return dict(num_warps=8 if large else 4, num_stages=stages, MASKED=masked, USE_TMA=tma, WARP_SPECIALIZE=False)
+
+
+@functools.lru_cache(maxsize=16)
+def has_tensor_descriptors(device: torch.device) -> bool:
+    """Tensor descriptors (the bulk tensor copy engine) need Hopper or newer; the interpreter has them too."""
+    return interpreting() or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def descriptor_strides_ok(t: torch.Tensor) -> bool:
+    """Descriptors need a contiguous last dimension, every other stride a multiple of 16 bytes, and positive
+    strides along the token dimensions (those between batch and heads: an expanded, stride-0 one is not a
+    layout a descriptor can walk)."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+            and all(st > 0 for st in t.stride()[1:-2]))
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Every tensor starts on a 16-byte boundary (descriptors, and the kernel's pointer specialisation)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def install_allocator() -> None:
+    """In-kernel tensor descriptors need a scratch allocator; install a torch one unless the caller has one."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+    except ImportError:  # pragma: no cover - layout of triton's internals changed
+        return
+    if isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_torch_allocator)
+
+
+_CPU, _CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def _torch_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device=_CPU if interpreting() else _CUDA)

@@ -1,0 +1,20 @@
+"""natsim.kernels.sparse: attention under any block mask (FG-Attn), forward and backward.
+
+The mask type (`SparseMask`), its prepared work (`prepare_sparse`: query merging, union lists), the Triton
+kernels, the public entry points and the torch references they are checked against.
+"""
+
+from .api import SparseTileCounts, sparse_attention, sparse_tile_counts
+from .mask import SparseMask
+from .reference import sparse_reference
+from .work import SparseWork, prepare_sparse
+
+__all__ = [
+    "SparseMask",
+    "SparseTileCounts",
+    "SparseWork",
+    "prepare_sparse",
+    "sparse_attention",
+    "sparse_reference",
+    "sparse_tile_counts",
+]

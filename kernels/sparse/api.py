@@ -1,0 +1,145 @@
+"""Public entry points of attention under any block mask.
+
+- `sparse_attention(q, k, v, mask, ...)`: `[B, N, heads, head_dim]` in and out. Runs the registered operator
+  `natsim::sparse_forward` (kernels/ops.py) under torch.compile, autograd or a dispatch mode, and in plain eager
+  calls goes straight to the same implementation (kernels/sparse/dispatch.py).
+- `sparse_tile_counts(mask, ...)`: runs the kernel with its debug counters on and returns its per-program counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from .. import ops
+from ..common.backend import autocast_inputs, runs_eagerly, use_triton
+from ..common.checks import check_tensors
+from .checks import SCHEDULES, check_pv_threshold
+from .dispatch import sparse_forward_impl
+from .forward import run_sparse
+from .mask import SparseMask
+from .work import MERGES, SparseWork, dense_mask, prepare_sparse
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Union[torch.Tensor, SparseMask, SparseWork],
+    q_block: Optional[int] = None,
+    kv_block: Optional[int] = None,
+    *,
+    merge: Optional[str] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+    schedule: Optional[str] = None,
+    programs: Optional[int] = None,
+    pv_threshold: Optional[float] = None,
+):
+    """Attention of `[B, N, heads, head_dim]` q, k, v under a block mask: query i attends key j exactly when
+    `mask[b, h, i // q_block, j // kv_block]`.
+
+    - `mask`: a boolean `[B or 1, heads or 1, ceil(N / q_block), ceil(N / kv_block)]` tensor (then `q_block`
+      and `kv_block` are required: powers of two, q_block 8 to 128, kv_block 1 to 128), a `SparseMask`, or a
+      `SparseWork` from `prepare_sparse` (the host work done once, reused; eager calls only).
+    - `merge`: None (a program holds one query block, at least 16 rows), `"consecutive"` or `"xor"` (a program
+      holds 128 queries, 128 // q_block blocks: consecutive ones, or natsim.merge's XOR greedy per head).
+      The output never depends on it: each row is masked by its own block's row.
+    - `schedule`: `"grid"` (default, one program per group) or `"lpt"` (persistent, longest group first;
+      `programs` sets how many, default about one per SM slot).
+    - `pv_threshold`: None (exact), or SpargeAttn's lambda (negative, natural-log units of the scaled scores):
+      a query block skips a tile's P @ V when every one of its rows has the tile's maximum score more than
+      `-pv_threshold` below its running maximum (module docstring; an approximation that depends on the
+      order of the tiles, which `kernels/sparse/reference.py` reproduces in torch).
+    Returns the output (q's dtype) and with `return_lse` the natural-log LSE `[B, N, heads]` (float32, -inf
+    for a query that attends nothing, whose output is 0). Differentiable with respect to q, k and v (the
+    Triton backward kernels, kernels/sparse/backward.py, on the unmerged mask; the reference's gradients on
+    the CPU path), except with `pv_threshold`, whose skips have no gradient (refused). CPU tensors without
+    TRITON_INTERPRET=1 run `sparse_reference`.
+    """
+    check_tensors(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
+    schedule = "grid" if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be None, 'grid' or 'lpt', got schedule={schedule!r}.")
+    if isinstance(mask, SparseWork):
+        if not runs_eagerly(q, k, v) or not use_triton(q):
+            raise ValueError(
+                "a SparseWork runs in plain eager calls of the Triton kernel only; pass the boolean mask or the "
+                "SparseMask under torch.compile, autograd or on the torch reference path."
+            )
+        out, lse, _ = run_sparse(mask, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
+        return (out, lse) if return_lse else out
+    if q.dim() < 2:
+        raise ValueError(f"q must be [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
+    dense, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
+    if merge not in MERGES:
+        raise ValueError(f"merge must be None, 'consecutive' or 'xor', got merge={merge!r}.")
+    scale = None if scale is None else float(scale)
+    pv_threshold = check_pv_threshold(pv_threshold)
+    if pv_threshold is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(ops.PV_SKIP_GRADIENT_REFUSAL)
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if runs_eagerly(q, k, v):
+        out, lse = sparse_forward_impl(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
+                                       programs, pv_threshold)
+    else:
+        # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
+        out, lse = ops.sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse or tracked,
+                                      schedule, programs, pv_threshold)
+    return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class SparseTileCounts:
+    """The kernel's own debug counts, one entry per program (work item) `[B, H, groups]`: `loaded` KV blocks,
+    `computed` (query block, KV block) pairs, `pv_skipped` pairs of the mask (attended) whose P @ V the PV
+    skip left out (0 without `pv_threshold`; at most the mask's pairs), and `members` `[B, H, groups, R]`, the query blocks of each program (-1 where the
+    last group is short). `natsim.merge(mask[b, h], R, method)` predicts `merged.visited` and
+    `merged.visited * group_sizes` for the same `members` (its `groups`)."""
+
+    loaded: np.ndarray
+    computed: np.ndarray
+    members: np.ndarray
+    merge_seconds: float
+    pv_skipped: np.ndarray
+
+
+def sparse_tile_counts(
+    mask: Union[torch.Tensor, SparseMask],
+    q_block: Optional[int] = None,
+    kv_block: Optional[int] = None,
+    *,
+    seq_len: Optional[int] = None,
+    merge: Optional[str] = None,
+    schedule: str = "grid",
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    head_dim: int = 32,
+    device: Union[str, torch.device] = "cuda",
+    dtype: torch.dtype = torch.float16,
+    pv_threshold: Optional[float] = None,
+    inputs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    scale: Optional[float] = None,
+) -> SparseTileCounts:
+    """Run the kernel with its debug counters on and return its per-program counts: on `inputs` (q, k, v of
+    the mask's batch and heads, on `device`), else on random ones (N = `seq_len`, by default the mask's blocks
+    times its rows; `head_dim`, `dtype`). The PV-skip count depends on the inputs: pass them with
+    `pv_threshold`."""
+    if isinstance(mask, SparseMask):
+        seq_len = mask.seq_len if seq_len is None else seq_len
+    elif seq_len is None and q_block is not None and isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        seq_len = mask.shape[2] * q_block
+    work = prepare_sparse(mask, q_block, kv_block, seq_len, merge=merge, block_m=block_m, block_n=block_n,
+                          device=torch.device(device))
+    if inputs is None:
+        shape = (work.mask_batch, work.seq_len, work.mask_heads, head_dim)
+        inputs = tuple(torch.randn(shape, device=device).to(dtype) for _ in range(3))
+    q, k, v = inputs
+    _, _, counts = run_sparse(work, q, k, v, scale, schedule=schedule, debug=True, pv_threshold=pv_threshold)
+    counts = counts.cpu().numpy().astype(np.int64).reshape(q.shape[0], q.shape[2], work.groups, 3)
+    members = work.members.cpu().numpy().astype(np.int64).reshape(work.mask_batch, work.mask_heads, work.groups, -1)
+    return SparseTileCounts(counts[..., 0], counts[..., 1], members, work.merge_seconds, counts[..., 2])

@@ -1,0 +1,47 @@
+"""One sparse-attention forward call under a boolean block mask: the Triton kernel on CUDA tensors (or in the
+interpreter), the torch reference on CPU tensors. What both the registered operator and the eager fast path
+of `sparse_attention` run."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from ..common.backend import use_triton
+from .checks import check_mask_batch, check_sparse_kernel, check_sparse_qkv
+from .forward import run_sparse
+from .reference import sparse_pv_reference, sparse_reference
+from .work import prepare_sparse
+
+_warned_cpu = False
+
+
+def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int, merge: Optional[str],
+                        scale: Optional[float], return_lse: bool, schedule: str, programs: Optional[int],
+                        pv_threshold: Optional[float] = None):
+    """`(out, lse)` of a boolean block mask: the Triton kernel (CUDA tensors or the interpreter), else the torch
+    reference (of the PV skip with `pv_threshold`) with a one-time warning. What both the operator and the
+    eager fast path run."""
+    global _warned_cpu
+    check_sparse_qkv(q, k, v)
+    check_mask_batch(mask.shape[0], mask.shape[1], q)
+    if not use_triton(q):
+        if not _warned_cpu:
+            warnings.warn("sparse_attention got CPU tensors: running the torch reference (exact but slow); "
+                          "use CUDA tensors for the Triton kernel.", stacklevel=4)
+            _warned_cpu = True
+        if pv_threshold is not None:
+            work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device)
+            return sparse_pv_reference(work, q, k, v, pv_threshold, scale)[:2]
+        return sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True)
+    check_sparse_kernel(q)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "sparse_attention with a mask prepares its work on the host, which a CUDA graph cannot capture: "
+            "build it before the capture with prepare_sparse(mask, ...) and pass that SparseWork as the mask."
+        )
+    work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device)
+    out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
+    return out, lse

@@ -1,0 +1,198 @@
+"""The sparse kernel's host work for one block mask: query groups (merging), union lists and member bits.
+
+`prepare_sparse` turns a boolean block mask (or a `SparseMask`) into a `SparseWork`, what the forward kernel
+reads (kernels/sparse/forward.py says how); torch ops on the mask's device, but for the XOR grouping, which runs
+`natsim.merge` on the CPU. A `SparseWork` is reusable across calls on that mask.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from natsim import merge as natsim_merge
+
+from ..common.backend import interpreting
+from .mask import SparseMask, check_block, check_dense_mask
+
+MERGES = (None, "consecutive", "xor")
+MIN_Q_BLOCK = 8  # members are bits of an int32 per list entry: at most 16 of them in a 128-query program
+MIN_DOT = 16  # tl.dot's smallest M
+
+
+@dataclass(frozen=True)
+class SparseWork:
+    """What the kernel reads for one mask, block sizes and grouping; reusable across calls on that mask.
+
+    Work items are the groups of every (batch, head) of the mask (`mask_batch` x `mask_heads` x `groups`, a
+    mask of batch or heads 1 broadcasts). Per item: `members` int32 `[items, R]`, its query blocks (-1 where the
+    last group is short); its list `kv_list[offsets[i]:offsets[i + 1]]` (int32), the union of the members' KV
+    blocks, those every member attends and that end before N first (`full_tiles[i]` whole tiles of them run
+    unmasked); `member_bits` per list entry, bit m set when member m attends the block. Every index tensor is
+    sized by the visited blocks. `merge_seconds`: time of the grouping (natsim.merge on the CPU for "xor",
+    including the mask's copy there); `prepare_seconds`: the whole preparation.
+    """
+
+    q_block: int
+    kv_block: int
+    block_m: int
+    block_n: int
+    seq_len: int
+    merge: Optional[str]
+    mask_batch: int
+    mask_heads: int
+    groups: int
+    members: torch.Tensor
+    offsets: torch.Tensor
+    full_tiles: torch.Tensor
+    kv_list: torch.Tensor
+    member_bits: torch.Tensor
+    merge_seconds: float
+    prepare_seconds: float
+
+    @property
+    def group(self) -> int:
+        """R, query blocks per program."""
+        return self.block_m // self.q_block
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """int32 `[mask_batch, mask_heads, groups]`: KV blocks each work item visits (its union)."""
+        return (self.offsets[1:] - self.offsets[:-1]).view(self.mask_batch, self.mask_heads, self.groups)
+
+    def order(self, batch: int, heads: int) -> torch.Tensor:
+        """Work items `(b * heads + h) * groups + g` of a `[batch, heads]` call, longest list first (LPT)."""
+        lengths = self.lengths.expand(batch, heads, self.groups).reshape(-1)
+        return torch.sort(lengths, descending=True, stable=True).indices.to(torch.int32)
+
+
+def default_blocks(q_block: int, kv_block: int, merge: Optional[str], device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): 128 x 128 on the GPU (64 x 32 in the interpreter, for tiny test shapes), never
+    below the mask's blocks. Without merging a program holds one query block (at least tl.dot's 16 rows)."""
+    small = interpreting() and device.type == "cpu"
+    block_m = max(q_block, MIN_DOT) if merge is None else max(q_block, 64 if small else 128)
+    block_n = max(kv_block, 32 if small else 128)
+    return block_m, block_n
+
+
+def prepare_sparse(
+    mask: Union[torch.Tensor, SparseMask],
+    q_block: Optional[int] = None,
+    kv_block: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    *,
+    merge: Optional[str] = None,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    device: Optional[torch.device] = None,
+) -> SparseWork:
+    """The kernel's work for `mask` (a boolean `[B|1, H|1, nQ, nKV]` tensor with `q_block`, `kv_block` and
+    `seq_len`, or a SparseMask), grouped by `merge`, on `device` (the mask's by default). Pass it as the mask
+    of `sparse_attention` to reuse it across calls; `block_m` / `block_n` override `default_blocks`."""
+    start = time.perf_counter()
+    dense, q_block, kv_block, seq_len = dense_mask(mask, q_block, kv_block, seq_len)
+    if merge not in MERGES:
+        raise ValueError(f"merge must be None, 'consecutive' or 'xor', got merge={merge!r}.")
+    device = dense.device if device is None else torch.device(device)
+    dense = dense.to(device)
+    default_m, default_n = default_blocks(q_block, kv_block, merge, device)
+    block_m = _check_tile("block_m", default_m if block_m is None else block_m, q_block, "q_block")
+    block_n = _check_tile("block_n", default_n if block_n is None else block_n, kv_block, "kv_block")
+    group = block_m // q_block
+    if group > 32 // 2:
+        raise ValueError(
+            f"a program holds at most 16 query blocks, got block_m={block_m} and q_block={q_block} "
+            f"({group} blocks); use q_block >= {block_m // 16}."
+        )
+    merge_start = time.perf_counter()
+    members = _members(dense, group, merge)
+    merge_seconds = time.perf_counter() - merge_start
+    offsets, full_tiles, kv_list, member_bits = _lists(dense, members, seq_len, kv_block, block_n // kv_block)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return SparseWork(q_block, kv_block, block_m, block_n, seq_len, merge, dense.shape[0], dense.shape[1],
+                      members.shape[2], members.reshape(-1, group).to(torch.int32).contiguous(), offsets, full_tiles,
+                      kv_list, member_bits, merge_seconds, time.perf_counter() - start)
+
+
+def _check_tile(name: str, value: int, block: int, block_name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (16, 32, 64, 128) or value < block:
+        raise ValueError(
+            f"{name} must be 16, 32, 64 or 128 and at least {block_name}={block}, got {name}={value!r}."
+        )
+    return value
+
+
+def dense_mask(mask, q_block, kv_block, seq_len) -> tuple[torch.Tensor, int, int, int]:
+    """The boolean block mask, its blocks and N, from a SparseMask or a tensor with its blocks (checked)."""
+    if isinstance(mask, SparseMask):
+        for name, given, own in (("q_block", q_block, mask.q_block), ("kv_block", kv_block, mask.kv_block),
+                                 ("seq_len", seq_len, mask.seq_len)):
+            if given is not None and given != own:
+                raise ValueError(f"{name} must match the SparseMask's {name}={own}, got {name}={given}.")
+        return mask.to_dense(), mask.q_block, mask.kv_block, mask.seq_len
+    if q_block is None or kv_block is None:
+        raise ValueError(
+            "q_block and kv_block must be given with a boolean mask tensor (tokens per mask row and column), "
+            f"got q_block={q_block}, kv_block={kv_block}."
+        )
+    q_block = check_block("q_block", q_block, MIN_Q_BLOCK)
+    kv_block = check_block("kv_block", kv_block)
+    if seq_len is None:
+        raise ValueError("seq_len must be given with a boolean mask tensor, got seq_len=None.")
+    num_q, num_kv = -(-seq_len // q_block), -(-seq_len // kv_block)
+    return check_dense_mask(mask, num_q, num_kv), q_block, kv_block, seq_len
+
+
+def _members(dense: torch.Tensor, group: int, merge: Optional[str]) -> torch.Tensor:
+    """int64 `[B|1, H|1, groups, group]`: the query blocks of each group (-1 where the last is short)."""
+    mask_batch, mask_heads, num_q, _ = dense.shape
+    num_groups = -(-num_q // group)
+    if merge == "xor" and group > 1:
+        masks = dense.cpu().numpy()
+        groups = np.stack([np.stack([natsim_merge(masks[b, h], group, "xor").groups for h in range(mask_heads)])
+                           for b in range(mask_batch)])
+        return torch.from_numpy(groups).to(dense.device)
+    blocks = torch.arange(num_groups * group, device=dense.device)
+    blocks = torch.where(blocks < num_q, blocks, -1).view(1, 1, num_groups, group)
+    return blocks.expand(mask_batch, mask_heads, num_groups, group)
+
+
+def _lists(dense: torch.Tensor, members: torch.Tensor, seq_len: int, kv_block: int, per_tile: int):
+    """Per work item, the union of its members' KV blocks as one flat CSR list (full-for-the-group blocks
+    first), the whole tiles of full blocks, and each entry's member bits. Torch ops on the mask's device; the
+    largest temporary is one int32 per (group, KV block)."""
+    mask_batch, mask_heads, num_groups, group = members.shape
+    num_kv = dense.shape[-1]
+    bits = torch.zeros((mask_batch, mask_heads, num_groups, num_kv), dtype=torch.int32, device=dense.device)
+    all_bits = torch.zeros((mask_batch, mask_heads, num_groups), dtype=torch.int32, device=dense.device)
+    for m in range(group):
+        index = members[..., m]
+        real = index >= 0
+        rows = torch.gather(dense, 2, index.clamp(min=0)[..., None].expand(-1, -1, -1, num_kv)) & real[..., None]
+        bits |= rows.to(torch.int32) << m
+        all_bits |= real.to(torch.int32) << m
+    union = bits != 0
+    whole = torch.arange(num_kv, device=dense.device) < seq_len // kv_block  # no key at or past N
+    full = (bits == all_bits[..., None]) & whole
+    partial = union & ~full
+    num_full = full.sum(-1, dtype=torch.int32)
+    lengths = union.sum(-1, dtype=torch.int32).reshape(-1)
+    position = torch.where(full, full.cumsum(-1, dtype=torch.int32) - 1,
+                           num_full[..., None] + partial.cumsum(-1, dtype=torch.int32) - 1)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=dense.device)
+    offsets[1:] = lengths.cumsum(0)
+    total = int(offsets[-1])
+    if total >= 2**31:
+        raise ValueError(f"the mask visits {total} (query group, KV block) pairs, more than the int32 lists hold.")
+    flat = (offsets[:-1].view(mask_batch, mask_heads, num_groups, 1) + position)[union]
+    kv_list = torch.zeros(max(total, 1), dtype=torch.int32, device=dense.device)
+    member_bits = torch.zeros(max(total, 1), dtype=torch.int32, device=dense.device)
+    blocks = torch.arange(num_kv, dtype=torch.int32, device=dense.device).expand_as(bits)
+    kv_list[flat] = blocks[union]
+    member_bits[flat] = bits[union]
+    return offsets.to(torch.int32), (num_full // per_tile).reshape(-1).contiguous(), kv_list, member_bits
