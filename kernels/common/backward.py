@@ -1,4 +1,5 @@
-"""What the GNA and the sparse backward passes share: the softmax backward's row term and launch options.
+"""What the GNA and the sparse backward passes share: the softmax backward's row term, the per-pair gradient
+steps of their dK/dV and dQ kernels, and launch options.
 
 Both passes start from `delta = rowsum(dO * O) - dLSE` per query (a gradient flowing into the LSE output enters
 here, since d lse / d score = p), written head-major (`[B, heads, tokens]`, as their attention kernels read it
@@ -33,6 +34,36 @@ def delta_kernel(O, DO, DLSE, DELTA, rows, tokens, heads, HEAD_DIM: tl.constexpr
     row = r // heads  # b * tokens + token
     head_major = ((row // tokens) * heads + r % heads).to(tl.int64) * tokens + row % tokens
     tl.store(DELTA + head_major, delta, mask=inside)
+
+
+@triton.jit
+def dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, MASKED: tl.constexpr):
+    """One (KV tile, Q tile) pair's contribution to the KV tile's dK (unscaled) and dV, and `ds^T` (`[keys,
+    queries]`, for an atomic dQ): the probabilities recomputed from the natural-log LSE times log2(e) (`lse2`),
+    `keep` (`[keys, queries]`) applied when MASKED."""
+    qk = tl.dot(k, tl.trans(q))
+    p = tl.math.exp2(qk * qk_scale - lse2[None, :])
+    if MASKED:
+        p = tl.where(keep, p, 0.0)
+    dv = tl.dot(p.to(do.dtype), do, dv)
+    dp = tl.dot(v, tl.trans(do))
+    ds = (p * (dp - delta[None, :])).to(q.dtype)
+    dk = tl.dot(ds, q, dk)
+    return dk, dv, ds
+
+
+
+@triton.jit
+def dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, MASKED: tl.constexpr):
+    """One (Q tile, KV tile) pair's contribution to the Q tile's dQ (unscaled); `keep` (`[queries, keys]`)
+    applied when MASKED."""
+    qk = tl.dot(q, tl.trans(k))
+    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+    if MASKED:
+        p = tl.where(keep, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq)
 
 
 def softmax_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor]) -> torch.Tensor:

@@ -52,9 +52,10 @@ import triton.language as tl
 
 from natsim import Problem
 
-from ..common.backward import launch_options, softmax_delta
+from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
 from ..common.softmax import LOG2E
-from .geometry import dim_setup, full_run, is_full, tile_in_group, window_bounds
+from .geometry import (dim_setup, full_run, inner_box, is_full, next_tile, slab_tile, tile_in_group, window_bounds,
+                       window_mask)
 from .launch import dense_as_1d, needs_mask
 from .layout import TileLayout, as_3d
 from .tiles import box_shapes, halves, relative_cost
@@ -106,80 +107,6 @@ def _q_runs(kv, group_len, window, stride, STEPS, CAUSAL: tl.constexpr, TQ: tl.c
 
 
 @triton.jit
-def _slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2):
-    """The j-th tile of the box [lo, hi) minus its inner box [f, g), in five slabs: below / above the inner
-    run along dimension 0, then inside it below / above along dimension 1, then below / above along 2."""
-    n1 = hi1 - lo1
-    n2 = hi2 - lo2
-    m0 = g0 - f0
-    m1 = g1 - f1
-    size_a = (f0 - lo0) * n1 * n2
-    size_b = (hi0 - g0) * n1 * n2
-    size_c = m0 * (f1 - lo1) * n2
-    size_d = m0 * (hi1 - g1) * n2
-    size_e = m0 * m1 * (f2 - lo2)
-    in_a = j < size_a
-    j_b = j - size_a
-    in_b = j_b < size_b
-    j_c = j_b - size_b
-    in_c = j_c < size_c
-    j_d = j_c - size_c
-    in_d = j_d < size_d
-    j_e = j_d - size_d
-    in_e = j_e < size_e
-    j_f = j_e - size_e
-    r = tl.where(in_a, j, tl.where(in_b, j_b, tl.where(in_c, j_c, tl.where(in_d, j_d, tl.where(in_e, j_e, j_f)))))
-    a0 = tl.where(in_a, lo0, tl.where(in_b, g0, f0))
-    a1 = tl.where(in_a | in_b | in_c, lo1, tl.where(in_d, g1, f1))
-    a2 = tl.where(in_a | in_b | in_c | in_d | in_e, lo2, g2)
-    e1 = tl.where(in_a | in_b, n1, tl.where(in_c, f1 - lo1, tl.where(in_d, hi1 - g1, m1)))
-    e2 = tl.where(in_a | in_b | in_c | in_d, n2, tl.where(in_e, f2 - lo2, hi2 - g2))
-    r2 = r // e2
-    r1 = r2 // e1
-    return a0 + r1, a1 + (r2 - r1 * e1), a2 + (r - r2 * e2)
-
-
-@triton.jit
-def _next_tile(k0, k1, k2, f1, g1, f2, g2):
-    """The next tile of a box in row-major order: step the last dimension, carry into the ones before it."""
-    k2 += 1
-    wrap2 = k2 == g2
-    k2 = tl.where(wrap2, f2, k2)
-    k1 += tl.where(wrap2, 1, 0)
-    wrap1 = k1 == g1
-    k1 = tl.where(wrap1, f1, k1)
-    k0 += tl.where(wrap1, 1, 0)
-    return k0, k1, k2
-
-
-@triton.jit
-def _window_mask(q_first0, q_first1, q_first2, k_first0, k_first1, k_first2, len0, len1, len2,
-                 W0, W1, W2, S0, S1, S2, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
-                 TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
-                 TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, KEYS_FIRST: tl.constexpr):
-    """`[BLOCK_M, BLOCK_N]` mask (`[BLOCK_N, BLOCK_M]` when KEYS_FIRST): query row r of the Q tile at `q_first`
-    attends key column c of the KV tile at `k_first` (in-group coordinates). Windows end inside the group, so
-    padding keys are dropped too."""
-    rows = tl.arange(0, TQ0 * TQ1 * TQ2)
-    cols = tl.arange(0, TK0 * TK1 * TK2)
-    s0, e0 = window_bounds(q_first0 + rows // (TQ1 * TQ2), len0, W0, S0, C0)
-    s1, e1 = window_bounds(q_first1 + (rows // TQ2) % TQ1, len1, W1, S1, C1)
-    s2, e2 = window_bounds(q_first2 + rows % TQ2, len2, W2, S2, C2)
-    y0 = k_first0 + cols // (TK1 * TK2)
-    y1 = k_first1 + (cols // TK2) % TK1
-    y2 = k_first2 + cols % TK2
-    if KEYS_FIRST:
-        keep = (y0[:, None] - s0[None, :]).to(tl.uint32) < (e0 - s0).to(tl.uint32)[None, :]
-        keep &= (y1[:, None] - s1[None, :]).to(tl.uint32) < (e1 - s1).to(tl.uint32)[None, :]
-        keep &= (y2[:, None] - s2[None, :]).to(tl.uint32) < (e2 - s2).to(tl.uint32)[None, :]
-    else:
-        keep = (y0[None, :] - s0[:, None]).to(tl.uint32) < (e0 - s0).to(tl.uint32)[:, None]
-        keep &= (y1[None, :] - s1[:, None]).to(tl.uint32) < (e1 - s1).to(tl.uint32)[:, None]
-        keep &= (y2[None, :] - s2[:, None]).to(tl.uint32) < (e2 - s2).to(tl.uint32)[:, None]
-    return keep
-
-
-@triton.jit
 def _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
                C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
                TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
@@ -188,7 +115,7 @@ def _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
     sl0, ef0, _, _ = dim_setup(t0 * TQ0, len0, len0, 0, 0, W0, S0, C0, TQ0, TK0)
     sl1, ef1, _, _ = dim_setup(t1 * TQ1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
     sl2, ef2, _, _ = dim_setup(t2 * TQ2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
-    return is_full(j0, j1, j2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
+    return is_full(j0 * TK0, j1 * TK1, j2 * TK2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
 
 
 @triton.jit
@@ -250,21 +177,6 @@ def _store_rows(P, offsets, values, real, PADDED: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, MASKED: tl.constexpr):
-    """One visiting Q tile's contribution to dK (unscaled) and dV, and `ds^T` (`[keys, queries]`, for an
-    atomic dQ); `keep` is `[keys, queries]` when MASKED."""
-    qk = tl.dot(k, tl.trans(q))
-    p = tl.math.exp2(qk * qk_scale - lse2[None, :])
-    if MASKED:
-        p = tl.where(keep, p, 0.0)
-    dv = tl.dot(p.to(do.dtype), do, dv)
-    dp = tl.dot(v, tl.trans(do))
-    ds = (p * (dp - delta[None, :])).to(q.dtype)
-    dk = tl.dot(ds, q, dk)
-    return dk, dv, ds
-
-
-@triton.jit
 def _add_dq(DQ, q_offsets, q_real, ds, k, scale, PADDED: tl.constexpr):
     """ATOMIC_DQ: add this pair's `ds k * scale` to the fp32 dQ rows (relaxed atomics; order is irrelevant)."""
     if PADDED:
@@ -298,9 +210,7 @@ def dkdv_kernel(
     lo2, hi2, f2, g2 = _q_runs(j2, len2, W2, S2, STEPS2, C2, TQ2, TK2)
     num_q = (hi0 - lo0) * (hi1 - lo1) * (hi2 - lo2)
     if MASKED:
-        empty = (g0 == f0) | (g1 == f1) | (g2 == f2)
-        g0 = tl.where(empty, f0, g0)
-        num_full = (g0 - f0) * (g1 - f1) * (g2 - f2)
+        g0, num_full = inner_box(f0, g0, f1, g1, f2, g2, True)
     else:
         f0, g0, f1, g1, f2, g2 = lo0, hi0, lo1, hi1, lo2, hi2
         num_full = num_q
@@ -330,28 +240,28 @@ def dkdv_kernel(
         q = tl.load(Q + base + q_offsets)
         do = tl.load(DO + base + q_offsets)
         lse2, delta = _load_stats(LSE, DELTA, stats + q_token, q_real, PADDED)
-        dk, dv, ds = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
+        dk, dv, ds = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
         if ATOMIC_DQ:
             _add_dq(DQ + base, q_offsets, q_real, ds, k, scale, PADDED)
         if DEBUG:
             visited += 1
             full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
                                TQ0, TQ1, TQ2, TK0, TK1, TK2)
-        t0, t1, t2 = _next_tile(t0, t1, t2, f1, g1, f2, g2)
+        t0, t1, t2 = next_tile(t0, t1, t2, f1, g1, f2, g2)
 
     # Loop 2: every other visiting Q tile, under the element mask.
     if MASKED:
         for j in tl.range(0, num_q - num_full):
-            t0, t1, t2 = _slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
+            t0, t1, t2 = slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
             q_token, q_offsets, q_real = _tile_rows(t0, t1, t2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1,
                                                     D2, q_in_tile, dims, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
             q = tl.load(Q + base + q_offsets)
             do = tl.load(DO + base + q_offsets)
             lse2, delta = _load_stats(LSE, DELTA, stats + q_token, q_real, PADDED)
-            keep = _window_mask(t0 * TQ0, t1 * TQ1, t2 * TQ2, j0 * TK0, j1 * TK1, j2 * TK2,
+            keep = window_mask(t0 * TQ0, t1 * TQ1, t2 * TQ2, j0 * TK0, j1 * TK1, j2 * TK2,
                                 len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
                                 TQ0, TQ1, TQ2, TK0, TK1, TK2, True)
-            dk, dv, ds = _dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
+            dk, dv, ds = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
             if ATOMIC_DQ:
                 _add_dq(DQ + base, q_offsets, q_real, ds, k, scale, PADDED)
             if DEBUG:
@@ -365,18 +275,6 @@ def dkdv_kernel(
         if bh == 0:
             tl.store(COUNTS + 2 * kv_tile, visited)
             tl.store(COUNTS + 2 * kv_tile + 1, full)
-
-
-@triton.jit
-def _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, MASKED: tl.constexpr):
-    """One visited KV tile's contribution to dQ (unscaled); `keep` is `[queries, keys]` when MASKED."""
-    qk = tl.dot(q, tl.trans(k))
-    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-    if MASKED:
-        p = tl.where(keep, p, 0.0)
-    dp = tl.dot(do, tl.trans(v))
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq)
 
 
 @triton.jit
@@ -410,9 +308,7 @@ def dq_kernel(
         f0, g0 = full_run(sl0, ef0, lo0, hi0, TK0)
         f1, g1 = full_run(sl1, ef1, lo1, hi1, TK1)
         f2, g2 = full_run(sl2, ef2, lo2, hi2, TK2)
-        empty = (g0 == f0) | (g1 == f1) | (g2 == f2)
-        g0 = tl.where(empty, f0, g0)
-        num_full = tl.where(real_tile, (g0 - f0) * (g1 - f1) * (g2 - f2), 0)
+        g0, num_full = inner_box(f0, g0, f1, g1, f2, g2, real_tile)
     else:
         f0, g0, f1, g1, f2, g2 = lo0, hi0, lo1, hi1, lo2, hi2
         num_full = num_kv
@@ -437,20 +333,20 @@ def dq_kernel(
                                                    D2, kv_in_tile, dims, row_stride, TK0, TK1, TK2, PADDED, IN_TILE)
         k = tl.load(K + base + kv_offsets)
         v = tl.load(V + base + kv_offsets)
-        dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, 0, False)
-        k0, k1, k2 = _next_tile(k0, k1, k2, f1, g1, f2, g2)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, 0, False)
+        k0, k1, k2 = next_tile(k0, k1, k2, f1, g1, f2, g2)
 
     if MASKED:
         for j in tl.range(0, num_kv - num_full):
-            k0, k1, k2 = _slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
+            k0, k1, k2 = slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
             kv_token, kv_offsets, kv_real = _tile_rows(k0, k1, k2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0,
                                                        D1, D2, kv_in_tile, dims, row_stride, TK0, TK1, TK2, PADDED,
                                                        IN_TILE)
             k = tl.load(K + base + kv_offsets)
             v = tl.load(V + base + kv_offsets)
-            keep = _window_mask(first0, first1, first2, k0 * TK0, k1 * TK1, k2 * TK2, len0, len1, len2,
+            keep = window_mask(first0, first1, first2, k0 * TK0, k1 * TK1, k2 * TK2, len0, len1, len2,
                                 W0, W1, W2, S0, S1, S2, C0, C1, C2, TQ0, TQ1, TQ2, TK0, TK1, TK2, False)
-            dq = _dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
 
     _store_rows(DQ + base, q_offsets, dq * scale, q_real, PADDED)
 

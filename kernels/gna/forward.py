@@ -12,7 +12,7 @@ two KV loops:
 
 1. over that full box, with no mask code at all;
 2. over the rest of the visited box (six slabs: below / above the full run along dimension 0, then inside it
-   along dimension 1, then along dimension 2), each tile under the element mask. Windows end inside their
+   below / above along dimension 1, then along dimension 2; `slab_tile`), each tile under the element mask. Windows end inside their
    group, so the window test (one unsigned compare per dimension) also drops padding keys.
 
 Triton gives each loop its own pipelined shared-memory buffers but reuses them between the loops, so a
@@ -33,11 +33,9 @@ Compile-time switches (the launcher sets them, kernels/gna/launch.py):
   Pointer loads remain for GPUs before Hopper and for unaligned strides. The interpreter runs both.
 - `WARP_SPECIALIZE`: loop 1 as a warp-specialized `tl.range` (producer warpgroup for the copies).
 - `HEAD_MAJOR`: grid over (batch * heads, Q tiles) instead of (Q tiles, batch * heads) (tuning only; slower).
-- `LAYOUT`: where q, k, v and o live. 0: permuted sequences `[B, tokens, H, D]` (kernels/gna/permute.py), every
-  dilation group padded to whole tiles; a tile is a run of tokens. 1: the caller's `[B, L0, L1, L2, H, D]`
-  read in place through rank-4 descriptors, a tile a box of the layout whose padding lies out of bounds (read
-  as zeros, stores dropped); no dilation. 2: a 1-D layout in place through the rank-2 descriptors of mode 0
-  over its real rows. Triton 3.6 cannot warp-specialize a loop that loads through rank-4 descriptors, so the
+- `LAYOUT`: where q, k, v and o live (kernels/gna/tile_io.py): 0 permuted sequences, every dilation group
+  padded to whole tiles; 1 the caller's layout in place through rank-4 descriptors (no dilation); 2 a 1-D
+  layout in place. Triton 3.6 cannot warp-specialize a loop that loads through rank-4 descriptors, so the
   launcher uses mode 1 without `WARP_SPECIALIZE`.
 
 Frame ranges (natsim.distributed's halo exchange): q and o may hold frames `[Q0_OFF, Q0_OFF + L0)` of
@@ -57,8 +55,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common.softmax import LOG2E, softmax_step
-from .geometry import dim_setup, frame_groups, full_run, is_full, layout_descriptor, tile_in_group, window_bounds
+from ..common.softmax import softmax_step
+from .geometry import (dim_setup, frame_groups, full_run, in_windows, inner_box, is_full, next_tile, row_windows,
+                       slab_tile, tile_coordinates, tile_in_group)
+from .tile_io import kv_descriptors, load_q_tile, program_tile, store_output
 
 
 @triton.jit
@@ -103,20 +103,11 @@ def gna_forward_kernel(
 ):
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
-    if HEAD_MAJOR:  # grid (batch * heads, Q tiles): program ids run over heads first
-        q_tile = tl.program_id(1)
-        bh = tl.program_id(0)
-        num_q_tiles = tl.num_programs(1)
-    else:  # grid (Q tiles, batch * heads)
-        q_tile = tl.program_id(0)
-        bh = tl.program_id(1)
-        num_q_tiles = tl.num_programs(0)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
+    q_tile, bh, num_q_tiles, b, h = program_tile(heads, HEAD_MAJOR)
 
     # Which dilation group and which tile of the group this program holds.
     group, gi0, gi1, gi2, len0, len1, len2, i0, i1, i2 = tile_in_group(q_tile, L0, L1, L2, D0, D1, D2,
-                                                                         NQ0, NQ1, NQ2)
+                                                                        NQ0, NQ1, NQ2)
     first0 = i0 * TQ0
     first1 = i1 * TQ1
     first2 = i2 * TQ2
@@ -128,54 +119,25 @@ def gna_forward_kernel(
     sl1, ef1, lo1, hi1 = dim_setup(first1, len1, len1, 0, 0, W1, S1, C1, TQ1, TK1)
     sl2, ef2, lo2, hi2 = dim_setup(first2, len2, len2, 0, 0, W2, S2, C2, TQ2, TK2)
     num_kv = tl.where(real_tile, (hi0 - lo0) * (hi1 - lo1) * (hi2 - lo2), 0)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
     kv_tiles_per_group = NK0 * NK1 * NK2
     kv_group = ((kg0 * D1 + gi1) * D2 + gi2) * kv_tiles_per_group  # group index, kg0 == gi0 but for frames
     q_row0 = q_tile * BLOCK_M
-    # Per-row window bounds (in-group coordinates) and per-column key offsets inside a KV tile.
-    qs0, qe0 = window_bounds(qo0 + first0 + rows // (TQ1 * TQ2), glen0, W0, S0, C0)
-    qs0 -= ko0
-    qe0 -= ko0
-    qs1, qe1 = window_bounds(first1 + (rows // TQ2) % TQ1, len1, W1, S1, C1)
-    qs2, qe2 = window_bounds(first2 + rows % TQ2, len2, W2, S2, C2)
-    c0 = cols // (TK1 * TK2)
-    c1 = (cols // TK2) % TK1
-    c2 = cols % TK2
     if LAYOUT == 2:  # a 1-D layout read in place: rows past its end read zeros, stores there are dropped
         q_rows = L2
         kv_rows = L2
     else:  # permuted sequences: every group padded to whole tiles
         q_rows = num_q_tiles * BLOCK_M
         kv_rows = D0 * D1 * D2 * kv_tiles_per_group * BLOCK_N
-    if LAYOUT == 1:  # q, k, v, o are [B, L0, L1, L2, heads, head_dim]: tiles are boxes, padding is out of bounds
-        q_desc = layout_descriptor(Q + b * stride_qb + h * stride_qh, L0, L1, L2, stride_q0, stride_q1, stride_q2,
-                                    TQ0, TQ1, TQ2, HEAD_DIM)
-        k_desc = layout_descriptor(K + b * stride_kb + h * stride_kh, KL0, L1, L2, stride_k0, stride_k1, stride_k2,
-                                    TK0, TK1, TK2, HEAD_DIM)
-        v_desc = layout_descriptor(V + b * stride_vb + h * stride_vh, KL0, L1, L2, stride_v0, stride_v1, stride_v2,
-                                    TK0, TK1, TK2, HEAD_DIM)
-        q = q_desc.load([first0, first1, first2, 0]).reshape([BLOCK_M, HEAD_DIM])
-        k_base = K  # unused: loads go through the descriptors
-        v_base = V
-    elif USE_TMA:  # [B, tokens, heads, head_dim]: tiles are runs of BLOCK_M / BLOCK_N tokens
-        q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[q_rows, HEAD_DIM],
-                                           strides=[stride_q2, 1], block_shape=[BLOCK_M, HEAD_DIM])
-        k_desc = tl.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, shape=[kv_rows, HEAD_DIM],
-                                           strides=[stride_k2, 1], block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, shape=[kv_rows, HEAD_DIM],
-                                           strides=[stride_v2, 1], block_shape=[BLOCK_N, HEAD_DIM])
-        q = q_desc.load([q_row0, 0])
-        k_base = K  # unused: loads go through the descriptors
-        v_base = V
-    else:
-        q_ptrs = Q + b * stride_qb + h * stride_qh + (q_row0 + rows).to(tl.int64)[:, None] * stride_q2
-        q = tl.load(q_ptrs + dims[None, :])
-        k_base = K + b * stride_kb + h * stride_kh + cols.to(tl.int64)[None, :] * stride_k2 + dims[:, None]
-        v_base = V + b * stride_vb + h * stride_vh + cols.to(tl.int64)[:, None] * stride_v2 + dims[None, :]
-        k_desc = K  # unused: loads go through the pointers
-        v_desc = V
+    K_head = K + b * stride_kb + h * stride_kh
+    V_head = V + b * stride_vb + h * stride_vh
+    q = load_q_tile(Q + b * stride_qb + h * stride_qh, stride_q0, stride_q1, stride_q2, L0, L1, L2,
+                    first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA, LAYOUT)
+    k_desc, v_desc = kv_descriptors(K_head, V_head, stride_k0, stride_k1, stride_k2, stride_v0, stride_v1,
+                                    stride_v2, KL0, L1, L2, kv_rows, TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    k_base = K_head + cols.to(tl.int64)[None, :] * stride_k2 + dims[:, None]  # pointer tiles (LAYOUT 0, no TMA)
+    v_base = V_head + cols.to(tl.int64)[:, None] * stride_v2 + dims[None, :]
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -188,9 +150,7 @@ def gna_forward_kernel(
         f0, g0 = full_run(sl0, ef0, lo0, hi0, TK0)
         f1, g1 = full_run(sl1, ef1, lo1, hi1, TK1)
         f2, g2 = full_run(sl2, ef2, lo2, hi2, TK2)
-        empty = (g0 == f0) | (g1 == f1) | (g2 == f2)
-        g0 = tl.where(empty, f0, g0)  # no full tile: loop 2 (slab below/above f0) covers the whole box
-        num_full = tl.where(real_tile, (g0 - f0) * (g1 - f1) * (g2 - f2), 0)
+        g0, num_full = inner_box(f0, g0, f1, g1, f2, g2, real_tile)
     else:
         f0, g0, f1, g1, f2, g2 = lo0, hi0, lo1, hi1, lo2, hi2
         num_full = num_kv
@@ -200,100 +160,39 @@ def gna_forward_kernel(
     for _ in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
         tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
         k, v = _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_k2, stride_v2,
-                            TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
+                        TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
         qk = tl.dot(q, k)
         acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
-            unmasked += is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2, TK0, TK1, TK2)
-        # Next KV tile: step the last dimension, carry into the ones before it.
-        k2 += 1
-        wrap2 = k2 == g2
-        k2 = tl.where(wrap2, f2, k2)
-        k1 += tl.where(wrap2, 1, 0)
-        wrap1 = k1 == g1
-        k1 = tl.where(wrap1, f1, k1)
-        k0 += tl.where(wrap1, 1, 0)
+            unmasked += is_full(k0 * TK0, k1 * TK1, k2 * TK2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2,
+                                TK0, TK1, TK2)
+        k0, k1, k2 = next_tile(k0, k1, k2, f1, g1, f2, g2)
 
-    # Loop 2: every other visited tile, each under the element mask (window and padding keys). The visited box
-    # minus the full box is six slabs: below / above the full run along dimension 0 (whole extent of 1 and
-    # 2), then inside [f0, g0) below / above it along dimension 1, then inside [f0, g0) x [f1, g1) along 2.
+    # Loop 2: every other visited tile, each under the element mask (window and padding keys), in five slabs
+    # around the full box.
     if MASKED:
-        # Per-row windows as (start, width) for one unsigned compare per dimension.
-        w0 = (qe0 - qs0).to(tl.uint32)
-        w1 = (qe1 - qs1).to(tl.uint32)
-        w2 = (qe2 - qs2).to(tl.uint32)
-        n1 = hi1 - lo1
-        n2 = hi2 - lo2
-        m0 = g0 - f0
-        m1 = g1 - f1
-        size_a = (f0 - lo0) * n1 * n2
-        size_b = (hi0 - g0) * n1 * n2
-        size_c = m0 * (f1 - lo1) * n2
-        size_d = m0 * (hi1 - g1) * n2
-        size_e = m0 * m1 * (f2 - lo2)
+        # Per-row windows (in-group coordinates, keys counted from the key range's first frame) and per-column
+        # key offsets inside a KV tile.
+        qs0, w0, qs1, w1, qs2, w2 = row_windows(qo0 + first0, first1, first2, glen0, len1, len2, W0, W1, W2,
+                                                S0, S1, S2, C0, C1, C2, TQ0, TQ1, TQ2)
+        qs0 -= ko0
+        c0, c1, c2 = tile_coordinates(TK0, TK1, TK2)
         for j in tl.range(0, num_kv - num_full):
-            # Which slab holds the j-th partial tile: its origin (a0, a1, a2) and extents (e1, e2).
-            in_a = j < size_a
-            j_b = j - size_a
-            in_b = j_b < size_b
-            j_c = j_b - size_b
-            in_c = j_c < size_c
-            j_d = j_c - size_c
-            in_d = j_d < size_d
-            j_e = j_d - size_d
-            in_e = j_e < size_e
-            j_f = j_e - size_e
-            r = tl.where(in_a, j, tl.where(in_b, j_b, tl.where(in_c, j_c, tl.where(in_d, j_d, tl.where(in_e, j_e, j_f)))))
-            a0 = tl.where(in_a, lo0, tl.where(in_b, g0, f0))
-            a1 = tl.where(in_a | in_b | in_c, lo1, tl.where(in_d, g1, f1))
-            a2 = tl.where(in_a | in_b | in_c | in_d | in_e, lo2, g2)
-            e1 = tl.where(in_a | in_b, n1, tl.where(in_c, f1 - lo1, tl.where(in_d, hi1 - g1, m1)))
-            e2 = tl.where(in_a | in_b | in_c | in_d, n2, tl.where(in_e, f2 - lo2, hi2 - g2))
-            r2 = r // e2
-            r1 = r2 // e1
-            k0 = a0 + r1
-            k1 = a1 + (r2 - r1 * e1)
-            k2 = a2 + (r - r2 * e2)
+            k0, k1, k2 = slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
             tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
             k, v = _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_k2, stride_v2,
                             TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
             qk = tl.dot(q, k)
-            # Key k0 * TK0 + c0 is in row r's window [qs0, qs0 + w0) iff c0 - (qs0 - k0 * TK0) < w0 unsigned;
-            # windows end inside the group, so padding keys fall outside every one.
-            keep = (c0[None, :] - (qs0 - k0 * TK0)[:, None]).to(tl.uint32) < w0[:, None]
-            keep &= (c1[None, :] - (qs1 - k1 * TK1)[:, None]).to(tl.uint32) < w1[:, None]
-            keep &= (c2[None, :] - (qs2 - k2 * TK2)[:, None]).to(tl.uint32) < w2[:, None]
+            keep = in_windows(qs0, w0, qs1, w1, qs2, w2, k0 * TK0 + c0, k1 * TK1 + c1, k2 * TK2 + c2, False)
             qk = tl.where(keep, qk, float("-inf"))
             acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
             if DEBUG:
-                unmasked += is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2, TK0, TK1, TK2)
+                unmasked += is_full(k0 * TK0, k1 * TK1, k2 * TK2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2,
+                                    TK0, TK1, TK2)
 
-    # Padding queries (and only they) can end with no key at all: give them zeros, not 0 / 0.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
-    if LAYOUT == 1:
-        o_desc = layout_descriptor(O + b * stride_ob + h * stride_oh, L0, L1, L2, stride_o0, stride_o1, stride_o2,
-                                    TQ0, TQ1, TQ2, HEAD_DIM)
-        o_desc.store([first0, first1, first2, 0], out.reshape([TQ0, TQ1, TQ2, HEAD_DIM]))
-    elif USE_TMA:
-        o_desc = tl.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, shape=[q_rows, HEAD_DIM],
-                                           strides=[stride_o2, 1], block_shape=[BLOCK_M, HEAD_DIM])
-        o_desc.store([q_row0, 0], out)
-    else:
-        o_ptrs = O + b * stride_ob + h * stride_oh + (q_row0 + rows).to(tl.int64)[:, None] * stride_o2
-        tl.store(o_ptrs + dims[None, :], out)
-    if WRITE_LSE:
-        lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
-        if LAYOUT == 1:  # [B, L0, L1, L2, heads], padding rows dropped
-            x0 = first0 + rows // (TQ1 * TQ2)
-            x1 = first1 + (rows // TQ2) % TQ1
-            x2 = first2 + rows % TQ2
-            tokens = ((x0 * L1 + x1) * L2 + x2).to(tl.int64)
-            real = (x0 < L0) & (x1 < L1) & (x2 < L2)
-            tl.store(LSE + (b * L0 * L1 * L2 + tokens) * heads + h, lse, mask=real)
-        else:  # [B, q_rows, heads]
-            tokens = (q_row0 + rows).to(tl.int64)
-            tl.store(LSE + (b * q_rows + tokens) * heads + h, lse, mask=tokens < q_rows)
+    store_output(O + b * stride_ob + h * stride_oh, LSE, acc, l_i, m_i, b, h, heads, stride_o0, stride_o1,
+                 stride_o2, L0, L1, L2, first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM,
+                 WRITE_LSE, USE_TMA, LAYOUT)
     if DEBUG:
         if bh == 0:
             tl.store(COUNTS + 2 * q_tile, num_kv)

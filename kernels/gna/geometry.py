@@ -4,8 +4,16 @@
   (gna-semantics.md, section 1); both are tested against the same brute-force mask.
 - `tile_in_group`, `frame_groups`, `dim_setup`: where a tile lies (dilation group, in-group coordinates, frame
   ranges) and the KV tile range its queries' windows reach, per dimension.
-- `full_run`, `is_full`: which visited KV tiles every real query attends completely (the unmasked loop).
+- `full_run`, `inner_box`, `is_full`: which visited KV tiles every real query attends completely (the unmasked
+  loop).
+- `next_tile`, `slab_tile`: how the two loops walk a box of tiles: the inner box in row-major order, the rest
+  of the outer box as six slabs around it.
+- `tile_coordinates`, `row_windows`, `in_windows`, `window_mask`: the element mask of a (Q tile, KV tile) pair,
+  one unsigned compare per dimension.
 - `layout_descriptor`: a rank-4 tensor descriptor over a token layout, in boxes of one tile.
+
+Kernels always see three dimensions (kernels/gna/layout.py): a 1-D or 2-D problem has leading dimensions of
+length 1.
 """
 
 from __future__ import annotations
@@ -91,13 +99,120 @@ def full_run(start_last, end_first, kv_lo, kv_hi, TK: tl.constexpr):
 
 
 @triton.jit
-def is_full(k0, k1, k2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2,
-             TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr):
-    """1 when every real query of the Q tile attends every real key of KV tile (k0, k1, k2), else 0 (DEBUG)."""
-    full = (sl0 <= k0 * TK0) & (ef0 >= tl.minimum(k0 * TK0 + TK0, len0))
-    full &= (sl1 <= k1 * TK1) & (ef1 >= tl.minimum(k1 * TK1 + TK1, len1))
-    full &= (sl2 <= k2 * TK2) & (ef2 >= tl.minimum(k2 * TK2 + TK2, len2))
+def inner_box(f0, g0, f1, g1, f2, g2, real):
+    """The inner box [f, g) as the unmasked loop walks it, and its tile count (0 when `real` is False: a tile of
+    padding only). An inner box empty along some dimension is collapsed along dimension 0, so that the masked
+    loop's slabs below and above it cover the whole outer box."""
+    empty = (g0 == f0) | (g1 == f1) | (g2 == f2)
+    g0 = tl.where(empty, f0, g0)
+    return g0, tl.where(real, (g0 - f0) * (g1 - f1) * (g2 - f2), 0)
+
+
+@triton.jit
+def is_full(key0, key1, key2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2,
+            TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr):
+    """1 when every real query of the Q tile attends every real key of the KV tile whose first keys are (key0,
+    key1, key2), else 0: the simulator's definition of a full tile (DEBUG counts)."""
+    full = (sl0 <= key0) & (ef0 >= tl.minimum(key0 + TK0, len0))
+    full &= (sl1 <= key1) & (ef1 >= tl.minimum(key1 + TK1, len1))
+    full &= (sl2 <= key2) & (ef2 >= tl.minimum(key2 + TK2, len2))
     return tl.where(full, 1, 0)
+
+
+@triton.jit
+def next_tile(k0, k1, k2, f1, g1, f2, g2):
+    """The next tile of a box in row-major order: step the last dimension, carry into the ones before it."""
+    k2 += 1
+    wrap2 = k2 == g2
+    k2 = tl.where(wrap2, f2, k2)
+    k1 += tl.where(wrap2, 1, 0)
+    wrap1 = k1 == g1
+    k1 = tl.where(wrap1, f1, k1)
+    k0 += tl.where(wrap1, 1, 0)
+    return k0, k1, k2
+
+
+@triton.jit
+def slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2):
+    """The j-th tile of the box [lo, hi) minus its inner box [f, g), in six slabs: below / above the inner run
+    along dimension 0, then inside it below / above along dimension 1, then below / above along 2."""
+    n1 = hi1 - lo1
+    n2 = hi2 - lo2
+    m0 = g0 - f0
+    m1 = g1 - f1
+    size_a = (f0 - lo0) * n1 * n2
+    size_b = (hi0 - g0) * n1 * n2
+    size_c = m0 * (f1 - lo1) * n2
+    size_d = m0 * (hi1 - g1) * n2
+    size_e = m0 * m1 * (f2 - lo2)
+    in_a = j < size_a
+    j_b = j - size_a
+    in_b = j_b < size_b
+    j_c = j_b - size_b
+    in_c = j_c < size_c
+    j_d = j_c - size_c
+    in_d = j_d < size_d
+    j_e = j_d - size_d
+    in_e = j_e < size_e
+    j_f = j_e - size_e
+    r = tl.where(in_a, j, tl.where(in_b, j_b, tl.where(in_c, j_c, tl.where(in_d, j_d, tl.where(in_e, j_e, j_f)))))
+    a0 = tl.where(in_a, lo0, tl.where(in_b, g0, f0))
+    a1 = tl.where(in_a | in_b | in_c, lo1, tl.where(in_d, g1, f1))
+    a2 = tl.where(in_a | in_b | in_c | in_d | in_e, lo2, g2)
+    e1 = tl.where(in_a | in_b, n1, tl.where(in_c, f1 - lo1, tl.where(in_d, hi1 - g1, m1)))
+    e2 = tl.where(in_a | in_b | in_c | in_d, n2, tl.where(in_e, f2 - lo2, hi2 - g2))
+    r2 = r // e2
+    r1 = r2 // e1
+    return a0 + r1, a1 + (r2 - r1 * e1), a2 + (r - r2 * e2)
+
+
+@triton.jit
+def tile_coordinates(T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr):
+    """Per row of a T0 x T1 x T2 tile (row-major): its offsets from the tile's corner along each dimension."""
+    r = tl.arange(0, T0 * T1 * T2)
+    return r // (T1 * T2), (r // T2) % T1, r % T2
+
+
+@triton.jit
+def row_windows(first0, first1, first2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
+                C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+                TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr):
+    """Per query row of the Q tile whose corner is at in-group coordinates (first0, first1, first2): the start
+    and the width (unsigned) of its window along each dimension."""
+    r0, r1, r2 = tile_coordinates(TQ0, TQ1, TQ2)
+    s0, e0 = window_bounds(first0 + r0, len0, W0, S0, C0)
+    s1, e1 = window_bounds(first1 + r1, len1, W1, S1, C1)
+    s2, e2 = window_bounds(first2 + r2, len2, W2, S2, C2)
+    return s0, (e0 - s0).to(tl.uint32), s1, (e1 - s1).to(tl.uint32), s2, (e2 - s2).to(tl.uint32)
+
+
+@triton.jit
+def in_windows(s0, w0, s1, w1, s2, w2, y0, y1, y2, KEYS_FIRST: tl.constexpr):
+    """`[rows, columns]` (`[columns, rows]` when KEYS_FIRST): row r keeps column c when key coordinate `y[c]`
+    lies in `[s[r], s[r] + w[r])` along every dimension, one unsigned compare per dimension. Windows end
+    inside their group, so padding keys fall outside every one."""
+    if KEYS_FIRST:
+        keep = (y0[:, None] - s0[None, :]).to(tl.uint32) < w0[None, :]
+        keep &= (y1[:, None] - s1[None, :]).to(tl.uint32) < w1[None, :]
+        keep &= (y2[:, None] - s2[None, :]).to(tl.uint32) < w2[None, :]
+    else:
+        keep = (y0[None, :] - s0[:, None]).to(tl.uint32) < w0[:, None]
+        keep &= (y1[None, :] - s1[:, None]).to(tl.uint32) < w1[:, None]
+        keep &= (y2[None, :] - s2[:, None]).to(tl.uint32) < w2[:, None]
+    return keep
+
+
+@triton.jit
+def window_mask(q_first0, q_first1, q_first2, k_first0, k_first1, k_first2, len0, len1, len2,
+                W0, W1, W2, S0, S1, S2, C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
+                TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
+                TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """The element mask of the Q tile with corner `q_first` against the KV tile with corner `k_first` (in-group
+    coordinates): `in_windows` of the tile's rows and columns."""
+    s0, w0, s1, w1, s2, w2 = row_windows(q_first0, q_first1, q_first2, len0, len1, len2, W0, W1, W2, S0, S1, S2,
+                                         C0, C1, C2, TQ0, TQ1, TQ2)
+    c0, c1, c2 = tile_coordinates(TK0, TK1, TK2)
+    return in_windows(s0, w0, s1, w1, s2, w2, k_first0 + c0, k_first1 + c1, k_first2 + c2, KEYS_FIRST)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..common.backend import interpreting
-from ..common.backward import launch_options, softmax_delta
+from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
 from ..common.softmax import LOG2E
 
 
@@ -56,6 +56,15 @@ def _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads):
 
 
 @triton.jit
+def _load_rows(A, B, tokens, base, seq_len, heads, HEAD_DIM: tl.constexpr):
+    """Rows `tokens` of one head of two `[B, N, heads, head_dim]` tensors (zeros at and past N), their element
+    offsets from the tensors' start and which of them are real (`[rows, 1]`)."""
+    offsets = base + tokens.to(tl.int64)[:, None] * (heads * HEAD_DIM) + tl.arange(0, HEAD_DIM)[None, :]
+    ok = (tokens < seq_len)[:, None]
+    return tl.load(A + offsets, mask=ok, other=0.0), tl.load(B + offsets, mask=ok, other=0.0), offsets, ok
+
+
+@triton.jit
 def _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads):
     """This program's batch and head (grid axis 1 runs over batch * heads) and the index of its `[nQ, nKV]`
     block mask, which may be shared along batch or heads (`mask_b_step` / `mask_h_step` 0); all int64."""
@@ -77,13 +86,9 @@ def sparse_dkdv_kernel(
     b, h, mask_item = _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads)
     MASK_BH = MASK + mask_item * num_q_blocks * num_kv_blocks
     rows = tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
     k_tokens = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     base = b * seq_len * heads * HEAD_DIM + h * HEAD_DIM
-    kv_offsets = base + k_tokens.to(tl.int64)[:, None] * (heads * HEAD_DIM) + dims[None, :]
-    k_ok = (k_tokens < seq_len)[:, None]
-    k = tl.load(K + kv_offsets, mask=k_ok, other=0.0)
-    v = tl.load(V + kv_offsets, mask=k_ok, other=0.0)
+    k, v, kv_offsets, k_ok = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     column = mask_item * num_kv_tiles + kv_tile
@@ -91,17 +96,10 @@ def sparse_dkdv_kernel(
     for i in tl.range(0, count):
         q_tile = tl.load(COL_INDEX + column * num_q_tiles + i)
         q_tokens = q_tile * BLOCK_M + rows
-        q_offsets = base + q_tokens.to(tl.int64)[:, None] * (heads * HEAD_DIM) + dims[None, :]
-        q_ok = (q_tokens < seq_len)[:, None]
-        q = tl.load(Q + q_offsets, mask=q_ok, other=0.0)
-        do = tl.load(DO + q_offsets, mask=q_ok, other=0.0)
+        q, do, _, _ = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
         lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
         keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, True)
-        p = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
-        p = tl.where(keep, p, 0.0)
-        dv = tl.dot(p.to(do.dtype), do, dv)
-        ds = p * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk = tl.dot(ds.to(q.dtype), q, dk)
+        dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
     tl.store(DK + kv_offsets, (dk * scale).to(DK.dtype.element_ty), mask=k_ok)
     tl.store(DV + kv_offsets, dv.to(DV.dtype.element_ty), mask=k_ok)
 
@@ -117,13 +115,9 @@ def sparse_dq_kernel(
     b, h, mask_item = _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads)
     MASK_BH = MASK + mask_item * num_q_blocks * num_kv_blocks
     cols = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
     q_tokens = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     base = b * seq_len * heads * HEAD_DIM + h * HEAD_DIM
-    q_offsets = base + q_tokens.to(tl.int64)[:, None] * (heads * HEAD_DIM) + dims[None, :]
-    q_ok = (q_tokens < seq_len)[:, None]
-    q = tl.load(Q + q_offsets, mask=q_ok, other=0.0)
-    do = tl.load(DO + q_offsets, mask=q_ok, other=0.0)
+    q, do, q_offsets, q_ok = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
     lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     row = mask_item * num_q_tiles + q_tile
@@ -131,15 +125,9 @@ def sparse_dq_kernel(
     for i in tl.range(0, count):
         kv_tile = tl.load(ROW_INDEX + row * num_kv_tiles + i)
         k_tokens = kv_tile * BLOCK_N + cols
-        kv_offsets = base + k_tokens.to(tl.int64)[:, None] * (heads * HEAD_DIM) + dims[None, :]
-        k_ok = (k_tokens < seq_len)[:, None]
-        k = tl.load(K + kv_offsets, mask=k_ok, other=0.0)
-        v = tl.load(V + kv_offsets, mask=k_ok, other=0.0)
+        k, v, _, _ = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
         keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, False)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
-        p = tl.where(keep, p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
     tl.store(DQ + q_offsets, (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
 
 
