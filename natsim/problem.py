@@ -27,8 +27,9 @@ def _reject_text(value: object, name: str, kind: str) -> None:
         raise TypeError(f"{name} must be {kind}, got {name}={value!r}.")
 
 
-def as_shape(value: IntOrInts, name: str = "shape") -> tuple[int, ...]:
-    """Normalise a token layout to a tuple of 1 to 3 positive ints."""
+def as_sizes(value: IntOrInts, name: str) -> tuple[int, ...]:
+    """Normalise per-dimension sizes (a token layout, a tile shape) to a tuple of 1 to 3 positive ints; an int
+    is one dimension."""
     _reject_text(value, name, "an int or a sequence of ints")
     items = (value,) if _is_int(value) else value
     try:
@@ -42,6 +43,11 @@ def as_shape(value: IntOrInts, name: str = "shape") -> tuple[int, ...]:
     if any(v < 1 for v in items):
         raise ValueError(f"every dimension of {name} must be at least 1, got {name}={value!r}.")
     return tuple(int(v) for v in items)
+
+
+def as_shape(value: IntOrInts, name: str = "shape") -> tuple[int, ...]:
+    """Normalise a token layout to a tuple of 1 to 3 positive ints."""
+    return as_sizes(value, name)
 
 
 def as_ints(value: IntOrInts, ndim: int, name: str) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Sequence, Union
 
-from .problem import MAX_DIMS, Problem, _is_int, _reject_text
+from .problem import Problem, as_sizes
 
 Tiling = Literal["multi", "1d"]
 KVTiling = Literal["static", "dynamic"]
@@ -14,22 +14,6 @@ TileShape = Union[int, Sequence[int]]
 
 TILINGS = ("multi", "1d")
 KV_TILINGS = ("static", "dynamic")
-
-
-def _as_tile(value: TileShape, name: str) -> tuple[int, ...]:
-    _reject_text(value, name, "an int or a sequence of ints")
-    items = (value,) if _is_int(value) else value
-    try:
-        items = tuple(items)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{name} must be an int or a sequence of ints, got {name}={value!r}.") from None
-    if not 1 <= len(items) <= MAX_DIMS:
-        raise ValueError(f"{name} must have 1, 2 or 3 dimensions, got {name}={value!r}.")
-    if not all(_is_int(v) for v in items):
-        raise TypeError(f"{name} must hold integers only, got {name}={value!r}.")
-    if any(v < 1 for v in items):
-        raise ValueError(f"{name} must be at least 1 along every dimension, got {name}={value!r}.")
-    return tuple(int(v) for v in items)
 
 
 @dataclass(frozen=True)
@@ -57,8 +41,8 @@ class TileConfig:
             raise ValueError(f"tiling must be one of {TILINGS}, got tiling={self.tiling!r}.")
         if self.kv_tiling not in KV_TILINGS:
             raise ValueError(f"kv_tiling must be one of {KV_TILINGS}, got kv_tiling={self.kv_tiling!r}.")
-        q_tile = _as_tile(self.q_tile, "q_tile")
-        kv_tile = _as_tile(self.kv_tile, "kv_tile")
+        q_tile = as_sizes(self.q_tile, "q_tile")
+        kv_tile = as_sizes(self.kv_tile, "kv_tile")
         if self.tiling == "1d":
             if len(q_tile) != 1 or len(kv_tile) != 1:
                 raise ValueError(
