@@ -136,7 +136,7 @@ def run_case(name, window, stride, split_name, setup, q, k, v, single_out, singl
 
 
 def targets(records: list) -> dict:
-    """Issue 11's targets, from the block-sparse stride-16x8x8 records (best split) and every record's auto."""
+    """The context-parallel targets (docs/performance.md), from the block-sparse stride-16x8x8 records (best split) and every record's auto."""
     sparse = [r for r in records if r["stride"][0] == 16] or records
     return {"best_speedup_over_1gpu_16x8x8": max(r["best_speedup_over_1gpu"] for r in sparse),
             "target_speedup": 1.8,

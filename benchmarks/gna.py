@@ -2,7 +2,7 @@
 
     python benchmarks/gna.py --out benchmarks/results            # the benchmark table
     python benchmarks/gna.py --out DIR --tune                    # launch-configuration sweep of our kernel
-    python benchmarks/gna.py --out DIR --kv-tiling               # static against dynamic KV tiling (issue 12)
+    python benchmarks/gna.py --out DIR --kv-tiling               # static against dynamic KV tiling
 
 Every case runs on permuted tokens (the permutation is timed separately, beside a plain copy of the same
 bytes). FlexAttention gets the identical mask and tile layout: its BlockMask is built from
@@ -210,7 +210,7 @@ def tune(out_dir: Path) -> None:
     (out_dir / name).write_text(json.dumps(record, indent=1))
 
 
-# Issue 12's rows: name, shape, heads, window, stride, NATTEN's documented H100 figure in ms (docs/performance.md,
+# The KV-tiling rows: name, shape, heads, window, stride, NATTEN's documented H100 figure in ms (docs/performance.md,
 # NATTEN's hopper-fna docs; None where NATTEN documents none for the configuration).
 KV_TILING_CASES = [
     ("HunyuanVideo", (30, 48, 80), 24, (18, 24, 24), (1, 1, 1), 79.0),

@@ -1,4 +1,4 @@
-"""Content-adaptive mask predictors side by side at matched density (issue 10), one run, one JSON:
+"""Content-adaptive mask predictors side by side at matched density, one run, one JSON:
 
     python benchmarks/masks.py --out benchmarks/results [--layouts wan480p,hunyuan] [--densities 0.1,0.2,0.3]
     python benchmarks/masks.py --small            # CPU, seconds: the smoke test's run

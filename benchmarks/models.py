@@ -1,4 +1,4 @@
-"""GNA as real models call it (issue 8), on the GPU, one run, one JSON:
+"""GNA as real models call it, on the GPU, one run, one JSON:
 
     python benchmarks/models.py --out benchmarks/results
 

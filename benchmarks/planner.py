@@ -3,11 +3,11 @@
     python benchmarks/planner.py benchmarks/results          # CPU: planning time
     python benchmarks/planner.py benchmarks/results --gpu    # also: time the top candidates on the GPU
 
-CPU (issue 4: under 1 s for 3-D layouts up to 30x48x80): per case, a cold call (simulator caches cleared
+CPU (target: under 1 s for 3-D layouts up to 30x48x80): per case, a cold call (simulator caches cleared
 first, as in a fresh process after import) and the median of warm calls, with the plan's choice.
 Writes planner.json.
 
-GPU (issue 4's evidence): per case (HunyuanVideo-like 30x48x80 and 16x44x80 at sparsity 0.56 and 0.9,
+GPU (how good the picks are): per case (HunyuanVideo-like 30x48x80 and 16x44x80 at sparsity 0.56 and 0.9,
 FLUX-like 256x256 at 0.9; 24 heads, head_dim 128, bf16), the plan's pick and its top-20 scored
 candidates are timed with `gna_attention` (permutation included) in interleaved rounds; reported:
 whether the pick is within 5% of the fastest measured, and the median |predicted - measured| / measured

@@ -1,4 +1,4 @@
-"""Sparse attention for any block mask (issue 9) on the GPU, one run, one JSON:
+"""Sparse attention for any block mask on the GPU, one run, one JSON:
 
     python benchmarks/sparse.py --out benchmarks/results [--heads 24] [--heads-720p 40] [--flex all|coarse|none]
 

@@ -1,5 +1,5 @@
 """A Wan 2.1 1.3B-sized video transformer with random weights over 10 denoising steps: SDPA against predicted
-masks (issue 10, end to end), one run, one JSON:
+masks (end to end), one run, one JSON:
 
     python benchmarks/video_model.py --out benchmarks/results [--steps 10] [--layers 30] [--predictor topp --p 0.8]
     python benchmarks/video_model.py --small --no-cache        # CPU, seconds

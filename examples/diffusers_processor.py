@@ -102,16 +102,10 @@ Predictor = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def mask_cache(num_steps: int, **options):
-    """`natsim.masks.MaskCache(num_steps, **options)`, with a sentence when this natsim does not have it yet."""
+    """`natsim.masks.MaskCache(num_steps, **options)`: when each layer predicts its mask again."""
     import natsim.masks
 
-    cache_class = getattr(natsim.masks, "MaskCache", None)
-    if cache_class is None:
-        raise RuntimeError(
-            "natsim.masks.MaskCache is not in this natsim (it comes with the mask predictors of issue 10); pass "
-            "cache=None to MaskedWanAttnProcessor to predict a mask at every step instead."
-        )
-    return cache_class(num_steps, **options)
+    return natsim.masks.MaskCache(num_steps, **options)
 
 
 class MaskedWanAttnProcessor:

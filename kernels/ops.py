@@ -5,7 +5,7 @@ fullgraph=True)` keeps a call in its graph without tracing into Triton, and CUDA
 other op. Every argument that selects a kernel variant is a plain int, float or bool list: the host-side
 decisions are made from them, never from tensor values.
 
-Gradients (issue 13): `natsim::gna_forward` saves q, k, v, the output and the LSE, and its backward runs the
+Gradients: `natsim::gna_forward` saves q, k, v, the output and the LSE, and its backward runs the
 Triton backward kernels (kernels/gna/backward.py) on the Triton path; callers that need gradients ask the
 forward for the LSE (gna_attention does). `natsim::sparse_forward` does the same with
 kernels/sparse/backward.py. Each backward is an operator of its own (`natsim::gna_backward`,

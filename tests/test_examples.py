@@ -172,15 +172,10 @@ def test_mask_processor_runs_dense_attention_when_its_plan_predicts_no_gain():
     assert float((ours - own).norm() / own.norm()) < 1e-6  # the model's own attention, exactly
 
 
-def test_mask_processor_refuses_another_layout_and_names_a_missing_cache(monkeypatch):
+def test_mask_processor_refuses_another_layout():
     pytest.importorskip("diffusers")
-    import natsim.masks
-
     example = load("diffusers_processor")
     model, inputs = example.tiny_wan(), example.tiny_inputs()
     example.use_masks(model, (4, 4, 8), all_true())
     with pytest.raises(ValueError, match=f"layout of {math.prod((4, 4, 8))} tokens"), torch.no_grad():
         model(**inputs)
-    monkeypatch.delattr(natsim.masks, "MaskCache", raising=False)
-    with pytest.raises(RuntimeError, match="natsim.masks.MaskCache is not in this natsim"):
-        example.mask_cache(10)

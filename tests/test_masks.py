@@ -1,4 +1,4 @@
-"""natsim.masks (kernels/masks.py), issue 10: the Hilbert order, mask combination and the GNA window as a block
+"""natsim.masks (masks/): the Hilbert order, mask combination and the GNA window as a block
 mask (the predictors and the mask cache: tests/test_predictors.py).
 
 The references here are written from the definitions: the GNA mask from tests/bruteforce.py's exact N x N

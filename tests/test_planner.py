@@ -502,7 +502,7 @@ def test_shipped_coefficient_files_load():
         assert all(value >= 0 for value in model.coefficients.values())
 
 
-# -- KV tiling modes (issue 12) ------------------------------------------------------------------------------
+# -- KV tiling modes ------------------------------------------------------------------------------------------
 
 BOTH = ("static", "dynamic")
 

@@ -1,4 +1,4 @@
-"""natsim.masks' predictors (kernels/predictors.py) and mask cache (kernels/maskcache.py), issue 10: FG-Attn's
+"""natsim.masks' predictors (masks/predictors.py) and mask cache (masks/cache.py): FG-Attn's
 top-p, SpargeAttn's selective compression + TopCdf, DFSAttn's hierarchical scoring and its Algorithm 1 cache.
 
 The references here are written from the papers' definitions, one block at a time in float64 numpy (pairwise

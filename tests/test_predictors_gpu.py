@@ -1,4 +1,4 @@
-"""Issue 10 on a CUDA GPU: `pytest -m gpu tests/test_predictors_gpu.py`.
+"""The mask predictors, the PV skip and mask plans on a CUDA GPU: `pytest -m gpu tests/test_predictors_gpu.py`.
 
 SpargeAttn's PV skip in the compiled sparse kernel (descriptor loads with one KV block per tile, pointer
 gathers with several, fp16 and bf16, both schedules, query merging) against the torch reference of the rule

@@ -1,4 +1,4 @@
-"""Sparse attention under any block mask (kernels/sparse.py, kernels/sparsemask.py), issue 9.
+"""Sparse attention under any block mask (kernels/sparse/: the kernel, its work and SparseMask).
 
 On this CPU machine the Triton kernel runs in the interpreter (tests/conftest.py): tiny shapes, fp16 (bf16
 products in the interpreter's tl.dot are wrong on Triton 3.9). The float64 reference below is written here
