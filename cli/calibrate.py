@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from .common import LazyProgress, out, reports_bad_input
 from .output import fmt_dims, print_json
 from .parsing import CliInputError
 
@@ -125,81 +126,81 @@ def parse_kernels(text: str) -> tuple[str, ...]:
         ) from None
 
 
+@reports_bad_input
+def calibrate_command(
+    device: Optional[str] = typer.Option(None, "--device", help="CUDA device to calibrate, e.g. cuda:1 (default: the current one)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
+    output: Optional[Path] = typer.Option(
+        None, "--output",
+        help="Where to write the coefficients (default: <gpu>.json in $NATSIM_DATA_DIR/coefficients, else $XDG_DATA_HOME/natsim/coefficients, else ~/.local/share/natsim/coefficients, where the planner looks first).",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
+    kernels: str = typer.Option(
+        "gna,sparse", "--kernels",
+        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`). Without gna, this GPU's stored cost model is extended.",
+    ),
+) -> None:
+    """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
+
+    Needs a CUDA GPU; takes a few minutes. The coefficients are written to your data folder (not into the installed package), where `natsim plan` and `natsim.planner.best` look for this GPU's coefficients before those shipped with natsim; or to --output, for `natsim plan --coefficients`.
+
+    Example: natsim calibrate --dtype bf16
+    """
+    from natsim.planner.calibrate import calibrate, default_path
+
+    chosen = parse_kernels(kernels)
+    progress = LazyProgress("timing")
+    try:
+        calibration = calibrate(device=device, dtype=dtype, progress=progress, kernels=chosen)
+    finally:
+        progress.close()
+    path = calibration.model.save(output if output is not None else default_path(calibration.model.gpu))
+    if as_json:
+        predicted = calibration.model.predict(calibration.features)
+        sparse_predicted = (calibration.model.predict_sparse(calibration.sparse_features)
+                            if calibration.sparse_cases else [])
+        backward_predicted = (calibration.model.predict_backward(calibration.backward_features)
+                              if calibration.backward_cases else [])
+        print_json(
+            out,
+            {
+                "model": calibration.model.to_dict(),
+                "written_to": str(path),
+                "measurements": [
+                    {
+                        **case.problem.to_dict(),
+                        **case.tiles.to_dict(),
+                        "heads": case.heads,
+                        "head_dim": case.head_dim,
+                        "measured_s": float(t),
+                        "predicted_s": float(g),
+                        "fitted": bool(f),
+                    }
+                    for case, t, g, f in zip(calibration.cases, calibration.times, predicted, calibration.fitted)
+                ],
+                "sparse_measurements": [
+                    {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
+                    for case, t, g, f in zip(calibration.sparse_cases, calibration.sparse_times,
+                                             sparse_predicted, calibration.sparse_fitted)
+                ],
+                "backward_measurements": [
+                    {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
+                    for case, t, g, f in zip(calibration.backward_cases, calibration.backward_times,
+                                             backward_predicted, calibration.backward_fitted)
+                ],
+            },
+        )
+        return
+    if calibration.cases:
+        out.print(_cases_table(calibration))
+    if calibration.sparse_cases:
+        out.print(_sparse_cases_table(calibration))
+    if calibration.backward_cases:
+        out.print(_backward_cases_table(calibration))
+    out.print(_coefficients_table(calibration.model))
+    out.print(_summary(calibration, path))
+
+
 def register(app: typer.Typer) -> None:
     """Add the `calibrate` command to `app`."""
-    from .main import _LazyProgress, out, reports_bad_input  # imported late: main registers us
-
-    @app.command("calibrate")
-    @reports_bad_input
-    def calibrate_command(
-        device: Optional[str] = typer.Option(None, "--device", help="CUDA device to calibrate, e.g. cuda:1 (default: the current one)."),
-        dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
-        output: Optional[Path] = typer.Option(
-            None, "--output",
-            help="Where to write the coefficients (default: <gpu>.json in $NATSIM_DATA_DIR/coefficients, else $XDG_DATA_HOME/natsim/coefficients, else ~/.local/share/natsim/coefficients, where the planner looks first).",
-        ),
-        as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
-        kernels: str = typer.Option(
-            "gna,sparse", "--kernels",
-            help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`). Without gna, this GPU's stored cost model is extended.",
-        ),
-    ) -> None:
-        """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
-
-        Needs a CUDA GPU; takes a few minutes. The coefficients are written to your data folder (not into the installed package), where `natsim plan` and `natsim.planner.best` look for this GPU's coefficients before those shipped with natsim; or to --output, for `natsim plan --coefficients`.
-
-        Example: natsim calibrate --dtype bf16
-        """
-        from natsim.planner.calibrate import calibrate, default_path
-
-        chosen = parse_kernels(kernels)
-        progress = _LazyProgress("timing")
-        try:
-            calibration = calibrate(device=device, dtype=dtype, progress=progress, kernels=chosen)
-        finally:
-            progress.close()
-        path = calibration.model.save(output if output is not None else default_path(calibration.model.gpu))
-        if as_json:
-            predicted = calibration.model.predict(calibration.features)
-            sparse_predicted = (calibration.model.predict_sparse(calibration.sparse_features)
-                                if calibration.sparse_cases else [])
-            backward_predicted = (calibration.model.predict_backward(calibration.backward_features)
-                                  if calibration.backward_cases else [])
-            print_json(
-                out,
-                {
-                    "model": calibration.model.to_dict(),
-                    "written_to": str(path),
-                    "measurements": [
-                        {
-                            **case.problem.to_dict(),
-                            **case.tiles.to_dict(),
-                            "heads": case.heads,
-                            "head_dim": case.head_dim,
-                            "measured_s": float(t),
-                            "predicted_s": float(g),
-                            "fitted": bool(f),
-                        }
-                        for case, t, g, f in zip(calibration.cases, calibration.times, predicted, calibration.fitted)
-                    ],
-                    "sparse_measurements": [
-                        {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
-                        for case, t, g, f in zip(calibration.sparse_cases, calibration.sparse_times,
-                                                 sparse_predicted, calibration.sparse_fitted)
-                    ],
-                    "backward_measurements": [
-                        {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
-                        for case, t, g, f in zip(calibration.backward_cases, calibration.backward_times,
-                                                 backward_predicted, calibration.backward_fitted)
-                    ],
-                },
-            )
-            return
-        if calibration.cases:
-            out.print(_cases_table(calibration))
-        if calibration.sparse_cases:
-            out.print(_sparse_cases_table(calibration))
-        if calibration.backward_cases:
-            out.print(_backward_cases_table(calibration))
-        out.print(_coefficients_table(calibration.model))
-        out.print(_summary(calibration, path))
+    app.command("calibrate")(calibrate_command)
