@@ -114,7 +114,7 @@ def _summary(calibration, path) -> str:
 
 def parse_kernels(text: str) -> tuple[str, ...]:
     """'gna,sparse' -> ('gna', 'sparse'): the kernels to calibrate."""
-    from natsim.planner.calibrate import check_kernels
+    from natsim.planner.cost.calibrate import check_kernels
 
     names = tuple(part.strip().lower() for part in text.split(","))
     try:
@@ -146,7 +146,7 @@ def calibrate_command(
 
     Example: natsim calibrate --dtype bf16
     """
-    from natsim.planner.calibrate import calibrate, default_path
+    from natsim.planner.cost.calibrate import calibrate, default_path
 
     chosen = parse_kernels(kernels)
     progress = LazyProgress("timing")

@@ -44,7 +44,7 @@ class ListsGpusInHelp(TyperCommand):
     """
 
     def format_help(self, ctx, formatter) -> None:
-        from natsim.planner.costmodel import describe_gpus, known_gpus
+        from natsim.planner.cost import describe_gpus, known_gpus
 
         self.epilog = escape(
             f"GPUs with cost-model coefficients, for --device: {describe_gpus(known_gpus())}. --device takes a "

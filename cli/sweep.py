@@ -33,7 +33,7 @@ def _kernel_tiles(shape, head_dim: int, q_tile: Optional[str], kv_tile: Optional
 def _sweep_cost_model(device: Optional[str], coefficients: Optional[Path]):
     """The cost model for predicted times: from --coefficients, else that of the GPU --device names; None,
     with a note on stderr, when that GPU has no coefficients (imports torch)."""
-    from natsim.planner.costmodel import cost_model_for, describe_gpus, gpu_of, known_gpus
+    from natsim.planner.cost import cost_model_for, describe_gpus, gpu_of, known_gpus
 
     if coefficients is not None:
         return load_cost_model(coefficients)
