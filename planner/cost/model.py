@@ -36,6 +36,17 @@ def _checked(coefficients: Mapping[str, float], features: Sequence[str], label: 
     return values
 
 
+def _in_order(coefficients: Mapping[str, float], features: Sequence[str]) -> np.ndarray:
+    """`coefficients` as a vector in `features` order."""
+    return np.array([coefficients[name] for name in features])
+
+
+def _per_feature(row: np.ndarray, coefficients: Mapping[str, float], features: Sequence[str]) -> dict[str, float]:
+    """Predicted seconds of one feature row (columns in `features` order), per feature."""
+    row = np.asarray(row, np.float64)
+    return {name: float(row[i] * coefficients[name]) for i, name in enumerate(features)}
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per unit of each feature on one GPU, with how and when they were fitted (`info`).
@@ -64,7 +75,7 @@ class CostModel:
     @property
     def vector(self) -> np.ndarray:
         """The coefficients in FEATURES order."""
-        return np.array([self.coefficients[name] for name in FEATURES])
+        return _in_order(self.coefficients, FEATURES)
 
     @property
     def kv_tilings(self) -> tuple[str, ...]:
@@ -79,34 +90,37 @@ class CostModel:
 
     def breakdown(self, features: np.ndarray) -> dict[str, float]:
         """Predicted seconds of one feature row, per feature."""
-        row = np.asarray(features, np.float64)
-        return {name: float(row[i] * self.coefficients[name]) for i, name in enumerate(FEATURES)}
+        return _per_feature(features, self.coefficients, FEATURES)
 
     def predict_sparse(self, features: np.ndarray) -> np.ndarray:
         """Predicted seconds of sparse-kernel calls for feature rows `(n, len(SPARSE_FEATURES))` (or one row)."""
-        if self.sparse_coefficients is None:
-            raise ValueError(
-                f"the cost model of {self.gpu} has no sparse-kernel coefficients; "
-                "run `natsim calibrate --kernels gna,sparse` on that GPU to fit them."
-            )
-        vector = np.array([self.sparse_coefficients[name] for name in SPARSE_FEATURES])
-        return np.asarray(features, np.float64) @ vector
+        return np.asarray(features, np.float64) @ _in_order(*self._fitted("sparse"))
+
+    def sparse_breakdown(self, features: np.ndarray) -> dict[str, float]:
+        """Predicted seconds of one sparse-kernel feature row, per feature."""
+        return _per_feature(features, *self._fitted("sparse"))
 
     def predict_backward(self, features: np.ndarray) -> np.ndarray:
         """Predicted seconds of GNA backward calls for feature rows `(n, len(BACKWARD_FEATURES))` (or one row)."""
-        if self.backward_coefficients is None:
-            raise ValueError(
-                f"the cost model of {self.gpu} has no backward coefficients; "
-                "run `natsim calibrate --kernels gna,backward` on that GPU to fit them."
-            )
-        vector = np.array([self.backward_coefficients[name] for name in BACKWARD_FEATURES])
-        return np.asarray(features, np.float64) @ vector
+        return np.asarray(features, np.float64) @ _in_order(*self._fitted("backward"))
 
     def backward_breakdown(self, features: np.ndarray) -> dict[str, float]:
         """Predicted seconds of one backward feature row, per feature."""
-        self.predict_backward(features)  # the sentence error without backward coefficients
-        row = np.asarray(features, np.float64)
-        return {name: float(row[i] * self.backward_coefficients[name]) for i, name in enumerate(BACKWARD_FEATURES)}
+        return _per_feature(features, *self._fitted("backward"))
+
+    def _fitted(self, kernel: str) -> tuple[Mapping[str, float], tuple[str, ...]]:
+        """The coefficients of `kernel` ("sparse" or "backward") and their features, or a sentence error saying
+        how to fit them when this model was calibrated without them."""
+        coefficients, features, label = {
+            "sparse": (self.sparse_coefficients, SPARSE_FEATURES, "sparse-kernel"),
+            "backward": (self.backward_coefficients, BACKWARD_FEATURES, "backward"),
+        }[kernel]
+        if coefficients is None:
+            raise ValueError(
+                f"the cost model of {self.gpu} has no {label} coefficients; "
+                f"run `natsim calibrate --kernels gna,{kernel}` on that GPU to fit them."
+            )
+        return coefficients, features
 
     def to_dict(self) -> dict:
         data = {"format": FORMAT, "gpu": self.gpu, "coefficients": dict(self.coefficients)}

@@ -179,8 +179,7 @@ def best_mask(
     dense_candidate, _ = _candidate(full, DENSE_BLOCK, DENSE_BLOCK, "none", seq_len, batch, heads, head_dim, model)
     breakdown = {}
     if model is not None:
-        row = rows[(winner.q_block, winner.kv_block, winner.merge)]
-        breakdown = {name: float(row[i] * model.sparse_coefficients[name]) for i, name in enumerate(SPARSE_FEATURES)}
+        breakdown = model.sparse_breakdown(rows[(winner.q_block, winner.kv_block, winner.merge)])
     return MaskPlan(
         seq_len=seq_len, fine_q_block=q_block, fine_kv_block=kv_block, q_block=winner.q_block,
         kv_block=winner.kv_block, merge=winner.merge, batch=batch, heads=heads, head_dim=head_dim,
