@@ -4,7 +4,7 @@ and write its cost-model coefficients."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import typer
 from rich.table import Table
@@ -14,72 +14,60 @@ from .output import fmt_dims, print_json
 from .parsing import CliInputError
 
 
-def _cases_table(calibration) -> Table:
-    table = Table(title=f"calibration on {calibration.model.gpu}", title_justify="left")
-    for name in ("shape", "window", "stride", "Q / KV tile", "KV tiling", "heads x head_dim", "measured ms",
-                 "predicted ms", "error"):
+def _measurements_table(title: str, columns: Sequence[str], cells: Iterable[Sequence[str]], measured: Iterable[float],
+                        predicted: Iterable[float], errors: Iterable[float], fitted: Iterable[bool]) -> Table:
+    """One row per calibration case: its `cells` (under `columns`), then the measured and predicted ms and the
+    fit's relative error (or why the case was not fitted)."""
+    table = Table(title=title, title_justify="left")
+    for name in (*columns, "measured ms", "predicted ms", "error"):
         table.add_column(name, justify="right")
-    predicted = calibration.model.predict(calibration.features)
-    rows = zip(calibration.cases, calibration.times, predicted, calibration.errors, calibration.fitted)
-    for case, measured, guess, error, fitted in rows:
-        p = case.problem
-        table.add_row(
-            fmt_dims(p.shape),
-            fmt_dims(p.window),
-            fmt_dims(p.stride),
-            f"{fmt_dims(case.tiles.q_tile)} / {fmt_dims(case.tiles.kv_tile)}",
-            case.tiles.kv_tiling,
-            f"{case.heads} x {case.head_dim}",
-            f"{measured * 1e3:.3f}",
-            f"{guess * 1e3:.3f}",
-            f"{error:+.1%}" if fitted else "host-bound, not fitted",
-        )
+    for row, seconds, guess, error, kept in zip(cells, measured, predicted, errors, fitted):
+        table.add_row(*row, f"{seconds * 1e3:.3f}", f"{guess * 1e3:.3f}",
+                      f"{error:+.1%}" if kept else "host-bound, not fitted")
     return table
+
+
+def _cases_table(calibration) -> Table:
+    cells = [
+        (fmt_dims(case.problem.shape), fmt_dims(case.problem.window), fmt_dims(case.problem.stride),
+         f"{fmt_dims(case.tiles.q_tile)} / {fmt_dims(case.tiles.kv_tile)}", case.tiles.kv_tiling,
+         f"{case.heads} x {case.head_dim}")
+        for case in calibration.cases
+    ]
+    return _measurements_table(
+        f"calibration on {calibration.model.gpu}",
+        ("shape", "window", "stride", "Q / KV tile", "KV tiling", "heads x head_dim"), cells, calibration.times,
+        calibration.model.predict(calibration.features), calibration.errors, calibration.fitted,
+    )
 
 
 def _sparse_cases_table(calibration) -> Table:
-    table = Table(title=f"sparse kernel calibration on {calibration.model.gpu}", title_justify="left")
-    for name in ("mask", "tokens", "blocks", "merge", "heads x head_dim", "measured ms", "predicted ms", "error"):
-        table.add_column(name, justify="right")
-    predicted = calibration.model.predict_sparse(calibration.sparse_features)
-    rows = zip(calibration.sparse_cases, calibration.sparse_times, predicted, calibration.sparse_errors,
-               calibration.sparse_fitted)
-    for case, measured, guess, error, fitted in rows:
-        table.add_row(
-            case.pattern if case.pattern != "random" else f"random {case.sparsity:.0%} sparse",
-            str(case.seq_len),
-            f"{case.q_block}x{case.kv_block}",
-            str(case.merge),
-            f"{case.heads} x {case.head_dim}",
-            f"{measured * 1e3:.3f}",
-            f"{guess * 1e3:.3f}",
-            f"{error:+.1%}" if fitted else "host-bound, not fitted",
-        )
-    return table
+    cells = [
+        (case.pattern if case.pattern != "random" else f"random {case.sparsity:.0%} sparse", str(case.seq_len),
+         f"{case.q_block}x{case.kv_block}", str(case.merge), f"{case.heads} x {case.head_dim}")
+        for case in calibration.sparse_cases
+    ]
+    return _measurements_table(
+        f"sparse kernel calibration on {calibration.model.gpu}",
+        ("mask", "tokens", "blocks", "merge", "heads x head_dim"), cells, calibration.sparse_times,
+        calibration.model.predict_sparse(calibration.sparse_features), calibration.sparse_errors,
+        calibration.sparse_fitted,
+    )
 
 
 def _backward_cases_table(calibration) -> Table:
-    table = Table(title=f"GNA backward calibration on {calibration.model.gpu}", title_justify="left")
-    for name in ("shape", "window", "stride", "dilation", "backward Q / KV tile", "heads x head_dim", "measured ms",
-                 "predicted ms", "error"):
-        table.add_column(name, justify="right")
-    predicted = calibration.model.predict_backward(calibration.backward_features)
-    rows = zip(calibration.backward_cases, calibration.backward_times, predicted, calibration.backward_errors,
-               calibration.backward_fitted)
-    for case, measured, guess, error, fitted in rows:
+    cells = []
+    for case in calibration.backward_cases:
         p, record = case.problem, case.to_dict()
-        table.add_row(
-            fmt_dims(p.shape),
-            fmt_dims(p.window),
-            fmt_dims(p.stride),
-            fmt_dims(p.dilation),
-            f"{fmt_dims(record['bwd_q_tile'])} / {fmt_dims(record['bwd_kv_tile'])}",
-            f"{case.heads} x {case.head_dim}",
-            f"{measured * 1e3:.3f}",
-            f"{guess * 1e3:.3f}",
-            f"{error:+.1%}" if fitted else "host-bound, not fitted",
-        )
-    return table
+        cells.append((fmt_dims(p.shape), fmt_dims(p.window), fmt_dims(p.stride), fmt_dims(p.dilation),
+                      f"{fmt_dims(record['bwd_q_tile'])} / {fmt_dims(record['bwd_kv_tile'])}",
+                      f"{case.heads} x {case.head_dim}"))
+    return _measurements_table(
+        f"GNA backward calibration on {calibration.model.gpu}",
+        ("shape", "window", "stride", "dilation", "backward Q / KV tile", "heads x head_dim"), cells,
+        calibration.backward_times, calibration.model.predict_backward(calibration.backward_features),
+        calibration.backward_errors, calibration.backward_fitted,
+    )
 
 
 def _coefficients_table(model) -> Table:
