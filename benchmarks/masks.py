@@ -52,7 +52,7 @@ from workload import HEADS, LAYOUTS, video_qkv  # noqa: E402
 import natsim  # noqa: E402
 import natsim.masks  # noqa: E402
 from natsim.planner import best_mask  # noqa: E402
-from natsim.planner.maskplan import token_density  # noqa: E402
+from natsim.planner.search import token_density  # noqa: E402
 
 PREDICTORS = ("topp", "sparge", "hierarchical", "gna_topp")
 NEEDS = {"topp": "topp", "sparge": "sparge", "hierarchical": "hierarchical", "gna_topp": "topp"}

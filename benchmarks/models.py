@@ -34,8 +34,7 @@ import natsim
 from natsim.kernels import gna_attention, gna_attention_permuted, permute
 from natsim.kernels import ops
 from natsim.kernels.gna.tiles import default_tiles, tile_pairs
-from natsim.planner.costmodel import COEFFICIENTS_DIR, CostModel
-from natsim.planner.features import features_of
+from natsim.planner.cost import COEFFICIENTS_DIR, CostModel, features_of
 
 HEAD_DIM, DTYPE = 128, torch.bfloat16
 H100 = CostModel.load(COEFFICIENTS_DIR / "nvidia-h100-80gb-hbm3.json")

@@ -33,7 +33,7 @@ from rich.table import Table
 import natsim
 from natsim.dimension import dim_attended_pairs, dim_tiles
 from natsim.planner import Candidate, best
-from natsim.planner.calibrate import Case, time_case
+from natsim.planner.cost.calibrate import Case, time_case
 
 CASES = (
     ((30, 48, 80), 0.9),

@@ -4,81 +4,70 @@ and write its cost-model coefficients."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 import typer
 from rich.table import Table
 
+from .common import LazyProgress, out, reports_bad_input
 from .output import fmt_dims, print_json
 from .parsing import CliInputError
 
 
-def _cases_table(calibration) -> Table:
-    table = Table(title=f"calibration on {calibration.model.gpu}", title_justify="left")
-    for name in ("shape", "window", "stride", "Q / KV tile", "KV tiling", "heads x head_dim", "measured ms",
-                 "predicted ms", "error"):
+def _measurements_table(title: str, columns: Sequence[str], cells: Iterable[Sequence[str]], measured: Iterable[float],
+                        predicted: Iterable[float], errors: Iterable[float], fitted: Iterable[bool]) -> Table:
+    """One row per calibration case: its `cells` (under `columns`), then the measured and predicted ms and the
+    fit's relative error (or why the case was not fitted)."""
+    table = Table(title=title, title_justify="left")
+    for name in (*columns, "measured ms", "predicted ms", "error"):
         table.add_column(name, justify="right")
-    predicted = calibration.model.predict(calibration.features)
-    rows = zip(calibration.cases, calibration.times, predicted, calibration.errors, calibration.fitted)
-    for case, measured, guess, error, fitted in rows:
-        p = case.problem
-        table.add_row(
-            fmt_dims(p.shape),
-            fmt_dims(p.window),
-            fmt_dims(p.stride),
-            f"{fmt_dims(case.tiles.q_tile)} / {fmt_dims(case.tiles.kv_tile)}",
-            case.tiles.kv_tiling,
-            f"{case.heads} x {case.head_dim}",
-            f"{measured * 1e3:.3f}",
-            f"{guess * 1e3:.3f}",
-            f"{error:+.1%}" if fitted else "host-bound, not fitted",
-        )
+    for row, seconds, guess, error, kept in zip(cells, measured, predicted, errors, fitted):
+        table.add_row(*row, f"{seconds * 1e3:.3f}", f"{guess * 1e3:.3f}",
+                      f"{error:+.1%}" if kept else "host-bound, not fitted")
     return table
+
+
+def _cases_table(calibration) -> Table:
+    cells = [
+        (fmt_dims(case.problem.shape), fmt_dims(case.problem.window), fmt_dims(case.problem.stride),
+         f"{fmt_dims(case.tiles.q_tile)} / {fmt_dims(case.tiles.kv_tile)}", case.tiles.kv_tiling,
+         f"{case.heads} x {case.head_dim}")
+        for case in calibration.cases
+    ]
+    return _measurements_table(
+        f"calibration on {calibration.model.gpu}",
+        ("shape", "window", "stride", "Q / KV tile", "KV tiling", "heads x head_dim"), cells, calibration.times,
+        calibration.model.predict(calibration.features), calibration.errors, calibration.fitted,
+    )
 
 
 def _sparse_cases_table(calibration) -> Table:
-    table = Table(title=f"sparse kernel calibration on {calibration.model.gpu}", title_justify="left")
-    for name in ("mask", "tokens", "blocks", "merge", "heads x head_dim", "measured ms", "predicted ms", "error"):
-        table.add_column(name, justify="right")
-    predicted = calibration.model.predict_sparse(calibration.sparse_features)
-    rows = zip(calibration.sparse_cases, calibration.sparse_times, predicted, calibration.sparse_errors,
-               calibration.sparse_fitted)
-    for case, measured, guess, error, fitted in rows:
-        table.add_row(
-            case.pattern if case.pattern != "random" else f"random {case.sparsity:.0%} sparse",
-            str(case.seq_len),
-            f"{case.q_block}x{case.kv_block}",
-            str(case.merge),
-            f"{case.heads} x {case.head_dim}",
-            f"{measured * 1e3:.3f}",
-            f"{guess * 1e3:.3f}",
-            f"{error:+.1%}" if fitted else "host-bound, not fitted",
-        )
-    return table
+    cells = [
+        (case.pattern if case.pattern != "random" else f"random {case.sparsity:.0%} sparse", str(case.seq_len),
+         f"{case.q_block}x{case.kv_block}", str(case.merge), f"{case.heads} x {case.head_dim}")
+        for case in calibration.sparse_cases
+    ]
+    return _measurements_table(
+        f"sparse kernel calibration on {calibration.model.gpu}",
+        ("mask", "tokens", "blocks", "merge", "heads x head_dim"), cells, calibration.sparse_times,
+        calibration.model.predict_sparse(calibration.sparse_features), calibration.sparse_errors,
+        calibration.sparse_fitted,
+    )
 
 
 def _backward_cases_table(calibration) -> Table:
-    table = Table(title=f"GNA backward calibration on {calibration.model.gpu}", title_justify="left")
-    for name in ("shape", "window", "stride", "dilation", "backward Q / KV tile", "heads x head_dim", "measured ms",
-                 "predicted ms", "error"):
-        table.add_column(name, justify="right")
-    predicted = calibration.model.predict_backward(calibration.backward_features)
-    rows = zip(calibration.backward_cases, calibration.backward_times, predicted, calibration.backward_errors,
-               calibration.backward_fitted)
-    for case, measured, guess, error, fitted in rows:
+    cells = []
+    for case in calibration.backward_cases:
         p, record = case.problem, case.to_dict()
-        table.add_row(
-            fmt_dims(p.shape),
-            fmt_dims(p.window),
-            fmt_dims(p.stride),
-            fmt_dims(p.dilation),
-            f"{fmt_dims(record['bwd_q_tile'])} / {fmt_dims(record['bwd_kv_tile'])}",
-            f"{case.heads} x {case.head_dim}",
-            f"{measured * 1e3:.3f}",
-            f"{guess * 1e3:.3f}",
-            f"{error:+.1%}" if fitted else "host-bound, not fitted",
-        )
-    return table
+        cells.append((fmt_dims(p.shape), fmt_dims(p.window), fmt_dims(p.stride), fmt_dims(p.dilation),
+                      f"{fmt_dims(record['bwd_q_tile'])} / {fmt_dims(record['bwd_kv_tile'])}",
+                      f"{case.heads} x {case.head_dim}"))
+    return _measurements_table(
+        f"GNA backward calibration on {calibration.model.gpu}",
+        ("shape", "window", "stride", "dilation", "backward Q / KV tile", "heads x head_dim"), cells,
+        calibration.backward_times, calibration.model.predict_backward(calibration.backward_features),
+        calibration.backward_errors, calibration.backward_fitted,
+    )
 
 
 def _coefficients_table(model) -> Table:
@@ -113,7 +102,7 @@ def _summary(calibration, path) -> str:
 
 def parse_kernels(text: str) -> tuple[str, ...]:
     """'gna,sparse' -> ('gna', 'sparse'): the kernels to calibrate."""
-    from natsim.planner.calibrate import check_kernels
+    from natsim.planner.cost.calibrate import check_kernels
 
     names = tuple(part.strip().lower() for part in text.split(","))
     try:
@@ -125,81 +114,81 @@ def parse_kernels(text: str) -> tuple[str, ...]:
         ) from None
 
 
+@reports_bad_input
+def calibrate_command(
+    device: Optional[str] = typer.Option(None, "--device", help="CUDA device to calibrate, e.g. cuda:1 (default: the current one)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
+    output: Optional[Path] = typer.Option(
+        None, "--output",
+        help="Where to write the coefficients (default: <gpu>.json in $NATSIM_DATA_DIR/coefficients, else $XDG_DATA_HOME/natsim/coefficients, else ~/.local/share/natsim/coefficients, where the planner looks first).",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
+    kernels: str = typer.Option(
+        "gna,sparse", "--kernels",
+        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`). Without gna, this GPU's stored cost model is extended.",
+    ),
+) -> None:
+    """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
+
+    Needs a CUDA GPU; takes a few minutes. The coefficients are written to your data folder (not into the installed package), where `natsim plan` and `natsim.planner.best` look for this GPU's coefficients before those shipped with natsim; or to --output, for `natsim plan --coefficients`.
+
+    Example: natsim calibrate --dtype bf16
+    """
+    from natsim.planner.cost.calibrate import calibrate, default_path
+
+    chosen = parse_kernels(kernels)
+    progress = LazyProgress("timing")
+    try:
+        calibration = calibrate(device=device, dtype=dtype, progress=progress, kernels=chosen)
+    finally:
+        progress.close()
+    path = calibration.model.save(output if output is not None else default_path(calibration.model.gpu))
+    if as_json:
+        predicted = calibration.model.predict(calibration.features)
+        sparse_predicted = (calibration.model.predict_sparse(calibration.sparse_features)
+                            if calibration.sparse_cases else [])
+        backward_predicted = (calibration.model.predict_backward(calibration.backward_features)
+                              if calibration.backward_cases else [])
+        print_json(
+            out,
+            {
+                "model": calibration.model.to_dict(),
+                "written_to": str(path),
+                "measurements": [
+                    {
+                        **case.problem.to_dict(),
+                        **case.tiles.to_dict(),
+                        "heads": case.heads,
+                        "head_dim": case.head_dim,
+                        "measured_s": float(t),
+                        "predicted_s": float(g),
+                        "fitted": bool(f),
+                    }
+                    for case, t, g, f in zip(calibration.cases, calibration.times, predicted, calibration.fitted)
+                ],
+                "sparse_measurements": [
+                    {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
+                    for case, t, g, f in zip(calibration.sparse_cases, calibration.sparse_times,
+                                             sparse_predicted, calibration.sparse_fitted)
+                ],
+                "backward_measurements": [
+                    {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
+                    for case, t, g, f in zip(calibration.backward_cases, calibration.backward_times,
+                                             backward_predicted, calibration.backward_fitted)
+                ],
+            },
+        )
+        return
+    if calibration.cases:
+        out.print(_cases_table(calibration))
+    if calibration.sparse_cases:
+        out.print(_sparse_cases_table(calibration))
+    if calibration.backward_cases:
+        out.print(_backward_cases_table(calibration))
+    out.print(_coefficients_table(calibration.model))
+    out.print(_summary(calibration, path))
+
+
 def register(app: typer.Typer) -> None:
     """Add the `calibrate` command to `app`."""
-    from .main import _LazyProgress, out, reports_bad_input  # imported late: main registers us
-
-    @app.command("calibrate")
-    @reports_bad_input
-    def calibrate_command(
-        device: Optional[str] = typer.Option(None, "--device", help="CUDA device to calibrate, e.g. cuda:1 (default: the current one)."),
-        dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
-        output: Optional[Path] = typer.Option(
-            None, "--output",
-            help="Where to write the coefficients (default: <gpu>.json in $NATSIM_DATA_DIR/coefficients, else $XDG_DATA_HOME/natsim/coefficients, else ~/.local/share/natsim/coefficients, where the planner looks first).",
-        ),
-        as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
-        kernels: str = typer.Option(
-            "gna,sparse", "--kernels",
-            help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`). Without gna, this GPU's stored cost model is extended.",
-        ),
-    ) -> None:
-        """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
-
-        Needs a CUDA GPU; takes a few minutes. The coefficients are written to your data folder (not into the installed package), where `natsim plan` and `natsim.planner.best` look for this GPU's coefficients before those shipped with natsim; or to --output, for `natsim plan --coefficients`.
-
-        Example: natsim calibrate --dtype bf16
-        """
-        from natsim.planner.calibrate import calibrate, default_path
-
-        chosen = parse_kernels(kernels)
-        progress = _LazyProgress("timing")
-        try:
-            calibration = calibrate(device=device, dtype=dtype, progress=progress, kernels=chosen)
-        finally:
-            progress.close()
-        path = calibration.model.save(output if output is not None else default_path(calibration.model.gpu))
-        if as_json:
-            predicted = calibration.model.predict(calibration.features)
-            sparse_predicted = (calibration.model.predict_sparse(calibration.sparse_features)
-                                if calibration.sparse_cases else [])
-            backward_predicted = (calibration.model.predict_backward(calibration.backward_features)
-                                  if calibration.backward_cases else [])
-            print_json(
-                out,
-                {
-                    "model": calibration.model.to_dict(),
-                    "written_to": str(path),
-                    "measurements": [
-                        {
-                            **case.problem.to_dict(),
-                            **case.tiles.to_dict(),
-                            "heads": case.heads,
-                            "head_dim": case.head_dim,
-                            "measured_s": float(t),
-                            "predicted_s": float(g),
-                            "fitted": bool(f),
-                        }
-                        for case, t, g, f in zip(calibration.cases, calibration.times, predicted, calibration.fitted)
-                    ],
-                    "sparse_measurements": [
-                        {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
-                        for case, t, g, f in zip(calibration.sparse_cases, calibration.sparse_times,
-                                                 sparse_predicted, calibration.sparse_fitted)
-                    ],
-                    "backward_measurements": [
-                        {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
-                        for case, t, g, f in zip(calibration.backward_cases, calibration.backward_times,
-                                                 backward_predicted, calibration.backward_fitted)
-                    ],
-                },
-            )
-            return
-        if calibration.cases:
-            out.print(_cases_table(calibration))
-        if calibration.sparse_cases:
-            out.print(_sparse_cases_table(calibration))
-        if calibration.backward_cases:
-            out.print(_backward_cases_table(calibration))
-        out.print(_coefficients_table(calibration.model))
-        out.print(_summary(calibration, path))
+    app.command("calibrate")(calibrate_command)

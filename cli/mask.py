@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+from .common import ListsGpusInHelp, load_cost_model, out, reports_bad_input
 from .output import print_json
 from .parsing import CliInputError
 
@@ -82,60 +83,58 @@ def read_mask(path: Path) -> tuple[object, dict]:
     return _as_4d(data[MASK_KEY], path), meta
 
 
+@reports_bad_input
+def mask_command(
+    file: Path = typer.Argument(..., help="A saved block mask: .pt (torch.save) or .npz (numpy.savez), boolean, shaped nQ x nKV, heads x nQ x nKV or batch x heads x nQ x nKV (one row per query block, one column per key block); a dict/archive may add q_block, kv_block, seq_len."),
+    q_block: Optional[int] = typer.Option(None, "--q-block", help="Queries per mask row (default: the file's, else 16)."),
+    kv_block: Optional[int] = typer.Option(None, "--kv-block", help="Keys per mask column (default: the file's, else 16)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens N (default: the file's, else rows x --q-block)."),
+    heads: Optional[int] = typer.Option(None, "--heads", help="Heads of the call (default: the mask's; a mask of one head is broadcast)."),
+    head_dim: int = typer.Option(128, "--head-dim", help="Head dimension: 32, 64 or 128."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
+    merges: str = typer.Option("none,consecutive,xor", "--merges", help="Merges to score, comma-separated."),
+    device: Optional[str] = typer.Option(
+        None, "--device",
+        help="GPU whose coefficients predict the times: a GPU listed below (h100), which need not be present, or a torch device (default: the current CUDA device, if any).",
+    ),
+    coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
+    limit: int = typer.Option(16, "--limit", help="Rows in the table (0 for all); --json is never cut."),
+    as_json: bool = typer.Option(False, "--json", help="Print the mask plan as one JSON document instead of a table."),
+) -> None:
+    """Score a saved block mask at every granularity and merge; show the table, fastest first.
+
+    The mask is a predictor's output at its finest blocks (e.g. natsim.masks.topp at 16 x 16). Each row OR-pools it to coarser blocks (32, 64, 128 queries or keys; pooling only adds blocks, never drops a kept one) and runs its query blocks one per program (none) or merged into 128-query programs (consecutive, or natsim.merge's XOR greedy). Columns: the pooled mask's density (token pairs attended), the work the kernel computes (merged groups and padding included), KV tile iterations, the predicted time with the cost model of --device (without one: the token pairs computed, and no time) and the speedup over dense attention through the same kernel.
+
+    Example: natsim mask topp16.pt --heads 12 --device h100
+    """
+    from natsim.planner import best_mask
+
+    mask, meta = read_mask(file)
+    q_block = q_block if q_block is not None else meta.get("q_block", 16)
+    kv_block = kv_block if kv_block is not None else meta.get("kv_block", 16)
+    seq_len = seq_len if seq_len is not None else meta.get("seq_len", mask.shape[2] * q_block)
+    options = {"heads": heads, "head_dim": head_dim, "dtype": dtype, "device": device,
+               "merges": [m.strip() for m in merges.split(",") if m.strip()]}
+    if coefficients is not None:
+        options["cost_model"] = load_cost_model(coefficients)
+    plan = best_mask(mask, q_block, kv_block, seq_len, **options)
+    if as_json:
+        print_json(out, plan.to_dict())
+        return
+    basis = (f"predicted on {plan.gpu}" if plan.calibrated
+             else "no cost model: ranked by token pairs computed, no time predicted")
+    title = (f"{file.name}: N={plan.seq_len:,}, mask {plan.fine_q_block}x{plan.fine_kv_block} blocks, "
+             f"{plan.batch}x{plan.heads} heads, head_dim {plan.head_dim}, {plan.dtype}; {basis}; best score first")
+    out.print(plan.candidates_table(title, limit=limit))
+    hidden = sum(1 for i, c in enumerate(plan.candidates) if 0 < limit <= i and c != plan.chosen)
+    if hidden:
+        out.print(f"[dim]{hidden} more rows: raise --limit or use --json.[/dim]")
+    out.print(
+        f"chosen: {plan.q_block}x{plan.kv_block}, merge {plan.merge}, {plan.predicted_speedup:.2f}x over dense "
+        + (f"({plan.score * 1e3:.4g} ms vs {plan.dense_score * 1e3:.4g} ms)" if plan.calibrated else "(tile work)")
+    )
+
+
 def register(app: typer.Typer) -> None:
     """Add the `mask` command to `app`."""
-    from .main import ListsGpusInHelp, out, reports_bad_input  # the app's conventions (imported late)
-
-    @app.command("mask", cls=ListsGpusInHelp)
-    @reports_bad_input
-    def mask_command(
-        file: Path = typer.Argument(..., help="A saved block mask: .pt (torch.save) or .npz (numpy.savez), boolean, shaped nQ x nKV, heads x nQ x nKV or batch x heads x nQ x nKV (one row per query block, one column per key block); a dict/archive may add q_block, kv_block, seq_len."),
-        q_block: Optional[int] = typer.Option(None, "--q-block", help="Queries per mask row (default: the file's, else 16)."),
-        kv_block: Optional[int] = typer.Option(None, "--kv-block", help="Keys per mask column (default: the file's, else 16)."),
-        seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens N (default: the file's, else rows x --q-block)."),
-        heads: Optional[int] = typer.Option(None, "--heads", help="Heads of the call (default: the mask's; a mask of one head is broadcast)."),
-        head_dim: int = typer.Option(128, "--head-dim", help="Head dimension: 32, 64 or 128."),
-        dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
-        merges: str = typer.Option("none,consecutive,xor", "--merges", help="Merges to score, comma-separated."),
-        device: Optional[str] = typer.Option(
-            None, "--device",
-            help="GPU whose coefficients predict the times: a GPU listed below (h100), which need not be present, or a torch device (default: the current CUDA device, if any).",
-        ),
-        coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
-        limit: int = typer.Option(16, "--limit", help="Rows in the table (0 for all); --json is never cut."),
-        as_json: bool = typer.Option(False, "--json", help="Print the mask plan as one JSON document instead of a table."),
-    ) -> None:
-        """Score a saved block mask at every granularity and merge; show the table, fastest first.
-
-        The mask is a predictor's output at its finest blocks (e.g. natsim.masks.topp at 16 x 16). Each row OR-pools it to coarser blocks (32, 64, 128 queries or keys; pooling only adds blocks, never drops a kept one) and runs its query blocks one per program (none) or merged into 128-query programs (consecutive, or natsim.merge's XOR greedy). Columns: the pooled mask's density (token pairs attended), the work the kernel computes (merged groups and padding included), KV tile iterations, the predicted time with the cost model of --device (without one: the token pairs computed, and no time) and the speedup over dense attention through the same kernel.
-
-        Example: natsim mask topp16.pt --heads 12 --device h100
-        """
-        from natsim.planner import best_mask
-
-        mask, meta = read_mask(file)
-        q_block = q_block if q_block is not None else meta.get("q_block", 16)
-        kv_block = kv_block if kv_block is not None else meta.get("kv_block", 16)
-        seq_len = seq_len if seq_len is not None else meta.get("seq_len", mask.shape[2] * q_block)
-        options = {"heads": heads, "head_dim": head_dim, "dtype": dtype, "device": device,
-                   "merges": [m.strip() for m in merges.split(",") if m.strip()]}
-        if coefficients is not None:
-            from .plan import load_cost_model
-
-            options["cost_model"] = load_cost_model(coefficients)
-        plan = best_mask(mask, q_block, kv_block, seq_len, **options)
-        if as_json:
-            print_json(out, plan.to_dict())
-            return
-        basis = (f"predicted on {plan.gpu}" if plan.calibrated
-                 else "no cost model: ranked by token pairs computed, no time predicted")
-        title = (f"{file.name}: N={plan.seq_len:,}, mask {plan.fine_q_block}x{plan.fine_kv_block} blocks, "
-                 f"{plan.batch}x{plan.heads} heads, head_dim {plan.head_dim}, {plan.dtype}; {basis}; best score first")
-        out.print(plan.candidates_table(title, limit=limit))
-        hidden = sum(1 for i, c in enumerate(plan.candidates) if 0 < limit <= i and c != plan.chosen)
-        if hidden:
-            out.print(f"[dim]{hidden} more rows: raise --limit or use --json.[/dim]")
-        out.print(
-            f"chosen: {plan.q_block}x{plan.kv_block}, merge {plan.merge}, {plan.predicted_speedup:.2f}x over dense "
-            + (f"({plan.score * 1e3:.4g} ms vs {plan.dense_score * 1e3:.4g} ms)" if plan.calibrated else "(tile work)")
-        )
+    app.command("mask", cls=ListsGpusInHelp)(mask_command)

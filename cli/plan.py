@@ -9,6 +9,7 @@ import typer
 
 from natsim import end_to_end_speedup
 
+from .common import ListsGpusInHelp, load_cost_model, out, reports_bad_input
 from .output import print_json
 from .parsing import CliInputError, broadcast, parse_dims, parse_flags
 
@@ -31,16 +32,6 @@ def _end_to_end(plan, attention_share: Optional[float], dense_steps: Optional[in
     }
 
 
-def load_cost_model(path: Path):
-    """The cost model in the file given with --coefficients."""
-    from natsim.planner import CostModel
-
-    try:
-        return CostModel.load(path)
-    except (OSError, KeyError, ValueError) as error:
-        raise CliInputError(f"--coefficients {path} is not a readable cost model: {error}") from None
-
-
 def rank_table(parallel):
     """The per-rank table of a `ParallelPlan`: every strategy's ranks, the chosen one marked."""
     from rich.table import Table
@@ -58,70 +49,70 @@ def rank_table(parallel):
     return table
 
 
+@reports_bad_input
+def plan_command(
+    shape: str = typer.Option(..., "--shape", help="Token layout, e.g. 30x48x80 (frames x height x width)."),
+    sparsity: float = typer.Option(..., "--sparsity", help="Target sparsity in [0, 1): the share of (query, key) pairs left out."),
+    heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads (predicted time is per call of all heads; default: one head)."),
+    head_dim: int = typer.Option(128, "--head-dim", help="Head dimension (selects the tile catalog)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
+    causal: str = typer.Option("0", "--causal", help="Causal per dimension as 0/1, e.g. 1x0x0 for causal in time."),
+    window: Optional[str] = typer.Option(None, "--window", help="Keep this window (e.g. 18x24x24) and choose only stride and tiles."),
+    max_stride: Optional[str] = typer.Option(None, "--max-stride", help="Largest stride per dimension, e.g. 1x8x8."),
+    device: Optional[str] = typer.Option(
+        None, "--device",
+        help="GPU whose coefficients rank the plans: a torch device (cuda:1; default: the current CUDA device), or the name or alias of a GPU listed below (h100), which need not be present.",
+    ),
+    coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
+    attention_share: Optional[float] = typer.Option(None, "--attention-share", help="Share of end-to-end time spent in attention, for the end-to-end estimate."),
+    dense_steps: Optional[int] = typer.Option(None, "--dense-steps", help="Diffusion steps kept dense (default 0)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Diffusion steps in all (default 1)."),
+    training: bool = typer.Option(False, "--training", help="Rank by forward + backward time (training), the backward by its own coefficients (`natsim calibrate --kernels gna,backward`), else by tile work."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document instead of a report."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks sharing the layout's frames (context parallelism): also choose the strategy (ulysses or halo) and the frame split, and show the per-rank table."),
+) -> None:
+    """Choose the fastest GNA configuration of a layout that is at least as sparse as asked.
+
+    Candidate windows meet the target, stay close to it and are shaped like the layout; strides and tiles are scored with the simulator and the cost model of the GPU at hand (without one, by simulated tile work, and the report says so). Among configurations within 2% of the best, the smallest stride product wins. With --attention-share (and --steps, --dense-steps) it also estimates the end-to-end speedup.
+
+    Example: natsim plan --shape 30x48x80 --sparsity 0.9 --heads 24 --attention-share 0.8 --steps 50 --dense-steps 15
+    """
+    from natsim.planner import best
+
+    dims = parse_dims(shape, "--shape")
+    ndim = len(dims)
+    options = {
+        "heads": heads,
+        "head_dim": head_dim,
+        "dtype": dtype,
+        "causal": broadcast(parse_flags(causal, "--causal"), ndim, "--causal"),
+        "window": None if window is None else broadcast(parse_dims(window, "--window"), ndim, "--window"),
+        "max_stride": None if max_stride is None else broadcast(parse_dims(max_stride, "--max-stride"), ndim, "--max-stride"),
+        "device": device,
+        "training": training,
+        "world_size": world_size,
+    }
+    if coefficients is not None:
+        options["cost_model"] = load_cost_model(coefficients)
+    plan = best(dims, sparsity, **options)
+    estimate = _end_to_end(plan, attention_share, dense_steps, steps)
+    if as_json:
+        payload = plan.to_dict()
+        if estimate is not None:
+            payload["end_to_end"] = estimate
+        print_json(out, payload)
+        return
+    out.print(plan.explain())
+    if world_size is not None:
+        out.print(rank_table(plan))
+    if estimate is not None:
+        out.print(
+            f"End-to-end estimate: {estimate['speedup']:.2f}x with attention {attention_share:.0%} of the time, "
+            f"{estimate['dense_steps']} of {estimate['steps']} steps dense, attention {plan.predicted_speedup:.2f}x "
+            f"faster ({plan.basis})."
+        )
+
+
 def register(app: typer.Typer) -> None:
     """Add the `plan` command to `app`."""
-    from .main import ListsGpusInHelp, out, reports_bad_input  # the app's conventions (imported late: main registers us)
-
-    @app.command("plan", cls=ListsGpusInHelp)
-    @reports_bad_input
-    def plan_command(
-        shape: str = typer.Option(..., "--shape", help="Token layout, e.g. 30x48x80 (frames x height x width)."),
-        sparsity: float = typer.Option(..., "--sparsity", help="Target sparsity in [0, 1): the share of (query, key) pairs left out."),
-        heads: Optional[int] = typer.Option(None, "--heads", help="Attention heads (predicted time is per call of all heads; default: one head)."),
-        head_dim: int = typer.Option(128, "--head-dim", help="Head dimension (selects the tile catalog)."),
-        dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
-        causal: str = typer.Option("0", "--causal", help="Causal per dimension as 0/1, e.g. 1x0x0 for causal in time."),
-        window: Optional[str] = typer.Option(None, "--window", help="Keep this window (e.g. 18x24x24) and choose only stride and tiles."),
-        max_stride: Optional[str] = typer.Option(None, "--max-stride", help="Largest stride per dimension, e.g. 1x8x8."),
-        device: Optional[str] = typer.Option(
-            None, "--device",
-            help="GPU whose coefficients rank the plans: a torch device (cuda:1; default: the current CUDA device), or the name or alias of a GPU listed below (h100), which need not be present.",
-        ),
-        coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
-        attention_share: Optional[float] = typer.Option(None, "--attention-share", help="Share of end-to-end time spent in attention, for the end-to-end estimate."),
-        dense_steps: Optional[int] = typer.Option(None, "--dense-steps", help="Diffusion steps kept dense (default 0)."),
-        steps: Optional[int] = typer.Option(None, "--steps", help="Diffusion steps in all (default 1)."),
-        training: bool = typer.Option(False, "--training", help="Rank by forward + backward time (training), the backward by its own coefficients (`natsim calibrate --kernels gna,backward`), else by tile work."),
-        as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document instead of a report."),
-        world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks sharing the layout's frames (context parallelism): also choose the strategy (ulysses or halo) and the frame split, and show the per-rank table."),
-    ) -> None:
-        """Choose the fastest GNA configuration of a layout that is at least as sparse as asked.
-
-        Candidate windows meet the target, stay close to it and are shaped like the layout; strides and tiles are scored with the simulator and the cost model of the GPU at hand (without one, by simulated tile work, and the report says so). Among configurations within 2% of the best, the smallest stride product wins. With --attention-share (and --steps, --dense-steps) it also estimates the end-to-end speedup.
-
-        Example: natsim plan --shape 30x48x80 --sparsity 0.9 --heads 24 --attention-share 0.8 --steps 50 --dense-steps 15
-        """
-        from natsim.planner import best
-
-        dims = parse_dims(shape, "--shape")
-        ndim = len(dims)
-        options = {
-            "heads": heads,
-            "head_dim": head_dim,
-            "dtype": dtype,
-            "causal": broadcast(parse_flags(causal, "--causal"), ndim, "--causal"),
-            "window": None if window is None else broadcast(parse_dims(window, "--window"), ndim, "--window"),
-            "max_stride": None if max_stride is None else broadcast(parse_dims(max_stride, "--max-stride"), ndim, "--max-stride"),
-            "device": device,
-            "training": training,
-            "world_size": world_size,
-        }
-        if coefficients is not None:
-            options["cost_model"] = load_cost_model(coefficients)
-        plan = best(dims, sparsity, **options)
-        estimate = _end_to_end(plan, attention_share, dense_steps, steps)
-        if as_json:
-            payload = plan.to_dict()
-            if estimate is not None:
-                payload["end_to_end"] = estimate
-            print_json(out, payload)
-            return
-        out.print(plan.explain())
-        if world_size is not None:
-            out.print(rank_table(plan))
-        if estimate is not None:
-            out.print(
-                f"End-to-end estimate: {estimate['speedup']:.2f}x with attention {attention_share:.0%} of the time, "
-                f"{estimate['dense_steps']} of {estimate['steps']} steps dense, attention {plan.predicted_speedup:.2f}x "
-                f"faster ({plan.basis})."
-            )
+    app.command("plan", cls=ListsGpusInHelp)(plan_command)

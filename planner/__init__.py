@@ -1,22 +1,34 @@
 """natsim.planner: choose a GNA configuration for a token layout and a target sparsity, and run it.
 
 `best(shape, target_sparsity, ...)` returns a `Plan`: window, stride and tiles chosen with the simulator and
-a per-GPU cost model of natsim's kernels (planner.costmodel), a report (`plan.explain()`), JSON round-trips,
+a per-GPU cost model of natsim's kernels (planner.cost), a report (`plan.explain()`), JSON round-trips,
 and `plan(q, k, v)` running `natsim.kernels.gna_attention` with exactly those settings.
 `predict_sparse_time(work, ...)` predicts a sparse-kernel call from its prepared work, for ranking block sizes
 and merges of a mask.
 `best_mask(mask, ...)` chooses the granularity (OR-pooling) and query merging that run a predicted mask fastest
-and returns a runnable `MaskPlan` (planner.maskplan).
+and returns a runnable `MaskPlan`.
+
+Rooms: planner.cost (features, cost model, calibration), planner.search (the searches: GNA, masks, several
+GPUs; windows), planner.plans (what a search returns, its report and JSON); planner.catalog, shared by all
+three, says which dtypes, head dims and tiles the kernels run.
 """
 
 from .catalog import TILE_TOKENS, tile_catalog
-from .costmodel import CostModel, cost_model_for, gpu_of
-from .features import FEATURES, feature_matrix, features_of, sweep_features
-from .fit import fit_coefficients
-from .maskplan import MaskCandidate, MaskPlan, best_mask, or_pool
-from .plan import Candidate, Plan
-from .search import TIE_TOLERANCE, best, fastest_first, predicted_times
-from .sparse_features import SPARSE_FEATURES, predict_sparse_time, sparse_features
+from .cost import (
+    FEATURES,
+    SPARSE_FEATURES,
+    CostModel,
+    cost_model_for,
+    feature_matrix,
+    features_of,
+    fit_coefficients,
+    gpu_of,
+    predict_sparse_time,
+    sparse_features,
+    sweep_features,
+)
+from .plans import TIE_TOLERANCE, Candidate, MaskCandidate, MaskPlan, Plan, or_pool
+from .search import best, best_mask, fastest_first, predicted_times
 
 __all__ = [
     "best",

@@ -1,7 +1,7 @@
 """The tile catalog: which Q/KV tile shapes the planner may choose for a layout, head_dim and dtype.
 
 What the GNA kernel can run (dtypes, head dims, tile token counts) and which tile shapes it runs *well*
-(`natsim.kernels.tiles`: boxes of 64 or 128 tokens with power-of-two sides, KV tiles equal to the Q tile or
+(`natsim.kernels.gna.tiles`: boxes of 64 or 128 tokens with power-of-two sides, KV tiles equal to the Q tile or
 half of it) are decided by natsim.kernels and imported from there, not copied: the kernel's own default tiles
 come from the same list. Each tile pair comes in the KV tiling modes asked for (static first, so that a tie
 keeps the static kernel).

@@ -18,7 +18,7 @@ from natsim import end_to_end_speedup
 from natsim.cli import calibrate as calibrate_cli
 from natsim.cli import plan as plan_cli
 from natsim.planner import CostModel, Plan, best
-from natsim.planner.costmodel import user_coefficients_dir
+from natsim.planner.cost import user_coefficients_dir
 
 app = typer.Typer()
 
@@ -170,7 +170,7 @@ def test_calibrate_writes_coefficients_that_plan_reads(monkeypatch, tmp_path):
     import numpy as np
 
     from natsim.planner import FEATURES
-    from natsim.planner import calibrate as calibration
+    from natsim.planner.cost import calibrate as calibration
 
     truth = np.array([COEFFICIENTS[name] for name in FEATURES])
     monkeypatch.setattr(calibration, "gpu_of", lambda device: "Fake GPU")
@@ -193,8 +193,8 @@ def test_calibrate_writes_to_the_user_data_folder_not_into_the_package(monkeypat
     import numpy as np
 
     from natsim.planner import FEATURES
-    from natsim.planner import calibrate as calibration
-    from natsim.planner.costmodel import COEFFICIENTS_DIR
+    from natsim.planner.cost import calibrate as calibration
+    from natsim.planner.cost import COEFFICIENTS_DIR
 
     truth = np.array([COEFFICIENTS[name] for name in FEATURES])
     monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path / "natsim"))

@@ -17,7 +17,7 @@ import natsim.masks
 from natsim.cli.main import app
 from natsim.kernels import SparseMask, sparse_reference
 from natsim.planner import MaskPlan, best_mask, or_pool
-from natsim.planner.maskplan import BLOCKS, token_density
+from natsim.planner.search.mask import BLOCKS, token_density
 
 runner = CliRunner()
 

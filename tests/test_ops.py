@@ -18,8 +18,7 @@ from natsim import planner
 from natsim.kernels import gna_attention, reference_attention
 from natsim.kernels.gna import dispatch, launch
 from natsim.kernels.gna.tiles import default_tiles, tile_pairs
-from natsim.planner.costmodel import CostModel
-from natsim.planner.features import features_of
+from natsim.planner.cost import COEFFICIENTS_DIR, CostModel, features_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ARGS = dict(window=(3, 4, 2), stride=(1, 2, 2), causal=(True, False, False))
@@ -182,7 +181,7 @@ def test_dense_attention_with_default_tiles_runs_over_the_flattened_sequence():
 # Default tiles: as good as the planner's choice for the same window and stride
 
 
-H100 = CostModel.load(planner.costmodel.COEFFICIENTS_DIR / "nvidia-h100-80gb-hbm3.json")
+H100 = CostModel.load(COEFFICIENTS_DIR / "nvidia-h100-80gb-hbm3.json")
 
 
 @pytest.mark.parametrize("shape, window, stride", [

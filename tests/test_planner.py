@@ -33,10 +33,11 @@ from natsim.planner import (
     sweep_features,
     tile_catalog,
 )
-from natsim.planner.calibrate import calibration_cases, case_features
-from natsim.planner.costmodel import describe_gpus, gpu_file_name, gpu_of, known_gpus, user_coefficients_dir
-from natsim.planner.search import choose, stride_candidates
-from natsim.planner.windows import ASPECT_LIMIT, DENSITY_SLACK, attended_pairs_stride1, candidate_windows
+from natsim.planner.cost import describe_gpus, gpu_of, known_gpus, user_coefficients_dir
+from natsim.planner.cost.calibrate import calibration_cases, case_features
+from natsim.planner.cost.files import gpu_file_name
+from natsim.planner.search.gna import choose, stride_candidates
+from natsim.planner.search.windows import ASPECT_LIMIT, DENSITY_SLACK, attended_pairs_stride1, candidate_windows
 
 # Realistic magnitudes for an H100-class GPU (seconds per unit); used as a stand-in cost model and as the
 # "true" coefficients that the calibration fit must recover.
@@ -221,7 +222,7 @@ def test_the_user_coefficient_folder_follows_natsim_data_dir_then_xdg_then_home(
 
 
 def test_the_planner_looks_in_the_user_folder_before_the_shipped_coefficients():
-    from natsim.planner.costmodel import COEFFICIENTS_DIR
+    from natsim.planner.cost import COEFFICIENTS_DIR
 
     shipped = cost_model_for(H100)
     assert shipped is not None and shipped == CostModel.load(COEFFICIENTS_DIR / gpu_file_name(H100))
@@ -433,7 +434,7 @@ def test_calibration_cases_run_on_catalog_tiles():
 
 def test_calibrate_times_every_case_and_fits_them(monkeypatch):
     """The calibration flow with the GPU timing replaced by times from known coefficients."""
-    from natsim.planner import calibrate as calibration
+    from natsim.planner.cost import calibrate as calibration
 
     truth = np.array([COEFFICIENTS[name] for name in FEATURES])
     timed = []
@@ -459,7 +460,7 @@ def test_calibrate_times_every_case_and_fits_them(monkeypatch):
 
 def test_calibrate_leaves_host_bound_cases_out_of_the_fit(monkeypatch):
     """Cases whose calls take the host's time (a floor, not GPU work plus overhead) must not bend the fit."""
-    from natsim.planner import calibrate as calibration
+    from natsim.planner.cost import calibrate as calibration
 
     truth = np.array([COEFFICIENTS[name] for name in FEATURES])
     cases = calibration_cases()
@@ -481,7 +482,7 @@ def test_calibrate_leaves_host_bound_cases_out_of_the_fit(monkeypatch):
 
 
 def test_calibrate_refuses_a_gpu_where_every_case_is_host_bound(monkeypatch):
-    from natsim.planner import calibrate as calibration
+    from natsim.planner.cost import calibrate as calibration
 
     monkeypatch.setattr(calibration, "gpu_of", lambda device: "Fake GPU")
     monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: 0.5 * calibration.HOST_BOUND_S)
@@ -492,7 +493,7 @@ def test_calibrate_refuses_a_gpu_where_every_case_is_host_bound(monkeypatch):
 
 def test_shipped_coefficient_files_load():
     """Every coefficients file natsim ships names exactly the current features (a format drift fails here)."""
-    from natsim.planner.costmodel import COEFFICIENTS_DIR
+    from natsim.planner.cost import COEFFICIENTS_DIR
 
     files = sorted(COEFFICIENTS_DIR.glob("*.json"))
     assert files, "natsim ships at least the H100 coefficients"
@@ -570,7 +571,7 @@ def test_a_dynamic_plan_runs_the_dynamic_kernel():
 
 
 def test_calibration_marks_the_dynamic_mode_once_its_cases_are_fitted(monkeypatch):
-    from natsim.planner import calibrate as calibration
+    from natsim.planner.cost import calibrate as calibration
 
     truth = np.array([COEFFICIENTS[name] for name in FEATURES])
     cases = calibration_cases()

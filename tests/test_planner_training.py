@@ -22,15 +22,15 @@ from natsim.kernels.gna.backward import DEFAULT_VARIANT, backward_tiles
 from natsim.kernels.gna.launch import dense_as_1d, needs_mask
 from natsim.kernels.gna.layout import TileLayout
 from natsim.planner import CostModel, Plan, best, predicted_times
-from natsim.planner import calibrate as calibration
-from natsim.planner.backward_features import (
+from natsim.planner.cost import COEFFICIENTS_DIR
+from natsim.planner.cost import calibrate as calibration
+from natsim.planner.cost.backward_features import (
     BACKWARD_FEATURES,
     FORWARD_TILE_PRODUCTS,
     backward_features,
     backward_work,
 )
-from natsim.planner.costmodel import COEFFICIENTS_DIR
-from natsim.planner.search import stride_candidates
+from natsim.planner.search.gna import stride_candidates
 
 FORWARD = {  # the forward's coefficients of an H100-like GPU (seconds per unit)
     "full_flops": 1 / 550e12, "masked_flops": 1 / 300e12, "narrow_q_flops": 1 / 4000e12,

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from natsim.cli import calibrate as calibrate_cli
 from natsim.kernels import prepare_sparse
 from natsim.planner import FEATURES, SPARSE_FEATURES, CostModel, fit_coefficients, predict_sparse_time, sparse_features
-from natsim.planner import calibrate as calibration
-from natsim.planner.calibrate import (
+from natsim.planner.cost import calibrate as calibration
+from natsim.planner.cost.calibrate import (
     GNA_SEQ_LEN,
     HOST_BOUND_S,
     sparse_calibration_cases,
@@ -251,7 +251,7 @@ def test_a_file_without_a_sparse_section_loads_and_says_it_cannot_predict_sparse
 
 
 def test_the_shipped_h100_file_still_loads():
-    from natsim.planner.costmodel import COEFFICIENTS_DIR
+    from natsim.planner.cost import COEFFICIENTS_DIR
 
     assert CostModel.load(COEFFICIENTS_DIR / "nvidia-h100-80gb-hbm3.json").gpu == "NVIDIA H100 80GB HBM3"
 

@@ -35,7 +35,7 @@ TILE_TOKENS: dict[int, tuple[tuple[int, int], ...]] = {
     128: ((128, 128), (128, 64), (64, 64)),
 }
 
-# Relative costs of the kernel's work, from its H100 calibration (planner/coefficients/nvidia-h100-80gb-hbm3.json,
+# Relative costs of the kernel's work, from its H100 calibration (planner/cost/coefficients/nvidia-h100-80gb-hbm3.json,
 # 2026-11-23: 1.78e-15 s per full-tile FLOP, 2.16e-15 s per masked-tile FLOP, 0.12e-15 s more per FLOP in tiles
 # of fewer than 128 keys, 0.069 ns per KV tile visit and 31 ns per program, per head), in units of one
 # full-tile FLOP. Ratios, not times: they only rank tile shapes.

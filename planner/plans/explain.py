@@ -1,19 +1,67 @@
-"""The plan report: the choice, how it was ranked, why it won, and the runners-up, as rich renderables."""
+"""The plan report: the choice, how it was ranked, why it won, and the runners-up, as rich renderables.
+
+`Plan.explain()` calls `explain_plan(self)`, so this module cannot import the plan's: it reads a plan through
+`ExplainedPlan`, the plan's attributes that the report uses.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Mapping, Optional, Protocol
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .backward_features import FORWARD_TILE_PRODUCTS
-from .costmodel import describe_gpus, known_gpus
+from natsim import Problem, SimResult, TileConfig
 
-if TYPE_CHECKING:
-    from .plan import Candidate, Plan
+from ..cost.backward_features import FORWARD_TILE_PRODUCTS
+from ..cost.files import known_gpus
+from ..cost.gpus import describe_gpus
+from .candidates import Candidate, Search
+
+
+class ExplainedPlan(Protocol):
+    """What the report reads of a GNA plan (planner.plans.plan.Plan has it all)."""
+
+    @property
+    def problem(self) -> Problem: ...
+    @property
+    def tiles(self) -> TileConfig: ...
+    @property
+    def simulation(self) -> SimResult: ...
+    @property
+    def target_sparsity(self) -> float: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def heads(self) -> Optional[int]: ...
+    @property
+    def gpu(self) -> Optional[str]: ...
+    @property
+    def training(self) -> bool: ...
+    @property
+    def calibrated(self) -> bool: ...
+    @property
+    def score(self) -> float: ...
+    @property
+    def forward_score(self) -> float: ...
+    @property
+    def backward_score(self) -> Optional[float]: ...
+    @property
+    def predicted_time_s(self) -> Optional[float]: ...
+    @property
+    def predicted_speedup(self) -> float: ...
+    @property
+    def backward_tiles(self) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]: ...
+    @property
+    def breakdown(self) -> Mapping[str, float]: ...
+    @property
+    def runners_up(self) -> tuple[Candidate, ...]: ...
+    @property
+    def search(self) -> Search: ...
 
 
 def _dims(values) -> str:
@@ -24,7 +72,7 @@ def _product(values) -> int:
     return math.prod(int(v) for v in values)
 
 
-def _score(plan: "Plan", value: float) -> str:
+def _score(plan: ExplainedPlan, value: float) -> str:
     if plan.calibrated:
         return f"{value * 1e3:.4g} ms"
     return f"{value:.4g} pairs"
@@ -34,7 +82,7 @@ def _kv_tiling(mode: str) -> str:
     return "dynamic (box per Q tile)" if mode == "dynamic" else "static (fixed grid)"
 
 
-def _choice_table(plan: "Plan") -> Table:
+def _choice_table(plan: ExplainedPlan) -> Table:
     sim, problem = plan.simulation, plan.problem
     table = Table(title=f"GNA plan for shape {_dims(problem.shape)}", title_justify="left", show_header=False)
     table.add_column("setting")
@@ -71,7 +119,7 @@ def _choice_table(plan: "Plan") -> Table:
     return table
 
 
-def _training_basis(plan: "Plan") -> Text:
+def _training_basis(plan: ExplainedPlan) -> Text:
     if plan.calibrated:
         return Text(f"Ranked for training by forward + backward time: the cost model fitted on {plan.gpu}, its "
                     "backward coefficients for the backward kernels (their own tiles, in place).")
@@ -86,7 +134,7 @@ def _training_basis(plan: "Plan") -> Text:
     )
 
 
-def _basis(plan: "Plan") -> Text:
+def _basis(plan: ExplainedPlan) -> Text:
     if plan.training:
         return _training_basis(plan)
     if plan.calibrated:
@@ -115,7 +163,7 @@ def _basis(plan: "Plan") -> Text:
     )
 
 
-def _same(candidate: "Candidate", plan: "Plan") -> bool:
+def _same(candidate: Candidate, plan: ExplainedPlan) -> bool:
     return (
         candidate.window == plan.problem.window
         and candidate.stride == plan.problem.stride
@@ -125,7 +173,7 @@ def _same(candidate: "Candidate", plan: "Plan") -> bool:
     )
 
 
-def _reasons(plan: "Plan") -> list[str]:
+def _reasons(plan: ExplainedPlan) -> list[str]:
     search, sim = plan.search, plan.simulation
     reasons = []
     if search.window_given:
@@ -162,7 +210,7 @@ def _reasons(plan: "Plan") -> list[str]:
     return reasons
 
 
-def _runners_up(plan: "Plan") -> Table:
+def _runners_up(plan: ExplainedPlan) -> Table:
     table = Table(title="runners-up: the best of each other window, and stride 1", title_justify="left")
     for name in ("window", "stride", "Q tile", "KV tile", "KV tiling", "score", "vs plan", "tile speedup",
                  "block-sparse"):
@@ -182,7 +230,7 @@ def _runners_up(plan: "Plan") -> Table:
     return table
 
 
-def _breakdown(plan: "Plan") -> Table:
+def _breakdown(plan: ExplainedPlan) -> Table:
     table = Table(title="predicted time by feature", title_justify="left")
     table.add_column("feature")
     table.add_column("ms", justify="right")
@@ -191,7 +239,7 @@ def _breakdown(plan: "Plan") -> Table:
     return table
 
 
-def explain_plan(plan: "Plan") -> Group:
+def explain_plan(plan: ExplainedPlan) -> Group:
     """The report of `plan.explain()`."""
     parts = [_choice_table(plan), _basis(plan), Text("Why:")]
     parts += [Text(f"  - {reason}") for reason in _reasons(plan)]

@@ -1,6 +1,6 @@
 """The cost model's features for the GNA backward pass, from the simulator's KV-major counts.
 
-The backward (natsim.kernels.gna_backward, through `natsim::gna_backward`) runs on tiles of its own,
+The backward (natsim.kernels.gna.backward, through `natsim::gna_backward`) runs on tiles of its own,
 `backward_tiles(problem, head_dim)`, whatever tiles the forward ran: dense attention as 1-D over the flattened
 layout (`dense_as_1d`), as the forward does. It reads and writes the caller's layout in place: the delta pass,
 the dK/dV kernel (one program per KV tile over the Q tiles that visit it), and the dQ kernel on the mirrored
@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -35,9 +35,6 @@ from natsim.kernels.gna.backward import DEFAULT_VARIANT, DKDV_PRODUCTS, DQ_PRODU
 from natsim.kernels.gna.launch import dense_as_1d, needs_mask
 
 from .features import padded_tokens
-
-if TYPE_CHECKING:
-    from .costmodel import CostModel
 
 BACKWARD_FEATURES = ("full_flops", "masked_flops", "pair_visits", "programs", "memory_bytes", "launch")
 FORWARD_TILE_PRODUCTS = 2  # QK^T and PV per visited pair in the forward kernel
@@ -152,34 +149,3 @@ def backward_tile_work(work: BackwardWork) -> float:
     forward's)."""
     products = sum(visited * count for visited, _, _, count in kernel_pairs(work))
     return products * work.q_tokens * work.kv_tokens / FORWARD_TILE_PRODUCTS
-
-
-def backward_score(problem: Problem, cost_model: Optional["CostModel"], *, batch_heads: int, head_dim: int,
-                   element_bytes: int) -> float:
-    """One backward call of `problem` in the planner's unit: predicted seconds under `cost_model`'s backward
-    coefficients, or without a cost model `backward_tile_work` (one head, as the forward's tile work)."""
-    work = backward_work(problem, head_dim)
-    if cost_model is None:
-        return backward_tile_work(work)
-    features = backward_features(work, batch_heads=batch_heads, head_dim=head_dim, element_bytes=element_bytes)
-    return float(cost_model.predict_backward(features))
-
-
-def backward_scores(shape: tuple[int, ...], causal: tuple[bool, ...], windows: Sequence[tuple[int, ...]],
-                    window_index: np.ndarray, strides: np.ndarray, cost_model: Optional["CostModel"],
-                    **call) -> np.ndarray:
-    """`backward_score` per sweep row (`windows[window_index[i]]`, `strides[i]`): the backward runs its own
-    tiles, so rows that differ only in the forward's tiles share one score; `call` is batch_heads, head_dim,
-    element_bytes."""
-    keys = [(int(w), tuple(int(s) for s in stride)) for w, stride in zip(window_index, strides)]
-    scores = {key: backward_score(Problem(shape, windows[key[0]], key[1], causal=causal), cost_model, **call)
-              for key in dict.fromkeys(keys)}
-    return np.array([scores[key] for key in keys], np.float64)
-
-
-def backward_breakdown(problem: Problem, cost_model: "CostModel", **call) -> dict[str, float]:
-    """Predicted seconds of one backward call of `problem` per feature, named `backward_<feature>` (beside the
-    forward's in `Plan.breakdown`); `call` is batch_heads, head_dim, element_bytes."""
-    work = backward_work(problem, call["head_dim"])
-    row = backward_features(work, **call)
-    return {f"backward_{name}": seconds for name, seconds in cost_model.backward_breakdown(row).items()}

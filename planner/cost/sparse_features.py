@@ -15,7 +15,7 @@ heads 1 broadcasts, so its work items count once per batch element or head):
 | `launch` | call | 1: launch and host overhead per call |
 
 Tiles are whole: a masked tile counts in full however few of its keys are real, since the kernel computes
-all of them. The features are linear in the work, so predicted time is one dot product (planner.costmodel).
+all of them. The features are linear in the work, so predicted time is one dot product (planner.cost.model).
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ import torch
 
 if TYPE_CHECKING:
     from natsim.kernels import SparseWork
-
-    from .costmodel import CostModel
 
 SPARSE_FEATURES = ("full_flops", "masked_flops", "gathered_flops", "narrow_flops", "tiles", "programs", "launch")
 WIDE_TILE = 128  # queries: programs with fewer pay `narrow_flops`
@@ -65,9 +63,3 @@ def sparse_features(work: "SparseWork", batch: int, heads: int, head_dim: int) -
         float(lengths.numel() * copies),
         1.0,
     ])
-
-
-def predict_sparse_time(work: "SparseWork", batch: int, heads: int, head_dim: int, cost_model: "CostModel") -> float:
-    """Predicted seconds of one sparse-kernel call of `work` on `[batch, N, heads, head_dim]` tensors under
-    `cost_model`'s sparse coefficients: how a mask planner ranks block sizes and merges before running any."""
-    return float(cost_model.predict_sparse(sparse_features(work, batch, heads, head_dim)))

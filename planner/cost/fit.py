@@ -48,7 +48,7 @@ def fit_coefficients(
     """Coefficients (seconds per unit, by feature name) that best explain `times` from `features`.
 
     `features` is `(n, len(names))`, columns in `names` order: the GNA kernel's FEATURES
-    (planner.features.feature_matrix) unless told otherwise (the sparse kernel's SPARSE_FEATURES);
+    (planner.cost.features.feature_matrix) unless told otherwise (the sparse kernel's SPARSE_FEATURES);
     `times` the `n` measured seconds.
     """
     names = tuple(names)

@@ -8,17 +8,17 @@ work, and a call shorter than the Python and launch overhead on the host (0.4 to
 H100 machine, varying from run to run) takes the host's time instead, max(host, GPU) rather than a sum.
 Such host-bound measurements (under HOST_BOUND_S) are left out of the fit; a faster GPU may produce some.
 Features come from the simulator (CPU); times from `time_case` (permutation included, as plans run it);
-the fit is `planner.fit.fit_coefficients`, a pure function tested on CPU against known coefficients.
+the fit is `planner.cost.fit.fit_coefficients`, a pure function tested on CPU against known coefficients.
 
 The sparse kernel (natsim.kernels.sparse) gets a set of its own (`sparse_calibration_cases`) and a second
-coefficient set (planner.sparse_features): block masks at the granularities a mask planner chooses between
+coefficient set (planner.cost.sparse_features): block masks at the granularities a mask planner chooses between
 (128x128, 128x16, 64x64, 64x128, 32x32, 16x16), merged by XOR, consecutively or not at all, on 16k to 35k tokens
 with the same 24 heads. Their features come from the prepared work (`prepare_sparse` on the CPU, with the
 GPU's program tiles), their times from `time_sparse_case`, the same host-bound rule and the same fit.
 
 The GNA backward pass (`natsim::gna_backward`: delta pass, dK/dV and dQ kernels in place, on the backward's
 own tiles) gets a third set (`backward_calibration_cases`, BACKWARD_CASES) and coefficients
-(planner.backward_features): masked, block-sparse, dense, causal and dilated problems in 1-D, 2-D and 3-D on 16k
+(planner.cost.backward_features): masked, block-sparse, dense, causal and dilated problems in 1-D, 2-D and 3-D on 16k
 to 33k tokens, 24 heads. Calibrating it without 'gna' (`kernels=("backward",)`) extends this GPU's stored cost
 model instead of refitting the forward: the quick way to add backward coefficients to a shipped file.
 """
@@ -41,11 +41,13 @@ from natsim.kernels.common.launch import has_tensor_descriptors
 from natsim.kernels.gna.launch import permutes
 from natsim.kernels.sparse.work import default_blocks, prepare_sparse
 
-from .catalog import as_dtype, dtype_name, element_bytes
+from ..catalog import as_dtype, dtype_name, element_bytes
 from .backward_features import BACKWARD_FEATURES, backward_features, backward_work
-from .costmodel import CostModel, cost_model_for, gpu_file_name, gpu_of, user_coefficients_dir
 from .features import FEATURES, features_of
+from .files import cost_model_for, gpu_file_name, user_coefficients_dir
 from .fit import fit_coefficients, relative_errors
+from .gpus import gpu_of
+from .model import CostModel
 from .sparse_features import SPARSE_FEATURES
 from .sparse_features import sparse_features as work_features
 
@@ -562,5 +564,5 @@ def calibrate(
 
 def default_path(gpu: str) -> Path:
     """Where `natsim calibrate` writes `gpu`'s coefficients unless told otherwise: the user's coefficient
-    folder (costmodel.user_coefficients_dir), where the planner looks before natsim's shipped files."""
+    folder (planner.cost.files.user_coefficients_dir), where the planner looks before natsim's shipped files."""
     return user_coefficients_dir() / gpu_file_name(gpu)

@@ -1,24 +1,16 @@
-"""`best_mask(mask, ...)`: choose the block granularity and query merging that run a predicted mask fastest.
+"""`MaskPlan`: the block granularity and query merging chosen for a predicted mask, and a way to run it.
 
 A content-adaptive predictor (natsim.masks: topp, sparge, hierarchical, or a GNA window) gives a block mask at
 its finest granularity, say 16 x 16 tokens. The sparse kernel can run it there, or OR-pooled to coarser blocks
-(32, 64, 128 tokens along queries and keys): fewer, larger blocks mean less per-block overhead but more work,
-since a coarse block is attended when any of its fine blocks is. OR-pooling only adds blocks, never drops one
-the predictor kept, so every candidate computes at least what was asked for. Small query blocks can also be
-merged into 128-query programs (`natsim.merge`: consecutive, or FG-Attn's XOR greedy), which gives back part
-of their sparsity for wider matrix products.
+(`or_pool`: 32, 64, 128 tokens along queries and keys; a coarse block is attended when any of its fine blocks
+is, so pooling never drops a block the predictor kept), with small query blocks merged into 128-query programs
+or not (`natsim.merge`: consecutive, or FG-Attn's XOR greedy). `best_mask` (planner.search.mask) scores those
+ways and returns the fastest as a `MaskPlan`, with every candidate it scored (`MaskCandidate`).
 
-Each candidate (query block, KV block, merge) is prepared exactly as the kernel would run it
-(`natsim.kernels.prepare_sparse` with the GPU's program tiles; for "xor" that runs `natsim.merge`), counted
-with planner.sparse_features and scored by the cost model's sparse coefficients (`predict_sparse_time`), or,
-without coefficients for the GPU, by the token pairs the kernel computes (tile work). The winner is the best
-score, except that a candidate within TIE_TOLERANCE of it that needs less host work (no merge before
-consecutive before xor, then coarser blocks) is preferred: the host's merge time is not in the kernel model.
-
-The result is a `MaskPlan`: plain data that round-trips through JSON (the mask itself is not stored there),
-`explain()`, and `plan(q, k, v)` / `plan(q, k, v, mask=fine_mask)` running `sparse_attention` at the chosen
-granularity and merge. A plan made for one mask serves the next masks of the same layer and shape (the next
-diffusion steps), which is how the diffusers example uses it.
+A mask plan is plain data that round-trips through JSON (the mask itself is not stored there), `explain()`, and
+`plan(q, k, v)` / `plan(q, k, v, mask=fine_mask)` running `sparse_attention` at the chosen granularity and
+merge. A plan made for one mask serves the next masks of the same layer and shape (the next diffusion steps),
+which is how the diffusers example uses it.
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -34,29 +26,22 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from natsim import merge as natsim_merge
 from natsim.kernels import SparseMask, SparseWork, prepare_sparse, sparse_attention
 from natsim.kernels.common.backend import runs_eagerly, use_triton
-from natsim.kernels.sparse.checks import SPARSE_HEAD_DIMS
 from natsim.kernels.sparse.mask import check_block, check_dense_mask, check_seq_len
-from natsim.kernels.sparse.work import MIN_Q_BLOCK, default_blocks
+from natsim.kernels.sparse.work import MIN_Q_BLOCK
 
-from .catalog import as_dtype, dtype_name
-from .costmodel import CostModel, cost_model_for, gpu_of
-from .plan import BASIS_COST_MODEL, BASIS_TILES
-from .search import TIE_TOLERANCE
-from .sparse_features import SPARSE_FEATURES, sparse_features
+from ..catalog import as_dtype
+from .ranking import BASIS_COST_MODEL, TIE_TOLERANCE
+from .reading import check_basis, check_record, parse_json, required_keys
 
 FORMAT = "natsim-mask-plan/1"
-BLOCKS = (16, 32, 64, 128)  # the granularities scored (those at least the mask's own)
 MERGES = ("none", "consecutive", "xor")  # "none" is sparse_attention's merge=None
-DENSE_BLOCK = 128  # the dense reference: every 128 x 128 block, one query block per program
-_GPU = torch.device("cuda")  # program tiles are the GPU's, whatever device plans (default_blocks reads the type)
 
 MaskLike = Union[torch.Tensor, SparseMask, np.ndarray]
 
 
-# -- OR-pooling ---------------------------------------------------------------------------------------------------
+# -- the masks a plan takes: checked in any of their forms, OR-pooled to its blocks ------------------------------
 
 
 def or_pool(mask: torch.Tensor, q_factor: int, kv_factor: int) -> torch.Tensor:
@@ -78,8 +63,29 @@ def or_pool(mask: torch.Tensor, q_factor: int, kv_factor: int) -> torch.Tensor:
     return padded.view(batch, heads, rows, q_factor, cols, kv_factor).any(5).any(3)
 
 
-def _ratio(dense: float, score: float) -> float:
-    return dense / score if score > 0 else math.inf
+def fine_mask(mask: MaskLike, q_block: Optional[int], kv_block: Optional[int], seq_len: Optional[int]) -> torch.Tensor:
+    """The boolean `[B|1, H|1, nQ, nKV]` tensor of a mask given as a tensor, numpy array or SparseMask, checked
+    against its blocks and N."""
+    if isinstance(mask, SparseMask):
+        for name, given, own in (("q_block", q_block, mask.q_block), ("kv_block", kv_block, mask.kv_block),
+                                 ("seq_len", seq_len, mask.seq_len)):
+            if given is not None and given != own:
+                raise ValueError(f"{name} must match the SparseMask's {name}={own}, got {name}={given}.")
+        return mask.to_dense()
+    if isinstance(mask, np.ndarray):
+        if mask.dtype != np.bool_:
+            raise ValueError(f"mask must be a boolean array, got {_describe(mask)}.")
+        mask = torch.from_numpy(mask)
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a boolean torch.Tensor, numpy array or SparseMask, got {_describe(mask)}.")
+    if q_block is None or kv_block is None or seq_len is None:
+        raise ValueError(
+            "q_block, kv_block and seq_len must be given with a mask tensor or array (tokens per mask row and "
+            f"column, and N), got q_block={q_block}, kv_block={kv_block}, seq_len={seq_len}."
+        )
+    q_block, kv_block = check_block("q_block", q_block, MIN_Q_BLOCK), check_block("kv_block", kv_block)
+    seq_len = check_seq_len(seq_len)
+    return check_dense_mask(mask, -(-seq_len // q_block), -(-seq_len // kv_block))
 
 
 def _describe(value) -> str:
@@ -88,18 +94,11 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def token_density(mask: torch.Tensor, q_block: int, kv_block: int, seq_len: int) -> float:
-    """The share of (query, key) token pairs a block mask attends, averaged over its batch and heads (the last
-    partial blocks count their real tokens only)."""
-    def lengths(block: int, count: int) -> torch.Tensor:
-        return (seq_len - torch.arange(count, device=mask.device) * block).clamp(max=block).to(torch.float64)
-
-    q_len, kv_len = lengths(q_block, mask.shape[2]), lengths(kv_block, mask.shape[3])
-    pairs = (mask.to(torch.float64) @ kv_len) @ q_len  # [B, H]
-    return float(pairs.mean()) / (seq_len * seq_len)
-
-
 # -- what a plan holds --------------------------------------------------------------------------------------------
+
+
+def _ratio(dense: float, score: float) -> float:
+    return dense / score if score > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -136,15 +135,13 @@ class MaskCandidate:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "MaskCandidate":
-        try:
+        with required_keys("a mask-plan candidate"):
             return cls(
                 q_block=int(data["q_block"]), kv_block=int(data["kv_block"]), merge=str(data["merge"]),
                 block_m=int(data["block_m"]), block_n=int(data["block_n"]), density=float(data["density"]),
                 work=float(data["work"]), tiles=int(data["tiles"]), programs=int(data["programs"]),
                 score=float(data["score"]), merge_s=float(data["merge_s"]),
             )
-        except KeyError as error:
-            raise ValueError(f"a mask-plan candidate must have the key {error.args[0]!r}, which is missing.") from None
 
 
 @dataclass(frozen=True)
@@ -224,7 +221,7 @@ class MaskPlan:
     def pool(self, mask: MaskLike) -> torch.Tensor:
         """A mask at the plan's fine blocks (bool `[B|1, H|1, ceil(N / fine_q_block), ceil(N / fine_kv_block)]`,
         a SparseMask with those blocks, or a numpy array), OR-pooled to the blocks the plan runs."""
-        dense = _fine_mask(mask, self.fine_q_block, self.fine_kv_block, self.seq_len)
+        dense = fine_mask(mask, self.fine_q_block, self.fine_kv_block, self.seq_len)
         return or_pool(dense, self.q_block // self.fine_q_block, self.kv_block // self.fine_kv_block)
 
     def with_mask(self, mask: MaskLike) -> "MaskPlan":
@@ -347,17 +344,11 @@ class MaskPlan:
     @classmethod
     def from_dict(cls, data: Mapping) -> "MaskPlan":
         """Rebuild a plan from `to_dict` output (without a mask: pass one when calling it)."""
-        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
-            got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
-            raise ValueError(f"a mask plan must be a JSON object with format {FORMAT!r}, got {got!r}.")
         ints = ("seq_len", "fine_q_block", "fine_kv_block", "q_block", "kv_block", "batch", "heads", "head_dim")
         floats = ("score", "dense_score", "tie_tolerance")
-        missing = [k for k in (*ints, *floats, "merge", "dtype", "gpu", "basis", "breakdown", "candidates")
-                   if k not in data]
-        if missing:
-            raise ValueError(f"a mask plan must have the keys {', '.join(map(repr, missing))}, which are missing.")
-        if data["basis"] not in (BASIS_COST_MODEL, BASIS_TILES):
-            raise ValueError(f"basis must be {BASIS_COST_MODEL!r} or {BASIS_TILES!r}, got basis={data['basis']!r}.")
+        keys = (*ints, *floats, "merge", "dtype", "gpu", "basis", "breakdown", "candidates")
+        check_record(data, "a mask plan", FORMAT, keys, "MaskPlan.to_dict")
+        check_basis(data["basis"])
         if data["merge"] not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got merge={data['merge']!r}.")
         plan = cls(
@@ -374,179 +365,6 @@ class MaskPlan:
 
     @classmethod
     def from_json(cls, text: str) -> "MaskPlan":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"MaskPlan.from_json expects a mask-plan JSON document (format {FORMAT!r}), but parsing failed at "
-                f"line {error.lineno}, column {error.colno}: {error.msg}."
-            ) from None
-        return cls.from_dict(data)
-
-
-# -- the search ---------------------------------------------------------------------------------------------------
-
-
-def _fine_mask(mask: MaskLike, q_block: Optional[int], kv_block: Optional[int], seq_len: Optional[int]) -> torch.Tensor:
-    """The boolean `[B|1, H|1, nQ, nKV]` tensor of a mask given as a tensor, numpy array or SparseMask, checked
-    against its blocks and N."""
-    if isinstance(mask, SparseMask):
-        for name, given, own in (("q_block", q_block, mask.q_block), ("kv_block", kv_block, mask.kv_block),
-                                 ("seq_len", seq_len, mask.seq_len)):
-            if given is not None and given != own:
-                raise ValueError(f"{name} must match the SparseMask's {name}={own}, got {name}={given}.")
-        return mask.to_dense()
-    if isinstance(mask, np.ndarray):
-        if mask.dtype != np.bool_:
-            raise ValueError(f"mask must be a boolean array, got {_describe(mask)}.")
-        mask = torch.from_numpy(mask)
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a boolean torch.Tensor, numpy array or SparseMask, got {_describe(mask)}.")
-    if q_block is None or kv_block is None or seq_len is None:
-        raise ValueError(
-            "q_block, kv_block and seq_len must be given with a mask tensor or array (tokens per mask row and "
-            f"column, and N), got q_block={q_block}, kv_block={kv_block}, seq_len={seq_len}."
-        )
-    q_block, kv_block = check_block("q_block", q_block, MIN_Q_BLOCK), check_block("kv_block", kv_block)
-    seq_len = check_seq_len(seq_len)
-    return check_dense_mask(mask, -(-seq_len // q_block), -(-seq_len // kv_block))
-
-
-def _positive(name: str, value, default: int) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}.")
-    return int(value)
-
-
-def _blocks(name: str, values: Optional[Sequence[int]], finest: int) -> tuple[int, ...]:
-    """The granularities to score along one axis: `values`, or by default the mask's own block and those of
-    BLOCKS above it (each a power of two from the mask's block to 128)."""
-    allowed = tuple(sorted({finest, *(b for b in BLOCKS if b > finest)}))
-    chosen = allowed if values is None else tuple(values)
-    bad = [b for b in chosen if isinstance(b, bool) or b not in allowed]
-    if bad or not chosen:
-        raise ValueError(
-            f"{name} must be a non-empty subset of {allowed} (the mask's block {finest} and coarser ones up to "
-            f"{BLOCKS[-1]}), got {name}={tuple(chosen)!r}."
-        )
-    return tuple(sorted(set(int(b) for b in chosen)))
-
-
-def _candidate(dense: torch.Tensor, q_block: int, kv_block: int, merge: str, seq_len: int, batch: int,
-               heads: int, head_dim: int, cost_model: Optional[CostModel]) -> tuple[MaskCandidate, np.ndarray]:
-    kernel_merge = None if merge == "none" else merge
-    block_m, block_n = default_blocks(q_block, kv_block, kernel_merge, _GPU)
-    work: SparseWork = prepare_sparse(dense, q_block, kv_block, seq_len, merge=kernel_merge, block_m=block_m,
-                                      block_n=block_n)
-    row = sparse_features(work, batch, heads, head_dim)
-    tiles = row[SPARSE_FEATURES.index("tiles")]
-    pairs = tiles * block_m * block_n  # the call's computed token pairs
-    score = float(cost_model.predict_sparse(row)) if cost_model is not None else float(pairs)
-    return MaskCandidate(
-        q_block=q_block, kv_block=kv_block, merge=merge, block_m=block_m, block_n=block_n,
-        density=token_density(dense, q_block, kv_block, seq_len),
-        work=float(pairs) / (batch * heads * seq_len * seq_len), tiles=int(tiles),
-        programs=int(row[SPARSE_FEATURES.index("programs")]), score=score,
-        merge_s=work.merge_seconds if merge == "xor" else 0.0,
-    ), row
-
-
-def _preference(c: MaskCandidate) -> tuple:
-    """Less host work first: no merge, consecutive, xor; then coarser blocks."""
-    return (MERGES.index(c.merge), -c.q_block * c.kv_block)
-
-
-def best_mask(
-    mask: MaskLike,
-    q_block: Optional[int] = None,
-    kv_block: Optional[int] = None,
-    seq_len: Optional[int] = None,
-    *,
-    heads: Optional[int] = None,
-    batch: Optional[int] = None,
-    head_dim: int = 128,
-    dtype: Union[torch.dtype, str] = torch.bfloat16,
-    device: Union[None, str, torch.device] = None,
-    cost_model: Optional[CostModel] = None,
-    q_blocks: Optional[Sequence[int]] = None,
-    kv_blocks: Optional[Sequence[int]] = None,
-    merges: Sequence[str] = MERGES,
-    keep_mask: bool = True,
-) -> MaskPlan:
-    """The fastest way to run a predicted block mask with `sparse_attention`: its granularity and merge.
-
-    - `mask`: the predictor's mask at its finest blocks: a boolean `[B|1, H|1, ceil(N / q_block),
-      ceil(N / kv_block)]` tensor or numpy array (with `q_block`, `kv_block`, `seq_len` = N), or a SparseMask.
-      Planning runs where the mask lives (a CUDA mask plans on the GPU; "xor" merges on the CPU).
-    - `heads`, `batch`: the call's (default: the mask's; a mask dimension of 1 broadcasts). `head_dim` (32, 64,
-      128) and `dtype` (bf16, fp16) describe q, k, v.
-    - `device` picks the GPU whose stored coefficients score the candidates (None: the current CUDA device; a
-      GPU's name or alias such as "h100" plans for it from any machine), unless `cost_model` is given.
-      Without sparse coefficients candidates are ranked by computed token pairs and the plan says so.
-    - `q_blocks`, `kv_blocks`: the granularities to try (default: the mask's own block and 16, 32, 64, 128
-      above it);
-      `merges`: among "none", "consecutive", "xor" (a merge needs query blocks under 128).
-    - `keep_mask`: keep the pooled mask in the plan, so that `plan(q, k, v)` runs it.
-
-    >>> plan = best_mask(topp(q, k, 16, 16, 0.9), 16, 16, q.shape[1], device="h100")   # doctest: +SKIP
-    >>> out = plan(q, k, v)                                                             # doctest: +SKIP
-    """
-    dense = _fine_mask(mask, q_block, kv_block, seq_len)
-    if isinstance(mask, SparseMask):
-        q_block, kv_block, seq_len = mask.q_block, mask.kv_block, mask.seq_len
-    mask_batch, mask_heads = dense.shape[:2]
-    batch = _positive("batch", batch, mask_batch)
-    heads = _positive("heads", heads, mask_heads)
-    if mask_batch not in (1, batch) or mask_heads not in (1, heads):
-        raise ValueError(
-            f"the mask's batch and heads must be 1 or the call's (batch={batch}, heads={heads}), got "
-            f"mask.shape={tuple(dense.shape)}."
-        )
-    if isinstance(head_dim, bool) or head_dim not in SPARSE_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one the sparse kernel runs {SPARSE_HEAD_DIMS}, got head_dim={head_dim!r}.")
-    dtype = as_dtype(dtype)
-    merges = tuple(merges)
-    if not merges or any(m not in MERGES for m in merges):
-        raise ValueError(f"merges must be a non-empty subset of {MERGES}, got merges={merges!r}.")
-    q_options = _blocks("q_blocks", q_blocks, q_block)
-    kv_options = _blocks("kv_blocks", kv_blocks, kv_block)
-    if cost_model is not None and not isinstance(cost_model, CostModel):
-        raise TypeError(f"cost_model must be a natsim.planner.CostModel, got {type(cost_model).__name__}.")
-    gpu = cost_model.gpu if cost_model is not None else gpu_of(device)
-    model = cost_model if cost_model is not None else cost_model_for(gpu)
-    if model is not None and model.sparse_coefficients is None:
-        model = None
-
-    if "xor" in merges:
-        natsim_merge(np.eye(2, dtype=bool), 2, "xor")  # compile natsim.merge first, so merge_s times the merge only
-    scored, rows = [], {}
-    for qb in q_options:
-        for kb in kv_options:
-            coarse = or_pool(dense, qb // q_block, kb // kv_block)
-            for merge in merges:
-                if merge != "none" and qb >= DENSE_BLOCK:
-                    continue  # one 128-query block per program already: a merge changes nothing
-                candidate, row = _candidate(coarse, qb, kb, merge, seq_len, batch, heads, head_dim, model)
-                scored.append(candidate)
-                rows[(qb, kb, merge)] = row
-    if not scored:
-        raise ValueError(f"no candidate to score: merges={merges!r} need query blocks under {DENSE_BLOCK}.")
-    scored.sort(key=lambda c: (c.score, _preference(c)))
-    limit = scored[0].score * (1.0 + TIE_TOLERANCE)
-    winner = min((c for c in scored if c.score <= limit), key=_preference)
-    full = torch.ones((1, 1, -(-seq_len // DENSE_BLOCK), -(-seq_len // DENSE_BLOCK)), dtype=torch.bool,
-                      device=dense.device)
-    dense_candidate, _ = _candidate(full, DENSE_BLOCK, DENSE_BLOCK, "none", seq_len, batch, heads, head_dim, model)
-    breakdown = {}
-    if model is not None:
-        row = rows[(winner.q_block, winner.kv_block, winner.merge)]
-        breakdown = {name: float(row[i] * model.sparse_coefficients[name]) for i, name in enumerate(SPARSE_FEATURES)}
-    return MaskPlan(
-        seq_len=seq_len, fine_q_block=q_block, fine_kv_block=kv_block, q_block=winner.q_block,
-        kv_block=winner.kv_block, merge=winner.merge, batch=batch, heads=heads, head_dim=head_dim,
-        dtype=dtype_name(dtype), gpu=gpu, basis=BASIS_COST_MODEL if model is not None else BASIS_TILES,
-        score=winner.score, dense_score=dense_candidate.score, breakdown=breakdown, candidates=tuple(scored),
-        mask=or_pool(dense, winner.q_block // q_block, winner.kv_block // kv_block) if keep_mask else None,
-    )
+        """Rebuild a plan from `to_json` output (without a mask: pass one when calling it)."""
+        document = f"a mask-plan JSON document (format {FORMAT!r})"
+        return cls.from_dict(parse_json(text, "MaskPlan.from_json", document))

@@ -19,109 +19,14 @@ from natsim import Problem, SimResult, TileConfig, simulate
 from natsim.kernels import gna_attention
 from natsim.simulate import FIGURES
 
-from .catalog import as_dtype
+from ..catalog import as_dtype
+from ..cost.backward_features import backward_work
+from .candidates import Candidate, Search
 from .explain import explain_plan
+from .ranking import BASIS_COST_MODEL
+from .reading import check_basis, check_record, parse_json, required_keys
 
 FORMAT = "natsim-plan/1"
-BASIS_COST_MODEL = "cost model"
-BASIS_TILES = "simulated tiles"
-
-
-def _ints(values) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One scored configuration: its settings, its score and the figures that explain the score.
-
-    `score` is predicted seconds under a cost model, otherwise tile work (token pairs computed, padding
-    and masked pairs included: the sum over visited tiles of Q tokens x KV tokens). In a training plan it is
-    forward + backward, and `backward_score` the backward's part (None otherwise).
-    """
-
-    window: tuple[int, ...]
-    stride: tuple[int, ...]
-    q_tile: tuple[int, ...]
-    kv_tile: tuple[int, ...]
-    score: float
-    sparsity: float
-    tile_speedup: float
-    block_sparse: bool
-    kv_tiling: str = "static"
-    backward_score: Optional[float] = None
-
-    def to_dict(self) -> dict:
-        extra = {} if self.backward_score is None else {"backward_score": self.backward_score}
-        return {
-            "window": list(self.window),
-            "stride": list(self.stride),
-            "q_tile": list(self.q_tile),
-            "kv_tile": list(self.kv_tile),
-            "kv_tiling": self.kv_tiling,
-            "score": self.score,
-            "sparsity": self.sparsity,
-            "tile_speedup": self.tile_speedup,
-            "block_sparse": self.block_sparse,
-            **extra,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> "Candidate":
-        return cls(
-            window=_ints(data["window"]),
-            stride=_ints(data["stride"]),
-            q_tile=_ints(data["q_tile"]),
-            kv_tile=_ints(data["kv_tile"]),
-            score=float(data["score"]),
-            sparsity=float(data["sparsity"]),
-            tile_speedup=float(data["tile_speedup"]),
-            block_sparse=bool(data["block_sparse"]),
-            kv_tiling=str(data.get("kv_tiling", "static")),  # plans written before dynamic KV tiling: static
-            backward_score=None if data.get("backward_score") is None else float(data["backward_score"]),
-        )
-
-
-@dataclass(frozen=True)
-class Search:
-    """How the choice was made: the windows tried, the KV tiling modes scored, how many configurations were
-    scored, and the best-scored configurations, best first (`top[0]` is the best score, which the tie rule
-    may have passed over for a smaller stride); `top` is what a benchmark times to check the cost model."""
-
-    windows: tuple[tuple[int, ...], ...]
-    window_given: bool
-    band: Optional[tuple[float, float]]
-    scored: int
-    top: tuple[Candidate, ...]
-    tie_tolerance: float
-    kv_tilings: tuple[str, ...] = ("static",)
-
-    @property
-    def fastest(self) -> Candidate:
-        return self.top[0]
-
-    def to_dict(self) -> dict:
-        return {
-            "windows": [list(w) for w in self.windows],
-            "window_given": self.window_given,
-            "band": None if self.band is None else list(self.band),
-            "scored": self.scored,
-            "top": [c.to_dict() for c in self.top],
-            "tie_tolerance": self.tie_tolerance,
-            "kv_tilings": list(self.kv_tilings),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping) -> "Search":
-        return cls(
-            windows=tuple(_ints(w) for w in data["windows"]),
-            window_given=bool(data["window_given"]),
-            band=None if data["band"] is None else (float(data["band"][0]), float(data["band"][1])),
-            scored=int(data["scored"]),
-            top=tuple(Candidate.from_dict(c) for c in data["top"]),
-            tie_tolerance=float(data["tie_tolerance"]),
-            kv_tilings=tuple(str(m) for m in data.get("kv_tilings", ("static",))),  # older plans: static only
-        )
 
 
 @dataclass(frozen=True)
@@ -192,8 +97,6 @@ class Plan:
         """(Q tile, KV tile) the backward runs for this plan (training plans), else None."""
         if not self.training:
             return None
-        from .backward_features import backward_work
-
         work = backward_work(self.problem, self.head_dim)
         return work.q_tile, work.kv_tile
 
@@ -277,42 +180,24 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping) -> "Plan":
         """Rebuild a plan from `to_dict` output; its figures are re-simulated (exact and cheap)."""
-        if not isinstance(data, Mapping):
-            raise ValueError(
-                f"a plan must be a JSON object with format {FORMAT!r} (as Plan.to_dict writes it), got a value "
-                f"of type {type(data).__name__}."
-            )
-        if data.get("format") != FORMAT:
-            raise ValueError(f"a plan must have format {FORMAT!r}, got format={data.get('format')!r}.")
         needed = (  # what is read back; the figures that to_dict also writes are re-simulated instead
             "problem", "tiles", "target_sparsity", "head_dim", "dtype", "heads", "gpu", "basis", "score",
             "dense_score", "breakdown", "runners_up", "search",
         )
-        missing = [key for key in needed if key not in data]
-        if missing:
-            keys = ", ".join(repr(key) for key in missing)
-            raise ValueError(
-                f"a plan with format {FORMAT!r} must have the key{'s' if len(missing) > 1 else ''} {keys}, "
-                f"which {'are' if len(missing) > 1 else 'is'} missing."
-            )
-        if data["basis"] not in (BASIS_COST_MODEL, BASIS_TILES):
-            raise ValueError(
-                f"basis must be {BASIS_COST_MODEL!r} or {BASIS_TILES!r}, got basis={data['basis']!r}."
-            )
+        check_record(data, "a plan", FORMAT, needed, "Plan.to_dict")
+        check_basis(data["basis"])
         if data.get("training") and data.get("backward_score") is None:
             raise ValueError("a training plan (training=true) must have a numeric 'backward_score', got None.")
-        section = "problem"
-        try:
+        with required_keys("a plan's 'problem'"):
             p = data["problem"]
             problem = Problem(p["shape"], p["window"], p["stride"], p["dilation"], p["causal"])
-            section, t = "tiles", data["tiles"]
+        with required_keys("a plan's 'tiles'"):
+            t = data["tiles"]
             tiles = TileConfig(t["q_tile"], t["kv_tile"], t["tiling"], t["kv_tiling"])
-            section = "runners_up"
+        with required_keys("a plan's 'runners_up'"):
             runners_up = tuple(Candidate.from_dict(c) for c in data["runners_up"])
-            section = "search"
+        with required_keys("a plan's 'search'"):
             search = Search.from_dict(data["search"])
-        except KeyError as error:
-            raise ValueError(f"a plan's {section!r} must have the key {error.args[0]!r}, which is missing.") from None
         return cls(
             problem=problem,
             tiles=tiles,
@@ -339,11 +224,5 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         """Rebuild a plan from `to_json` output."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"Plan.from_json expects a plan JSON document (format {FORMAT!r}, as written by Plan.to_json), "
-                f"but parsing failed at line {error.lineno}, column {error.colno}: {error.msg}."
-            ) from None
-        return cls.from_dict(data)
+        document = f"a plan JSON document (format {FORMAT!r}, as written by Plan.to_json)"
+        return cls.from_dict(parse_json(text, "Plan.from_json", document))

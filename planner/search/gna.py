@@ -1,12 +1,12 @@
 """`best(shape, target_sparsity)`: choose window, stride and tiles for a token layout, fastest first.
 
-The search (issue 4):
-1. windows: the user's, kept as is, or the candidates of planner.windows (meeting the target, close to it,
+The search:
+1. windows: the user's, kept as is, or the candidates of planner.search.windows (meeting the target, close to it,
    shaped like the layout, aligned to KV tiles first);
 2. per window, strides per dimension from {1, 2, 4, 8, ...} and the window itself (capped by
    `max_stride`) and every tile configuration of the catalog, simulated in bulk with `natsim.sweep`;
 3. scored with the cost model of the GPU at hand (predicted seconds), or without one by tile work; with
-   `training=True` by forward + backward (planner.backward_features), the backward by its own coefficients, or
+   `training=True` by forward + backward (planner.cost.predict), the backward by its own coefficients, or
    by tile work for both where the cost model has none;
 4. among the configurations within TIE_TOLERANCE (2%) of the best score the smallest stride product
    wins: a larger stride gives up translational equivariance, so it must buy more than noise.
@@ -30,14 +30,18 @@ from natsim.kernels.gna.launch import permutes
 from natsim.tiles import KV_TILINGS
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 
-from .catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
-from .costmodel import CostModel, cost_model_for, gpu_of
-from .backward_features import backward_breakdown, backward_score, backward_scores
-from .features import feature_matrix, sweep_features, tile_arrays
-from .plan import BASIS_COST_MODEL, BASIS_TILES, Candidate, Plan, Search
+from ..catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
+from ..cost.features import feature_matrix, sweep_features, tile_arrays
+from ..cost.files import cost_model_for
+from ..cost.gpus import gpu_of
+from ..cost.model import CostModel
+from ..cost.predict import backward_breakdown, backward_score, backward_scores
+from ..plans.candidates import Candidate, Search
+from ..plans.plan import Plan
+from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
+from .parallel import parallel_plan
 from .windows import candidate_windows, window_sparsity
 
-TIE_TOLERANCE = 0.02
 # Plans have no dilation, so on GPUs with tensor descriptors (those with coefficients) the kernel reads q, k, v
 # in place: no permutation (natsim.kernels.gna.launch.permutes).
 PERMUTES = False
@@ -292,8 +296,8 @@ def best(
     configurations (None: the current CUDA device), unless `cost_model` is given. Without coefficients the
     plan ranks by simulated tile work and says so (`plan.basis`, `plan.explain()`). `training` ranks by
     forward + backward time (the backward's own coefficients; without them, forward + backward tile work).
-    `world_size=P`: a `planner.parallel.ParallelPlan` for P ranks sharding frames, which knows its strategy and
-    split.
+    `world_size=P`: a `planner.plans.parallel.ParallelPlan` for P ranks sharding frames (planner.search.parallel),
+    which knows its strategy and split.
 
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
@@ -374,6 +378,4 @@ def best(
     )
     if world_size is None:
         return plan
-    from .parallel import parallel_plan  # several GPUs (issue 11)
-
     return parallel_plan(plan, world_size)

@@ -13,7 +13,7 @@ One row per configuration, one column per feature (batch and heads multiply ever
 | `permute_bytes` | byte | bytes moved by permuting q, k, v and unpermuting the output |
 | `launch` | call | 1: launch and host overhead per call |
 
-The features are linear in the work, so predicted time is one dot product per row (planner.costmodel).
+The features are linear in the work, so predicted time is one dot product per row (planner.cost.model).
 """
 
 from __future__ import annotations

@@ -1,0 +1,107 @@
+"""What a GNA plan records of its search: the scored configurations and how the choice was made.
+
+`Candidate` is one scored (window, stride, tiles, KV tiling) configuration; `Search` the windows tried, how many
+configurations were scored and the best of them. Both are plain data that round-trip through JSON inside a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+
+def _ints(values) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One scored configuration: its settings, its score and the figures that explain the score.
+
+    `score` is predicted seconds under a cost model, otherwise tile work (token pairs computed, padding
+    and masked pairs included: the sum over visited tiles of Q tokens x KV tokens). In a training plan it is
+    forward + backward, and `backward_score` the backward's part (None otherwise).
+    """
+
+    window: tuple[int, ...]
+    stride: tuple[int, ...]
+    q_tile: tuple[int, ...]
+    kv_tile: tuple[int, ...]
+    score: float
+    sparsity: float
+    tile_speedup: float
+    block_sparse: bool
+    kv_tiling: str = "static"
+    backward_score: Optional[float] = None
+
+    def to_dict(self) -> dict:
+        extra = {} if self.backward_score is None else {"backward_score": self.backward_score}
+        return {
+            "window": list(self.window),
+            "stride": list(self.stride),
+            "q_tile": list(self.q_tile),
+            "kv_tile": list(self.kv_tile),
+            "kv_tiling": self.kv_tiling,
+            "score": self.score,
+            "sparsity": self.sparsity,
+            "tile_speedup": self.tile_speedup,
+            "block_sparse": self.block_sparse,
+            **extra,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Candidate":
+        return cls(
+            window=_ints(data["window"]),
+            stride=_ints(data["stride"]),
+            q_tile=_ints(data["q_tile"]),
+            kv_tile=_ints(data["kv_tile"]),
+            score=float(data["score"]),
+            sparsity=float(data["sparsity"]),
+            tile_speedup=float(data["tile_speedup"]),
+            block_sparse=bool(data["block_sparse"]),
+            kv_tiling=str(data.get("kv_tiling", "static")),  # plans written before dynamic KV tiling: static
+            backward_score=None if data.get("backward_score") is None else float(data["backward_score"]),
+        )
+
+
+@dataclass(frozen=True)
+class Search:
+    """How the choice was made: the windows tried, the KV tiling modes scored, how many configurations were
+    scored, and the best-scored configurations, best first (`top[0]` is the best score, which the tie rule
+    may have passed over for a smaller stride); `top` is what a benchmark times to check the cost model."""
+
+    windows: tuple[tuple[int, ...], ...]
+    window_given: bool
+    band: Optional[tuple[float, float]]
+    scored: int
+    top: tuple[Candidate, ...]
+    tie_tolerance: float
+    kv_tilings: tuple[str, ...] = ("static",)
+
+    @property
+    def fastest(self) -> Candidate:
+        return self.top[0]
+
+    def to_dict(self) -> dict:
+        return {
+            "windows": [list(w) for w in self.windows],
+            "window_given": self.window_given,
+            "band": None if self.band is None else list(self.band),
+            "scored": self.scored,
+            "top": [c.to_dict() for c in self.top],
+            "tie_tolerance": self.tie_tolerance,
+            "kv_tilings": list(self.kv_tilings),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Search":
+        return cls(
+            windows=tuple(_ints(w) for w in data["windows"]),
+            window_given=bool(data["window_given"]),
+            band=None if data["band"] is None else (float(data["band"][0]), float(data["band"][1])),
+            scored=int(data["scored"]),
+            top=tuple(Candidate.from_dict(c) for c in data["top"]),
+            tie_tolerance=float(data["tie_tolerance"]),
+            kv_tilings=tuple(str(m) for m in data.get("kv_tilings", ("static",))),  # older plans: static only
+        )

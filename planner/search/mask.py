@@ -1,0 +1,190 @@
+"""`best_mask(mask, ...)`: choose the block granularity and query merging that run a predicted mask fastest.
+
+A predictor's mask can run at its own blocks or OR-pooled to coarser ones (32, 64, 128 tokens along queries
+and keys): fewer, larger blocks mean less per-block overhead but more work, since a coarse block is attended
+when any of its fine blocks is; pooling only adds blocks, so every candidate computes at least what was asked
+for. Small query blocks can also be merged into 128-query programs (`natsim.merge`: consecutive, or FG-Attn's
+XOR greedy), which gives back part of their sparsity for wider matrix products.
+
+Each candidate (query block, KV block, merge) is prepared exactly as the kernel would run it
+(`natsim.kernels.prepare_sparse` with the GPU's program tiles; for "xor" that runs `natsim.merge`), counted
+with planner.cost.sparse_features and scored by the cost model's sparse coefficients (`predict_sparse_time`),
+or, without coefficients for the GPU, by the token pairs the kernel computes (tile work). The winner is the
+best score, except that a candidate within TIE_TOLERANCE of it that needs less host work (no merge before
+consecutive before xor, then coarser blocks) is preferred: the host's merge time is not in the kernel model.
+The result is a `MaskPlan` (planner.plans.mask).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from natsim import merge as natsim_merge
+from natsim.kernels import SparseMask, SparseWork, prepare_sparse
+from natsim.kernels.sparse.checks import SPARSE_HEAD_DIMS
+from natsim.kernels.sparse.work import default_blocks
+
+from ..catalog import as_dtype, dtype_name
+from ..cost.files import cost_model_for
+from ..cost.gpus import gpu_of
+from ..cost.model import CostModel
+from ..cost.sparse_features import SPARSE_FEATURES, sparse_features
+from ..plans.mask import MERGES, MaskCandidate, MaskLike, MaskPlan, fine_mask, or_pool
+from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
+
+BLOCKS = (16, 32, 64, 128)  # the granularities scored (those at least the mask's own)
+DENSE_BLOCK = 128  # the dense reference: every 128 x 128 block, one query block per program
+_GPU = torch.device("cuda")  # program tiles are the GPU's, whatever device plans (default_blocks reads the type)
+
+
+def token_density(mask: torch.Tensor, q_block: int, kv_block: int, seq_len: int) -> float:
+    """The share of (query, key) token pairs a block mask attends, averaged over its batch and heads (the last
+    partial blocks count their real tokens only)."""
+    def lengths(block: int, count: int) -> torch.Tensor:
+        return (seq_len - torch.arange(count, device=mask.device) * block).clamp(max=block).to(torch.float64)
+
+    q_len, kv_len = lengths(q_block, mask.shape[2]), lengths(kv_block, mask.shape[3])
+    pairs = (mask.to(torch.float64) @ kv_len) @ q_len  # [B, H]
+    return float(pairs.mean()) / (seq_len * seq_len)
+
+
+def _positive(name: str, value, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}.")
+    return int(value)
+
+
+def _blocks(name: str, values: Optional[Sequence[int]], finest: int) -> tuple[int, ...]:
+    """The granularities to score along one axis: `values`, or by default the mask's own block and those of
+    BLOCKS above it (each a power of two from the mask's block to 128)."""
+    allowed = tuple(sorted({finest, *(b for b in BLOCKS if b > finest)}))
+    chosen = allowed if values is None else tuple(values)
+    bad = [b for b in chosen if isinstance(b, bool) or b not in allowed]
+    if bad or not chosen:
+        raise ValueError(
+            f"{name} must be a non-empty subset of {allowed} (the mask's block {finest} and coarser ones up to "
+            f"{BLOCKS[-1]}), got {name}={tuple(chosen)!r}."
+        )
+    return tuple(sorted(set(int(b) for b in chosen)))
+
+
+def _candidate(dense: torch.Tensor, q_block: int, kv_block: int, merge: str, seq_len: int, batch: int,
+               heads: int, head_dim: int, cost_model: Optional[CostModel]) -> tuple[MaskCandidate, np.ndarray]:
+    kernel_merge = None if merge == "none" else merge
+    block_m, block_n = default_blocks(q_block, kv_block, kernel_merge, _GPU)
+    work: SparseWork = prepare_sparse(dense, q_block, kv_block, seq_len, merge=kernel_merge, block_m=block_m,
+                                      block_n=block_n)
+    row = sparse_features(work, batch, heads, head_dim)
+    tiles = row[SPARSE_FEATURES.index("tiles")]
+    pairs = tiles * block_m * block_n  # the call's computed token pairs
+    score = float(cost_model.predict_sparse(row)) if cost_model is not None else float(pairs)
+    return MaskCandidate(
+        q_block=q_block, kv_block=kv_block, merge=merge, block_m=block_m, block_n=block_n,
+        density=token_density(dense, q_block, kv_block, seq_len),
+        work=float(pairs) / (batch * heads * seq_len * seq_len), tiles=int(tiles),
+        programs=int(row[SPARSE_FEATURES.index("programs")]), score=score,
+        merge_s=work.merge_seconds if merge == "xor" else 0.0,
+    ), row
+
+
+def _preference(c: MaskCandidate) -> tuple:
+    """Less host work first: no merge, consecutive, xor; then coarser blocks."""
+    return (MERGES.index(c.merge), -c.q_block * c.kv_block)
+
+
+def best_mask(
+    mask: MaskLike,
+    q_block: Optional[int] = None,
+    kv_block: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    *,
+    heads: Optional[int] = None,
+    batch: Optional[int] = None,
+    head_dim: int = 128,
+    dtype: Union[torch.dtype, str] = torch.bfloat16,
+    device: Union[None, str, torch.device] = None,
+    cost_model: Optional[CostModel] = None,
+    q_blocks: Optional[Sequence[int]] = None,
+    kv_blocks: Optional[Sequence[int]] = None,
+    merges: Sequence[str] = MERGES,
+    keep_mask: bool = True,
+) -> MaskPlan:
+    """The fastest way to run a predicted block mask with `sparse_attention`: its granularity and merge.
+
+    - `mask`: the predictor's mask at its finest blocks: a boolean `[B|1, H|1, ceil(N / q_block),
+      ceil(N / kv_block)]` tensor or numpy array (with `q_block`, `kv_block`, `seq_len` = N), or a SparseMask.
+      Planning runs where the mask lives (a CUDA mask plans on the GPU; "xor" merges on the CPU).
+    - `heads`, `batch`: the call's (default: the mask's; a mask dimension of 1 broadcasts). `head_dim` (32, 64,
+      128) and `dtype` (bf16, fp16) describe q, k, v.
+    - `device` picks the GPU whose stored coefficients score the candidates (None: the current CUDA device; a
+      GPU's name or alias such as "h100" plans for it from any machine), unless `cost_model` is given.
+      Without sparse coefficients candidates are ranked by computed token pairs and the plan says so.
+    - `q_blocks`, `kv_blocks`: the granularities to try (default: the mask's own block and 16, 32, 64, 128
+      above it);
+      `merges`: among "none", "consecutive", "xor" (a merge needs query blocks under 128).
+    - `keep_mask`: keep the pooled mask in the plan, so that `plan(q, k, v)` runs it.
+
+    >>> plan = best_mask(topp(q, k, 16, 16, 0.9), 16, 16, q.shape[1], device="h100")   # doctest: +SKIP
+    >>> out = plan(q, k, v)                                                             # doctest: +SKIP
+    """
+    dense = fine_mask(mask, q_block, kv_block, seq_len)
+    if isinstance(mask, SparseMask):
+        q_block, kv_block, seq_len = mask.q_block, mask.kv_block, mask.seq_len
+    mask_batch, mask_heads = dense.shape[:2]
+    batch = _positive("batch", batch, mask_batch)
+    heads = _positive("heads", heads, mask_heads)
+    if mask_batch not in (1, batch) or mask_heads not in (1, heads):
+        raise ValueError(
+            f"the mask's batch and heads must be 1 or the call's (batch={batch}, heads={heads}), got "
+            f"mask.shape={tuple(dense.shape)}."
+        )
+    if isinstance(head_dim, bool) or head_dim not in SPARSE_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one the sparse kernel runs {SPARSE_HEAD_DIMS}, got head_dim={head_dim!r}.")
+    dtype = as_dtype(dtype)
+    merges = tuple(merges)
+    if not merges or any(m not in MERGES for m in merges):
+        raise ValueError(f"merges must be a non-empty subset of {MERGES}, got merges={merges!r}.")
+    q_options = _blocks("q_blocks", q_blocks, q_block)
+    kv_options = _blocks("kv_blocks", kv_blocks, kv_block)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a natsim.planner.CostModel, got {type(cost_model).__name__}.")
+    gpu = cost_model.gpu if cost_model is not None else gpu_of(device)
+    model = cost_model if cost_model is not None else cost_model_for(gpu)
+    if model is not None and model.sparse_coefficients is None:
+        model = None
+
+    if "xor" in merges:
+        natsim_merge(np.eye(2, dtype=bool), 2, "xor")  # compile natsim.merge first, so merge_s times the merge only
+    scored, rows = [], {}
+    for qb in q_options:
+        for kb in kv_options:
+            coarse = or_pool(dense, qb // q_block, kb // kv_block)
+            for merge in merges:
+                if merge != "none" and qb >= DENSE_BLOCK:
+                    continue  # one 128-query block per program already: a merge changes nothing
+                candidate, row = _candidate(coarse, qb, kb, merge, seq_len, batch, heads, head_dim, model)
+                scored.append(candidate)
+                rows[(qb, kb, merge)] = row
+    if not scored:
+        raise ValueError(f"no candidate to score: merges={merges!r} need query blocks under {DENSE_BLOCK}.")
+    scored.sort(key=lambda c: (c.score, _preference(c)))
+    limit = scored[0].score * (1.0 + TIE_TOLERANCE)
+    winner = min((c for c in scored if c.score <= limit), key=_preference)
+    full = torch.ones((1, 1, -(-seq_len // DENSE_BLOCK), -(-seq_len // DENSE_BLOCK)), dtype=torch.bool,
+                      device=dense.device)
+    dense_candidate, _ = _candidate(full, DENSE_BLOCK, DENSE_BLOCK, "none", seq_len, batch, heads, head_dim, model)
+    breakdown = {}
+    if model is not None:
+        breakdown = model.sparse_breakdown(rows[(winner.q_block, winner.kv_block, winner.merge)])
+    return MaskPlan(
+        seq_len=seq_len, fine_q_block=q_block, fine_kv_block=kv_block, q_block=winner.q_block,
+        kv_block=winner.kv_block, merge=winner.merge, batch=batch, heads=heads, head_dim=head_dim,
+        dtype=dtype_name(dtype), gpu=gpu, basis=BASIS_COST_MODEL if model is not None else BASIS_TILES,
+        score=winner.score, dense_score=dense_candidate.score, breakdown=breakdown, candidates=tuple(scored),
+        mask=or_pool(dense, winner.q_block // q_block, winner.kv_block // kv_block) if keep_mask else None,
+    )
