@@ -63,6 +63,7 @@ def sparse_attention(
     mask = _mask_heads(mask, heads, rank * h, (rank + 1) * h)
 
     def attend(q, k, v):
-        return single_gpu_sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, scale=scale, schedule=schedule)
+        return single_gpu_sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, scale=scale,
+                                           schedule=schedule)
 
     return ulysses(attend, q, k, v, split, group)

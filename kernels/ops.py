@@ -164,7 +164,7 @@ def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 gna_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-# == natsim::sparse_forward: attention under any block mask (kernels/sparse/forward.py) ===================================
+# == natsim::sparse_forward: attention under any block mask (kernels/sparse/) ================================
 
 PV_SKIP_GRADIENT_REFUSAL = (
     "pv_threshold skips products by a data-dependent rule that has no backward pass, and q, k or v requires "

@@ -1,7 +1,6 @@
 """natsim: simulate, plan and run multi-dimensional sparse attention (Generalized Neighborhood Attention).
-
-The simulator (this package) needs only numpy (and numba for 1-D tiling and merging, imported on
-first use); `natsim.kernels` and `natsim.planner` need torch and triton.
+This package is the model of the problem and its simulator (parameters, tiles, tile counts, block masks, query
+merging, sweeps): numpy only, numba on first use; the rooms natsim.kernels, masks, distributed, planner use torch.
 """
 
 from .backward import BackwardSim, simulate_backward

@@ -1,16 +1,6 @@
-"""natsim.planner: choose a GNA configuration for a token layout and a target sparsity, and run it.
-
-`best(shape, target_sparsity, ...)` returns a `Plan`: window, stride and tiles chosen with the simulator and
-a per-GPU cost model of natsim's kernels (planner.cost), a report (`plan.explain()`), JSON round-trips,
-and `plan(q, k, v)` running `natsim.kernels.gna_attention` with exactly those settings.
-`predict_sparse_time(work, ...)` predicts a sparse-kernel call from its prepared work, for ranking block sizes
-and merges of a mask.
-`best_mask(mask, ...)` chooses the granularity (OR-pooling) and query merging that run a predicted mask fastest
-and returns a runnable `MaskPlan`.
-
-Rooms: planner.cost (features, cost model, calibration), planner.search (the searches: GNA, masks, several
-GPUs; windows), planner.plans (what a search returns, its report and JSON); planner.catalog, shared by all
-three, says which dtypes, head dims and tiles the kernels run.
+"""natsim.planner: choose how to run attention before anything runs, and run it. `best` plans GNA for a layout
+and a target sparsity, `best_mask` a predicted block mask, `best(..., world_size=P)` several GPUs; rooms:
+cost (the per-GPU cost model), search (the searches), plans (runnable results); catalog (what the kernels run).
 """
 
 from .catalog import TILE_TOKENS, tile_catalog

@@ -123,9 +123,9 @@ def gna_attention(
 
     Scalars broadcast over dimensions. `q_tile` / `kv_tile` are per-dimension tile shapes; one given alone is
     used for both, and without either natsim picks the tiles with the least predicted work for this problem
-    among those the kernel runs well (natsim.kernels.tiles; dense attention runs over the flattened sequence).
-    `kv_tiling` "static" visits the fixed grid of KV tiles a Q tile's keys overlap (kernels/gna/forward.py); "dynamic"
-    tiles exactly the box of keys it needs from the box's corner (kernels/gna/dynamic.py); None (default) lets
+    among those the kernel runs well (natsim.kernels.gna.tiles; dense attention runs over the flattened sequence).
+    `kv_tiling` "static" visits the fixed grid of KV tiles a Q tile's keys overlap (kernels/gna/forward.py);
+    "dynamic" tiles exactly the box of keys it needs from the box's corner (kernels/gna/dynamic.py); None lets
     natsim choose by predicted work where both are costed (the in-place path; static elsewhere).
     Returns the output in q's layout, and with `return_lse` also the natural-log log-sum-exp
     `[B, *shape, heads]` in float32. Differentiable with respect to q, k and v (and through the LSE): the

@@ -12,8 +12,9 @@ two KV loops:
 
 1. over that full box, with no mask code at all;
 2. over the rest of the visited box (six slabs: below / above the full run along dimension 0, then inside it
-   below / above along dimension 1, then along dimension 2; `slab_tile`), each tile under the element mask. Windows end inside their
-   group, so the window test (one unsigned compare per dimension) also drops padding keys.
+   below / above along dimension 1, then along dimension 2; `slab_tile`), each tile under the element mask.
+   Windows end inside their group, so the window test (one unsigned compare per dimension) also drops padding
+   keys.
 
 Triton gives each loop its own pipelined shared-memory buffers but reuses them between the loops, so a
 128x128x128 tile still fits three K/V stages. Two loops replace an earlier single loop that chose per tile

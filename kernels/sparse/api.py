@@ -97,9 +97,9 @@ def sparse_attention(
 class SparseTileCounts:
     """The kernel's own debug counts, one entry per program (work item) `[B, H, groups]`: `loaded` KV blocks,
     `computed` (query block, KV block) pairs, `pv_skipped` pairs of the mask (attended) whose P @ V the PV
-    skip left out (0 without `pv_threshold`; at most the mask's pairs), and `members` `[B, H, groups, R]`, the query blocks of each program (-1 where the
-    last group is short). `natsim.merge(mask[b, h], R, method)` predicts `merged.visited` and
-    `merged.visited * group_sizes` for the same `members` (its `groups`)."""
+    skip left out (0 without `pv_threshold`; at most the mask's pairs), and `members` `[B, H, groups, R]`, the
+    query blocks of each program (-1 where the last group is short). `natsim.merge(mask[b, h], R, method)`
+    predicts `merged.visited` and `merged.visited * group_sizes` for the same `members` (its `groups`)."""
 
     loaded: np.ndarray
     computed: np.ndarray

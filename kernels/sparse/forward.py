@@ -322,7 +322,8 @@ def run_sparse(
                 0.0 if pv_threshold is None else pv_threshold * LOG2E,
                 QB=work.q_block, KVB=work.kv_block, BLOCK_M=work.block_m, BLOCK_N=work.block_n, HEAD_DIM=head_dim,
                 WRITE_LSE=return_lse, DEBUG=debug, USE_TMA=use_tma, PERSISTENT=persistent,
-                WARP_SPECIALIZE=specialize, PV_SKIP=pv_threshold is not None, num_warps=options["num_warps"], num_stages=stages,
+                WARP_SPECIALIZE=specialize, PV_SKIP=pv_threshold is not None, num_warps=options["num_warps"],
+                num_stages=stages,
             )
             break
         except OutOfResources:  # raised while compiling, before the launch: retry with one stage fewer
