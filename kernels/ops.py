@@ -16,7 +16,7 @@ interpreter) is differentiable on both: its backward recomputes the reference un
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -162,6 +162,98 @@ def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 
 
 gna_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# == natsim::gna_resolved: GNA whose arguments a registered resolver picks per layout ============================
+
+GnaResolver = Callable[[tuple[int, ...], int, int, torch.dtype, torch.device], Mapping[str, object]]
+_resolvers: dict[int, GnaResolver] = {}
+
+
+def register_resolver(resolver: GnaResolver) -> int:
+    """Register `resolver(shape, heads, head_dim, dtype, device)`, which returns `gna_attention`'s keyword
+    arguments (window, stride, dilation, causal, q_tile, kv_tile, kv_tiling) for a layout, and return the id
+    that `natsim::gna_resolved` takes. Rooms above the kernels (the planner) decide through it at run time,
+    so that a compiled graph holds one opaque call whatever the layout, and the kernels never import them."""
+    key = len(_resolvers)
+    _resolvers[key] = resolver
+    return key
+
+
+def _resolved(resolver: int, q: torch.Tensor) -> Mapping[str, object]:
+    if resolver not in _resolvers:
+        raise ValueError(f"resolver must be an id from register_resolver, got resolver={resolver!r}.")
+    return _resolvers[resolver](tuple(int(n) for n in q.shape[1:-2]), int(q.shape[-2]), int(q.shape[-1]), q.dtype,
+                                q.device)
+
+
+@torch.library.custom_op("natsim::gna_resolved", mutates_args=())
+def gna_resolved(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, resolver: int, scale: Optional[float], return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GNA forward on `[B, *shape, heads, head_dim]` with the arguments the registered `resolver` picks for this
+    layout: the output, and the LSE (empty unless `return_lse`)."""
+    a = _resolved(resolver, q)
+    out, lse = forward(q, k, v, a["window"], a["stride"], a["dilation"], a["causal"], scale, a["q_tile"],
+                       a["kv_tile"], return_lse, a["kv_tiling"])
+    return out, (_no_lse(q) if lse is None else lse)
+
+
+@gna_resolved.register_fake
+def _gna_resolved_fake(q, k, v, resolver, scale, return_lse):
+    check_qkv(q, k, v)
+    if resolver not in _resolvers:
+        raise ValueError(f"resolver must be an id from register_resolver, got resolver={resolver!r}.")
+    lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
+    return torch.empty_like(q), lse
+
+
+@torch.library.custom_op("natsim::gna_resolved_backward", mutates_args=())
+def gna_resolved_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    resolver: int,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `natsim::gna_resolved`: the arguments resolved again (the resolver caches them) and the
+    backward of `natsim::gna_forward` with them, the Triton kernels or the reference's recomputed gradients."""
+    a = _resolved(resolver, q)
+    arguments = (a["window"], a["stride"], a["dilation"], a["causal"], scale)
+    if use_triton(q):
+        return tuple(gna_backward(q, k, v, out, lse, grad_out, grad_lse, *arguments))
+    window, stride, dilation, causal, scale = arguments
+    return tuple(_recomputed_gradients(
+        lambda q, k, v: reference_attention(q, k, v, window, stride, dilation, causal, scale, return_lse=True),
+        q, k, v, grad_out, grad_lse,
+    ))
+
+
+@gna_resolved_backward.register_fake
+def _gna_resolved_backward_fake(q, k, v, out, lse, grad_out, grad_lse, resolver, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _resolved_setup_context(ctx, inputs, output) -> None:
+    q, k, v, resolver, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.arguments = (resolver, scale)
+    ctx.set_materialize_grads(False)
+
+
+def _resolved_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    q, k, v, out, lse = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    grad_lse = grad_lse if grad_lse is not None and grad_lse.numel() else None
+    dq, dk, dv = gna_resolved_backward(q, k, v, out, lse, grad_out, grad_lse, *ctx.arguments)
+    return dq, dk, dv, None, None, None
+
+
+gna_resolved.register_autograd(_resolved_backward, setup_context=_resolved_setup_context)
 
 
 # == natsim::sparse_forward: attention under any block mask (kernels/sparse/) ================================

@@ -18,10 +18,11 @@ from .cost import (
     sweep_features,
 )
 from .plans import TIE_TOLERANCE, Candidate, MaskCandidate, MaskPlan, Plan, or_pool
-from .search import best, best_mask, fastest_first, predicted_times
+from .search import AutoPlan, best, best_mask, fastest_first, predicted_times
 
 __all__ = [
     "best",
+    "AutoPlan",
     "predicted_times",
     "fastest_first",
     "Plan",

@@ -1,0 +1,98 @@
+"""natsim.integrations.diffusers: GNA inside a diffusers transformer, planned once per latent size, one call on.
+`apply(transformer, sparsity=0.9)` routes the video (or image) attention of a supported model through natsim;
+`remove(transformer)` restores the model's own attention. The models: `models.SPECS`; the routing: attention.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from natsim.planner import AutoPlan, CostModel
+from natsim.problem import BoolOrBools, IntOrInts
+
+from .attention import Router
+from .models import SPECS, spec_of
+from .processors import release, routed_processor
+
+__all__ = ["apply", "remove", "SUPPORTED_MODELS", "Applied"]
+
+SUPPORTED_MODELS = tuple(SPECS)
+
+
+@dataclass
+class Applied:
+    """What `apply` did to one model: the router (its `auto.plans` holds a plan per layout met so far), the
+    model's own processors, and the forward pre-hook that tells the router each call's layout."""
+
+    router: Router
+    originals: dict
+    hook: torch.utils.hooks.RemovableHandle
+
+    @property
+    def plans(self) -> dict:
+        """The GNA plans made so far, one per (layout, heads, head_dim, dtype, device)."""
+        return self.router.auto.plans
+
+
+def apply(
+    transformer: nn.Module,
+    sparsity: Optional[float] = None,
+    *,
+    layout: Optional[IntOrInts] = None,
+    dtype: Optional[torch.dtype] = None,
+    window: Optional[IntOrInts] = None,
+    max_stride: Optional[IntOrInts] = None,
+    causal: BoolOrBools = False,
+    device: Union[None, str, torch.device] = None,
+    cost_model: Optional[CostModel] = None,
+    training: bool = False,
+) -> Applied:
+    """Route `transformer`'s video attention through GNA at `sparsity` (default 0.9, or any that `window`
+    reaches when a window is given); returns an `Applied`.
+
+    The token layout of every call comes from the latent and the model's patch sizes (`layout` fixes it: FLUX
+    under a whole-model `torch.compile`, which cannot read its img_ids). Each new layout is planned on its
+    first call with `natsim.planner.best(layout, sparsity, window=..., max_stride=..., causal=..., device=...,
+    cost_model=..., training=...)` and the plan is kept; calls go through the registered operator
+    `natsim::gna_resolved`, so `torch.compile(transformer, fullgraph=True)` and `compile_repeated_blocks`
+    compile once per latent size and CUDA graphs replay it. `dtype` is the kernel's dtype for a float32
+    model (default bfloat16). Joint attention (HunyuanVideo, CogVideoX, FLUX): video queries attend their
+    GNA window and every text key; text queries attend every key (natsim.integrations.diffusers.attention).
+    """
+    spec = spec_of(transformer)
+    if hasattr(transformer, "_natsim"):
+        raise ValueError("natsim is already applied to this transformer: call remove(transformer) first.")
+    if layout is not None:
+        layout = (layout,) if isinstance(layout, int) else tuple(int(n) for n in layout)
+    if sparsity is None:
+        sparsity = 0.9 if window is None else 0.0
+    router = Router(AutoPlan(sparsity, causal=causal, window=window, max_stride=max_stride, device=device,
+                             cost_model=cost_model, training=training), spec.text_first, dtype)
+    originals = {}
+    for attention in spec.attentions(transformer):
+        originals[attention] = attention.processor
+        attention.set_processor(routed_processor(attention.processor, router))
+
+    def tell_layout(model, args, kwargs):
+        router.set_layout(layout if layout is not None else spec.layout(model, args, kwargs))
+
+    hook = transformer.register_forward_pre_hook(tell_layout, with_kwargs=True)
+    applied = Applied(router, originals, hook)
+    transformer._natsim = applied
+    return applied
+
+
+def remove(transformer: nn.Module) -> None:
+    """Give `transformer` its own attention processors back and forget its plans."""
+    applied: Optional[Applied] = getattr(transformer, "_natsim", None)
+    if applied is None:
+        raise ValueError("natsim is not applied to this transformer (apply(transformer, ...) was not called).")
+    for attention, processor in applied.originals.items():
+        release(attention.processor)
+        attention.set_processor(processor)
+    applied.hook.remove()
+    del transformer._natsim

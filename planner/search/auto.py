@@ -1,0 +1,96 @@
+"""`AutoPlan`: GNA planned once per token layout, run on whatever layout it is called with.
+
+A model meets several latent sizes (resolutions, frame counts) and, under `torch.compile`, must not retrace
+for planning: an `AutoPlan` holds the planning options (`natsim.planner.best`'s), plans on the first call
+of each layout (shape, heads, head_dim, dtype, GPU) and keeps the plan. Calls go through the registered
+operator `natsim::gna_resolved`, whose resolver is this object: the plan is looked up when the operator
+runs, never while a graph is traced, so a compiled model holds one opaque call per attention whatever the
+layout, and a CUDA graph replays the kernels of a plan made during warm-up. Plain eager calls skip the
+dispatcher and run the plan directly. Gradients flow as through `gna_attention`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Mapping, Optional, Union
+
+import torch
+
+from natsim.kernels import ops
+from natsim.kernels.common.backend import autocast_inputs, runs_eagerly
+from natsim.kernels.common.checks import check_tensors
+from natsim.kernels.gna.checks import check_qkv
+from natsim.problem import BoolOrBools, IntOrInts
+
+from ..cost.model import CostModel
+from ..plans.plan import Plan
+from .gna import best
+
+PlanKey = tuple[tuple[int, ...], int, int, torch.dtype, str]
+
+
+class AutoPlan:
+    """Plans GNA for each token layout it is called on, with `natsim.planner.best`'s options.
+
+    >>> auto = AutoPlan(0.9)              # doctest: +SKIP
+    >>> out = auto(q, k, v)               # q: [B, *shape, heads, head_dim]; plans `shape` once   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        target_sparsity: float,
+        *,
+        causal: BoolOrBools = False,
+        window: Optional[IntOrInts] = None,
+        max_stride: Optional[IntOrInts] = None,
+        device: Union[None, str, torch.device] = None,
+        cost_model: Optional[CostModel] = None,
+        training: bool = False,
+    ):
+        self.options = dict(causal=causal, window=window, max_stride=max_stride, device=device,
+                            cost_model=cost_model, training=training)
+        self.target_sparsity = target_sparsity
+        self.plans: dict[PlanKey, Plan] = {}
+        self._lock = threading.Lock()
+        self._resolver = ops.register_resolver(self._kernel_arguments)
+
+    def plan_for(self, shape: tuple[int, ...], *, heads: int, head_dim: int, dtype: torch.dtype,
+                 device: Union[str, torch.device]) -> Plan:
+        """The plan for a layout (made on first use, then kept): `best(shape, target_sparsity, ...)` with this
+        object's options; `device` names the GPU whose cost model ranks (unless the options name one)."""
+        device = torch.device(device)
+        key = (tuple(shape), int(heads), int(head_dim), dtype, str(device))
+        plan = self.plans.get(key)
+        if plan is None:
+            with self._lock:
+                plan = self.plans.get(key)
+                if plan is None:
+                    options = dict(self.options)
+                    if options["device"] is None and options["cost_model"] is None and device.type == "cuda":
+                        options["device"] = device
+                    plan = best(tuple(shape), self.target_sparsity, heads=heads, head_dim=head_dim,
+                                      dtype=dtype, **options)
+                    self.plans[key] = plan
+        return plan
+
+    def _kernel_arguments(self, shape, heads, head_dim, dtype, device) -> Mapping[str, object]:
+        return self.plan_for(shape, heads=heads, head_dim=head_dim, dtype=dtype, device=device).kernel_arguments()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+                 return_lse: bool = False):
+        """GNA of `[B, *shape, heads, head_dim]` tensors with the plan for `shape` (returns what
+        `gna_attention` returns: the output, and with `return_lse` its log-sum-exp)."""
+        check_tensors(q, k, v)
+        q, k, v = autocast_inputs(q, k, v)
+        if runs_eagerly(q, k, v):
+            shape = check_qkv(q, k, v)
+            plan = self.plan_for(shape, heads=q.shape[-2], head_dim=q.shape[-1], dtype=q.dtype, device=q.device)
+            return plan(q, k, v, scale=scale, return_lse=return_lse)
+        tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        out, lse = ops.gna_resolved(q, k, v, self._resolver, None if scale is None else float(scale),
+                                    return_lse or tracked)
+        return (out, lse) if return_lse else out
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{name}={value!r}" for name, value in self.options.items() if value not in (None, False))
+        return f"AutoPlan({self.target_sparsity!r}{', ' + options if options else ''}; {len(self.plans)} plans)"

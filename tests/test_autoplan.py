@@ -1,0 +1,70 @@
+"""natsim.planner.AutoPlan: a plan per layout, made on first use, through the operator natsim::gna_resolved
+(Triton's interpreter on CPU): eager and compiled calls against float64 references, gradients, no recompiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from natsim.kernels import ops, reference_attention
+from natsim.planner import AutoPlan, best
+
+
+def relative_error(out, ref) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def qkv(shape, heads=2, head_dim=32, seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, *shape, heads, head_dim, generator=gen).half().requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def reference(q, k, v, plan):
+    return reference_attention(q.double(), k.double(), v.double(), plan.problem.window, plan.problem.stride,
+                               plan.problem.dilation, plan.problem.causal)
+
+
+def test_an_auto_plan_runs_the_plan_best_makes_for_each_layout():
+    auto = AutoPlan(0.5)
+    for shape in [(4, 4, 4), (8, 8), (4, 4, 4)]:
+        q, k, v = qkv(shape)
+        out = auto(q, k, v)
+        plan = auto.plans[(shape, 2, 32, torch.float16, "cpu")]
+        expected = best(shape, 0.5, heads=2, head_dim=32, dtype=torch.float16)
+        assert plan.kernel_arguments() == expected.kernel_arguments()
+        assert relative_error(out, reference(q, k, v, plan)) < 5e-3
+    assert len(auto.plans) == 2
+
+
+def test_compiled_calls_resolve_the_plan_when_the_operator_runs():
+    torch._dynamo.reset()
+    auto = AutoPlan(0.5)
+    compiled = torch.compile(lambda q, k, v: auto(q, k, v, return_lse=True), fullgraph=True, backend="aot_eager")
+    shapes = [(4, 4, 4), (2, 4, 8), (4, 2, 8)]  # one token count, three layouts: three plans
+    for shape in shapes:
+        q, k, v = qkv(shape, seed=sum(shape))
+        out, lse = compiled(q, k, v)
+        plan = auto.plans[(shape, 2, 32, torch.float16, "cpu")]
+        assert relative_error(out, reference(q, k, v, plan)) < 5e-3 and lse.shape == q.shape[:-1]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for shape in shapes:
+            compiled(*qkv(shape))
+
+
+def test_gradients_flow_through_the_resolved_operator_eager_and_compiled():
+    auto = AutoPlan(0.5)
+    q, k, v = qkv((4, 4, 4), requires_grad=True)
+    grad = torch.randn_like(q)
+    plan = auto.plan_for((4, 4, 4), heads=2, head_dim=32, dtype=torch.float16, device="cpu")
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(reference(*ref, plan), ref, grad.double())
+    for run in (auto, torch.compile(auto, fullgraph=True, backend="aot_eager")):
+        got = torch.autograd.grad(run(q, k, v), (q, k, v), grad)
+        assert all(relative_error(g, e) < 1e-2 for g, e in zip(got, expected))
+
+
+def test_an_unknown_resolver_is_a_sentence():
+    q = torch.randn(1, 4, 4, 4, 2, 32).half()
+    with pytest.raises(ValueError, match="resolver must be an id from register_resolver"):
+        ops.gna_resolved(q, q, q, 10**6, None, False)

@@ -1,0 +1,178 @@
+"""natsim.integrations.diffusers on tiny random models of every supported class (Triton's interpreter on CPU):
+the routing against a brute-force mask, each model against its own attention, remove, and compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import natsim
+from bruteforce import attention_mask
+
+pytest.importorskip("diffusers")
+
+import diffusers_models  # noqa: E402
+from natsim.integrations import diffusers as nd  # noqa: E402
+from natsim.integrations.diffusers.attention import Router  # noqa: E402
+from natsim.planner import AutoPlan  # noqa: E402
+
+MODELS = nd.SUPPORTED_MODELS
+LAYOUTS = {name: ((8, 8) if name == "FluxTransformer2DModel" else (2, 4, 8)) for name in MODELS}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+# -- the routing itself, against a brute-force mask ------------------------------------------------------------
+
+
+def joint_reference(q, k, v, problem, text: int, text_first: bool, keep) -> torch.Tensor:
+    """float64 attention under the documented joint mask: video queries attend their GNA window of video keys
+    and every kept text key; text queries attend every kept key."""
+    video = problem.num_tokens
+    window = torch.from_numpy(attention_mask(problem))
+    allowed = torch.ones(video + text, video + text, dtype=torch.bool)
+    v_idx = slice(text, None) if text_first else slice(0, video)
+    allowed[v_idx, v_idx] = window
+    allowed = allowed[None].repeat(q.shape[0], 1, 1) & keep[:, None, :]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v.double())
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from([(4, 4, 4), (8, 8), (2, 4, 8)]), st.integers(1, 7), st.booleans(), st.booleans(),
+       st.integers(0, 2**16))
+def test_joint_attention_matches_a_brute_force_mask(layout, text, text_first, masked, seed):
+    gen = torch.Generator().manual_seed(seed)
+    window = tuple(max(1, n // 2) + (n % 2) for n in layout)
+    problem = natsim.Problem(layout, window)
+    router = Router(AutoPlan(0.0, window=window), text_first)
+    router.set_layout(layout)
+    tokens = problem.num_tokens + text
+    q, k, v = (torch.randn(2, tokens, 2, 32, generator=gen).half() for _ in range(3))
+    keep = torch.ones(2, tokens, dtype=torch.bool)
+    mask = None
+    if masked:  # the second prompt is padded: its last text key is masked
+        keep[1, text - 1 if text_first else tokens - 1] = False
+        mask = keep[:, None, None, :]
+    out = router.attend(q, k, v, mask, None)
+    assert relative_error(out, joint_reference(q, k, v, problem, text, text_first, keep)) < 5e-3
+
+
+def test_calls_natsim_does_not_serve_go_to_the_model():
+    router = Router(AutoPlan(0.5), text_first=False)
+    q = torch.randn(1, 64, 2, 32).half()
+    assert router.attend(q, q, q, None, None) is None  # no layout told yet: not inside a forward
+    router.set_layout((4, 4, 4))
+    assert router.attend(q, torch.randn(1, 6, 2, 32).half(), torch.randn(1, 6, 2, 32).half(), None, None) is None
+    assert router.attend(q[:, :32], q[:, :32], q[:, :32], None, None) is None  # fewer tokens than the layout
+    with pytest.raises(ValueError, match=r"key mask of shape \[batch, 1, 1, tokens\]"):
+        router.attend(torch.randn(1, 70, 2, 32).half(), torch.randn(1, 70, 2, 32).half(),
+                      torch.randn(1, 70, 2, 32).half(), torch.ones(1, 2, 70, 70, dtype=torch.bool), None)
+
+
+# -- every supported model --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_window_over_the_whole_layout_reproduces_the_models_attention(name):
+    model = diffusers_models.build(name)
+    inputs = diffusers_models.inputs(name, LAYOUTS[name], batch=2)  # a classifier-free guidance batch
+    with torch.no_grad():
+        own = model(**inputs)[0]
+    applied = nd.apply(model, window=LAYOUTS[name], dtype=torch.float16)
+    with torch.no_grad():
+        routed = model(**inputs)[0]
+    assert list(applied.plans) == [(LAYOUTS[name], 2, 32, torch.float16, "cpu")]
+    assert relative_error(routed, own) < 1e-3
+
+    nd.remove(model)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], own)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_sparse_plan_changes_attention_and_is_made_once_per_layout(name):
+    model = diffusers_models.build(name)
+    inputs = diffusers_models.inputs(name, LAYOUTS[name], batch=2)
+    with torch.no_grad():
+        own = model(**inputs)[0]
+    applied = nd.apply(model, 0.5, dtype=torch.float16)
+    with torch.no_grad():
+        first = model(**inputs)[0]
+        second = model(**inputs)[0]
+    plan = applied.plans[(LAYOUTS[name], 2, 32, torch.float16, "cpu")]
+    assert plan.sparsity >= 0.5 and len(applied.plans) == 1
+    assert torch.isfinite(first).all() and torch.equal(first, second)
+    assert relative_error(first, own) > 1e-3  # the window is smaller than the layout: attention changed
+
+
+def test_apply_refuses_what_it_cannot_do():
+    model = diffusers_models.build("WanTransformer3DModel")
+    with pytest.raises(TypeError, match="natsim supports the diffusers transformers WanTransformer3DModel"):
+        nd.apply(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="natsim is not applied to this transformer"):
+        nd.remove(model)
+    nd.apply(model, 0.5)
+    with pytest.raises(ValueError, match="already applied to this transformer: call remove"):
+        nd.apply(model, 0.5)
+    with pytest.raises(ValueError, match="dtype must be None, torch.float16 or torch.bfloat16"):
+        Router(AutoPlan(0.5), False, torch.float32)
+
+
+def test_two_models_of_one_class_keep_their_own_attention():
+    routed, plain = diffusers_models.build("WanTransformer3DModel"), diffusers_models.build("WanTransformer3DModel")
+    inputs = diffusers_models.inputs("WanTransformer3DModel", (2, 4, 8))
+    with torch.no_grad():
+        before = plain(**inputs)[0]
+    nd.apply(routed, 0.5, dtype=torch.float16)
+    with torch.no_grad():
+        routed(**inputs)
+        assert torch.equal(plain(**inputs)[0], before)
+
+
+# -- compile: once per latent size ------------------------------------------------------------------------------
+
+
+def run_sizes(run, name, layouts, repeat: int = 1):
+    for _ in range(repeat):
+        for layout in layouts:
+            with torch.no_grad():
+                out = run(**diffusers_models.inputs(name, layout, batch=2))[0]
+            assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name, whole", [("WanTransformer3DModel", True), ("HunyuanVideoTransformer3DModel", False)])
+def test_compiled_models_compile_once_per_latent_size(name, whole):
+    """Dynamo's guards and graph breaks do not depend on the backend: aot_eager (fake tensors through the
+    operators, no code generation) keeps the test fast; the GPU benchmarks run Inductor."""
+    torch._dynamo.reset()
+    model = diffusers_models.build(name)
+    applied = nd.apply(model, 0.5, dtype=torch.float16)
+    if whole:
+        run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    else:
+        model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        run = model
+    layouts = [(2, 4, 8), (2, 8, 4)]
+    run_sizes(run, name, layouts)  # first call of each size: compile
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        run_sizes(run, name, layouts, repeat=2)
+    assert sorted(key[0] for key in applied.plans) == sorted(layouts)
+    assert math.prod(layouts[0]) == math.prod(layouts[1])  # same token count, other layout: planned apart
+    assert all(plan.sparsity >= 0.5 for plan in applied.plans.values())
+
+
+def test_flux_under_a_whole_model_compile_asks_for_its_layout():
+    torch._dynamo.reset()
+    model = diffusers_models.build("FluxTransformer2DModel")
+    nd.apply(model, 0.5, dtype=torch.float16)
+    with pytest.raises(Exception, match=r"pass layout=\(height // 16, width // 16\) to apply\(\)"), torch.no_grad():
+        torch.compile(model, fullgraph=True, backend="eager")(**diffusers_models.inputs("FluxTransformer2DModel",
+                                                                                         (8, 8)))
