@@ -1,0 +1,252 @@
+"""A denoising step of diffusers video and image transformers with natsim, against the model's own attention,
+eager and compiled, one run, one JSON:
+
+    python benchmarks/diffusers_step.py --out DIR [--cases wan-480p,wan-720p,hunyuan-720p,flux-2048] [--steps 5]
+    python benchmarks/diffusers_step.py --out /tmp/x --small      # CPU smoke test: tiny models, seconds
+
+Each model is built from its published configuration with random weights (nothing is downloaded; the large ones
+with fewer layers, which leaves each layer's share of the step as it is), on the GPU in bf16, batch 1, with a
+random latent, timestep and text states. Per case, side by side in one process:
+- the step (one forward pass) with the model's own attention (diffusers' default: torch's SDPA), eager and
+  under `compile_repeated_blocks(fullgraph=True)`;
+- the same with `natsim.integrations.diffusers.apply(model, ...)`: eager and compiled;
+- the attention alone at the case's layout: the model's own (SDPA over the routed q, k, v, captured from the
+  step) against natsim's (the router's call on them), its speedup `s`;
+- the attention share of the step, `a = calls x the model's own attention / the model's own step` (calls: the
+  routed attention modules, each called once a step), and Amdahl's ceiling for the step,
+  `1 / ((1 - a) + a / s)`, and the fraction of it the step reaches;
+- the relative difference of natsim's step output to the model's own, and the plan natsim made.
+Medians of `--steps` timed steps after warm-up (synchronised wall clock). Writes
+`diffusers-step-<device>-<date>.json`; the table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from natsim.integrations import diffusers as nd
+
+WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+HUNYUAN = dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+               num_single_layers=40, num_refiner_layers=2, patch_size=2, patch_size_t=1, text_embed_dim=4096,
+               pooled_projection_dim=768, rope_axes_dim=(16, 56, 56), guidance_embeds=True)
+FLUX = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56))
+# name: class, configuration (layers cut where one H100 cannot hold a full step), token layout, text tokens,
+# natsim's options.
+CASES = {
+    "wan-480p": ("WanTransformer3DModel", WAN_1_3B, (21, 30, 52), 512, dict(sparsity=0.9)),
+    "wan-720p": ("WanTransformer3DModel", WAN_1_3B, (21, 45, 80), 512, dict(sparsity=0.9)),
+    "hunyuan-720p": ("HunyuanVideoTransformer3DModel", {**HUNYUAN, "num_layers": 4, "num_single_layers": 8},
+                     (30, 48, 80), 256, dict(window=(18, 24, 24))),
+    "flux-2048": ("FluxTransformer2DModel", {**FLUX, "num_layers": 4, "num_single_layers": 8}, (128, 128), 512,
+                  dict(sparsity=0.9)),
+}
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = {
+    "WanTransformer3DModel": dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=32, text_dim=32, freq_dim=32,
+                                  ffn_dim=64, num_layers=2, rope_max_seq_len=32),
+    "HunyuanVideoTransformer3DModel": dict(HUNYUAN, num_attention_heads=2, attention_head_dim=32, num_layers=1,
+                                           num_single_layers=1, num_refiner_layers=1, text_embed_dim=32,
+                                           pooled_projection_dim=16, rope_axes_dim=(8, 12, 12)),
+    "FluxTransformer2DModel": dict(FLUX, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32,
+                                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+                                   axes_dims_rope=(8, 12, 12)),
+}
+
+
+def small_case(name: str) -> tuple:
+    """The case with a tiny model and layout (CPU smoke test in Triton's interpreter)."""
+    cls_name, _, layout, _, options = CASES[name]
+    small_layout = (8, 8) if len(layout) == 2 else (2, 4, 8)
+    if "window" in options:
+        options = dict(window=tuple(max(1, n // 2) for n in small_layout))
+    return cls_name, SMALL[cls_name], small_layout, 6, dict(options, dtype=torch.float16)
+
+
+def build(cls_name: str, config: dict):
+    import diffusers
+
+    with torch.device(DEVICE):
+        model = getattr(diffusers, cls_name)(**config)
+    return model.to(torch.bfloat16 if DEVICE == "cuda" else torch.float32).eval()
+
+
+def inputs(cls_name: str, config: dict, layout: tuple, text: int) -> dict:
+    """Random forward arguments whose latent patches into `layout` (batch 1, bf16 on the GPU)."""
+    def randn(*shape):
+        return torch.randn(shape, device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+
+    timestep = torch.full((1,), 500, device=DEVICE)
+    if cls_name == "WanTransformer3DModel":
+        frames, height, width = layout[0], layout[1] * 2, layout[2] * 2
+        return dict(hidden_states=randn(1, config["in_channels"], frames, height, width), timestep=timestep,
+                    encoder_hidden_states=randn(1, text, config["text_dim"]), return_dict=False)
+    if cls_name == "HunyuanVideoTransformer3DModel":
+        frames, height, width = layout[0], layout[1] * 2, layout[2] * 2
+        return dict(hidden_states=randn(1, config["in_channels"], frames, height, width), timestep=timestep,
+                    encoder_hidden_states=randn(1, text, config["text_embed_dim"]),
+                    encoder_attention_mask=torch.ones(1, text, device=DEVICE, dtype=torch.long),
+                    pooled_projections=randn(1, config["pooled_projection_dim"]),
+                    guidance=torch.full((1,), 6000.0, device=DEVICE), return_dict=False)
+    if cls_name == "FluxTransformer2DModel":
+        h, w = layout
+        rows, cols = torch.meshgrid(torch.arange(h, device=DEVICE), torch.arange(w, device=DEVICE), indexing="ij")
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+        return dict(hidden_states=randn(1, h * w, config["in_channels"]),
+                    encoder_hidden_states=randn(1, text, config["joint_attention_dim"]),
+                    pooled_projections=randn(1, config["pooled_projection_dim"]), timestep=timestep / 1000,
+                    img_ids=img_ids, txt_ids=torch.zeros(text, 3, device=DEVICE),
+                    guidance=torch.full((1,), 3.5, device=DEVICE), return_dict=False)
+    raise ValueError(f"no inputs for {cls_name}")
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    """Median milliseconds of `fn()` over `repeats` synchronised calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def step_ms(model, args: dict, steps: int) -> tuple[float, torch.Tensor]:
+    """Median milliseconds of a forward pass (after two warm-up passes) and its output."""
+    with torch.no_grad():
+        return median_ms(lambda: model(**args), steps), model(**args)[0]
+
+
+def captured_qkv(model, args: dict, applied) -> tuple:
+    """q, k, v of the first routed attention call of a forward pass (what natsim replaces)."""
+    router = applied.router
+    seen = []
+    attend = router.attend
+
+    def capture(q, k, v, mask, scale):
+        if not seen and q.shape[1] == k.shape[1] and q.shape[1] >= math.prod(router.layout):
+            seen.append((q.clone(), k.clone(), v.clone(), mask))
+        return attend(q, k, v, mask, scale)
+
+    router.attend = capture
+    with torch.no_grad():
+        model(**args)
+    router.attend = attend
+    return seen[0]
+
+
+def run_case(name: str, steps: int, small: bool = False) -> dict:
+    cls_name, config, layout, text, options = small_case(name) if small else CASES[name]
+    torch.manual_seed(0)
+    model = build(cls_name, config)
+    args = inputs(cls_name, config, layout, text)
+    record = dict(case=name, model=cls_name, layout=list(layout), text_tokens=text,
+                  options={k: str(v) if isinstance(v, torch.dtype) else v for k, v in options.items()},
+                  layers={k: v for k, v in config.items() if "layers" in k})
+    own_ms, own_out = step_ms(model, args, steps)
+
+    applied = nd.apply(model, **options)
+    with torch.no_grad():  # the first step of a layout: planning and the kernels' first compile
+        start = time.perf_counter()
+        model(**args)
+        synchronize()
+        record["first_step_ms"] = (time.perf_counter() - start) * 1e3
+    natsim_ms, natsim_out = step_ms(model, args, steps)
+    plan = next(iter(applied.plans.values()))
+    record["plan"] = dict(window=list(plan.problem.window), stride=list(plan.problem.stride),
+                          q_tile=list(plan.tiles.q_tile), kv_tile=list(plan.tiles.kv_tile),
+                          kv_tiling=plan.tiles.kv_tiling, sparsity=plan.sparsity, tile_speedup=plan.tile_speedup)
+    record["output_relative_difference"] = float((natsim_out.float() - own_out.float()).norm()
+                                                 / own_out.float().norm())
+
+    # The attention alone: the model's own over the routed q, k, v, against natsim's; its share of the steps.
+    q, k, v, mask = captured_qkv(model, args, applied)
+    with torch.no_grad():
+        own_attention = median_ms(lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask), 5)
+        natsim_attention = median_ms(lambda: applied.router.attend(q, k, v, mask, None), 5)
+    speedup = own_attention / natsim_attention
+    calls = len(applied.originals)
+
+    nd.remove(model)
+    model.compile_repeated_blocks(fullgraph=True, **({} if DEVICE == "cuda" else {"backend": "aot_eager"}))
+    own_compiled_ms, _ = step_ms(model, args, steps)
+    nd.apply(model, **options)
+    natsim_compiled_ms, compiled_out = step_ms(model, args, steps)
+    share = min(1.0, calls * own_attention / own_ms)
+    share_compiled = min(1.0, calls * own_attention / own_compiled_ms)
+
+    def ceiling(a: float) -> float:
+        return 1 / ((1 - a) + a / speedup)
+
+    record.update(
+        own_step_ms=own_ms, natsim_step_ms=natsim_ms, step_speedup=own_ms / natsim_ms,
+        own_compiled_step_ms=own_compiled_ms, natsim_compiled_step_ms=natsim_compiled_ms,
+        compiled_step_speedup=own_compiled_ms / natsim_compiled_ms,
+        attention_share=share, attention_share_compiled=share_compiled,
+        own_attention_ms=own_attention, natsim_attention_ms=natsim_attention, attention_speedup=speedup,
+        ceiling=ceiling(share), ceiling_compiled=ceiling(share_compiled),
+        compiled_output_relative_difference=float((compiled_out.float() - own_out.float()).norm()
+                                                  / own_out.float().norm()),
+    )
+    record["fraction_of_ceiling"] = record["step_speedup"] / record["ceiling"]
+    record["fraction_of_ceiling_compiled"] = record["compiled_step_speedup"] / record["ceiling_compiled"]
+    del model
+    torch.cuda.empty_cache()
+    return record
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
+    parser.add_argument("--small", action="store_true", help="tiny models on the CPU (a smoke test of the script)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    import diffusers
+    import triton
+
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
+                  date=datetime.date.today().isoformat(), records=[])
+    path = args.out / f"diffusers-step-{device.replace(' ', '_')}-{result['date']}.json"
+    for name in args.cases.split(","):
+        record = run_case(name, args.steps, args.small)
+        print(json.dumps(record), flush=True)
+        result["records"].append(record)
+        path.write_text(json.dumps(result, indent=1))
+    print(f"\n{'case':14s} {'share e/c':>10s} {'attn x':>7s} {'eager x':>8s} {'ceil':>6s} {'compiled x':>10s} {'ceil':>6s}"
+          f" {'of ceil':>8s} {'diff':>8s}")
+    for r in result["records"]:
+        print(f"{r['case']:14s} {r['attention_share']:.2f}/{r['attention_share_compiled']:.2f} "
+              f"{r['attention_speedup']:7.2f} {r['step_speedup']:8.2f} {r['ceiling']:6.2f} "
+              f"{r['compiled_step_speedup']:10.2f} {r['ceiling_compiled']:6.2f} "
+              f"{r['fraction_of_ceiling_compiled']:8.2f} {r['output_relative_difference']:8.1e}")
+
+
+if __name__ == "__main__":
+    main()
