@@ -65,6 +65,12 @@ def gna_forward(
     return out, (_no_lse(q) if lse is None else lse)
 
 
+def _like(x: torch.Tensor) -> torch.Tensor:
+    """A fake output shaped as `x` with contiguous strides, as the kernels and references allocate theirs
+    (`empty_like` would copy the strides of a transposed input, and compiled graphs check them)."""
+    return x.new_empty(x.shape)
+
+
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -82,7 +88,7 @@ def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, 
         check_frames(q, k, v, window, stride, dilation, causal, list(frame_offsets))
     check_kv_tiling(kv_tiling)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
-    return torch.empty_like(q), lse
+    return _like(q), lse
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -140,7 +146,7 @@ def gna_backward(
 
 @gna_backward.register_fake
 def _gna_backward_fake(q, k, v, out, lse, grad_out, grad_lse, window, stride, dilation, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _like(q), _like(k), _like(v)
 
 
 def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
@@ -205,7 +211,7 @@ def _gna_resolved_fake(q, k, v, resolver, scale, return_lse):
     if resolver not in _resolvers:
         raise ValueError(f"resolver must be an id from register_resolver, got resolver={resolver!r}.")
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
-    return torch.empty_like(q), lse
+    return _like(q), lse
 
 
 @torch.library.custom_op("natsim::gna_resolved_backward", mutates_args=())
@@ -235,7 +241,7 @@ def gna_resolved_backward(
 
 @gna_resolved_backward.register_fake
 def _gna_resolved_backward_fake(q, k, v, out, lse, grad_out, grad_lse, resolver, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _like(q), _like(k), _like(v)
 
 
 def _resolved_setup_context(ctx, inputs, output) -> None:
@@ -296,7 +302,7 @@ def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_
     dense_mask(mask, q_block, kv_block, q.shape[1])  # the same sentence errors as eager
     check_mask_batch(mask.shape[0], mask.shape[1], q)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
-    return torch.empty_like(q), lse
+    return _like(q), lse
 
 
 def _sparse_setup_context(ctx, inputs, output) -> None:
@@ -336,7 +342,7 @@ def sparse_backward(
 
 @sparse_backward.register_fake
 def _sparse_backward_fake(q, k, v, mask, out, lse, grad_out, grad_lse, q_block, kv_block, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _like(q), _like(k), _like(v)
 
 
 def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):

@@ -176,3 +176,46 @@ def test_flux_under_a_whole_model_compile_asks_for_its_layout():
     with pytest.raises(Exception, match=r"pass layout=\(height // 16, width // 16\) to apply\(\)"), torch.no_grad():
         torch.compile(model, fullgraph=True, backend="eager")(**diffusers_models.inputs("FluxTransformer2DModel",
                                                                                          (8, 8)))
+
+
+# -- on a CUDA GPU: `pytest -m gpu tests/test_diffusers.py` ------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys, masked", [(512, False), (37, True), (256, True)])
+def test_gpu_text_attention_with_lse_matches_float64(keys, masked):
+    from natsim.integrations.diffusers.attention import _attention_with_lse
+
+    gen = torch.Generator(device="cuda").manual_seed(keys)
+    q = torch.randn(2, 3000, 4, 128, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(2, keys, 4, 128, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    keep = torch.rand(2, keys, device="cuda", generator=gen) > 0.3 if masked else None
+    out, lse = _attention_with_lse(q, k, v, keep, 128**-0.5)
+    ref, ref_lse = _attention_with_lse(q.cpu().double(), k.cpu().double(), v.cpu().double(),
+                                      None if keep is None else keep.cpu(), 128**-0.5)
+    assert relative_error(out.cpu(), ref) < 1e-2
+    assert float((lse.cpu().double() - ref_lse).abs().max()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MODELS)
+def test_gpu_models_match_their_own_attention_and_replay_under_cuda_graphs(name):
+    torch._dynamo.reset()
+    model = diffusers_models.build(name).cuda().to(torch.bfloat16)
+    layout = LAYOUTS[name]
+    inputs = {k: (v.cuda().to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() and k not in
+                  ("img_ids", "txt_ids") else (v.cuda() if isinstance(v, torch.Tensor) else v))
+              for k, v in diffusers_models.inputs(name, layout, batch=2).items()}
+    with torch.no_grad():
+        own = model(**inputs)[0]
+        nd.apply(model, window=layout)
+        eager = model(**inputs)[0]
+        assert relative_error(eager, own) < 2e-2
+        nd.remove(model)
+        nd.apply(model, 0.5, layout=layout)  # a whole-model compile cannot read FLUX's img_ids: the layout given
+        sparse = model(**inputs)[0]
+        run = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+        for _ in range(3):  # warm-up, capture, replay
+            torch.compiler.cudagraph_mark_step_begin()
+            graphed = run(**inputs)[0].clone()
+    assert relative_error(graphed, sparse) < 2e-2

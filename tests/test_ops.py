@@ -254,3 +254,14 @@ def test_direct_entry_points_refuse_torch_compile():
     compiled = torch.compile(lambda q, k, v: gna_attention_permuted(q, k, v, problem, tile, tile), fullgraph=True)
     with pytest.raises(Exception, match="not a registered operator"):
         compiled(qp, kp, vp)
+
+
+def test_fake_outputs_have_the_real_outputs_strides_for_transposed_inputs():
+    """Compiled graphs check that each operator's output strides are those its fake implementation said: a
+    transposed (non-contiguous) q must not give the fake a copy of its strides."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 8, 32, generator=gen).half().permute(0, 2, 3, 1, 4) for _ in range(3))
+    assert not q.is_contiguous()
+    torch.library.opcheck(torch.ops.natsim.gna_forward.default,
+                          (q, k, v, [3, 3], [1, 1], [1, 1], [False, False], None, None, None, True),
+                          test_utils="test_faketensor")

@@ -104,23 +104,34 @@ def routed_processor(original, router: Router):
     """A processor that does what `original` does, but attends through `router` (see the module docstring)."""
     cls = type(original)
     module_name = _install(cls)
-
-    @functools.wraps(cls.__call__)  # diffusers passes a processor only the keyword arguments its signature names
-    def __call__(self, *args, **kwargs):
-        global _active
-        previous = _active
-        _active = self._natsim_router
-        try:
-            return cls.__call__(self, *args, **kwargs)
-        finally:
-            _active = previous
-
-    routed_class = type(f"Natsim{cls.__name__}", (cls,), {
-        "__call__": __call__,
-        "__doc__": f"{cls.__name__} attending through natsim (natsim.integrations.diffusers).",
-    })
-    processor = object.__new__(routed_class)
+    processor = object.__new__(_routed_class(cls))
     processor.__dict__.update(vars(original))
     processor._natsim_router = router
     processor._natsim_module = module_name
     return processor
+
+
+_routed_classes: dict[type, type] = {}
+
+
+def _routed_class(cls: type) -> type:
+    """The routed subclass of a processor class, one per class: compiled blocks that share code then share their
+    graph, as with the model's own processors (Dynamo guards on the processor's type)."""
+    routed = _routed_classes.get(cls)
+    if routed is None:
+        @functools.wraps(cls.__call__)  # diffusers passes a processor only the keyword arguments its signature names
+        def __call__(self, *args, **kwargs):
+            global _active
+            previous = _active
+            _active = self._natsim_router
+            try:
+                return cls.__call__(self, *args, **kwargs)
+            finally:
+                _active = previous
+
+        routed = type(f"Natsim{cls.__name__}", (cls,), {
+            "__call__": __call__,
+            "__doc__": f"{cls.__name__} attending through natsim (natsim.integrations.diffusers).",
+        })
+        _routed_classes[cls] = routed
+    return routed
