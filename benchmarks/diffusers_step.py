@@ -1,14 +1,15 @@
 """A denoising step of diffusers video and image transformers with natsim, against the model's own attention,
 eager and compiled, one run, one JSON:
 
-    python benchmarks/diffusers_step.py --out DIR [--cases wan-480p,wan-720p,hunyuan-720p,flux-2048] [--steps 5]
+    python benchmarks/diffusers_step.py --out DIR [--cases wan-480p,wan-720p,hunyuan-720p,flux-2048,...] [--steps 5]
     python benchmarks/diffusers_step.py --out /tmp/x --small      # CPU smoke test: tiny models, seconds
 
 Each model is built from its published configuration with random weights (nothing is downloaded; the large ones
 with fewer layers, which leaves each layer's share of the step as it is), on the GPU in bf16, batch 1, with a
 random latent, timestep and text states. Per case, side by side in one process:
 - the step (one forward pass) with the model's own attention (diffusers' default: torch's SDPA), eager and
-  under `compile_repeated_blocks(fullgraph=True)`;
+  under `compile_repeated_blocks(fullgraph=True)` (the whole model under `torch.compile(fullgraph=True)` for
+  CogVideoX, which declares no repeated blocks);
 - the same with `natsim.integrations.diffusers.apply(model, ...)`: eager and compiled;
 - the attention alone at the case's layout: the model's own (SDPA over the routed q, k, v, captured from the
   step) against natsim's (the router's call on them), its speedup `s`;
@@ -44,6 +45,11 @@ HUNYUAN = dict(in_channels=16, out_channels=16, num_attention_heads=24, attentio
 FLUX = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
             axes_dims_rope=(16, 56, 56))
+COGVIDEOX_5B = dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, time_embed_dim=512,
+                    text_embed_dim=4096, num_layers=42, patch_size=2, use_rotary_positional_embeddings=True,
+                    sample_width=90, sample_height=60, sample_frames=49)
+LTX = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32, attention_head_dim=64,
+           cross_attention_dim=2048, num_layers=28, caption_channels=4096)
 # name: class, configuration (layers cut where one H100 cannot hold a full step), token layout, text tokens,
 # natsim's options.
 CASES = {
@@ -53,6 +59,9 @@ CASES = {
                      (30, 48, 80), 256, dict(window=(18, 24, 24))),
     "flux-2048": ("FluxTransformer2DModel", {**FLUX, "num_layers": 4, "num_single_layers": 8}, (128, 128), 512,
                   dict(sparsity=0.9)),
+    "cogvideox-5b": ("CogVideoXTransformer3DModel", {**COGVIDEOX_5B, "num_layers": 10}, (13, 30, 45), 226,
+                     dict(sparsity=0.9)),
+    "ltx-video": ("LTXVideoTransformer3DModel", {**LTX, "num_layers": 10}, (33, 22, 38), 128, dict(sparsity=0.9)),
 }
 
 
@@ -66,6 +75,11 @@ SMALL = {
     "FluxTransformer2DModel": dict(FLUX, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32,
                                    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
                                    axes_dims_rope=(8, 12, 12)),
+    "CogVideoXTransformer3DModel": dict(COGVIDEOX_5B, num_attention_heads=2, attention_head_dim=32, in_channels=4,
+                                        out_channels=4, time_embed_dim=32, text_embed_dim=32, num_layers=2,
+                                        sample_width=16, sample_height=16, sample_frames=13),
+    "LTXVideoTransformer3DModel": dict(LTX, in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=32,
+                                       cross_attention_dim=64, num_layers=2, caption_channels=32),
 }
 
 
@@ -103,6 +117,16 @@ def inputs(cls_name: str, config: dict, layout: tuple, text: int) -> dict:
                     encoder_attention_mask=torch.ones(1, text, device=DEVICE, dtype=torch.long),
                     pooled_projections=randn(1, config["pooled_projection_dim"]),
                     guidance=torch.full((1,), 6000.0, device=DEVICE), return_dict=False)
+    if cls_name == "CogVideoXTransformer3DModel":
+        frames, height, width = layout[0], layout[1] * 2, layout[2] * 2
+        return dict(hidden_states=randn(1, frames, config["in_channels"], height, width), timestep=timestep,
+                    encoder_hidden_states=randn(1, text, config["text_embed_dim"]), return_dict=False)
+    if cls_name == "LTXVideoTransformer3DModel":
+        frames, height, width = layout
+        return dict(hidden_states=randn(1, frames * height * width, config["in_channels"]), timestep=timestep,
+                    encoder_hidden_states=randn(1, text, config["caption_channels"]),
+                    encoder_attention_mask=torch.ones(1, text, device=DEVICE, dtype=torch.long),
+                    num_frames=frames, height=height, width=width, return_dict=False)
     if cls_name == "FluxTransformer2DModel":
         h, w = layout
         rows, cols = torch.meshgrid(torch.arange(h, device=DEVICE), torch.arange(w, device=DEVICE), indexing="ij")
@@ -192,10 +216,16 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
     calls = len(applied.originals)
 
     nd.remove(model)
-    model.compile_repeated_blocks(fullgraph=True, **({} if DEVICE == "cuda" else {"backend": "aot_eager"}))
-    own_compiled_ms, _ = step_ms(model, args, steps)
+    backend = {} if DEVICE == "cuda" else {"backend": "aot_eager"}
+    if model._repeated_blocks:
+        model.compile_repeated_blocks(fullgraph=True, **backend)
+        compiled = model
+    else:  # CogVideoX declares no repeated blocks: the whole model
+        compiled = torch.compile(model, fullgraph=True, **backend)
+    record["compiled"] = "repeated blocks" if model._repeated_blocks else "whole model"
+    own_compiled_ms, _ = step_ms(compiled, args, steps)
     nd.apply(model, **options)
-    natsim_compiled_ms, compiled_out = step_ms(model, args, steps)
+    natsim_compiled_ms, compiled_out = step_ms(compiled, args, steps)
     share = min(1.0, calls * own_attention / own_ms)
     share_compiled = min(1.0, calls * own_attention / own_compiled_ms)
 

@@ -11,15 +11,15 @@ import torch
 TEXT_TOKENS = 6
 
 
-def build(name: str, seed: int = 0):
-    """A tiny model of class `name` in eval mode."""
+def build(name: str, seed: int = 0, layers: int = 2):
+    """A tiny model of class `name` in eval mode (`layers`: Wan's block count)."""
     import diffusers
 
     torch.manual_seed(seed)
     if name == "WanTransformer3DModel":
         model = diffusers.WanTransformer3DModel(
             patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
-            text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32)
+            text_dim=32, freq_dim=32, ffn_dim=64, num_layers=layers, rope_max_seq_len=32)
     elif name == "HunyuanVideoTransformer3DModel":
         model = diffusers.HunyuanVideoTransformer3DModel(
             in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32, num_layers=1,

@@ -169,6 +169,24 @@ def test_compiled_models_compile_once_per_latent_size(name, whole):
     assert all(plan.sparsity >= 0.5 for plan in applied.plans.values())
 
 
+def test_compiled_blocks_share_one_graph_as_with_the_models_own_attention():
+    """Dynamo guards on a processor's type: every routed processor of a class must share one routed class, or
+    each of a model's blocks compiles its own graph (and 30 blocks exceed the recompile limit)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = diffusers_models.build("WanTransformer3DModel", layers=10)
+    inputs = diffusers_models.inputs("WanTransformer3DModel", (2, 4, 8))
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    with torch.no_grad():
+        model(**inputs)
+    own_graphs = counters["stats"]["unique_graphs"]
+    nd.apply(model, 0.5, dtype=torch.float16)
+    with torch.no_grad():
+        model(**inputs)
+    assert counters["stats"]["unique_graphs"] - own_graphs == own_graphs == 1
+
+
 def test_flux_under_a_whole_model_compile_asks_for_its_layout():
     torch._dynamo.reset()
     model = diffusers_models.build("FluxTransformer2DModel")
