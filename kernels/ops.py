@@ -262,6 +262,43 @@ def _resolved_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 gna_resolved.register_autograd(_resolved_backward, setup_context=_resolved_setup_context)
 
 
+# == natsim::attention_resolved: attention a registered callable computes at run time =============================
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[float], bool],
+                     tuple[torch.Tensor, Optional[torch.Tensor]]]
+_attentions: dict[int, Attention] = {}
+
+
+def register_attention(attention: Attention) -> int:
+    """Register `attention(q, k, v, scale, return_lse) -> (out, lse or None)` on `[B, N, heads, head_dim]`
+    tensors and return the id that `natsim::attention_resolved` takes. For attention whose work depends on
+    state decided at run time, per call (a content-adaptive mask predicted, cached and planned per layer and
+    diffusion step): the operator keeps it out of compiled graphs, so that its decisions never become guards."""
+    key = len(_attentions)
+    _attentions[key] = attention
+    return key
+
+
+@torch.library.custom_op("natsim::attention_resolved", mutates_args=())
+def attention_resolved(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: int, scale: Optional[float], return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered `attention` on `[B, N, heads, head_dim]`: the output and the LSE `[B, N, heads]` (empty
+    unless `return_lse`). Inference only: it has no backward."""
+    if attention not in _attentions:
+        raise ValueError(f"attention must be an id from register_attention, got attention={attention!r}.")
+    out, lse = _attentions[attention](q, k, v, scale, return_lse)
+    return out, (_no_lse(q) if lse is None else lse)
+
+
+@attention_resolved.register_fake
+def _attention_resolved_fake(q, k, v, attention, scale, return_lse):
+    if attention not in _attentions:
+        raise ValueError(f"attention must be an id from register_attention, got attention={attention!r}.")
+    lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
+    return _like(q), lse
+
+
 # == natsim::sparse_forward: attention under any block mask (kernels/sparse/) ================================
 
 PV_SKIP_GRADIENT_REFUSAL = (

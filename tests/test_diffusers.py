@@ -237,3 +237,71 @@ def test_gpu_models_match_their_own_attention_and_replay_under_cuda_graphs(name)
             torch.compiler.cudagraph_mark_step_begin()
             graphed = run(**inputs)[0].clone()
     assert relative_error(graphed, sparse) < 2e-2
+
+
+# -- content-adaptive masks ---------------------------------------------------------------------------------------
+
+EVERY_BLOCK = dict(dense_fraction=0.0, initial_budget=1.0, budget_decay=0.0, min_budget=1.0, min_speedup=0.0)
+
+
+def with_timestep(name: str, layout, value: float, batch: int = 1) -> dict:
+    inputs = diffusers_models.inputs(name, layout, batch=batch)
+    inputs["timestep"] = torch.full_like(inputs["timestep"], value)
+    return inputs
+
+
+@pytest.mark.parametrize("name", ["WanTransformer3DModel", "HunyuanVideoTransformer3DModel",
+                                  "CogVideoXTransformer3DModel"])
+def test_masks_that_keep_every_block_reproduce_the_models_attention(name):
+    """Predicted masks keeping every block: the sparse kernel on Hilbert-ordered tokens, back in row-major order,
+    merged with the text part where there is one, must equal the model's dense attention."""
+    model = diffusers_models.build(name)
+    inputs = with_timestep(name, (2, 4, 8), 900.0, batch=2)
+    with torch.no_grad():
+        own = model(**inputs)[0]
+    applied = nd.apply(model, masks=nd.Masks(steps=4, block=16, **EVERY_BLOCK), dtype=torch.float16)
+    with torch.no_grad():
+        routed = model(**inputs)[0]
+    stats = applied.masked.stats
+    assert stats.predictions == stats.calls == len(applied.originals) and stats.dense_calls == 0
+    assert relative_error(routed, own) < 1e-3
+
+
+def test_masks_follow_the_cache_schedule_one_step_per_timestep():
+    model = diffusers_models.build("WanTransformer3DModel")
+    applied = nd.apply(model, masks=nd.Masks(steps=4, block=16, dense_fraction=0.25, interval=2), dtype=torch.float16)
+    layers = len(applied.originals)
+    with torch.no_grad():
+        for step, timestep in enumerate([900.0, 700.0, 500.0, 300.0]):
+            for _ in range(2):  # classifier-free guidance as two forward passes: one step
+                model(**with_timestep("WanTransformer3DModel", (2, 4, 8), timestep))
+            assert applied.masked.step == step
+    stats = applied.masked.stats
+    assert stats.calls == 4 * 2 * layers and stats.dense_calls == 2 * layers  # step 0: dense warm-up
+    # Predicted at step 1 (the first sparse step), again at step 2 (a new interval), reused at step 3.
+    assert sorted({(r.step, r.budget) for r in applied.masked.cache.refreshes}) == [(1, 0.3), (2, 0.2)]
+    assert stats.predictions == 2 * layers and len(applied.plans) == 1
+
+
+def test_masks_under_regional_compilation_never_recompile_across_steps():
+    torch._dynamo.reset()
+    model = diffusers_models.build("WanTransformer3DModel")
+    nd.apply(model, masks=nd.Masks(steps=4, block=16, dense_fraction=0.25), dtype=torch.float16)
+    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        model(**with_timestep("WanTransformer3DModel", (2, 4, 8), 900.0))  # compiles (a dense step)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for timestep in (700.0, 500.0, 300.0):  # sparse steps, masks predicted and reused
+                assert torch.isfinite(model(**with_timestep("WanTransformer3DModel", (2, 4, 8), timestep))[0]).all()
+
+
+def test_masks_refuse_what_they_cannot_do():
+    model = diffusers_models.build("WanTransformer3DModel")
+    with pytest.raises(ValueError, match="masks replaces GNA: pass masks=... or sparsity / window, not both"):
+        nd.apply(model, 0.9, masks=nd.Masks(steps=4))
+    with pytest.raises(TypeError, match="masks must be a natsim.integrations.diffusers.Masks"):
+        nd.apply(model, masks={"steps": 4})
+    torch._dynamo.reset()
+    nd.apply(model, masks=nd.Masks(steps=4, block=16))
+    with pytest.raises(Exception, match="compile its blocks instead"), torch.no_grad():
+        torch.compile(model, fullgraph=True, backend="eager")(**with_timestep("WanTransformer3DModel", (2, 4, 8), 9.0))

@@ -1,6 +1,6 @@
-"""natsim.integrations.diffusers: GNA inside a diffusers transformer, planned once per latent size, one call on.
-`apply(transformer, sparsity=0.9)` routes the video (or image) attention of a supported model through natsim;
-`remove(transformer)` restores the model's own attention. The models: `models.SPECS`; the routing: attention.py.
+"""natsim.integrations.diffusers: natsim's attention inside a diffusers transformer, in one call. `apply(transformer,
+sparsity=0.9)` routes its video (or image) attention through GNA planned once per latent size, `apply(transformer,
+masks=Masks(steps=50))` through content-adaptive masks; `remove(transformer)` restores the model's own.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from natsim.planner import AutoPlan, CostModel
 from natsim.problem import BoolOrBools, IntOrInts
 
 from .attention import Router
+from .masks import MaskedAttention, Masks
 from .models import SPECS, spec_of
 from .processors import release, routed_processor
 
-__all__ = ["apply", "remove", "SUPPORTED_MODELS", "Applied"]
+__all__ = ["apply", "remove", "Masks", "SUPPORTED_MODELS", "Applied"]
 
 SUPPORTED_MODELS = tuple(SPECS)
 
@@ -34,14 +35,21 @@ class Applied:
 
     @property
     def plans(self) -> dict:
-        """The GNA plans made so far, one per (layout, heads, head_dim, dtype, device)."""
-        return self.router.auto.plans
+        """The plans made so far: GNA plans per (layout, heads, head_dim, dtype, device), or with masks the mask
+        plans per (layout, batch, heads, head_dim, dtype, device)."""
+        return self.router.auto.plans if self.router.masked is None else self.router.masked.plans
+
+    @property
+    def masked(self) -> Optional[MaskedAttention]:
+        """The content-adaptive masks' run-time state (`stats`, `cache`, `reset()`), or None for GNA."""
+        return self.router.masked
 
 
 def apply(
     transformer: nn.Module,
     sparsity: Optional[float] = None,
     *,
+    masks: Optional[Masks] = None,
     layout: Optional[IntOrInts] = None,
     dtype: Optional[torch.dtype] = None,
     window: Optional[IntOrInts] = None,
@@ -52,7 +60,8 @@ def apply(
     training: bool = False,
 ) -> Applied:
     """Route `transformer`'s video attention through GNA at `sparsity` (default 0.9, or any that `window`
-    reaches when a window is given); returns an `Applied`.
+    reaches when a window is given), or through content-adaptive `masks` (masks.py: inference, eager or
+    regional compilation); returns an `Applied`.
 
     The token layout of every call comes from the latent and the model's patch sizes (`layout` fixes it: FLUX
     under a whole-model `torch.compile`, which cannot read its img_ids). Each new layout is planned on its
@@ -68,10 +77,17 @@ def apply(
         raise ValueError("natsim is already applied to this transformer: call remove(transformer) first.")
     if layout is not None:
         layout = (layout,) if isinstance(layout, int) else tuple(int(n) for n in layout)
-    if sparsity is None:
-        sparsity = 0.9 if window is None else 0.0
-    router = Router(AutoPlan(sparsity, causal=causal, window=window, max_stride=max_stride, device=device,
-                             cost_model=cost_model, training=training), spec.text_first, dtype)
+    masked = None
+    if masks is not None:
+        if sparsity is not None or window is not None:
+            raise ValueError("masks replaces GNA: pass masks=... or sparsity / window, not both.")
+        auto, masked = None, MaskedAttention(masks, dtype)
+    else:
+        if sparsity is None:
+            sparsity = 0.9 if window is None else 0.0
+        auto = AutoPlan(sparsity, causal=causal, window=window, max_stride=max_stride, device=device,
+                        cost_model=cost_model, training=training)
+    router = Router(auto, spec.text_first, dtype, masked)
     originals = {}
     for attention in spec.attentions(transformer):
         originals[attention] = attention.processor
@@ -79,6 +95,8 @@ def apply(
 
     def tell_layout(model, args, kwargs):
         router.set_layout(layout if layout is not None else spec.layout(model, args, kwargs))
+        if masked is not None:
+            masked.begin_forward(router.layout, spec.timestep(args, kwargs))
 
     hook = transformer.register_forward_pre_hook(tell_layout, with_kwargs=True)
     applied = Applied(router, originals, hook)

@@ -4,11 +4,12 @@
 query, key and value, and decides by their lengths, against the token layout of the current forward call
 (`Router.layout`, `prod(layout) = N_video` tokens):
 
-- N == N_video (self-attention over the video tokens): GNA with the plan for the layout (`AutoPlan`).
+- N == N_video (self-attention over the video tokens): GNA with the plan for the layout (`AutoPlan`), or a
+  content-adaptive mask (masks.py).
 - N == N_video + N_text (joint attention, text tokens before or after the video tokens):
-  - a video query attends the keys in its GNA window and every (unmasked) text key: the GNA output and the
-    dense attention over the text keys are merged through their log-sum-exps, which is exact softmax
-    attention over the union of the two key sets;
+  - a video query attends the keys in its GNA window (or its content-adaptive mask) and every (unmasked) text
+    key: the sparse output and the dense attention over the text keys are merged through their log-sum-exps,
+    which is exact softmax attention over the union of the two key sets;
   - a text query attends every key, video and text (unmasked), densely, as in the model.
   A key mask (`[B or 1, 1, 1, N]`, boolean or additive, as HunyuanVideo passes for text padding) masks text
   keys; video keys are never masked.
@@ -27,20 +28,28 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from natsim.kernels import ops
 from natsim.planner import AutoPlan
+
+from .dense import attention_with_lse
+from .masks import MaskedAttention
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class Router:
-    """One model's attention routing; `layout` is set by the model's forward pre-hook on every call."""
+    """One model's attention routing; `layout` is set by the model's forward pre-hook on every call. The video
+    tokens' own attention is GNA with `auto`'s plan for the layout, or, with `masked`, a content-adaptive mask
+    (natsim.integrations.diffusers.masks) through the operator `natsim::attention_resolved`."""
 
-    def __init__(self, auto: AutoPlan, text_first: bool, dtype: Optional[torch.dtype] = None):
+    def __init__(self, auto: Optional[AutoPlan], text_first: bool, dtype: Optional[torch.dtype] = None,
+                 masked: Optional[MaskedAttention] = None):
         if dtype is not None and dtype not in KERNEL_DTYPES:
             raise ValueError(f"dtype must be None, torch.float16 or torch.bfloat16, got dtype={dtype!r}.")
         self.auto = auto
         self.text_first = text_first
         self.dtype = dtype
+        self.masked = masked
         self.layout: Optional[tuple[int, ...]] = None
 
     def set_layout(self, layout: tuple[int, ...]) -> None:
@@ -66,7 +75,11 @@ class Router:
         return x.dtype if x.dtype in KERNEL_DTYPES else torch.bfloat16
 
     def _gna(self, q, k, v, scale, return_lse: bool):
-        """GNA of `[B, N_video, heads, head_dim]` tokens over the layout: the output (and LSE) per token."""
+        """The video tokens' own attention of `[B, N_video, heads, head_dim]` tokens: GNA over the layout (or the
+        content-adaptive mask): the output (and LSE) per token."""
+        if self.masked is not None:
+            out, lse = ops.attention_resolved(q, k, v, self.masked.id, scale, return_lse)
+            return (out, lse) if return_lse else out
         batch, tokens, heads, head_dim = q.shape
         dtype = self._kernel_dtype(q)
         q, k, v = (t.reshape(batch, *self.layout, heads, head_dim).to(dtype) for t in (q, k, v))
@@ -93,7 +106,7 @@ class Router:
 
         # Video queries: their GNA window over the video keys, merged with every text key.
         out_window, lse_window = self._gna(qv, kv, vv, scale, return_lse=True)
-        out_text, lse_text = _attention_with_lse(qv, kt, vt, text_keep, scale)
+        out_text, lse_text = attention_with_lse(qv, kt, vt, text_keep, scale)
         lse = torch.logaddexp(lse_window, lse_text)
         video_out = (out_window.float() * torch.exp(lse_window - lse)[..., None]
                      + out_text * torch.exp(lse_text - lse)[..., None]).to(q.dtype)
@@ -117,39 +130,3 @@ def _key_mask(mask: Optional[torch.Tensor], batch: int, tokens: int, device) -> 
         )
     keep = mask[:, 0, 0, :] if mask.dtype == torch.bool else mask[:, 0, 0, :] > float("-inf")
     return keep.to(device).expand(batch, tokens)
-
-
-def _attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
-    """Dense attention of `[B, Nq, heads, D]` queries over `[B, Nk, heads, D]` keys (`keep`: `[B, Nk]` or None):
-    the output (float32) and the natural-log LSE `[B, Nq, heads]` (-inf, with output 0, where every key is
-    masked). On the GPU, PyTorch's memory-efficient attention kernel, which returns its LSE; elsewhere in
-    float32 torch ops."""
-    if q.is_cuda:
-        return _efficient_attention_with_lse(q, k, v, keep, scale)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
-    if keep is not None:
-        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float())
-    return out, lse.transpose(1, 2)
-
-
-def _efficient_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
-    """`_attention_with_lse` through `aten._scaled_dot_product_efficient_attention`: keys padded to a multiple of
-    16 (its bias rows must be 16-element aligned), masked keys and padding through an additive bias."""
-    batch, queries, heads, _ = q.shape
-    keys = k.shape[1]
-    pad = -keys % 16
-    bias = None
-    if keep is not None or pad:
-        keep = torch.ones(batch, keys, dtype=torch.bool, device=q.device) if keep is None else keep
-        keep = F.pad(keep, (0, pad), value=False)
-        bias = torch.zeros(batch, 1, 1, keys + pad, dtype=q.dtype, device=q.device)
-        bias = bias.masked_fill(~keep[:, None, None, :], float("-inf")).expand(batch, heads, queries, keys + pad)
-        k, v = F.pad(k, (0, 0, 0, 0, 0, pad)), F.pad(v, (0, 0, 0, 0, 0, pad))
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias, True, scale=scale)[:2]
-    lse = lse[..., :queries].transpose(1, 2)
-    out = torch.where(torch.isinf(lse)[..., None], 0.0, out.transpose(1, 2).float())
-    return out, lse

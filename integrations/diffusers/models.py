@@ -22,11 +22,15 @@ class ModelSpec:
     """One supported transformer class: `attentions(model)` lists the attention modules natsim routes
     (self-attention over the video tokens, or joint attention over video and text tokens), `text_first`
     says where text tokens sit in joint attention, `layout(model, args, kwargs)` gives the token layout of a
-    forward call from its arguments and the model's patch sizes."""
+    forward call from its arguments and the model's patch sizes, `timestep(args, kwargs)` its timestep."""
 
     attentions: Callable[[nn.Module], list[nn.Module]]
     text_first: bool
     layout: LayoutOf
+    timestep_index: int  # the forward's timestep argument: its position (it is also accepted by name)
+
+    def timestep(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        return _argument(args, kwargs, self.timestep_index, "timestep")
 
 
 def _argument(args: tuple, kwargs: dict, index: int, name: str):
@@ -93,13 +97,13 @@ def _blocks(*names: str) -> Callable[[nn.Module], list[nn.Module]]:
 
 
 SPECS: dict[str, ModelSpec] = {
-    "WanTransformer3DModel": ModelSpec(_blocks("blocks.attn1"), False, _wan_layout),
+    "WanTransformer3DModel": ModelSpec(_blocks("blocks.attn1"), False, _wan_layout, 1),
     "HunyuanVideoTransformer3DModel": ModelSpec(
-        _blocks("transformer_blocks.attn", "single_transformer_blocks.attn"), False, _hunyuan_layout),
-    "CogVideoXTransformer3DModel": ModelSpec(_blocks("transformer_blocks.attn1"), True, _cogvideox_layout),
-    "LTXVideoTransformer3DModel": ModelSpec(_blocks("transformer_blocks.attn1"), False, _ltx_layout),
+        _blocks("transformer_blocks.attn", "single_transformer_blocks.attn"), False, _hunyuan_layout, 1),
+    "CogVideoXTransformer3DModel": ModelSpec(_blocks("transformer_blocks.attn1"), True, _cogvideox_layout, 2),
+    "LTXVideoTransformer3DModel": ModelSpec(_blocks("transformer_blocks.attn1"), False, _ltx_layout, 2),
     "FluxTransformer2DModel": ModelSpec(
-        _blocks("transformer_blocks.attn", "single_transformer_blocks.attn"), True, _flux_layout),
+        _blocks("transformer_blocks.attn", "single_transformer_blocks.attn"), True, _flux_layout, 3),
 }
 
 

@@ -1,0 +1,205 @@
+"""Content-adaptive block masks inside a diffusers transformer: `apply(transformer, masks=Masks(steps=50))`.
+
+Per routed attention call (one layer of one forward pass), at run time, inside the registered operator
+`natsim::attention_resolved` (so that none of these decisions becomes a guard of a compiled graph):
+
+1. the step: forward passes with the same timestep are one denoising step (the two passes of classifier-free
+   guidance), read by the model's forward pre-hook; the layer: the call's place in the forward pass;
+2. `natsim.masks.MaskCache` (DFSAttn's Algorithm 1) decides: a dense warm-up step runs the attention densely
+   (PyTorch's SDPA, what the model itself runs); otherwise the layer's cached mask, predicted again when due by
+   `natsim.masks.hierarchical` (DFSAttn's predictor) on the tokens in Hilbert order at `block`-token blocks;
+3. the first mask of a layout is planned once (`natsim.planner.best_mask`: granularity and merge) and that plan
+   serves every layer of that layout: the layers' masks differ, their best granularity hardly does, and one
+   plan keeps planning off every later step; each new mask is pooled and prepared once
+   (`MaskPlan.with_mask`), then reused at the steps the cache keeps it;
+4. sparse attention of the ordered tokens under the mask, and the output back in row-major order.
+
+The masks path is for inference under eager execution or regional compilation (`compile_repeated_blocks`):
+reading the timestep is a host read that a whole-model compiled graph cannot hold, and a CUDA graph would
+freeze the per-step decisions, so both are refused with a sentence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from natsim.kernels import ops
+from natsim.masks import MaskCache, hierarchical, hilbert_inverse, hilbert_order, to_order
+from natsim.planner import MaskPlan, best_mask
+
+from .dense import attention_with_lse
+
+MASK_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Masks:
+    """What content-adaptive masking to run: DFSAttn's setup by default.
+
+    `steps`: denoising steps of a run (the cache's schedule). `block`: tokens per mask block of the predictor,
+    scored from `sub_block`-token sub-blocks. `dense_fraction`, `initial_budget`, `budget_decay`,
+    `min_budget`, `interval`: natsim.masks.MaskCache's. `order`: "hilbert" (blocks of tokens compact in the
+    video) or None (row-major). `merges`: the query merges `best_mask` may choose ("xor" runs natsim.merge on
+    the CPU, slow at video sizes). `min_speedup`: a plan predicted to gain no more than this over dense
+    attention runs dense attention instead.
+    """
+
+    steps: int
+    block: int = 64
+    sub_block: int = 16
+    dense_fraction: float = 0.25
+    initial_budget: float = 0.3
+    budget_decay: float = 0.1
+    min_budget: float = 0.1
+    interval: Optional[int] = None
+    order: Optional[str] = "hilbert"
+    merges: Sequence[str] = ("none", "consecutive")
+    min_speedup: float = 1.0
+
+    def cache(self) -> MaskCache:
+        options = dict(dense_fraction=self.dense_fraction, initial_budget=self.initial_budget,
+                       budget_decay=self.budget_decay, min_budget=self.min_budget)
+        if self.interval is not None:
+            options["interval"] = self.interval
+        return MaskCache(self.steps, **options)
+
+
+@dataclass
+class MaskStats:
+    """What the masked attention did: calls, dense calls (warm-up steps and plans with no gain), predictions,
+    and the planning time of each layout."""
+
+    calls: int = 0
+    dense_calls: int = 0
+    predictions: int = 0
+    plan_seconds: dict = field(default_factory=dict)
+
+
+class MaskedAttention:
+    """The run-time side of `Masks` for one model (module docstring); registered as a natsim operator."""
+
+    def __init__(self, masks: Masks, dtype: Optional[torch.dtype] = None):
+        if not isinstance(masks, Masks):
+            raise TypeError(f"masks must be a natsim.integrations.diffusers.Masks, got {type(masks).__name__}.")
+        self.masks = masks
+        self.dtype = dtype
+        self.cache = masks.cache()
+        self.stats = MaskStats()
+        self.plans: dict[tuple, MaskPlan] = {}
+        self.layout: Optional[tuple[int, ...]] = None
+        self._step = -1
+        self._timestep: Optional[float] = None
+        self._layer = 0
+        self._running: dict[int, tuple[torch.Tensor, MaskPlan]] = {}  # layer -> (its mask, its pooled plan)
+        self._orders: dict = {}
+        self.id = ops.register_attention(self)
+
+    # -- told by the forward pre-hook ------------------------------------------------------------------------
+
+    def begin_forward(self, layout: tuple[int, ...], timestep: torch.Tensor) -> None:
+        """A forward pass begins: its layout, and its timestep (a new value is a new denoising step)."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "natsim's content-adaptive masks read each forward pass's timestep on the host, which a compiled "
+                "graph of the whole transformer cannot do: compile its blocks instead "
+                "(transformer.compile_repeated_blocks(fullgraph=True)), or run it eagerly."
+            )
+        value = float(timestep.flatten()[0])
+        if value != self._timestep:
+            self._step += 1
+            self._timestep = value
+        if self.layout is not None and tuple(layout) != self.layout:
+            self._running.clear()
+        self.layout = tuple(layout)
+        self._layer = 0
+
+    @property
+    def step(self) -> int:
+        return max(self._step, 0)
+
+    def reset(self) -> None:
+        """A new denoising run: step 0 again, no cached masks (the plans per layout are kept)."""
+        self._step, self._timestep = -1, None
+        self.cache.reset()
+        self._running.clear()
+
+    # -- one call, at run time ---------------------------------------------------------------------------------
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
+                 return_lse: bool):
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "natsim's content-adaptive masks decide on the host at every step, which a CUDA graph would freeze: "
+                "run the model without CUDA graphs (no mode='reduce-overhead'), or use GNA (apply(..., sparsity=...))."
+            )
+        layer, self._layer = self._layer, self._layer + 1
+        self.stats.calls += 1
+        dtype = self.dtype or (q.dtype if q.dtype in MASK_DTYPES else torch.bfloat16)
+        order, inverse = self._device_orders(q.device)
+        ordered: dict = {}
+
+        def in_order(name: str, t: torch.Tensor) -> torch.Tensor:  # each tensor reordered once per call
+            if name not in ordered:
+                ordered[name] = (t if order is None else to_order(t, order)).to(dtype)
+            return ordered[name]
+
+        def predict(budget: float) -> torch.Tensor:
+            self.stats.predictions += 1
+            return hierarchical(in_order("q", q), in_order("k", k), self.masks.block, self.masks.block, keep=budget,
+                                sub_block=self.masks.sub_block, scale=scale)
+
+        mask = self.cache.mask(layer, self.step, predict)
+        plan = None if mask is None else self._plan(mask, q, dtype)
+        if plan is None or plan.predicted_speedup <= self.masks.min_speedup:
+            self.stats.dense_calls += 1
+            return _dense(q, k, v, scale, return_lse)
+        running = self._running.get(layer)
+        if running is None or running[0] is not mask:  # a new mask: pooled and prepared once, then reused
+            running = (mask, plan.with_mask(mask))
+            self._running[layer] = running
+        result = running[1](in_order("q", q), in_order("k", k), in_order("v", v), scale=scale, return_lse=return_lse)
+        out, lse = result if return_lse else (result, None)
+        if inverse is not None:
+            out = to_order(out, inverse)
+            lse = None if lse is None else to_order(lse[..., None], inverse)[..., 0]
+        return out.to(q.dtype), lse
+
+    def _plan(self, mask: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> MaskPlan:
+        """The plan of this layout, made from its first mask (module docstring)."""
+        key = (self.layout, q.shape[0], q.shape[2], q.shape[3], dtype, str(q.device))
+        plan = self.plans.get(key)
+        if plan is None:
+            start = time.perf_counter()
+            plan = best_mask(mask, self.masks.block, self.masks.block, q.shape[1], heads=q.shape[2], batch=q.shape[0],
+                             head_dim=q.shape[3], dtype=dtype, merges=tuple(self.masks.merges), keep_mask=False)
+            self.stats.plan_seconds[key] = time.perf_counter() - start
+            self.plans[key] = plan
+        return plan
+
+    def _device_orders(self, device: torch.device):
+        """The layout's token order and its inverse as index tensors on `device` (made once each); None, None
+        for row-major tokens or a 1-D layout."""
+        if self.masks.order is None or len(self.layout) < 2:
+            return None, None
+        key = (self.layout, device)
+        if key not in self._orders:
+            order = hilbert_order(self.layout)
+            self._orders[key] = (torch.as_tensor(order, device=device),
+                                 torch.as_tensor(hilbert_inverse(order), device=device))
+        return self._orders[key]
+
+
+def _dense(q, k, v, scale, return_lse: bool):
+    """Dense attention as the model runs it (SDPA); with the LSE through `attention_with_lse`."""
+    if not return_lse:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+        return out.transpose(1, 2), None
+    out, lse = attention_with_lse(q, k, v, None, q.shape[-1] ** -0.5 if scale is None else scale)
+    return out.to(q.dtype), lse
+
+
