@@ -1,0 +1,112 @@
+"""A whole denoising run of a diffusers video transformer with content-adaptive masks against its own attention,
+one run, one JSON:
+
+    python benchmarks/diffusers_masks.py --out DIR [--case wan-720p] [--steps 50] [--eager]
+    python benchmarks/diffusers_masks.py --out /tmp/x --small --steps 4      # CPU smoke test, seconds
+
+The model of benchmarks/diffusers_step.py's case (random weights, bf16, batch 1) runs a plain Euler
+flow-matching loop over `steps` timesteps from the same noise and text, first with the model's own attention,
+then with `natsim.integrations.diffusers.apply(model, masks=Masks(steps))` (DFSAttn's setup: dense warm-up
+quarter, hierarchical predictor at 64-token blocks, the cache's shrinking budget), both under
+`compile_repeated_blocks(fullgraph=True)` (or eagerly with `--eager`). Each step is timed (synchronised wall
+clock; the first step of each run, which compiles, is reported apart). Figures: the run's total and speedup,
+the mean dense (warm-up) step against the model's own, the first sparse step (prediction and planning on the
+critical path) against a dense one, the mean later sparse step, the planning time, and the relative
+difference of the final latent to the model's own run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import diffusers_step as step_bench
+from natsim.integrations import diffusers as nd
+
+
+def run(model, args: dict, steps: int) -> tuple[list[float], torch.Tensor]:
+    """Per-step milliseconds of an Euler loop over `steps` timesteps, and the final latent."""
+    latent = args["hidden_states"].clone()
+    times = []
+    with torch.no_grad():
+        for i in range(steps):
+            timestep = 1000.0 * (1 - i / steps)
+            call = dict(args, hidden_states=latent,
+                        timestep=torch.full_like(args["timestep"], timestep, dtype=args["timestep"].dtype))
+            start = time.perf_counter()
+            velocity = model(**call)[0]
+            step_bench.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+            latent = latent - velocity.to(latent.dtype) / steps
+    return times, latent
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument("--case", default="wan-720p", help="a case of benchmarks/diffusers_step.py")
+    parser.add_argument("--steps", type=int, default=50, help="denoising steps of the run")
+    parser.add_argument("--eager", action="store_true", help="run eagerly instead of compiling the blocks")
+    parser.add_argument("--small", action="store_true", help="a tiny model on the CPU (a smoke test of the script)")
+    options = parser.parse_args(argv)
+    options.out.mkdir(parents=True, exist_ok=True)
+    cls_name, config, layout, text, _ = (step_bench.small_case(options.case) if options.small
+                                          else step_bench.CASES[options.case])
+    torch.manual_seed(0)
+    model = step_bench.build(cls_name, config)
+    args = step_bench.inputs(cls_name, config, layout, text)
+    if not options.eager:
+        model.compile_repeated_blocks(fullgraph=True, **({} if step_bench.DEVICE == "cuda" else
+                                                         {"backend": "aot_eager"}))
+    own_times, own_latent = run(model, args, options.steps)
+    masks = nd.Masks(steps=options.steps, block=16 if options.small else 64)
+    applied = nd.apply(model, masks=masks, dtype=torch.float16 if options.small else None)
+    masked_times, masked_latent = run(model, args, options.steps)
+
+    dense_steps = sum(applied.masked.cache.is_dense(i) for i in range(options.steps))
+    first_sparse = masked_times[dense_steps]
+    later_sparse = masked_times[dense_steps + 1:]
+    own_mean = statistics.mean(own_times[1:])
+    record = dict(
+        case=options.case, model=cls_name, layout=list(layout), steps=options.steps,
+        compiled="eager" if options.eager else "repeated blocks", masks={k: (list(v) if isinstance(v, tuple) else v)
+                                                                          for k, v in vars(masks).items()},
+        own_step_ms=own_times, masked_step_ms=masked_times,
+        own_total_s=sum(own_times[1:]) / 1e3, masked_total_s=sum(masked_times[1:]) / 1e3,
+        dense_steps=dense_steps, own_mean_step_ms=own_mean,
+        masked_dense_mean_step_ms=statistics.mean(masked_times[1:dense_steps]) if dense_steps > 1 else None,
+        first_sparse_step_ms=first_sparse, first_sparse_over_dense=first_sparse / own_mean,
+        later_sparse_mean_step_ms=statistics.mean(later_sparse) if later_sparse else None,
+        plan_seconds=sum(applied.masked.stats.plan_seconds.values()),
+        predictions=applied.masked.stats.predictions, dense_calls=applied.masked.stats.dense_calls,
+        calls=applied.masked.stats.calls,
+        plans=[dict(q_block=p.q_block, kv_block=p.kv_block, merge=p.merge, predicted_speedup=p.predicted_speedup)
+               for p in applied.plans.values()],
+        final_latent_relative_difference=float((masked_latent.float() - own_latent.float()).norm()
+                                               / own_latent.float().norm()),
+    )
+    record["speedup"] = record["own_total_s"] / record["masked_total_s"]
+    device = torch.cuda.get_device_name() if step_bench.DEVICE == "cuda" else "cpu"
+    import diffusers
+    import triton
+
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
+                  date=datetime.date.today().isoformat(), record=record)
+    path = options.out / f"diffusers-masks-{options.case}-{device.replace(' ', '_')}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in record.items() if not k.endswith("step_ms")}))
+    print(f"\n{options.case} {options.steps} steps ({record['compiled']}): own {record['own_total_s']:.1f} s, masks "
+          f"{record['masked_total_s']:.1f} s, {record['speedup']:.2f}x; dense step {record['masked_dense_mean_step_ms']}"
+          f" vs own {own_mean:.0f} ms; first sparse step {first_sparse:.0f} ms ({record['first_sparse_over_dense']:.2f}"
+          f" of a dense one); later sparse {record['later_sparse_mean_step_ms']} ms; planning "
+          f"{record['plan_seconds']:.2f} s; final latent differs by {record['final_latent_relative_difference']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
