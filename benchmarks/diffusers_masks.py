@@ -47,6 +47,23 @@ def run(model, args: dict, steps: int) -> tuple[list[float], torch.Tensor]:
     return times, latent
 
 
+def profile_step(model, args: dict, steps: int, top: int = 15) -> list[dict]:
+    """Device milliseconds per kernel name over one step at the end of the run (a sparse step that reuses the
+    cached masks), most first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call = dict(args, timestep=torch.full_like(args["timestep"], 1000.0 / steps, dtype=args["timestep"].dtype))
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        model(**call)
+        step_bench.synchronize()
+    rows = [dict(name=e.key[:100], device_ms=e.device_time_total / 1e3, calls=e.count)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["device_ms"])
+    for r in rows[:top]:
+        print(f"{r['device_ms']:9.2f} ms {r['calls']:5d}  {r['name']}")
+    return rows[:top]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
@@ -54,6 +71,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=50, help="denoising steps of the run")
     parser.add_argument("--eager", action="store_true", help="run eagerly instead of compiling the blocks")
     parser.add_argument("--small", action="store_true", help="a tiny model on the CPU (a smoke test of the script)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one more sparse step (torch.profiler): device time per kernel")
     options = parser.parse_args(argv)
     options.out.mkdir(parents=True, exist_ok=True)
     cls_name, config, layout, text, _ = (step_bench.small_case(options.case) if options.small
@@ -92,6 +111,8 @@ def main(argv=None) -> None:
                                                / own_latent.float().norm()),
     )
     record["speedup"] = record["own_total_s"] / record["masked_total_s"]
+    if options.profile:
+        record["profile"] = profile_step(model, args, options.steps)
     device = torch.cuda.get_device_name() if step_bench.DEVICE == "cuda" else "cpu"
     import diffusers
     import triton
