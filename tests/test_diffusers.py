@@ -305,3 +305,35 @@ def test_masks_refuse_what_they_cannot_do():
     nd.apply(model, masks=nd.Masks(steps=4, block=16))
     with pytest.raises(Exception, match="compile its blocks instead"), torch.no_grad():
         torch.compile(model, fullgraph=True, backend="eager")(**with_timestep("WanTransformer3DModel", (2, 4, 8), 9.0))
+
+
+def test_masks_leave_tokens_in_place_on_dense_steps(monkeypatch):
+    from natsim.integrations.diffusers import masks as masks_module
+
+    model = diffusers_models.build("WanTransformer3DModel")
+    reorders = []
+    to_order = masks_module.to_order
+    monkeypatch.setattr(masks_module, "to_order", lambda t, order: reorders.append(t.shape) or to_order(t, order))
+    nd.apply(model, masks=nd.Masks(steps=4, block=16, dense_fraction=0.25, min_speedup=0.0), dtype=torch.float16)
+    with torch.no_grad():
+        model(**with_timestep("WanTransformer3DModel", (2, 4, 8), 900.0))  # step 0: dense
+        assert reorders == []
+        model(**with_timestep("WanTransformer3DModel", (2, 4, 8), 700.0))  # step 1: q, k, v in, the output back
+    assert len(reorders) == 4 * len(model.blocks)
+
+
+def test_masks_run_dense_attention_when_the_plan_predicts_no_gain():
+    """A mask keeping every block computes everything: no candidate beats dense attention, so every layer runs
+    the model's own (dense) attention, with the default min_speedup."""
+    model = diffusers_models.build("WanTransformer3DModel")
+    inputs = with_timestep("WanTransformer3DModel", (4, 8, 8), 900.0)
+    with torch.no_grad():
+        own = model(**inputs)[0]
+    every_block = {**EVERY_BLOCK, "min_speedup": 1.0}
+    applied = nd.apply(model, masks=nd.Masks(steps=4, block=16, **every_block), dtype=torch.float16)
+    with torch.no_grad():
+        routed = model(**inputs)[0]
+    plan = next(iter(applied.plans.values()))
+    assert plan.predicted_speedup <= 1.0
+    assert applied.masked.stats.dense_calls == applied.masked.stats.calls == len(model.blocks)
+    assert relative_error(routed, own) < 1e-5
