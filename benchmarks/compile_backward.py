@@ -76,6 +76,17 @@ def ptxas_report(ptx: str, arch: int) -> dict:
             "stack_frame": number(r"(\d+) bytes stack frame")}
 
 
+def write_report(out: Path, kind: str, arch: int, head_dim: int, rows: list[dict]) -> None:
+    """`compile-<kind>-sm<arch>-d<head_dim>-triton<version>.json` in `out`, and a line counting failures and
+    variants that spill."""
+    record = {"triton": triton.__version__, "arch": arch, "head_dim": head_dim, "rows": rows}
+    name = f"compile-{kind}-sm{arch}-d{head_dim}-triton{triton.__version__}.json"
+    (out / name).write_text(json.dumps(record, indent=1))
+    failed = sum("error" in r or r.get("ptxas_rc") for r in rows)
+    spilling = sum(bool(r.get("spill_stores")) for r in rows)
+    print(f"{len(rows)} {kind} kernel variants for sm_{arch}: {failed} failed to compile, {spilling} spill registers.")
+
+
 def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, pad: bool, arch: int,
                     head_dim: int = 128) -> dict:
     options = {**launch_options(math.prod(q_tile), math.prod(kv_tile)), **options}
@@ -132,12 +143,7 @@ def main(argv=None) -> None:
                        **compile_variant(fn, tq, tk, options, masked, pad, args.arch, args.head_dim)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    record = {"triton": triton.__version__, "arch": args.arch, "head_dim": args.head_dim, "rows": rows}
-    name = f"compile-backward-sm{args.arch}-d{args.head_dim}-triton{triton.__version__}.json"
-    (args.out / name).write_text(json.dumps(record, indent=1))
-    failed = sum("error" in r or r.get("ptxas_rc") for r in rows)
-    spilling = sum(bool(r.get("spill_stores")) for r in rows)
-    print(f"{len(rows)} kernel variants for sm_{args.arch}: {failed} failed to compile, {spilling} spill registers.")
+    write_report(args.out, "backward", args.arch, args.head_dim, rows)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from compile_backward import ptxas_report
+from compile_backward import ptxas_report, write_report
 
 import natsim
 from natsim.kernels.gna.launch import dense_as_1d, make_call
@@ -116,12 +116,7 @@ def main(argv=None) -> None:
                **compile_call(call, args.arch)}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    record = {"triton": triton.__version__, "arch": args.arch, "head_dim": args.head_dim, "rows": rows}
-    name = f"compile-forward-sm{args.arch}-d{args.head_dim}-triton{triton.__version__}.json"
-    (args.out / name).write_text(json.dumps(record, indent=1))
-    failed = sum("error" in r or r.get("ptxas_rc") for r in rows)
-    spilling = sum(bool(r.get("spill_stores")) for r in rows)
-    print(f"{len(rows)} kernel launches for sm_{args.arch}: {failed} failed to compile, {spilling} spill registers.")
+    write_report(args.out, "forward", args.arch, args.head_dim, rows)
 
 
 if __name__ == "__main__":
