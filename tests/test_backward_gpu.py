@@ -165,3 +165,32 @@ def test_tuning_variants_match_the_float32_reference(stride, options):
     want = reference_gradients(q, k, v, g, window, stride)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         assert rel(got, ref) < TOLERANCE[torch.bfloat16], name
+
+
+@pytest.mark.gpu
+def test_gpu_checkpointed_training_step_recomputes_the_forward_in_autograds_thread():
+    """Activation checkpointing recomputes the forward in autograd's device thread, where Triton's descriptor
+    allocator (a per-thread context variable) is not installed unless the launcher installs it there too."""
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 16, 16, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out = checkpoint(lambda q, k, v: gna_attention(q, k, v, (5, 7, 7)), q, k, v, use_reentrant=False)
+    out.float().square().mean().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+    outcome = []
+
+    def in_a_new_thread():
+        try:
+            outcome.append(bool(torch.isfinite(gna_attention(q.detach(), k.detach(), v.detach(), (5, 7, 7))).all()))
+        except Exception as error:  # reported below: a thread's exception would not fail the test
+            outcome.append(repr(error))
+
+    thread = threading.Thread(target=in_a_new_thread)
+    thread.start()
+    thread.join()
+    assert outcome == [True]

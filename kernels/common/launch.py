@@ -11,6 +11,11 @@ import triton
 
 from .backend import interpreting
 
+try:  # where Triton keeps the allocator of in-kernel tensor descriptors
+    from triton.runtime._allocation import NullAllocator, _allocator
+except ImportError:  # pragma: no cover - layout of triton's internals changed
+    NullAllocator = _allocator = None
+
 SHARED_MEMORY_BUDGET = 227 * 1024  # bytes: what one H100 thread block may use
 
 
@@ -58,12 +63,11 @@ def aligned(*tensors: torch.Tensor) -> bool:
 
 
 def install_allocator() -> None:
-    """In-kernel tensor descriptors need a scratch allocator; install a torch one unless the caller has one."""
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-    except ImportError:  # pragma: no cover - layout of triton's internals changed
-        return
-    if isinstance(_allocator.get(), NullAllocator):
+    """In-kernel tensor descriptors need a scratch allocator; install a torch one unless the caller has one.
+    Triton keeps the allocator in a context variable, one per thread: a launch from another thread (autograd's
+    device threads recompute checkpointed forwards there) needs it installed again, so launchers call this
+    before every descriptor launch (a context-variable read when it is there)."""
+    if _allocator is not None and isinstance(_allocator.get(), NullAllocator):
         triton.set_allocator(_torch_allocator)
 
 

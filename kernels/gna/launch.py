@@ -37,8 +37,7 @@ from natsim import Problem
 from natsim.partition import frame_dim_tiles
 from natsim.window import group_length, window_bounds
 
-from ..common.launch import (aligned, descriptor_strides_ok, has_tensor_descriptors, install_allocator,
-                             launch_config)
+from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, launch_config
 from ..common.softmax import LOG2E
 from .dynamic import gna_dynamic_kernel
 from .forward import gna_forward_kernel
@@ -243,8 +242,6 @@ def make_call(
     if masked and not launch["MASKED"]:
         raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
                          "the kernel needs MASKED=True.")
-    if launch["USE_TMA"]:
-        install_allocator()
     head_major = launch.pop("HEAD_MAJOR", False)
     if layout:
         strides = [(t.stride(0), *_token_strides(t, problem.ndim), t.stride(-2)) for t in layout_tensors]

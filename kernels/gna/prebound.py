@@ -10,7 +10,7 @@ import inspect
 
 import torch
 
-from ..common.launch import aligned
+from ..common.launch import aligned, install_allocator
 
 try:  # Triton >= 3.4 keeps its launch hooks here; without it every launch goes through the JIT dispatch.
     from triton import knobs as _knobs
@@ -39,6 +39,7 @@ class PreboundKernel:
         parameters = inspect.signature(fn.fn).parameters
         self.template = [arguments.get(name, parameters[name].default) for name in fn.arg_names]
         self.slots = [fn.arg_names.index(name) for name in TENSOR_ARGUMENTS]
+        self.descriptors = bool(arguments.get("USE_TMA"))  # in-kernel descriptors: the allocator, per thread
         self.compiled = None
 
     def __call__(self, *tensors: torch.Tensor) -> None:
@@ -52,6 +53,8 @@ class PreboundKernel:
             self._launch(tensors, index)
 
     def _launch(self, tensors: tuple[torch.Tensor, ...], index: int) -> None:
+        if self.descriptors:
+            install_allocator()
         kernel = self.compiled
         if kernel is None or (self.check_alignment and not aligned(*tensors)):
             compiled = self.fn[self.grid](**self.arguments, **dict(zip(TENSOR_ARGUMENTS, tensors)), **self.options)
