@@ -33,3 +33,18 @@ def reference_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(gna_dispatch, "_warned_cpu", True)
     monkeypatch.setattr(sparse_dispatch, "_warned_cpu", True)
+
+
+# Tests that start other processes or torch.compile's Inductor (names as they are today).
+_FRONT = ("compile", "test_gloo_world", "test_example_runs_under_torchrun")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (scripts/test.sh), move the tests that spawn process groups or compile with Inductor
+    to the front, keeping every other test's order. `--dist worksteal` gives each worker a contiguous half of
+    the list and lets an idle worker take tests from the back of a busy one's queue: these long tests then
+    start first on one worker, instead of one of them finishing alone at the end, and on a fresh machine
+    Inductor's one-time work (probing the CPU's vector instructions, building its precompiled header: about
+    8 s) runs once instead of in both workers at the same time."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: not any(name in item.name for name in _FRONT))

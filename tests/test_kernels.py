@@ -169,9 +169,11 @@ def test_reference_mask_is_the_brute_force_mask():
 
 @st.composite
 def kernel_problems(draw):
-    """A problem of at most ~200 tokens and tiles of 16 to 64 tokens the kernel can run."""
+    """A problem of at most ~128 tokens and tiles of 16 to 64 tokens the kernel can run: still several tiles
+    along a dimension, padded ones and partial windows. (Up to 200 tokens, 14x14 and 6x6x6, an example cost
+    the interpreter a third more on average and up to three times as much at the tail.)"""
     ndim = draw(st.integers(1, 3))
-    budget = {1: 200, 2: 14, 3: 6}[ndim]
+    budget = {1: 128, 2: 10, 3: 5}[ndim]
     shape = tuple(draw(st.integers(1, budget)) for _ in range(ndim))
     dims = []
     for L in shape:
@@ -211,7 +213,7 @@ def test_needs_mask_is_false_exactly_when_every_visited_tile_is_full_and_unpadde
     assert launch.needs_mask(problem, q_tile, kv_tile) == (not sim.block_sparse or padded)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)  # not 12: CASES above run the edges (padding, dilation, causal...) every time
 @given(kernel_problems(), st.integers(0, 2**16))
 def test_kernel_output_matches_reference_on_random_problems(case, seed):
     """Both KV loops (full box, then the six slabs of partial tiles) on random shapes, windows and tiles."""
