@@ -203,14 +203,14 @@ def test_flux_under_a_whole_model_compile_asks_for_its_layout():
 @pytest.mark.gpu
 @pytest.mark.parametrize("keys, masked", [(512, False), (37, True), (256, True)])
 def test_gpu_text_attention_with_lse_matches_float64(keys, masked):
-    from natsim.integrations.diffusers.attention import _attention_with_lse
+    from natsim.integrations.diffusers.dense import attention_with_lse
 
     gen = torch.Generator(device="cuda").manual_seed(keys)
     q = torch.randn(2, 3000, 4, 128, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(2, keys, 4, 128, device="cuda", generator=gen).bfloat16() for _ in range(2))
     keep = torch.rand(2, keys, device="cuda", generator=gen) > 0.3 if masked else None
-    out, lse = _attention_with_lse(q, k, v, keep, 128**-0.5)
-    ref, ref_lse = _attention_with_lse(q.cpu().double(), k.cpu().double(), v.cpu().double(),
+    out, lse = attention_with_lse(q, k, v, keep, 128**-0.5)
+    ref, ref_lse = attention_with_lse(q.cpu().double(), k.cpu().double(), v.cpu().double(),
                                       None if keep is None else keep.cpu(), 128**-0.5)
     assert relative_error(out.cpu(), ref) < 1e-2
     assert float((lse.cpu().double() - ref_lse).abs().max()) < 2e-2
