@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from natsim.masks import MaskCache, hierarchical, sparge, topp
@@ -142,13 +142,17 @@ def test_predictors_recover_planted_blocks(name, n, q_block, kv_block):
 @SETTINGS
 @given(n=st.integers(16, 256), q_block=st.sampled_from([8, 16, 32]), kv_block=st.sampled_from([4, 8, 16]),
        per_row=st.integers(1, 3), seed=st.integers(0, 2**16))
+@example(n=175, q_block=32, kv_block=4, per_row=3, seed=249)  # top-p drops one planted block of little mass
 def test_planted_recall_on_random_shapes(n, q_block, kv_block, per_row, seed):
     dim = 64  # one orthonormal direction per key block: n <= 256 keeps 4-token blocks within 64
     q, k, plant = planted(n, 1, dim, q_block, kv_block, min(per_row, -(-n // kv_block)), 12.0 * dim ** 0.5, seed)
     density = plant[0, 0, 0].sum().item() / plant.shape[-1]
     for name, predict in PREDICTORS.items():
         mask = predict(q, k, q_block, kv_block, density)
-        assert (mask & plant).sum() / plant.sum() >= 0.95, name
+        # A few planted blocks on a small shape: top-p may drop one that holds under 1 - p of the mass (one of
+        # 18 is 0.944 block recall), so a miss must be a block that little of the attention lives in.
+        recall = (mask & plant).sum() / plant.sum()
+        assert recall >= 0.95 or attention_mass(plant & ~mask, q, k, q_block, kv_block) < 0.05, name
         assert attention_mass(mask, q, k, q_block, kv_block) >= 0.95, name
 
 
