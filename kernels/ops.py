@@ -8,8 +8,10 @@ decisions are made from them, never from tensor values.
 Gradients: `natsim::gna_forward` saves q, k, v, the output and the LSE, and its backward runs the
 Triton backward kernels (kernels/gna/backward.py) on the Triton path; callers that need gradients ask the
 forward for the LSE (gna_attention does). `natsim::sparse_forward` does the same with
-kernels/sparse/backward.py. Each backward is an operator of its own (`natsim::gna_backward`,
-`natsim::sparse_backward`, with fake implementations), so that torch.compile keeps it in its graph; a forward
+kernels/sparse/backward.py, and `natsim::sparse_prepared` on a prepared mask (a `SparseWork`, which crosses the
+schema as its tensors and sizes: kernels/sparse/work.py). Each backward is an operator of its own
+(`natsim::gna_backward`, `natsim::sparse_backward`, `natsim::sparse_prepared_backward`, with fake
+implementations), so that torch.compile keeps it in its graph; a forward
 called without the LSE is run again for it in the backward. The torch reference (CPU tensors without the
 interpreter) is differentiable on both: its backward recomputes the reference under autograd.
 """
@@ -27,9 +29,9 @@ from .gna.dispatch import forward
 from .gna.reference import reference_attention
 from .sparse.backward import sparse_backward as run_sparse_backward
 from .sparse.checks import check_mask_batch, check_pv_threshold, check_sparse_qkv
-from .sparse.dispatch import sparse_forward_impl
+from .sparse.dispatch import sparse_forward_impl, sparse_prepared_impl
 from .sparse.reference import sparse_reference
-from .sparse.work import dense_mask
+from .sparse.work import dense_mask, work_from
 
 
 FRAMES_GRADIENT_REFUSAL = (
@@ -400,3 +402,95 @@ def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 
 
 sparse_forward.register_autograd(_sparse_backward, setup_context=_sparse_setup_context)
+
+
+# == natsim::sparse_prepared: attention on a prepared block mask (a SparseWork) ================================
+
+
+@torch.library.custom_op("natsim::sparse_prepared", mutates_args=())
+def sparse_prepared(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    work_tensors: list[torch.Tensor],
+    work_sizes: list[int],
+    scale: Optional[float],
+    return_lse: bool,
+    schedule: str,
+    programs: Optional[int],
+    pv_threshold: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention of `[B, N, heads, head_dim]` on a prepared mask, given as `work_tensors(work)` and
+    `work_sizes(work)`: the output, and the LSE `[B, N, heads]` (empty unless `return_lse`). No host work, so a
+    CUDA graph captures it and repeated calls pay no preparation."""
+    work = work_from(work_tensors, work_sizes)
+    out, lse = sparse_prepared_impl(q, k, v, work, scale, return_lse, schedule, programs, pv_threshold)
+    return out, (_no_lse(q) if not return_lse else lse)
+
+
+@sparse_prepared.register_fake
+def _sparse_prepared_fake(q, k, v, work_tensors, work_sizes, scale, return_lse, schedule, programs,
+                          pv_threshold):
+    check_sparse_qkv(q, k, v)
+    check_pv_threshold(pv_threshold)
+    lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
+    return _like(q), lse
+
+
+def _sparse_prepared_setup_context(ctx, inputs, output) -> None:
+    q, k, v, tensors, sizes, scale, return_lse, schedule, programs, pv_threshold = inputs
+    if pv_threshold is not None:
+        raise RuntimeError(PV_SKIP_GRADIENT_REFUSAL)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.arguments = (list(sizes), scale)
+    ctx.set_materialize_grads(False)
+
+
+@torch.library.custom_op("natsim::sparse_prepared_backward", mutates_args=())
+def sparse_prepared_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    work_tensors: list[torch.Tensor],
+    work_sizes: list[int],
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `natsim::sparse_prepared` on the Triton path, with the backward lists the work carries. An
+    empty `lse` (a forward called without `return_lse`) runs the forward again for it."""
+    work = work_from(work_tensors, work_sizes)
+    if not lse.numel():
+        out, lse = sparse_prepared_impl(q, k, v, work, scale, True, "grid", None)
+    return run_sparse_backward(q, k, v, out, lse, grad_out, grad_lse, work.mask, work.q_block, work.kv_block, scale,
+                               tiles=work.tiles, lists=(work.dkdv_lists, work.dq_lists))
+
+
+@sparse_prepared_backward.register_fake
+def _sparse_prepared_backward_fake(q, k, v, out, lse, grad_out, grad_lse, work_tensors, work_sizes, scale):
+    return _like(q), _like(k), _like(v)
+
+
+def _sparse_prepared_gradients(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    """The gradients of q, k and v: through `natsim::sparse_prepared_backward` on the Triton path, the torch
+    reference's recomputed under autograd on the CPU path."""
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    sizes, scale = ctx.arguments
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    grad_lse = grad_lse if grad_lse is not None and grad_lse.numel() else None
+    if use_triton(q):
+        dq, dk, dv = sparse_prepared_backward(q, k, v, out, lse, grad_out, grad_lse, tensors, sizes, scale)
+    else:
+        work = work_from(tensors, sizes)
+        dq, dk, dv = _recomputed_gradients(
+            lambda q, k, v: sparse_reference(q, k, v, work.mask, work.q_block, work.kv_block, scale,
+                                             return_lse=True),
+            q, k, v, grad_out, grad_lse,
+        )
+    return dq, dk, dv, [None] * len(tensors), None, None, None, None, None, None
+
+
+sparse_prepared.register_autograd(_sparse_prepared_gradients, setup_context=_sparse_prepared_setup_context)

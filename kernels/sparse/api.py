@@ -17,11 +17,11 @@ import torch
 from .. import ops
 from ..common.backend import autocast_inputs, runs_eagerly, use_triton
 from ..common.checks import check_tensors
-from .checks import SCHEDULES, check_pv_threshold
+from .checks import SCHEDULES, check_pv_threshold, check_work
 from .dispatch import sparse_forward_impl
 from .forward import run_sparse
 from .mask import SparseMask
-from .work import MERGES, SparseWork, dense_mask, prepare_sparse
+from .work import MERGES, SparseWork, dense_mask, prepare_sparse, work_sizes, work_tensors
 
 
 def sparse_attention(
@@ -44,7 +44,10 @@ def sparse_attention(
 
     - `mask`: a boolean `[B or 1, heads or 1, ceil(N / q_block), ceil(N / kv_block)]` tensor (then `q_block`
       and `kv_block` are required: powers of two, q_block 8 to 128, kv_block 1 to 128), a `SparseMask`, or a
-      `SparseWork` from `prepare_sparse` (the host work done once, reused; eager calls only).
+      `SparseWork` from `prepare_sparse`: the mask's work for the forward and the backward done once and reused
+      by every call, in eager calls, under autograd, torch.compile and CUDA graphs (its blocks and merge are
+      its own: leave `q_block`, `kv_block` and `merge` None). A boolean mask or SparseMask is prepared again
+      on every call (and its backward lists again in the backward).
     - `merge`: None (a program holds one query block, at least 16 rows), `"consecutive"` or `"xor"` (a program
       holds 128 queries, 128 // q_block blocks: consecutive ones, or natsim.merge's XOR greedy per head).
       The output never depends on it: each row is masked by its own block's row.
@@ -66,13 +69,8 @@ def sparse_attention(
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be None, 'grid' or 'lpt', got schedule={schedule!r}.")
     if isinstance(mask, SparseWork):
-        if not runs_eagerly(q, k, v) or not use_triton(q):
-            raise ValueError(
-                "a SparseWork runs in plain eager calls of the Triton kernel only; pass the boolean mask or the "
-                "SparseMask under torch.compile, autograd or on the torch reference path."
-            )
-        out, lse, _ = run_sparse(mask, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
-        return (out, lse) if return_lse else out
+        return _attend_prepared(q, k, v, mask, (q_block, kv_block, merge), scale, return_lse, schedule, programs,
+                                pv_threshold)
     if q.dim() < 2:
         raise ValueError(f"q must be [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
     dense, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
@@ -90,6 +88,29 @@ def sparse_attention(
         # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
         out, lse = ops.sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse or tracked,
                                       schedule, programs, pv_threshold)
+    return (out, lse) if return_lse else out
+
+
+def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse: bool, schedule: str,
+                     programs, pv_threshold):
+    """`sparse_attention` on prepared work: the kernel straight away in plain eager Triton calls, else the
+    registered operator `natsim::sparse_prepared` (autograd, torch.compile, dispatch modes, the CPU path)."""
+    if any(value is not None for value in given):
+        raise ValueError(
+            "q_block, kv_block and merge are the SparseWork's own (chosen by prepare_sparse): pass None with it, "
+            f"got (q_block, kv_block, merge)={given}."
+        )
+    scale = None if scale is None else float(scale)
+    pv_threshold = check_pv_threshold(pv_threshold)
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if pv_threshold is not None and tracked:
+        raise ValueError(ops.PV_SKIP_GRADIENT_REFUSAL)
+    check_work(work, q)
+    if runs_eagerly(q, k, v) and use_triton(q):
+        out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
+    else:
+        out, lse = ops.sparse_prepared(q, k, v, work_tensors(work), work_sizes(work), scale,
+                                       return_lse or tracked, schedule, programs, pv_threshold)
     return (out, lse) if return_lse else out
 
 

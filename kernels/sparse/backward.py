@@ -3,20 +3,22 @@
 Semantics are the forward's: query i attends key j exactly when `mask[b, h, i // q_block, j // kv_block]`.
 The backward always runs on the unmerged block mask: query merging (`merge=`) only regroups the forward's
 programs and never changes an output row, so the gradients are those of the plain mask, and the backward
-tiles are runs of consecutive tokens (`block_m` queries, `block_n` keys; multiples of the mask's blocks).
+tiles are runs of consecutive tokens (`BackwardTiles`; a tile may hold several mask blocks or part of one).
 
 Three launches on `[B, N, heads, head_dim]` tensors:
 1. `delta_kernel` (kernels/common/backward.py): `delta = rowsum(dO * O) - dLSE` in fp32, head-major as the LSE.
 2. `sparse_dkdv_kernel`: one program per KV tile, over the Q tiles of its column of the tile mask.
 3. `sparse_dq_kernel`: one program per Q tile, over the KV tiles of its row.
-The tile mask (a tile pair is listed when any of its block pairs is attended) and its row and column lists
-are built on the GPU with torch ops (`tile_lists`): the transposed lists are a sort of the transposed tile
-mask, no host round trip. Inside a listed pair every element is masked by its own block's bit (gathered from
-the boolean mask) and by `token < N`; a query that attends nothing (LSE -inf) contributes nothing.
+Each kernel's tile mask and lists (`tile_lists`) are built on the GPU with torch ops, no host round trip, or
+once per mask by `prepare_sparse` (a `SparseWork` carries them). A list holds the full pairs first (every query
+attends every key, no key past N), which run with no mask code, as the forward's first loop does; the partial
+pairs follow, each element masked by its own block's bit (gathered from the boolean mask) and by `token < N`.
+A query that attends nothing (LSE -inf) contributes nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -77,11 +79,13 @@ def _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads):
 
 @triton.jit
 def sparse_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COL_COUNT, COL_INDEX,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COL_COUNT, COL_FULL, COL_INDEX,
     seq_len, heads, num_q_blocks, num_kv_blocks, num_q_tiles, num_kv_tiles, mask_b_step, mask_h_step, mask_heads,
     qk_scale, scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
+    """One program per KV tile of BLOCK_N keys: its dK and dV over the Q tiles of its column, the full ones
+    (every query attends every key) first and without mask code, then the partial ones under the element mask."""
     kv_tile = tl.program_id(0)
     b, h, mask_item = _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads)
     MASK_BH = MASK + mask_item * num_q_blocks * num_kv_blocks
@@ -93,9 +97,15 @@ def sparse_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     column = mask_item * num_kv_tiles + kv_tile
     count = tl.load(COL_COUNT + column)
-    for i in tl.range(0, count):
-        q_tile = tl.load(COL_INDEX + column * num_q_tiles + i)
-        q_tokens = q_tile * BLOCK_M + rows
+    full = tl.load(COL_FULL + column)
+    INDEX = COL_INDEX + column * num_q_tiles
+    for i in tl.range(0, full):
+        q_tokens = tl.load(INDEX + i) * BLOCK_M + rows
+        q, do, _, _ = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
+        lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
+        dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, k_ok, False)
+    for i in tl.range(full, count):
+        q_tokens = tl.load(INDEX + i) * BLOCK_M + rows
         q, do, _, _ = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
         lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
         keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, True)
@@ -106,11 +116,13 @@ def sparse_dkdv_kernel(
 
 @triton.jit
 def sparse_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, ROW_COUNT, ROW_INDEX,
+    Q, K, V, DO, LSE, DELTA, DQ, MASK, ROW_COUNT, ROW_FULL, ROW_INDEX,
     seq_len, heads, num_q_blocks, num_kv_blocks, num_q_tiles, num_kv_tiles, mask_b_step, mask_h_step, mask_heads,
     qk_scale, scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
+    """One program per Q tile of BLOCK_M queries: its dQ over the KV tiles of its row, full ones first and
+    without mask code, then the partial ones under the element mask."""
     q_tile = tl.program_id(0)
     b, h, mask_item = _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads)
     MASK_BH = MASK + mask_item * num_q_blocks * num_kv_blocks
@@ -122,9 +134,14 @@ def sparse_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     row = mask_item * num_q_tiles + q_tile
     count = tl.load(ROW_COUNT + row)
-    for i in tl.range(0, count):
-        kv_tile = tl.load(ROW_INDEX + row * num_kv_tiles + i)
-        k_tokens = kv_tile * BLOCK_N + cols
+    full = tl.load(ROW_FULL + row)
+    INDEX = ROW_INDEX + row * num_kv_tiles
+    for i in tl.range(0, full):
+        k_tokens = tl.load(INDEX + i) * BLOCK_N + cols
+        k, v, _, _ = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, q_ok, False)
+    for i in tl.range(full, count):
+        k_tokens = tl.load(INDEX + i) * BLOCK_N + cols
         k, v, _, _ = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
         keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, False)
         dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
@@ -134,60 +151,111 @@ def sparse_dq_kernel(
 # -- host side ---------------------------------------------------------------------------------------------------
 
 
-def backward_blocks(q_block: int, kv_block: int, device: torch.device) -> tuple[int, int]:
-    """(block_m, block_n), queries and keys per backward tile: 64 x 128 on the GPU (the GNA backward's
-    shapes), 16 x 16 in the interpreter, never below the mask's blocks."""
-    small = interpreting() and device.type == "cpu"
-    return max(q_block, 16 if small else 64), max(kv_block, 16 if small else 128)
+@dataclass(frozen=True)
+class BackwardTiles:
+    """Tokens per tile of the two backward kernels: the dK/dV kernel's programs hold `dkdv_keys` keys and step
+    over `dkdv_queries` queries at a time; the dQ kernel's hold `dq_queries` queries and step over `dq_keys` keys.
+    Powers of two of at least 16; a tile may be smaller or larger than the mask's blocks."""
+
+    dkdv_queries: int
+    dkdv_keys: int
+    dq_queries: int
+    dq_keys: int
 
 
-def _ordered_lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of a boolean `[..., rows, cols]` tile mask: its count and its listed columns in ascending order
-    first (int32, `[..., rows, cols]`; entries past the count carry no meaning)."""
-    counts = tiles.sum(-1, dtype=torch.int32)
-    order = torch.sort((~tiles).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-    return counts.contiguous(), order.contiguous()
+def backward_tiles(q_block: int, kv_block: int, device: torch.device) -> BackwardTiles:
+    """The default tiles: on the GPU the dK/dV kernel holds 128 keys and steps over 64 queries, the dQ kernel
+    holds 128 queries and steps over 64 keys (FlashAttention-2's shapes at head_dim 128 on the H100); 16 x 16 in
+    the interpreter."""
+    if interpreting() and device.type == "cpu":
+        return BackwardTiles(16, 16, 16, 16)
+    return BackwardTiles(64, 128, 128, 64)
 
 
-def tile_lists(mask: torch.Tensor, block_m: int, block_n: int, q_block: int, kv_block: int):
-    """The tile mask of a boolean block mask `[B|1, H|1, nQ, nKV]` (a pair of `block_m`-query and `block_n`-key
-    tiles is listed when any of its block pairs is attended), and its row and column lists: `(row_count,
-    row_index, col_count, col_index)`, built with torch ops on the mask's device."""
-    r, c = block_m // q_block, block_n // kv_block
+@dataclass(frozen=True)
+class TileList:
+    """One kernel's work over its tile mask `[B|1, H|1, rows, cols]`: per row, `count` listed tiles (a pair is
+    listed when any of its query-key pairs is attended), the first `full` of which are full (every query of the
+    pair attends every key), then the partial ones; `index` holds each row's listed columns in that order (int32,
+    `[B|1, H|1, rows, cols]`; entries past `count` carry no meaning)."""
+
+    count: torch.Tensor
+    full: torch.Tensor
+    index: torch.Tensor
+
+
+def _tile_flags(mask: torch.Tensor, tile_q: int, tile_k: int, q_block: int, kv_block: int,
+                seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(listed, full) `[B|1, H|1, ceil(N / tile_q), ceil(N / tile_k)]` of a boolean block mask: a tile pair is
+    listed when any of its block pairs is attended, and full when every block pair of it that holds a query
+    before N is and no key of it lies at or past N (the kernels read such keys as zeros, and an unmasked score of
+    0 against a query's LSE could overflow). Tiles smaller than a block repeat the block's bit."""
+    num_rows, num_cols = -(-seq_len // tile_q), -(-seq_len // tile_k)
+    if tile_q < q_block:
+        mask = mask.repeat_interleave(q_block // tile_q, dim=2)[:, :, :num_rows]
+    if tile_k < kv_block:
+        mask = mask.repeat_interleave(kv_block // tile_k, dim=3)[:, :, :, :num_cols]
+    r, c = max(tile_q // q_block, 1), max(tile_k // kv_block, 1)
     batch, heads, nq, nkv = mask.shape
-    nqt, nkt = -(-nq // r), -(-nkv // c)
-    padded = mask.new_zeros((batch, heads, nqt * r, nkt * c))
-    padded[:, :, :nq, :nkv] = mask
-    tiles = padded.view(batch, heads, nqt, r, nkt, c).any(5).any(3)
-    row_count, row_index = _ordered_lists(tiles)
-    col_count, col_index = _ordered_lists(tiles.transpose(2, 3))
-    return row_count, row_index, col_count, col_index
+    keys_before_n = torch.arange(num_cols, device=mask.device) < seq_len // tile_k
+    if (r, c) == (1, 1):
+        return mask, mask & keys_before_n
+    listed = mask.new_zeros((batch, heads, num_rows * r, num_cols * c))
+    listed[:, :, :nq, :nkv] = mask
+    full = listed.clone()
+    full[:, :, nq:] = True  # query blocks past N hold no query: they never make a tile partial
+    listed = listed.view(batch, heads, num_rows, r, num_cols, c).any(5).any(3)
+    full = full.view(batch, heads, num_rows, r, num_cols, c).all(5).all(3)
+    return listed, full & keys_before_n
+
+
+def _ordered(listed: torch.Tensor, full: torch.Tensor) -> TileList:
+    """Each row's listed columns, full ones first, both runs in ascending order."""
+    rank = torch.where(full, 0, torch.where(listed, 1, 2)).to(torch.int8)
+    index = torch.sort(rank, dim=-1, stable=True).indices.to(torch.int32)
+    return TileList(listed.sum(-1, dtype=torch.int32).contiguous(), full.sum(-1, dtype=torch.int32).contiguous(),
+                    index.contiguous())
+
+
+def tile_lists(mask: torch.Tensor, tiles: BackwardTiles, q_block: int, kv_block: int,
+               seq_len: int) -> tuple[TileList, TileList]:
+    """The dK/dV kernel's column lists and the dQ kernel's row lists of a boolean block mask `[B|1, H|1, nQ,
+    nKV]`, built with torch ops on the mask's device (no host round trip)."""
+    listed, full = _tile_flags(mask, tiles.dkdv_queries, tiles.dkdv_keys, q_block, kv_block, seq_len)
+    columns = _ordered(listed.transpose(2, 3), full.transpose(2, 3))
+    listed, full = _tile_flags(mask, tiles.dq_queries, tiles.dq_keys, q_block, kv_block, seq_len)
+    return columns, _ordered(listed, full)
 
 
 def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q_block: int, kv_block: int,
-                    scale: Optional[float] = None, blocks: Optional[tuple[int, int]] = None):
+                    scale: Optional[float] = None, tiles: Optional[BackwardTiles] = None,
+                    lists: Optional[tuple[TileList, TileList]] = None, options: Optional[dict] = None):
     """dq, dk, dv of sparse attention of `[B, N, H, D]` tensors under the boolean block mask `[B|1, H|1, nQ,
     nKV]`, from the forward's output and natural-log LSE `[B, N, H]` (-inf for a query that attends nothing);
-    `grad_lse` may be None. `blocks=(block_m, block_n)` overrides `backward_blocks` (multiples of the mask's
-    blocks, powers of two of at least 16)."""
+    `grad_lse` may be None. `tiles` overrides `backward_tiles`; `lists` are `tile_lists` of the mask at those
+    tiles when prepared beforehand (a `SparseWork` carries them); `options` override the launch options."""
     batch, seq_len, heads, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else float(scale)
-    block_m, block_n = backward_blocks(q_block, kv_block, q.device) if blocks is None else blocks
+    tiles = backward_tiles(q_block, kv_block, q.device) if tiles is None else tiles
     q, k, v, out, grad_out = (t.detach().contiguous() for t in (q, k, v, out, grad_out.to(q.dtype)))
     lse = lse.detach().float().transpose(1, 2).contiguous()  # head-major, as delta
     mask = mask.to(q.device, torch.bool).contiguous()
-    row_count, row_index, col_count, col_index = tile_lists(mask, block_m, block_n, q_block, kv_block)
+    columns, rows = tile_lists(mask, tiles, q_block, kv_block, seq_len) if lists is None else lists
     delta = softmax_delta(out, grad_out, None if grad_lse is None else grad_lse.detach().float().contiguous())
-    num_q_tiles, num_kv_tiles = row_count.shape[-1], col_count.shape[-1]
     shared = dict(seq_len=seq_len, heads=heads, num_q_blocks=mask.shape[2], num_kv_blocks=mask.shape[3],
-                  num_q_tiles=num_q_tiles, num_kv_tiles=num_kv_tiles, mask_b_step=0 if mask.shape[0] == 1 else 1,
-                  mask_h_step=0 if mask.shape[1] == 1 else 1, mask_heads=mask.shape[1], qk_scale=scale * LOG2E,
-                  scale=scale, QB=q_block, KVB=kv_block, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-                  **launch_options(block_m, block_n))
+                  mask_b_step=0 if mask.shape[0] == 1 else 1, mask_h_step=0 if mask.shape[1] == 1 else 1,
+                  mask_heads=mask.shape[1], qk_scale=scale * LOG2E, scale=scale, QB=q_block, KVB=kv_block,
+                  HEAD_DIM=head_dim)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mask_bytes = mask.view(torch.uint8)
-    sparse_dkdv_kernel[(num_kv_tiles, batch * heads)](q, k, v, grad_out, lse, delta, dk, dv, mask_bytes, col_count,
-                                                      col_index, **shared)
-    sparse_dq_kernel[(num_q_tiles, batch * heads)](q, k, v, grad_out, lse, delta, dq, mask_bytes, row_count,
-                                                   row_index, **shared)
+    num_q_tiles, num_kv_tiles = columns.index.shape[-1], columns.count.shape[-1]
+    sparse_dkdv_kernel[(num_kv_tiles, batch * heads)](
+        q, k, v, grad_out, lse, delta, dk, dv, mask_bytes, columns.count, columns.full, columns.index,
+        num_q_tiles=num_q_tiles, num_kv_tiles=num_kv_tiles, BLOCK_M=tiles.dkdv_queries, BLOCK_N=tiles.dkdv_keys,
+        **shared, **{**launch_options(tiles.dkdv_queries, tiles.dkdv_keys), **(options or {})})
+    num_q_tiles, num_kv_tiles = rows.count.shape[-1], rows.index.shape[-1]
+    sparse_dq_kernel[(num_q_tiles, batch * heads)](
+        q, k, v, grad_out, lse, delta, dq, mask_bytes, rows.count, rows.full, rows.index,
+        num_q_tiles=num_q_tiles, num_kv_tiles=num_kv_tiles, BLOCK_M=tiles.dq_queries, BLOCK_N=tiles.dq_keys,
+        **shared, **{**launch_options(tiles.dq_queries, tiles.dq_keys), **(options or {})})
     return dq, dk, dv

@@ -1,6 +1,6 @@
-"""One sparse-attention forward call under a boolean block mask: the Triton kernel on CUDA tensors (or in the
-interpreter), the torch reference on CPU tensors. What both the registered operator and the eager fast path
-of `sparse_attention` run."""
+"""One sparse-attention forward call under a boolean block mask or on prepared work (`SparseWork`): the Triton
+kernel on CUDA tensors (or in the interpreter), the torch reference on CPU tensors. What both the registered
+operators and the eager fast path of `sparse_attention` run."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..common.backend import use_triton
 from .checks import check_mask_batch, check_sparse_kernel, check_sparse_qkv
 from .forward import run_sparse
 from .reference import sparse_pv_reference, sparse_reference
-from .work import prepare_sparse
+from .work import SparseWork, prepare_sparse
 
 _warned_cpu = False
 
@@ -43,5 +43,19 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
             "build it before the capture with prepare_sparse(mask, ...) and pass that SparseWork as the mask."
         )
     work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device)
+    out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
+    return out, lse
+
+
+def sparse_prepared_impl(q, k, v, work: SparseWork, scale: Optional[float], return_lse: bool, schedule: str,
+                         programs: Optional[int], pv_threshold: Optional[float] = None):
+    """`(out, lse)` on prepared work: the Triton kernel (CUDA tensors or the interpreter), else the torch
+    reference on the work's mask (of the PV skip with `pv_threshold`). No host work: CUDA graphs capture it."""
+    check_sparse_qkv(q, k, v)
+    if not use_triton(q):
+        if pv_threshold is not None:
+            return sparse_pv_reference(work, q, k, v, pv_threshold, scale)[:2]
+        return sparse_reference(q, k, v, work.mask, work.q_block, work.kv_block, scale, return_lse=True)
+    check_sparse_kernel(q)
     out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
     return out, lse

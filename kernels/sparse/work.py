@@ -1,8 +1,11 @@
 """The sparse kernel's host work for one block mask: query groups (merging), union lists and member bits.
 
 `prepare_sparse` turns a boolean block mask (or a `SparseMask`) into a `SparseWork`, what the forward kernel
-reads (kernels/sparse/forward.py says how); torch ops on the mask's device, but for the XOR grouping, which runs
-`natsim.merge` on the CPU. A `SparseWork` is reusable across calls on that mask.
+reads (kernels/sparse/forward.py says how) and the backward kernels' tile lists (kernels/sparse/backward.py);
+torch ops on the mask's device, but for the XOR grouping, which runs `natsim.merge` on the CPU. A `SparseWork`
+is reusable across calls on that mask, as FlexAttention's BlockMask is: `sparse_attention` takes it in eager
+calls, under autograd, torch.compile and CUDA graphs. Its two variable-length lists are marked dynamic for
+torch.compile, so that masks of one size but different densities share a compiled graph.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from natsim import merge as natsim_merge
 
 from ..common.backend import interpreting
+from .backward import BackwardTiles, TileList, backward_tiles, tile_lists
 from .mask import SparseMask, check_block, check_dense_mask
 
 MERGES = (None, "consecutive", "xor")
@@ -33,8 +37,10 @@ class SparseWork:
     last group is short); its list `kv_list[offsets[i]:offsets[i + 1]]` (int32), the union of the members' KV
     blocks, those every member attends and that end before N first (`full_tiles[i]` whole tiles of them run
     unmasked); `member_bits` per list entry, bit m set when member m attends the block. Every index tensor is
-    sized by the visited blocks. `merge_seconds`: time of the grouping (natsim.merge on the CPU for "xor",
-    including the mask's copy there); `prepare_seconds`: the whole preparation.
+    sized by the visited blocks. `mask`: the boolean block mask itself (the element mask of partial tiles);
+    `tiles`, `dkdv_lists`, `dq_lists`: the backward kernels' tiles and lists. `merge_seconds`: time of the
+    grouping (natsim.merge on the CPU for "xor", including the mask's copy there); `prepare_seconds`: the whole
+    preparation.
     """
 
     q_block: int
@@ -51,6 +57,10 @@ class SparseWork:
     full_tiles: torch.Tensor
     kv_list: torch.Tensor
     member_bits: torch.Tensor
+    mask: torch.Tensor
+    tiles: BackwardTiles
+    dkdv_lists: TileList
+    dq_lists: TileList
     merge_seconds: float
     prepare_seconds: float
 
@@ -112,11 +122,17 @@ def prepare_sparse(
     members = _members(dense, group, merge)
     merge_seconds = time.perf_counter() - merge_start
     offsets, full_tiles, kv_list, member_bits = _lists(dense, members, seq_len, kv_block, block_n // kv_block)
+    for variable in (kv_list, member_bits):  # their length is the mask's visited blocks
+        torch._dynamo.maybe_mark_dynamic(variable, 0)
+    dense = dense.contiguous()
+    tiles = backward_tiles(q_block, kv_block, device)
+    dkdv_lists, dq_lists = tile_lists(dense, tiles, q_block, kv_block, seq_len)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return SparseWork(q_block, kv_block, block_m, block_n, seq_len, merge, dense.shape[0], dense.shape[1],
                       members.shape[2], members.reshape(-1, group).to(torch.int32).contiguous(), offsets, full_tiles,
-                      kv_list, member_bits, merge_seconds, time.perf_counter() - start)
+                      kv_list, member_bits, dense, tiles, dkdv_lists, dq_lists, merge_seconds,
+                      time.perf_counter() - start)
 
 
 def _check_tile(name: str, value: int, block: int, block_name: str) -> int:
@@ -196,3 +212,26 @@ def _lists(dense: torch.Tensor, members: torch.Tensor, seq_len: int, kv_block: i
     kv_list[flat] = blocks[union]
     member_bits[flat] = bits[union]
     return offsets.to(torch.int32), (num_full // per_tile).reshape(-1).contiguous(), kv_list, member_bits
+
+
+def work_tensors(work: SparseWork) -> list[torch.Tensor]:
+    """A `SparseWork`'s tensors in the order `work_from` reads them: how it crosses an operator's schema."""
+    return [work.members, work.offsets, work.full_tiles, work.kv_list, work.member_bits, work.mask,
+            work.dkdv_lists.count, work.dkdv_lists.full, work.dkdv_lists.index,
+            work.dq_lists.count, work.dq_lists.full, work.dq_lists.index]
+
+
+def work_sizes(work: SparseWork) -> list[int]:
+    """A `SparseWork`'s sizes in the order `work_from` reads them."""
+    t = work.tiles
+    return [work.q_block, work.kv_block, work.block_m, work.block_n, work.seq_len, work.groups,
+            t.dkdv_queries, t.dkdv_keys, t.dq_queries, t.dq_keys]
+
+
+def work_from(tensors: list[torch.Tensor], sizes: list[int]) -> SparseWork:
+    """The `SparseWork` of `work_tensors` and `work_sizes` (its merge name and timings are not carried)."""
+    members, offsets, full_tiles, kv_list, member_bits, mask, *lists = tensors
+    q_block, kv_block, block_m, block_n, seq_len, groups, *tiles = sizes
+    return SparseWork(q_block, kv_block, block_m, block_n, seq_len, None, mask.shape[0], mask.shape[1], groups,
+                      members, offsets, full_tiles, kv_list, member_bits, mask, BackwardTiles(*tiles),
+                      TileList(*lists[:3]), TileList(*lists[3:]), 0.0, 0.0)
