@@ -114,10 +114,9 @@ def test_gna_forward_and_backward_replay_under_a_cuda_graph():
 
 
 def test_sparse_backward_replays_under_a_cuda_graph():
-    """The backward alone (transposed lists built by torch ops, then the kernels) is captured. The forward with
-    gradients takes the bare mask, whose host preparation cannot be captured (a SparseWork, which can, refuses
-    autograd), so it runs eagerly first, on the capture stream: autograd runs a backward op on its forward's
-    stream."""
+    """With the bare mask the forward prepares its work on the host, which a capture cannot hold: the forward runs
+    eagerly first, on the capture stream (autograd runs a backward op on its forward's stream), and the backward
+    alone (tile lists by torch ops, then the kernels) is captured."""
     from natsim.kernels import sparse_attention
 
     torch.manual_seed(2)
@@ -129,6 +128,65 @@ def test_sparse_backward_replays_under_a_cuda_graph():
     with torch.cuda.stream(stream):
         out = sparse_attention(*leaves, mask, 128, 128)
     _replays_under_a_cuda_graph(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True), [grad], stream)
+
+
+def test_prepared_sparse_forward_and_backward_replay_under_a_cuda_graph():
+    """A prepared mask (SparseWork) carries all host work: a whole training step's attention, forward and
+    backward, is captured and replays on new inputs."""
+    from natsim.kernels import prepare_sparse, sparse_attention
+
+    torch.manual_seed(3)
+    mask = torch.rand(1, 2, 16, 8, device="cuda") < 0.5
+    work = prepare_sparse(mask, 64, 128, 1000, merge="consecutive")
+    q, k, v, grad = (torch.randn(1, 1000, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    _replays_under_a_cuda_graph(lambda: torch.autograd.grad(sparse_attention(*leaves, work), leaves, grad),
+                                [*leaves, grad])
+
+
+@pytest.mark.parametrize("q_block, kv_block, merge, density", [
+    (128, 128, None, 0.3), (64, 64, None, 0.5), (64, 16, "xor", 0.5), (16, 128, "consecutive", 0.7),
+])
+def test_prepared_mask_gradients_equal_the_boolean_masks_bit_for_bit(q_block, kv_block, merge, density):
+    from natsim.kernels import prepare_sparse, sparse_attention
+
+    torch.manual_seed(4)
+    seq_len, heads = 12000, 2
+    mask = torch.rand(1, heads, -(-seq_len // q_block), -(-seq_len // kv_block), device="cuda") < density
+    q, k, v, g = (torch.randn(1, seq_len, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+
+    def grads(*mask_args, **kwargs):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = sparse_attention(*leaves, *mask_args, **kwargs)
+        return (out,) + torch.autograd.grad(out, leaves, g)
+
+    want = grads(mask, q_block, kv_block, merge=merge)
+    got = grads(prepare_sparse(mask, q_block, kv_block, seq_len, merge=merge))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+
+
+def test_prepared_masks_run_one_compiled_graph_on_the_gpu():
+    from natsim.kernels import prepare_sparse, sparse_attention
+
+    torch._dynamo.reset()
+    seq_len, heads = 4096, 2
+
+    def loss(q, k, v, work):
+        return sparse_attention(q, k, v, work).float().square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    for step, density in enumerate((0.2, 0.5, 0.9)):
+        torch.manual_seed(step)
+        mask = torch.rand(1, heads, 32, 32, device="cuda") < density
+        work = prepare_sparse(mask, 128, 128, seq_len)
+        leaves = [torch.randn(1, seq_len, heads, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                  for _ in range(3)]
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            got = torch.autograd.grad(compiled(*leaves, work), leaves)
+        want = torch.autograd.grad(loss(*leaves, work), leaves)
+        for a, b in zip(got, want):
+            assert rel(a, b) < 1e-3
 
 
 @pytest.mark.parametrize("q_block, kv_block, merge, density", [

@@ -105,6 +105,11 @@ def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse:
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if pv_threshold is not None and tracked:
         raise ValueError(ops.PV_SKIP_GRADIENT_REFUSAL)
+    if tracked and work.dkdv_lists is None:
+        raise ValueError(
+            "this SparseWork was prepared without the backward's lists (prepare_sparse(..., backward=False)) and "
+            "q, k or v requires grad: prepare it with backward=True, or call under torch.no_grad()."
+        )
     check_work(work, q)
     if runs_eagerly(q, k, v) and use_triton(q):
         out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..common.backend import interpreting
+from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, install_allocator
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
 from ..common.softmax import LOG2E
 
@@ -67,6 +68,25 @@ def _load_rows(A, B, tokens, base, seq_len, heads, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _row_descriptor(A, base, seq_len, heads, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A tensor descriptor over one head of a `[B, N, heads, head_dim]` tensor (`base`: the head's first element),
+    `ROWS` tokens per load; rows at and past N read as zeros."""
+    return tl.make_tensor_descriptor(A + base, shape=[seq_len, HEAD_DIM], strides=[heads * HEAD_DIM, 1],
+                                     block_shape=[ROWS, HEAD_DIM])
+
+
+@triton.jit
+def _load_pair(A, B, a_desc, b_desc, tokens, first, base, seq_len, heads, HEAD_DIM: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Rows `tokens` (consecutive from `first`) of one head of two `[B, N, heads, head_dim]` tensors, zeros at
+    and past N: through tensor descriptors, or pointer loads."""
+    if USE_TMA:
+        return a_desc.load([first, 0]), b_desc.load([first, 0])
+    a, b, _, _ = _load_rows(A, B, tokens, base, seq_len, heads, HEAD_DIM)
+    return a, b
+
+
+@triton.jit
 def _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads):
     """This program's batch and head (grid axis 1 runs over batch * heads) and the index of its `[nQ, nKV]`
     block mask, which may be shared along batch or heads (`mask_b_step` / `mask_h_step` 0); all int64."""
@@ -83,6 +103,7 @@ def sparse_dkdv_kernel(
     seq_len, heads, num_q_blocks, num_kv_blocks, num_q_tiles, num_kv_tiles, mask_b_step, mask_h_step, mask_heads,
     qk_scale, scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """One program per KV tile of BLOCK_N keys: its dK and dV over the Q tiles of its column, the full ones
     (every query attends every key) first and without mask code, then the partial ones under the element mask."""
@@ -95,18 +116,26 @@ def sparse_dkdv_kernel(
     k, v, kv_offsets, k_ok = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    if USE_TMA:
+        q_desc = _row_descriptor(Q, base, seq_len, heads, BLOCK_M, HEAD_DIM)
+        do_desc = _row_descriptor(DO, base, seq_len, heads, BLOCK_M, HEAD_DIM)
+    else:
+        q_desc = Q  # unused: loads go through pointers
+        do_desc = DO
     column = mask_item * num_kv_tiles + kv_tile
     count = tl.load(COL_COUNT + column)
     full = tl.load(COL_FULL + column)
     INDEX = COL_INDEX + column * num_q_tiles
     for i in tl.range(0, full):
-        q_tokens = tl.load(INDEX + i) * BLOCK_M + rows
-        q, do, _, _ = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
+        first = tl.load(INDEX + i) * BLOCK_M
+        q_tokens = first + rows
+        q, do = _load_pair(Q, DO, q_desc, do_desc, q_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
         lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
         dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, k_ok, False)
     for i in tl.range(full, count):
-        q_tokens = tl.load(INDEX + i) * BLOCK_M + rows
-        q, do, _, _ = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
+        first = tl.load(INDEX + i) * BLOCK_M
+        q_tokens = first + rows
+        q, do = _load_pair(Q, DO, q_desc, do_desc, q_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
         lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
         keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, True)
         dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
@@ -120,6 +149,7 @@ def sparse_dq_kernel(
     seq_len, heads, num_q_blocks, num_kv_blocks, num_q_tiles, num_kv_tiles, mask_b_step, mask_h_step, mask_heads,
     qk_scale, scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """One program per Q tile of BLOCK_M queries: its dQ over the KV tiles of its row, full ones first and
     without mask code, then the partial ones under the element mask."""
@@ -132,17 +162,24 @@ def sparse_dq_kernel(
     q, do, q_offsets, q_ok = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
     lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if USE_TMA:
+        k_desc = _row_descriptor(K, base, seq_len, heads, BLOCK_N, HEAD_DIM)
+        v_desc = _row_descriptor(V, base, seq_len, heads, BLOCK_N, HEAD_DIM)
+    else:
+        k_desc = K  # unused: loads go through pointers
+        v_desc = V
     row = mask_item * num_q_tiles + q_tile
     count = tl.load(ROW_COUNT + row)
     full = tl.load(ROW_FULL + row)
     INDEX = ROW_INDEX + row * num_kv_tiles
     for i in tl.range(0, full):
-        k_tokens = tl.load(INDEX + i) * BLOCK_N + cols
-        k, v, _, _ = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
+        first = tl.load(INDEX + i) * BLOCK_N
+        k, v = _load_pair(K, V, k_desc, v_desc, first + cols, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
         dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, q_ok, False)
     for i in tl.range(full, count):
-        k_tokens = tl.load(INDEX + i) * BLOCK_N + cols
-        k, v, _, _ = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
+        first = tl.load(INDEX + i) * BLOCK_N
+        k_tokens = first + cols
+        k, v = _load_pair(K, V, k_desc, v_desc, k_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
         keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, False)
         dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
     tl.store(DQ + q_offsets, (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
@@ -164,12 +201,15 @@ class BackwardTiles:
 
 
 def backward_tiles(q_block: int, kv_block: int, device: torch.device) -> BackwardTiles:
-    """The default tiles: on the GPU the dK/dV kernel holds 128 keys and steps over 64 queries, the dQ kernel
-    holds 128 queries and steps over 64 keys (FlashAttention-2's shapes at head_dim 128 on the H100); 16 x 16 in
-    the interpreter."""
+    """The default tiles. On the GPU both kernels step over 64 tokens; the dK/dV kernel's programs hold 128 keys
+    where KV blocks are at least 128 tokens, else 64, and the dQ kernel's hold 128 queries where Q blocks are at
+    least 128, else 64. So no tile straddles two 64-token blocks (a straddling tile runs under the element mask
+    whenever its blocks differ: twice as slow at 64 x 64 blocks), and finer masks get 64 x 64 tiles, whose
+    partial pairs cost less than 128-token ones (H100, head_dim 128: 13% faster on 16-token masks with locality;
+    benchmarks/results/sparse-backward-tune*-h100-*.json). 16 x 16 in the interpreter."""
     if interpreting() and device.type == "cpu":
         return BackwardTiles(16, 16, 16, 16)
-    return BackwardTiles(64, 128, 128, 64)
+    return BackwardTiles(64, 128 if kv_block >= 128 else 64, 128 if q_block >= 128 else 64, 64)
 
 
 @dataclass(frozen=True)
@@ -246,16 +286,29 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
                   mask_b_step=0 if mask.shape[0] == 1 else 1, mask_h_step=0 if mask.shape[1] == 1 else 1,
                   mask_heads=mask.shape[1], qk_scale=scale * LOG2E, scale=scale, QB=q_block, KVB=kv_block,
                   HEAD_DIM=head_dim)
+    use_tma = _use_descriptors(q, k, v, grad_out, options)
+    if use_tma:
+        install_allocator()
+    shared["USE_TMA"] = use_tma
+    options = {key: value for key, value in (options or {}).items() if key != "USE_TMA"}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mask_bytes = mask.view(torch.uint8)
     num_q_tiles, num_kv_tiles = columns.index.shape[-1], columns.count.shape[-1]
     sparse_dkdv_kernel[(num_kv_tiles, batch * heads)](
         q, k, v, grad_out, lse, delta, dk, dv, mask_bytes, columns.count, columns.full, columns.index,
         num_q_tiles=num_q_tiles, num_kv_tiles=num_kv_tiles, BLOCK_M=tiles.dkdv_queries, BLOCK_N=tiles.dkdv_keys,
-        **shared, **{**launch_options(tiles.dkdv_queries, tiles.dkdv_keys), **(options or {})})
+        **shared, **{**launch_options(tiles.dkdv_queries, tiles.dkdv_keys), **options})
     num_q_tiles, num_kv_tiles = rows.count.shape[-1], rows.index.shape[-1]
     sparse_dq_kernel[(num_q_tiles, batch * heads)](
         q, k, v, grad_out, lse, delta, dq, mask_bytes, rows.count, rows.full, rows.index,
         num_q_tiles=num_q_tiles, num_kv_tiles=num_kv_tiles, BLOCK_M=tiles.dq_queries, BLOCK_N=tiles.dq_keys,
-        **shared, **{**launch_options(tiles.dq_queries, tiles.dq_keys), **(options or {})})
+        **shared, **{**launch_options(tiles.dq_queries, tiles.dq_keys), **options})
     return dq, dk, dv
+
+
+def _use_descriptors(q, k, v, grad_out, options: Optional[dict]) -> bool:
+    """Whether the stepped operands load through tensor descriptors (`options["USE_TMA"]` decides when given):
+    on Hopper and later (or in the interpreter), with the strides and alignment TMA needs."""
+    wanted = (options or {}).get("USE_TMA", True)
+    return bool(wanted) and has_tensor_descriptors(q.device) and aligned(q, k, v, grad_out) and all(
+        descriptor_strides_ok(t) for t in (q, k, v, grad_out))

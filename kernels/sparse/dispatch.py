@@ -33,7 +33,8 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
                           "use CUDA tensors for the Triton kernel.", stacklevel=4)
             _warned_cpu = True
         if pv_threshold is not None:
-            work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device)
+            work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device,
+                                  backward=False)
             return sparse_pv_reference(work, q, k, v, pv_threshold, scale)[:2]
         return sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True)
     check_sparse_kernel(q)
@@ -42,7 +43,7 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
             "sparse_attention with a mask prepares its work on the host, which a CUDA graph cannot capture: "
             "build it before the capture with prepare_sparse(mask, ...) and pass that SparseWork as the mask."
         )
-    work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device)
+    work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device, backward=False)
     out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
     return out, lse
 

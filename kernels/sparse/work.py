@@ -38,7 +38,8 @@ class SparseWork:
     blocks, those every member attends and that end before N first (`full_tiles[i]` whole tiles of them run
     unmasked); `member_bits` per list entry, bit m set when member m attends the block. Every index tensor is
     sized by the visited blocks. `mask`: the boolean block mask itself (the element mask of partial tiles);
-    `tiles`, `dkdv_lists`, `dq_lists`: the backward kernels' tiles and lists. `merge_seconds`: time of the
+    `tiles`, `dkdv_lists`, `dq_lists`: the backward kernels' tiles and lists (None in work prepared without
+    them, for inference). `merge_seconds`: time of the
     grouping (natsim.merge on the CPU for "xor", including the mask's copy there); `prepare_seconds`: the whole
     preparation.
     """
@@ -59,8 +60,8 @@ class SparseWork:
     member_bits: torch.Tensor
     mask: torch.Tensor
     tiles: BackwardTiles
-    dkdv_lists: TileList
-    dq_lists: TileList
+    dkdv_lists: Optional[TileList]
+    dq_lists: Optional[TileList]
     merge_seconds: float
     prepare_seconds: float
 
@@ -82,10 +83,12 @@ class SparseWork:
 
 def default_blocks(q_block: int, kv_block: int, merge: Optional[str], device: torch.device) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): 128 x 128 on the GPU (64 x 32 in the interpreter, for tiny test shapes), never
-    below the mask's blocks. Without merging a program holds one query block (at least tl.dot's 16 rows)."""
+    below the mask's blocks. Without merging a program holds one query block (at least tl.dot's 16 rows), and
+    a tile one KV block of 64 tokens: a 128-key tile of two such blocks runs masked whenever they differ (H100,
+    random 64 x 64 masks at 70% sparsity: 9.2 ms against 13.3; benchmarks/results/sparse-backward-tune3-*)."""
     small = interpreting() and device.type == "cpu"
     block_m = max(q_block, MIN_DOT) if merge is None else max(q_block, 64 if small else 128)
-    block_n = max(kv_block, 32 if small else 128)
+    block_n = kv_block if merge is None and kv_block == 64 and not small else max(kv_block, 32 if small else 128)
     return block_m, block_n
 
 
@@ -99,10 +102,12 @@ def prepare_sparse(
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
     device: Optional[torch.device] = None,
+    backward: bool = True,
 ) -> SparseWork:
     """The kernel's work for `mask` (a boolean `[B|1, H|1, nQ, nKV]` tensor with `q_block`, `kv_block` and
     `seq_len`, or a SparseMask), grouped by `merge`, on `device` (the mask's by default). Pass it as the mask
-    of `sparse_attention` to reuse it across calls; `block_m` / `block_n` override `default_blocks`."""
+    of `sparse_attention` to reuse it across calls; `block_m` / `block_n` override `default_blocks`.
+    `backward=False` leaves out the backward kernels' lists (work for inference only)."""
     start = time.perf_counter()
     dense, q_block, kv_block, seq_len = dense_mask(mask, q_block, kv_block, seq_len)
     if merge not in MERGES:
@@ -126,7 +131,7 @@ def prepare_sparse(
         torch._dynamo.maybe_mark_dynamic(variable, 0)
     dense = dense.contiguous()
     tiles = backward_tiles(q_block, kv_block, device)
-    dkdv_lists, dq_lists = tile_lists(dense, tiles, q_block, kv_block, seq_len)
+    dkdv_lists, dq_lists = tile_lists(dense, tiles, q_block, kv_block, seq_len) if backward else (None, None)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return SparseWork(q_block, kv_block, block_m, block_n, seq_len, merge, dense.shape[0], dense.shape[1],
@@ -216,9 +221,11 @@ def _lists(dense: torch.Tensor, members: torch.Tensor, seq_len: int, kv_block: i
 
 def work_tensors(work: SparseWork) -> list[torch.Tensor]:
     """A `SparseWork`'s tensors in the order `work_from` reads them: how it crosses an operator's schema."""
-    return [work.members, work.offsets, work.full_tiles, work.kv_list, work.member_bits, work.mask,
-            work.dkdv_lists.count, work.dkdv_lists.full, work.dkdv_lists.index,
-            work.dq_lists.count, work.dq_lists.full, work.dq_lists.index]
+    tensors = [work.members, work.offsets, work.full_tiles, work.kv_list, work.member_bits, work.mask]
+    if work.dkdv_lists is not None:
+        tensors += [work.dkdv_lists.count, work.dkdv_lists.full, work.dkdv_lists.index,
+                    work.dq_lists.count, work.dq_lists.full, work.dq_lists.index]
+    return tensors
 
 
 def work_sizes(work: SparseWork) -> list[int]:
@@ -232,6 +239,7 @@ def work_from(tensors: list[torch.Tensor], sizes: list[int]) -> SparseWork:
     """The `SparseWork` of `work_tensors` and `work_sizes` (its merge name and timings are not carried)."""
     members, offsets, full_tiles, kv_list, member_bits, mask, *lists = tensors
     q_block, kv_block, block_m, block_n, seq_len, groups, *tiles = sizes
+    dkdv_lists, dq_lists = (TileList(*lists[:3]), TileList(*lists[3:])) if lists else (None, None)
     return SparseWork(q_block, kv_block, block_m, block_n, seq_len, None, mask.shape[0], mask.shape[1], groups,
-                      members, offsets, full_tiles, kv_list, member_bits, mask, BackwardTiles(*tiles),
-                      TileList(*lists[:3]), TileList(*lists[3:]), 0.0, 0.0)
+                      members, offsets, full_tiles, kv_list, member_bits, mask, BackwardTiles(*tiles), dkdv_lists,
+                      dq_lists, 0.0, 0.0)

@@ -1,0 +1,144 @@
+"""A prepared block mask (`SparseWork` from `prepare_sparse`): the backward's tile lists against a brute-force
+element mask, prepared calls against calls with the boolean mask (bit for bit, forward and gradients) and against
+float64 gradients, one compiled graph for masks of one size, and the refusals.
+
+The kernels run in the CPU interpreter (tests/conftest.py): tiny problems, fp16, 16-token backward tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from natsim.kernels import prepare_sparse, sparse_attention, sparse_reference
+from natsim.kernels.sparse.backward import BackwardTiles, tile_lists
+
+LISTS = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+KERNEL = settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+POWERS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def element_mask(mask: torch.Tensor, q_block: int, kv_block: int, seq_len: int) -> torch.Tensor:
+    """`[B|1, H|1, N, N]`: query i attends key j exactly when mask[..., i // q_block, j // kv_block]."""
+    return mask.repeat_interleave(q_block, 2).repeat_interleave(kv_block, 3)[:, :, :seq_len, :seq_len]
+
+
+def brute_force_tiles(element: torch.Tensor, tile_q: int, tile_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(listed, full) per tile pair, pair by pair from the element mask: listed when any query of the pair
+    attends any key of it, full when every query (before N) attends every key and every key is before N."""
+    batch, heads, seq_len, _ = element.shape
+    rows, cols = -(-seq_len // tile_q), -(-seq_len // tile_k)
+    listed = torch.zeros(batch, heads, rows, cols, dtype=torch.bool)
+    full = torch.zeros_like(listed)
+    for a in range(rows):
+        for b in range(cols):
+            pair = element[:, :, a * tile_q:(a + 1) * tile_q, b * tile_k:(b + 1) * tile_k]
+            listed[:, :, a, b] = pair.flatten(2).any(-1)
+            full[:, :, a, b] = pair.flatten(2).all(-1) & ((b + 1) * tile_k <= seq_len)
+    return listed, full
+
+
+def check_list(lists, listed: torch.Tensor, full: torch.Tensor) -> None:
+    """Per row: the count of listed and of full tiles, the full columns first, then the partial ones, each run
+    ascending."""
+    assert torch.equal(lists.count.long(), listed.sum(-1))
+    assert torch.equal(lists.full.long(), full.sum(-1))
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in listed.shape[:3])):
+        b, h, r = index.tolist()
+        got = lists.index[b, h, r, :lists.count[b, h, r]].tolist()
+        fulls = torch.nonzero(full[b, h, r]).flatten().tolist()
+        partial = torch.nonzero(listed[b, h, r] & ~full[b, h, r]).flatten().tolist()
+        assert got == fulls + partial
+
+
+@LISTS
+@given(
+    st.sampled_from(POWERS[3:]), st.sampled_from(POWERS), st.integers(1, 200),
+    st.sampled_from([(16, 16, 16, 16), (16, 32, 32, 16), (32, 16, 64, 16), (64, 128, 128, 64)]),
+    st.sampled_from([0.0, 0.3, 0.8, 1.0]), st.integers(1, 2), st.integers(0, 2**16),
+)
+def test_backward_tile_lists_equal_the_brute_force_element_mask(q_block, kv_block, seq_len, tiles, density, heads,
+                                                                seed):
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(1, heads, -(-seq_len // q_block), -(-seq_len // kv_block), generator=generator) < density
+    tiles = BackwardTiles(*tiles)
+    columns, rows = tile_lists(mask, tiles, q_block, kv_block, seq_len)
+    element = element_mask(mask, q_block, kv_block, seq_len)
+    listed, full = brute_force_tiles(element, tiles.dkdv_queries, tiles.dkdv_keys)
+    check_list(columns, listed.transpose(2, 3), full.transpose(2, 3))  # per KV tile, its Q tiles
+    listed, full = brute_force_tiles(element, tiles.dq_queries, tiles.dq_keys)
+    check_list(rows, listed, full)
+
+
+def random_problem(seed: int, seq_len: int, q_block: int, kv_block: int, density: float, heads: int = 2):
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(1, heads, -(-seq_len // q_block), -(-seq_len // kv_block), generator=generator) < density
+    mask[0, 0, -1] = False  # a query block that attends nothing
+    q, k, v, g = (torch.randn(1, seq_len, heads, 32, generator=generator).half() for _ in range(4))
+    return mask, (q, k, v), g
+
+
+def gradients(q, k, v, mask, g, *args, **kwargs):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = sparse_attention(*leaves, mask, *args, return_lse=True, **kwargs)
+    return (out, lse) + torch.autograd.grad(out, leaves, g)
+
+
+@KERNEL
+@given(st.sampled_from([(8, 4), (16, 32), (32, 16), (64, 64)]), st.integers(20, 90),
+       st.sampled_from([None, "consecutive", "xor"]), st.sampled_from([0.3, 1.0]), st.integers(0, 2**16))
+def test_prepared_mask_runs_bit_for_bit_like_the_boolean_mask_with_float64_gradients(blocks, seq_len, merge,
+                                                                                     density, seed):
+    q_block, kv_block = blocks
+    mask, (q, k, v), g = random_problem(seed, seq_len, q_block, kv_block, density)
+    want = gradients(q, k, v, mask, g, q_block, kv_block, merge=merge)
+    work = prepare_sparse(mask, q_block, kv_block, seq_len, merge=merge)
+    got = gradients(q, k, v, work, g)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    reference = torch.autograd.grad(sparse_reference(*inputs, mask, q_block, kv_block), inputs, g.double())
+    for name, a, b in zip(("dq", "dk", "dv"), got[2:], reference):
+        assert (a.double() - b).norm() <= 1e-2 * b.norm() + 1e-3, name
+
+
+def test_prepared_masks_of_one_size_share_one_compiled_graph():
+    """Masks of one size and different densities (lists of different lengths) run one compiled graph, forward
+    and backward, with the eager gradients."""
+    torch._dynamo.reset()
+    seq_len, block = 48, 16
+
+    def loss(q, k, v, work):
+        return sparse_attention(q, k, v, work).float().square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    for step, density in enumerate((0.3, 0.7, 1.0)):
+        mask, (q, k, v), _ = random_problem(step, seq_len, block, block, density)
+        work = prepare_sparse(mask, block, block, seq_len)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            got = torch.autograd.grad(compiled(*leaves, work), leaves)
+        want = torch.autograd.grad(loss(*leaves, work), leaves)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+def test_prepared_mask_on_the_reference_path_has_the_references_gradients(reference_path):
+    mask, (q, k, v), g = random_problem(3, 40, 8, 16, 0.5)
+    got = gradients(q.float(), k.float(), v.float(), prepare_sparse(mask, 8, 16, 40), g.float())
+    want = gradients(q.float(), k.float(), v.float(), mask, g.float(), 8, 16)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_prepared_mask_refusals_are_sentences():
+    mask, (q, k, v), _ = random_problem(4, 32, 16, 16, 1.0)
+    work = prepare_sparse(mask, 16, 16, 32)
+    with pytest.raises(ValueError, match="the SparseWork's own"):
+        sparse_attention(q, k, v, work, 16, 16)
+    with pytest.raises(ValueError, match="pv_threshold"):
+        sparse_attention(q.requires_grad_(), k, v, work, pv_threshold=-2.0)
+    with pytest.raises(ValueError, match="seq_len=32"):
+        sparse_attention(q[:, :16], k[:, :16], v[:, :16], work)
