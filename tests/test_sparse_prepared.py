@@ -142,3 +142,22 @@ def test_prepared_mask_refusals_are_sentences():
         sparse_attention(q.requires_grad_(), k, v, work, pv_threshold=-2.0)
     with pytest.raises(ValueError, match="seq_len=32"):
         sparse_attention(q[:, :16], k[:, :16], v[:, :16], work)
+
+
+@LISTS
+@given(st.integers(1, 20), st.integers(1, 1100), st.sampled_from([1, 2, 3, 8, 16]),
+       st.sampled_from(["consecutive", "xor"]), st.sampled_from([0.0, 0.1, 0.5, 1.0]), st.integers(0, 2**16))
+def test_gpu_list_builder_equals_the_torch_builder(num_q, num_kv, group, merge, density, seed):
+    """The Triton builder of the forward's union lists (the GPU's) against the torch one (the CPU's), bit for bit:
+    groups of 1 to 16 query blocks, short last groups, several chunks of KV blocks, N not a multiple of them."""
+    from natsim.kernels.sparse.lists import build_lists
+    from natsim.kernels.sparse.work import _lists, _members
+
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(2, 2, num_q, num_kv, generator=generator) < density
+    members = _members(mask, group, merge)
+    kv_block, per_tile = 4, 2
+    seq_len = num_kv * kv_block - seed % kv_block
+    for a, b in zip(_lists(mask, members, seq_len, kv_block, per_tile),
+                    build_lists(mask, members, seq_len, kv_block, per_tile)):
+        assert torch.equal(a, b)

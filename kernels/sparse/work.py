@@ -21,6 +21,7 @@ from natsim import merge as natsim_merge
 
 from ..common.backend import interpreting
 from .backward import BackwardTiles, TileList, backward_tiles, tile_lists
+from .lists import build_lists
 from .mask import SparseMask, check_block, check_dense_mask
 
 MERGES = (None, "consecutive", "xor")
@@ -126,7 +127,8 @@ def prepare_sparse(
     merge_start = time.perf_counter()
     members = _members(dense, group, merge)
     merge_seconds = time.perf_counter() - merge_start
-    offsets, full_tiles, kv_list, member_bits = _lists(dense, members, seq_len, kv_block, block_n // kv_block)
+    builder = build_lists if dense.is_cuda else _lists  # one Triton pass on the GPU, torch ops elsewhere
+    offsets, full_tiles, kv_list, member_bits = builder(dense, members, seq_len, kv_block, block_n // kv_block)
     for variable in (kv_list, member_bits):  # their length is the mask's visited blocks
         torch._dynamo.maybe_mark_dynamic(variable, 0)
     dense = dense.contiguous()
