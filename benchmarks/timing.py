@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 import triton
@@ -25,3 +26,29 @@ def bench(fn: Callable, min_calls: int = 10, min_rep_ms: float = 200.0) -> float
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative difference ||a - b|| / ||b|| in float32."""
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def interleaved(timers: dict[Hashable, Callable], rounds: int, min_ms: float,
+                sync: Callable[[], None]) -> dict[Hashable, list[float]]:
+    """Milliseconds per call of each of `timers` (already warmed up), one figure per round: every round runs
+    each timer in turn, `calls` back-to-back calls between two `sync()`s (wall clock, so host work counts),
+    `calls` set once per timer from one timed call to last at least `min_ms`. Interleaving puts clock and
+    thermal drift on every timer alike; report the median over rounds."""
+    calls = {}
+    for key, fn in timers.items():
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        once_ms = (time.perf_counter() - start) * 1e3
+        calls[key] = max(1, math.ceil(min_ms / max(once_ms, 1e-3)))
+    per_round: dict[Hashable, list[float]] = {key: [] for key in timers}
+    for _ in range(rounds):
+        for key, fn in timers.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(calls[key]):
+                fn()
+            sync()
+            per_round[key].append((time.perf_counter() - start) * 1e3 / calls[key])
+    return per_round

@@ -130,3 +130,82 @@ def test_diffusers_masks_benchmark_small_run(tmp_path, capsys):
     assert record["calls"] == 4 * 2 and record["dense_calls"] == 2  # two layers; step 0 is the dense warm-up
     assert math.isfinite(record["final_latent_relative_difference"]) and record["final_latent_relative_difference"] < 0.5
     assert "first sparse step" in capsys.readouterr().out
+
+
+def test_training_benchmark_small_run(reference_path, tmp_path, capsys):
+    """benchmarks/training.py --small: every row of every case is in the JSON, timed with finite numbers and
+    checked against the float32 reference, or refused / unsupported with its reason (Flex has no backward on
+    the CPU; a prepared mask may not run under autograd)."""
+    training = load("training")
+    record = training.main([str(tmp_path), "--small"])
+    saved = json.loads(Path(record["path"]).read_text())
+    assert {"device", "torch", "triton", "date"} <= set(saved) and saved["device"] == "cpu"
+    rows = saved["rows"]
+    masks = 2 * len(training.SPARSITIES) + 3  # random128, random64, gna, merged16, predicted
+    problems = 2  # --small's GNA layout has the random cases' N and joins their problem; the workload's
+    assert len(rows) == 3 * masks + problems + 1  # per mask flex, natsim, natsim-prepared; sdpa; natsim-gna
+    assert {r["case"] for r in rows if r["kernel"] == "natsim"} == set(training.CASES)
+    for r in rows:
+        if r["kernel"] in ("natsim", "natsim-gna", "sdpa"):
+            assert r["status"] == "ok", r
+        if r["status"] != "ok":
+            assert r["status"] in ("refused", "unsupported") and r["reason"], r
+            continue
+        assert set(r["ms"]) == set(training.PHASES)
+        for phase in training.PHASES:
+            assert math.isfinite(r["ms"][phase]) and r["ms"][phase] > 0
+            assert len(r["rounds_ms"][phase]) == saved["rounds"]
+            assert math.isfinite(r["tflops"][phase]) and r["tflops"][phase] > 0
+        assert 0 < r["density"] <= 1 and math.isfinite(r["sdpa_step_over_step"])
+        if r["kernel"] != "sdpa":
+            assert r["grad_err_vs_fp32"] < training.GRAD_TOLERANCE and r["out_err_vs_fp32"] < training.OUT_TOLERANCE
+    assert "ours/Flex" in capsys.readouterr().out
+
+
+def test_training_benchmark_relates_natsim_to_flex(reference_path, tmp_path):
+    """With a CPU stand-in for FlexAttention (SDPA under the BlockMask's element mask; Flex itself has no CPU
+    backward), the Flex rows are timed and checked, and the natsim rows get ours / Flex ratios and their
+    gradient error against Flex's."""
+    training = load("training")
+
+    def under_block_mask(q, k, v, block_mask):
+        q_block, kv_block = block_mask.BLOCK_SIZE
+        n = q.shape[1]
+        allowed = block_mask.to_dense().bool().repeat_interleave(q_block, 2)[:, :, :n]
+        allowed = allowed.repeat_interleave(kv_block, 3)[..., :n]
+        out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                               attn_mask=allowed)
+        return out.transpose(1, 2)
+
+    class StandIn(training.Flex):
+        def __init__(self, device):
+            super().__init__(device)
+            self.attend = under_block_mask
+
+    training.Flex = StandIn
+    rows = training.main([str(tmp_path), "--small", "--cases", "random64"])["rows"]
+    assert [r["kernel"] for r in rows].count("flex") == len(training.SPARSITIES)
+    for r in rows:
+        if r["kernel"] == "flex":
+            assert r["status"] == "ok" and r["grad_err_vs_fp32"] < training.GRAD_TOLERANCE
+        if r["kernel"] == "natsim":
+            assert r["grad_err_vs_flex"] < training.GRAD_TOLERANCE
+            assert all(math.isfinite(r["ours_over_flex"][p]) for p in training.PHASES)
+
+
+def test_training_benchmark_reference_gradients():
+    """The benchmark's chunked float32 reference (FlashAttention's backward written out) against autograd
+    through natsim's sparse reference, in float64, on a mask with a query block that attends nothing."""
+    training = load("training")
+    from natsim.kernels import sparse_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 100, 2, 16, generator=g, dtype=torch.float64) for _ in range(4))
+    mask = torch.rand(1, 2, 7, 7, generator=g) < 0.4
+    mask[0, 1, 3] = False
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sparse_reference(*leaves, mask, 16, 16)
+    want = (out, *torch.autograd.grad(out, leaves, grad))
+    got = training.block_reference(q, k, v, grad, mask, 16, chunk=24)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
