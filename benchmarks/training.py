@@ -28,7 +28,10 @@ Rows per mask, all differentiating the same q, k, v with the same output gradien
 - `flex`: FlexAttention compiled with torch.compile (eager on the CPU), its BlockMask built once from the same
   boolean mask at the mask's own blocks (`SparseMask.to_flex`); a configuration Flex refuses (its kernel tiles
   must divide the blocks; no backward on the CPU) is recorded as "refused" with the reason, and not tried
-  again for other masks of that block size.
+  again for other masks of that block size;
+- `flex-128` (masks of blocks under 128 tokens): what Flex runs on a fine mask at its own tiles, a BlockMask at
+  128-token blocks whose partial blocks apply a mask_mod reading the fine mask (benchmarks/sparse.py's
+  `flex_block_mask`).
 And per problem `sdpa`: dense attention through SDPA's cuDNN backend (flash where cuDNN is unavailable; the row
 says so), and with `gna` natsim's `natsim-gna`.
 
@@ -66,7 +69,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules (timing, sparse, workload)
 
-from sparse import useful_pairs  # noqa: E402
+from sparse import flex_block_mask, useful_pairs  # noqa: E402
 from timing import interleaved, rel  # noqa: E402
 from workload import video_qkv  # noqa: E402
 
@@ -315,6 +318,10 @@ def mask_rows(problem: Problem, mask: MaskCase, flex: Flex) -> list[Row]:
         except Exception as error:  # a BlockMask Flex cannot build is its refusal too
             flex_record.update(status="refused", reason=first_line(error))
     rows = [Row(flex_record, lambda q, k, v: flex.attend(q, k, v, block_mask), mask, refusal="refused")]
+    if mask.block < 128:  # what Flex runs on a fine mask: 128-token blocks, the partial ones under a mask_mod
+        coarse = flex_block_mask(mask.mask, mask.block, mask.block, n, heads)
+        rows.append(Row(base_record(problem, "flex-128", mask, pairs),
+                        lambda q, k, v: flex.attend(q, k, v, coarse), mask, refusal="refused"))
 
     options = dict(schedule=mask.schedule)
     rows.append(Row(base_record(problem, "natsim", mask, pairs),
