@@ -13,7 +13,7 @@ from ..common.backend import use_triton
 from .checks import check_mask_batch, check_sparse_kernel, check_sparse_qkv
 from .forward import run_sparse
 from .reference import sparse_pv_reference, sparse_reference
-from .work import SparseWork, prepare_sparse
+from .work import SparseWork, prepare_for_call, prepare_sparse
 
 _warned_cpu = False
 
@@ -43,7 +43,7 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
             "sparse_attention with a mask prepares its work on the host, which a CUDA graph cannot capture: "
             "build it before the capture with prepare_sparse(mask, ...) and pass that SparseWork as the mask."
         )
-    work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device, backward=False)
+    work = prepare_for_call(mask, q_block, kv_block, q.shape[1], merge, q.device)
     out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
     return out, lse
 

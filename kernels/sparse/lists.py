@@ -8,7 +8,7 @@ head)) walks the mask's KV blocks in chunks:
 1. `count_kernel`: the members' bits of each KV block (bit m: member m attends it), and per item the length of
    the union and how many of its blocks are full (every real member attends them, wholly before N).
 2. The offsets are a cumulative sum of the lengths (one torch op), and the total sizes the lists: one host
-   read.
+   read (none for work used by one call, whose lists are sized for every pair when that is small).
 3. `fill_kernel`: the same bits again, each union block written at its place: full blocks first, then the
    partial ones, both in ascending order, with its member bits.
 
@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 512  # KV blocks per step of a program
+UNREAD_ENTRIES = 2**24  # list entries (64 MB a list) up to which work for one call is sized without a read-back
 
 
 @triton.jit
@@ -85,9 +86,14 @@ def fill_kernel(MASK, MEMBERS, OFFSETS, FULL, LIST, BITS, num_q_blocks, num_kv_b
         next_partial += tl.sum(partial_i)
 
 
-def build_lists(dense: torch.Tensor, members: torch.Tensor, seq_len: int, kv_block: int, per_tile: int):
+def build_lists(dense: torch.Tensor, members: torch.Tensor, seq_len: int, kv_block: int, per_tile: int,
+                exact: bool = True):
     """`(offsets, full_tiles, kv_list, member_bits)` of `work._lists`, from the boolean mask `[B|1, H|1, nQ,
-    nKV]` and the groups' members `[B|1, H|1, groups, R]` (-1 where a group is short), by the two kernels."""
+    nKV]` and the groups' members `[B|1, H|1, groups, R]` (-1 where a group is short), by the two kernels.
+
+    `exact=False` (work for one call) sizes the lists for every (group, KV block) pair when that stays under
+    `UNREAD_ENTRIES`, so that nothing is read back: the host does not wait for the GPU, which is still running
+    the previous layers; entries past the total carry no meaning."""
     mask_batch, mask_heads, groups, group = members.shape
     num_q_blocks, num_kv_blocks = dense.shape[2], dense.shape[3]
     items = mask_batch * mask_heads * groups
@@ -101,11 +107,14 @@ def build_lists(dense: torch.Tensor, members: torch.Tensor, seq_len: int, kv_blo
     count_kernel[(items,)](mask_bytes, members, lengths, full, **shared)
     offsets = torch.zeros(items + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    total = int(offsets[-1])
-    if total >= 2**31:
-        raise ValueError(f"the mask visits {total} (query group, KV block) pairs, more than the int32 lists hold.")
+    if not exact and items * num_kv_blocks <= UNREAD_ENTRIES:
+        size = items * num_kv_blocks
+    else:
+        size = int(offsets[-1])
+        if size >= 2**31:
+            raise ValueError(f"the mask visits {size} (query group, KV block) pairs, more than the int32 lists hold.")
     offsets = offsets.to(torch.int32)
-    kv_list = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
-    member_bits = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
+    kv_list = torch.zeros(max(size, 1), dtype=torch.int32, device=device)
+    member_bits = torch.zeros(max(size, 1), dtype=torch.int32, device=device)
     fill_kernel[(items,)](mask_bytes, members, offsets, full, kv_list, member_bits, **shared)
     return offsets, (full // per_tile).contiguous(), kv_list, member_bits

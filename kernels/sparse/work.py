@@ -11,7 +11,7 @@ torch.compile, so that masks of one size but different densities share a compile
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import numpy as np
@@ -110,6 +110,23 @@ def prepare_sparse(
     of `sparse_attention` to reuse it across calls; `block_m` / `block_n` override `default_blocks`.
     `backward=False` leaves out the backward kernels' lists (work for inference only)."""
     start = time.perf_counter()
+    work = _prepare(mask, q_block, kv_block, seq_len, merge, block_m, block_n, device, backward, exact=True)
+    if work.mask.is_cuda:
+        torch.cuda.synchronize(work.mask.device)
+    return replace(work, prepare_seconds=time.perf_counter() - start)
+
+
+def prepare_for_call(mask: torch.Tensor, q_block: int, kv_block: int, seq_len: int, merge: Optional[str],
+                     device: torch.device) -> SparseWork:
+    """Forward work for one call on a boolean mask: no backward lists, and on the GPU nothing read back where
+    the lists are small enough to size for every pair (kernels/sparse/lists.py), so the host queues the call
+    without waiting for the GPU."""
+    return _prepare(mask, q_block, kv_block, seq_len, merge, None, None, device, backward=False, exact=False)
+
+
+def _prepare(mask, q_block, kv_block, seq_len, merge, block_m, block_n, device, backward: bool,
+             exact: bool) -> SparseWork:
+    """`prepare_sparse`'s work; `exact=False` lets the GPU builder size its lists without a read-back."""
     dense, q_block, kv_block, seq_len = dense_mask(mask, q_block, kv_block, seq_len)
     if merge not in MERGES:
         raise ValueError(f"merge must be None, 'consecutive' or 'xor', got merge={merge!r}.")
@@ -127,19 +144,19 @@ def prepare_sparse(
     merge_start = time.perf_counter()
     members = _members(dense, group, merge)
     merge_seconds = time.perf_counter() - merge_start
-    builder = build_lists if dense.is_cuda else _lists  # one Triton pass on the GPU, torch ops elsewhere
-    offsets, full_tiles, kv_list, member_bits = builder(dense, members, seq_len, kv_block, block_n // kv_block)
+    if dense.is_cuda:  # one Triton pass on the GPU, torch ops elsewhere
+        lists = build_lists(dense, members, seq_len, kv_block, block_n // kv_block, exact)
+    else:
+        lists = _lists(dense, members, seq_len, kv_block, block_n // kv_block)
+    offsets, full_tiles, kv_list, member_bits = lists
     for variable in (kv_list, member_bits):  # their length is the mask's visited blocks
         torch._dynamo.maybe_mark_dynamic(variable, 0)
     dense = dense.contiguous()
     tiles = backward_tiles(q_block, kv_block, device)
     dkdv_lists, dq_lists = tile_lists(dense, tiles, q_block, kv_block, seq_len) if backward else (None, None)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
     return SparseWork(q_block, kv_block, block_m, block_n, seq_len, merge, dense.shape[0], dense.shape[1],
                       members.shape[2], members.reshape(-1, group).to(torch.int32).contiguous(), offsets, full_tiles,
-                      kv_list, member_bits, dense, tiles, dkdv_lists, dq_lists, merge_seconds,
-                      time.perf_counter() - start)
+                      kv_list, member_bits, dense, tiles, dkdv_lists, dq_lists, merge_seconds, 0.0)
 
 
 def _check_tile(name: str, value: int, block: int, block_name: str) -> int:
