@@ -158,6 +158,12 @@ def test_gpu_list_builder_equals_the_torch_builder(num_q, num_kv, group, merge, 
     members = _members(mask, group, merge)
     kv_block, per_tile = 4, 2
     seq_len = num_kv * kv_block - seed % kv_block
-    for a, b in zip(_lists(mask, members, seq_len, kv_block, per_tile),
-                    build_lists(mask, members, seq_len, kv_block, per_tile)):
+    want = _lists(mask, members, seq_len, kv_block, per_tile)
+    for a, b in zip(want, build_lists(mask, members, seq_len, kv_block, per_tile)):
         assert torch.equal(a, b)
+    # Work for one call: the lists sized for every pair, equal up to the total.
+    offsets, full_tiles, kv_list, member_bits = build_lists(mask, members, seq_len, kv_block, per_tile, exact=False)
+    total = int(want[0][-1])
+    assert torch.equal(offsets, want[0]) and torch.equal(full_tiles, want[1])
+    assert kv_list.numel() == members.shape[0] * members.shape[1] * members.shape[2] * num_kv
+    assert torch.equal(kv_list[:total], want[2][:total]) and torch.equal(member_bits[:total], want[3][:total])

@@ -105,16 +105,18 @@ def build_lists(dense: torch.Tensor, members: torch.Tensor, seq_len: int, kv_blo
     shared = dict(num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks, whole_blocks=seq_len // kv_block,
                   groups=groups, R=group, CHUNK=min(CHUNK, triton.next_power_of_2(num_kv_blocks)))
     count_kernel[(items,)](mask_bytes, members, lengths, full, **shared)
-    offsets = torch.zeros(items + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    if not exact and items * num_kv_blocks <= UNREAD_ENTRIES:
-        size = items * num_kv_blocks
+    offsets = torch.empty(items + 1, dtype=torch.int32, device=device)
+    offsets[:1] = 0
+    if not exact and items * num_kv_blocks <= UNREAD_ENTRIES:  # int32 sums cannot overflow below 2**31
+        torch.cumsum(lengths, 0, dtype=torch.int32, out=offsets[1:])
+        kv_list = torch.empty(items * num_kv_blocks, dtype=torch.int32, device=device)
+        member_bits = torch.empty_like(kv_list)
     else:
-        size = int(offsets[-1])
-        if size >= 2**31:
-            raise ValueError(f"the mask visits {size} (query group, KV block) pairs, more than the int32 lists hold.")
-    offsets = offsets.to(torch.int32)
-    kv_list = torch.zeros(max(size, 1), dtype=torch.int32, device=device)
-    member_bits = torch.zeros(max(size, 1), dtype=torch.int32, device=device)
+        total = lengths.sum(dtype=torch.int64).item()
+        if total >= 2**31:
+            raise ValueError(f"the mask visits {total} (query group, KV block) pairs, more than the int32 lists hold.")
+        torch.cumsum(lengths, 0, dtype=torch.int32, out=offsets[1:])
+        kv_list = torch.zeros(max(total, 1), dtype=torch.int32, device=device)
+        member_bits = torch.zeros_like(kv_list)
     fill_kernel[(items,)](mask_bytes, members, offsets, full, kv_list, member_bits, **shared)
     return offsets, (full // per_tile).contiguous(), kv_list, member_bits
