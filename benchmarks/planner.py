@@ -12,6 +12,12 @@ FLUX-like 256x256 at 0.9; 24 heads, head_dim 128, bf16), the plan's pick and its
 candidates are timed with `gna_attention` (permutation included) in interleaved rounds; reported:
 whether the pick is within 5% of the fastest measured, and the median |predicted - measured| / measured
 when the GPU has a cost model. Writes planner_gpu.json. Prints a table last.
+
+    python benchmarks/planner.py DIR --gpu --random 8 --seed 0
+
+times instead N layouts drawn at random (seeded, `random_cases`: 1-D to 3-D, 2,048 to 120,000 tokens, 12 to 48
+heads, head_dim 64 or 128): the pick and the top five of each, the pick's prediction error, the median and
+largest over the five, and the pick over the fastest measured. Writes planner_gpu_random_seed<S>.json.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import rich.console
@@ -85,23 +92,45 @@ def measure(shape, sparsity) -> dict:
     }
 
 
-def measure_gpu(shape, sparsity) -> dict:
-    """Time the plan's top candidates on the current CUDA device.
+def random_cases(count: int, seed: int) -> list[tuple]:
+    """`count` problems drawn (seeded) from a wide range, none of them a named model's layout: 3-D video layouts
+    (60%), 2-D images (25%) and 1-D sequences (15%) of 2,048 to 120,000 tokens, 12 to 48 heads, head_dim 64 or
+    128, target sparsity 0.5 to 0.95. Each is `(shape, sparsity, heads, head_dim)`."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    while len(cases) < count:
+        rank = int(rng.choice([3, 2, 1], p=[0.6, 0.25, 0.15]))
+        if rank == 3:
+            shape = (int(rng.integers(4, 33)), int(rng.integers(12, 65)), int(rng.integers(16, 97)))
+        elif rank == 2:
+            shape = (int(rng.integers(32, 257)), int(rng.integers(32, 257)))
+        else:
+            shape = (int(rng.integers(2048, 65537)),)
+        if not 2048 <= int(np.prod(shape)) <= 120_000:
+            continue
+        cases.append((shape, float(rng.choice([0.5, 0.75, 0.9, 0.95])), int(rng.choice([12, 16, 24, 32, 48])),
+                      int(rng.choice([64, 128]))))
+    return cases
+
+
+def measure_gpu(shape, sparsity, heads: int = GPU_HEADS, head_dim: int = GPU_HEAD_DIM,
+                top: Optional[int] = None) -> dict:
+    """Time the plan's top candidates (all it keeps, or the first `top`) and its pick on the current CUDA device.
 
     Every candidate is timed once per round (ROUNDS rounds, each in another order, each timing the median
     of at least GPU_REPEATS calls) and keeps the median of its rounds: drift of the clocks over the run then
     falls on all candidates alike instead of on whichever came last.
     """
-    plan = best(shape, sparsity, heads=GPU_HEADS, head_dim=GPU_HEAD_DIM, dtype=torch.bfloat16)
+    plan = best(shape, sparsity, heads=heads, head_dim=head_dim, dtype=torch.bfloat16)
     device = torch.device("cuda", torch.cuda.current_device())
     pick = (plan.problem.window, plan.problem.stride, plan.tiles.q_tile, plan.tiles.kv_tile, plan.tiles.kv_tiling)
-    timed = list(plan.search.top)
+    timed = list(plan.search.top)[:top]
     if all((c.window, c.stride, c.q_tile, c.kv_tile, c.kv_tiling) != pick for c in timed):
         timed.append(Candidate(*pick[:4], plan.score, plan.sparsity, plan.tile_speedup, plan.simulation.block_sparse,
                                pick[4]))
     cases = [
         Case(natsim.Problem(shape, c.window, c.stride), natsim.TileConfig(c.q_tile, c.kv_tile, kv_tiling=c.kv_tiling),
-             GPU_HEADS, GPU_HEAD_DIM)
+             heads, head_dim)
         for c in timed
     ]
     rounds: list[list[float]] = [[] for _ in cases]
@@ -119,8 +148,16 @@ def measure_gpu(shape, sparsity) -> dict:
     return {
         "shape": list(shape),
         "target_sparsity": sparsity,
+        "heads": heads,
+        "head_dim": head_dim,
         "basis": plan.basis,
         "gpu": plan.gpu,
+        "pick_predicted_s": chosen["score"] if plan.calibrated else None,
+        "pick_prediction_error": (chosen["score"] - chosen["measured_s"]) / chosen["measured_s"]
+        if plan.calibrated else None,
+        "max_abs_prediction_error": max(errors) if errors else None,
+        "pick_over_fastest": chosen["measured_s"] / fastest,
+        "pick_within_3_percent": chosen["measured_s"] <= 1.03 * fastest,
         "pick_measured_s": chosen["measured_s"],
         "fastest_measured_s": fastest,
         "pick_within_5_percent": chosen["measured_s"] <= 1.05 * fastest,
@@ -131,17 +168,21 @@ def measure_gpu(shape, sparsity) -> dict:
 
 def gpu_table(rows) -> Table:
     table = Table(title=f"planner picks timed on {torch.cuda.get_device_name()} ({rows[0]['basis']})")
-    for name in ("shape", "sparsity", "pick ms", "fastest ms", "pick within 5%", "median |pred err|"):
+    for name in ("shape", "sparsity", "heads x dim", "pick ms", "fastest ms", "pick / fastest", "pick pred err",
+                 "median / max |pred err|"):
         table.add_column(name, justify="right")
     for r in rows:
-        error = r["median_abs_prediction_error"]
+        error, largest, own = (r["median_abs_prediction_error"], r["max_abs_prediction_error"],
+                               r["pick_prediction_error"])
         table.add_row(
             fmt(r["shape"]),
             f"{r['target_sparsity']:g}",
+            f"{r['heads']} x {r['head_dim']}",
             f"{r['pick_measured_s'] * 1e3:.2f}",
             f"{r['fastest_measured_s'] * 1e3:.2f}",
-            "yes" if r["pick_within_5_percent"] else "NO",
-            "-" if error is None else f"{error:.1%}",
+            f"{r['pick_over_fastest']:.3f}",
+            "-" if own is None else f"{own:+.1%}",
+            "-" if error is None else f"{error:.1%} / {largest:.1%}",
         )
     return table
 
@@ -162,6 +203,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for planner.json (and planner_gpu.json)")
     parser.add_argument("--gpu", action="store_true", help="also time the top candidates on the CUDA GPU")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="with --gpu: time the top five and the pick of N random layouts (random_cases) instead "
+                             "of the named ones")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random's layouts")
     args = parser.parse_args()
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA GPU (torch.cuda.is_available() is False).")
@@ -182,10 +227,14 @@ def main() -> None:
             "min_repeats_per_round": GPU_REPEATS,
             "results": gpu_rows,
         }
-        for shape, sparsity in GPU_CASES:  # written after every case, so a cut-off run keeps what it measured
-            gpu_rows.append(measure_gpu(shape, sparsity))
-            (args.out / "planner_gpu.json").write_text(json.dumps(gpu_record, indent=2) + "\n")
-            console.print(f"timed {fmt(shape)} at sparsity {sparsity:g}")
+        cases = ([(shape, sparsity, GPU_HEADS, GPU_HEAD_DIM) for shape, sparsity in GPU_CASES] if not args.random
+                 else random_cases(args.random, args.seed))
+        name = "planner_gpu.json" if not args.random else f"planner_gpu_random_seed{args.seed}.json"
+        gpu_record.update(seed=args.seed if args.random else None)
+        for shape, sparsity, heads, head_dim in cases:  # written after every case: a cut-off run keeps its rows
+            gpu_rows.append(measure_gpu(shape, sparsity, heads, head_dim, top=5 if args.random else None))
+            (args.out / name).write_text(json.dumps(gpu_record, indent=2) + "\n")
+            console.print(f"timed {fmt(shape)} at sparsity {sparsity:g}, {heads} heads x {head_dim}")
 
     table = Table(title=f"natsim.planner.best on {os.cpu_count()} CPUs (written to {args.out / 'planner.json'})")
     for name in ("shape", "sparsity", "cold s", "warm s", "scored", "window", "stride", "Q / KV tile", "tile speedup"):
