@@ -16,7 +16,8 @@ from natsim.kernels import prepare_sparse, sparse_attention, sparse_reference
 from natsim.kernels.sparse.backward import BackwardTiles, tile_lists
 
 LISTS = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
-KERNEL = settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+BUILDER = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))  # interpreted kernels
+KERNEL = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -144,7 +145,7 @@ def test_prepared_mask_refusals_are_sentences():
         sparse_attention(q[:, :16], k[:, :16], v[:, :16], work)
 
 
-@LISTS
+@BUILDER
 @given(st.integers(1, 20), st.integers(1, 1100), st.sampled_from([1, 2, 3, 8, 16]),
        st.sampled_from(["consecutive", "xor"]), st.sampled_from([0.0, 0.1, 0.5, 1.0]), st.integers(0, 2**16))
 def test_gpu_list_builder_equals_the_torch_builder(num_q, num_kv, group, merge, density, seed):

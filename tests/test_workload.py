@@ -142,8 +142,10 @@ def test_training_benchmark_small_run(reference_path, tmp_path, capsys):
     assert {"device", "torch", "triton", "date"} <= set(saved) and saved["device"] == "cpu"
     rows = saved["rows"]
     masks = 2 * len(training.SPARSITIES) + 3  # random128, random64, gna, merged16, predicted
+    fine = len(training.SPARSITIES) + 2  # masks of blocks under 128 tokens (random64, merged16, predicted)
     problems = 2  # --small's GNA layout has the random cases' N and joins their problem; the workload's
-    assert len(rows) == 3 * masks + problems + 1  # per mask flex, natsim, natsim-prepared; sdpa; natsim-gna
+    # per mask flex, natsim, natsim-prepared; per fine mask flex-128; per problem sdpa; natsim-gna
+    assert len(rows) == 3 * masks + fine + problems + 1
     assert {r["case"] for r in rows if r["kernel"] == "natsim"} == set(training.CASES)
     for r in rows:
         if r["kernel"] in ("natsim", "natsim-gna", "sdpa"):
