@@ -127,6 +127,20 @@ DYNAMIC = (
 )
 
 
+# Head counts and sizes the grid above lacks: head_dim 64 at 32-48 heads (where a 48-head, head_dim 64 layout was
+# predicted 17-18% fast) and small layouts of 3-6K tokens, where host time and a few waves of programs show.
+# (shape, window, stride, heads, head_dim); each with the first and last tiles of TILES for its rank.
+HEADS_AND_SIZES = (
+    ((11, 28, 40), (5, 14, 19), (1, 1, 1), 48, 64),
+    ((11, 28, 40), (5, 14, 19), (1, 4, 8), 48, 64),
+    ((14, 24, 36), (7, 12, 12), (2, 8, 4), 32, 64),
+    ((8, 16, 24), (4, 8, 12), (1, 1, 1), 24, 128),
+    ((4, 32, 32), (3, 16, 16), (1, 8, 8), 16, 64),
+    ((64, 96), (32, 48), (1, 1), 48, 64),
+    ((6144,), (1024,), (1,), 32, 64),
+)
+
+
 @dataclass(frozen=True)
 class Case:
     """One configuration to time: a GNA problem, its tiles, and the tensor sizes (batch 1)."""
@@ -151,6 +165,10 @@ def calibration_cases() -> list[Case]:
         cases.append(Case(Problem(shape, window, stride, dilation), TileConfig(q_tile, kv_tile), HEADS, 128))
     for shape, window, stride, q_tile, kv_tile in DYNAMIC:
         cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile, kv_tiling="dynamic"), HEADS, 128))
+    for shape, window, stride, heads, head_dim in HEADS_AND_SIZES:
+        tiles = TILES[len(shape)]
+        for q_tile, kv_tile in (tiles[0], tiles[-1]):
+            cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile), heads, head_dim))
     return cases
 
 
