@@ -97,6 +97,24 @@ def dim_tiles(
     )
 
 
+@lru_cache(maxsize=65536)
+def dim_totals(
+    length: int,
+    window: int,
+    stride: int,
+    dilation: int,
+    causal: bool,
+    q_tile: int,
+    kv_tile: int,
+    dynamic_kv: bool,
+) -> tuple[int, int, int]:
+    """(visited, full, most) along one dimension: `dim_tiles`' visited and full tiles summed over every Q tile,
+    and the most KV tiles one Q tile visits. A sweep multiplies these across dimensions for every
+    configuration, so they are kept as plain ints (and cached) instead of being summed again per call."""
+    tiles = dim_tiles(length, window, stride, dilation, causal, q_tile, kv_tile, dynamic_kv)
+    return int(tiles.visited.sum()), int(tiles.full.sum()), int(tiles.visited.max())
+
+
 def key_ranges(length: int, window: int, stride: int, dilation: int, causal: bool):
     """In-group key ranges `[start, end)` for every coordinate `x` of a dimension (group `x % d`)."""
     x = np.arange(length)

@@ -137,8 +137,9 @@ def test_plan_help_lists_the_gpus_from_the_coefficient_files():
         (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--steps", "50"], "--dense-steps and --steps need --attention-share"),
         (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--attention-share", "1.5"], "attention_share must lie in [0, 1]"),
         (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--coefficients", "/nonexistent.json"], "is not a readable cost model"),
-        (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--device", "h200"],
-         "or a GPU with cost-model coefficients (NVIDIA H100 80GB HBM3 (--device h100)), got device='h200'."),
+        (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--device", "h100-nvl"],
+         "device='h100-nvl' names NVIDIA H100 NVL, which has no cost-model coefficients here"),
+        (["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--device", "tpu-v5"], "device must name a torch device"),
     ],
 )
 def test_bad_input_is_one_red_line_and_exit_code_2(args, message):

@@ -186,14 +186,15 @@ def test_a_shipped_gpu_is_named_by_its_full_name_or_an_alias_without_that_gpu(de
     assert plan.predicted_time_s == pytest.approx(float(cost_model_for(H100).predict(row)), rel=1e-12)
 
 
-def test_gpu_names_are_whole_words_and_must_pick_one_gpu():
+def test_an_alias_names_one_board_whatever_files_exist_and_word_runs_must_pick_one_gpu():
     CostModel("NVIDIA H100 PCIe", COEFFICIENTS).save(user_coefficients_dir() / gpu_file_name("NVIDIA H100 PCIe"))
     assert known_gpus() == [H100, "NVIDIA H100 PCIe"]
-    assert describe_gpus(known_gpus()) == f"{H100} (--device h100-80gb), NVIDIA H100 PCIe (--device h100-pcie)"
+    assert describe_gpus(known_gpus()) == f"{H100} (--device h100), NVIDIA H100 PCIe (--device h100-pcie)"
     assert gpu_of("h100-pcie") == gpu_of("H100 PCIe") == "NVIDIA H100 PCIe" and gpu_of("h100 80GB") == H100
-    with pytest.raises(ValueError, match=r"device='h100' matches more than one GPU with cost-model coefficients"):
-        gpu_of("h100")
-    with pytest.raises(ValueError, match=r"or a GPU with cost-model coefficients \(NVIDIA H100 80GB HBM3 \(--device h100-80gb\), "):
+    assert gpu_of("h100") == H100  # the SXM board, even beside a PCIe board's file
+    with pytest.raises(ValueError, match=r"device='nvidia' matches more than one GPU: "):
+        gpu_of("nvidia")
+    with pytest.raises(ValueError, match=r"a known GPU \(NVIDIA H100 80GB HBM3 \(--device h100\), "):
         gpu_of("h10")  # a part of a word names nothing
 
 
@@ -339,8 +340,8 @@ def test_a_plan_runs_gna_attention_with_exactly_its_settings():
         (((30, 48, 80), 0.9), {"cost_model": {"launch": 1}}, TypeError, "cost_model must be a natsim.planner.CostModel"),
         (((0, 8), 0.5), {}, ValueError, "every dimension of shape must be at least 1"),
         (((30, 48, 80), 0.9), {"device": "tpu-ish"}, ValueError, "device must name a torch device"),
-        (((30, 48, 80), 0.9), {"device": "NVIDIA H200"}, ValueError,
-         r"or a GPU with cost-model coefficients \(NVIDIA H100 80GB HBM3 \(--device h100\)\), got device='NVIDIA H200'."),
+        (((30, 48, 80), 0.9), {"device": "NVIDIA H200 NVL"}, ValueError,
+         r"device='NVIDIA H200 NVL' names NVIDIA H200 NVL, which has no cost-model coefficients here"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(args, kwargs, error, message):
