@@ -37,6 +37,9 @@ def load_cost_model(cost_model: CostModelLike) -> CostModel:
         raise TypeError("cost_model must be a natsim.planner.CostModel or the path of a coefficients file, got "
                         f"{type(cost_model).__name__}.")
     path = Path(cost_model)
+    if not path.is_file():
+        raise ValueError(f"cost_model={str(path)!r} names no file: it takes a CostModel or the path of a coefficients "
+                         "file (a GPU's stored coefficients are asked for with device=, e.g. device='h100').")
     try:
         return CostModel.load(path)
     except (OSError, KeyError, ValueError, TypeError) as error:
