@@ -256,6 +256,28 @@ class _Request:
     backward_variant: tuple = ()
 
 
+def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: bool,
+            kv_tiling: Optional[str]) -> tuple[Optional[str], Optional[CostModel], tuple[str, ...]]:
+    """`(gpu, cost model, KV tiling modes)` a search ranks with (planner.cost.resolve says which model; None
+    ranks by tile work), or a sentence error: a training search needs backward coefficients to rank by time
+    (else it ranks forward and backward by tile work), and a fixed `kv_tiling` needs a model calibrated on it."""
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {training=}.")
+    kv_tiling = _check_kv_tiling(kv_tiling)
+    gpu, model = resolve_cost_model(device, cost_model)
+    if training and model is not None and model.backward_coefficients is None:
+        model = None  # forward seconds and backward tile work do not add up: tile work for both
+    if kv_tiling is None:
+        return gpu, model, kv_tilings_of(model)
+    if model is not None and kv_tiling not in model.kv_tilings:
+        raise ValueError(
+            f"kv_tiling={kv_tiling!r} needs coefficients calibrated on that kernel, but those of {model.gpu} cover "
+            f"{' and '.join(model.kv_tilings)} KV tiling only; run `natsim calibrate` on that GPU, or pass "
+            f"kv_tiling={model.kv_tilings[0]!r} or None."
+        )
+    return gpu, model, (kv_tiling,)
+
+
 def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
                training, world_size, kv_tiling) -> tuple[_Request, Optional[int]]:
     """Check every argument of `best` and resolve its cost model: `(request, world_size)`, or one sentence
@@ -273,12 +295,10 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         achieved = window_sparsity(shape, window, causal)
         if achieved < target:
             raise ValueError(f"window={window} has sparsity {achieved:.6f} on shape={shape}, below {target_sparsity=}.")
-    if not isinstance(training, bool):
-        raise TypeError(f"training must be a bool, got {training=}.")
     heads = _check_heads(heads)
     head_dim = check_head_dim(head_dim)
     dtype = as_dtype(dtype)
-    kv_tiling = _check_kv_tiling(kv_tiling)
+    gpu, model, kv_tilings = ranking(device, cost_model, training, kv_tiling)
     if world_size is not None:
         check_world_size(world_size, shape[0])
         if training:
@@ -290,19 +310,6 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
                 f"strategy's frame ranges run static KV tiling), which shards heads: heads must be divisible by "
                 f"world_size, got heads={heads} ({heads or 1} head{'s' if (heads or 1) > 1 else ''}), {world_size=}."
             )
-    gpu, model = resolve_cost_model(device, cost_model)
-    if training and model is not None and model.backward_coefficients is None:
-        model = None  # forward seconds and backward tile work do not add up: tile work for both
-    if kv_tiling is None:
-        kv_tilings = kv_tilings_of(model)
-    elif model is not None and kv_tiling not in model.kv_tilings:
-        raise ValueError(
-            f"kv_tiling={kv_tiling!r} needs coefficients calibrated on that kernel, but those of {model.gpu} cover "
-            f"{' and '.join(model.kv_tilings)} KV tiling only; run `natsim calibrate` on that GPU, or pass "
-            f"kv_tiling={model.kv_tilings[0]!r} or None."
-        )
-    else:
-        kv_tilings = (kv_tiling,)
     request = _Request(
         shape=shape, target=target, heads=heads, head_dim=head_dim, dtype=dtype, causal=causal, window=window,
         max_stride=max_stride, gpu=gpu, cost_model=model,
