@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .dimension import dim_attended_pairs, dim_totals
+from .dimension import dim_attended_pairs, dim_totals_many
 from .problem import IntOrInts, BoolOrBools, Problem, as_ints
 from .simulate import SimResult, _dense_tile_counts, simulate
 from .tiles import TileConfig
@@ -143,9 +143,9 @@ def _sweep_multi_d(problem: Problem, tiles: Sequence[TileConfig], strides: np.nd
     """The count columns of every multi-D tile configuration under every stride, `[tile, stride]`.
 
     Each count is a product over dimensions of per-dimension totals (gna-semantics.md, section 2), and a
-    dimension's totals depend only on its stride and its tile sides: they are looked up once per (stride value,
-    Q side, KV side, KV tiling) along each dimension (natsim.dimension.dim_totals) and multiplied out for the
-    whole table with numpy.
+    dimension's totals depend only on its stride and its tile sides: they are counted once per (stride value,
+    Q side, KV side, KV tiling) along each dimension, all at once (natsim.dimension.dim_totals_many), and
+    multiplied out for the whole table with numpy.
     """
     names = ("visited_tiles", "full_tiles", "max_kv_tiles")
     columns = {name: np.ones((len(tiles), len(strides)), np.int64) for name in ("attended_pairs", *names)}
@@ -156,8 +156,10 @@ def _sweep_multi_d(problem: Problem, tiles: Sequence[TileConfig], strides: np.nd
         sides = [(q[axis], kv[axis], t.kv_tiling == "dynamic") for t, (q, kv) in zip(tiles, dims)]
         keys = list(dict.fromkeys(sides))
         side_index = np.array([keys.index(side) for side in sides])
-        totals = np.array([[dim_totals(L, w, int(s), d, c, q, kv, dynamic) for q, kv, dynamic in keys]
-                           for s in values], np.int64)  # [stride value, side, (visited, full, most)]
+        q_sides, kv_sides, dynamic = (np.array(column) for column in zip(*keys))
+        totals = dim_totals_many(L, w, d, c, np.repeat(values, len(keys)), np.tile(q_sides, len(values)),
+                                 np.tile(kv_sides, len(values)), np.tile(dynamic, len(values)))
+        totals = totals.reshape(len(values), len(keys), 3)  # [stride value, side, (visited, full, most)]
         per_row = totals[:, side_index][inverse.reshape(-1)]  # [stride, tile, 3]
         for i, name in enumerate(names):
             columns[name] *= per_row[:, :, i].T

@@ -10,9 +10,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import natsim
 from natsim import Problem, TileConfig, simulate
+from natsim.dimension import dim_tiles, dim_totals_many
 from natsim.kernels import prepare_sparse
 from natsim.kernels.sparse.work import default_blocks
 from natsim.merging import merged_counts, pack_rows
@@ -71,6 +74,27 @@ def test_best_picks_what_a_plain_search_picks(shape, target, causal, device, tra
     got = (plan.problem.window, plan.problem.stride, plan.tiles.q_tile, plan.tiles.kv_tile, plan.tiles.kv_tiling)
     assert got == want[:5]
     assert plan.score == pytest.approx(want[5], rel=1e-12)
+
+
+@st.composite
+def dimensions(draw):
+    """One dimension (length, window, dilation, causal) and a few (stride, Q side, KV side, KV tiling) on it."""
+    dilation = draw(st.integers(1, 3))
+    window = draw(st.integers(1, 12))
+    length = draw(st.integers(window * dilation, 60))
+    combos = draw(st.lists(st.tuples(st.integers(1, window), st.sampled_from([1, 2, 3, 4, 8, 16]),
+                                     st.sampled_from([1, 2, 4, 5, 8, 16]), st.booleans()), min_size=1, max_size=6))
+    return length, window, dilation, draw(st.booleans()), combos
+
+
+@settings(max_examples=300, deadline=None)
+@given(dimensions())
+def test_the_sweeps_closed_form_totals_are_those_of_the_per_tile_flags(dimension):
+    length, window, dilation, causal, combos = dimension
+    got = dim_totals_many(length, window, dilation, causal, *(np.array(column) for column in zip(*combos)))
+    for row, (stride, q_tile, kv_tile, dynamic) in zip(got, combos):
+        tiles = dim_tiles(length, window, stride, dilation, causal, q_tile, kv_tile, dynamic)
+        assert tuple(row) == (tiles.visited.sum(), tiles.full_flags.sum(), tiles.visited.max())
 
 
 @pytest.mark.parametrize("tokens", [1, 100, 128, 129, 1000, 4097])
