@@ -242,8 +242,7 @@ def merged_counts(bits: np.ndarray, full_bits: np.ndarray, group: int, method: M
     """Per mask of a stack of packed masks `[M, nQ, words]` and per group of `merge(mask, group, method)`: the
     KV tiles of the union of the group's rows and of the intersection of its members' `full_bits` rows, int64
     `[M, groups]` each. These are `merge(...).merged`'s visited and full counts, grouped by the same greedy,
-    without building its index rows; the masks run in parallel. A planner asks this for many masks and
-    granularities."""
+    without building its index rows. A planner asks this for many masks and granularities."""
     if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) or group < 1:
         raise ValueError(f"group must be a positive integer (Q tiles per merged group), got group={group!r}.")
     if method not in METHODS:
@@ -392,14 +391,15 @@ def _unpack(bits):
     return counts, indices
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(cache=True)
 def _merged_counts(bits, full_bits, group, xor):
-    """`merged_counts` over the masks of the stack, one per thread."""
+    """`merged_counts` over the masks of the stack, one after another (threads lose more than they gain on a
+    busy machine of few cores: each call waits for its slowest thread)."""
     masks, num_q, _ = bits.shape
     num_groups = (num_q + group - 1) // group
     visited = np.zeros((masks, num_groups), np.int64)
     full = np.zeros((masks, num_groups), np.int64)
-    for m in numba.prange(masks):
+    for m in range(masks):
         members = _xor_greedy(bits[m], group) if xor else np.arange(num_q)
         union, all_full, _ = _group_stats(bits[m], full_bits[m], members, group)
         visited[m] = _row_popcounts(union)
