@@ -1,8 +1,9 @@
 """Tile counts along one dimension under multi-D tiling (gna-semantics.md, section 2).
 
 Multi-D Q and KV tiles are Cartesian products of per-dimension ranges, so every multi-D count is a
-product of the per-dimension counts computed here. Results are cached: a sweep over strides re-uses
-each dimension's counts across all the configurations that share them.
+product of the per-dimension counts computed here. `dim_tiles` counts one configuration tile by tile
+(cached: simulations re-use each dimension's counts across the configurations that share them);
+`dim_totals_many` gives the totals of many configurations at once, what a sweep needs.
 """
 
 from __future__ import annotations

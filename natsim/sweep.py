@@ -1,8 +1,9 @@
 """Sweeps over strides and tile configurations, with the GNA paper's pruned view (its section 4.1).
 
-Multi-D configurations are evaluated in bulk: each dimension's counts are computed once per
-(stride, tile) along that dimension (natsim.dimension caches them) and combined by products, so a
-sweep over every stride of a 3-D window costs little more than the strides of its three dimensions.
+Multi-D configurations are evaluated in bulk: each dimension's totals are computed once per (stride, tile
+side) along that dimension, all of them in one numpy pass (natsim.dimension.dim_totals_many), and combined by
+products, so a sweep over every stride of a 3-D window costs little more than the strides of its three
+dimensions.
 1-D tiling does not factorise and is simulated configuration by configuration.
 """
 

@@ -100,8 +100,10 @@ def _comparison(plan: Plan, static_plan: Plan, chosen: Plan, priced: list, world
     if id(plan) not in seconds:
         return ("The single-GPU pick runs under no strategy here, so the plan is the best configuration with static "
                 "KV tiling.")
-    other = static_plan if chosen is plan else plan
-    return (f"The single-GPU pick tiles KV dynamically, which only ulysses runs over several ranks, so the best "
-            f"configuration with static KV tiling was priced as well; {_describe(chosen)} is faster over "
-            f"{world_size} ranks ({seconds[id(chosen)] * 1e3:.4g} ms vs {seconds[id(other)] * 1e3:.4g} ms, "
-            "slowest rank).")
+    priced_too = (f"The single-GPU pick tiles KV dynamically, which only ulysses runs over several ranks, so the "
+                  f"best configuration with static KV tiling ({_describe(static_plan)}) was priced as well: ")
+    if chosen is plan:
+        return (priced_too + f"the single-GPU pick is faster over {world_size} ranks ({seconds[id(plan)] * 1e3:.4g} "
+                f"ms vs {seconds[id(static_plan)] * 1e3:.4g} ms, slowest rank).")
+    return (priced_too + f"it is faster over {world_size} ranks ({seconds[id(static_plan)] * 1e3:.4g} ms vs "
+            f"{seconds[id(plan)] * 1e3:.4g} ms, slowest rank), so the plan runs it.")
