@@ -95,7 +95,7 @@ def mask_command(
     merges: str = typer.Option("none,consecutive,xor", "--merges", help="Merges to score, comma-separated."),
     device: Optional[str] = typer.Option(
         None, "--device",
-        help="GPU whose coefficients predict the times: a GPU listed below (h100), which need not be present, or a torch device (default: the current CUDA device, if any).",
+        help="GPU whose coefficients predict the times: the name or alias of a GPU (h100; it need not be present, but must have coefficients: those listed below), or a torch device (default: the current CUDA device, if any; without coefficients, ranked by token pairs).",
     ),
     coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
     limit: int = typer.Option(16, "--limit", help="Rows in the table (0 for all); --json is never cut."),

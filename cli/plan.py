@@ -32,23 +32,6 @@ def _end_to_end(plan, attention_share: Optional[float], dense_steps: Optional[in
     }
 
 
-def rank_table(parallel):
-    """The per-rank table of a `ParallelPlan`: every strategy's ranks, the chosen one marked."""
-    from rich.table import Table
-
-    table = Table(title=f"{parallel.world_size} ranks, frames split {'/'.join(map(str, parallel.split))}: "
-                        f"{parallel.strategy} (predicted {parallel.seconds * 1e3:.2f} ms, slowest rank)")
-    for column in ("strategy", "rank", "frames", "heads", "key frames", "visited tiles", "MB sent", "MB received",
-                   "predicted ms"):
-        table.add_column(column, justify="left" if column == "strategy" else "right")
-    for row in parallel.rows():
-        mark = " *" if row["strategy"] == parallel.strategy else ""
-        table.add_row(row["strategy"] + mark, str(row["rank"]), "{}-{}".format(*row["frames"]), str(row["heads"]),
-                      "{}-{}".format(*row["key_frames"]), f"{row['visited_tiles']:,}", f"{row['bytes_sent'] / 1e6:,.1f}",
-                      f"{row['bytes_received'] / 1e6:,.1f}", f"{row['predicted_s'] * 1e3:.2f}")
-    return table
-
-
 @reports_bad_input
 def plan_command(
     shape: str = typer.Option(..., "--shape", help="Token layout, e.g. 30x48x80 (frames x height x width)."),
@@ -61,15 +44,16 @@ def plan_command(
     max_stride: Optional[str] = typer.Option(None, "--max-stride", help="Largest stride per dimension, e.g. 1x8x8."),
     device: Optional[str] = typer.Option(
         None, "--device",
-        help="GPU whose coefficients rank the plans: a torch device (cuda:1; default: the current CUDA device), or the name or alias of a GPU listed below (h100), which need not be present.",
+        help="GPU whose coefficients rank the plans: the name or alias of a GPU (h100, h200; it need not be present, but must have coefficients: those listed below), or a torch device (cuda:1; default: the current CUDA device, ranked by simulated tile work when it has no coefficients).",
     ),
     coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
+    kv_tiling: Optional[str] = typer.Option(None, "--kv-tiling", help="static or dynamic: fix the KV tiling mode (default: search every mode the cost model was calibrated on, both without one)."),
     attention_share: Optional[float] = typer.Option(None, "--attention-share", help="Share of end-to-end time spent in attention, for the end-to-end estimate."),
     dense_steps: Optional[int] = typer.Option(None, "--dense-steps", help="Diffusion steps kept dense (default 0)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Diffusion steps in all (default 1)."),
-    training: bool = typer.Option(False, "--training", help="Rank by forward + backward time (training), the backward by its own coefficients (`natsim calibrate --kernels gna,backward`), else by tile work."),
+    training: bool = typer.Option(False, "--training", help="Rank by forward + backward time (training, one GPU), the backward by its own coefficients (`natsim calibrate --kernels gna,backward`), else by tile work."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document instead of a report."),
-    world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks sharing the layout's frames (context parallelism): also choose the strategy (ulysses or halo) and the frame split, and show the per-rank table."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks sharing the layout's frames (context parallelism, forward only): also choose the strategy (ulysses or halo; halo runs static KV tiling only) and the frame split, and show the per-rank table."),
 ) -> None:
     """Choose the fastest GNA configuration of a layout that is at least as sparse as asked.
 
@@ -89,11 +73,11 @@ def plan_command(
         "window": None if window is None else broadcast(parse_dims(window, "--window"), ndim, "--window"),
         "max_stride": None if max_stride is None else broadcast(parse_dims(max_stride, "--max-stride"), ndim, "--max-stride"),
         "device": device,
+        "cost_model": None if coefficients is None else load_cost_model(coefficients),
         "training": training,
         "world_size": world_size,
+        "kv_tiling": kv_tiling,
     }
-    if coefficients is not None:
-        options["cost_model"] = load_cost_model(coefficients)
     plan = best(dims, sparsity, **options)
     estimate = _end_to_end(plan, attention_share, dense_steps, steps)
     if as_json:
@@ -103,8 +87,6 @@ def plan_command(
         print_json(out, payload)
         return
     out.print(plan.explain())
-    if world_size is not None:
-        out.print(rank_table(plan))
     if estimate is not None:
         out.print(
             f"End-to-end estimate: {estimate['speedup']:.2f}x with attention {attention_share:.0%} of the time, "

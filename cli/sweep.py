@@ -31,14 +31,15 @@ def _kernel_tiles(shape, head_dim: int, q_tile: Optional[str], kv_tile: Optional
 
 
 def _sweep_cost_model(device: Optional[str], coefficients: Optional[Path]):
-    """The cost model for predicted times: from --coefficients, else that of the GPU --device names; None,
-    with a note on stderr, when that GPU has no coefficients (imports torch)."""
-    from natsim.planner.cost import cost_model_for, describe_gpus, gpu_of, known_gpus
+    """The cost model for predicted times: from --coefficients, else that of the GPU --device names (refused
+    when a GPU named by its name or alias has none); None, with a note on stderr, when the GPU at hand (or a
+    torch device) has no coefficients (imports torch)."""
+    from natsim.planner.cost import describe_gpus, known_gpus
+    from natsim.planner.cost.resolve import resolve_cost_model
 
     if coefficients is not None:
         return load_cost_model(coefficients)
-    gpu = gpu_of(device)
-    model = cost_model_for(gpu)
+    gpu, model = resolve_cost_model(device, None)  # a GPU named without coefficients is refused, as by `plan`
     if model is None:
         where = gpu if gpu is not None else f"--device {device} (no CUDA GPU)"
         err.print(

@@ -1,8 +1,9 @@
 """Tile counts along one dimension under multi-D tiling (gna-semantics.md, section 2).
 
 Multi-D Q and KV tiles are Cartesian products of per-dimension ranges, so every multi-D count is a
-product of the per-dimension counts computed here. Results are cached: a sweep over strides re-uses
-each dimension's counts across all the configurations that share them.
+product of the per-dimension counts computed here. `dim_tiles` counts one configuration tile by tile
+(cached: simulations re-use each dimension's counts across the configurations that share them);
+`dim_totals_many` gives the totals of many configurations at once, what a sweep needs.
 """
 
 from __future__ import annotations
@@ -95,6 +96,71 @@ def dim_tiles(
         full_flags=full_flags,
         attended_pairs=dim_attended_pairs(length, window, stride, dilation, causal),
     )
+
+
+@lru_cache(maxsize=65536)
+def dim_totals(
+    length: int,
+    window: int,
+    stride: int,
+    dilation: int,
+    causal: bool,
+    q_tile: int,
+    kv_tile: int,
+    dynamic_kv: bool,
+) -> tuple[int, int, int]:
+    """(visited, full, most) along one dimension: `dim_tiles`' visited and full tiles summed over every Q tile,
+    and the most KV tiles one Q tile visits. A sweep multiplies these across dimensions for every
+    configuration, so they are kept as plain ints (and cached) instead of being summed again per call."""
+    tiles = dim_tiles(length, window, stride, dilation, causal, q_tile, kv_tile, dynamic_kv)
+    return int(tiles.visited.sum()), int(tiles.full.sum()), int(tiles.visited.max())
+
+
+def dim_totals_many(
+    length: int,
+    window: int,
+    dilation: int,
+    causal: bool,
+    strides: np.ndarray,
+    q_tiles: np.ndarray,
+    kv_tiles: np.ndarray,
+    dynamic_kv: np.ndarray,
+) -> np.ndarray:
+    """`dim_totals` of many (stride, Q side, KV side, KV tiling) combinations along one dimension at once:
+    int64 `[combinations, 3]` (visited, full, most). What a sweep asks for every tile configuration.
+
+    The same rule as `dim_tiles` on all Q tiles of all combinations together, with each Q tile's full KV tiles
+    counted in closed form instead of flag by flag: its visited tiles start at `origin` every `kv_tile` keys,
+    and tile m is full when it starts at or after the last query's window start (m >= ceil((start_last -
+    origin) / kv_tile)) and ends, cut at the group's end, at or before the first query's window end (m <=
+    floor((end_first - origin) / kv_tile) - 1, or any m when that end is the group's end). The tests hold it
+    to `dim_tiles`.
+    """
+    strides, q_tiles, kv_tiles, dynamic_kv = (np.asarray(a) for a in (strides, q_tiles, kv_tiles, dynamic_kv))
+    per_group = ceil_div(length, q_tiles * dilation)  # Q tiles per dilation group, per combination
+    counts = per_group * dilation
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    combo = np.repeat(np.arange(len(counts)), counts)  # every (combination, group, Q tile), flattened
+    within = np.arange(int(counts.sum())) - offsets[combo]
+    group, tile = within // per_group[combo], within % per_group[combo]
+    group_len = length // dilation + (group < length % dilation)
+    q_tile, kv_tile, stride, dynamic = q_tiles[combo], kv_tiles[combo], strides[combo], dynamic_kv[combo]
+    first = tile * q_tile
+    real = first < group_len
+    first = np.where(real, first, 0)
+    last = np.where(real, np.minimum(first + q_tile, group_len) - 1, 0)
+    start_first, end_first = window_bounds(first, group_len, window, stride, causal)
+    start_last, end_last = window_bounds(last, group_len, window, stride, causal)
+    static_first = start_first // kv_tile
+    origin = np.where(dynamic, start_first, static_first * kv_tile)
+    visited = np.where(dynamic, ceil_div(end_last - start_first, kv_tile), ceil_div(end_last, kv_tile) - static_first)
+    visited = np.where(real, visited, 0)
+    lowest = np.maximum(ceil_div(start_last - origin, kv_tile), 0)
+    highest = np.where(end_first >= group_len, visited - 1,
+                       np.minimum((end_first - origin) // kv_tile - 1, visited - 1))
+    full = np.maximum(highest - lowest + 1, 0)
+    return np.stack([np.add.reduceat(visited, offsets), np.add.reduceat(full, offsets),
+                     np.maximum.reduceat(visited, offsets)], axis=1).astype(np.int64)
 
 
 def key_ranges(length: int, window: int, stride: int, dilation: int, causal: bool):

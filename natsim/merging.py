@@ -218,10 +218,39 @@ def _pack(mask: Union[BlockMask, np.ndarray]) -> tuple[np.ndarray, np.ndarray, i
         )
     num_q, num_kv = mask.shape
     _check_size(num_q, num_kv)
-    packed = np.packbits(mask, axis=1, bitorder="little")
-    packed = np.pad(packed, ((0, 0), (0, -packed.shape[1] % 8)))
-    bits = np.ascontiguousarray(packed).view("<u8").astype(np.uint64)
+    bits = pack_rows(mask)
     return bits, np.zeros_like(bits), num_kv
+
+
+def pack_rows(mask: np.ndarray) -> np.ndarray:
+    """Bit-pack boolean rows along the last axis (any leading axes) into uint64 words: bit k of word w is column
+    64 w + k, columns past the end are 0."""
+    packed = np.packbits(mask, axis=-1, bitorder="little")
+    pad = -packed.shape[-1] % 8
+    if pad:
+        packed = np.pad(packed, [(0, 0)] * (packed.ndim - 1) + [(0, pad)])
+    return np.ascontiguousarray(packed).view("<u8").astype(np.uint64, copy=False)
+
+
+def row_counts(bits: np.ndarray) -> np.ndarray:
+    """Set bits per row of packed rows `[..., words]` (int64 `[...]`): the KV tiles each row visits."""
+    flat = np.ascontiguousarray(bits).reshape(-1, bits.shape[-1])
+    return _row_popcounts(flat).reshape(bits.shape[:-1])
+
+
+def merged_counts(bits: np.ndarray, full_bits: np.ndarray, group: int, method: Method) -> tuple[np.ndarray, np.ndarray]:
+    """Per mask of a stack of packed masks `[M, nQ, words]` and per group of `merge(mask, group, method)`: the
+    KV tiles of the union of the group's rows and of the intersection of its members' `full_bits` rows, int64
+    `[M, groups]` each. These are `merge(...).merged`'s visited and full counts, grouped by the same greedy,
+    without building its index rows. A planner asks this for many masks and granularities."""
+    if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise ValueError(f"group must be a positive integer (Q tiles per merged group), got group={group!r}.")
+    if method not in METHODS:
+        raise ValueError(f"method must be 'consecutive' or 'xor', got method={method!r}.")
+    if bits.ndim != 3 or full_bits.shape != bits.shape or bits.dtype != np.uint64 or full_bits.dtype != np.uint64:
+        raise ValueError("bits and full_bits must be uint64 arrays [masks, Q tiles, words] of one shape, got "
+                         f"{bits.dtype} {bits.shape} and {full_bits.dtype} {full_bits.shape}.")
+    return _merged_counts(np.ascontiguousarray(bits), np.ascontiguousarray(full_bits), int(group), method == "xor")
 
 
 def _check_size(num_q: int, num_kv: int) -> None:
@@ -360,3 +389,19 @@ def _unpack(bits):
                     indices[i, k] = w * 64 + b
                     k += 1
     return counts, indices
+
+
+@numba.njit(cache=True)
+def _merged_counts(bits, full_bits, group, xor):
+    """`merged_counts` over the masks of the stack, one after another (threads lose more than they gain on a
+    busy machine of few cores: each call waits for its slowest thread)."""
+    masks, num_q, _ = bits.shape
+    num_groups = (num_q + group - 1) // group
+    visited = np.zeros((masks, num_groups), np.int64)
+    full = np.zeros((masks, num_groups), np.int64)
+    for m in range(masks):
+        members = _xor_greedy(bits[m], group) if xor else np.arange(num_q)
+        union, all_full, _ = _group_stats(bits[m], full_bits[m], members, group)
+        visited[m] = _row_popcounts(union)
+        full[m] = _row_popcounts(all_full)
+    return visited, full

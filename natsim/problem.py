@@ -18,7 +18,8 @@ MAX_DIMS = 3
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    # `type(...) is int` first: the ABC check is slow, and the simulator validates many small tuples.
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def _reject_text(value: object, name: str, kind: str) -> None:
@@ -30,6 +31,8 @@ def _reject_text(value: object, name: str, kind: str) -> None:
 def as_sizes(value: IntOrInts, name: str) -> tuple[int, ...]:
     """Normalise per-dimension sizes (a token layout, a tile shape) to a tuple of 1 to 3 positive ints; an int
     is one dimension."""
+    if type(value) is tuple and 1 <= len(value) <= MAX_DIMS and all(type(v) is int and v >= 1 for v in value):
+        return value  # already normalised: the common case, checked without the general path's conversions
     _reject_text(value, name, "an int or a sequence of ints")
     items = (value,) if _is_int(value) else value
     try:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from .dimension import ceil_div, dim_attended_pairs, dim_tiles
+from .dimension import ceil_div, dim_attended_pairs, dim_tiles, dim_totals
 from .problem import Problem
 from .tiles import TileConfig
 
@@ -139,14 +139,22 @@ def simulate(problem: Problem, tiles: TileConfig, per_q_tile: bool = False) -> S
 
         visited_arr, full_arr = count_1d(problem, tiles.q_tokens, tiles.kv_tokens)
         visited, full, most = int(visited_arr.sum()), int(full_arr.sum()), int(visited_arr.max())
-    else:
+    elif per_q_tile:
         dims = per_dimension(problem, tiles)
         visited = math.prod(int(d.visited.sum()) for d in dims)
         full = math.prod(int(d.full.sum()) for d in dims)
         most = math.prod(int(d.visited.max()) for d in dims)
-        if per_q_tile:
-            visited_arr = outer_per_q_tile([d.visited for d in dims])
-            full_arr = outer_per_q_tile([d.full for d in dims])
+        visited_arr = outer_per_q_tile([d.visited for d in dims])
+        full_arr = outer_per_q_tile([d.full for d in dims])
+    else:
+        q_tile, kv_tile = tiles.dims(problem)
+        totals = [
+            dim_totals(L, w, s, d, c, tq, tkv, tiles.kv_tiling == "dynamic")
+            for L, w, s, d, c, tq, tkv in zip(
+                problem.shape, problem.window, problem.stride, problem.dilation, problem.causal, q_tile, kv_tile,
+            )
+        ]
+        visited, full, most = (math.prod(t[i] for t in totals) for i in range(3))
     return SimResult(
         problem=problem,
         tiles=tiles,

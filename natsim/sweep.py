@@ -1,8 +1,9 @@
 """Sweeps over strides and tile configurations, with the GNA paper's pruned view (its section 4.1).
 
-Multi-D configurations are evaluated in bulk: each dimension's counts are computed once per
-(stride, tile) along that dimension (natsim.dimension caches them) and combined by products, so a
-sweep over every stride of a 3-D window costs little more than the strides of its three dimensions.
+Multi-D configurations are evaluated in bulk: each dimension's totals are computed once per (stride, tile
+side) along that dimension, all of them in one numpy pass (natsim.dimension.dim_totals_many), and combined by
+products, so a sweep over every stride of a 3-D window costs little more than the strides of its three
+dimensions.
 1-D tiling does not factorise and is simulated configuration by configuration.
 """
 
@@ -15,7 +16,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .dimension import dim_attended_pairs, dim_tiles
+from .dimension import dim_attended_pairs, dim_totals_many
 from .problem import IntOrInts, BoolOrBools, Problem, as_ints
 from .simulate import SimResult, _dense_tile_counts, simulate
 from .tiles import TileConfig
@@ -126,28 +127,45 @@ class SweepResult:
 def _normalise_strides(problem: Problem, strides: Optional[Iterable[IntOrInts]]) -> np.ndarray:
     if strides is None or (isinstance(strides, str) and strides == "all"):
         return all_strides(problem)
+    if isinstance(strides, np.ndarray) and strides.ndim == 2 and strides.shape[1] == problem.ndim \
+            and np.issubdtype(strides.dtype, np.integer) and len(strides):
+        # A stride table (what the planner passes): checked at once; a bad row raises Problem's own error.
+        bad = np.nonzero(((strides < 1) | (strides > np.array(problem.window))).any(axis=1))[0]
+        if len(bad):
+            problem.with_stride(tuple(int(s) for s in strides[bad[0]]))
+        return strides.astype(np.int64)
     rows = [problem.with_stride(s).stride for s in strides]  # validates each stride
     if not rows:
         raise ValueError("strides must hold at least one stride, got an empty list.")
     return np.array(rows, dtype=np.int64)
 
 
-def _sweep_multi_d(problem: Problem, tiles: TileConfig, strides: np.ndarray) -> dict[str, np.ndarray]:
-    q_tile, kv_tile = tiles.dims(problem)
-    dynamic = tiles.kv_tiling == "dynamic"
-    columns = {
-        name: np.ones(len(strides), np.int64)
-        for name in ("attended_pairs", "visited_tiles", "full_tiles", "max_kv_tiles")
-    }
+def _sweep_multi_d(problem: Problem, tiles: Sequence[TileConfig], strides: np.ndarray) -> dict[str, np.ndarray]:
+    """The count columns of every multi-D tile configuration under every stride, `[tile, stride]`.
+
+    Each count is a product over dimensions of per-dimension totals (gna-semantics.md, section 2), and a
+    dimension's totals depend only on its stride and its tile sides: they are counted once per (stride value,
+    Q side, KV side, KV tiling) along each dimension, all at once (natsim.dimension.dim_totals_many), and
+    multiplied out for the whole table with numpy.
+    """
+    names = ("visited_tiles", "full_tiles", "max_kv_tiles")
+    columns = {name: np.ones((len(tiles), len(strides)), np.int64) for name in ("attended_pairs", *names)}
+    dims = [t.dims(problem) for t in tiles]
     for axis in range(problem.ndim):
         L, w, d, c = (problem.shape[axis], problem.window[axis], problem.dilation[axis], problem.causal[axis])
         values, inverse = np.unique(strides[:, axis], return_inverse=True)
-        per_stride = [dim_tiles(L, w, int(s), d, c, q_tile[axis], kv_tile[axis], dynamic) for s in values]
+        sides = [(q[axis], kv[axis], t.kv_tiling == "dynamic") for t, (q, kv) in zip(tiles, dims)]
+        keys = list(dict.fromkeys(sides))
+        side_index = np.array([keys.index(side) for side in sides])
+        q_sides, kv_sides, dynamic = (np.array(column) for column in zip(*keys))
+        totals = dim_totals_many(L, w, d, c, np.repeat(values, len(keys)), np.tile(q_sides, len(values)),
+                                 np.tile(kv_sides, len(values)), np.tile(dynamic, len(values)))
+        totals = totals.reshape(len(values), len(keys), 3)  # [stride value, side, (visited, full, most)]
+        per_row = totals[:, side_index][inverse.reshape(-1)]  # [stride, tile, 3]
+        for i, name in enumerate(names):
+            columns[name] *= per_row[:, :, i].T
         pairs = np.array([dim_attended_pairs(L, w, int(s), d, c) for s in values], np.int64)
-        columns["attended_pairs"] *= pairs[inverse]
-        columns["visited_tiles"] *= np.array([t.visited.sum() for t in per_stride], np.int64)[inverse]
-        columns["full_tiles"] *= np.array([t.full.sum() for t in per_stride], np.int64)[inverse]
-        columns["max_kv_tiles"] *= np.array([t.visited.max() for t in per_stride], np.int64)[inverse]
+        columns["attended_pairs"] *= pairs[inverse.reshape(-1)][None, :]
     return columns
 
 
@@ -199,11 +217,13 @@ def sweep(
         if progress is not None:
             progress(done, total)
 
+    multi = {i: k for k, i in enumerate(i for i, tile in enumerate(tile_list) if tile.tiling == "multi")}
+    bulk = _sweep_multi_d(problem, [tile_list[i] for i in multi], stride_rows) if multi else {}
+    tick(len(stride_rows) * len(multi))
     parts = []
-    for tile in tile_list:
+    for i, tile in enumerate(tile_list):
         if tile.tiling == "multi":
-            columns = _sweep_multi_d(problem, tile, stride_rows)
-            tick(len(stride_rows))
+            columns = {name: values[multi[i]] for name, values in bulk.items()}
         else:
             columns = _sweep_one_by_one(problem, tile, stride_rows, tick)
         num_q, num_kv = _dense_tile_counts(problem, tile)

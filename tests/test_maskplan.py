@@ -174,7 +174,11 @@ def test_bad_input_is_refused_with_sentences():
         (dict(mask=good, q_block=32, kv_block=32, seq_len=128, q_blocks=[16]), ValueError, "q_blocks must be"),
         (dict(mask=good, q_block=16, kv_block=16, seq_len=64, q_blocks=[128], merges=["xor"]), ValueError,
          "no candidate"),
-        (dict(mask=good, q_block=16, kv_block=16, seq_len=64, cost_model="h100"), TypeError, "cost_model must be"),
+        (dict(mask=good, q_block=16, kv_block=16, seq_len=64, cost_model="h100"), ValueError,
+         "cost_model='h100' names no file"),
+        (dict(mask=good, q_block=16, kv_block=16, seq_len=64, cost_model=3), TypeError, "cost_model must be"),
+        (dict(mask=good, q_block=16, kv_block=16, seq_len=64, device="h100-nvl"), ValueError,
+         "names NVIDIA H100 NVL, which has no cost-model coefficients here"),
     ]
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):

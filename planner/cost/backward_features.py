@@ -78,12 +78,15 @@ class BackwardWork:
         return self.kv_padded // self.kv_tokens
 
 
+@functools.lru_cache(maxsize=16384)
 def backward_work(problem: Problem, head_dim: int) -> BackwardWork:
     """The backward's work for `problem` at `head_dim`, as `natsim::gna_backward` runs it (default tiles).
 
     The dK/dV kernel's pair totals are `natsim.simulate_backward`'s (the KV-major view holds the same pairs as
     the Q-major one, and the tests hold them equal), taken from the vectorised `natsim.simulate`: the KV-major
-    loop takes seconds on a dense 1-D layout of 100k tokens, and the cost model needs totals only.
+    loop takes seconds on a dense 1-D layout of 100k tokens, and the cost model needs totals only. Kept per
+    (problem, head_dim): choosing the backward's tiles simulates every candidate pair, and a training search
+    asks for the same thousand (window, stride) problems on every call for a layout.
     """
     kernel_problem = dense_as_1d(problem) or problem
     return _backward_work(kernel_problem, *backward_tiles(kernel_problem, head_dim))

@@ -8,6 +8,7 @@ planner ranks by simulated tiles alone.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -41,6 +42,18 @@ def user_coefficients_dir() -> Path:
     return base / "natsim" / "coefficients"
 
 
+def load_stored(path: Path) -> CostModel:
+    """The cost model in the file at `path`, read once per version of the file (its modification time and size):
+    the planner looks its GPU's file up on every call, and lists every file for `device` names and reports."""
+    stat = path.stat()
+    return _load(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _load(path: Path, modified_ns: int, size: int) -> CostModel:
+    return CostModel.load(path)
+
+
 def coefficient_dirs() -> tuple[Path, Path]:
     """Where the planner looks for a GPU's coefficients, in order: the user's folder, then natsim's own."""
     return (user_coefficients_dir(), COEFFICIENTS_DIR)
@@ -55,7 +68,7 @@ def known_gpus() -> list[str]:
     for directory in coefficient_dirs():
         for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
             try:
-                gpu = CostModel.load(path).gpu
+                gpu = load_stored(path).gpu
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             if path.name == gpu_file_name(gpu):
@@ -73,5 +86,5 @@ def cost_model_for(gpu: Optional[str], directory: Optional[Path] = None) -> Opti
     for folder in coefficient_dirs() if directory is None else (Path(directory),):
         path = folder / gpu_file_name(gpu)
         if path.is_file():
-            return CostModel.load(path)
+            return load_stored(path)
     return None

@@ -32,16 +32,10 @@ def backward_score(problem: Problem, cost_model: Optional[CostModel], *, batch_h
     return float(cost_model.predict_backward(features))
 
 
-def backward_scores(shape: tuple[int, ...], causal: tuple[bool, ...], windows: Sequence[tuple[int, ...]],
-                    window_index: np.ndarray, strides: np.ndarray, cost_model: Optional[CostModel],
-                    **call) -> np.ndarray:
-    """`backward_score` per sweep row (`windows[window_index[i]]`, `strides[i]`): the backward runs its own
-    tiles, so rows that differ only in the forward's tiles share one score; `call` is batch_heads, head_dim,
-    element_bytes."""
-    keys = [(int(w), tuple(int(s) for s in stride)) for w, stride in zip(window_index, strides)]
-    scores = {key: backward_score(Problem(shape, windows[key[0]], key[1], causal=causal), cost_model, **call)
-              for key in dict.fromkeys(keys)}
-    return np.array([scores[key] for key in keys], np.float64)
+def backward_scores(problems: Sequence[Problem], cost_model: Optional[CostModel], **call) -> np.ndarray:
+    """`backward_score` of each of `problems`: the backward runs its own tiles, so a search asks once per
+    (window, stride) whatever the forward's tiles; `call` is batch_heads, head_dim, element_bytes."""
+    return np.array([backward_score(problem, cost_model, **call) for problem in problems], np.float64)
 
 
 def backward_breakdown(problem: Problem, cost_model: CostModel, **call) -> dict[str, float]:

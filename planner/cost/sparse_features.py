@@ -51,15 +51,24 @@ def sparse_features(work: "SparseWork", batch: int, heads: int, head_dim: int) -
     masked = torch.div(lengths - full * per_tile + per_tile - 1, per_tile, rounding_mode="floor")
     full_tiles, masked_tiles = (int(t) for t in torch.stack([full.sum(), masked.sum()]).cpu())
     copies = (batch // work.mask_batch) * (heads // work.mask_heads)  # broadcast masks repeat their items
-    tile_flops = 4.0 * work.block_m * work.block_n * head_dim
+    return feature_row(full_tiles, masked_tiles, lengths.numel(), block_m=work.block_m, block_n=work.block_n,
+                       kv_block=work.kv_block, copies=copies, head_dim=head_dim)
+
+
+def feature_row(full_tiles: int, masked_tiles: int, items: int, *, block_m: int, block_n: int, kv_block: int,
+                copies: int, head_dim: int) -> np.ndarray:
+    """The feature row of a call whose work items (`items` of them, each run `copies` times: a mask of batch or
+    heads 1 broadcasts) hold `full_tiles` unmasked and `masked_tiles` masked KV tiles in all; `sparse_features`
+    counts these on a prepared work, the mask planner on packed rows (planner.search.mask_work)."""
+    tile_flops = 4.0 * block_m * block_n * head_dim
     tiles = float(full_tiles + masked_tiles) * copies
     all_flops = tiles * tile_flops
     return np.array([
         full_tiles * copies * tile_flops,
         masked_tiles * copies * tile_flops,
-        all_flops if work.kv_block < work.block_n else 0.0,
-        all_flops if work.block_m < WIDE_TILE else 0.0,
+        all_flops if kv_block < block_n else 0.0,
+        all_flops if block_m < WIDE_TILE else 0.0,
         tiles,
-        float(lengths.numel() * copies),
+        float(items * copies),
         1.0,
     ])

@@ -109,8 +109,10 @@ class MaskCandidate:
     pairs the kernel computes (KV tiles x program queries x tile keys: padding, masked pairs and the union
     of merged groups included), as a share of N^2 per head. `tiles`: KV tile iterations of the call (all
     heads and batch). `score`: predicted seconds (basis "cost model") or computed token pairs of the call
-    (basis "simulated tiles"). `merge_s`: host seconds of the grouping measured while planning (natsim.merge
-    for "xor"), not part of the score.
+    (basis "simulated tiles"). `merge_s`: host seconds the XOR grouping took while planning (the greedy and
+    the group counts, every head: natsim.merging.merged_counts), not part of the score; a call's
+    `prepare_sparse` runs natsim.merge head by head and builds its lists, which takes longer
+    (`SparseWork.merge_seconds`).
     """
 
     q_block: int

@@ -1,8 +1,11 @@
 """`ParallelPlan`: a GNA plan run over several GPUs, with its context-parallel strategy and frame split.
 
 A parallel plan holds a single-GPU `Plan` (window, stride, tiles), the strategy and the split of frames along
-dimension 0 chosen for it (planner.search.parallel), and every strategy's per-rank costs for that split. It runs
-itself through `natsim.distributed.gna_attention` and reports its per-rank table (`rows()`).
+dimension 0 chosen for it (planner.search.parallel), every runnable strategy's per-rank costs for that split, and
+`notes`: one sentence for each strategy that cannot run the plan and, where the search compared the single-GPU
+pick with the best configuration of static KV tiling (which is all the halo strategy runs), why this one won.
+It runs itself through `natsim.distributed.gna_attention` and reports its per-rank table (`rows()`,
+`rank_table()`, `explain()`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
 
 from natsim.partition import StrategyCost
 
@@ -21,9 +27,10 @@ from .plan import Plan
 class ParallelPlan:
     """A single-GPU `plan` run over `world_size` ranks with `strategy` and frames `split` along dimension 0.
 
-    `costs` holds every strategy's per-rank costs for the chosen split (what `rows()` and `--world-size`
-    show); `seconds` is the slowest rank's predicted time of the choice. Attributes not defined here are the
-    single-GPU plan's (window, tiles, figures).
+    `costs` holds every runnable strategy's per-rank costs for the chosen split (what `rows()` and
+    `--world-size` show); `seconds` is the slowest rank's predicted time of the choice; `notes` say what was left
+    out and why (module docstring). Attributes not defined here are the single-GPU plan's (window, tiles,
+    figures).
     """
 
     plan: Plan
@@ -32,6 +39,7 @@ class ParallelPlan:
     split: tuple[int, ...]
     costs: Mapping[str, StrategyCost]
     bytes_per_second: float
+    notes: tuple[str, ...] = ()
 
     def __getattr__(self, name: str):
         if name == "plan":  # not yet set (unpickling): no recursion
@@ -52,8 +60,6 @@ class ParallelPlan:
         from natsim.distributed import gna_attention
 
         args = self.plan.kernel_arguments()
-        if self.strategy == "halo":  # frame ranges run static KV tiling only
-            args.pop("kv_tiling", None)
         return gna_attention(q, k, v, args.pop("window"), args.pop("stride"), args.pop("dilation"),
                              args.pop("causal"), group=group, strategy=self.strategy, split=self.split,
                              scale=scale, **args)
@@ -62,8 +68,36 @@ class ParallelPlan:
         """One row per (strategy, rank): frames, heads, tiles, bytes, predicted seconds."""
         return [{"strategy": name, **rank.to_dict()} for name, cost in self.costs.items() for rank in cost.ranks]
 
+    def rank_table(self) -> Table:
+        """The per-rank table: every priced strategy's ranks, the chosen one marked with '*'."""
+        table = Table(title=f"{self.world_size} ranks, frames split {'/'.join(map(str, self.split))}: "
+                            f"{self.strategy} (predicted {self.seconds * 1e3:.2f} ms, slowest rank)",
+                      title_justify="left")
+        for column in ("strategy", "rank", "frames", "heads", "key frames", "visited tiles", "MB sent",
+                       "MB received", "predicted ms"):
+            table.add_column(column, justify="left" if column == "strategy" else "right")
+        for row in self.rows():
+            mark = " *" if row["strategy"] == self.strategy else ""
+            table.add_row(row["strategy"] + mark, str(row["rank"]), "{}-{}".format(*row["frames"]),
+                          str(row["heads"]), "{}-{}".format(*row["key_frames"]), f"{row['visited_tiles']:,}",
+                          f"{row['bytes_sent'] / 1e6:,.1f}", f"{row['bytes_received'] / 1e6:,.1f}",
+                          f"{row['predicted_s'] * 1e3:.2f}")
+        return table
+
+    def explain(self) -> Group:
+        """The single-GPU plan's report, then the choice over the ranks, its notes and the per-rank table."""
+        rate = ("its predicted time spread over its visited tiles" if self.plan.calibrated
+                else "natsim.partition's default rate (no cost model)")
+        parts = [self.plan.explain(), Text(
+            f"Over {self.world_size} ranks: {self.strategy}, frames split {'/'.join(map(str, self.split))}, "
+            f"chosen by the slowest rank's predicted time (tile work priced at {rate}, plus bytes moved at "
+            f"{self.bytes_per_second / 1e9:g} GB/s).")]
+        parts += [Text(f"  - {note}") for note in self.notes]
+        parts.append(self.rank_table())
+        return Group(*parts)
+
     def to_dict(self) -> dict:
         return {**self.plan.to_dict(), "world_size": self.world_size, "strategy": self.strategy,
                 "split": list(self.split), "parallel_predicted_s": self.seconds,
-                "bytes_per_second": self.bytes_per_second,
+                "bytes_per_second": self.bytes_per_second, "notes": list(self.notes),
                 "strategies": {name: cost.to_dict() for name, cost in self.costs.items()}}

@@ -22,15 +22,17 @@ from natsim.kernels.common.checks import check_tensors
 from natsim.kernels.gna.checks import check_qkv
 from natsim.problem import BoolOrBools, IntOrInts
 
-from ..cost.model import CostModel
+from ..cost.gpus import names_a_gpu
+from ..cost.resolve import CostModelLike, DeviceLike
 from ..plans.plan import Plan
-from .gna import best
+from .gna import best, ranking
 
 PlanKey = tuple[tuple[int, ...], int, int, torch.dtype, str]
 
 
 class AutoPlan:
-    """Plans GNA for each token layout it is called on, with `natsim.planner.best`'s options.
+    """Plans GNA for each token layout it is called on, with `natsim.planner.best`'s options (one GPU: no
+    `world_size`).
 
     >>> auto = AutoPlan(0.9)              # doctest: +SKIP
     >>> out = auto(q, k, v)               # q: [B, *shape, heads, head_dim]; plans `shape` once   # doctest: +SKIP
@@ -43,12 +45,15 @@ class AutoPlan:
         causal: BoolOrBools = False,
         window: Optional[IntOrInts] = None,
         max_stride: Optional[IntOrInts] = None,
-        device: Union[None, str, torch.device] = None,
-        cost_model: Optional[CostModel] = None,
+        device: DeviceLike = None,
+        cost_model: Optional[CostModelLike] = None,
         training: bool = False,
+        kv_tiling: Optional[str] = None,
     ):
+        if cost_model is not None or names_a_gpu(device):
+            ranking(device, cost_model, training, kv_tiling)  # refuse what no layout can plan now, not at a call
         self.options = dict(causal=causal, window=window, max_stride=max_stride, device=device,
-                            cost_model=cost_model, training=training)
+                            cost_model=cost_model, training=training, kv_tiling=kv_tiling)
         self.target_sparsity = target_sparsity
         self.plans: dict[PlanKey, Plan] = {}
         self._lock = threading.Lock()

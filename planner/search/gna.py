@@ -4,27 +4,34 @@ The search:
 1. windows: the user's, kept as is, or the candidates of planner.search.windows (meeting the target, close to it,
    shaped like the layout, aligned to KV tiles first);
 2. per window, strides per dimension from {1, 2, 4, 8, ...} and the window itself (capped by
-   `max_stride`) and every tile configuration of the catalog, simulated in bulk with `natsim.sweep`;
-3. scored with the cost model of the GPU at hand (predicted seconds), or without one by tile work; with
+   `max_stride`) and every tile configuration of the catalog in the KV tiling modes searched, simulated in bulk
+   with `natsim.sweep` (per-dimension totals multiplied out with numpy);
+3. scored with the cost model of the GPU asked for (predicted seconds), or without one by tile work; with
    `training=True` by forward + backward (planner.cost.predict), the backward by its own coefficients, or
    by tile work for both where the cost model has none;
 4. among the configurations within TIE_TOLERANCE (2%) of the best score the smallest stride product
    wins: a larger stride gives up translational equivariance, so it must buy more than noise.
+
+A search depends only on its normalised arguments (and the cost model's coefficients), so the last plans are
+kept (`_search`): a model calls `best` once per layer, mostly with the same layout. `world_size=P` prices the
+plan over P ranks (planner.search.parallel).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from natsim import SweepResult, TileConfig, simulate, sweep
-from natsim.dimension import ceil_div
+from natsim.kernels.gna.backward import DEFAULT_VARIANT
 from natsim.kernels.gna.checks import kernel_tiles
 from natsim.kernels.gna.launch import permutes
 from natsim.tiles import KV_TILINGS
@@ -32,14 +39,14 @@ from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, a
 
 from ..catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
 from ..cost.features import feature_matrix, sweep_features, tile_arrays
-from ..cost.files import cost_model_for
-from ..cost.gpus import gpu_of
 from ..cost.model import CostModel
 from ..cost.predict import backward_breakdown, backward_score, backward_scores
+from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..plans.candidates import Candidate, Search
+from ..plans.parallel import ParallelPlan
 from ..plans.plan import Plan
 from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
-from .parallel import parallel_plan
+from .parallel import check_world_size, parallel_plan
 from .windows import candidate_windows, window_sparsity
 
 # Plans have no dilation, so on GPUs with tensor descriptors (those with coefficients) the kernel reads q, k, v
@@ -95,6 +102,12 @@ def _check_heads(heads: object) -> Optional[int]:
     return int(heads)
 
 
+def _check_kv_tiling(kv_tiling: object) -> Optional[str]:
+    if kv_tiling is not None and kv_tiling not in KV_TILINGS:
+        raise ValueError(f"kv_tiling must be one of {KV_TILINGS} or None (the search chooses), got {kv_tiling=}.")
+    return kv_tiling
+
+
 class _Scorer:
     """Scores sweep rows: predicted seconds with a cost model, tile work without."""
 
@@ -129,17 +142,26 @@ class _Scorer:
     def dense_score(self) -> float:
         """Dense self attention as `gna_attention` runs it: 1-D over the flattened layout, 128-token tiles."""
         n = self.tokens
-        result = simulate(Problem((n,), (n,)), TileConfig(DENSE_TILE, DENSE_TILE, tiling="1d"))
+        visited, full = _dense_tiles(n)
         if self.cost_model is None:
-            return float(result.visited_tiles * DENSE_TILE * DENSE_TILE)
-        padded = ceil_div(n, DENSE_TILE) * DENSE_TILE
+            return float(visited * DENSE_TILE * DENSE_TILE)
+        padded = -(-n // DENSE_TILE) * DENSE_TILE
         features = feature_matrix(
-            full_tiles=np.array([result.full_tiles]), visited_tiles=np.array([result.visited_tiles]),
+            full_tiles=np.array([full]), visited_tiles=np.array([visited]),
             q_tokens=np.array([DENSE_TILE]), kv_tokens=np.array([DENSE_TILE]), q_padded=np.array([padded]),
             kv_padded=np.array([padded]), tokens=n, batch_heads=self.batch_heads, head_dim=self.head_dim,
             element_bytes=self.element_bytes, permutation=False,
         )
         return float(self.cost_model.predict(features)[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_tiles(tokens: int) -> tuple[int, int]:
+    """(visited, full) tiles of dense self attention over `tokens` in 128-token runs. A 1-D layout's multi-D
+    tiles are its runs of tokens, so the simulator's factorised count gives them at once (1-D tiling counts
+    them the same, token by token: seconds for a video layout)."""
+    result = simulate(Problem((tokens,), (tokens,)), TileConfig((DENSE_TILE,), (DENSE_TILE,)))
+    return result.visited_tiles, result.full_tiles
 
 
 def predicted_times(
@@ -188,26 +210,35 @@ def fastest_first(result: SweepResult, seconds: np.ndarray, pruned: bool = True)
 
 
 def _runner_up_rows(rows: dict, scores: np.ndarray, chosen: int) -> list[int]:
-    """Rows worth showing beside the winner, best score first: the best row of every other window
-    (up to RUNNERS_UP) and, unless the winner has stride 1, the best stride-1 row of its window (what
-    neighborhood attention would cost)."""
-    windows = rows["window_index"]
-    picked = []
-    for index in np.unique(windows):
-        if index != windows[chosen]:
-            members = np.nonzero(windows == index)[0]
-            picked.append(int(members[np.argmin(scores[members])]))
+    """Rows worth showing beside the winner, best score first: the best row of every other window (up to
+    RUNNERS_UP) and, unless the winner has stride 1, the best stride-1 row of its window (what neighborhood
+    attention would cost). Each window's rows are one contiguous run (`rows["window_rows"]`)."""
+    runs = rows["window_rows"]
+    own = int(rows["window_index"][chosen])
+    picked = [start + int(np.argmin(scores[start:stop])) for w, (start, stop) in enumerate(runs) if w != own]
     picked = sorted(picked, key=lambda row: scores[row])[:RUNNERS_UP]
-    unit = (windows == windows[chosen]) & (rows["stride"] == 1).all(axis=1)
-    if unit.any() and not unit[chosen]:
-        members = np.nonzero(unit)[0]
+    start, stop = runs[own]
+    unit = (rows["stride"][start:stop] == 1).all(axis=1)
+    if unit.any() and not unit[chosen - start]:
+        members = start + np.nonzero(unit)[0]
         picked.append(int(members[np.argmin(scores[members])]))
     return sorted(picked, key=lambda row: scores[row])
 
 
+def _best_rows(scores: np.ndarray, count: int) -> np.ndarray:
+    """The first `count` rows of `np.argsort(scores, kind="stable")`, without sorting every row: the rows at or
+    under the count-th smallest score, sorted stably (ties stay in row order, as in the full sort)."""
+    if len(scores) <= count:
+        return np.argsort(scores, kind="stable")
+    kth = np.partition(scores, count - 1)[count - 1]
+    rows = np.nonzero(scores <= kth)[0]
+    return rows[np.argsort(scores[rows], kind="stable")][:count]
+
+
 @dataclass(frozen=True)
 class _Request:
-    """The arguments of `best`, normalised and checked once."""
+    """The arguments of a search, normalised and checked once; equal requests make equal plans (`_search` keeps
+    them). The cost model is compared by its coefficients (`cost_key`), not by identity."""
 
     shape: tuple[int, ...]
     target: float
@@ -218,12 +249,39 @@ class _Request:
     window: Optional[tuple[int, ...]]
     max_stride: Optional[tuple[int, ...]]
     gpu: Optional[str]
-    cost_model: Optional[CostModel]
-    training: bool = False
+    cost_model: Optional[CostModel] = field(compare=False)
+    cost_key: Optional[str]
+    training: bool
+    kv_tilings: tuple[str, ...]
+    backward_variant: tuple = ()
+
+
+def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: bool,
+            kv_tiling: Optional[str]) -> tuple[Optional[str], Optional[CostModel], tuple[str, ...]]:
+    """`(gpu, cost model, KV tiling modes)` a search ranks with (planner.cost.resolve says which model; None
+    ranks by tile work), or a sentence error: a training search needs backward coefficients to rank by time
+    (else it ranks forward and backward by tile work), and a fixed `kv_tiling` needs a model calibrated on it."""
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {training=}.")
+    kv_tiling = _check_kv_tiling(kv_tiling)
+    gpu, model = resolve_cost_model(device, cost_model)
+    if training and model is not None and model.backward_coefficients is None:
+        model = None  # forward seconds and backward tile work do not add up: tile work for both
+    if kv_tiling is None:
+        return gpu, model, kv_tilings_of(model)
+    if model is not None and kv_tiling not in model.kv_tilings:
+        raise ValueError(
+            f"kv_tiling={kv_tiling!r} needs coefficients calibrated on that kernel, but those of {model.gpu} cover "
+            f"{' and '.join(model.kv_tilings)} KV tiling only; run `natsim calibrate` on that GPU, or pass "
+            f"kv_tiling={model.kv_tilings[0]!r} or None."
+        )
+    return gpu, model, (kv_tiling,)
 
 
 def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
-               training=False) -> _Request:
+               training, world_size, kv_tiling) -> tuple[_Request, Optional[int]]:
+    """Check every argument of `best` and resolve its cost model: `(request, world_size)`, or one sentence
+    error for the first argument, or combination, that no plan can honour."""
     shape = as_shape(shape)
     ndim = len(shape)
     target = _check_sparsity(target_sparsity)
@@ -237,74 +295,57 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         achieved = window_sparsity(shape, window, causal)
         if achieved < target:
             raise ValueError(f"window={window} has sparsity {achieved:.6f} on shape={shape}, below {target_sparsity=}.")
-    if cost_model is not None and not isinstance(cost_model, CostModel):
-        raise TypeError(f"cost_model must be a natsim.planner.CostModel, got {type(cost_model).__name__}.")
-    if not isinstance(training, bool):
-        raise TypeError(f"training must be a bool, got {training=}.")
-    gpu = cost_model.gpu if cost_model is not None else gpu_of(device)
-    cost_model = cost_model if cost_model is not None else cost_model_for(gpu)
-    if training and cost_model is not None and cost_model.backward_coefficients is None:
-        cost_model = None  # forward seconds and backward tile work do not add up: tile work for both
-    return _Request(
-        shape=shape,
-        target=target,
-        heads=_check_heads(heads),
-        head_dim=check_head_dim(head_dim),
-        dtype=as_dtype(dtype),
-        causal=causal,
-        window=window,
-        max_stride=max_stride,
-        gpu=gpu,
-        cost_model=cost_model,
-        training=training,
+    heads = _check_heads(heads)
+    head_dim = check_head_dim(head_dim)
+    dtype = as_dtype(dtype)
+    gpu, model, kv_tilings = ranking(device, cost_model, training, kv_tiling)
+    if world_size is not None:
+        check_world_size(world_size, shape[0])
+        if training:
+            raise ValueError(f"training=True plans one GPU: natsim.distributed runs the forward only (it refuses "
+                             f"inputs that require grad), so world_size must be None, got {world_size=}.")
+        if kv_tiling == "dynamic" and (heads or 1) % world_size:
+            raise ValueError(
+                f"kv_tiling='dynamic' over {world_size} ranks runs only under the ulysses strategy (the halo "
+                f"strategy's frame ranges run static KV tiling), which shards heads: heads must be divisible by "
+                f"world_size, got heads={heads} ({heads or 1} head{'s' if (heads or 1) > 1 else ''}), {world_size=}."
+            )
+    request = _Request(
+        shape=shape, target=target, heads=heads, head_dim=head_dim, dtype=dtype, causal=causal, window=window,
+        max_stride=max_stride, gpu=gpu, cost_model=model,
+        cost_key=None if model is None else json.dumps(model.to_dict(), sort_keys=True),
+        training=training, kv_tilings=kv_tilings,
+        backward_variant=tuple(sorted(DEFAULT_VARIANT.items())) if training else (),
     )
+    return request, world_size
 
 
-def _sweep_windows(request: _Request, windows, catalog: list[TileConfig]) -> dict[str, np.ndarray]:
-    """Simulated counts of every (window, stride, tile) row, as columns; `window_index` names the window."""
-    parts = []
-    for i, w in enumerate(windows):
-        result = sweep(
-            request.shape, w, strides=stride_candidates(w, request.max_stride), causal=request.causal, tiles=catalog
-        )
-        part = {name: getattr(result, name) for name in COLUMNS}
-        part.update(stride=result.stride, tile_index=result.tile_index, window_index=np.full(len(result), i))
-        parts.append(part)
-    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+def _sweep_windows(request: _Request, windows, catalog: list[TileConfig]) -> tuple[dict[str, np.ndarray], list]:
+    """Simulated counts of every (window, stride, tile) row, as columns, and the (window, stride) problems.
 
-
-def best(
-    shape: IntOrInts,
-    target_sparsity: float,
-    *,
-    heads: Optional[int] = None,
-    head_dim: int = 128,
-    dtype: Union[torch.dtype, str] = torch.bfloat16,
-    causal: BoolOrBools = False,
-    window: Optional[IntOrInts] = None,
-    max_stride: Optional[IntOrInts] = None,
-    device: Union[None, str, torch.device] = None,
-    cost_model: Optional[CostModel] = None,
-    training: bool = False,
-    world_size: Optional[int] = None,
-) -> Plan:
-    """The fastest GNA configuration of `shape` whose sparsity is at least `target_sparsity`.
-
-    `heads` (batch 1) scales the predicted time (None: one head); `head_dim` and `dtype` select the tile
-    catalog; `causal` applies per dimension; `window` fixes the window (it must meet the target);
-    `max_stride` caps the stride per dimension; `device` picks the GPU whose stored coefficients rank the
-    configurations (None: the current CUDA device), unless `cost_model` is given. Without coefficients the
-    plan ranks by simulated tile work and says so (`plan.basis`, `plan.explain()`). `training` ranks by
-    forward + backward time (the backward's own coefficients; without them, forward + backward tile work).
-    `world_size=P`: a `planner.plans.parallel.ParallelPlan` for P ranks sharding frames (planner.search.parallel),
-    which knows its strategy and split.
-
-    >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
-    >>> out = plan(q, k, v)                        # doctest: +SKIP
+    `window_index` names a row's window, `key_index` its problem (rows of one window and stride share it,
+    whatever their tiles: the backward runs its own); `window_rows` holds each window's run of rows.
     """
-    r = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
-                   training)
-    catalog = tile_catalog(r.shape, r.head_dim, kv_tilings_of(r.cost_model))
+    parts, problems, runs, offset = [], [], [], 0
+    for i, w in enumerate(windows):
+        strides = np.array(stride_candidates(w, request.max_stride), np.int64)
+        result = sweep(request.shape, w, strides=strides, causal=request.causal, tiles=catalog)
+        part = {name: getattr(result, name) for name in COLUMNS}
+        part.update(stride=result.stride, tile_index=result.tile_index, window_index=np.full(len(result), i),
+                    key_index=len(problems) + np.tile(np.arange(len(strides)), len(catalog)))
+        parts.append(part)
+        problems += [(i, tuple(int(v) for v in stride)) for stride in strides]
+        runs.append((offset, offset + len(result)))
+        offset += len(result)
+    rows = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    rows["window_rows"] = runs
+    return rows, problems
+
+
+@functools.lru_cache(maxsize=64)
+def _search(r: _Request) -> Plan:
+    """The single-GPU plan of a normalised request (module docstring: the search)."""
+    catalog = tile_catalog(r.shape, r.head_dim, r.kv_tilings)
     if r.window is not None:
         windows, band = (r.window,), None
     else:
@@ -312,13 +353,13 @@ def best(
         windows, band = found.windows, found.band
 
     # Every row meets the target: a window admissible at stride 1 attends no more keys at larger strides.
-    rows = _sweep_windows(r, windows, catalog)
+    rows, keys = _sweep_windows(r, windows, catalog)
     scorer = _Scorer(r.shape, catalog, r.cost_model, r.heads or 1, r.head_dim, element_bytes(r.dtype))
     scores = scorer.score(rows["tile_index"], rows["visited_tiles"], rows["full_tiles"])
     call = dict(batch_heads=r.heads or 1, head_dim=r.head_dim, element_bytes=element_bytes(r.dtype))
     if r.training:
-        backward = backward_scores(r.shape, r.causal, windows, rows["window_index"], rows["stride"], r.cost_model,
-                                   **call)
+        problems = [Problem(r.shape, windows[w], stride, causal=r.causal) for w, stride in keys]
+        backward = backward_scores(problems, r.cost_model, **call)[rows["key_index"]]
         scores = scores + backward
     chosen = choose(scores, rows["stride"].prod(axis=1))
     n = math.prod(r.shape)
@@ -350,7 +391,7 @@ def best(
                                                 r.cost_model, **call))
     dense = Problem(r.shape, r.shape)
     dense_backward = backward_score(dense, r.cost_model, **call) if r.training else None
-    plan = Plan(
+    return Plan(
         problem=Problem(r.shape, winner.window, winner.stride, causal=r.causal),
         tiles=TileConfig(winner.q_tile, winner.kv_tile, kv_tiling=winner.kv_tiling),
         target_sparsity=r.target,
@@ -368,14 +409,56 @@ def best(
             window_given=band is None,
             band=band,
             scored=int(len(scores)),
-            top=tuple(candidate(int(row)) for row in np.argsort(scores, kind="stable")[:TOP]),
+            top=tuple(candidate(int(row)) for row in _best_rows(scores, TOP)),
             tie_tolerance=TIE_TOLERANCE,
-            kv_tilings=kv_tilings_of(r.cost_model),
+            kv_tilings=r.kv_tilings,
         ),
         training=r.training,
         backward_score=winner.backward_score,
         dense_backward_score=dense_backward,
     )
+
+
+def best(
+    shape: IntOrInts,
+    target_sparsity: float,
+    *,
+    heads: Optional[int] = None,
+    head_dim: int = 128,
+    dtype: Union[torch.dtype, str] = torch.bfloat16,
+    causal: BoolOrBools = False,
+    window: Optional[IntOrInts] = None,
+    max_stride: Optional[IntOrInts] = None,
+    device: DeviceLike = None,
+    cost_model: Optional[CostModelLike] = None,
+    training: bool = False,
+    world_size: Optional[int] = None,
+    kv_tiling: Optional[str] = None,
+) -> Union[Plan, ParallelPlan]:
+    """The fastest GNA configuration of `shape` whose sparsity is at least `target_sparsity`.
+
+    `heads` (batch 1) scales the predicted time (None: one head); `head_dim` (32, 64, 128) and `dtype` (bf16,
+    fp16: what the kernel runs) select the tile catalog; `causal` applies per dimension; `window` fixes the
+    window (it must meet the target); `max_stride` caps the stride per dimension; `kv_tiling` ("static",
+    "dynamic") fixes the KV tiling mode (None: every mode the cost model was calibrated on, both without one).
+
+    `device` picks the GPU whose stored coefficients rank the configurations: a GPU's name or alias ("h100",
+    "h200"; refused when it has no coefficients here) or a torch device (None: the current CUDA device; without
+    coefficients for it the plan ranks by simulated tile work and says so, in `plan.basis` and
+    `plan.explain()`). `cost_model` (a CostModel, or the path of a coefficients file) replaces the stored ones.
+    `training` ranks by forward + backward time (the backward's own coefficients; without them, forward +
+    backward tile work). `world_size=P`: a `ParallelPlan` for P ranks sharding frames
+    (planner.search.parallel), which knows its strategy and split; training plans are for one GPU.
+
+    >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
+    >>> out = plan(q, k, v)                        # doctest: +SKIP
+    """
+    request, world_size = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride,
+                                     device, cost_model, training, world_size, kv_tiling)
+    plan = _search(request)
     if world_size is None:
         return plan
-    return parallel_plan(plan, world_size)
+    static = None
+    if plan.tiles.kv_tiling == "dynamic" and "static" in request.kv_tilings:
+        static = _search(replace(request, kv_tilings=("static",)))  # what the halo strategy can run
+    return parallel_plan(plan, world_size, static_plan=static)

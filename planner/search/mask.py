@@ -6,10 +6,11 @@ when any of its fine blocks is; pooling only adds blocks, so every candidate com
 for. Small query blocks can also be merged into 128-query programs (`natsim.merge`: consecutive, or FG-Attn's
 XOR greedy), which gives back part of their sparsity for wider matrix products.
 
-Each candidate (query block, KV block, merge) is prepared exactly as the kernel would run it
-(`natsim.kernels.prepare_sparse` with the GPU's program tiles; for "xor" that runs `natsim.merge`), counted
-with planner.cost.sparse_features and scored by the cost model's sparse coefficients (`predict_sparse_time`),
-or, without coefficients for the GPU, by the token pairs the kernel computes (tile work). The winner is the
+Each candidate (query block, KV block, merge) is counted as the kernel would run it: the work
+`natsim.kernels.prepare_sparse` would make with the GPU's program tiles (grouped as it groups, by natsim.merge's
+XOR greedy for "xor"), counted on the mask's bit-packed rows (planner.search.mask_work, which the tests hold to
+`prepare_sparse`), turned into planner.cost.sparse_features' features and scored by the cost model's sparse
+coefficients, or, without coefficients for the GPU, by the token pairs the kernel computes (tile work). The winner is the
 best score, except that a candidate within TIE_TOLERANCE of it that needs less host work (no merge before
 consecutive before xor, then coarser blocks) is preferred: the host's merge time is not in the kernel model.
 The result is a `MaskPlan` (planner.plans.mask).
@@ -17,22 +18,22 @@ The result is a `MaskPlan` (planner.plans.mask).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from natsim import merge as natsim_merge
-from natsim.kernels import SparseMask, SparseWork, prepare_sparse
+from natsim.kernels import SparseMask
 from natsim.kernels.sparse.checks import SPARSE_HEAD_DIMS
 from natsim.kernels.sparse.work import default_blocks
 
 from ..catalog import as_dtype, dtype_name
-from ..cost.files import cost_model_for
-from ..cost.gpus import gpu_of
 from ..cost.model import CostModel
-from ..cost.sparse_features import SPARSE_FEATURES, sparse_features
-from ..plans.mask import MERGES, MaskCandidate, MaskLike, MaskPlan, fine_mask, or_pool
+from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
+from ..cost.sparse_features import SPARSE_FEATURES
+from ..plans.mask import MERGES, MaskCandidate, MaskLike, MaskPlan, fine_mask
+from .mask_work import PackedMask
 from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
 
 BLOCKS = (16, 32, 64, 128)  # the granularities scored (those at least the mask's own)
@@ -73,23 +74,34 @@ def _blocks(name: str, values: Optional[Sequence[int]], finest: int) -> tuple[in
     return tuple(sorted(set(int(b) for b in chosen)))
 
 
-def _candidate(dense: torch.Tensor, q_block: int, kv_block: int, merge: str, seq_len: int, batch: int,
-               heads: int, head_dim: int, cost_model: Optional[CostModel]) -> tuple[MaskCandidate, np.ndarray]:
+def _candidate(rows: PackedMask, q_block: int, kv_block: int, merge: str, batch: int, heads: int, head_dim: int,
+               cost_model: Optional[CostModel]) -> tuple[MaskCandidate, np.ndarray]:
+    """One candidate scored on the work `prepare_sparse` would make for it (counted by planner.search.mask_work),
+    with the GPU's program tiles, and its feature row."""
     kernel_merge = None if merge == "none" else merge
     block_m, block_n = default_blocks(q_block, kv_block, kernel_merge, _GPU)
-    work: SparseWork = prepare_sparse(dense, q_block, kv_block, seq_len, merge=kernel_merge, block_m=block_m,
-                                      block_n=block_n)
-    row = sparse_features(work, batch, heads, head_dim)
+    group = block_m // q_block
+    method = "xor" if merge == "xor" and group > 1 else "consecutive"
+    row, seconds = rows.features(q_block, kv_block, group, method, block_m=block_m, block_n=block_n, batch=batch,
+                                 heads=heads, head_dim=head_dim)
     tiles = row[SPARSE_FEATURES.index("tiles")]
     pairs = tiles * block_m * block_n  # the call's computed token pairs
+    seq_len = rows.seq_len
     score = float(cost_model.predict_sparse(row)) if cost_model is not None else float(pairs)
     return MaskCandidate(
         q_block=q_block, kv_block=kv_block, merge=merge, block_m=block_m, block_n=block_n,
-        density=token_density(dense, q_block, kv_block, seq_len),
+        density=rows.density(q_block, kv_block),
         work=float(pairs) / (batch * heads * seq_len * seq_len), tiles=int(tiles),
         programs=int(row[SPARSE_FEATURES.index("programs")]), score=score,
-        merge_s=work.merge_seconds if merge == "xor" else 0.0,
+        merge_s=seconds if merge == "xor" else 0.0,
     ), row
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_rows(seq_len: int) -> PackedMask:
+    """Dense attention's mask, every 128 x 128 block on N = `seq_len` (the plans' reference), packed."""
+    blocks = -(-seq_len // DENSE_BLOCK)
+    return PackedMask(torch.ones((1, 1, blocks, blocks), dtype=torch.bool), DENSE_BLOCK, DENSE_BLOCK, seq_len)
 
 
 def _preference(c: MaskCandidate) -> tuple:
@@ -107,8 +119,8 @@ def best_mask(
     batch: Optional[int] = None,
     head_dim: int = 128,
     dtype: Union[torch.dtype, str] = torch.bfloat16,
-    device: Union[None, str, torch.device] = None,
-    cost_model: Optional[CostModel] = None,
+    device: DeviceLike = None,
+    cost_model: Optional[CostModelLike] = None,
     q_blocks: Optional[Sequence[int]] = None,
     kv_blocks: Optional[Sequence[int]] = None,
     merges: Sequence[str] = MERGES,
@@ -118,12 +130,15 @@ def best_mask(
 
     - `mask`: the predictor's mask at its finest blocks: a boolean `[B|1, H|1, ceil(N / q_block),
       ceil(N / kv_block)]` tensor or numpy array (with `q_block`, `kv_block`, `seq_len` = N), or a SparseMask.
-      Planning runs where the mask lives (a CUDA mask plans on the GPU; "xor" merges on the CPU).
+      Its rows are counted on the CPU (a CUDA mask is copied there once); the plan keeps its pooled mask on
+      the mask's device.
     - `heads`, `batch`: the call's (default: the mask's; a mask dimension of 1 broadcasts). `head_dim` (32, 64,
       128) and `dtype` (bf16, fp16) describe q, k, v.
-    - `device` picks the GPU whose stored coefficients score the candidates (None: the current CUDA device; a
-      GPU's name or alias such as "h100" plans for it from any machine), unless `cost_model` is given.
-      Without sparse coefficients candidates are ranked by computed token pairs and the plan says so.
+    - `device` picks the GPU whose stored coefficients score the candidates, as for `best`: a GPU's name or
+      alias such as "h100" plans for it from any machine (refused when it has no coefficients here); None or a
+      torch device means the GPU at hand. `cost_model` (a CostModel, or the path of a coefficients file)
+      replaces the stored ones. Without sparse coefficients candidates are ranked by computed token pairs and
+      the plan says so.
     - `q_blocks`, `kv_blocks`: the granularities to try (default: the mask's own block and 16, 32, 64, 128
       above it);
       `merges`: among "none", "consecutive", "xor" (a merge needs query blocks under 128).
@@ -151,40 +166,38 @@ def best_mask(
         raise ValueError(f"merges must be a non-empty subset of {MERGES}, got merges={merges!r}.")
     q_options = _blocks("q_blocks", q_blocks, q_block)
     kv_options = _blocks("kv_blocks", kv_blocks, kv_block)
-    if cost_model is not None and not isinstance(cost_model, CostModel):
-        raise TypeError(f"cost_model must be a natsim.planner.CostModel, got {type(cost_model).__name__}.")
-    gpu = cost_model.gpu if cost_model is not None else gpu_of(device)
-    model = cost_model if cost_model is not None else cost_model_for(gpu)
+    gpu, model = resolve_cost_model(device, cost_model)
     if model is not None and model.sparse_coefficients is None:
         model = None
 
-    if "xor" in merges:
-        natsim_merge(np.eye(2, dtype=bool), 2, "xor")  # compile natsim.merge first, so merge_s times the merge only
-    scored, rows = [], {}
+    rows = PackedMask(dense, q_block, kv_block, seq_len)
+    scored, features = [], {}
     for qb in q_options:
         for kb in kv_options:
-            coarse = or_pool(dense, qb // q_block, kb // kv_block)
             for merge in merges:
                 if merge != "none" and qb >= DENSE_BLOCK:
                     continue  # one 128-query block per program already: a merge changes nothing
-                candidate, row = _candidate(coarse, qb, kb, merge, seq_len, batch, heads, head_dim, model)
+                candidate, row = _candidate(rows, qb, kb, merge, batch, heads, head_dim, model)
                 scored.append(candidate)
-                rows[(qb, kb, merge)] = row
+                features[(qb, kb, merge)] = row
     if not scored:
         raise ValueError(f"no candidate to score: merges={merges!r} need query blocks under {DENSE_BLOCK}.")
     scored.sort(key=lambda c: (c.score, _preference(c)))
     limit = scored[0].score * (1.0 + TIE_TOLERANCE)
     winner = min((c for c in scored if c.score <= limit), key=_preference)
-    full = torch.ones((1, 1, -(-seq_len // DENSE_BLOCK), -(-seq_len // DENSE_BLOCK)), dtype=torch.bool,
-                      device=dense.device)
-    dense_candidate, _ = _candidate(full, DENSE_BLOCK, DENSE_BLOCK, "none", seq_len, batch, heads, head_dim, model)
+    dense_candidate, _ = _candidate(_dense_rows(seq_len), DENSE_BLOCK, DENSE_BLOCK, "none", batch, heads, head_dim,
+                                    model)
     breakdown = {}
     if model is not None:
-        breakdown = model.sparse_breakdown(rows[(winner.q_block, winner.kv_block, winner.merge)])
+        breakdown = model.sparse_breakdown(features[(winner.q_block, winner.kv_block, winner.merge)])
+    kept = None
+    if keep_mask:
+        fine = (winner.q_block, winner.kv_block) == (q_block, kv_block)
+        kept = dense if fine else rows.mask(winner.q_block, winner.kv_block)
     return MaskPlan(
         seq_len=seq_len, fine_q_block=q_block, fine_kv_block=kv_block, q_block=winner.q_block,
         kv_block=winner.kv_block, merge=winner.merge, batch=batch, heads=heads, head_dim=head_dim,
         dtype=dtype_name(dtype), gpu=gpu, basis=BASIS_COST_MODEL if model is not None else BASIS_TILES,
         score=winner.score, dense_score=dense_candidate.score, breakdown=breakdown, candidates=tuple(scored),
-        mask=or_pool(dense, winner.q_block // q_block, winner.kv_block // kv_block) if keep_mask else None,
+        mask=kept,
     )
