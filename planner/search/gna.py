@@ -254,6 +254,7 @@ class _Request:
     training: bool
     kv_tilings: tuple[str, ...]
     backward_variant: tuple = ()
+    kv_tiling_fixed: Optional[str] = None  # Search.kv_tiling_fixed: why the modes were narrowed
 
 
 def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: bool,
@@ -316,6 +317,7 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         cost_key=None if model is None else json.dumps(model.to_dict(), sort_keys=True),
         training=training, kv_tilings=kv_tilings,
         backward_variant=tuple(sorted(DEFAULT_VARIANT.items())) if training else (),
+        kv_tiling_fixed=None if kv_tiling is None else "kv_tiling",
     )
     return request, world_size
 
@@ -412,6 +414,7 @@ def _search(r: _Request) -> Plan:
             top=tuple(candidate(int(row)) for row in _best_rows(scores, TOP)),
             tie_tolerance=TIE_TOLERANCE,
             kv_tilings=r.kv_tilings,
+            kv_tiling_fixed=r.kv_tiling_fixed,
         ),
         training=r.training,
         backward_score=winner.backward_score,
@@ -460,5 +463,5 @@ def best(
         return plan
     static = None
     if plan.tiles.kv_tiling == "dynamic" and "static" in request.kv_tilings:
-        static = _search(replace(request, kv_tilings=("static",)))  # what the halo strategy can run
+        static = _search(replace(request, kv_tilings=("static",), kv_tiling_fixed="halo"))  # what halo runs
     return parallel_plan(plan, world_size, static_plan=static)
