@@ -253,7 +253,7 @@ class _Request:
     cost_key: Optional[str]
     training: bool
     kv_tilings: tuple[str, ...]
-    backward_variant: tuple = ()
+    backward_variant: tuple = ()  # the backward kernels' switches (DEFAULT_VARIANT) a training search priced
     kv_tiling_fixed: Optional[str] = None  # Search.kv_tiling_fixed: why the modes were narrowed
 
 
@@ -280,9 +280,9 @@ def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: b
 
 
 def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
-               training, world_size, kv_tiling) -> tuple[_Request, Optional[int]]:
-    """Check every argument of `best` and resolve its cost model: `(request, world_size)`, or one sentence
-    error for the first argument, or combination, that no plan can honour."""
+               training, world_size, kv_tiling) -> _Request:
+    """Check every argument of `best` and resolve its cost model: the search's request, or one sentence error
+    for the first argument, or combination, that no plan can honour (`world_size` is checked, not searched)."""
     shape = as_shape(shape)
     ndim = len(shape)
     target = _check_sparsity(target_sparsity)
@@ -319,7 +319,7 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         backward_variant=tuple(sorted(DEFAULT_VARIANT.items())) if training else (),
         kv_tiling_fixed=None if kv_tiling is None else "kv_tiling",
     )
-    return request, world_size
+    return request
 
 
 def _sweep_windows(request: _Request, windows, catalog: list[TileConfig]) -> tuple[dict[str, np.ndarray], list]:
@@ -456,8 +456,8 @@ def best(
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
     """
-    request, world_size = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride,
-                                     device, cost_model, training, world_size, kv_tiling)
+    request = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device,
+                         cost_model, training, world_size, kv_tiling)
     plan = _search(request)
     if world_size is None:
         return plan
