@@ -117,6 +117,13 @@ def check_plan(plan, shape, target, path, *, training, world_size, cost, kv_tili
     assert single.problem.shape == shape and single.problem.causal == (causal,) * len(shape)
     assert single.tiles.kv_tiling == (kv_tiling or single.tiles.kv_tiling) and single.tiles.kv_tiling in modes
     assert single.kernel_arguments()["kv_tiling"] == single.tiles.kv_tiling
+    if kv_tiling is not None:  # the report says the mode was asked for
+        assert (single.search.kv_tilings, single.search.kv_tiling_fixed) == ((kv_tiling,), "kv_tiling")
+    elif single.search.kv_tiling_fixed is not None:  # narrowed only for the halo strategy over several ranks
+        assert world_size is not None and single.search.kv_tiling_fixed == "halo"
+        assert single.search.kv_tilings == ("static",)
+    else:
+        assert single.search.kv_tilings == modes
     assert single.sparsity >= target and (single.backward_score is not None) == training
     sim = simulate(single.problem, single.tiles)
     assert (single.simulation.visited_tiles, single.simulation.full_tiles) == (sim.visited_tiles, sim.full_tiles)
@@ -187,13 +194,16 @@ def test_over_several_ranks_a_dynamic_pick_is_compared_with_the_best_static_conf
     assert single.tiles.kv_tiling == "dynamic"  # the pick that could not be priced per rank
     parallel = best((30, 48, 80), 0.9, heads=HEADS, device="h100", world_size=2)
     static = best((30, 48, 80), 0.9, heads=HEADS, device="h100", kv_tiling="static")
-    assert parallel.plan in (single, static)
+    configuration = (parallel.plan.problem, parallel.plan.tiles)
+    assert configuration in ((single.problem, single.tiles), (static.problem, static.tiles))
     assert parallel.notes[-1].startswith("The single-GPU pick tiles KV dynamically, which only ulysses runs")
     assert any(note.startswith("halo cannot run") for note in parallel.notes)
     text = " ".join(str(part) for part in parallel.explain().renderables[1:-1])
     assert "Over 2 ranks" in text and "halo cannot run" in text
     one_head = best((30, 48, 80), 0.9, device="h100", world_size=2)  # no ulysses: the static plan, under halo
-    assert one_head.strategy == "halo" and one_head.plan == best((30, 48, 80), 0.9, device="h100", kv_tiling="static")
+    static = best((30, 48, 80), 0.9, device="h100", kv_tiling="static")
+    assert one_head.strategy == "halo" and (one_head.problem, one_head.tiles) == (static.problem, static.tiles)
+    assert one_head.plan.search.kv_tiling_fixed == "halo" and static.search.kv_tiling_fixed == "kv_tiling"
     assert "runs under no strategy here" in one_head.notes[-1]
 
 

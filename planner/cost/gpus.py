@@ -40,7 +40,8 @@ KNOWN_GPUS = (
 
 
 def _words_of(alias: str, gpu: str) -> bool:
-    """True when `alias` (slugged) is a run of whole words of `gpu`'s name: 'h100-80gb' names 'NVIDIA H100 80GB HBM3'."""
+    """True when `alias` (slugged) is a run of whole words of `gpu`'s name: 'h100-80gb' names
+    'NVIDIA H100 80GB HBM3'."""
     return bool(alias) and f"-{alias}-" in f"-{gpu_slug(gpu)}-"
 
 

@@ -57,7 +57,8 @@ def missing_coefficients(gpu: str, device: str) -> str:
     )
 
 
-def resolve_cost_model(device: DeviceLike, cost_model: Optional[CostModelLike]) -> tuple[Optional[str], Optional[CostModel]]:
+def resolve_cost_model(device: DeviceLike,
+                       cost_model: Optional[CostModelLike]) -> tuple[Optional[str], Optional[CostModel]]:
     """`(gpu, cost model)` for a planning call's `device` and `cost_model` (module docstring: the rules)."""
     if cost_model is not None:
         model = load_cost_model(cost_model)

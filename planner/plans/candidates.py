@@ -69,7 +69,10 @@ class Candidate:
 class Search:
     """How the choice was made: the windows tried, the KV tiling modes scored, how many configurations were
     scored, and the best-scored configurations, best first (`top[0]` is the best score, which the tie rule
-    may have passed over for a smaller stride); `top` is what a benchmark times to check the cost model."""
+    may have passed over for a smaller stride); `top` is what a benchmark times to check the cost model.
+    `kv_tiling_fixed` says why the modes were narrowed, if they were: "kv_tiling" (asked for with
+    `kv_tiling=`) or "halo" (static only, for the halo strategy over several ranks); None means every mode
+    the cost model was calibrated on (both without one)."""
 
     windows: tuple[tuple[int, ...], ...]
     window_given: bool
@@ -78,6 +81,7 @@ class Search:
     top: tuple[Candidate, ...]
     tie_tolerance: float
     kv_tilings: tuple[str, ...] = ("static",)
+    kv_tiling_fixed: Optional[str] = None
 
     @property
     def fastest(self) -> Candidate:
@@ -92,6 +96,7 @@ class Search:
             "top": [c.to_dict() for c in self.top],
             "tie_tolerance": self.tie_tolerance,
             "kv_tilings": list(self.kv_tilings),
+            "kv_tiling_fixed": self.kv_tiling_fixed,
         }
 
     @classmethod
@@ -104,4 +109,5 @@ class Search:
             top=tuple(Candidate.from_dict(c) for c in data["top"]),
             tie_tolerance=float(data["tie_tolerance"]),
             kv_tilings=tuple(str(m) for m in data.get("kv_tilings", ("static",))),  # older plans: static only
+            kv_tiling_fixed=data.get("kv_tiling_fixed"),
         )

@@ -134,16 +134,25 @@ def _training_basis(plan: ExplainedPlan) -> Text:
     )
 
 
+def _fixed_modes(plan: ExplainedPlan) -> Optional[str]:
+    """Why the search scored one KV tiling mode, when it was narrowed to it (`Search.kv_tiling_fixed`)."""
+    mode = plan.search.kv_tilings[0]
+    return {"kv_tiling": f"{mode} KV tiling only, as asked (kv_tiling={mode!r})",
+            "halo": "static KV tiling only, which the halo strategy over several ranks runs"}.get(
+        plan.search.kv_tiling_fixed)
+
+
 def _basis(plan: ExplainedPlan) -> Text:
     if plan.training:
         return _training_basis(plan)
+    fixed = _fixed_modes(plan)
     if plan.calibrated:
         modes = plan.search.kv_tilings
-        scope = ("both KV tiling modes, scored with the same features (the dynamic kernel's per-tile work on the "
-                 "in-place path equals the static one's; its calibration cases are in the fit)"
-                 if "dynamic" in modes else
-                 "static KV tiling only: these coefficients were not calibrated on the dynamic kernel (run "
-                 "`natsim calibrate` to include it)")
+        scope = fixed or ("both KV tiling modes, scored with the same features (the dynamic kernel's per-tile work "
+                          "on the in-place path equals the static one's; its calibration cases are in the fit)"
+                          if "dynamic" in modes else
+                          "static KV tiling only: these coefficients were not calibrated on the dynamic kernel (run "
+                          "`natsim calibrate` to include it)")
         return Text(f"Ranked by the cost model fitted on {plan.gpu} (predicted kernel time; plans read q, k, v in "
                     f"place, no permutation); {scope}.")
     where = plan.gpu if plan.gpu else "this machine (no CUDA GPU)"
@@ -156,7 +165,7 @@ def _basis(plan: ExplainedPlan) -> Text:
     )
     return Text(
         f"No cost-model coefficients for {where}: configurations were ranked by simulated tile work alone "
-        f"(Q x KV tokens summed over visited tiles, static and dynamic KV tiling alike), and no time is "
+        f"(Q x KV tokens summed over visited tiles, {fixed or 'static and dynamic KV tiling alike'}), and no time is "
         f"predicted.{others} Run `natsim calibrate` "
         "on the GPU to fit its own.",
         style="yellow",

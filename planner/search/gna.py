@@ -253,7 +253,8 @@ class _Request:
     cost_key: Optional[str]
     training: bool
     kv_tilings: tuple[str, ...]
-    backward_variant: tuple = ()
+    backward_variant: tuple = ()  # the backward kernels' switches (DEFAULT_VARIANT) a training search priced
+    kv_tiling_fixed: Optional[str] = None  # Search.kv_tiling_fixed: why the modes were narrowed
 
 
 def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: bool,
@@ -279,9 +280,9 @@ def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: b
 
 
 def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
-               training, world_size, kv_tiling) -> tuple[_Request, Optional[int]]:
-    """Check every argument of `best` and resolve its cost model: `(request, world_size)`, or one sentence
-    error for the first argument, or combination, that no plan can honour."""
+               training, world_size, kv_tiling) -> _Request:
+    """Check every argument of `best` and resolve its cost model: the search's request, or one sentence error
+    for the first argument, or combination, that no plan can honour (`world_size` is checked, not searched)."""
     shape = as_shape(shape)
     ndim = len(shape)
     target = _check_sparsity(target_sparsity)
@@ -316,8 +317,9 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         cost_key=None if model is None else json.dumps(model.to_dict(), sort_keys=True),
         training=training, kv_tilings=kv_tilings,
         backward_variant=tuple(sorted(DEFAULT_VARIANT.items())) if training else (),
+        kv_tiling_fixed=None if kv_tiling is None else "kv_tiling",
     )
-    return request, world_size
+    return request
 
 
 def _sweep_windows(request: _Request, windows, catalog: list[TileConfig]) -> tuple[dict[str, np.ndarray], list]:
@@ -412,6 +414,7 @@ def _search(r: _Request) -> Plan:
             top=tuple(candidate(int(row)) for row in _best_rows(scores, TOP)),
             tie_tolerance=TIE_TOLERANCE,
             kv_tilings=r.kv_tilings,
+            kv_tiling_fixed=r.kv_tiling_fixed,
         ),
         training=r.training,
         backward_score=winner.backward_score,
@@ -453,12 +456,12 @@ def best(
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
     """
-    request, world_size = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride,
-                                     device, cost_model, training, world_size, kv_tiling)
+    request = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device,
+                         cost_model, training, world_size, kv_tiling)
     plan = _search(request)
     if world_size is None:
         return plan
     static = None
     if plan.tiles.kv_tiling == "dynamic" and "static" in request.kv_tilings:
-        static = _search(replace(request, kv_tilings=("static",)))  # what the halo strategy can run
+        static = _search(replace(request, kv_tilings=("static",), kv_tiling_fixed="halo"))  # what halo runs
     return parallel_plan(plan, world_size, static_plan=static)

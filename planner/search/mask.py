@@ -10,10 +10,10 @@ Each candidate (query block, KV block, merge) is counted as the kernel would run
 `natsim.kernels.prepare_sparse` would make with the GPU's program tiles (grouped as it groups, by natsim.merge's
 XOR greedy for "xor"), counted on the mask's bit-packed rows (planner.search.mask_work, which the tests hold to
 `prepare_sparse`), turned into planner.cost.sparse_features' features and scored by the cost model's sparse
-coefficients, or, without coefficients for the GPU, by the token pairs the kernel computes (tile work). The winner is the
-best score, except that a candidate within TIE_TOLERANCE of it that needs less host work (no merge before
-consecutive before xor, then coarser blocks) is preferred: the host's merge time is not in the kernel model.
-The result is a `MaskPlan` (planner.plans.mask).
+coefficients, or, without coefficients for the GPU, by the token pairs the kernel computes (tile work). The
+winner is the best score, except that a candidate within TIE_TOLERANCE of it that needs less host work (no merge
+before consecutive before xor, then coarser blocks) is preferred: the host's merge time is not in the kernel
+model. The result is a `MaskPlan` (planner.plans.mask).
 """
 
 from __future__ import annotations
