@@ -160,7 +160,7 @@ def sparse_tile_counts(
     elif seq_len is None and q_block is not None and isinstance(mask, torch.Tensor) and mask.dim() == 4:
         seq_len = mask.shape[2] * q_block
     work = prepare_sparse(mask, q_block, kv_block, seq_len, merge=merge, block_m=block_m, block_n=block_n,
-                          device=torch.device(device))
+                          device=torch.device(device), backward=False)
     if inputs is None:
         shape = (work.mask_batch, work.seq_len, work.mask_heads, head_dim)
         inputs = tuple(torch.randn(shape, device=device).to(dtype) for _ in range(3))

@@ -334,10 +334,10 @@ def sparse_case_mask(case: SparseCase) -> torch.Tensor:
 
 
 def prepare_case(case: SparseCase, device: torch.device):
-    """The case's `SparseWork` on `device`, with the GPU's program tiles wherever it is prepared."""
+    """The case's forward `SparseWork` on `device`, with the GPU's program tiles wherever it is prepared."""
     block_m, block_n = case.blocks
     return prepare_sparse(sparse_case_mask(case), case.q_block, case.kv_block, case.seq_len, merge=case.merge,
-                          block_m=block_m, block_n=block_n, device=device)
+                          block_m=block_m, block_n=block_n, device=device, backward=False)
 
 
 def sparse_case_features(cases: Sequence[SparseCase]) -> np.ndarray:
