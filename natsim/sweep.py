@@ -10,14 +10,13 @@ dimensions.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
 from .dimension import dim_attended_pairs, dim_totals_many
-from .problem import IntOrInts, BoolOrBools, Problem, as_ints
+from .problem import IntOrInts, BoolOrBools, Problem
 from .simulate import SimResult, _dense_tile_counts, simulate
 from .tiles import TileConfig
 
