@@ -232,8 +232,9 @@ class MaskPlan:
 
     def prepared(self, device: Union[str, torch.device]) -> SparseWork:
         """The kernel's host work for the plan's own mask on `device` (`prepare_sparse` at the plan's blocks and
-        merge), done on the first request and kept: `plan(q, k, v)` reuses it on eager Triton calls, and its
-        `prepare_seconds` / `merge_seconds` say what it cost."""
+        merge; the forward's lists only), done on the first request and kept: `plan(q, k, v)` reuses it on plain
+        eager Triton calls (calls that need gradients pass the pooled mask), and its `prepare_seconds` /
+        `merge_seconds` say what it cost."""
         if self.mask is None:
             raise ValueError("this plan holds no mask to prepare: use plan.with_mask(mask) first.")
         device = torch.device(device)
@@ -242,7 +243,7 @@ class MaskPlan:
         work = self._works.get(device)
         if work is None:
             work = prepare_sparse(self.mask, self.q_block, self.kv_block, self.seq_len, merge=self.kernel_merge,
-                                  device=device)
+                                  device=device, backward=False)
             self._works[device] = work
         return work
 
