@@ -23,6 +23,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from .common.backend import use_triton
+from .common.fp8 import check_precision, refuse_gradients
 from .gna.backward import gna_backward as run_gna_backward
 from .gna.checks import check_frames, check_kv_tiling, check_qkv, problem_of
 from .gna.dispatch import forward
@@ -56,13 +57,15 @@ def gna_forward(
     return_lse: bool,
     kv_tiling: Optional[str] = None,
     frame_offsets: Optional[Sequence[int]] = None,
+    precision: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
     unless `return_lse`). `kv_tiling`: "static", "dynamic" or None (natsim chooses). `frame_offsets=(q0, k0,
-    L0)`: q and k, v hold frame ranges of dimension 0 (kernels/gna/launch.py)."""
+    L0)`: q and k, v hold frame ranges of dimension 0 (kernels/gna/launch.py). `precision`: None or "fp8"
+    (inference only: no gradient)."""
     out, lse = forward(q, k, v, tuple(window), tuple(stride), tuple(dilation), tuple(causal), scale,
                        None if q_tile is None else tuple(q_tile), None if kv_tile is None else tuple(kv_tile),
-                       return_lse, kv_tiling, None if frame_offsets is None else tuple(frame_offsets))
+                       return_lse, kv_tiling, None if frame_offsets is None else tuple(frame_offsets), precision)
     # tuples: the schema hands over lists, which the call cache cannot hash
     return out, (_no_lse(q) if lse is None else lse)
 
@@ -83,12 +86,13 @@ def _no_lse(q: torch.Tensor) -> torch.Tensor:
 
 @gna_forward.register_fake
 def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
-                      kv_tiling=None, frame_offsets=None):
+                      kv_tiling=None, frame_offsets=None, precision=None):
     if frame_offsets is None:  # the same sentence errors as eager
         problem_of(check_qkv(q, k, v), window, stride, dilation, causal)
     else:
         check_frames(q, k, v, window, stride, dilation, causal, list(frame_offsets))
     check_kv_tiling(kv_tiling)
+    check_precision(precision)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
     return _like(q), lse
 
@@ -100,6 +104,8 @@ def _setup_context(ctx, inputs, output) -> None:
     frame_offsets = inputs[12] if len(inputs) > 12 else None
     if frame_offsets is not None and use_triton(q):
         raise RuntimeError(FRAMES_GRADIENT_REFUSAL)
+    if len(inputs) > 13 and inputs[13] is not None:
+        refuse_gradients("gna_attention", q, k, v)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.arguments = (window, stride, dilation, causal, scale)
@@ -323,21 +329,23 @@ def sparse_forward(
     schedule: str,
     programs: Optional[int],
     pv_threshold: Optional[float] = None,
+    precision: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of `[B, N, heads, head_dim]` under a boolean block mask `[B|1, H|1, nQ, nKV]`: the
     output, and the LSE `[B, N, heads]` (empty unless `return_lse`); `pv_threshold` turns on SpargeAttn's
-    PV skip. The host work (grouping, union lists) happens inside, so a compiled graph holds one opaque
-    call."""
+    PV skip; `precision="fp8"` quantizes (no gradient). The host work (grouping, union lists) happens inside,
+    so a compiled graph holds one opaque call."""
     out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs,
-                                   pv_threshold)
+                                   pv_threshold, precision)
     return out, (_no_lse(q) if not return_lse else lse)
 
 
 @sparse_forward.register_fake
 def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs,
-                         pv_threshold=None):
+                         pv_threshold=None, precision=None):
     check_sparse_qkv(q, k, v)
     check_pv_threshold(pv_threshold)
+    check_precision(precision)
     dense_mask(mask, q_block, kv_block, q.shape[1])  # the same sentence errors as eager
     check_mask_batch(mask.shape[0], mask.shape[1], q)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
@@ -350,6 +358,8 @@ def _sparse_setup_context(ctx, inputs, output) -> None:
     q, k, v, mask, q_block, kv_block, merge, scale = inputs[:8]
     if inputs[11] is not None:  # pv_threshold
         raise RuntimeError(PV_SKIP_GRADIENT_REFUSAL)
+    if len(inputs) > 12 and inputs[12] is not None:
+        refuse_gradients("sparse_attention", q, k, v)
     out, lse = output
     ctx.save_for_backward(q, k, v, mask, out, lse)
     ctx.arguments = (q_block, kv_block, scale)
@@ -419,28 +429,32 @@ def sparse_prepared(
     schedule: str,
     programs: Optional[int],
     pv_threshold: Optional[float],
+    precision: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of `[B, N, heads, head_dim]` on a prepared mask, given as `work_tensors(work)` and
     `work_sizes(work)`: the output, and the LSE `[B, N, heads]` (empty unless `return_lse`). No host work, so a
-    CUDA graph captures it and repeated calls pay no preparation."""
+    CUDA graph captures it and repeated calls pay no preparation. `precision="fp8"` quantizes (no gradient)."""
     work = work_from(work_tensors, work_sizes)
-    out, lse = sparse_prepared_impl(q, k, v, work, scale, return_lse, schedule, programs, pv_threshold)
+    out, lse = sparse_prepared_impl(q, k, v, work, scale, return_lse, schedule, programs, pv_threshold, precision)
     return out, (_no_lse(q) if not return_lse else lse)
 
 
 @sparse_prepared.register_fake
 def _sparse_prepared_fake(q, k, v, work_tensors, work_sizes, scale, return_lse, schedule, programs,
-                          pv_threshold):
+                          pv_threshold, precision=None):
     check_sparse_qkv(q, k, v)
     check_pv_threshold(pv_threshold)
+    check_precision(precision)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
     return _like(q), lse
 
 
 def _sparse_prepared_setup_context(ctx, inputs, output) -> None:
-    q, k, v, tensors, sizes, scale, return_lse, schedule, programs, pv_threshold = inputs
+    q, k, v, tensors, sizes, scale, return_lse, schedule, programs, pv_threshold = inputs[:10]
     if pv_threshold is not None:
         raise RuntimeError(PV_SKIP_GRADIENT_REFUSAL)
+    if len(inputs) > 10 and inputs[10] is not None:
+        refuse_gradients("sparse_attention", q, k, v)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
     ctx.arguments = (list(sizes), scale)

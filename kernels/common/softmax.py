@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .fp8 import P_OFFSET, cast_e4m3
+
 LOG2E = 1.4426950408889634
 
 
@@ -21,4 +23,18 @@ def softmax_step(acc, l_i, m_i, qk, v, qk_scale):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def softmax_step_fp8(acc, l_i, m_i, qk, v, row_scale, EXACT_CAST: tl.constexpr):
+    """`softmax_step` for FP8 (kernels/common/fp8.py): `qk` already carries the keys' scales, `row_scale` is the
+    softmax scale times log2(e) times each query's scale, and P goes to P @ V as e4m3 `448 * exp2(s - m)`
+    (the offset joins the maximum; the sum counts the same unrounded values, so the 448 cancels in acc / l)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * row_scale)  # row scales are positive
+    p = tl.math.exp2(qk * row_scale[:, None] - (m_new - P_OFFSET)[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(cast_e4m3(p, EXACT_CAST), v, acc)
     return acc, l_i, m_new

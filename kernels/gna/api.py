@@ -27,6 +27,7 @@ from natsim.problem import BoolOrBools, IntOrInts
 from .. import ops
 from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
 from ..common.checks import check_matching, check_tensors
+from ..common.fp8 import check_precision, refuse_gradients
 from .checks import check_kernel_inputs, kernel_tiles
 from .dispatch import forward
 from .launch import frames_as_3d, make_call
@@ -118,6 +119,7 @@ def gna_attention(
     return_lse: bool = False,
     kv_tiling: Optional[str] = None,
     frame_offsets: Optional[tuple[int, int, int]] = None,
+    precision: Optional[str] = None,
 ):
     """Generalized Neighborhood Attention, forward, on `[B, *shape, heads, head_dim]` tensors (1 to 3 dims).
 
@@ -136,12 +138,19 @@ def gna_attention(
     q holds frames `[q0, q0 + Tq)` of the layout's dimension 0, which has `L0` frames, and k, v hold frames
     `[k0, k0 + Tk)`, every frame q's windows reach; windows are the global layout's. The output covers q's
     frames.
+
+    `precision="fp8"` (inference only) quantizes q, k, v to float8 e4m3 inside the call and runs QK^T and P @ V
+    on FP8 tensor cores with fp32 accumulation (kernels/common/fp8.py: scales per token for Q and K, K's mean
+    removed, per channel for V, P per tile); the output keeps the inputs' dtype. Static KV tiling, no
+    `frame_offsets`; CPU tensors run a reference that applies the same quantization.
     """
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
+    if check_precision(precision) is not None:
+        refuse_gradients("gna_attention", q, k, v)
     if runs_eagerly(q, k, v):
         out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
-                           kv_tiling, None if frame_offsets is None else tuple(frame_offsets))
+                           kv_tiling, None if frame_offsets is None else tuple(frame_offsets), precision)
     else:
         ndim = q.dim() - 3
         # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
@@ -151,7 +160,7 @@ def gna_attention(
             q, k, v, _per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim),
             _per_dim(causal, ndim), None if scale is None else float(scale),
             None if q_tile is None else _per_dim(q_tile, ndim), None if kv_tile is None else _per_dim(kv_tile, ndim),
-            needs_lse, kv_tiling, None if frame_offsets is None else list(frame_offsets),
+            needs_lse, kv_tiling, None if frame_offsets is None else list(frame_offsets), precision,
         )
     return (out, lse) if return_lse else out
 

@@ -9,13 +9,15 @@ that a repeated call only checks its tensors, allocates its output and launches.
 from __future__ import annotations
 
 import functools
+import math
 
 from natsim import Problem
 
 from ..common.backend import interpreting
+from ..common.fp8 import check_fp8_device, check_fp8_tiles, check_precision
 from .checks import check_frames, check_kernel_inputs, check_kv_tiling, check_qkv, kernel_tiles, problem_of
 from .launch import KERNELS, dense_as_1d, frames_as_3d, make_call, takes_layout_path
-from .reference import reference_attention
+from .reference import fp8_reference_attention, reference_attention
 from .tiles import choose_tiles, default_tiles
 
 MAX_CALLS = 1024  # distinct argument sets kept (a model has a handful of attention shapes)
@@ -24,26 +26,31 @@ _warned_cpu = False
 
 
 def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_tile=None, kv_tile=None,
-            return_lse=False, kv_tiling=None, frame_offsets=None):
+            return_lse=False, kv_tiling=None, frame_offsets=None, precision=None):
     """GNA forward of `[B, *shape, heads, head_dim]` tensors: `(out, lse)`, `lse` None unless asked.
 
     `kv_tiling` "static" or "dynamic" picks the kernel; None lets natsim choose by predicted work
     (kernels/gna/tiles.py, `choose_tiles`). The first call with given tensor metadata and arguments validates
     everything and works the call out (`_prepare`); later ones look it up. Tensor metadata (shapes, dtypes,
     devices, strides, 16-byte alignment; for CPU tensors whether the interpreter is on) is part of the key, so
-    a call with other tensors is checked afresh. Lists among the arguments are keyed as tuples.
+    a call with other tensors is checked afresh. Lists among the arguments are keyed as tuples. `precision`
+    "fp8" quantizes inside the call (kernels/common/fp8.py; static KV tiling, no frame ranges).
     """
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
            q.stride(), k.stride(), v.stride(), q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
            and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(),
-           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, frame_offsets)
+           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, frame_offsets, precision)
     try:
         run = _calls.get(key)
     except TypeError:  # a list among the arguments
         key = tuple(tuple(item) if isinstance(item, list) else item for item in key)
         run = _calls.get(key)
     if run is None:
-        run = (_prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling)
+        check_precision(precision)
+        if precision is not None and frame_offsets is not None:
+            raise ValueError("precision='fp8' does not run with frame_offsets (natsim.distributed): use bf16 there.")
+        run = (_prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
+                        precision == "fp8")
                if frame_offsets is None else
                _prepare_frames(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
                                kv_tiling, frame_offsets))
@@ -53,14 +60,18 @@ def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_t
     return run(q, k, v)
 
 
-def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling):
+def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, fp8=False):
     """Validate a call and return the function that runs it on tensors like these."""
     shape = check_qkv(q, k, v)
     problem = problem_of(shape, window, stride, dilation, causal)
     check_kv_tiling(kv_tiling)
+    if fp8 and kv_tiling == "dynamic":
+        raise ValueError("precision='fp8' runs with static KV tiling only, got kv_tiling='dynamic'.")
     if not (q.is_cuda or interpreting()):
-        return functools.partial(_run_reference, problem=problem, scale=scale, return_lse=return_lse)
+        return functools.partial(_run_reference, problem=problem, scale=scale, return_lse=return_lse, fp8=fp8)
     check_kernel_inputs(q)
+    if fp8:
+        check_fp8_device(q)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     scale = head_dim**-0.5 if scale is None else float(scale)
     kernel_problem = problem
@@ -70,12 +81,16 @@ def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, 
     else:
         given = kernel_tiles(problem, q_tile, kv_tile)
     views = tuple(t.reshape(batch, *kernel_problem.shape, heads, head_dim) for t in (q, k, v))
-    layout = takes_layout_path(kernel_problem, *views)
+    # FP8 reads a 1-D layout in place and permutes the others (kernels/gna/launch.py).
+    layout = takes_layout_path(kernel_problem, *views) and (not fp8 or kernel_problem.ndim == 1)
     # natsim chooses between the modes only where both are costed alike: the in-place path (kernels/gna/tiles.py).
-    modes = (kv_tiling,) if kv_tiling is not None else (tuple(KERNELS) if layout else ("static",))
+    modes = (kv_tiling,) if kv_tiling is not None else (tuple(KERNELS) if layout and not fp8 else ("static",))
     q_dims, kv_dims, mode = choose_tiles(kernel_problem, head_dim, modes, *given)
+    if fp8:
+        check_fp8_tiles(q, math.prod(q_dims), math.prod(kv_dims))
     call = make_call(kernel_problem, shape, q_dims, kv_dims, batch=batch, heads=heads, head_dim=head_dim,
-                     scale=scale, layout_tensors=views if layout else None, return_lse=return_lse, kv_tiling=mode)
+                     scale=scale, layout_tensors=views if layout else None, return_lse=return_lse, kv_tiling=mode,
+                     fp8=fp8)
     return call.run
 
 
@@ -112,7 +127,7 @@ def _prepare_frames(q, k, v, window, stride, dilation, causal, scale, q_tile, kv
     return run
 
 
-def _run_reference(q, k, v, *, problem: Problem, scale, return_lse, frame_offsets=None):
+def _run_reference(q, k, v, *, problem: Problem, scale, return_lse, frame_offsets=None, fp8=False):
     """CPU tensors without the interpreter: the exact torch reference, with a one-time warning."""
     global _warned_cpu
     if not _warned_cpu:
@@ -121,6 +136,10 @@ def _run_reference(q, k, v, *, problem: Problem, scale, return_lse, frame_offset
         warnings.warn("gna_attention got CPU tensors: running the torch reference (exact but slow); "
                       "use CUDA tensors for the Triton kernel.", stacklevel=4)
         _warned_cpu = True
-    result = reference_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
-                                 scale, return_lse, frame_offsets=frame_offsets)
+    if fp8:
+        result = fp8_reference_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
+                                         scale, return_lse)
+    else:
+        result = reference_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
+                                     scale, return_lse, frame_offsets=frame_offsets)
     return result if return_lse else (result, None)

@@ -56,19 +56,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..common.softmax import softmax_step
+from ..common.softmax import softmax_step, softmax_step_fp8
 from .geometry import (dim_setup, frame_groups, full_run, in_windows, inner_box, is_full, next_tile, row_windows,
                        slab_tile, tile_coordinates, tile_in_group)
-from .tile_io import kv_descriptors, load_q_tile, program_tile, store_output
+from .tile_io import key_scales, kv_descriptors, load_q_tile, program_tile, store_output
 
 
 @triton.jit
 def _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn,
              TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
-             USE_TMA: tl.constexpr, LAYOUT: tl.constexpr):
+             USE_TMA: tl.constexpr, LAYOUT: tl.constexpr, FP8: tl.constexpr):
     """K transposed (`[head_dim, BLOCK_N]`) and V (`[BLOCK_N, head_dim]`) of KV tile (k0, k1, k2), linear index
     `tile` in the permuted order: a box of the token layout through rank-4 descriptors (LAYOUT 1), a run of
-    the sequence through rank-2 descriptors, or pointer tiles `k_base` / `v_base`."""
+    the sequence through rank-2 descriptors, or pointer tiles `k_base` / `v_base`. With FP8, V is stored
+    transposed (`[head_dim, rows]`, kernels/common/fp8.py) and `stride_vn` is its row length."""
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
     if LAYOUT == 1:
         corner = [k0 * TK0, k1 * TK1, k2 * TK2, 0]
@@ -76,11 +77,17 @@ def _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_kn, stride
         v = v_desc.load(corner).reshape([BLOCK_N, HEAD_DIM])
     elif USE_TMA:
         k = k_desc.load([tile * BLOCK_N, 0]).T
-        v = v_desc.load([tile * BLOCK_N, 0])
+        if FP8:
+            v = v_desc.load([0, tile * BLOCK_N]).T
+        else:
+            v = v_desc.load([tile * BLOCK_N, 0])
     else:
         offset = (tile * BLOCK_N).to(tl.int64)
         k = tl.load(k_base + offset * stride_kn)
-        v = tl.load(v_base + offset * stride_vn)
+        if FP8:
+            v = tl.load(v_base + offset)
+        else:
+            v = tl.load(v_base + offset * stride_vn)
     return k, v
 
 
@@ -101,6 +108,7 @@ def gna_forward_kernel(
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr,
     MASKED: tl.constexpr = True, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
     HEAD_MAJOR: tl.constexpr = False, LAYOUT: tl.constexpr = 0,
+    FP8: tl.constexpr = False, EXACT_CAST: tl.constexpr = False, SQ=None, SK=None, SV=None,
 ):
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
@@ -130,15 +138,28 @@ def gna_forward_kernel(
         q_rows = num_q_tiles * BLOCK_M
         kv_rows = D0 * D1 * D2 * kv_tiles_per_group * BLOCK_N
     K_head = K + b * stride_kb + h * stride_kh
-    V_head = V + b * stride_vb + h * stride_vh
+    if FP8:  # V transposed, [B, heads, head_dim, stride_v2] (kernels/common/fp8.py)
+        tl.static_assert(LAYOUT != 1, "FP8 runs on permuted sequences or a 1-D layout")
+        V_head = V + (b * heads + h) * HEAD_DIM * stride_v2
+    else:
+        V_head = V + b * stride_vb + h * stride_vh
     q = load_q_tile(Q + b * stride_qb + h * stride_qh, stride_q0, stride_q1, stride_q2, L0, L1, L2,
                     first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA, LAYOUT)
     k_desc, v_desc = kv_descriptors(K_head, V_head, stride_k0, stride_k1, stride_k2, stride_v0, stride_v1,
-                                    stride_v2, KL0, L1, L2, kv_rows, TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
+                                    stride_v2, KL0, L1, L2, kv_rows, TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT, FP8)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     k_base = K_head + cols.to(tl.int64)[None, :] * stride_k2 + dims[:, None]  # pointer tiles (LAYOUT 0, no TMA)
-    v_base = V_head + cols.to(tl.int64)[:, None] * stride_v2 + dims[None, :]
+    if FP8:
+        v_base = V_head + cols.to(tl.int64)[:, None] + dims[None, :].to(tl.int64) * stride_v2
+        q_scale_rows = q_row0 + tl.arange(0, BLOCK_M)
+        row_scale = qk_scale * tl.load(SQ + (b * q_rows + q_scale_rows) * heads + h, mask=q_scale_rows < q_rows,
+                                       other=1.0)
+        SK_head = SK + b * kv_rows * heads + h
+    else:
+        v_base = V_head + cols.to(tl.int64)[:, None] * stride_v2 + dims[None, :]
+        row_scale = qk_scale
+        SK_head = SK
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -161,9 +182,13 @@ def gna_forward_kernel(
     for _ in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
         tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
         k, v = _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_k2, stride_v2,
-                        TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
+                        TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT, FP8)
         qk = tl.dot(q, k)
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+        if FP8:
+            qk = qk * key_scales(SK_head, tile, kv_rows, heads, BLOCK_N)[None, :]
+            acc, l_i, m_i = softmax_step_fp8(acc, l_i, m_i, qk, v, row_scale, EXACT_CAST)
+        else:
+            acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
             unmasked += is_full(k0 * TK0, k1 * TK1, k2 * TK2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2,
                                 TK0, TK1, TK2)
@@ -182,15 +207,22 @@ def gna_forward_kernel(
             k0, k1, k2 = slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
             tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
             k, v = _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_k2, stride_v2,
-                            TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT)
+                            TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT, FP8)
             qk = tl.dot(q, k)
             keep = in_windows(qs0, w0, qs1, w1, qs2, w2, k0 * TK0 + c0, k1 * TK1 + c1, k2 * TK2 + c2, False)
-            qk = tl.where(keep, qk, float("-inf"))
-            acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+            if FP8:
+                qk = tl.where(keep, qk * key_scales(SK_head, tile, kv_rows, heads, BLOCK_N)[None, :], float("-inf"))
+                acc, l_i, m_i = softmax_step_fp8(acc, l_i, m_i, qk, v, row_scale, EXACT_CAST)
+            else:
+                qk = tl.where(keep, qk, float("-inf"))
+                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
             if DEBUG:
                 unmasked += is_full(k0 * TK0, k1 * TK1, k2 * TK2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2,
                                     TK0, TK1, TK2)
 
+    if FP8:  # V's channel scales, and P's static 448 out of the sum (the LSE's units)
+        acc = acc * (tl.load(SV + (b * heads + h) * HEAD_DIM + dims) * (1.0 / 448.0))[None, :]
+        l_i = l_i * (1.0 / 448.0)
     store_output(O + b * stride_ob + h * stride_oh, LSE, acc, l_i, m_i, b, h, heads, stride_o0, stride_o1,
                  stride_o2, L0, L1, L2, first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM,
                  WRITE_LSE, USE_TMA, LAYOUT)

@@ -37,6 +37,8 @@ from natsim import Problem
 from natsim.partition import frame_dim_tiles
 from natsim.window import group_length, window_bounds
 
+from ..common.backend import interpreting
+from ..common.fp8 import ROW_ALIGNMENT, column_statistics, fp8_launch_config, lse_with_mean, quantize_rows
 from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, launch_config
 from ..common.softmax import LOG2E
 from .dynamic import gna_dynamic_kernel
@@ -137,6 +139,7 @@ class GnaCall:
     kernel: PreboundKernel
     kv_tiling: str = "static"
     frames: Optional[tuple[int, int, int, int]] = None  # (q0, q1, k0, k1) along dimension 0, or None
+    fp8: bool = False  # quantize q, k, v inside the call (kernels/common/fp8.py)
 
     @property
     def q_shape(self) -> tuple[int, ...]:
@@ -156,7 +159,9 @@ class GnaCall:
         if flattened:
             batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
             q, k, v = (t.reshape(batch, *self.problem.shape, heads, head_dim) for t in (q, k, v))
-        if self.layout:
+        if self.fp8:
+            out, lse = self.run_fp8(q, k, v)
+        elif self.layout:
             out = new_output(q.shape, q.dtype, q.device)
             lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
             self.kernel(q, k, v, out, out if lse is None else lse, out)
@@ -170,6 +175,35 @@ class GnaCall:
         if flattened:
             out = out.view(batch, *self.shape, heads, head_dim)
             lse = None if lse is None else lse.view(batch, *self.shape, heads)
+        return out, lse
+
+    def run_fp8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """`(out, lse)` of an FP8 call: K's mean and V's scales over the real tokens, then q, k, v quantized
+        in place (a 1-D layout) or after the permutation (padding rows quantized too; the kernel never uses
+        them), and the kernel on the float8 tensors and their scales."""
+        k_mean, v_scale = column_statistics(k, v)
+        batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+        if self.layout:
+            t = quantize_rows(*(x.reshape(batch, -1, heads, head_dim) for x in (q, k, v)), k_mean, v_scale)
+            out = new_output(q.shape, q.dtype, q.device)
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
+            self.kernel(t.q, t.k, t.v_t, out, out if lse is None else lse, out, t.q_scale, t.k_scale, t.v_scale)
+        else:
+            out, lse = self._run_fp8_permuted(q, k, v, k_mean, v_scale)
+        if lse is not None:  # the kernel's LSE is of the scores with K's mean removed
+            lse = lse_with_mean(lse, q, k_mean, self.kernel.arguments["qk_scale"] / LOG2E)
+        return out, lse
+
+    def _run_fp8_permuted(self, q, k, v, k_mean, v_scale):
+        dilation = self.problem.dilation
+        t = quantize_rows(permute(q, self.q_tile, dilation), permute(k, self.kv_tile, dilation),
+                          permute(v, self.kv_tile, dilation), k_mean, v_scale)
+        out_p = new_output(t.q.shape, q.dtype, q.device)
+        lse_p = torch.empty(t.q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
+        self.kernel(t.q, t.k, t.v_t, out_p, out_p if lse_p is None else lse_p, out_p, t.q_scale, t.k_scale,
+                    t.v_scale)
+        out = unpermute(out_p, self.q_shape, self.q_tile, dilation)
+        lse = None if lse_p is None else unpermute(lse_p[..., None], self.q_shape, self.q_tile, dilation)[..., 0]
         return out, lse
 
     def run_permuted(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -211,6 +245,7 @@ def make_call(
     check_alignment: bool = False,
     kv_tiling: str = "static",
     frames: Optional[tuple[int, int, int, int]] = None,
+    fp8: bool = False,
 ) -> GnaCall:
     """Work out one call. `layout_tensors` are q, k, v in the kernel's layout for the layout path (their strides
     are bound), or None for the permuted path. `options` override `launch_config`'s (tuning; `MASKED` may only
@@ -219,7 +254,8 @@ def make_call(
     kernel; the dynamic one gathers box tiles with pointer loads on the permuted path and is never
     warp-specialized (Triton 3.6 does not specialize its loops: rank-4 descriptors or pointer gathers).
     `frames` `(q0, q1, k0, k1)`: q holds frames `[q0, q1)` of dimension 0 and k, v `[k0, k1)` (module
-    docstring); static KV tiling only."""
+    docstring); static KV tiling only. `fp8`: quantize inside the call and run the FP8 variant of the static
+    kernel (kernels/common/fp8.py) on permuted sequences or a 1-D layout in place."""
     if kv_tiling not in KERNELS:
         raise ValueError(f"kv_tiling must be one of {tuple(KERNELS)} here, got kv_tiling={kv_tiling!r}.")
     if frames is not None and kv_tiling != "static":
@@ -236,13 +272,19 @@ def make_call(
     # loop that loads through rank-4 descriptors (its warp-specialization pass fails), so LAYOUT 1 runs the
     # single-partition loop.
     mode = 0 if not layout else (2 if problem.ndim == 1 else 1)
+    if fp8 and (kv_tiling != "static" or frames is not None or mode == 1):
+        raise ValueError("FP8 runs the static kernel on permuted sequences or a 1-D layout, without frame ranges.")
     launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim, masked, True,
                            specialize=not (return_lse or debug) and mode != 1 and kv_tiling == "static")
+    if fp8:
+        launch.update(fp8_launch_config(q_layout.tile_tokens, kv_layout.tile_tokens))
     launch.update(options or {})
     if masked and not launch["MASKED"]:
         raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
                          "the kernel needs MASKED=True.")
     head_major = launch.pop("HEAD_MAJOR", False)
+    if layout and fp8:  # the quantized copies: contiguous
+        layout_tensors = tuple(torch.empty(t.shape, device="meta") for t in layout_tensors)
     if layout:
         strides = [(t.stride(0), *_token_strides(t, problem.ndim), t.stride(-2)) for t in layout_tensors]
         contiguous = torch.empty((batch, *q_shape, heads, head_dim), device="meta")
@@ -267,6 +309,10 @@ def make_call(
         HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug, HEAD_MAJOR=head_major, LAYOUT=mode,
         **{name: value for name, value in launch.items() if name not in LAUNCH_OPTIONS},
     )
+    if fp8:  # V transposed: its token stride is the padded row count (kernels/common/fp8.py)
+        kv_rows = kv_layout.num_tokens if not layout else problem.num_tokens
+        arguments.update(FP8=True, EXACT_CAST=interpreting(),
+                         stride_v2=-(-kv_rows // ROW_ALIGNMENT) * ROW_ALIGNMENT)
     if kv_tiling == "static":  # the frame range (the whole layout without one); the dynamic kernel has none
         arguments.update(G0=as_3d(problem.shape)[0], KL0=kv_layout.shape[0], Q0_OFF=q0, K0_OFF=k0)
     if layout and not arguments["USE_TMA"]:
@@ -275,7 +321,8 @@ def make_call(
     options = {name: launch[name] for name in LAUNCH_OPTIONS}
     return GnaCall(problem, shape, q_tile, kv_tile, layout, return_lse, debug,
                    PreboundKernel(KERNELS[kv_tiling], grid, arguments, options, check_alignment=check_alignment),
-                   kv_tiling, frames)
+                   kv_tiling, frames, fp8)
+
 
 
 def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

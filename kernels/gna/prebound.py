@@ -17,7 +17,7 @@ try:  # Triton >= 3.4 keeps its launch hooks here; without it every launch goes 
 except ImportError:  # pragma: no cover - older Triton
     _knobs = None
 
-TENSOR_ARGUMENTS = ("Q", "K", "V", "O", "LSE", "COUNTS")
+TENSOR_ARGUMENTS = ("Q", "K", "V", "O", "LSE", "COUNTS", "SQ", "SK", "SV")  # the last three: FP8 scales
 
 
 class PreboundKernel:
@@ -38,12 +38,13 @@ class PreboundKernel:
         self.check_alignment = check_alignment
         parameters = inspect.signature(fn.fn).parameters
         self.template = [arguments.get(name, parameters[name].default) for name in fn.arg_names]
-        self.slots = [fn.arg_names.index(name) for name in TENSOR_ARGUMENTS]
+        self.names = [name for name in TENSOR_ARGUMENTS if name in fn.arg_names]
+        self.slots = [fn.arg_names.index(name) for name in self.names]
         self.descriptors = bool(arguments.get("USE_TMA"))  # in-kernel descriptors: the allocator, per thread
         self.compiled = None
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        """Launch on `tensors` (Q, K, V, O, LSE, COUNTS). Without `check_alignment` the caller guarantees
+        """Launch on `tensors` (Q, K, V, O, LSE, COUNTS, and for FP8 SQ, SK, SV). Without `check_alignment` the caller guarantees
         16-byte aligned tensors (its key includes their alignment, and it allocates the rest)."""
         index = tensors[0].get_device()  # -1 for CPU tensors (the interpreter)
         if index >= 0 and index != torch.cuda.current_device():
@@ -57,7 +58,7 @@ class PreboundKernel:
             install_allocator()
         kernel = self.compiled
         if kernel is None or (self.check_alignment and not aligned(*tensors)):
-            compiled = self.fn[self.grid](**self.arguments, **dict(zip(TENSOR_ARGUMENTS, tensors)), **self.options)
+            compiled = self.fn[self.grid](**self.arguments, **dict(zip(self.names, tensors)), **self.options)
             if _knobs is not None and hasattr(compiled, "packed_metadata") and aligned(*tensors):
                 self.compiled = compiled
             return

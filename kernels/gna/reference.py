@@ -20,6 +20,7 @@ import torch
 from natsim.dimension import key_ranges
 from natsim.problem import BoolOrBools, IntOrInts
 
+from ..common.fp8 import column_statistics, lse_with_mean, quantize, quantized_weights
 from .checks import check_frames, check_qkv, problem_of
 
 CHUNK_ELEMENTS = 1 << 27
@@ -67,12 +68,15 @@ def reference_attention(
     return_lse: bool = False,
     compute_dtype: Optional[torch.dtype] = None,
     frame_offsets: Optional[Sequence[int]] = None,
+    quantized_probs: bool = False,
 ):
     """GNA on `[B, *shape, heads, head_dim]` tensors with the exact element mask, computed in chunks.
 
     Scores and softmax are computed in `compute_dtype` (float64 for float64 inputs, float32 otherwise);
     the output has q's dtype and the optional log-sum-exp `[B, *shape, heads]` is in `compute_dtype`.
     `frame_offsets=(q0, k0, L0)`: q and k, v hold frame ranges of a layout of `L0` frames (module docstring).
+    `quantized_probs`: P @ V takes the softmax weights rounded as the FP8 kernels round them
+    (kernels/common/fp8.py, `quantized_weights`).
     """
     frames = None
     if frame_offsets is None:
@@ -101,13 +105,39 @@ def reference_attention(
         scores = torch.einsum("bqhd,bkhd->bhqk", qf[:, rows], kf) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - row_lse[..., None])
+        probs = quantized_weights(scores) if quantized_probs else torch.exp(scores - row_lse[..., None])
         out[:, rows] = torch.einsum("bhqk,bkhd->bqhd", probs, vf).to(q.dtype)
         lse[:, rows] = row_lse.permute(0, 2, 1)
     out = out.reshape(q.shape)
     if return_lse:
         return out, lse.reshape(batch, *shape, heads)
     return out
+
+
+def fp8_reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: IntOrInts,
+    stride: IntOrInts = 1,
+    dilation: IntOrInts = 1,
+    causal: BoolOrBools = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """GNA with FP8's quantization rule (kernels/common/fp8.py) in float32: q, k, v quantized and dequantized,
+    P rounded for P @ V as the kernels round it (against the row's final maximum). Output in q's dtype; the
+    LSE that of the dequantized scores with K's mean added back (`lse_with_mean`)."""
+    shape = check_qkv(q, k, v)
+    problem_of(shape, window, stride, dilation, causal)
+    batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+    dequantized = (t.reshape(batch, *shape, heads, head_dim) for t in quantize(q, k, v).dequantized())
+    result = reference_attention(*dequantized, window, stride, dilation, causal, scale, return_lse,
+                                 quantized_probs=True)
+    if return_lse:
+        return result[0].to(q.dtype), lse_with_mean(result[1], q, column_statistics(k, v)[0], scale)
+    return result.to(q.dtype)
 
 
 def reference_gradients(

@@ -54,10 +54,11 @@ def load_q_tile(Q_head, stride_q0, stride_q1, stride_q2, L0, L1, L2, first0, fir
 @triton.jit
 def kv_descriptors(K_head, V_head, stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2,
                    KL0, L1, L2, kv_rows, TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, LAYOUT: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, LAYOUT: tl.constexpr, FP8: tl.constexpr = False):
     """Tensor descriptors over one head's K and V: rank-4 boxes of a `[KL0, L1, L2]` layout (LAYOUT 1), or runs
     of `BLOCK_N` of `kv_rows` rows (LAYOUT 2, or 0 with USE_TMA); else the bare pointers (loads go through
-    pointer tiles then, and the descriptors are unused)."""
+    pointer tiles then, and the descriptors are unused). With FP8, V is `[head_dim, stride_v2]` (transposed,
+    kernels/common/fp8.py) and its descriptor reads `[head_dim, BLOCK_N]` column runs."""
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
     if LAYOUT == 1:
         k_desc = layout_descriptor(K_head, KL0, L1, L2, stride_k0, stride_k1, stride_k2, TK0, TK1, TK2, HEAD_DIM)
@@ -65,8 +66,12 @@ def kv_descriptors(K_head, V_head, stride_k0, stride_k1, stride_k2, stride_v0, s
     elif LAYOUT == 2 or USE_TMA:
         k_desc = tl.make_tensor_descriptor(K_head, shape=[kv_rows, HEAD_DIM], strides=[stride_k2, 1],
                                            block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V_head, shape=[kv_rows, HEAD_DIM], strides=[stride_v2, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM])
+        if FP8:
+            v_desc = tl.make_tensor_descriptor(V_head, shape=[HEAD_DIM, stride_v2], strides=[stride_v2, 1],
+                                               block_shape=[HEAD_DIM, BLOCK_N])
+        else:
+            v_desc = tl.make_tensor_descriptor(V_head, shape=[kv_rows, HEAD_DIM], strides=[stride_v2, 1],
+                                               block_shape=[BLOCK_N, HEAD_DIM])
     else:
         k_desc = K_head
         v_desc = V_head
@@ -108,3 +113,12 @@ def store_output(O_head, LSE, acc, l_i, m_i, b, h, heads, stride_o0, stride_o1, 
         else:
             tokens = (q_row0 + rows).to(tl.int64)
             tl.store(LSE + (b * q_rows + tokens) * heads + h, lse, mask=tokens < q_rows)
+
+
+@triton.jit
+def key_scales(SK_head, tile, kv_rows, heads, BLOCK_N: tl.constexpr):
+    """FP8 keys' scales (kernels/common/fp8.py) of KV tile `tile` of a sequence of `kv_rows` rows, from the
+    `[rows, heads]` scales of one batch and head at `SK_head` (rows past the end read 0: their scores are
+    masked anyway)."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tl.load(SK_head + rows.to(tl.int64) * heads, mask=rows < kv_rows, other=0.0)

@@ -17,6 +17,7 @@ import torch
 from .. import ops
 from ..common.backend import autocast_inputs, runs_eagerly, use_triton
 from ..common.checks import check_tensors
+from ..common.fp8 import check_precision, refuse_gradients
 from .checks import SCHEDULES, check_pv_threshold, check_work
 from .dispatch import sparse_forward_impl
 from .forward import run_sparse
@@ -38,6 +39,7 @@ def sparse_attention(
     schedule: Optional[str] = None,
     programs: Optional[int] = None,
     pv_threshold: Optional[float] = None,
+    precision: Optional[str] = None,
 ):
     """Attention of `[B, N, heads, head_dim]` q, k, v under a block mask: query i attends key j exactly when
     `mask[b, h, i // q_block, j // kv_block]`.
@@ -57,6 +59,9 @@ def sparse_attention(
       a query block skips a tile's P @ V when every one of its rows has the tile's maximum score more than
       `-pv_threshold` below its running maximum (module docstring; an approximation that depends on the
       order of the tiles, which `kernels/sparse/reference.py` reproduces in torch).
+    - `precision`: None (the inputs' dtype) or `"fp8"` (inference only): q, k, v quantized to float8 e4m3 inside
+      the call, QK^T and P @ V on FP8 tensor cores (kernels/common/fp8.py); not with `pv_threshold`; blocks of
+      the kernel (`block_n`) of at least 32 keys on the GPU.
     Returns the output (q's dtype) and with `return_lse` the natural-log LSE `[B, N, heads]` (float32, -inf
     for a query that attends nothing, whose output is 0). Differentiable with respect to q, k and v (the
     Triton backward kernels, kernels/sparse/backward.py, on the unmerged mask; the reference's gradients on
@@ -65,12 +70,16 @@ def sparse_attention(
     """
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
+    if check_precision(precision) is not None:
+        refuse_gradients("sparse_attention", q, k, v)
+        if pv_threshold is not None:
+            raise ValueError("precision='fp8' does not run with the PV skip (pv_threshold): pass one or the other.")
     schedule = "grid" if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be None, 'grid' or 'lpt', got schedule={schedule!r}.")
     if isinstance(mask, SparseWork):
         return _attend_prepared(q, k, v, mask, (q_block, kv_block, merge), scale, return_lse, schedule, programs,
-                                pv_threshold)
+                                pv_threshold, precision)
     if q.dim() < 2:
         raise ValueError(f"q must be [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
     dense, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
@@ -83,16 +92,16 @@ def sparse_attention(
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if runs_eagerly(q, k, v):
         out, lse = sparse_forward_impl(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
-                                       programs, pv_threshold)
+                                       programs, pv_threshold, precision)
     else:
         # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
         out, lse = ops.sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse or tracked,
-                                      schedule, programs, pv_threshold)
+                                      schedule, programs, pv_threshold, precision)
     return (out, lse) if return_lse else out
 
 
 def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse: bool, schedule: str,
-                     programs, pv_threshold):
+                     programs, pv_threshold, precision=None):
     """`sparse_attention` on prepared work: the kernel straight away in plain eager Triton calls, else the
     registered operator `natsim::sparse_prepared` (autograd, torch.compile, dispatch modes, the CPU path)."""
     if any(value is not None for value in given):
@@ -112,10 +121,11 @@ def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse:
         )
     check_work(work, q)
     if runs_eagerly(q, k, v) and use_triton(q):
-        out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
+        out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold,
+                                 precision=precision)
     else:
         out, lse = ops.sparse_prepared(q, k, v, work_tensors(work), work_sizes(work), scale,
-                                       return_lse or tracked, schedule, programs, pv_threshold)
+                                       return_lse or tracked, schedule, programs, pv_threshold, precision)
     return (out, lse) if return_lse else out
 
 

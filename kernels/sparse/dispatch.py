@@ -12,7 +12,7 @@ import torch
 from ..common.backend import use_triton
 from .checks import check_mask_batch, check_sparse_kernel, check_sparse_qkv
 from .forward import run_sparse
-from .reference import sparse_pv_reference, sparse_reference
+from .reference import fp8_sparse_reference, sparse_pv_reference, sparse_reference
 from .work import SparseWork, prepare_for_call, prepare_sparse
 
 _warned_cpu = False
@@ -20,7 +20,7 @@ _warned_cpu = False
 
 def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int, merge: Optional[str],
                         scale: Optional[float], return_lse: bool, schedule: str, programs: Optional[int],
-                        pv_threshold: Optional[float] = None):
+                        pv_threshold: Optional[float] = None, precision: Optional[str] = None):
     """`(out, lse)` of a boolean block mask: the Triton kernel (CUDA tensors or the interpreter), else the torch
     reference (of the PV skip with `pv_threshold`) with a one-time warning. What both the operator and the
     eager fast path run."""
@@ -36,7 +36,7 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
             work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device,
                                   backward=False)
             return sparse_pv_reference(work, q, k, v, pv_threshold, scale)[:2]
-        return sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True)
+        return _reference(q, k, v, mask, q_block, kv_block, scale, precision)
     check_sparse_kernel(q)
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -44,19 +44,29 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
             "build it before the capture with prepare_sparse(mask, ...) and pass that SparseWork as the mask."
         )
     work = prepare_for_call(mask, q_block, kv_block, q.shape[1], merge, q.device)
-    out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
+    out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold,
+                             precision=precision)
     return out, lse
 
 
 def sparse_prepared_impl(q, k, v, work: SparseWork, scale: Optional[float], return_lse: bool, schedule: str,
-                         programs: Optional[int], pv_threshold: Optional[float] = None):
+                         programs: Optional[int], pv_threshold: Optional[float] = None,
+                         precision: Optional[str] = None):
     """`(out, lse)` on prepared work: the Triton kernel (CUDA tensors or the interpreter), else the torch
     reference on the work's mask (of the PV skip with `pv_threshold`). No host work: CUDA graphs capture it."""
     check_sparse_qkv(q, k, v)
     if not use_triton(q):
         if pv_threshold is not None:
             return sparse_pv_reference(work, q, k, v, pv_threshold, scale)[:2]
-        return sparse_reference(q, k, v, work.mask, work.q_block, work.kv_block, scale, return_lse=True)
+        return _reference(q, k, v, work.mask, work.q_block, work.kv_block, scale, precision)
     check_sparse_kernel(q)
-    out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold)
+    out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold,
+                             precision=precision)
     return out, lse
+
+
+def _reference(q, k, v, mask, q_block, kv_block, scale, precision):
+    """The exact reference, or with precision "fp8" the one that applies FP8's quantization rule."""
+    if precision == "fp8":
+        return fp8_sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True)
+    return sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True)

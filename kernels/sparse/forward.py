@@ -45,7 +45,9 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, install_allocator, launch_config
-from ..common.softmax import LOG2E, softmax_step
+from ..common.backend import interpreting
+from ..common.fp8 import check_fp8_device, check_fp8_tiles, fp8_launch_config, lse_with_mean, quantize
+from ..common.softmax import LOG2E, softmax_step, softmax_step_fp8
 from .checks import SCHEDULES, check_pv_threshold, check_sparse_kernel, check_sparse_qkv, check_work
 from .work import SparseWork
 
@@ -54,30 +56,44 @@ from .work import SparseWork
 
 
 @triton.jit
+def _v_pointers(V, key, dims, stride_vn, FP8: tl.constexpr):
+    """Pointers to the `[BLOCK_N, head_dim]` values of keys `key`: rows of V, or with FP8 columns of V
+    transposed (row length `stride_vn`)."""
+    if FP8:
+        return V + key[:, None] + dims[None, :].to(tl.int64) * stride_vn
+    return V + key[:, None] * stride_vn + dims[None, :]
+
+
+@triton.jit
 def _load_kv_tile(K, V, k_desc, v_desc, LIST, e0, end, slots, within, seq_len, stride_kn, stride_vn, dims,
-                  KVB: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr):
+                  KVB: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+                  FP8: tl.constexpr):
     """K and V `[BLOCK_N, head_dim]` of the tile whose list entries start at `e0` (column c holds key
-    `within[c]` of the block at entry `e0 + slots[c]`), each column's entry, and whether the column is a real
-    key (entry before `end`, key before N). Unmasked tiles are whole and before N; masked ones read zeros
-    elsewhere."""
+    `within[c]` of the block at entry `e0 + slots[c]`), each column's entry and key, and whether the column is
+    a real key (entry before `end`, key before N). Unmasked tiles are whole and before N; masked ones read
+    zeros elsewhere. With FP8, V is stored transposed (`[head_dim, rows]`, row length `stride_vn`)."""
     e = e0 + slots
     ok = e < end
     if USE_TMA:  # one block per tile: a rank-2 descriptor read, rows past N read as zeros
         blk = tl.load(LIST + e0, mask=e0 < end, other=0)
         k = k_desc.load([blk * BLOCK_N, 0])
-        v = v_desc.load([blk * BLOCK_N, 0])
-        ok &= blk * BLOCK_N + within < seq_len
+        if FP8:
+            v = v_desc.load([0, blk * BLOCK_N]).T
+        else:
+            v = v_desc.load([blk * BLOCK_N, 0])
+        key = blk * BLOCK_N + within
+        ok &= key < seq_len
     elif MASKED:
         key = tl.load(LIST + e, mask=ok, other=0) * KVB + within
         ok &= key < seq_len
         key = key.to(tl.int64)
         k = tl.load(K + key[:, None] * stride_kn + dims[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(V + key[:, None] * stride_vn + dims[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(_v_pointers(V, key, dims, stride_vn, FP8), mask=ok[:, None], other=0.0)
     else:
         key = (tl.load(LIST + e) * KVB + within).to(tl.int64)
         k = tl.load(K + key[:, None] * stride_kn + dims[None, :])
-        v = tl.load(V + key[:, None] * stride_vn + dims[None, :])
-    return k, v, e, ok
+        v = tl.load(_v_pointers(V, key, dims, stride_vn, FP8))
+    return k, v, e, ok, key
 
 
 @triton.jit
@@ -111,7 +127,7 @@ def _attend_item(
     heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale, pv_lambda,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, PV_SKIP: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, PV_SKIP: tl.constexpr, FP8: tl.constexpr, EXACT_CAST: tl.constexpr, SQ, SK, SV,
 ):
     """Attention of work item `w` = (batch * heads + head) * groups + group: its members' query rows against
     the union of their KV blocks (module docstring)."""
@@ -139,12 +155,23 @@ def _attend_item(
     slots = cols // KVB
     within = cols % KVB
     K_bh = K + b * stride_kb + h * stride_kh
-    V_bh = V + b * stride_vb + h * stride_vh
+    if FP8:  # V transposed, [B, heads, head_dim, stride_vn] (kernels/common/fp8.py); scales per row and channel
+        V_bh = V + (b * heads + h) * HEAD_DIM * stride_vn
+        row_scale = qk_scale * tl.load(SQ + (b * seq_len + token) * heads + h, mask=row_ok, other=1.0)
+        SK_bh = SK + b * seq_len * heads + h
+    else:
+        V_bh = V + b * stride_vb + h * stride_vh
+        row_scale = qk_scale
+        SK_bh = SK
     if USE_TMA:
         k_desc = tl.make_tensor_descriptor(K_bh, shape=[seq_len, HEAD_DIM], strides=[stride_kn, 1],
                                            block_shape=[BLOCK_N, HEAD_DIM])
-        v_desc = tl.make_tensor_descriptor(V_bh, shape=[seq_len, HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM])
+        if FP8:
+            v_desc = tl.make_tensor_descriptor(V_bh, shape=[HEAD_DIM, stride_vn], strides=[stride_vn, 1],
+                                               block_shape=[HEAD_DIM, BLOCK_N])
+        else:
+            v_desc = tl.make_tensor_descriptor(V_bh, shape=[seq_len, HEAD_DIM], strides=[stride_vn, 1],
+                                               block_shape=[BLOCK_N, HEAD_DIM])
     else:
         k_desc = K  # unused: loads go through pointers
         v_desc = V
@@ -161,10 +188,13 @@ def _attend_item(
 
     # Loop 1: whole tiles of blocks every member attends, wholly before N: no mask code.
     for t in tl.range(0, full_tiles, warp_specialize=WARP_SPECIALIZE):
-        k, v, e, ok = _load_kv_tile(K_bh, V_bh, k_desc, v_desc, LIST, start + t * P, end, slots, within,
-                                    seq_len, stride_kn, stride_vn, dims, KVB, BLOCK_N, False, USE_TMA)
+        k, v, e, ok, key = _load_kv_tile(K_bh, V_bh, k_desc, v_desc, LIST, start + t * P, end, slots, within,
+                                         seq_len, stride_kn, stride_vn, dims, KVB, BLOCK_N, False, USE_TMA, FP8)
         qk = tl.dot(q, k.T)
-        if PV_SKIP:
+        if FP8:
+            qk = qk * tl.load(SK_bh + key * heads)[None, :]
+            acc, l_i, m_i = softmax_step_fp8(acc, l_i, m_i, qk, v, row_scale, EXACT_CAST)
+        elif PV_SKIP:
             acc, l_i, m_i, skip_row = _skipping_step(acc, l_i, m_i, qk, v, qk_scale, pv_lambda, row_ok, QB,
                                                      BLOCK_M)
             if DEBUG:
@@ -178,13 +208,16 @@ def _attend_item(
     e_masked = start + full_tiles * P
     for t in tl.range(0, tl.cdiv(end - e_masked, P)):
         e0 = e_masked + t * P
-        k, v, e, ok = _load_kv_tile(K_bh, V_bh, k_desc, v_desc, LIST, e0, end, slots, within, seq_len,
-                                    stride_kn, stride_vn, dims, KVB, BLOCK_N, True, USE_TMA)
+        k, v, e, ok, key = _load_kv_tile(K_bh, V_bh, k_desc, v_desc, LIST, e0, end, slots, within, seq_len,
+                                         stride_kn, stride_vn, dims, KVB, BLOCK_N, True, USE_TMA, FP8)
         bits = tl.load(BITS + e, mask=e < end, other=0)
         keep = (((bits[None, :] >> member[:, None]) & 1) != 0) & ok[None, :]
         qk = tl.dot(q, k.T)
-        qk = tl.where(keep, qk, float("-inf"))
-        if PV_SKIP:
+        if FP8:
+            qk = tl.where(keep, qk * tl.load(SK_bh + key * heads, mask=ok, other=0.0)[None, :], float("-inf"))
+            acc, l_i, m_i = softmax_step_fp8(acc, l_i, m_i, qk, v, row_scale, EXACT_CAST)
+        elif PV_SKIP:
+            qk = tl.where(keep, qk, float("-inf"))
             acc, l_i, m_i, skip_row = _skipping_step(acc, l_i, m_i, qk, v, qk_scale, pv_lambda, row_ok, QB,
                                                      BLOCK_M)
             if DEBUG:  # the entries of the tile each skipping member attends
@@ -192,10 +225,14 @@ def _attend_item(
                     & (within == 0)[None, :]
                 skipped += tl.sum(tl.where(leader & skip_row, tl.sum(attended.to(tl.int32), 1), 0))
         else:
+            qk = tl.where(keep, qk, float("-inf"))
             acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
         if DEBUG:
             loaded += tl.minimum(end - e0, P)
 
+    if FP8:  # V's channel scales, and P's static 448 out of the sum (the LSE's units)
+        acc = acc * (tl.load(SV + (b * heads + h) * HEAD_DIM + dims) * (1.0 / 448.0))[None, :]
+        l_i = l_i * (1.0 / 448.0)
     # A row that attends no key (its block's row is empty) gets zeros and LSE -inf, not 0 / 0.
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -221,6 +258,7 @@ def sparse_forward_kernel(
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr, USE_TMA: tl.constexpr,
     PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False, PV_SKIP: tl.constexpr = False,
+    FP8: tl.constexpr = False, EXACT_CAST: tl.constexpr = False, SQ=None, SK=None, SV=None,
 ):
     """Grid: one program per work item, grid (groups, batch * heads). Persistent: programs take work items
     from `ORDER` (longest first) through the atomic counter `QUEUE` until none is left."""
@@ -233,7 +271,7 @@ def sparse_forward_kernel(
                          stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
                          heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale, pv_lambda,
                          QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA, WARP_SPECIALIZE,
-                         PV_SKIP)
+                         PV_SKIP, FP8, EXACT_CAST, SQ, SK, SV)
             i = tl.atomic_add(QUEUE, 1)
     else:
         w = tl.program_id(1) * groups + tl.program_id(0)
@@ -241,7 +279,8 @@ def sparse_forward_kernel(
                      stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh,
                      stride_vb, stride_vn, stride_vh, stride_ob, stride_on, stride_oh,
                      heads, groups, mask_heads, mask_b_step, mask_h_step, seq_len, qk_scale, pv_lambda,
-                     QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA, WARP_SPECIALIZE, PV_SKIP)
+                     QB, KVB, BLOCK_M, BLOCK_N, HEAD_DIM, WRITE_LSE, DEBUG, USE_TMA, WARP_SPECIALIZE, PV_SKIP,
+                     FP8, EXACT_CAST, SQ, SK, SV)
 
 
 # -- launch --------------------------------------------------------------------------------------------------------
@@ -268,21 +307,35 @@ def run_sparse(
     debug: bool = False,
     specialize: bool = False,
     pv_threshold: Optional[float] = None,
+    precision: Optional[str] = None,
 ):
     """`(out, lse, counts)` of one launch on prepared work (`lse` None unless asked; `counts` int32
     `[B * H * groups, 3]` with `debug`: KV blocks loaded, pairs computed, pairs PV-skipped; else None);
     `pv_threshold` (None or negative) turns on the PV skip. `specialize` warp-specializes the unmasked loop where its
     tiles load through descriptors (8 warps, 2 stages; Triton 3.6 builds it with 8 warps, not with 4), except
     with the LSE or debug counts (the LSE came out wrong under Triton 3.6's warp specialization in the GNA
-    kernel); benchmarks/sparse.py --tune times it."""
+    kernel); benchmarks/sparse.py --tune times it. `precision="fp8"` quantizes q, k, v first
+    (kernels/common/fp8.py) and runs the kernel's FP8 variant (no PV skip, no warp specialization)."""
     check_sparse_qkv(q, k, v)
     check_sparse_kernel(q)
     check_work(work, q)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be 'grid' or 'lpt', got schedule={schedule!r}.")
     batch, seq_len, heads, head_dim = q.shape
+    fp8 = precision == "fp8"
+    scales = (None, None, None)
+    if fp8:
+        if pv_threshold is not None:
+            raise ValueError("precision='fp8' does not run with the PV skip (pv_threshold): pass one or the other.")
+        check_fp8_device(q)
+        check_fp8_tiles(q, work.block_m, work.block_n)
+        quantized = quantize(q, k, v)
+        q_in = q
+        q, k, v = quantized.q, quantized.k, quantized.v_t
+        scales = (quantized.q_scale, quantized.k_scale, quantized.v_scale)
+        specialize = False
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q_in.dtype if fp8 else q.dtype, device=q.device)
     lse = torch.empty((batch, seq_len, heads), dtype=torch.float32, device=q.device) if return_lse else None
     items = batch * heads * work.groups
     counts = torch.zeros((items, 3), dtype=torch.int32, device=q.device) if debug else None
@@ -292,6 +345,8 @@ def run_sparse(
     if use_tma:
         install_allocator()
     config = launch_config(work.block_m, work.block_n, head_dim, masked=True, tma=use_tma, specialize=False)
+    if fp8:
+        config.update(fp8_launch_config(work.block_m, work.block_n))
     options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     specialize = specialize and use_tma and not (return_lse or debug or pv_threshold is not None)
     if specialize:
@@ -309,21 +364,22 @@ def run_sparse(
         grid = (work.groups, batch * heads)
     scale = head_dim**-0.5 if scale is None else float(scale)
     key = (work.block_m, work.block_n, work.q_block, work.kv_block, head_dim, q.dtype, use_tma, persistent,
-           return_lse, debug, specialize, pv_threshold is not None)
+           return_lse, debug, specialize, pv_threshold is not None, fp8)
     stages = _STAGES.get(key, options["num_stages"])
     while True:
         try:
             sparse_forward_kernel[grid](
                 q, k, v, out, out if lse is None else lse, out if counts is None else counts,
                 work.members, work.offsets, work.full_tiles, work.kv_list, work.member_bits, order, queue,
-                *_bnh(q), *_bnh(k), *_bnh(v), *_bnh(out),
+                *_bnh(q), *_bnh(k), *((0, v.shape[-1], 0) if fp8 else _bnh(v)), *_bnh(out),
                 heads, work.groups, items, work.mask_heads, 0 if work.mask_batch == 1 else 1,
                 0 if work.mask_heads == 1 else 1, seq_len, scale * LOG2E,
                 0.0 if pv_threshold is None else pv_threshold * LOG2E,
                 QB=work.q_block, KVB=work.kv_block, BLOCK_M=work.block_m, BLOCK_N=work.block_n, HEAD_DIM=head_dim,
                 WRITE_LSE=return_lse, DEBUG=debug, USE_TMA=use_tma, PERSISTENT=persistent,
-                WARP_SPECIALIZE=specialize, PV_SKIP=pv_threshold is not None, num_warps=options["num_warps"],
-                num_stages=stages,
+                WARP_SPECIALIZE=specialize, PV_SKIP=pv_threshold is not None, FP8=fp8,
+                EXACT_CAST=fp8 and interpreting(), SQ=scales[0], SK=scales[1], SV=scales[2],
+                num_warps=options["num_warps"], num_stages=stages,
             )
             break
         except OutOfResources:  # raised while compiling, before the launch: retry with one stage fewer
@@ -331,6 +387,8 @@ def run_sparse(
                 raise
             stages -= 1
     _STAGES[key] = stages
+    if fp8 and lse is not None:  # the kernel's LSE is of the scores with K's mean removed
+        lse = lse_with_mean(lse, q_in, quantized.k_mean, scale)
     return out, lse, counts
 
 

@@ -2,6 +2,7 @@
 tensors run.
 
 - `sparse_reference`: exact attention under the block mask expanded to elements.
+- `fp8_sparse_reference`: the same with FP8's quantization rule applied (kernels/common/fp8.py).
 - `sparse_pv_reference`: SpargeAttn's PV skip (its section 3.4, Algorithm 1 line 15) as `sparse_attention`'s
   `pv_threshold` runs it: what the Triton kernel computes, tile by tile, in float32 (float64 for float64
   inputs).
@@ -21,6 +22,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..common.fp8 import lse_with_mean, quantize, quantized_weights
 from .checks import check_mask_batch, check_pv_threshold, check_sparse_qkv
 from .mask import SparseMask
 from .work import SparseWork, dense_mask
@@ -36,9 +38,11 @@ def sparse_reference(
     scale: Optional[float] = None,
     return_lse: bool = False,
     chunk: int = 1024,
+    quantized_probs: bool = False,
 ):
     """Exact attention of `[B, N, heads, head_dim]` tensors under the block mask expanded to elements, in float32
-    (float64 for float64 inputs), `chunk` query rows at a time; differentiable. Empty rows: output 0, LSE -inf."""
+    (float64 for float64 inputs), `chunk` query rows at a time; differentiable. Empty rows: output 0, LSE -inf.
+    `quantized_probs`: P @ V takes the weights rounded as the FP8 kernels round them (kernels/common/fp8.py)."""
     check_sparse_qkv(q, k, v)
     dense, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
     batch, seq_len, heads, head_dim = q.shape
@@ -57,12 +61,36 @@ def sparse_reference(
         attends = allowed.any(-1, keepdim=True)
         scores = torch.where(attends, scores, 0.0)  # empty rows: finite, and zeroed below
         lse = torch.logsumexp(scores, -1, keepdim=True)
-        out = (torch.exp(scores - lse) @ vt) * attends
+        weights = quantized_weights(scores.masked_fill(~allowed, float("-inf"))) if quantized_probs \
+            else torch.exp(scores - lse)
+        out = (weights @ vt) * attends
         outs.append(out.transpose(1, 2))
         lses.append(torch.where(attends, lse, float("-inf"))[..., 0].transpose(1, 2))
     out = torch.cat(outs, 1).to(q.dtype)
     lse = torch.cat(lses, 1)
     return (out, lse) if return_lse else out
+
+
+def fp8_sparse_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Union[torch.Tensor, SparseMask],
+    q_block: Optional[int] = None,
+    kv_block: Optional[int] = None,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """`sparse_reference` with FP8's quantization rule (kernels/common/fp8.py) in float32: q, k, v quantized and
+    dequantized, P rounded for P @ V as the kernels round it (against the row's final maximum); the LSE with
+    K's mean added back. Output in q's dtype."""
+    check_sparse_qkv(q, k, v)
+    quantized = quantize(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, lse = sparse_reference(*quantized.dequantized(), mask, q_block, kv_block, scale, return_lse=True,
+                                quantized_probs=True)
+    out = out.to(q.dtype)
+    return (out, lse_with_mean(lse, q, quantized.k_mean, scale)) if return_lse else out
 
 
 def sparse_pv_reference(

@@ -1,0 +1,245 @@
+"""FP8 attention's quantization rule, shared by the kernels (kernels/gna/forward.py, kernels/sparse/forward.py)
+and the torch references that check them.
+
+The rule (float8 e4m3, largest finite value 448; the scores and the output accumulate in fp32):
+
+- Q: one scale per token and head, `amax(|q_row|) / 448`. The kernels fold it into the softmax scale of their
+  row, so it costs nothing per score.
+- K: its mean over the real tokens (per batch and head) is subtracted first, as SageAttention does: that adds
+  `q . mean` to every score of a query row, which the softmax removes exactly, and it shrinks the values that
+  the 3-bit mantissa must carry where the keys share a large common component (real models' keys do). Then one
+  scale per token and head, applied to each score's column (one multiply per score).
+- V: one scale per channel (per batch and head, over the real tokens), applied to the output once at the end.
+  The kernels read V transposed, `[B, heads, head_dim, rows]` with `rows` padded to 16: Hopper's FP8 matrix
+  instructions take their second operand with the reduced dimension (the keys, for P @ V) contiguous.
+- P: quantized per tile with a static scale of 448: the kernels compute `448 * exp(s - m)` directly (the
+  offset `log2(448)` joins the subtracted running maximum, so no multiply) and cast it to e4m3; the running
+  sum counts the unrounded values. Rows whose running maximum has not settled round against it, so the
+  kernels' P rounding depends on the order of the KV tiles; the reference rounds against the row's final
+  maximum. Both are the rule; tests compare them within FP8 tolerance, not bit for bit.
+
+Triton 3.6's interpreter rounds fp32 -> float8 casts wrongly (it truncates, and by a whole binade in places)
+but converts exactly representable values exactly, so kernels under the interpreter round P in fp32 first
+(`round_to_e4m3`, `EXACT_CAST`); on the GPU the hardware conversion rounds to nearest even.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+LOG2_E4M3_MAX = math.log2(E4M3_MAX)
+P_OFFSET = tl.constexpr(LOG2_E4M3_MAX)  # kernels compute exp2(s - m + P_OFFSET) = 448 * exp2(s - m)
+PRECISIONS = (None, "fp8")
+ROW_ALIGNMENT = 16  # rows of the transposed V are padded to whole 16-byte units (tensor descriptor strides)
+
+
+def check_precision(precision: Optional[str]) -> Optional[str]:
+    """`precision` is None (compute in the inputs' dtype) or "fp8" (quantize to float8 e4m3 inside the call)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be None (the inputs' dtype) or 'fp8', got precision={precision!r}.")
+    return precision
+
+
+def refuse_gradients(name: str, *tensors: torch.Tensor) -> None:
+    """FP8 attention is for inference: inputs that require grad are refused with a sentence."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"{name} with precision='fp8' is for inference and has no backward pass, and an input requires grad. "
+            "Train in bfloat16 (precision=None), or call it under torch.no_grad() / torch.inference_mode()."
+        )
+
+
+@dataclass(frozen=True)
+class Fp8Tensors:
+    """Q, K and V quantized by the rule above, for `[B, rows, heads, head_dim]` inputs.
+
+    `q`, `k`: float8 e4m3 `[B, rows, heads, head_dim]` (contiguous); `q_scale`, `k_scale`: float32
+    `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim, rows_padded]` (V transposed, zeros past the
+    rows); `v_scale`: float32 `[B, heads, head_dim]`; `k_mean`: K's mean `[B, heads, head_dim]`. Dequantized, `q ~ q_fp8 * q_scale[..., None]`,
+    `k - mean ~ k_fp8 * k_scale[..., None]`, `v ~ v_t.transpose * v_scale`.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v_t: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_mean: torch.Tensor
+
+    @property
+    def rows_padded(self) -> int:
+        return self.v_t.shape[-1]
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K (mean removed) and V as the kernels see them, `[B, rows, heads, head_dim]` in `dtype`."""
+        q = self.q.to(dtype) * self.q_scale[..., None].to(dtype)
+        k = self.k.to(dtype) * self.k_scale[..., None].to(dtype)
+        v = self.v_t[..., :self.k.shape[1]].permute(0, 3, 1, 2).to(dtype) * self.v_scale[:, None].to(dtype)
+        return q, k, v
+
+
+def column_statistics(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K's mean and V's per-channel scale over the tokens of `[B, *tokens, heads, head_dim]` tensors:
+    `([B, heads, head_dim], [B, heads, head_dim])`, float32, with no full-size temporaries."""
+    dims = tuple(range(1, k.dim() - 2))
+    k_mean = torch.mean(k, dim=dims, dtype=torch.float32)
+    v_amax = torch.maximum(torch.amax(v, dim=dims), -torch.amin(v, dim=dims)).float()
+    return k_mean, _scale_of(v_amax)
+
+
+def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
+                  v_scale: torch.Tensor) -> Fp8Tensors:
+    """Quantize `[B, rows, heads, head_dim]` q, k, v by the rule, with K's mean and V's scales given (taken over
+    the real tokens: rows here may include padding). One Triton pass per tensor on CUDA tensors and in the
+    interpreter (`_quantize_kernel`), torch otherwise; both round alike (tests/test_fp8.py)."""
+    batch, rows, heads, head_dim = k.shape
+    padded = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
+    if q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        q8, q_scale = _quantize_triton(q, 0, k_mean, v_scale)
+        k8, k_scale = _quantize_triton(k, 1, k_mean, v_scale)
+        _quantize_triton(v, 2, k_mean, v_scale, v_t)
+    else:
+        q8, q_scale = _per_row(q.float())
+        k8, k_scale = _per_row(k.float() - k_mean[:, None])
+        v_t[..., :rows] = (v.float() / v_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).permute(0, 2, 3, 1).to(E4M3)
+    return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean)
+
+
+QUANTIZE_ROWS = 64  # rows per program of the quantization kernel
+
+
+def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: torch.Tensor,
+                     v_t: Optional[torch.Tensor] = None):
+    """Mode 0 (Q) and 1 (K, mean removed): `(x_fp8, row_scales)`; mode 2 (V): writes V transposed into `v_t`."""
+    batch, rows, heads, head_dim = x.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if mode == 2:
+        out, scales = v_t, v_scale
+    else:
+        out = torch.empty((batch, rows, heads, head_dim), dtype=E4M3, device=x.device)
+        scales = torch.empty((batch, rows, heads), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(rows, QUANTIZE_ROWS), batch * heads)
+    _quantize_kernel[grid](x, out, scales, k_mean, x.stride(0), x.stride(1), x.stride(2), rows, heads,
+                           v_t.shape[-1] if mode == 2 else 0, HEAD_DIM=head_dim, BLOCK_R=QUANTIZE_ROWS, MODE=mode,
+                           EXACT_CAST=not x.is_cuda)
+    return (None, None) if mode == 2 else (out, scales)
+
+
+@triton.jit
+def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows, heads, padded,
+                     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """BLOCK_R rows of one (batch, head): Q (MODE 0) and K (MODE 1, its mean subtracted) with one scale per row,
+    written `[B, rows, heads, head_dim]` with scales `[B, rows, heads]`; V (MODE 2) divided by its channel
+    scales `SCALES` `[B, heads, head_dim]` and written transposed, `[B, heads, head_dim, padded]`."""
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, HEAD_DIM)
+    ok = r < rows
+    x = tl.load(X + b * stride_b + h * stride_h + r.to(tl.int64)[:, None] * stride_r + d[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    if MODE == 2:
+        x = x / tl.load(SCALES + (b * heads + h) * HEAD_DIM + d)[None, :]
+        x8 = cast_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0), EXACT_CAST)
+        tl.store(OUT + ((b * heads + h) * HEAD_DIM + d[None, :]) * padded + r[:, None], x8, mask=ok[:, None])
+    else:
+        if MODE == 1:
+            x = x - tl.load(K_MEAN + (b * heads + h) * HEAD_DIM + d)[None, :]
+        amax = tl.max(tl.abs(x), 1)
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        x8 = cast_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), EXACT_CAST)
+        row = (b * rows + r) * heads + h
+        tl.store(OUT + row[:, None] * HEAD_DIM + d[None, :], x8, mask=ok[:, None])
+        tl.store(SCALES + row, scale, mask=ok)
+
+
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fp8Tensors:
+    """Quantize `[B, *tokens, heads, head_dim]` q, k, v by the rule; the result's rows are the flattened tokens."""
+    k_mean, v_scale = column_statistics(k, v)
+    flat = tuple(t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]) for t in (q, k, v))
+    return quantize_rows(*flat, k_mean, v_scale)
+
+
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The e4m3 scale of values with absolute maximum `amax` (1 where everything is zero)."""
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` (float32, last dimension the channels) quantized with one scale per row."""
+    scale = _scale_of(x.abs().amax(-1))
+    return (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to the nearest float8 e4m3 value (ties to even, saturating at 448), in x's dtype."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).to(x.dtype)
+
+
+def quantized_weights(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax weights over the last dimension of `scores` (natural-log units, -inf where masked) as the FP8
+    kernels use them for P @ V: `round_e4m3(448 * exp(s - max)) / 448 / sum(exp(s - max))`. Rows with no finite
+    score get zeros."""
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    e = torch.exp(scores - top)
+    total = e.sum(-1, keepdim=True)
+    weights = round_to_e4m3(e * E4M3_MAX) / E4M3_MAX
+    return weights / torch.where(total > 0, total, torch.ones_like(total))
+
+
+@triton.jit
+def cast_e4m3(p, EXACT_CAST: tl.constexpr):
+    """`p` (fp32, in [-448, 448]) as float8 e4m3, rounded to nearest even: the hardware conversion, or with
+    EXACT_CAST (the interpreter) a rounding in fp32 to a representable value first (module docstring)."""
+    if EXACT_CAST:
+        bits = p.to(tl.int32, bitcast=True)
+        exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share the smallest normal's step
+        step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        scaled = p / step
+        rounded = (scaled + 12582912.0) - 12582912.0  # 1.5 * 2**23: fp32 addition rounds to nearest even
+        p = tl.minimum(tl.maximum(rounded * step, -448.0), 448.0)
+    return p.to(tl.float8e4nv)
+
+
+def check_fp8_device(q: torch.Tensor) -> None:
+    """FP8 matrix instructions: CUDA GPUs of compute capability 8.9 (Ada) or newer; the interpreter too."""
+    if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
+        name = torch.cuda.get_device_name(q.device)
+        raise ValueError(f"precision='fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 or newer: "
+                         f"Ada, Hopper, Blackwell), got {name}. Use precision=None (bfloat16) there.")
+
+
+def check_fp8_tiles(q: torch.Tensor, block_m: int, block_n: int) -> None:
+    """FP8 matrix instructions reduce over 32 elements: a KV tile (P @ V's reduced dimension) of fewer than 32
+    keys, or a Q tile of fewer than 16 queries, does not compile on the GPU (the interpreter runs any)."""
+    if q.is_cuda and (block_n < 32 or block_m < 16):
+        raise ValueError(f"precision='fp8' needs KV tiles of at least 32 tokens and Q tiles of at least 16, got "
+                         f"{block_m}-token Q tiles and {block_n}-token KV tiles: pass larger q_tile / kv_tile.")
+
+
+def lse_with_mean(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, scale: float) -> torch.Tensor:
+    """The LSE of the unsmoothed scores from that of the smoothed ones: every score of a query row is smaller
+    by `scale * q . mean(k)` after K's mean is subtracted, so its log-sum-exp is too. `lse` `[B, *tokens,
+    heads]`, `q` `[B, *tokens, heads, head_dim]`, `k_mean` `[B, heads, head_dim]`."""
+    mean = k_mean.reshape(k_mean.shape[0], *(1,) * (q.dim() - 3), *k_mean.shape[1:])
+    return lse + scale * (q.float() * mean).sum(-1).to(lse.dtype)
+
+
+def fp8_launch_config(block_m: int, block_n: int) -> dict:
+    """Warps and stages of the FP8 kernel (H100): no warp specialization (Triton 3.6 fails to
+    build it for some FP8 tiles and it bought nothing where it built); 8 warps for 128x128 tiles, which 4 warps
+    ran at half speed; 3 stages."""
+    return dict(num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3, WARP_SPECIALIZE=False)

@@ -1,0 +1,285 @@
+"""FP8 attention (kernels/common/fp8.py): the quantization rule against torch's own float8 conversion, the FP8
+kernels (GNA and block-sparse, in the interpreter) against the torch reference that applies the same rule and
+against float64 attention, the operators under torch.compile, and the refusals.
+
+The kernels round P against each row's running maximum and the reference against its final one (the rule
+allows both), so kernel and reference agree bit for bit only where a row meets all its keys in one tile; with
+several tiles they differ by P's rounding, well inside FP8's error against exact attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from natsim.kernels import gna_attention, prepare_sparse, reference_attention, sparse_attention
+from natsim.kernels.common.fp8 import (E4M3, E4M3_MAX, cast_e4m3, column_statistics, lse_with_mean, quantize,
+                                       quantize_rows, quantized_weights, round_to_e4m3)
+from natsim.kernels.gna.reference import fp8_reference_attention
+from natsim.kernels.sparse.reference import fp8_sparse_reference, sparse_reference
+
+EXACT_VS_FP8 = 8e-2  # FP8 output against float64 attention, random Gaussian inputs (the issue's bound: 6e-2 at size)
+KERNEL_VS_RULE = 3e-2  # the kernels against the reference of the same rule (P's rounding order only)
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# -- the quantization rule --------------------------------------------------------------------------------------
+
+
+def test_quantize_keeps_each_value_within_e4m3_rounding_and_removes_k_mean():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 7, 3, 32, generator=generator) * torch.rand(2, 5, 7, 3, 1, generator=generator) * 9
+               for _ in range(3))
+    k = k + torch.randn(2, 1, 1, 3, 32, generator=generator) * 4  # a common component per head
+    t = quantize(q, k, v)
+    rows = 35
+    assert t.q.dtype == t.k.dtype == t.v_t.dtype == E4M3
+    assert t.q.shape == t.k.shape == (2, rows, 3, 32) and t.q_scale.shape == (2, rows, 3)
+    assert t.v_t.shape == (2, 3, 32, 48) and not t.v_t[..., rows:].float().any()  # rows padded to 16, zeros
+    mean = k.float().mean(dim=(1, 2))
+    assert torch.allclose(t.k_mean, mean, atol=1e-5)
+    q_d, k_d, v_d = t.dequantized()
+    flat = lambda x: x.reshape(2, rows, 3, 32)  # noqa: E731
+    # e4m3 keeps 3 mantissa bits: every value within half a step (2**-4 relative) of its original, or within
+    # the smallest subnormal step of its row's scale.
+    for got, want, scale in ((q_d, flat(q), t.q_scale[..., None]), (k_d, flat(k) - mean[:, None], t.k_scale[..., None]),
+                             (v_d, flat(v), t.v_scale[:, None])):
+        assert ((got - want).abs() <= want.abs() * 2**-4 + scale * 2**-10 + 1e-6).all()
+    # Each row's (Q, K) or channel's (V) largest value lands on 448.
+    assert torch.allclose(t.q.float().abs().amax(-1), torch.full((2, rows, 3), E4M3_MAX))
+    assert torch.allclose(t.v_t[..., :rows].float().abs().amax(-1), torch.full((2, 3, 32), E4M3_MAX))
+
+
+def test_the_quantization_kernel_equals_the_torch_rule_bit_for_bit(monkeypatch):
+    """`quantize_rows` runs a Triton kernel on CUDA tensors and in the interpreter, torch elsewhere: the same
+    bits (the interpreter's division and rounding are IEEE, as torch's)."""
+    generator = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 70, 3, 32, generator=generator, dtype=torch.float16) * 5 for _ in range(3))
+    k_mean, v_scale = column_statistics(k, v)
+    kernel = quantize_rows(q, k, v, k_mean, v_scale)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch_rule = quantize_rows(q, k, v, k_mean, v_scale)
+    for name in ("q", "k", "v_t", "q_scale", "k_scale"):
+        got, want = getattr(kernel, name), getattr(torch_rule, name)
+        assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got,
+                           want.view(torch.uint8) if want.dtype == E4M3 else want), name
+
+
+def test_zero_rows_quantize_to_zero_with_scale_one():
+    q = torch.zeros(1, 4, 2, 32)
+    q[0, 1] = 1.0
+    t = quantize(q, q, q)
+    assert t.q_scale[0, 0].tolist() == [1.0, 1.0] and not t.q[0, 0].float().any()
+
+
+@triton.jit
+def _cast_kernel(X, Y, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(Y + offsets, cast_e4m3(tl.load(X + offsets), True))
+
+
+def test_the_interpreters_rounding_of_p_equals_torchs_float8_conversion():
+    """`cast_e4m3` with EXACT_CAST (what the kernels run in the interpreter) rounds as torch does: nearest, ties
+    to even, subnormals included, 448 saturating."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.rand(4000, generator=generator) * 448, torch.rand(2000, generator=generator) * 2**-5,
+                   torch.exp2(torch.arange(-12, 9).float()), torch.tensor([0.0, 448.0, 2**-10, 3 * 2**-10])])
+    x = torch.cat([x, torch.zeros(8192 - x.numel())])
+    y = torch.empty(8192, dtype=E4M3)
+    _cast_kernel[(1,)](x, y, N=8192)
+    assert torch.equal(y.float(), x.to(E4M3).float())
+    assert torch.equal(round_to_e4m3(x), x.to(E4M3).float())
+
+
+def test_quantized_weights_are_e4m3_values_over_the_softmax_sum():
+    generator = torch.Generator().manual_seed(2)
+    scores = torch.randn(6, 50, generator=generator, dtype=torch.float64) * 3
+    scores[0, 10:] = float("-inf")
+    scores[1] = float("-inf")  # a row with no key
+    weights = quantized_weights(scores)
+    exact = torch.softmax(scores, -1).nan_to_num(0.0)
+    assert not weights[1].any()
+    finite = scores.isfinite()
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    numerators = weights * e.nan_to_num(0.0).sum(-1, keepdim=True) * E4M3_MAX
+    assert torch.allclose(numerators[finite.any(-1)], numerators[finite.any(-1)].to(E4M3).double(), rtol=1e-12)
+    assert ((weights - exact).abs() <= exact * 2**-4 + 2**-9 / E4M3_MAX).all()
+
+
+def test_lse_with_mean_restores_the_unsmoothed_scores_log_sum_exp():
+    generator = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 9, 2, 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    k = k + 3.0
+    mean = k.mean(1)
+    scale = 0.25
+    smoothed = torch.logsumexp(torch.einsum("bqhd,bkhd->bhqk", q, k - mean[:, None]) * scale, -1).transpose(1, 2)
+    direct = torch.logsumexp(torch.einsum("bqhd,bkhd->bhqk", q, k) * scale, -1).transpose(1, 2)
+    assert torch.allclose(lse_with_mean(smoothed, q, mean, scale), direct, atol=1e-12)
+
+
+# -- the GNA kernel in the interpreter --------------------------------------------------------------------------
+
+
+def _video_like(shape, heads, generator, dtype=torch.float16):
+    """q, k, v with keys that share a large common component, as real models' do (what smoothing is for)."""
+    q, k, v = (torch.randn(1, *shape, heads, 32, generator=generator) for _ in range(3))
+    k = k + 2.0 * torch.randn(1, *(1,) * len(shape), heads, 32, generator=generator)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+GNA_CASES = [
+    # shape, window, stride, dilation, causal, q_tile, kv_tile: borders, even windows, stride = window,
+    # dilation, causal, padding (sizes not multiples of the tiles), 1-D/2-D/3-D
+    ((4, 5, 7), (3, 4, 5), (1, 2, 1), 1, False, (2, 2, 4), (2, 2, 4)),
+    ((8, 4, 6), (4, 4, 3), (4, 1, 3), (2, 1, 1), (True, False, False), (2, 2, 4), (1, 4, 4)),
+    ((9, 13), (4, 6), (2, 3), (1, 2), (False, True), (4, 4), (4, 4)),
+    ((37,), (10,), (1,), (1,), (True,), (16,), (16,)),
+]
+
+
+@pytest.mark.parametrize("shape, window, stride, dilation, causal, q_tile, kv_tile", GNA_CASES)
+def test_gna_fp8_kernel_follows_the_rule_and_stays_near_exact_attention(shape, window, stride, dilation, causal,
+                                                                        q_tile, kv_tile):
+    generator = torch.Generator().manual_seed(sum(shape))
+    q, k, v = _video_like(shape, 1, generator)
+    args = (window, stride, dilation, causal)
+    out, lse = gna_attention(q, k, v, *args, q_tile=q_tile, kv_tile=kv_tile, return_lse=True, precision="fp8")
+    rule, rule_lse = fp8_reference_attention(q, k, v, *args, return_lse=True)
+    exact, exact_lse = reference_attention(q.double(), k.double(), v.double(), *args, return_lse=True)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert _error(out, rule) < KERNEL_VS_RULE
+    assert _error(out, exact) < EXACT_VS_FP8
+    assert (lse - rule_lse).abs().max() < 2e-2
+    assert (lse.double() - exact_lse).abs().max() < 0.2
+
+
+def test_gna_fp8_kernel_equals_the_rule_where_every_row_meets_its_keys_in_one_tile():
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = _video_like((48,), 2, generator)
+    out = gna_attention(q, k, v, 48, q_tile=16, kv_tile=64, precision="fp8")
+    assert _error(out, fp8_reference_attention(q, k, v, 48)) < 1e-3
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+@example(data=None)
+def test_gna_fp8_on_random_problems(data):
+    if data is None:  # the explicit example: a window as large as the layout (dense)
+        shape, window, stride, causal = (4, 6), (4, 6), (1, 1), (False, False)
+    else:
+        ndim = data.draw(st.integers(1, 3))
+        shape = tuple(data.draw(st.integers(3, 7)) for _ in range(ndim))
+        window = tuple(data.draw(st.integers(2, s)) for s in shape)
+        stride = tuple(data.draw(st.integers(1, w)) for w in window)
+        causal = tuple(data.draw(st.booleans()) for _ in range(ndim))
+    generator = torch.Generator().manual_seed(hash((shape, window)) % 1000)
+    q, k, v = _video_like(shape, 1, generator)
+    tile = {1: (16,), 2: (4, 4), 3: (2, 2, 4)}[len(shape)]
+    out = gna_attention(q, k, v, window, stride, 1, causal, q_tile=tile, kv_tile=tile, precision="fp8")
+    exact = reference_attention(q.double(), k.double(), v.double(), window, stride, 1, causal)
+    assert _error(out, fp8_reference_attention(q, k, v, window, stride, 1, causal)) < KERNEL_VS_RULE
+    assert _error(out, exact) < EXACT_VS_FP8
+
+
+# -- the sparse kernel in the interpreter -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, q_block, kv_block, merge", [(100, 16, 32, None), (128, 16, 16, "xor"),
+                                                         (96, 32, 8, "consecutive")])
+def test_sparse_fp8_kernel_follows_the_rule_on_random_masks(n, q_block, kv_block, merge):
+    generator = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(2, n, 2, 32, generator=generator, dtype=torch.float16) for _ in range(3))
+    k = k + 1.5
+    mask = torch.rand(2, 2, -(-n // q_block), -(-n // kv_block), generator=generator) < 0.5
+    mask[0, 0, 1] = False  # a query block that attends nothing: output 0, LSE -inf
+    out, lse = sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, return_lse=True, precision="fp8")
+    rule, rule_lse = fp8_sparse_reference(q, k, v, mask, q_block, kv_block, return_lse=True)
+    exact, exact_lse = sparse_reference(q.double(), k.double(), v.double(), mask, q_block, kv_block, return_lse=True)
+    assert _error(out, rule) < KERNEL_VS_RULE and _error(out, exact) < EXACT_VS_FP8
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(exact_lse))
+    assert not out[0, q_block:2 * q_block, 0].float().any()
+    finite = torch.isfinite(exact_lse)
+    assert (lse[finite] - rule_lse[finite]).abs().max() < 2e-2
+    # A prepared mask runs the same kernel with the same work: bit for bit.
+    work = prepare_sparse(mask, q_block, kv_block, n, merge=merge, backward=False)
+    assert torch.equal(sparse_attention(q, k, v, work, precision="fp8"), out)
+
+
+def test_sparse_fp8_kernel_equals_the_rule_where_a_row_meets_its_keys_in_one_tile():
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 64, 2, 32, generator=generator, dtype=torch.float16) for _ in range(3))
+    mask = torch.rand(1, 2, 4, 1, generator=generator) < 2  # every block attends the one 64-key block
+    out = sparse_attention(q, k, v, mask, 16, 64, precision="fp8")
+    assert _error(out, fp8_sparse_reference(q, k, v, mask, 16, 64)) < 1e-3
+
+
+# -- operators, the CPU path, refusals ---------------------------------------------------------------------------
+
+
+def test_fp8_calls_compile_with_fullgraph_and_equal_eager():
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = _video_like((4, 4, 4), 1, generator)
+    mask = torch.rand(1, 1, 4, 2, generator=generator) < 0.7
+    flat = tuple(t.reshape(1, 64, 1, 32) for t in (q, k, v))
+
+    def both(q, k, v, flat_q, flat_k, flat_v):
+        return (gna_attention(q, k, v, 3, q_tile=(1, 4, 4), kv_tile=(1, 4, 4), precision="fp8"),
+                sparse_attention(flat_q, flat_k, flat_v, mask, 16, 32, precision="fp8"))
+
+    compiled = torch.compile(both, fullgraph=True)
+    for got, want in zip(compiled(q, k, v, *flat), both(q, k, v, *flat)):
+        assert torch.equal(got, want)
+
+
+def test_cpu_tensors_run_the_reference_of_the_rule(reference_path):
+    generator = torch.Generator().manual_seed(7)
+    q, k, v = _video_like((5, 6), 2, generator)
+    assert torch.equal(gna_attention(q, k, v, 3, precision="fp8"), fp8_reference_attention(q, k, v, 3))
+    flat = tuple(t.reshape(1, 30, 2, 32) for t in (q, k, v))
+    mask = torch.rand(1, 2, 2, 2, generator=generator) < 0.6
+    assert torch.equal(sparse_attention(*flat, mask, 16, 16, precision="fp8"),
+                       fp8_sparse_reference(*flat, mask, 16, 16))
+
+
+def test_fp8_refuses_gradients_and_what_it_does_not_run():
+    q = torch.randn(1, 8, 8, 1, 32, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="for inference and has no backward pass.*Train in bfloat16"):
+        gna_attention(q, q, q, 3, precision="fp8")
+    with torch.no_grad():
+        assert gna_attention(q, q, q, 3, q_tile=4, kv_tile=4, precision="fp8").shape == q.shape
+    flat = torch.randn(1, 32, 1, 32, dtype=torch.float16)
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="for inference"):
+        sparse_attention(flat.requires_grad_(), flat, flat, mask, 16, 16, precision="fp8")
+    flat = flat.detach()
+    with pytest.raises(ValueError, match="precision must be None .* or 'fp8', got precision='fp16'"):
+        gna_attention(flat, flat, flat, 3, precision="fp16")
+    with pytest.raises(ValueError, match="does not run with the PV skip"):
+        sparse_attention(flat, flat, flat, mask, 16, 16, precision="fp8", pv_threshold=-5.0)
+    p = torch.randn(1, 8, 8, 1, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="static KV tiling only"):
+        gna_attention(p, p, p, 3, kv_tiling="dynamic", precision="fp8")
+    with pytest.raises(ValueError, match="frame_offsets"):
+        gna_attention(p, p, p, 3, frame_offsets=(0, 0, 8), precision="fp8")
+
+
+def test_fp8_error_on_gaussian_inputs_is_what_the_rule_predicts():
+    """At 1,024 tokens (nearly uniform attention, where rounding does not average out) the rule's error against
+    exact attention is the few per cent an FP8 format gives: under the issue's 6e-2, above bf16's."""
+    generator = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 1024, 2, 64, generator=generator) for _ in range(3))
+    dense = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    exact = sparse_reference(q.double(), k.double(), v.double(), dense, 128, 128)
+    error = _error(fp8_sparse_reference(q, k, v, dense, 128, 128), exact)
+    bf16 = _error(sparse_reference(*(t.bfloat16() for t in (q, k, v)), dense, 128, 128), exact)
+    assert bf16 < error < 6e-2, (bf16, error)
+    assert math.isfinite(error)
