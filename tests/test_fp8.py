@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from natsim.kernels import gna_attention, prepare_sparse, reference_attention, sparse_attention
 from natsim.kernels.common.fp8 import (E4M3, E4M3_MAX, cast_e4m3, column_statistics, lse_with_mean, quantize,
-                                       quantize_rows, quantized_weights, round_to_e4m3)
+                                       quantize_rows, quantized_weights, round_to_e4m3, fp8_q_tile)
 from natsim.kernels.gna.reference import fp8_reference_attention
 from natsim.kernels.sparse.reference import fp8_sparse_reference, sparse_reference
 
@@ -283,3 +283,10 @@ def test_fp8_error_on_gaussian_inputs_is_what_the_rule_predicts():
     bf16 = _error(sparse_reference(*(t.bfloat16() for t in (q, k, v)), dense, 128, 128), exact)
     assert bf16 < error < 6e-2, (bf16, error)
     assert math.isfinite(error)
+
+
+def test_fp8_halves_natsims_128_query_tiles_along_their_first_long_dimension():
+    assert fp8_q_tile((2, 8, 8)) == (1, 8, 8)
+    assert fp8_q_tile((1, 1, 128)) == (1, 1, 64)
+    assert fp8_q_tile((128,)) == (64,)
+    assert fp8_q_tile((4, 4, 4)) == (4, 4, 4)  # 64 queries already

@@ -239,7 +239,21 @@ def lse_with_mean(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, scal
 
 
 def fp8_launch_config(block_m: int, block_n: int) -> dict:
-    """Warps and stages of the FP8 kernel (H100): no warp specialization (Triton 3.6 fails to
-    build it for some FP8 tiles and it bought nothing where it built); 8 warps for 128x128 tiles, which 4 warps
-    ran at half speed; 3 stages."""
-    return dict(num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3, WARP_SPECIALIZE=False)
+    """Warps and stages of the FP8 kernels (H100, Triton 3.6, benchmarks/results/fp8-tune-*.json): no warp
+    specialization (Triton 3.6 fails to build it for some FP8 tiles and it bought nothing where it built);
+    8 warps and 4 stages for 128x128 tiles (4 warps ran them at half speed), else 4 warps and 3 stages."""
+    if block_m * block_n >= 128 * 128:
+        return dict(num_warps=8, num_stages=4, WARP_SPECIALIZE=False)
+    return dict(num_warps=4, num_stages=3, WARP_SPECIALIZE=False)
+
+
+def fp8_q_tile(q_tile: tuple[int, ...]) -> tuple[int, ...]:
+    """The Q tile FP8 runs for natsim's choice `q_tile`: a 128-query tile halved along its first dimension longer
+    than 1 (64 x 128 tiles ran dense FP8 attention 1.4x faster than 128 x 128 on the H100: the softmax of
+    one 64-row tile overlaps the other warps' matrix products better)."""
+    if math.prod(q_tile) != 128:
+        return q_tile
+    for axis, length in enumerate(q_tile):
+        if length > 1:
+            return (*q_tile[:axis], length // 2, *q_tile[axis + 1:])
+    return q_tile

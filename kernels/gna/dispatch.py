@@ -14,7 +14,7 @@ import math
 from natsim import Problem
 
 from ..common.backend import interpreting
-from ..common.fp8 import check_fp8_device, check_fp8_tiles, check_precision
+from ..common.fp8 import check_fp8_device, check_fp8_tiles, check_precision, fp8_q_tile
 from .checks import check_frames, check_kernel_inputs, check_kv_tiling, check_qkv, kernel_tiles, problem_of
 from .launch import KERNELS, dense_as_1d, frames_as_3d, make_call, takes_layout_path
 from .reference import fp8_reference_attention, reference_attention
@@ -87,6 +87,8 @@ def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, 
     modes = (kv_tiling,) if kv_tiling is not None else (tuple(KERNELS) if layout and not fp8 else ("static",))
     q_dims, kv_dims, mode = choose_tiles(kernel_problem, head_dim, modes, *given)
     if fp8:
+        if given == (None, None):
+            q_dims = fp8_q_tile(q_dims)
         check_fp8_tiles(q, math.prod(q_dims), math.prod(kv_dims))
     call = make_call(kernel_problem, shape, q_dims, kv_dims, batch=batch, heads=heads, head_dim=head_dim,
                      scale=scale, layout_tensors=views if layout else None, return_lse=return_lse, kv_tiling=mode,
