@@ -20,6 +20,11 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_options import skip_discarded_overflow_checks
+
+    skip_discarded_overflow_checks()
+
 
 @pytest.fixture(autouse=True)
 def _private_coefficient_folder(tmp_path_factory, monkeypatch):
