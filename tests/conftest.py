@@ -14,7 +14,7 @@ if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
 
 # pytest-xdist's workers (scripts/test.sh starts one per core) each started torch's and numpy's thread pools
 # at the machine's full size: more threads than cores, whose parallel regions waited for one another while the
-# other workers held the cores (7% more CPU time and 14 s more wall over the suite on 2 cores). A share of the
+# other workers held the cores (on 2 cores the suite took 15% longer, with 12% more CPU time). A share of the
 # cores each instead, set before anything imports torch or numpy and inherited by the processes tests spawn.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
