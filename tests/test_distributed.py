@@ -27,6 +27,7 @@ from natsim.partition import (check_split, even_split, key_frames, offsets, rank
 from natsim.kernels import gna_attention, gna_tile_counts, reference_attention
 
 from bruteforce import attention_mask, coordinates, dim_mask, multi_d_layout, problems, static_counts
+from interpreter_options import skip_discarded_overflow_checks
 
 FAST = settings(max_examples=25, deadline=None)
 KERNEL = settings(max_examples=6, deadline=None)
@@ -303,6 +304,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     """One rank: every case, every strategy, against the single-process reference (fresh inputs, one seed
     for all ranks); bytes moved against natsim.partition; sparse attention under a per-head mask."""
     os.environ["TRITON_INTERPRET"] = "1"
+    skip_discarded_overflow_checks()  # as tests/conftest.py does in pytest's processes
     heads = HEADS_PER_RANK * world
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))

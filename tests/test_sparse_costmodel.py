@@ -4,6 +4,7 @@ and `natsim calibrate --kernels`."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -153,15 +154,21 @@ def test_fit_coefficients_names_the_sparse_features_in_its_errors():
         fit_coefficients(np.ones((10, len(FEATURES))), np.ones(10), SPARSE_FEATURES)
 
 
+@functools.lru_cache(maxsize=None)
+def known_sparse_time(case) -> float:
+    """The time of a sparse case under the known coefficients, from its features (prepared once per process:
+    the calibrations below each prepare every case again for the fit)."""
+    return float(sparse_case_features([case])[0] @ np.array([SPARSE[name] for name in SPARSE_FEATURES]))
+
+
 def fake_timings(monkeypatch, sparse_time=None):
     """Replace the GPU: times from known coefficients (GNA from the simulator, sparse from the case features)."""
     gna = np.array([GNA[name] for name in FEATURES])
-    sparse = np.array([SPARSE[name] for name in SPARSE_FEATURES])
     timed = []
 
     def time_sparse(case, dtype, device):
         timed.append(case)
-        return float(sparse_case_features([case])[0] @ sparse)
+        return known_sparse_time(case)
 
     monkeypatch.setattr(calibration, "gpu_of", lambda device: "Fake GPU")
     monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: float(calibration.case_features([case], dtype)[0] @ gna))
