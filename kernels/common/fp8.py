@@ -76,10 +76,6 @@ class Fp8Tensors:
     v_scale: torch.Tensor
     k_mean: torch.Tensor
 
-    @property
-    def rows_padded(self) -> int:
-        return self.v_t.shape[-1]
-
     def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K (mean removed) and V as the kernels see them, `[B, rows, heads, head_dim]` in `dtype`."""
         q = self.q.to(dtype) * self.q_scale[..., None].to(dtype)

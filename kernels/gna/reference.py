@@ -20,7 +20,7 @@ import torch
 from natsim.dimension import key_ranges
 from natsim.problem import BoolOrBools, IntOrInts
 
-from ..common.fp8 import column_statistics, lse_with_mean, quantize, quantized_weights
+from ..common.fp8 import lse_with_mean, quantize, quantized_weights
 from .checks import check_frames, check_qkv, problem_of
 
 CHUNK_ELEMENTS = 1 << 27
@@ -132,11 +132,12 @@ def fp8_reference_attention(
     problem_of(shape, window, stride, dilation, causal)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
-    dequantized = (t.reshape(batch, *shape, heads, head_dim) for t in quantize(q, k, v).dequantized())
+    quantized = quantize(q, k, v)
+    dequantized = (t.reshape(batch, *shape, heads, head_dim) for t in quantized.dequantized())
     result = reference_attention(*dequantized, window, stride, dilation, causal, scale, return_lse,
                                  quantized_probs=True)
     if return_lse:
-        return result[0].to(q.dtype), lse_with_mean(result[1], q, column_statistics(k, v)[0], scale)
+        return result[0].to(q.dtype), lse_with_mean(result[1], q, quantized.k_mean, scale)
     return result.to(q.dtype)
 
 
