@@ -9,11 +9,14 @@
   only, since every mask is new.
 
 Masks are random with clusters, like a predictor's (seeded): blocks of 4 x 4 kept at the given density, plus
-scattered blocks. Run it on another planner (an older tree on PYTHONPATH) with `--label before` to compare.
+scattered blocks. `--mask-device cuda` holds the masks on the GPU (as a pipeline's predictor leaves them; the
+mask planner copies them to the host once) and `--masks-only` times `best_mask` alone. Run it on another planner
+(an older tree on PYTHONPATH) with `--label before` to compare.
 Prints a table and writes JSON with the machine, the versions and the load average into the output folder
 (default benchmarks/results/planner-speed-<date>[-label].json).
 
     .venv/bin/python benchmarks/planner_speed.py [OUT_DIR] [--repeats 5] [--cold 3] [--label NAME]
+        [--masks-only] [--mask-device cuda]
 """
 
 from __future__ import annotations
@@ -141,13 +144,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per warm case (median kept)")
     parser.add_argument("--cold", type=int, default=3, help="fresh processes per cold case (median kept)")
     parser.add_argument("--label", default="", help="appended to the file name (e.g. before)")
+    parser.add_argument("--masks-only", action="store_true", help="time best_mask only")
+    parser.add_argument("--mask-device", default="cpu", help="where the masks live: cpu or cuda")
     args = parser.parse_args()
 
     load_before = os.getloadavg()
     best((12, 20, 24), 0.8, heads=HEADS, device="h100")  # load modules and numba's compiled functions
     best_mask(clustered_mask(64, 2, 0.1), BLOCK, BLOCK, 64 * BLOCK, device="h100")
     records = []
-    for shape, target in LAYOUTS:
+    for shape, target in [] if args.masks_only else LAYOUTS:
         for device in DEVICES:
             call = functools.partial(best, shape, target, heads=HEADS, device=device)
             record = {"function": "best", "case": f"{'x'.join(map(str, shape))} at {target}", "device": device,
@@ -161,13 +166,16 @@ def main() -> None:
             records.append(record)
             print(record, flush=True)
     for name, (blocks, heads, density) in MASKS.items():
-        mask = clustered_mask(blocks, heads, density)
+        mask = clustered_mask(blocks, heads, density).to(args.mask_device)
         for device in DEVICES:
             call = functools.partial(best_mask, mask, BLOCK, BLOCK, blocks * BLOCK, device=device)
             record = {"function": "best_mask", "case": name, "device": device, "heads": heads,
-                      "mask_density": float(mask.float().mean()), "warm_new_layout_s": seconds(call, args.repeats)}
+                      "mask_device": args.mask_device, "mask_density": float(mask.float().mean()),
+                      "warm_new_layout_s": seconds(call, args.repeats)}
             setup = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
-                     f"from planner_speed import clustered_mask\nmask = clustered_mask({blocks}, {heads}, {density})")
+                     f"from planner_speed import clustered_mask\n"
+                     f"mask = clustered_mask({blocks}, {heads}, {density}).to({args.mask_device!r})\n"
+                     "torch.cuda.synchronize() if mask.is_cuda else None")
             record["import_s"], record["cold_s"] = cold(
                 setup, f"planner.best_mask(mask, {BLOCK}, {BLOCK}, {blocks * BLOCK}, device={device!r})", args.cold)
             plan = call()
@@ -176,7 +184,8 @@ def main() -> None:
             records.append(record)
             print(record, flush=True)
 
-    table = Table(title=f"planner speed on {os.cpu_count()} CPU cores (median seconds)", title_justify="left")
+    where = f"masks on {args.mask_device}"
+    table = Table(title=f"planner speed on {os.cpu_count()} CPU cores, {where} (median seconds)", title_justify="left")
     for column in ("function", "case", "device", "cold (import apart)", "warm, new layout", "repeat", "pick"):
         table.add_column(column, justify="left" if column in ("function", "case", "pick") else "right")
     for r in records:
@@ -192,7 +201,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
     path = out_dir / f"planner-speed-{date}{'-' + args.label if args.label else ''}.json"
-    document = {"benchmark": "natsim.planner speed (CPU)", "date": date, "label": args.label,
+    document = {"benchmark": f"natsim.planner speed (CPU planning, {where})", "date": date, "label": args.label,
                 "repeats": args.repeats, "cold_processes": args.cold, "heads": HEADS, "machine": machine(),
                 "load_average_before_after": [list(load_before), list(os.getloadavg())], "records": records}
     path.write_text(json.dumps(document, indent=2) + "\n")

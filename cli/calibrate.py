@@ -70,6 +70,34 @@ def _backward_cases_table(calibration) -> Table:
     )
 
 
+def _fp8_cases_table(calibration) -> Table:
+    measured = calibration.fp8
+    cells = [
+        (fmt_dims(case.problem.shape), fmt_dims(case.problem.window), fmt_dims(case.problem.stride),
+         f"{fmt_dims(case.tiles.q_tile)} / {fmt_dims(case.tiles.kv_tile)}", f"{case.heads} x {case.head_dim}")
+        for case in measured.cases
+    ]
+    return _measurements_table(
+        f"FP8 GNA calibration on {calibration.model.gpu}",
+        ("shape", "window", "stride", "Q / KV tile", "heads x head_dim"), cells, measured.times,
+        calibration.model.predict(measured.features, "fp8"), measured.errors, measured.fitted,
+    )
+
+
+def _fp8_sparse_cases_table(calibration) -> Table:
+    measured = calibration.fp8_sparse
+    cells = [
+        (case.pattern if case.pattern != "random" else f"random {case.sparsity:.0%} sparse", str(case.seq_len),
+         f"{case.q_block}x{case.kv_block}", str(case.merge), f"{case.heads} x {case.head_dim}")
+        for case in measured.cases
+    ]
+    return _measurements_table(
+        f"FP8 sparse kernel calibration on {calibration.model.gpu}",
+        ("mask", "tokens", "blocks", "merge", "heads x head_dim"), cells, measured.times,
+        calibration.model.predict_sparse(measured.features, "fp8"), measured.errors, measured.fitted,
+    )
+
+
 def _coefficients_table(model) -> Table:
     table = Table(title="coefficients (seconds per unit)", title_justify="left")
     table.add_column("kernel")
@@ -81,14 +109,21 @@ def _coefficients_table(model) -> Table:
         table.add_row("sparse", name, f"{value:.4e}")
     for name, value in (model.backward_coefficients or {}).items():
         table.add_row("backward", name, f"{value:.4e}")
+    for name, value in (model.fp8_coefficients or {}).items():
+        table.add_row("gna-fp8", name, f"{value:.4e}")
+    for name, value in (model.fp8_sparse_coefficients or {}).items():
+        table.add_row("sparse-fp8", name, f"{value:.4e}")
     return table
 
 
 def _summary(calibration, path) -> str:
     """One line: each calibrated kernel's fit (cases, host-bound ones left out, median and max |error|)."""
     info, parts = calibration.model.info, []
-    for label, prefix, cases in (("fitted", "", calibration.cases), ("sparse kernel", "sparse_",
-                                 calibration.sparse_cases), ("GNA backward", "backward_", calibration.backward_cases)):
+    sets = (("fitted", "", calibration.cases), ("sparse kernel", "sparse_", calibration.sparse_cases),
+            ("GNA backward", "backward_", calibration.backward_cases),
+            ("FP8 GNA", "gna_fp8_", calibration.fp8.cases if calibration.fp8 else ()),
+            ("FP8 sparse", "sparse_fp8_", calibration.fp8_sparse.cases if calibration.fp8_sparse else ()))
+    for label, prefix, cases in sets:
         if cases:
             parts.append(
                 f"{label} on {info[prefix + 'cases']} cases ({info[prefix + 'host_bound_cases_left_out']} "
@@ -100,6 +135,25 @@ def _summary(calibration, path) -> str:
     return "; ".join(parts) + f"; written to {path}"
 
 
+def _fp8_records(calibration) -> dict:
+    """The FP8 measurements as JSON records, per kernel ('gna-fp8', 'sparse-fp8'; those calibrated)."""
+    records = {}
+    if calibration.fp8:
+        m = calibration.fp8
+        records["gna-fp8"] = [
+            {**case.problem.to_dict(), **case.tiles.to_dict(), "heads": case.heads, "head_dim": case.head_dim,
+             "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
+            for case, t, g, f in zip(m.cases, m.times, calibration.model.predict(m.features, "fp8"), m.fitted)
+        ]
+    if calibration.fp8_sparse:
+        m = calibration.fp8_sparse
+        records["sparse-fp8"] = [
+            {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
+            for case, t, g, f in zip(m.cases, m.times, calibration.model.predict_sparse(m.features, "fp8"), m.fitted)
+        ]
+    return records
+
+
 def parse_kernels(text: str) -> tuple[str, ...]:
     """'gna,sparse' -> ('gna', 'sparse'): the kernels to calibrate."""
     from natsim.planner.cost.calibrate import check_kernels
@@ -109,7 +163,8 @@ def parse_kernels(text: str) -> tuple[str, ...]:
         return check_kernels(names)
     except ValueError:
         raise CliInputError(
-            f"--kernels takes one or more of gna, sparse, backward joined by ',' (without gna, this GPU's stored "
+            f"--kernels takes one or more of gna, sparse, backward, gna-fp8, sparse-fp8 joined by ',' (without gna, "
+            f"this GPU's stored "
             f"cost model is extended), got --kernels {text!r}."
         ) from None
 
@@ -125,7 +180,7 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
     kernels: str = typer.Option(
         "gna,sparse", "--kernels",
-        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`). Without gna, this GPU's stored cost model is extended.",
+        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer). Without gna, this GPU's stored cost model is extended.",
     ),
 ) -> None:
     """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
@@ -176,6 +231,7 @@ def calibrate_command(
                     for case, t, g, f in zip(calibration.backward_cases, calibration.backward_times,
                                              backward_predicted, calibration.backward_fitted)
                 ],
+                "fp8_measurements": _fp8_records(calibration),
             },
         )
         return
@@ -185,6 +241,10 @@ def calibrate_command(
         out.print(_sparse_cases_table(calibration))
     if calibration.backward_cases:
         out.print(_backward_cases_table(calibration))
+    if calibration.fp8:
+        out.print(_fp8_cases_table(calibration))
+    if calibration.fp8_sparse:
+        out.print(_fp8_sparse_cases_table(calibration))
     out.print(_coefficients_table(calibration.model))
     out.print(_summary(calibration, path))
 

@@ -14,7 +14,7 @@ import typer
 
 from .common import ListsGpusInHelp, load_cost_model, out, reports_bad_input
 from .output import print_json
-from .parsing import CliInputError
+from .parsing import CliInputError, parse_precision
 
 MASK_KEY = "mask"
 META_KEYS = ("q_block", "kv_block", "seq_len")
@@ -100,6 +100,7 @@ def mask_command(
     coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
     limit: int = typer.Option(16, "--limit", help="Rows in the table (0 for all); --json is never cut."),
     as_json: bool = typer.Option(False, "--json", help="Print the mask plan as one JSON document instead of a table."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp8: score the FP8 inference kernel (ranked by the GPU's FP8 sparse coefficients from `natsim calibrate --kernels gna,sparse-fp8`, else by token pairs). Default: compute in --dtype."),
 ) -> None:
     """Score a saved block mask at every granularity and merge; show the table, fastest first.
 
@@ -114,7 +115,7 @@ def mask_command(
     kv_block = kv_block if kv_block is not None else meta.get("kv_block", 16)
     seq_len = seq_len if seq_len is not None else meta.get("seq_len", mask.shape[2] * q_block)
     options = {"heads": heads, "head_dim": head_dim, "dtype": dtype, "device": device,
-               "merges": [m.strip() for m in merges.split(",") if m.strip()]}
+               "merges": [m.strip() for m in merges.split(",") if m.strip()], "precision": parse_precision(precision)}
     if coefficients is not None:
         options["cost_model"] = load_cost_model(coefficients)
     plan = best_mask(mask, q_block, kv_block, seq_len, **options)
@@ -124,7 +125,8 @@ def mask_command(
     basis = (f"predicted on {plan.gpu}" if plan.calibrated
              else "no cost model: ranked by token pairs computed, no time predicted")
     title = (f"{file.name}: N={plan.seq_len:,}, mask {plan.fine_q_block}x{plan.fine_kv_block} blocks, "
-             f"{plan.batch}x{plan.heads} heads, head_dim {plan.head_dim}, {plan.dtype}; {basis}; best score first")
+             f"{plan.batch}x{plan.heads} heads, head_dim {plan.head_dim}, {plan.dtype}"
+             f"{' (FP8 kernel)' if plan.precision else ''}; {basis}; best score first")
     out.print(plan.candidates_table(title, limit=limit))
     hidden = sum(1 for i, c in enumerate(plan.candidates) if 0 < limit <= i and c != plan.chosen)
     if hidden:

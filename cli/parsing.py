@@ -58,3 +58,12 @@ def parse_strides(texts: Optional[list[str]], option: str = "--stride") -> Optio
             raise CliInputError(f"{option} all cannot be combined with other strides, got {texts}.")
         return None
     return [parse_dims(t, option) for t in texts]
+
+
+def parse_precision(text: Optional[str]) -> Optional[str]:
+    """--precision: None (compute in --dtype) or 'fp8' (natsim's FP8 inference kernels)."""
+    if text is None:
+        return None
+    if text.strip().lower() != "fp8":
+        raise CliInputError(f"--precision takes fp8 (leave it out to compute in --dtype), got --precision {text!r}.")
+    return "fp8"

@@ -186,7 +186,8 @@ _resolvers: dict[int, GnaResolver] = {}
 
 def register_resolver(resolver: GnaResolver) -> int:
     """Register `resolver(shape, heads, head_dim, dtype, device)`, which returns `gna_attention`'s keyword
-    arguments (window, stride, dilation, causal, q_tile, kv_tile, kv_tiling) for a layout, and return the id
+    arguments (window, stride, dilation, causal, q_tile, kv_tile, kv_tiling, and optionally precision) for a
+    layout, and return the id
     that `natsim::gna_resolved` takes. Rooms above the kernels (the planner) decide through it at run time,
     so that a compiled graph holds one opaque call whatever the layout, and the kernels never import them."""
     key = len(_resolvers)
@@ -209,7 +210,7 @@ def gna_resolved(
     layout: the output, and the LSE (empty unless `return_lse`)."""
     a = _resolved(resolver, q)
     out, lse = forward(q, k, v, a["window"], a["stride"], a["dilation"], a["causal"], scale, a["q_tile"],
-                       a["kv_tile"], return_lse, a["kv_tiling"])
+                       a["kv_tile"], return_lse, a["kv_tiling"], None, a.get("precision"))
     return out, (_no_lse(q) if lse is None else lse)
 
 

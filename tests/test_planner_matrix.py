@@ -1,5 +1,5 @@
 """Every combination of the planner's options, through `best` and `natsim plan`: training x world_size x cost
-model x kv_tiling x head_dim x causal x dtype, on small 1-D, 2-D and 3-D layouts, and on the layouts that failed
+model x kv_tiling x head_dim x causal x dtype x precision, on small 1-D, 2-D and 3-D layouts, and on the layouts that failed
 over several ranks (30x48x80 on 2, 21x45x80 on 4, 13x30x45 on 3) with the H100's coefficients and without.
 
 Each combination either returns a plan whose fields say what was asked (one GPU or P ranks, training, the KV
@@ -35,6 +35,7 @@ KV_TILINGS = (None, "static", "dynamic")
 HEAD_DIMS = (32, 64, 128, 96)
 CAUSAL = (False, True)
 DTYPES = ("bf16", "fp16", "fp32")
+PRECISIONS = (None, "fp8")
 
 SMALL = [((384,), 0.8), ((12, 16), 0.7), ((4, 6, 8), 0.6)]
 SEVERAL_RANKS = [((30, 48, 80), 0.9, 2), ((21, 45, 80), 0.9, 4), ((13, 30, 45), 0.9, 3)]
@@ -62,13 +63,16 @@ def stored_model(cost: str, path: str):
             "file": lambda: CostModel.load(path)}[cost]()
 
 
-def ranking_model(cost: str, path: str, training: bool):
-    """The model that ranks: the stored one, unless training needs backward coefficients it lacks (tile work)."""
+def ranking_model(cost: str, path: str, training: bool, precision=None):
+    """The model that ranks: the stored one, unless training needs backward coefficients it lacks, or FP8 its FP8
+    coefficients (tile work)."""
     model = stored_model(cost, path)
+    if precision == "fp8":
+        return model if model is not None and model.fp8_coefficients is not None else None
     return None if model is None or (training and model.backward_coefficients is None) else model
 
 
-def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dtype) -> list[str]:
+def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dtype, precision=None) -> list[str]:
     """The documented reasons (regular expressions of their sentences) to refuse a combination; none: it plans.
 
     - the kernels run head_dim 32, 64, 128 and bf16 / fp16 only;
@@ -76,7 +80,8 @@ def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dt
     - a fixed kv_tiling needs the ranking cost model to be calibrated on it (the file covers static only);
       without a model (none, or training without backward coefficients) tile work ranks both modes;
     - several ranks: at most one per frame; forward only (no training); dynamic KV tiling runs under ulysses
-      only, which needs the heads to divide over the ranks.
+      only, which needs the heads to divide over the ranks;
+    - FP8: inference only (no training), static KV tiling only, one GPU (no world_size).
     """
     reasons = []
     if head_dim not in (32, 64, 128):
@@ -85,8 +90,15 @@ def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dt
         reasons.append(r"dtype must be one of those the GNA kernel runs \(fp16, bf16\)")
     if cost == "h200" and stored_model(cost, path) is None:
         reasons.append(r"device='h200' names NVIDIA H200, which has no cost-model coefficients here.*natsim calibrate")
-    model = ranking_model(cost, path, training) if cost != "h200" or stored_model(cost, path) else None
-    if kv_tiling is not None and model is not None and kv_tiling not in model.kv_tilings:
+    if precision == "fp8":
+        if training:
+            reasons.append(r"precision='fp8' is for inference \(its kernels have no backward pass\)")
+        if kv_tiling == "dynamic":
+            reasons.append(r"precision='fp8' runs static KV tiling only, got kv_tiling='dynamic'")
+        if world_size is not None:
+            reasons.append(r"precision='fp8' plans one GPU: natsim.distributed runs bfloat16 / float16 only")
+    model = ranking_model(cost, path, training, precision) if cost != "h200" or stored_model(cost, path) else None
+    if precision is None and kv_tiling is not None and model is not None and kv_tiling not in model.kv_tilings:
         reasons.append(rf"kv_tiling='{kv_tiling}' needs coefficients calibrated on that kernel")
     if world_size is not None:
         if world_size > shape[0]:
@@ -98,26 +110,35 @@ def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dt
     return reasons
 
 
-def expected_ranking(cost: str, path: str, training: bool) -> tuple[str, str, tuple[str, ...]]:
+def expected_ranking(cost: str, path: str, training: bool, precision=None) -> tuple[str, str, tuple[str, ...]]:
     """(gpu, basis, KV tiling modes the search may pick) of a combination that plans, on this machine (no GPU)."""
     gpu = {"none": None, "h100": H100, "h200": H200, "file": FILE_GPU}[cost]
-    model = ranking_model(cost, path, training)
+    model = ranking_model(cost, path, training, precision)
+    if precision == "fp8":
+        return gpu, "simulated tiles" if model is None else "cost model", ("static",)
     if model is None:
         return gpu, "simulated tiles", ("static", "dynamic")
     return gpu, "cost model", tuple(model.kv_tilings)
 
 
-def check_plan(plan, shape, target, path, *, training, world_size, cost, kv_tiling, head_dim, causal, dtype):
+def check_plan(plan, shape, target, path, *, training, world_size, cost, kv_tiling, head_dim, causal, dtype,
+               precision=None):
     """Every field of `plan` that an option decides, and its tile counts against natsim's simulator."""
     assert isinstance(plan, ParallelPlan) == (world_size is not None)
     single = plan.plan if world_size is not None else plan
-    gpu, basis, modes = expected_ranking(cost, path, training)
+    gpu, basis, modes = expected_ranking(cost, path, training, precision)
+    assert single.precision == precision and single.kernel_arguments().get("precision") == precision
+    if precision == "fp8":  # what the FP8 kernel runs, and the report says why the modes were narrowed
+        assert single.tiles.kv_tokens >= 32 and all(c.kv_tiling == "static" for c in single.search.top)
+        assert (single.search.kv_tilings, single.search.kv_tiling_fixed) == (("static",), "precision")
     assert (single.gpu, single.basis) == (gpu, basis)
     assert (single.training, single.head_dim, single.dtype, single.heads) == (training, head_dim, dtype, HEADS)
     assert single.problem.shape == shape and single.problem.causal == (causal,) * len(shape)
     assert single.tiles.kv_tiling == (kv_tiling or single.tiles.kv_tiling) and single.tiles.kv_tiling in modes
     assert single.kernel_arguments()["kv_tiling"] == single.tiles.kv_tiling
-    if kv_tiling is not None:  # the report says the mode was asked for
+    if precision == "fp8":
+        pass
+    elif kv_tiling is not None:  # the report says the mode was asked for
         assert (single.search.kv_tilings, single.search.kv_tiling_fixed) == ((kv_tiling,), "kv_tiling")
     elif single.search.kv_tiling_fixed is not None:  # narrowed only for the halo strategy over several ranks
         assert world_size is not None and single.search.kv_tiling_fixed == "halo"
@@ -151,12 +172,12 @@ def check_plan(plan, shape, target, path, *, training, world_size, cost, kv_tili
             assert rank.frames == frames and rank.visited_tiles == want
 
 
-def run_case(shape, target, path, *, training, world_size, cost, kv_tiling, head_dim, causal, dtype):
+def run_case(shape, target, path, *, training, world_size, cost, kv_tiling, head_dim, causal, dtype, precision=None):
     """Plan one combination and check it, or check that it is refused for one of its reasons."""
     options = dict(heads=HEADS, head_dim=head_dim, dtype=dtype, causal=causal, training=training,
-                   world_size=world_size, kv_tiling=kv_tiling, **cost_options(cost, path))
+                   world_size=world_size, kv_tiling=kv_tiling, precision=precision, **cost_options(cost, path))
     reasons = refusals(shape, path, training=training, world_size=world_size, cost=cost, kv_tiling=kv_tiling,
-                       head_dim=head_dim, dtype=dtype)
+                       head_dim=head_dim, dtype=dtype, precision=precision)
     if reasons:
         with pytest.raises(ValueError) as refused:
             best(shape, target, **options)
@@ -166,17 +187,17 @@ def run_case(shape, target, path, *, training, world_size, cost, kv_tiling, head
         return
     plan = best(shape, target, **options)
     check_plan(plan, shape, target, path, training=training, world_size=world_size, cost=cost, kv_tiling=kv_tiling,
-               head_dim=head_dim, causal=causal, dtype=dtype)
+               head_dim=head_dim, causal=causal, dtype=dtype, precision=precision)
 
 
 @pytest.mark.parametrize("shape, target", SMALL, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
 @pytest.mark.parametrize("cost", COSTS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_every_combination_plans_or_is_refused_up_front(shape, target, cost, world_size, coefficients_file):
-    for training, kv_tiling, head_dim, causal, dtype in itertools.product(TRAINING, KV_TILINGS, HEAD_DIMS, CAUSAL,
-                                                                          DTYPES):
+    for training, kv_tiling, head_dim, causal, dtype, precision in itertools.product(
+            TRAINING, KV_TILINGS, HEAD_DIMS, CAUSAL, DTYPES, PRECISIONS):
         run_case(shape, target, coefficients_file, training=training, world_size=world_size, cost=cost,
-                 kv_tiling=kv_tiling, head_dim=head_dim, causal=causal, dtype=dtype)
+                 kv_tiling=kv_tiling, head_dim=head_dim, causal=causal, dtype=dtype, precision=precision)
 
 
 @pytest.mark.parametrize("shape, target, ranks", SEVERAL_RANKS, ids=["30x48x80-2", "21x45x80-4", "13x30x45-3"])
@@ -224,7 +245,8 @@ plan_cli.register(app)
 @pytest.mark.parametrize("world_size", [None, 2, 3])
 def test_natsim_plan_takes_every_option_as_best_does(cost, world_size, coefficients_file):
     shape, target = (4, 6, 8), 0.6
-    for training, kv_tiling, head_dim, dtype in itertools.product(TRAINING, KV_TILINGS, (64, 96), ("fp16", "fp32")):
+    for training, kv_tiling, head_dim, dtype, precision in itertools.product(TRAINING, KV_TILINGS, (64, 96),
+                                                                             ("fp16", "fp32"), PRECISIONS):
         args = ["plan", "--shape", "4x6x8", "--sparsity", str(target), "--heads", str(HEADS), "--head-dim",
                 str(head_dim), "--dtype", dtype, "--causal", "1x0x0", "--json"]
         args += {"none": [], "h100": ["--device", "h100"], "h200": ["--device", "h200"],
@@ -232,10 +254,11 @@ def test_natsim_plan_takes_every_option_as_best_does(cost, world_size, coefficie
         args += ["--training"] if training else []
         args += [] if world_size is None else ["--world-size", str(world_size)]
         args += [] if kv_tiling is None else ["--kv-tiling", kv_tiling]
+        args += [] if precision is None else ["--precision", precision]
         result = CliRunner().invoke(app, args)
         try:
             plan = best(shape, target, heads=HEADS, head_dim=head_dim, dtype=dtype, causal=(True, False, False),
-                        training=training, world_size=world_size, kv_tiling=kv_tiling,
+                        training=training, world_size=world_size, kv_tiling=kv_tiling, precision=precision,
                         **cost_options(cost, coefficients_file))
         except ValueError as refused:
             assert result.exit_code == 2 and str(refused) in " ".join(result.stderr.split()), args

@@ -81,8 +81,7 @@ def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, 
     else:
         given = kernel_tiles(problem, q_tile, kv_tile)
     views = tuple(t.reshape(batch, *kernel_problem.shape, heads, head_dim) for t in (q, k, v))
-    # FP8 reads a 1-D layout in place and permutes the others (kernels/gna/launch.py).
-    layout = takes_layout_path(kernel_problem, *views) and (not fp8 or kernel_problem.ndim == 1)
+    layout = takes_layout_path(kernel_problem, *views, fp8=fp8)
     # natsim chooses between the modes only where both are costed alike: the in-place path (kernels/gna/tiles.py).
     modes = (kv_tiling,) if kv_tiling is not None else (tuple(KERNELS) if layout and not fp8 else ("static",))
     q_dims, kv_dims, mode = choose_tiles(kernel_problem, head_dim, modes, *given)

@@ -103,10 +103,11 @@ def needs_mask_frames(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[
     return needs_mask(rest, q_tile[1:], kv_tile[1:])
 
 
-def permutes(problem: Problem, descriptors: bool = True) -> bool:
+def permutes(problem: Problem, descriptors: bool = True, fp8: bool = False) -> bool:
     """Whether a call of `problem` permutes its tokens (the permuted path): dilation groups, or a GPU without
-    tensor descriptors. Dense-contiguous layouts on Hopper never do."""
-    return not descriptors or any(d > 1 for d in problem.dilation)
+    tensor descriptors, or in FP8 a layout of two or three dimensions (FP8 reads only 1-D layouts in place).
+    Dense-contiguous layouts on Hopper never do in bf16 / fp16."""
+    return not descriptors or any(d > 1 for d in problem.dilation) or (fp8 and problem.ndim > 1)
 
 
 def dense_as_1d(problem: Problem) -> Optional[Problem]:
@@ -325,10 +326,10 @@ def make_call(
 
 
 
-def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel can read these tensors where they are: no dilation, descriptors on this device,
-    descriptor-friendly strides and 16-byte aligned starts."""
-    return (not permutes(problem, has_tensor_descriptors(q.device))
+def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> bool:
+    """Whether the kernel can read these tensors where they are: no dilation, descriptors on this device (and in
+    FP8 a 1-D layout: `permutes`), descriptor-friendly strides and 16-byte aligned starts."""
+    return (not permutes(problem, has_tensor_descriptors(q.device), fp8)
             and all(descriptor_strides_ok(t) for t in (q, k, v)) and aligned(q, k, v))
 
 

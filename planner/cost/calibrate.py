@@ -2,11 +2,10 @@
 
 The set (`calibration_cases`) spans what the features separate: masked-heavy (stride 1), block-sparse and
 dense configurations, 1-D, 2-D and 3-D layouts, the catalog's three tile sizes, head_dim 64 and 128, and
-very sparse ones where per-program work shows. Every case has the 24 heads of the video and image DiTs
-natsim is for, so that each call keeps the GPU busy for a millisecond or more: the cost model predicts GPU
-work, and a call shorter than the Python and launch overhead on the host (0.4 to 0.8 ms per call on the
-H100 machine, varying from run to run) takes the host's time instead, max(host, GPU) rather than a sum.
-Such host-bound measurements (under HOST_BOUND_S) are left out of the fit; a faster GPU may produce some.
+very sparse ones where per-program work shows, and small layouts of 3-7K tokens whose calls take 0.1-1 ms.
+The cost model predicts GPU work; a call shorter than its host overhead (Python, argument checks, the launch:
+about 0.05 ms through the prebound launch path) takes the host's time instead, max(host, GPU) rather than a
+sum, so measurements under HOST_BOUND_S are left out of the fit.
 Features come from the simulator (CPU); times from `time_case` (permutation included, as plans run it);
 the fit is `planner.cost.fit.fit_coefficients`, a pure function tested on CPU against known coefficients.
 
@@ -15,6 +14,11 @@ coefficient set (planner.cost.sparse_features): block masks at the granularities
 (128x128, 128x16, 64x64, 64x128, 32x32, 16x16), merged by XOR, consecutively or not at all, on 16k to 35k tokens
 with the same 24 heads. Their features come from the prepared work (`prepare_sparse` on the CPU, with the
 GPU's program tiles), their times from `time_sparse_case`, the same host-bound rule and the same fit.
+
+FP8 (`precision="fp8"`, natsim.kernels.common.fp8) runs its own kernels: 'gna-fp8' times a set of GNA cases
+(`fp8_calibration_cases`: static KV tiling, the only kind FP8 runs) and 'sparse-fp8' a subset of the sparse
+cases in FP8, each fitted to the same features as its bf16 kernel (the GNA features with the quantization pass's
+bytes and FP8's permutation of 2-D and 3-D layouts) into coefficient sets of their own.
 
 The GNA backward pass (`natsim::gna_backward`: delta pass, dK/dV and dQ kernels in place, on the backward's
 own tiles) gets a third set (`backward_calibration_cases`, BACKWARD_CASES) and coefficients
@@ -51,7 +55,7 @@ from .model import CostModel
 from .sparse_features import SPARSE_FEATURES
 from .sparse_features import sparse_features as work_features
 
-KERNELS = ("gna", "sparse", "backward")
+KERNELS = ("gna", "sparse", "backward", "gna-fp8", "sparse-fp8")
 DEFAULT_KERNELS = ("gna", "sparse")  # what `calibrate` times unless told: the backward is asked for by name
 
 # Tile shapes per number of dimensions, one per (Q tokens, KV tokens) pair of the catalog.
@@ -62,7 +66,7 @@ TILES = {
 }
 
 HEADS = 24
-HOST_BOUND_S = 1e-3
+HOST_BOUND_S = 5e-5
 
 # (shape, window, stride, causal, head dims)
 LAYOUTS = (
@@ -140,6 +144,16 @@ HEADS_AND_SIZES = (
     ((6144,), (1024,), (1,), 32, 64),
 )
 
+# Small calls of the dynamic kernel (the planner's usual pick on small layouts): long thin tiles, 32-48 heads, a
+# few thousand tokens, where a wave or two of programs decides the time. (shape, window, stride, heads, head_dim,
+# q_tile, kv_tile).
+SMALL_DYNAMIC = (
+    ((8, 12, 72), (4, 6, 24), (2, 2, 8), 48, 128, (2, 2, 32), (2, 1, 32)),
+    ((10, 20, 40), (5, 10, 12), (1, 1, 1), 32, 128, (2, 4, 16), (2, 4, 16)),
+    ((12, 18, 30), (6, 9, 15), (2, 4, 4), 48, 64, (2, 8, 8), (2, 8, 8)),
+    ((36, 120), (12, 40), (4, 8), 40, 64, (8, 16), (8, 8)),
+)
+
 
 @dataclass(frozen=True)
 class Case:
@@ -169,17 +183,38 @@ def calibration_cases() -> list[Case]:
         tiles = TILES[len(shape)]
         for q_tile, kv_tile in (tiles[0], tiles[-1]):
             cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile), heads, head_dim))
+    for shape, window, stride, heads, head_dim, q_tile, kv_tile in SMALL_DYNAMIC:
+        tiles = TileConfig(q_tile, kv_tile, kv_tiling="dynamic")
+        cases.append(Case(Problem(shape, window, stride), tiles, heads, head_dim))
     return cases
 
 
-def case_features(cases: Sequence[Case], dtype: torch.dtype, descriptors: bool = True) -> np.ndarray:
+def fp8_calibration_cases() -> list[Case]:
+    """The GNA configurations `natsim calibrate --kernels ...,gna-fp8` times in FP8: the grid's layouts with the
+    catalog's largest and smallest tiles, and the head-count and size cases with their largest (static KV tiling
+    throughout: FP8 runs no other)."""
+    cases = []
+    for shape, window, stride, causal, head_dims in LAYOUTS:
+        problem = Problem(shape, window, stride, causal=causal)
+        for head_dim in head_dims:
+            for q_tile, kv_tile in (TILES[len(shape)][0], TILES[len(shape)][-1]):
+                cases.append(Case(problem, TileConfig(q_tile, kv_tile), HEADS, head_dim))
+    for shape, window, stride, heads, head_dim in HEADS_AND_SIZES:
+        q_tile, kv_tile = TILES[len(shape)][0]
+        cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile), heads, head_dim))
+    return cases
+
+
+def case_features(cases: Sequence[Case], dtype: torch.dtype, descriptors: bool = True,
+                  precision: Optional[str] = None) -> np.ndarray:
     """The feature matrix of `cases` (rows in order), from the simulator. `descriptors`: the GPU has tensor
-    descriptors, so only dilated calls permute tokens (natsim.kernels.gna.launch.permutes)."""
-    size = element_bytes(dtype)
+    descriptors, so only dilated calls (and in FP8, 2-D and 3-D ones) permute tokens
+    (natsim.kernels.gna.launch.permutes); `precision="fp8"` adds the quantization pass."""
+    size, fp8 = element_bytes(dtype), precision == "fp8"
     return np.stack(
         [
             features_of(simulate(c.problem, c.tiles), batch_heads=c.heads, head_dim=c.head_dim, element_bytes=size,
-                        permutation=permutes(c.problem, descriptors))
+                        permutation=permutes(c.problem, descriptors, fp8), quantized=fp8)
             for c in cases
         ]
     )
@@ -188,8 +223,9 @@ def case_features(cases: Sequence[Case], dtype: torch.dtype, descriptors: bool =
 MIN_REPEATS = 20
 
 
-def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats: int = MIN_REPEATS) -> float:
-    """Median seconds of one `gna_attention` call for `case` (random inputs) on a CUDA `device`."""
+def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats: int = MIN_REPEATS,
+              precision: Optional[str] = None) -> float:
+    """Median seconds of one `gna_attention` call for `case` (random inputs, in `precision`) on a CUDA `device`."""
     from natsim.kernels import gna_attention
 
     p = case.problem
@@ -200,7 +236,7 @@ def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats:
     def run():
         return gna_attention(
             q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=case.tiles.q_tile, kv_tile=case.tiles.kv_tile,
-            kv_tiling=case.tiles.kv_tiling,
+            kv_tiling=case.tiles.kv_tiling, precision=precision,
         )
 
     return median_seconds(run, device, min_repeats)
@@ -257,6 +293,8 @@ SPARSE_CASES = (
     ("gna", GNA_SEQ_LEN, 16, 16, "xor", 64, 0.0),
     ("gna", GNA_SEQ_LEN, 32, 32, "consecutive", 128, 0.0),
     ("gna", GNA_SEQ_LEN, 128, 16, None, 128, 0.0),
+    ("random", 16384, 128, 128, None, 64, 0.5),
+    ("clustered", 32768, 64, 64, None, 64, 0.0),
 )
 PATTERNS = ("random", "clustered", "gna")
 
@@ -298,6 +336,17 @@ def sparse_calibration_cases() -> list[SparseCase]:
         SparseCase(pattern, seq_len, q_block, kv_block, merge, head_dim, sparsity, seed=i)
         for i, (pattern, seq_len, q_block, kv_block, merge, head_dim, sparsity) in enumerate(SPARSE_CASES)
     ]
+
+
+# The sparse cases FP8 is timed on (indices into SPARSE_CASES): random masks at four densities and both head dims,
+# merged and unmerged fine masks, gathered and descriptor-loaded tiles; twelve, to keep FP8's compiles short.
+FP8_SPARSE_CASES = (0, 1, 2, 3, 4, 5, 9, 11, 12, 13, 14, 16)
+
+
+def fp8_sparse_calibration_cases() -> list[SparseCase]:
+    """The sparse-kernel calls `natsim calibrate --kernels ...,sparse-fp8` times in FP8 (FP8_SPARSE_CASES)."""
+    cases = sparse_calibration_cases()
+    return [cases[i] for i in FP8_SPARSE_CASES]
 
 
 def _pool(mask: torch.Tensor, fq: int, fk: int) -> torch.Tensor:
@@ -346,17 +395,18 @@ def sparse_case_features(cases: Sequence[SparseCase]) -> np.ndarray:
 
 
 def time_sparse_case(
-    case: SparseCase, dtype: torch.dtype, device: torch.device, min_repeats: int = MIN_REPEATS
+    case: SparseCase, dtype: torch.dtype, device: torch.device, min_repeats: int = MIN_REPEATS,
+    precision: Optional[str] = None,
 ) -> float:
     """Median seconds of one `sparse_attention` call for `case` (random inputs, work prepared once beforehand,
-    schedule 'grid') on a CUDA `device`."""
+    schedule 'grid', in `precision`) on a CUDA `device`."""
     from natsim.kernels import sparse_attention
 
     work = prepare_case(case, device)
     q, k, v = (
         torch.randn((1, case.seq_len, case.heads, case.head_dim), device=device, dtype=dtype) for _ in range(3)
     )
-    return median_seconds(lambda: sparse_attention(q, k, v, work), device, min_repeats)
+    return median_seconds(lambda: sparse_attention(q, k, v, work, precision=precision), device, min_repeats)
 
 
 # -- the GNA backward pass -----------------------------------------------------------------------------------------
@@ -434,8 +484,9 @@ def time_backward_case(case: BackwardCase, dtype: torch.dtype, device: torch.dev
 
 
 def check_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
-    """The kernels to calibrate, in KERNELS order: any of 'gna', 'sparse', 'backward', at least one. Without
-    'gna', `calibrate` extends the GPU's stored cost model (which carries the GNA kernel's coefficients)."""
+    """The kernels to calibrate, in KERNELS order: any of 'gna', 'sparse', 'backward', 'gna-fp8', 'sparse-fp8',
+    at least one. Without 'gna', `calibrate` extends the GPU's stored cost model (which carries the GNA kernel's
+    coefficients)."""
     names = tuple(kernels)
     unknown = [name for name in names if name not in KERNELS]
     if unknown or not names:
@@ -476,6 +527,20 @@ class Calibration:
     backward_times: np.ndarray = field(default_factory=lambda: np.zeros(0))
     backward_errors: np.ndarray = field(default_factory=lambda: np.zeros(0))
     backward_fitted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    fp8: Optional["Measurements"] = None
+    fp8_sparse: Optional["Measurements"] = None
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """One FP8 kernel's calibration: its cases, their features and measured seconds, the fit's relative errors
+    and which cases entered the fit (as the fields of `Calibration` for the bf16 kernels)."""
+
+    cases: tuple
+    features: np.ndarray
+    times: np.ndarray
+    errors: np.ndarray
+    fitted: np.ndarray
 
 
 def _fit(features: np.ndarray, times: np.ndarray, names: Sequence[str], kernel: str):
@@ -506,7 +571,8 @@ def calibrate(
     kernels: Iterable[str] = DEFAULT_KERNELS,
 ) -> Calibration:
     """Time the calibration cases of `kernels` ('gna': `calibration_cases()`, 'sparse':
-    `sparse_calibration_cases()`, 'backward': `backward_calibration_cases()`) with natsim.kernels on a CUDA GPU
+    `sparse_calibration_cases()`, 'backward': `backward_calibration_cases()`, 'gna-fp8': `fp8_calibration_cases()`
+    in FP8, 'sparse-fp8': `fp8_sparse_calibration_cases()` in FP8) with natsim.kernels on a CUDA GPU
     and fit the cost model to them. Without 'gna' the GPU's stored cost model (`cost_model_for`) is extended:
     its other coefficients are kept, those of the kernels calibrated replaced."""
     kernels = check_kernels(kernels)
@@ -527,17 +593,22 @@ def calibrate(
     cases = calibration_cases() if "gna" in kernels else []
     sparse_cases = sparse_calibration_cases() if "sparse" in kernels else []
     backward_cases = backward_calibration_cases() if "backward" in kernels else []
+    fp8_cases = fp8_calibration_cases() if "gna-fp8" in kernels else []
+    fp8_sparse_cases = fp8_sparse_calibration_cases() if "sparse-fp8" in kernels else []
+    if (fp8_cases or fp8_sparse_cases) and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kernels={kernels!r} asks for FP8, which needs a GPU of compute capability 8.9 or newer "
+                         f"(Ada, Hopper, Blackwell), got {gpu}.")
     features = case_features(cases, dtype, has_tensor_descriptors(device)) if cases else _empty(len(FEATURES))
     sparse_matrix = sparse_case_features(sparse_cases) if sparse_cases else _empty(len(SPARSE_FEATURES))
     backward_matrix = (backward_case_features(backward_cases, dtype) if backward_cases
                        else _empty(len(BACKWARD_FEATURES)))
-    total = len(cases) + len(sparse_cases) + len(backward_cases)
+    total = len(cases) + len(sparse_cases) + len(backward_cases) + len(fp8_cases) + len(fp8_sparse_cases)
     timed: list[float] = []
 
-    def time_all(items, timer) -> np.ndarray:
+    def time_all(items, timer, **options) -> np.ndarray:
         start = len(timed)
         for item in items:
-            timed.append(timer(item, dtype, device))
+            timed.append(timer(item, dtype, device, **options))
             if progress is not None:
                 progress(len(timed), total)
         return np.array(timed[start:])
@@ -545,6 +616,8 @@ def calibrate(
     times = time_all(cases, time_case)
     sparse_times = time_all(sparse_cases, time_sparse_case)
     backward_times = time_all(backward_cases, time_backward_case)
+    fp8_times = time_all(fp8_cases, time_case, precision="fp8")
+    fp8_sparse_times = time_all(fp8_sparse_cases, time_sparse_case, precision="fp8")
     info = dict(base.info) if base is not None else {}
     coefficients, errors, fitted = (base.coefficients, np.zeros(0), np.zeros(0, dtype=bool)) if base else \
         _fit(features, times, FEATURES, "GNA")
@@ -565,6 +638,20 @@ def calibrate(
         backward, backward_errors, backward_fitted = _fit(backward_matrix, backward_times, BACKWARD_FEATURES,
                                                           "backward")
         info.update(_error_info("backward_", backward_errors, backward_fitted))
+    fp8_sets = {}
+    for attribute, kernel, items, matrix, seconds in (
+        ("fp8_coefficients", "gna-fp8", fp8_cases,
+         case_features(fp8_cases, dtype, has_tensor_descriptors(device), "fp8") if fp8_cases else None, fp8_times),
+        ("fp8_sparse_coefficients", "sparse-fp8", fp8_sparse_cases,
+         sparse_case_features(fp8_sparse_cases) if fp8_sparse_cases else None, fp8_sparse_times),
+    ):
+        fp8_sets[attribute] = getattr(base, attribute) if base is not None else None
+        if items:
+            names = FEATURES if kernel == "gna-fp8" else SPARSE_FEATURES
+            fitted_set, set_errors, set_fitted = _fit(matrix, seconds, names, kernel)
+            fp8_sets[attribute] = fitted_set
+            fp8_sets[kernel] = Measurements(tuple(items), matrix, seconds, set_errors, set_fitted)
+            info.update(_error_info(kernel.replace("-", "_") + "_", set_errors, set_fitted))
     import triton
 
     stamp = {"date": datetime.date.today().isoformat(), "dtype": dtype_name(dtype), "torch": torch.__version__,
@@ -574,10 +661,12 @@ def calibrate(
     else:
         info["extended"] = {**stamp, "kernels": list(kernels)}
     model = CostModel(gpu=gpu, coefficients=coefficients, sparse_coefficients=sparse,
-                      backward_coefficients=backward, info=info)
+                      backward_coefficients=backward, fp8_coefficients=fp8_sets["fp8_coefficients"],
+                      fp8_sparse_coefficients=fp8_sets["fp8_sparse_coefficients"], info=info)
     return Calibration(model, tuple(cases), features, times, errors, fitted, tuple(sparse_cases), sparse_matrix,
                        sparse_times, sparse_errors, sparse_fitted, tuple(backward_cases), backward_matrix,
-                       backward_times, backward_errors, backward_fitted)
+                       backward_times, backward_errors, backward_fitted, fp8_sets.get("gna-fp8"),
+                       fp8_sets.get("sparse-fp8"))
 
 
 def default_path(gpu: str) -> Path:

@@ -10,7 +10,7 @@ One row per configuration, one column per feature (batch and heads multiply ever
 | `narrow_kv_flops` | FLOP | FLOPs of tiles with fewer than 128 keys (more, shorter KV iterations: their extra cost) |
 | `kv_tile_visits` | tile | visited (Q tile, KV tile) pairs: the per-iteration overhead of the KV loop |
 | `programs` | program | Q tiles launched (padding groups included): loading Q, the epilogue, storing O |
-| `permute_bytes` | byte | bytes moved by permuting q, k, v and unpermuting the output |
+| `permute_bytes` | byte | bytes moved outside the attention kernel: permuting q, k, v and unpermuting the output, and in FP8 quantizing q, k, v |
 | `launch` | call | 1: launch and host overhead per call |
 
 The features are linear in the work, so predicted time is one dot product per row (planner.cost.model).
@@ -27,10 +27,11 @@ from natsim import SimResult, SweepResult, TileConfig
 from natsim.dimension import ceil_div
 
 FEATURES = (
-    "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "kv_tile_visits", "programs", "permute_bytes",
-    "launch",
+    "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "narrow_head_flops", "kv_tile_visits",
+    "programs", "permute_bytes", "launch",
 )
 WIDE_TILE = 128  # tokens: tiles with fewer queries or keys than this pay the narrow-tile features
+WIDE_HEAD = 128  # channels: smaller head dims pay `narrow_head_flops`
 
 
 def padded_tokens(shape: Sequence[int], tile: Sequence[int], dilation: Sequence[int]) -> int:
@@ -51,12 +52,14 @@ def feature_matrix(
     head_dim: int,
     element_bytes: int,
     permutation: bool = True,
+    quantized: bool = False,
 ) -> np.ndarray:
     """Features (columns in FEATURES order) of configurations given as per-row arrays.
 
     `q_padded` / `kv_padded` are the permuted lengths of the q and k/v layouts (padding included) and
     `tokens` the real token count; `permutation=False` leaves out the permutation's bytes (a dense
-    baseline that needs none).
+    baseline that needs none). `quantized` (FP8) adds the quantization pass's bytes: q, k, v read in the
+    inputs' dtype and written as one byte per element, over the rows the kernel reads.
     """
     full = np.asarray(full_tiles, np.float64)
     visited = np.asarray(visited_tiles, np.float64)
@@ -68,11 +71,15 @@ def feature_matrix(
     # permute q, k, v (read real tokens, write padded ones) and unpermute the output (read and write real).
     moved = (tokens + q_padded) + 2.0 * (tokens + kv_padded) + 2.0 * tokens
     permute_bytes = moved * batch_heads * head_dim * element_bytes if permutation else np.zeros_like(moved)
+    if quantized:
+        rows = q_padded + 2.0 * kv_padded if permutation else np.full_like(moved, 3.0 * tokens)
+        permute_bytes = permute_bytes + rows * batch_heads * head_dim * (element_bytes + 1)
     columns = [
         full * tile_flops,
         (visited - full) * tile_flops,
         (q_tokens < WIDE_TILE) * visited * tile_flops,
         (kv_tokens < WIDE_TILE) * visited * tile_flops,
+        (head_dim < WIDE_HEAD) * visited * tile_flops,
         visited * batch_heads,
         q_padded / q_tokens * batch_heads,
         permute_bytes,
@@ -86,7 +93,8 @@ def feature_matrix(
 
 
 def features_of(
-    result: SimResult, *, batch_heads: int, head_dim: int, element_bytes: int, permutation: bool = True
+    result: SimResult, *, batch_heads: int, head_dim: int, element_bytes: int, permutation: bool = True,
+    quantized: bool = False,
 ) -> np.ndarray:
     """The feature row of one simulated configuration (multi-D tiling)."""
     problem, tiles = result.problem, result.tiles
@@ -103,11 +111,13 @@ def features_of(
         head_dim=head_dim,
         element_bytes=element_bytes,
         permutation=permutation,
+        quantized=quantized,
     )[0]
 
 
 def sweep_features(
-    result: SweepResult, *, batch_heads: int, head_dim: int, element_bytes: int, permutation: bool = True
+    result: SweepResult, *, batch_heads: int, head_dim: int, element_bytes: int, permutation: bool = True,
+    quantized: bool = False,
 ) -> np.ndarray:
     """The feature rows of every configuration of a sweep (multi-D tiling), row i for `result.result(i)`."""
     problem = result.problem
@@ -128,6 +138,7 @@ def sweep_features(
         head_dim=head_dim,
         element_bytes=element_bytes,
         permutation=permutation,
+        quantized=quantized,
     )
 
 

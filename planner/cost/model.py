@@ -1,11 +1,13 @@
 """The cost model: predicted kernel time as a linear function of the features of a call.
 
 `time = sum_i coefficient_i * feature_i`, one coefficient per feature, in seconds per unit: the GNA kernel's
-over planner.cost.features' FEATURES. A model may also carry a second set for the sparse kernel
-(`sparse_coefficients`, over planner.cost.sparse_features' SPARSE_FEATURES, JSON key "sparse_coefficients") and a
-third for the GNA backward pass (`backward_coefficients`, over planner.cost.backward_features'
-BACKWARD_FEATURES); files without them load with None there. Coefficients differ per GPU and are data: one JSON
-file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a device names).
+over planner.cost.features' FEATURES. A model may also carry a set for the sparse kernel (`sparse_coefficients`,
+over planner.cost.sparse_features' SPARSE_FEATURES), one for the GNA backward pass (`backward_coefficients`, over
+planner.cost.backward_features' BACKWARD_FEATURES) and, for `precision="fp8"`, the FP8 variants of the GNA and
+sparse kernels (`fp8_coefficients` over FEATURES, `fp8_sparse_coefficients` over SPARSE_FEATURES: the same
+work counted, a different cost per unit); files without a set load with None there. Coefficients differ per GPU
+and are data: one JSON file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a
+device names).
 """
 
 from __future__ import annotations
@@ -22,15 +24,19 @@ from .features import FEATURES
 from .sparse_features import SPARSE_FEATURES
 
 FORMAT = "natsim-cost-model/1"
+PRECISIONS = (None, "fp8")
+# Features added after coefficient files were first written: a file fitted without one loads with it at 0 (the
+# model it was fitted with had no such cost), so that users' older calibrations keep working.
+ADDED_FEATURES = frozenset({"narrow_head_flops"})
 
 
 def _checked(coefficients: Mapping[str, float], features: Sequence[str], label: str) -> dict[str, float]:
-    """`coefficients` as floats in `features` order, or a sentence error: exactly those names, each finite and
-    non-negative."""
+    """`coefficients` as floats in `features` order, or a sentence error: those names (any of ADDED_FEATURES may
+    be missing, at 0), each finite and non-negative."""
     names = set(coefficients)
-    if names != set(features):
+    if not names <= set(features) or not set(features) - names <= ADDED_FEATURES:
         raise ValueError(f"{label} must name exactly the features {tuple(features)}, got {sorted(names)}.")
-    values = {name: float(coefficients[name]) for name in features}
+    values = {name: float(coefficients.get(name, 0.0)) for name in features}
     if any(not np.isfinite(v) or v < 0 for v in values.values()):
         raise ValueError(f"{label} must be finite and non-negative, got {label}={values}.")
     return values
@@ -47,13 +53,47 @@ def _per_feature(row: np.ndarray, coefficients: Mapping[str, float], features: S
     return {name: float(row[i] * coefficients[name]) for i, name in enumerate(features)}
 
 
+# The optional coefficient sets, by attribute (also their JSON key): the features each is over, and which kernel
+# (as `natsim calibrate --kernels` names it) each prices, with the words errors use for it.
+_SET_FEATURES = {
+    "coefficients": FEATURES,
+    "sparse_coefficients": SPARSE_FEATURES,
+    "backward_coefficients": BACKWARD_FEATURES,
+    "fp8_coefficients": FEATURES,
+    "fp8_sparse_coefficients": SPARSE_FEATURES,
+}
+OPTIONAL_SETS = tuple(name for name in _SET_FEATURES if name != "coefficients")
+_KERNEL_SETS = {
+    "sparse": ("sparse_coefficients", "sparse-kernel"),
+    "backward": ("backward_coefficients", "backward"),
+    "gna-fp8": ("fp8_coefficients", "FP8 GNA-kernel"),
+    "sparse-fp8": ("fp8_sparse_coefficients", "FP8 sparse-kernel"),
+}
+
+
+def check_precision(precision: object) -> Optional[str]:
+    """`precision` is None (the inputs' dtype) or "fp8" (natsim.kernels' FP8 inference path)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be None (the inputs' dtype) or 'fp8', got precision={precision!r}.")
+    return precision
+
+
+def _gna_kernel(precision: Optional[str]) -> str:
+    return "gna" if check_precision(precision) is None else "gna-fp8"
+
+
+def _sparse_kernel(precision: Optional[str]) -> str:
+    return "sparse" if check_precision(precision) is None else "sparse-fp8"
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per unit of each feature on one GPU, with how and when they were fitted (`info`).
 
     `coefficients` are the GNA kernel's (FEATURES); `sparse_coefficients` the sparse kernel's
-    (SPARSE_FEATURES) and `backward_coefficients` the GNA backward pass's (BACKWARD_FEATURES), each None for a
-    model calibrated without it.
+    (SPARSE_FEATURES), `backward_coefficients` the GNA backward pass's (BACKWARD_FEATURES), `fp8_coefficients`
+    and `fp8_sparse_coefficients` the GNA and sparse kernels' with `precision="fp8"`; each None for a model
+    calibrated without it.
     """
 
     gpu: str
@@ -61,15 +101,14 @@ class CostModel:
     info: Mapping[str, object] = field(default_factory=dict)
     sparse_coefficients: Optional[Mapping[str, float]] = None
     backward_coefficients: Optional[Mapping[str, float]] = None
+    fp8_coefficients: Optional[Mapping[str, float]] = None
+    fp8_sparse_coefficients: Optional[Mapping[str, float]] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coefficients", _checked(self.coefficients, FEATURES, "coefficients"))
-        if self.sparse_coefficients is not None:
-            sparse = _checked(self.sparse_coefficients, SPARSE_FEATURES, "sparse_coefficients")
-            object.__setattr__(self, "sparse_coefficients", sparse)
-        if self.backward_coefficients is not None:
-            backward = _checked(self.backward_coefficients, BACKWARD_FEATURES, "backward_coefficients")
-            object.__setattr__(self, "backward_coefficients", backward)
+        for name in OPTIONAL_SETS:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _checked(getattr(self, name), _SET_FEATURES[name], name))
         object.__setattr__(self, "info", dict(self.info))
 
     @property
@@ -84,21 +123,31 @@ class CostModel:
         scores only these modes with it."""
         return tuple(self.info.get("kv_tilings", ("static",)))
 
-    def predict(self, features: np.ndarray) -> np.ndarray:
-        """Predicted seconds for feature rows `(n, len(FEATURES))` (or one row)."""
-        return np.asarray(features, np.float64) @ self.vector
+    def has(self, kernel: str) -> bool:
+        """Whether this model has coefficients for `kernel`: "gna", "sparse", "backward", "gna-fp8", "sparse-fp8"."""
+        return kernel == "gna" or getattr(self, _KERNEL_SETS[kernel][0]) is not None
 
-    def breakdown(self, features: np.ndarray) -> dict[str, float]:
-        """Predicted seconds of one feature row, per feature."""
-        return _per_feature(features, self.coefficients, FEATURES)
+    def predict(self, features: np.ndarray, precision: Optional[str] = None) -> np.ndarray:
+        """Predicted seconds of GNA-kernel calls for feature rows `(n, len(FEATURES))` (or one row), in
+        `precision` (None: the inputs' dtype; "fp8")."""
+        if precision is None:
+            return np.asarray(features, np.float64) @ self.vector
+        return np.asarray(features, np.float64) @ _in_order(*self._fitted(_gna_kernel(precision)))
 
-    def predict_sparse(self, features: np.ndarray) -> np.ndarray:
-        """Predicted seconds of sparse-kernel calls for feature rows `(n, len(SPARSE_FEATURES))` (or one row)."""
-        return np.asarray(features, np.float64) @ _in_order(*self._fitted("sparse"))
+    def breakdown(self, features: np.ndarray, precision: Optional[str] = None) -> dict[str, float]:
+        """Predicted seconds of one GNA-kernel feature row, per feature."""
+        if precision is None:
+            return _per_feature(features, self.coefficients, FEATURES)
+        return _per_feature(features, *self._fitted(_gna_kernel(precision)))
 
-    def sparse_breakdown(self, features: np.ndarray) -> dict[str, float]:
+    def predict_sparse(self, features: np.ndarray, precision: Optional[str] = None) -> np.ndarray:
+        """Predicted seconds of sparse-kernel calls for feature rows `(n, len(SPARSE_FEATURES))` (or one row), in
+        `precision`."""
+        return np.asarray(features, np.float64) @ _in_order(*self._fitted(_sparse_kernel(precision)))
+
+    def sparse_breakdown(self, features: np.ndarray, precision: Optional[str] = None) -> dict[str, float]:
         """Predicted seconds of one sparse-kernel feature row, per feature."""
-        return _per_feature(features, *self._fitted("sparse"))
+        return _per_feature(features, *self._fitted(_sparse_kernel(precision)))
 
     def predict_backward(self, features: np.ndarray) -> np.ndarray:
         """Predicted seconds of GNA backward calls for feature rows `(n, len(BACKWARD_FEATURES))` (or one row)."""
@@ -109,25 +158,22 @@ class CostModel:
         return _per_feature(features, *self._fitted("backward"))
 
     def _fitted(self, kernel: str) -> tuple[Mapping[str, float], tuple[str, ...]]:
-        """The coefficients of `kernel` ("sparse" or "backward") and their features, or a sentence error saying
+        """The coefficients of `kernel` (a key of _KERNEL_SETS) and their features, or a sentence error saying
         how to fit them when this model was calibrated without them."""
-        coefficients, features, label = {
-            "sparse": (self.sparse_coefficients, SPARSE_FEATURES, "sparse-kernel"),
-            "backward": (self.backward_coefficients, BACKWARD_FEATURES, "backward"),
-        }[kernel]
+        attribute, label = _KERNEL_SETS[kernel]
+        coefficients = getattr(self, attribute)
         if coefficients is None:
             raise ValueError(
                 f"the cost model of {self.gpu} has no {label} coefficients; "
                 f"run `natsim calibrate --kernels gna,{kernel}` on that GPU to fit them."
             )
-        return coefficients, features
+        return coefficients, _SET_FEATURES[attribute]
 
     def to_dict(self) -> dict:
         data = {"format": FORMAT, "gpu": self.gpu, "coefficients": dict(self.coefficients)}
-        if self.sparse_coefficients is not None:
-            data["sparse_coefficients"] = dict(self.sparse_coefficients)
-        if self.backward_coefficients is not None:
-            data["backward_coefficients"] = dict(self.backward_coefficients)
+        for name in OPTIONAL_SETS:
+            if getattr(self, name) is not None:
+                data[name] = dict(getattr(self, name))
         data["info"] = dict(self.info)
         return data
 
@@ -136,8 +182,7 @@ class CostModel:
         if data.get("format") != FORMAT:
             raise ValueError(f"a cost model must have format {FORMAT!r}, got format={data.get('format')!r}.")
         return cls(gpu=str(data["gpu"]), coefficients=data["coefficients"], info=data.get("info", {}),
-                   sparse_coefficients=data.get("sparse_coefficients"),
-                   backward_coefficients=data.get("backward_coefficients"))
+                   **{name: data.get(name) for name in OPTIONAL_SETS})
 
     def save(self, path: Union[str, Path]) -> Path:
         path = Path(path)

@@ -10,6 +10,7 @@ heads 1 broadcasts, so its work items count once per batch element or head):
 | `masked_flops` | FLOP | the same for tiles of the masked loop (their extra cost is the member-bit mask) |
 | `gathered_flops` | FLOP | FLOPs of tiles packing several KV blocks (kv_block < block_n), read by pointer gathers instead of one tensor-descriptor copy: their extra cost |
 | `narrow_flops` | FLOP | FLOPs of tiles with fewer than 128 queries (unmerged query blocks under 128: 4 warps, little reuse of each K/V tile): their extra cost |
+| `narrow_head_flops` | FLOP | every tile's FLOPs when head_dim is under 128 (shorter matrix products): their extra cost |
 | `tiles` | tile | KV tile iterations of both loops: the per-iteration overhead |
 | `programs` | program | work items launched (one per group of query blocks and head): gathering Q, the epilogue, storing O |
 | `launch` | call | 1: launch and host overhead per call |
@@ -28,8 +29,10 @@ import torch
 if TYPE_CHECKING:
     from natsim.kernels import SparseWork
 
-SPARSE_FEATURES = ("full_flops", "masked_flops", "gathered_flops", "narrow_flops", "tiles", "programs", "launch")
+SPARSE_FEATURES = ("full_flops", "masked_flops", "gathered_flops", "narrow_flops", "narrow_head_flops", "tiles",
+                   "programs", "launch")
 WIDE_TILE = 128  # queries: programs with fewer pay `narrow_flops`
+WIDE_HEAD = 128  # channels: smaller head dims pay `narrow_head_flops`
 
 
 def sparse_features(work: "SparseWork", batch: int, heads: int, head_dim: int) -> np.ndarray:
@@ -68,6 +71,7 @@ def feature_row(full_tiles: int, masked_tiles: int, items: int, *, block_m: int,
         masked_tiles * copies * tile_flops,
         all_flops if kv_block < block_n else 0.0,
         all_flops if block_m < WIDE_TILE else 0.0,
+        all_flops if head_dim < WIDE_HEAD else 0.0,
         tiles,
         float(items * copies),
         1.0,

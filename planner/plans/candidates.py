@@ -71,7 +71,8 @@ class Search:
     scored, and the best-scored configurations, best first (`top[0]` is the best score, which the tie rule
     may have passed over for a smaller stride); `top` is what a benchmark times to check the cost model.
     `kv_tiling_fixed` says why the modes were narrowed, if they were: "kv_tiling" (asked for with
-    `kv_tiling=`) or "halo" (static only, for the halo strategy over several ranks); None means every mode
+    `kv_tiling=`), "halo" (static only, for the halo strategy over several ranks) or "precision" (static only,
+    what FP8 runs); None means every mode
     the cost model was calibrated on (both without one)."""
 
     windows: tuple[tuple[int, ...], ...]

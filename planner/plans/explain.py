@@ -43,6 +43,8 @@ class ExplainedPlan(Protocol):
     @property
     def training(self) -> bool: ...
     @property
+    def precision(self) -> Optional[str]: ...
+    @property
     def calibrated(self) -> bool: ...
     @property
     def score(self) -> float: ...
@@ -99,6 +101,8 @@ def _choice_table(plan: ExplainedPlan) -> Table:
         ("visited / full tiles", f"{sim.visited_tiles:,} / {sim.full_tiles:,}"),
         ("head_dim, dtype, heads", f"{plan.head_dim}, {plan.dtype}, {plan.heads if plan.heads else '1 (per head)'}"),
     ]
+    if plan.precision is not None:
+        rows.append(("precision", f"{plan.precision} (inference only)"))
     if any(problem.causal):
         rows.insert(2, ("causal", _dims(problem.causal)))
     if plan.training:
@@ -138,13 +142,30 @@ def _fixed_modes(plan: ExplainedPlan) -> Optional[str]:
     """Why the search scored one KV tiling mode, when it was narrowed to it (`Search.kv_tiling_fixed`)."""
     mode = plan.search.kv_tilings[0]
     return {"kv_tiling": f"{mode} KV tiling only, as asked (kv_tiling={mode!r})",
-            "halo": "static KV tiling only, which the halo strategy over several ranks runs"}.get(
+            "halo": "static KV tiling only, which the halo strategy over several ranks runs",
+            "precision": "static KV tiling only, the only kind FP8 runs"}.get(
         plan.search.kv_tiling_fixed)
+
+
+def _fp8_basis(plan: ExplainedPlan) -> Text:
+    if plan.calibrated:
+        return Text(f"Ranked for FP8 inference by the cost model fitted on {plan.gpu}, its FP8 coefficients (the "
+                    "same tile counts, FP8's cost per tile, the quantization pass and FP8's permutation of 2-D and "
+                    "3-D layouts); static KV tiling and KV tiles of 32 tokens or more, what FP8 runs.")
+    where = plan.gpu if plan.gpu else "this machine (no CUDA GPU)"
+    return Text(
+        f"No FP8 coefficients for {where} (no cost model, or one fitted without them): configurations were ranked "
+        "by simulated tile work alone (static KV tiling, KV tiles of 32 tokens or more: what FP8 runs), and no time "
+        "is predicted. Run `natsim calibrate --kernels gna,gna-fp8` on the GPU to fit them.",
+        style="yellow",
+    )
 
 
 def _basis(plan: ExplainedPlan) -> Text:
     if plan.training:
         return _training_basis(plan)
+    if plan.precision == "fp8":
+        return _fp8_basis(plan)
     fixed = _fixed_modes(plan)
     if plan.calibrated:
         modes = plan.search.kv_tilings

@@ -32,6 +32,7 @@ from natsim.kernels.sparse.mask import check_block, check_dense_mask, check_seq_
 from natsim.kernels.sparse.work import MIN_Q_BLOCK
 
 from ..catalog import as_dtype
+from ..cost.model import check_precision
 from .ranking import BASIS_COST_MODEL, TIE_TOLERANCE
 from .reading import check_basis, check_record, parse_json, required_keys
 
@@ -160,6 +161,7 @@ class MaskPlan:
     - `candidates`: every candidate scored, best score first.
     - `mask`: the pooled mask `plan(q, k, v)` runs when no mask is passed (None after `from_json`; not stored
       in JSON and not compared).
+    - `precision`: "fp8" for a plan of the FP8 inference kernel (`best_mask(..., precision="fp8")`), else None.
     """
 
     seq_len: int
@@ -180,6 +182,7 @@ class MaskPlan:
     candidates: tuple[MaskCandidate, ...]
     tie_tolerance: float = TIE_TOLERANCE
     mask: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    precision: Optional[str] = None
     _works: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- what was predicted -----------------------------------------------------------------------------
@@ -251,7 +254,8 @@ class MaskPlan:
                  scale: Optional[float] = None, return_lse: bool = False, schedule: Optional[str] = None):
         """`sparse_attention` of `[B, N, heads, head_dim]` q, k, v under `mask` (at the plan's fine blocks,
         pooled here) or, without one, the plan's own pooled mask, at the plan's blocks and merge. With the
-        plan's own mask the kernel's host work (`prepare_sparse`) is done once per device and reused."""
+        plan's own mask the kernel's host work (`prepare_sparse`) is done once per device and reused. An FP8
+        plan runs in FP8 (inference only)."""
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != self.seq_len:
             raise ValueError(f"this plan is for seq_len={self.seq_len} tokens, got q.shape={tuple(q.shape)}.")
         if mask is not None:
@@ -265,9 +269,9 @@ class MaskPlan:
             pooled = self.mask
             if isinstance(q, torch.Tensor) and use_triton(q) and runs_eagerly(q, k, v):
                 return sparse_attention(q, k, v, self.prepared(q.device), scale=scale, return_lse=return_lse,
-                                        schedule=schedule)
+                                        schedule=schedule, precision=self.precision)
         return sparse_attention(q, k, v, pooled.to(q.device), self.q_block, self.kv_block, merge=self.kernel_merge,
-                                scale=scale, return_lse=return_lse, schedule=schedule)
+                                scale=scale, return_lse=return_lse, schedule=schedule, precision=self.precision)
 
     # -- reporting and storage ----------------------------------------------------------------------------
 
@@ -297,21 +301,24 @@ class MaskPlan:
                      if (x.q_block, x.kv_block) == (self.fine_q_block, self.fine_kv_block)), None)
         lines = [
             f"Mask plan for N={self.seq_len:,} tokens, {self.batch} x {self.heads} heads, head_dim {self.head_dim}, "
-            f"{self.dtype}: run at {self.q_block} x {self.kv_block} blocks, merge {self.merge}.",
+            f"{self.dtype}{', FP8 kernel' if self.precision else ''}: run at {self.q_block} x {self.kv_block} blocks, "
+            f"merge {self.merge}.",
             f"The mask was given at {self.fine_q_block} x {self.fine_kv_block}"
             + (f" (density {fine.density:.1%})" if fine is not None else "")
             + f"; pooled it attends {c.density:.1%} of token pairs and the kernel computes {c.work:.1%}.",
         ]
         if self.calibrated:
+            coefficients = "FP8 sparse coefficients" if self.precision else "sparse coefficients"
             lines.append(f"Predicted {self.score * 1e3:.4g} ms on {self.gpu}, {self.predicted_speedup:.2f}x faster "
-                         "than dense attention through the same kernel (cost model, sparse coefficients).")
+                         f"than dense attention through the same kernel (cost model, {coefficients}).")
             basis = Text(lines.pop())
         else:
             where = self.gpu if self.gpu else "this machine (no CUDA GPU)"
+            kernel = "sparse-fp8" if self.precision else "sparse"
             basis = Text(
-                f"No sparse-kernel coefficients for {where}: candidates were ranked by the token pairs the kernel "
+                f"No {kernel}-kernel coefficients for {where}: candidates were ranked by the token pairs the kernel "
                 f"computes (tile work), {self.predicted_speedup:.2f}x less than dense; no time is predicted. Name a "
-                "GPU with coefficients (device='h100') or run `natsim calibrate --kernels gna,sparse` on yours.",
+                f"GPU with coefficients (device='h100') or run `natsim calibrate --kernels gna,{kernel}` on yours.",
                 style="yellow",
             )
         best = self.candidates[0]
@@ -337,7 +344,7 @@ class MaskPlan:
             "format": FORMAT,
             **{name: getattr(self, name) for name in (
                 "seq_len", "fine_q_block", "fine_kv_block", "q_block", "kv_block", "merge", "batch", "heads",
-                "head_dim", "dtype", "gpu", "basis", "score", "dense_score", "tie_tolerance")},
+                "head_dim", "dtype", "gpu", "basis", "score", "dense_score", "tie_tolerance", "precision")},
             "predicted_time_s": self.predicted_time_s,
             "predicted_speedup": self.predicted_speedup,
             "breakdown": dict(self.breakdown),
@@ -359,6 +366,7 @@ class MaskPlan:
             merge=str(data["merge"]), dtype=str(data["dtype"]), gpu=data["gpu"], basis=data["basis"],
             breakdown={k: float(v) for k, v in data["breakdown"].items()},
             candidates=tuple(MaskCandidate.from_dict(c) for c in data["candidates"]),
+            precision=check_precision(data.get("precision")),  # plans written before FP8: the inputs' dtype
         )
         plan.chosen  # noqa: B018 (raises when the choice is not a candidate)
         return plan

@@ -21,6 +21,7 @@ from natsim.simulate import FIGURES
 
 from ..catalog import as_dtype
 from ..cost.backward_features import backward_work
+from ..cost.model import check_precision
 from .candidates import Candidate, Search
 from .explain import explain_plan
 from .ranking import BASIS_COST_MODEL
@@ -39,7 +40,8 @@ class Plan:
     reference is self attention as `gna_attention` runs it: 1-D over the flattened layout, 128-token tiles.
     A `training` plan was ranked by forward + backward (`best(..., training=True)`): `score` and `dense_score`
     are sums, `backward_score` / `dense_backward_score` their backward parts (the backward runs its own tiles,
-    `backward_tiles`); otherwise those are None.
+    `backward_tiles`); otherwise those are None. `precision` is "fp8" for a plan of the FP8 inference kernel
+    (`best(..., precision="fp8")`: it runs quantized, without gradients), else None.
     """
 
     problem: Problem
@@ -58,6 +60,7 @@ class Plan:
     training: bool = False
     backward_score: Optional[float] = None
     dense_backward_score: Optional[float] = None
+    precision: Optional[str] = None
 
     @cached_property
     def simulation(self) -> SimResult:
@@ -122,7 +125,7 @@ class Plan:
 
     def kernel_arguments(self) -> dict:
         """The keyword arguments of `natsim.kernels.gna_attention` that this plan runs with."""
-        return {
+        arguments = {
             "window": self.problem.window,
             "stride": self.problem.stride,
             "dilation": self.problem.dilation,
@@ -131,12 +134,15 @@ class Plan:
             "kv_tile": self.tiles.kv_tile,
             "kv_tiling": self.tiles.kv_tiling,
         }
+        if self.precision is not None:
+            arguments["precision"] = self.precision
+        return arguments
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None, return_lse: bool = False
     ):
-        """GNA of `[B, *shape, heads, head_dim]` tensors with this plan's window, stride, tiles and KV tiling
-        mode (returns what `gna_attention` returns: the output, and with `return_lse` its log-sum-exp)."""
+        """GNA of `[B, *shape, heads, head_dim]` tensors with this plan's window, stride, tiles, KV tiling mode and
+        precision (returns what `gna_attention` returns: the output, and with `return_lse` its log-sum-exp)."""
         if isinstance(q, torch.Tensor) and tuple(q.shape[1:-2]) != self.problem.shape:
             raise ValueError(
                 f"this plan is for token layout shape={self.problem.shape}, got q with spatial shape "
@@ -175,6 +181,7 @@ class Plan:
             "dense_backward_score": self.dense_backward_score,
             "predicted_forward_time_s": self.predicted_forward_time_s,
             "predicted_backward_time_s": self.predicted_backward_time_s,
+            "precision": self.precision,
         }
 
     @classmethod
@@ -216,6 +223,7 @@ class Plan:
             backward_score=None if data.get("backward_score") is None else float(data["backward_score"]),
             dense_backward_score=(None if data.get("dense_backward_score") is None
                                   else float(data["dense_backward_score"])),
+            precision=check_precision(data.get("precision")),  # plans written before FP8: the inputs' dtype
         )
 
     def to_json(self, indent: Optional[int] = 2) -> str:

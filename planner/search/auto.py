@@ -19,6 +19,7 @@ import torch
 from natsim.kernels import ops
 from natsim.kernels.common.backend import autocast_inputs, runs_eagerly
 from natsim.kernels.common.checks import check_tensors
+from natsim.kernels.common.fp8 import refuse_gradients
 from natsim.kernels.gna.checks import check_qkv
 from natsim.problem import BoolOrBools, IntOrInts
 
@@ -32,7 +33,8 @@ PlanKey = tuple[tuple[int, ...], int, int, torch.dtype, str]
 
 class AutoPlan:
     """Plans GNA for each token layout it is called on, with `natsim.planner.best`'s options (one GPU: no
-    `world_size`).
+    `world_size`); with `precision="fp8"` it runs the FP8 inference kernel (inputs that require grad are
+    refused).
 
     >>> auto = AutoPlan(0.9)              # doctest: +SKIP
     >>> out = auto(q, k, v)               # q: [B, *shape, heads, head_dim]; plans `shape` once   # doctest: +SKIP
@@ -49,11 +51,13 @@ class AutoPlan:
         cost_model: Optional[CostModelLike] = None,
         training: bool = False,
         kv_tiling: Optional[str] = None,
+        precision: Optional[str] = None,
     ):
-        if cost_model is not None or names_a_gpu(device):
-            ranking(device, cost_model, training, kv_tiling)  # refuse what no layout can plan now, not at a call
+        if cost_model is not None or names_a_gpu(device) or precision is not None:
+            # refuse what no layout can plan now, not at a call
+            ranking(device, cost_model, training, kv_tiling, precision)
         self.options = dict(causal=causal, window=window, max_stride=max_stride, device=device,
-                            cost_model=cost_model, training=training, kv_tiling=kv_tiling)
+                            cost_model=cost_model, training=training, kv_tiling=kv_tiling, precision=precision)
         self.target_sparsity = target_sparsity
         self.plans: dict[PlanKey, Plan] = {}
         self._lock = threading.Lock()
@@ -92,6 +96,8 @@ class AutoPlan:
             plan = self.plan_for(shape, heads=q.shape[-2], head_dim=q.shape[-1], dtype=q.dtype, device=q.device)
             return plan(q, k, v, scale=scale, return_lse=return_lse)
         tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if self.options["precision"] is not None:
+            refuse_gradients("AutoPlan", q, k, v)
         out, lse = ops.gna_resolved(q, k, v, self._resolver, None if scale is None else float(scale),
                                     return_lse or tracked)
         return (out, lse) if return_lse else out

@@ -12,6 +12,11 @@ The search:
 4. among the configurations within TIE_TOLERANCE (2%) of the best score the smallest stride product
    wins: a larger stride gives up translational equivariance, so it must buy more than noise.
 
+`precision="fp8"` plans natsim's FP8 inference kernel: the same simulated tile counts, FP8's coefficients
+(`CostModel.fp8_coefficients`; without them the plan ranks by tile work and says so), static KV tiling and tiles
+of at least 32 keys (what FP8 runs), and FP8's own memory passes (quantization, and the permutation of 2-D and
+3-D layouts).
+
 A search depends only on its normalised arguments (and the cost model's coefficients), so the last plans are
 kept (`_search`): a model calls `best` once per layer, mostly with the same layout. `world_size=P` prices the
 plan over P ranks (planner.search.parallel).
@@ -39,7 +44,7 @@ from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, a
 
 from ..catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
 from ..cost.features import feature_matrix, sweep_features, tile_arrays
-from ..cost.model import CostModel
+from ..cost.model import CostModel, check_precision
 from ..cost.predict import backward_breakdown, backward_score, backward_scores
 from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..plans.candidates import Candidate, Search
@@ -49,10 +54,8 @@ from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
 from .parallel import check_world_size, parallel_plan
 from .windows import candidate_windows, window_sparsity
 
-# Plans have no dilation, so on GPUs with tensor descriptors (those with coefficients) the kernel reads q, k, v
-# in place: no permutation (natsim.kernels.gna.launch.permutes).
-PERMUTES = False
 DENSE_TILE = 128
+FP8_MIN_KV_TOKENS = 32  # FP8's P @ V reduces over the KV tile: fewer keys do not compile (kernels/common/fp8.py)
 RUNNERS_UP = 4
 TOP = 20
 
@@ -111,13 +114,15 @@ def _check_kv_tiling(kv_tiling: object) -> Optional[str]:
 class _Scorer:
     """Scores sweep rows: predicted seconds with a cost model, tile work without."""
 
-    def __init__(self, shape, catalog, cost_model, batch_heads, head_dim, element_bytes):
+    def __init__(self, shape, catalog, cost_model, batch_heads, head_dim, element_bytes, precision=None):
         self.tile = tile_arrays(shape, catalog)
         self.tokens = math.prod(shape)
         self.cost_model = cost_model
         self.batch_heads = batch_heads
         self.head_dim = head_dim
         self.element_bytes = element_bytes
+        self.precision = precision
+        self.permutes = permutes(Problem(shape, 1), fp8=precision == "fp8")  # no dilation: the layout decides
 
     def features(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray) -> np.ndarray:
         return feature_matrix(
@@ -131,13 +136,14 @@ class _Scorer:
             batch_heads=self.batch_heads,
             head_dim=self.head_dim,
             element_bytes=self.element_bytes,
-            permutation=PERMUTES,
+            permutation=self.permutes,
+            quantized=self.precision == "fp8",
         )
 
     def score(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray) -> np.ndarray:
         if self.cost_model is None:
             return visited * (self.tile["q_tokens"][tile_index] * self.tile["kv_tokens"][tile_index]).astype(np.float64)
-        return self.cost_model.predict(self.features(tile_index, visited, full))
+        return self.cost_model.predict(self.features(tile_index, visited, full), self.precision)
 
     def dense_score(self) -> float:
         """Dense self attention as `gna_attention` runs it: 1-D over the flattened layout, 128-token tiles."""
@@ -150,9 +156,9 @@ class _Scorer:
             full_tiles=np.array([full]), visited_tiles=np.array([visited]),
             q_tokens=np.array([DENSE_TILE]), kv_tokens=np.array([DENSE_TILE]), q_padded=np.array([padded]),
             kv_padded=np.array([padded]), tokens=n, batch_heads=self.batch_heads, head_dim=self.head_dim,
-            element_bytes=self.element_bytes, permutation=False,
+            element_bytes=self.element_bytes, permutation=False, quantized=self.precision == "fp8",
         )
-        return float(self.cost_model.predict(features)[0])
+        return float(self.cost_model.predict(features, self.precision)[0])
 
 
 @functools.lru_cache(maxsize=256)
@@ -255,16 +261,30 @@ class _Request:
     kv_tilings: tuple[str, ...]
     backward_variant: tuple = ()  # the backward kernels' switches (DEFAULT_VARIANT) a training search priced
     kv_tiling_fixed: Optional[str] = None  # Search.kv_tiling_fixed: why the modes were narrowed
+    precision: Optional[str] = None
 
 
 def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: bool,
-            kv_tiling: Optional[str]) -> tuple[Optional[str], Optional[CostModel], tuple[str, ...]]:
+            kv_tiling: Optional[str], precision: Optional[str] = None
+            ) -> tuple[Optional[str], Optional[CostModel], tuple[str, ...]]:
     """`(gpu, cost model, KV tiling modes)` a search ranks with (planner.cost.resolve says which model; None
     ranks by tile work), or a sentence error: a training search needs backward coefficients to rank by time
-    (else it ranks forward and backward by tile work), and a fixed `kv_tiling` needs a model calibrated on it."""
+    (else it ranks forward and backward by tile work), a fixed `kv_tiling` needs a model calibrated on it, and
+    FP8 is for inference with static KV tiling (without FP8 coefficients it ranks by tile work)."""
     if not isinstance(training, bool):
         raise TypeError(f"training must be a bool, got {training=}.")
     kv_tiling = _check_kv_tiling(kv_tiling)
+    if check_precision(precision) == "fp8":
+        if training:
+            raise ValueError("precision='fp8' is for inference (its kernels have no backward pass), so training must "
+                             "be False; plan training in bfloat16 (precision=None).")
+        if kv_tiling == "dynamic":
+            raise ValueError("precision='fp8' runs static KV tiling only, got kv_tiling='dynamic'; pass "
+                             "kv_tiling='static' or None.")
+        gpu, model = resolve_cost_model(device, cost_model)
+        if model is not None and not model.has("gna-fp8"):
+            model = None  # the bf16 kernel's seconds say little about FP8's: rank by tile work, as without a model
+        return gpu, model, ("static",)
     gpu, model = resolve_cost_model(device, cost_model)
     if training and model is not None and model.backward_coefficients is None:
         model = None  # forward seconds and backward tile work do not add up: tile work for both
@@ -280,7 +300,7 @@ def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: b
 
 
 def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
-               training, world_size, kv_tiling) -> _Request:
+               training, world_size, kv_tiling, precision=None) -> _Request:
     """Check every argument of `best` and resolve its cost model: the search's request, or one sentence error
     for the first argument, or combination, that no plan can honour (`world_size` is checked, not searched)."""
     shape = as_shape(shape)
@@ -299,9 +319,12 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
     heads = _check_heads(heads)
     head_dim = check_head_dim(head_dim)
     dtype = as_dtype(dtype)
-    gpu, model, kv_tilings = ranking(device, cost_model, training, kv_tiling)
+    gpu, model, kv_tilings = ranking(device, cost_model, training, kv_tiling, precision)
     if world_size is not None:
         check_world_size(world_size, shape[0])
+        if precision is not None:
+            raise ValueError(f"precision={precision!r} plans one GPU: natsim.distributed runs bfloat16 / float16 only, "
+                             f"so world_size must be None, got {world_size=}.")
         if training:
             raise ValueError(f"training=True plans one GPU: natsim.distributed runs the forward only (it refuses "
                              f"inputs that require grad), so world_size must be None, got {world_size=}.")
@@ -317,7 +340,8 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         cost_key=None if model is None else json.dumps(model.to_dict(), sort_keys=True),
         training=training, kv_tilings=kv_tilings,
         backward_variant=tuple(sorted(DEFAULT_VARIANT.items())) if training else (),
-        kv_tiling_fixed=None if kv_tiling is None else "kv_tiling",
+        kv_tiling_fixed="precision" if precision is not None else (None if kv_tiling is None else "kv_tiling"),
+        precision=precision,
     )
     return request
 
@@ -348,6 +372,11 @@ def _sweep_windows(request: _Request, windows, catalog: list[TileConfig]) -> tup
 def _search(r: _Request) -> Plan:
     """The single-GPU plan of a normalised request (module docstring: the search)."""
     catalog = tile_catalog(r.shape, r.head_dim, r.kv_tilings)
+    if r.precision == "fp8":
+        catalog = [tiles for tiles in catalog if tiles.kv_tokens >= FP8_MIN_KV_TOKENS]
+        if not catalog:
+            raise ValueError(f"shape={r.shape} is too small for FP8's tiles (KV tiles of {FP8_MIN_KV_TOKENS} tokens or "
+                             "more); plan it with precision=None.")
     if r.window is not None:
         windows, band = (r.window,), None
     else:
@@ -356,7 +385,7 @@ def _search(r: _Request) -> Plan:
 
     # Every row meets the target: a window admissible at stride 1 attends no more keys at larger strides.
     rows, keys = _sweep_windows(r, windows, catalog)
-    scorer = _Scorer(r.shape, catalog, r.cost_model, r.heads or 1, r.head_dim, element_bytes(r.dtype))
+    scorer = _Scorer(r.shape, catalog, r.cost_model, r.heads or 1, r.head_dim, element_bytes(r.dtype), r.precision)
     scores = scorer.score(rows["tile_index"], rows["visited_tiles"], rows["full_tiles"])
     call = dict(batch_heads=r.heads or 1, head_dim=r.head_dim, element_bytes=element_bytes(r.dtype))
     if r.training:
@@ -386,7 +415,8 @@ def _search(r: _Request) -> Plan:
     if r.cost_model is not None:
         picked = [chosen]
         breakdown = r.cost_model.breakdown(
-            scorer.features(rows["tile_index"][picked], rows["visited_tiles"][picked], rows["full_tiles"][picked])[0]
+            scorer.features(rows["tile_index"][picked], rows["visited_tiles"][picked], rows["full_tiles"][picked])[0],
+            r.precision,
         )
         if r.training:
             breakdown.update(backward_breakdown(Problem(r.shape, winner.window, winner.stride, causal=r.causal),
@@ -419,6 +449,7 @@ def _search(r: _Request) -> Plan:
         training=r.training,
         backward_score=winner.backward_score,
         dense_backward_score=dense_backward,
+        precision=r.precision,
     )
 
 
@@ -437,6 +468,7 @@ def best(
     training: bool = False,
     world_size: Optional[int] = None,
     kv_tiling: Optional[str] = None,
+    precision: Optional[str] = None,
 ) -> Union[Plan, ParallelPlan]:
     """The fastest GNA configuration of `shape` whose sparsity is at least `target_sparsity`.
 
@@ -452,12 +484,13 @@ def best(
     `training` ranks by forward + backward time (the backward's own coefficients; without them, forward +
     backward tile work). `world_size=P`: a `ParallelPlan` for P ranks sharding frames
     (planner.search.parallel), which knows its strategy and split; training plans are for one GPU.
+    `precision="fp8"` plans the FP8 inference kernel (module docstring); the plan runs in FP8.
 
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
     """
     request = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device,
-                         cost_model, training, world_size, kv_tiling)
+                         cost_model, training, world_size, kv_tiling, precision)
     plan = _search(request)
     if world_size is None:
         return plan

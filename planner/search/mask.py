@@ -13,7 +13,9 @@ XOR greedy for "xor"), counted on the mask's bit-packed rows (planner.search.mas
 coefficients, or, without coefficients for the GPU, by the token pairs the kernel computes (tile work). The
 winner is the best score, except that a candidate within TIE_TOLERANCE of it that needs less host work (no merge
 before consecutive before xor, then coarser blocks) is preferred: the host's merge time is not in the kernel
-model. The result is a `MaskPlan` (planner.plans.mask).
+model. With `precision="fp8"` the candidates are scored by the FP8 sparse kernel's coefficients (the same work,
+FP8's cost per unit; tile work without them) and the plan runs in FP8. The result is a `MaskPlan`
+(planner.plans.mask).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from natsim.kernels.sparse.checks import SPARSE_HEAD_DIMS
 from natsim.kernels.sparse.work import default_blocks
 
 from ..catalog import as_dtype, dtype_name
-from ..cost.model import CostModel
+from ..cost.model import CostModel, check_precision
 from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..cost.sparse_features import SPARSE_FEATURES
 from ..plans.mask import MERGES, MaskCandidate, MaskLike, MaskPlan, fine_mask
@@ -75,7 +77,7 @@ def _blocks(name: str, values: Optional[Sequence[int]], finest: int) -> tuple[in
 
 
 def _candidate(rows: PackedMask, q_block: int, kv_block: int, merge: str, batch: int, heads: int, head_dim: int,
-               cost_model: Optional[CostModel]) -> tuple[MaskCandidate, np.ndarray]:
+               cost_model: Optional[CostModel], precision: Optional[str] = None) -> tuple[MaskCandidate, np.ndarray]:
     """One candidate scored on the work `prepare_sparse` would make for it (counted by planner.search.mask_work),
     with the GPU's program tiles, and its feature row."""
     kernel_merge = None if merge == "none" else merge
@@ -87,7 +89,7 @@ def _candidate(rows: PackedMask, q_block: int, kv_block: int, merge: str, batch:
     tiles = row[SPARSE_FEATURES.index("tiles")]
     pairs = tiles * block_m * block_n  # the call's computed token pairs
     seq_len = rows.seq_len
-    score = float(cost_model.predict_sparse(row)) if cost_model is not None else float(pairs)
+    score = float(cost_model.predict_sparse(row, precision)) if cost_model is not None else float(pairs)
     return MaskCandidate(
         q_block=q_block, kv_block=kv_block, merge=merge, block_m=block_m, block_n=block_n,
         density=rows.density(q_block, kv_block),
@@ -125,6 +127,7 @@ def best_mask(
     kv_blocks: Optional[Sequence[int]] = None,
     merges: Sequence[str] = MERGES,
     keep_mask: bool = True,
+    precision: Optional[str] = None,
 ) -> MaskPlan:
     """The fastest way to run a predicted block mask with `sparse_attention`: its granularity and merge.
 
@@ -143,6 +146,8 @@ def best_mask(
       above it);
       `merges`: among "none", "consecutive", "xor" (a merge needs query blocks under 128).
     - `keep_mask`: keep the pooled mask in the plan, so that `plan(q, k, v)` runs it.
+    - `precision`: None (the inputs' dtype) or "fp8": plan and run the FP8 inference kernel, scored by the FP8
+      sparse coefficients (by token pairs without them).
 
     >>> plan = best_mask(topp(q, k, 16, 16, 0.9), 16, 16, q.shape[1], device="h100")   # doctest: +SKIP
     >>> out = plan(q, k, v)                                                             # doctest: +SKIP
@@ -166,8 +171,9 @@ def best_mask(
         raise ValueError(f"merges must be a non-empty subset of {MERGES}, got merges={merges!r}.")
     q_options = _blocks("q_blocks", q_blocks, q_block)
     kv_options = _blocks("kv_blocks", kv_blocks, kv_block)
+    precision = check_precision(precision)
     gpu, model = resolve_cost_model(device, cost_model)
-    if model is not None and model.sparse_coefficients is None:
+    if model is not None and not model.has("sparse" if precision is None else "sparse-fp8"):
         model = None
 
     rows = PackedMask(dense, q_block, kv_block, seq_len)
@@ -177,7 +183,7 @@ def best_mask(
             for merge in merges:
                 if merge != "none" and qb >= DENSE_BLOCK:
                     continue  # one 128-query block per program already: a merge changes nothing
-                candidate, row = _candidate(rows, qb, kb, merge, batch, heads, head_dim, model)
+                candidate, row = _candidate(rows, qb, kb, merge, batch, heads, head_dim, model, precision)
                 scored.append(candidate)
                 features[(qb, kb, merge)] = row
     if not scored:
@@ -186,10 +192,10 @@ def best_mask(
     limit = scored[0].score * (1.0 + TIE_TOLERANCE)
     winner = min((c for c in scored if c.score <= limit), key=_preference)
     dense_candidate, _ = _candidate(_dense_rows(seq_len), DENSE_BLOCK, DENSE_BLOCK, "none", batch, heads, head_dim,
-                                    model)
+                                    model, precision)
     breakdown = {}
     if model is not None:
-        breakdown = model.sparse_breakdown(features[(winner.q_block, winner.kv_block, winner.merge)])
+        breakdown = model.sparse_breakdown(features[(winner.q_block, winner.kv_block, winner.merge)], precision)
     kept = None
     if keep_mask:
         fine = (winner.q_block, winner.kv_block) == (q_block, kv_block)
@@ -199,5 +205,5 @@ def best_mask(
         kv_block=winner.kv_block, merge=winner.merge, batch=batch, heads=heads, head_dim=head_dim,
         dtype=dtype_name(dtype), gpu=gpu, basis=BASIS_COST_MODEL if model is not None else BASIS_TILES,
         score=winner.score, dense_score=dense_candidate.score, breakdown=breakdown, candidates=tuple(scored),
-        mask=kept,
+        mask=kept, precision=precision,
     )
