@@ -10,7 +10,9 @@ restricts ncu to. Cases named `permuted-*` run the kernel alone on permuted toke
 (`gna_attention_permuted`, the warp-specialized loop where every tile is full); the others run
 `gna_attention` as a model calls it (the token layout read in place; dense attention over the flattened
 sequence); `cudnn-*` run SDPA's cuDNN backend on the same tensors; `sparse-*` run `sparse_attention` on a
-random 128x128 block mask of the given density. `--list` prints the case names.
+random 128x128 block mask of the given density. `--precision fp8` runs the FP8 kernels (`gna_attention` and
+`sparse_attention` with `precision="fp8"`; the call then launches the quantization kernel first, so restrict ncu
+to the attention kernel with `--kernel-name regex:forward`). `--list` prints the case names.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ SPARSE_CASES = {"sparse-all-480p": (32760, 1.0), "sparse-random70-480p": (32760,
 HEADS, HEAD_DIM, DTYPE = 24, 128, torch.bfloat16
 
 
-def _call(name: str):
-    """The call to profile, on fresh random inputs."""
+def _call(name: str, precision=None):
+    """The call to profile, on fresh random inputs (`precision`: None or "fp8")."""
     torch.manual_seed(0)
     if name in SPARSE_CASES:
         from natsim.kernels import prepare_sparse, sparse_attention
@@ -48,7 +50,7 @@ def _call(name: str):
         q, k, v = (torch.randn(1, tokens, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(3))
         blocks = -(-tokens // 128)
         work = prepare_sparse(torch.rand(1, HEADS, blocks, blocks, device="cuda") < density, 128, 128, tokens)
-        return lambda: sparse_attention(q, k, v, work)
+        return lambda: sparse_attention(q, k, v, work, precision=precision)
     shape, window, stride, tile = CASES[name]
     q, k, v = (torch.randn(1, *shape, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(3))
     if name.startswith("cudnn-"):
@@ -66,18 +68,21 @@ def _call(name: str):
         qp, kp, vp = (permute(t, tile) for t in (q, k, v))
         return lambda: gna_attention_permuted(qp, kp, vp, problem, tile, tile)
     tiles = {} if tile is None else {"q_tile": tile, "kv_tile": tile}
-    return lambda: gna_attention(q, k, v, window, stride, **tiles)
+    return lambda: gna_attention(q, k, v, window, stride, precision=precision, **tiles)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("case", nargs="?", choices=sorted({**CASES, **SPARSE_CASES}), help="the case to run")
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
+    parser.add_argument("--precision", choices=["fp8"], default=None, help="run the FP8 kernels")
     args = parser.parse_args()
     if args.list or args.case is None:
         print("\n".join(sorted({**CASES, **SPARSE_CASES})))
         return
-    run = _call(args.case)
+    if args.precision and args.case.startswith(("permuted-", "cudnn-")):
+        parser.error(f"--precision fp8 runs through gna_attention or sparse_attention, not case {args.case}")
+    run = _call(args.case, args.precision)
     run()
     torch.cuda.synchronize()
     with torch.cuda.nvtx.range("profiled"):
