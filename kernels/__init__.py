@@ -3,6 +3,7 @@
 with a CPU path through its torch reference; kernels/common/ holds what the families share.
 """
 
+from .common.fp8 import Fp8Scales
 from .gna import (
     gna_attention,
     gna_attention_permuted,
@@ -24,6 +25,7 @@ from .sparse import (
 )
 
 __all__ = [
+    "Fp8Scales",
     "gna_attention",
     "gna_attention_permuted",
     "gna_tile_counts",

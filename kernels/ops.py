@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 
 from .common.backend import use_triton
-from .common.fp8 import check_precision, refuse_gradients
+from .common.fp8 import check_fp8_call, refuse_gradients, scales_from
 from .gna.backward import gna_backward as run_gna_backward
 from .gna.checks import check_frames, check_kv_tiling, check_qkv, problem_of
 from .gna.dispatch import forward
@@ -58,22 +58,31 @@ def gna_forward(
     kv_tiling: Optional[str] = None,
     frame_offsets: Optional[Sequence[int]] = None,
     precision: Optional[str] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
     unless `return_lse`). `kv_tiling`: "static", "dynamic" or None (natsim chooses). `frame_offsets=(q0, k0,
     L0)`: q and k, v hold frame ranges of dimension 0 (kernels/gna/launch.py). `precision`: None or "fp8"
-    (inference only: no gradient)."""
+    (inference only: no gradient). q, k, v in float8 e4m3 come with `q_scale`, `k_scale`, `v_scale` and
+    `out_dtype` (kernels/common/fp8.py, `Fp8Scales`)."""
+    precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale),
+                                                  out_dtype)
     out, lse = forward(q, k, v, tuple(window), tuple(stride), tuple(dilation), tuple(causal), scale,
                        None if q_tile is None else tuple(q_tile), None if kv_tile is None else tuple(kv_tile),
-                       return_lse, kv_tiling, None if frame_offsets is None else tuple(frame_offsets), precision)
+                       return_lse, kv_tiling, None if frame_offsets is None else tuple(frame_offsets), precision,
+                       scales, out_dtype)
     # tuples: the schema hands over lists, which the call cache cannot hash
     return out, (_no_lse(q) if lse is None else lse)
 
 
-def _like(x: torch.Tensor) -> torch.Tensor:
+def _like(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """A fake output shaped as `x` with contiguous strides, as the kernels and references allocate theirs
-    (`empty_like` would copy the strides of a transposed input, and compiled graphs check them)."""
-    return x.new_empty(x.shape)
+    (`empty_like` would copy the strides of a transposed input, and compiled graphs check them); in x's dtype
+    unless `dtype` is given."""
+    return x.new_empty(x.shape, dtype=dtype)
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -86,26 +95,28 @@ def _no_lse(q: torch.Tensor) -> torch.Tensor:
 
 @gna_forward.register_fake
 def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
-                      kv_tiling=None, frame_offsets=None, precision=None):
+                      kv_tiling=None, frame_offsets=None, precision=None, q_scale=None, k_scale=None, v_scale=None,
+                      out_dtype=None):
     if frame_offsets is None:  # the same sentence errors as eager
         problem_of(check_qkv(q, k, v), window, stride, dilation, causal)
     else:
         check_frames(q, k, v, window, stride, dilation, causal, list(frame_offsets))
     check_kv_tiling(kv_tiling)
-    check_precision(precision)
+    _, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
-    return _like(q), lse
+    return _like(q, out_dtype), lse
 
 
 def _setup_context(ctx, inputs, output) -> None:
     # By position: q, k, v, window, stride, dilation, causal, scale lead the schema; later arguments (tiles,
-    # return_lse, kv_tiling) select kernel variants and take no gradient; frame_offsets comes last.
+    # return_lse, kv_tiling) select kernel variants and take no gradient; then frame_offsets, and FP8's
+    # precision, scales and output dtype.
     q, k, v, window, stride, dilation, causal, scale = inputs[:8]
     frame_offsets = inputs[12] if len(inputs) > 12 else None
     if frame_offsets is not None and use_triton(q):
         raise RuntimeError(FRAMES_GRADIENT_REFUSAL)
-    if len(inputs) > 13 and inputs[13] is not None:
-        refuse_gradients("gna_attention", q, k, v)
+    if any(x is not None for x in inputs[13:17]):  # precision, q_scale, k_scale, v_scale
+        refuse_gradients("gna_attention", q, k, v, *inputs[14:17])
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.arguments = (window, stride, dilation, causal, scale)
@@ -331,36 +342,44 @@ def sparse_forward(
     programs: Optional[int],
     pv_threshold: Optional[float] = None,
     precision: Optional[str] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of `[B, N, heads, head_dim]` under a boolean block mask `[B|1, H|1, nQ, nKV]`: the
     output, and the LSE `[B, N, heads]` (empty unless `return_lse`); `pv_threshold` turns on SpargeAttn's
-    PV skip; `precision="fp8"` quantizes (no gradient). The host work (grouping, union lists) happens inside,
-    so a compiled graph holds one opaque call."""
+    PV skip; `precision="fp8"` quantizes (no gradient), and q, k, v in float8 e4m3 come with `q_scale`,
+    `k_scale`, `v_scale` and `out_dtype` (kernels/common/fp8.py, `Fp8Scales`). The host work (grouping, union
+    lists) happens inside, so a compiled graph holds one opaque call."""
+    precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale),
+                                                  out_dtype)
     out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs,
-                                   pv_threshold, precision)
+                                   pv_threshold, precision, scales, out_dtype)
     return out, (_no_lse(q) if not return_lse else lse)
 
 
 @sparse_forward.register_fake
 def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs,
-                         pv_threshold=None, precision=None):
+                         pv_threshold=None, precision=None, q_scale=None, k_scale=None, v_scale=None,
+                         out_dtype=None):
     check_sparse_qkv(q, k, v)
     check_pv_threshold(pv_threshold)
-    check_precision(precision)
+    _, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
     dense_mask(mask, q_block, kv_block, q.shape[1])  # the same sentence errors as eager
     check_mask_batch(mask.shape[0], mask.shape[1], q)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
-    return _like(q), lse
+    return _like(q, out_dtype), lse
 
 
 def _sparse_setup_context(ctx, inputs, output) -> None:
     # By position: q, k, v, mask, q_block, kv_block, merge, scale lead the schema; later arguments select
-    # kernel variants and take no gradient.
+    # kernel variants and take no gradient; FP8's precision, scales and output dtype come last.
     q, k, v, mask, q_block, kv_block, merge, scale = inputs[:8]
     if inputs[11] is not None:  # pv_threshold
         raise RuntimeError(PV_SKIP_GRADIENT_REFUSAL)
-    if len(inputs) > 12 and inputs[12] is not None:
-        refuse_gradients("sparse_attention", q, k, v)
+    if any(x is not None for x in inputs[12:16]):  # precision, q_scale, k_scale, v_scale
+        refuse_gradients("sparse_attention", q, k, v, *inputs[13:16])
     out, lse = output
     ctx.save_for_backward(q, k, v, mask, out, lse)
     ctx.arguments = (q_block, kv_block, scale)
@@ -431,31 +450,39 @@ def sparse_prepared(
     programs: Optional[int],
     pv_threshold: Optional[float],
     precision: Optional[str] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of `[B, N, heads, head_dim]` on a prepared mask, given as `work_tensors(work)` and
     `work_sizes(work)`: the output, and the LSE `[B, N, heads]` (empty unless `return_lse`). No host work, so a
-    CUDA graph captures it and repeated calls pay no preparation. `precision="fp8"` quantizes (no gradient)."""
+    CUDA graph captures it and repeated calls pay no preparation. `precision="fp8"` quantizes (no gradient), and
+    q, k, v in float8 e4m3 come with `q_scale`, `k_scale`, `v_scale` and `out_dtype` (kernels/common/fp8.py)."""
+    precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale),
+                                                  out_dtype)
     work = work_from(work_tensors, work_sizes)
-    out, lse = sparse_prepared_impl(q, k, v, work, scale, return_lse, schedule, programs, pv_threshold, precision)
+    out, lse = sparse_prepared_impl(q, k, v, work, scale, return_lse, schedule, programs, pv_threshold, precision,
+                                    scales, out_dtype)
     return out, (_no_lse(q) if not return_lse else lse)
 
 
 @sparse_prepared.register_fake
 def _sparse_prepared_fake(q, k, v, work_tensors, work_sizes, scale, return_lse, schedule, programs,
-                          pv_threshold, precision=None):
+                          pv_threshold, precision=None, q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
     check_sparse_qkv(q, k, v)
     check_pv_threshold(pv_threshold)
-    check_precision(precision)
+    _, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
     lse = q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)) if return_lse else _no_lse(q)
-    return _like(q), lse
+    return _like(q, out_dtype), lse
 
 
 def _sparse_prepared_setup_context(ctx, inputs, output) -> None:
     q, k, v, tensors, sizes, scale, return_lse, schedule, programs, pv_threshold = inputs[:10]
     if pv_threshold is not None:
         raise RuntimeError(PV_SKIP_GRADIENT_REFUSAL)
-    if len(inputs) > 10 and inputs[10] is not None:
-        refuse_gradients("sparse_attention", q, k, v)
+    if any(x is not None for x in inputs[10:14]):  # precision, q_scale, k_scale, v_scale
+        refuse_gradients("sparse_attention", q, k, v, *inputs[11:14])
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
     ctx.arguments = (list(sizes), scale)
@@ -505,7 +532,9 @@ def _sparse_prepared_gradients(ctx, grad_out: torch.Tensor, grad_lse: torch.Tens
                                              return_lse=True),
             q, k, v, grad_out, grad_lse,
         )
-    return dq, dk, dv, [None] * len(tensors), None, None, None, None, None, None
+    # One entry per argument the call passed (trailing arguments at their defaults are not), the work's tensor
+    # list as a list: an operator with a tensor list checks the structure.
+    return (dq, dk, dv, [None] * len(tensors)) + (None,) * (len(ctx.needs_input_grad) - 4)
 
 
 sparse_prepared.register_autograd(_sparse_prepared_gradients, setup_context=_sparse_prepared_setup_context)

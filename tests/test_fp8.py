@@ -1,6 +1,7 @@
 """FP8 attention (kernels/common/fp8.py): the quantization rule against torch's own float8 conversion, the FP8
 kernels (GNA and block-sparse, in the interpreter) against the torch reference that applies the same rule and
-against float64 attention, the operators under torch.compile, and the refusals.
+against float64 attention, inputs given already in float8 with their scales, the operators under torch.compile,
+and the refusals.
 
 The kernels round P against each row's running maximum and the reference against its final one (the rule
 allows both), so kernel and reference agree bit for bit only where a row meets all its keys in one tile; with
@@ -18,9 +19,10 @@ import triton.language as tl
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from natsim.kernels import gna_attention, prepare_sparse, reference_attention, sparse_attention
-from natsim.kernels.common.fp8 import (E4M3, E4M3_MAX, cast_e4m3, column_statistics, lse_with_mean, quantize,
-                                       quantize_rows, quantized_weights, round_to_e4m3, fp8_q_tile)
+from natsim.kernels import (Fp8Scales, SparseMask, gna_attention, prepare_sparse, reference_attention,
+                            sparse_attention)
+from natsim.kernels.common.fp8 import (E4M3, E4M3_MAX, cast_e4m3, check_fp8_call, column_statistics, lse_with_mean,
+                                       quantize, quantize_rows, quantized_weights, round_to_e4m3, fp8_q_tile)
 from natsim.kernels.gna.reference import fp8_reference_attention
 from natsim.kernels.sparse.reference import fp8_sparse_reference, sparse_reference
 
@@ -290,3 +292,211 @@ def test_fp8_halves_natsims_128_query_tiles_along_their_first_long_dimension():
     assert fp8_q_tile((1, 1, 128)) == (1, 1, 64)
     assert fp8_q_tile((128,)) == (64,)
     assert fp8_q_tile((4, 4, 4)) == (4, 4, 4)  # 64 queries already
+
+
+# -- inputs already in float8, with their scales ------------------------------------------------------------------
+
+
+def _to_float8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """The test's own quantization, written apart from kernels/common/fp8.py: q and k per token and head
+    (`amax / 448`), v per channel over the tokens; no K mean. Returns the float8 tensors and their scales."""
+    tokens = tuple(range(1, q.dim() - 2))
+    q_scale, k_scale = (t.float().abs().amax(-1) / E4M3_MAX for t in (q, k))
+    v_scale = v.float().abs().amax(dim=tokens) / E4M3_MAX  # [B, heads, head_dim]
+    q8 = (q.float() / q_scale[..., None]).to(E4M3)
+    k8 = (k.float() / k_scale[..., None]).to(E4M3)
+    v8 = (v.float() / _per_channel(v_scale, v)).to(E4M3)
+    return (q8, k8, v8), Fp8Scales(q_scale, k_scale, v_scale)
+
+
+def _per_channel(v_scale: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`[B, heads, head_dim]` channel scales viewed against `[B, *tokens, heads, head_dim]` values."""
+    return v_scale.reshape(v_scale.shape[0], *(1,) * (v.dim() - 3), *v_scale.shape[1:])
+
+
+def _dequantized(q8, k8, v8, scales: Fp8Scales):
+    """The values a call on float8 inputs attends, in float64."""
+    return (q8.double() * scales.q_scale.double()[..., None], k8.double() * scales.k_scale.double()[..., None],
+            v8.double() * _per_channel(scales.v_scale.double(), v8))
+
+
+P_ROUNDING = 3e-2  # FP8 attention of given float8 values against exact attention of the same values: P's e4m3
+
+
+GIVEN_GNA_CASES = [
+    # shape, window, stride, dilation, causal, tile, heads, out_dtype: 3-D permuted (padding, causal, stride),
+    # 2-D permuted (dilation), 1-D read in place
+    ((3, 4, 5), (2, 3, 3), (1, 2, 1), 1, (True, False, False), (1, 4, 4), 1, None),
+    ((9, 6), (4, 3), (2, 1), (1, 2), False, (4, 4), 1, None),
+    ((37,), 10, 1, 1, True, 16, 2, torch.float16),
+]
+
+
+@pytest.mark.parametrize("shape, window, stride, dilation, causal, tile, heads, out_dtype", GIVEN_GNA_CASES)
+def test_gna_on_float8_inputs_is_attention_of_their_dequantized_values(shape, window, stride, dilation, causal,
+                                                                       tile, heads, out_dtype):
+    generator = torch.Generator().manual_seed(20 + len(shape))
+    (q8, k8, v8), scales = _to_float8(*_video_like(shape, heads, generator, torch.float32))
+    args = (window, stride, dilation, causal)
+    out, lse = gna_attention(q8, k8, v8, *args, q_tile=tile, kv_tile=tile, return_lse=True, scales=scales,
+                             out_dtype=out_dtype)
+    exact, exact_lse = reference_attention(*_dequantized(q8, k8, v8, scales), *args, return_lse=True)
+    assert out.dtype == (out_dtype or torch.bfloat16) and out.shape == q8.shape
+    assert _error(out, exact) < P_ROUNDING
+    # No mean is applied and the sum counts P unrounded: the LSE is the dequantized scores' own.
+    assert (lse.double() - exact_lse).abs().max() < 1e-4
+    rule = fp8_reference_attention(q8, k8, v8, *args, scales=scales, out_dtype=out_dtype)
+    assert rule.dtype == out.dtype and _error(out, rule) < KERNEL_VS_RULE
+
+
+def test_sparse_on_float8_inputs_is_attention_of_their_dequantized_values():
+    generator = torch.Generator().manual_seed(21)
+    n, q_block, kv_block = 80, 16, 32
+    (q8, k8, v8), scales = _to_float8(*(torch.randn(1, n, 2, 32, generator=generator) for _ in range(3)))
+    mask = torch.rand(1, 2, -(-n // q_block), -(-n // kv_block), generator=generator) < 0.6
+    mask[0, 1, 2] = False  # a query block that attends nothing: output 0, LSE -inf
+    out, lse = sparse_attention(q8, k8, v8, mask, q_block, kv_block, return_lse=True, scales=scales)
+    exact, exact_lse = sparse_reference(*_dequantized(q8, k8, v8, scales), mask, q_block, kv_block, return_lse=True)
+    assert out.dtype == torch.bfloat16 and _error(out, exact) < P_ROUNDING
+    finite = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and (lse[finite].double() - exact_lse[finite]).abs().max() < 1e-4
+    assert not out[0, 2 * q_block:3 * q_block, 1].float().any()
+    # Prepared work, its query blocks merged: the same attention (each row under its own block's mask row).
+    work = prepare_sparse(mask, q_block, kv_block, n, merge="xor", backward=False)
+    merged = sparse_attention(q8, k8, v8, work, scales=scales, out_dtype=torch.float16)
+    assert merged.dtype == torch.float16 and _error(merged, exact) < P_ROUNDING
+
+
+def _zero_mean_inputs(shape: tuple[int, ...], generator: torch.Generator):
+    """bf16 q, k, v whose k has a mean over the tokens of exactly 0 in float32 (multiples of 1/4, the second
+    half of the tokens the first half negated: every partial sum is exact), so that the rule removes nothing."""
+    q, v = (torch.randn(1, *shape, 1, 32, generator=generator).bfloat16() for _ in range(2))
+    half = torch.randint(-16, 17, (1, math.prod(shape) // 2, 1, 32), generator=generator) / 4
+    k = torch.cat([half, -half], dim=1).reshape(1, *shape, 1, 32).bfloat16()
+    return q, k, v
+
+
+def test_float8_inputs_that_the_rule_would_produce_give_the_rules_attention_bit_for_bit():
+    """Given what `precision='fp8'` quantizes bf16 inputs to (K's mean exactly 0), the call on the float8 tensors
+    runs the same kernel on the same bits: GNA (3-D, permuted) and sparse, output and LSE."""
+    generator = torch.Generator().manual_seed(22)
+    q, k, v = _zero_mean_inputs((2, 4, 4), generator)
+    t = quantize(q, k, v)
+    assert not t.k_mean.any()
+    as_tokens = lambda x: x.reshape(1, 2, 4, 4, *x.shape[2:])  # noqa: E731
+    given = (as_tokens(t.q), as_tokens(t.k), as_tokens(t.v_t[..., :32].permute(0, 3, 1, 2)))
+    scales = Fp8Scales(as_tokens(t.q_scale), as_tokens(t.k_scale), t.v_scale)
+    args = dict(window=(2, 3, 3), q_tile=(1, 4, 4), kv_tile=(1, 4, 4), return_lse=True)
+    for got, want in zip(gna_attention(*given, scales=scales, **args), gna_attention(q, k, v, precision="fp8", **args)):
+        assert torch.equal(got, want)
+    flat = tuple(x.reshape(1, 32, 1, 32) for x in given)
+    flat_scales = Fp8Scales(t.q_scale, t.k_scale, t.v_scale)
+    mask = torch.tensor([[[[True, False], [True, True]]]])
+    got = sparse_attention(*flat, mask, 16, 16, return_lse=True, scales=flat_scales)
+    want = sparse_attention(*(x.reshape(1, 32, 1, 32) for x in (q, k, v)), mask, 16, 16, return_lse=True,
+                            precision="fp8")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_broadcast_scales_equal_the_same_scales_given_in_full():
+    generator = torch.Generator().manual_seed(23)
+    q8, k8, v8 = (torch.randn(2, 32, 2, 32, generator=generator).to(E4M3) for _ in range(3))
+    per_tensor = torch.tensor(0.02)
+    per_head = torch.tensor([0.01, 0.03])
+    per_head_v = torch.tensor([[0.05], [0.2]])  # [heads, 1]: one scale per head for every channel
+    _, full, _ = check_fp8_call(q8, k8, v8, None, Fp8Scales(per_tensor, per_head, per_head_v), None)
+    assert full.q_scale.shape == full.k_scale.shape == (2, 32, 2) and full.v_scale.shape == (2, 2, 32)
+    assert all(t.is_contiguous() for t in (full.q_scale, full.k_scale, full.v_scale))
+    assert torch.equal(full.k_scale[1, 7], per_head) and torch.equal(full.v_scale[0, 1], torch.full((32,), 0.2))
+    mask = torch.tensor([[[[True, False], [True, True]]]])
+    broadcast = sparse_attention(q8, k8, v8, mask, 16, 16, scales=Fp8Scales(per_tensor, per_head, per_head_v))
+    assert torch.equal(broadcast, sparse_attention(q8, k8, v8, mask, 16, 16, scales=full))
+
+
+def test_float8_inputs_on_the_cpu_path_run_the_reference_of_their_dequantized_values(reference_path):
+    generator = torch.Generator().manual_seed(24)
+    (q8, k8, v8), scales = _to_float8(*_video_like((5, 6), 2, generator, torch.float32))
+    out = gna_attention(q8, k8, v8, 3, scales=scales)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, fp8_reference_attention(q8, k8, v8, 3, scales=scales))
+    assert _error(out, reference_attention(*_dequantized(q8, k8, v8, scales), 3)) < P_ROUNDING
+    flat = tuple(x.reshape(1, 30, 2, 32) for x in (q8, k8, v8))
+    flat_scales = Fp8Scales(scales.q_scale.reshape(1, 30, 2), scales.k_scale.reshape(1, 30, 2), scales.v_scale)
+    mask = torch.rand(1, 2, 2, 2, generator=generator) < 0.6
+    want = fp8_sparse_reference(*flat, mask, 16, 16, scales=flat_scales, out_dtype=torch.float16)
+    for given_mask in (mask, SparseMask.from_dense(mask, 16, 16, 30), prepare_sparse(mask, 16, 16, 30)):
+        args = (16, 16) if isinstance(given_mask, torch.Tensor) else ()
+        assert torch.equal(sparse_attention(*flat, given_mask, *args, scales=flat_scales, out_dtype=torch.float16),
+                           want)
+
+
+def test_float8_calls_compile_with_fullgraph_and_equal_eager():
+    """Through the operators: the scales built and broadcast inside the compiled function, GNA and prepared
+    sparse work."""
+    generator = torch.Generator().manual_seed(25)
+    (q8, k8, v8), scales = _to_float8(*_video_like((2, 4, 4), 1, generator, torch.float32))
+    flat = tuple(x.reshape(1, 32, 1, 32) for x in (q8, k8, v8))
+    work = prepare_sparse(torch.tensor([[[[True, False], [True, True]]]]), 16, 16, 32, backward=False)
+
+    def both(q8, k8, v8, q_scale, k_scale, v_scale, fq, fk, fv):
+        given = Fp8Scales(q_scale, k_scale, v_scale)
+        per_tensor = Fp8Scales(q_scale.amax(), k_scale.amax(), v_scale)
+        return (gna_attention(q8, k8, v8, (2, 3, 3), q_tile=(1, 4, 4), kv_tile=(1, 4, 4), scales=given),
+                sparse_attention(fq, fk, fv, work, scales=per_tensor, out_dtype=torch.float16))
+
+    inputs = (q8, k8, v8, scales.q_scale, scales.k_scale, scales.v_scale, *flat)
+    compiled = torch.compile(both, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(*inputs), both(*inputs)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_float8_inputs_refuse_what_they_cannot_run_with_sentences():
+    q8 = torch.randn(1, 32, 2, 32).to(E4M3)
+    row = torch.full((1, 32, 2), 0.01)
+    scales = Fp8Scales(row, row, torch.full((1, 2, 32), 0.01))
+    bf16 = torch.randn(1, 32, 2, 32).bfloat16()
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="q, k and v in float8 need their scales: .*got scales=None"):
+        gna_attention(q8, q8, q8, 3)
+    with pytest.raises(ValueError, match="need their scales"):
+        sparse_attention(q8, q8, q8, mask, 16, 16, precision="fp8")
+    with pytest.raises(ValueError, match="scales are for q, k and v given in float8 e4m3, got q.dtype=torch.bfloat16"):
+        gna_attention(bf16, bf16, bf16, 3, precision="fp8", scales=scales)
+    with pytest.raises(ValueError, match="out_dtype is for q, k and v given in float8"):
+        sparse_attention(bf16, bf16, bf16, mask, 16, 16, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="out_dtype must be torch.bfloat16 or torch.float16, "
+                                         "got out_dtype=torch.float32"):
+        gna_attention(q8, q8, q8, 3, scales=scales, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="q, k and v must have the same dtype, got q.dtype=torch.float8_e4m3fn, "
+                                         "k.dtype=torch.bfloat16"):
+        gna_attention(q8, bf16, q8, 3, scales=scales)
+    e5m2 = q8.float().to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="float8 inputs must be torch.float8_e4m3fn .*got dtype=torch.float8_e5m2"):
+        sparse_attention(e5m2, e5m2, e5m2, mask, 16, 16, scales=scales)
+    with pytest.raises(TypeError, match="q_scale must be a float32 torch.Tensor, got q_scale.dtype=torch.float16"):
+        Fp8Scales(row.half(), row, row)
+    with pytest.raises(TypeError, match="v_scale must be a float32 torch.Tensor, got float"):
+        Fp8Scales(row, row, 0.01)
+    with pytest.raises(TypeError, match="scales must be a natsim.kernels.Fp8Scales, got tuple"):
+        gna_attention(q8, q8, q8, 3, scales=(row, row, row))
+    with pytest.raises(ValueError, match=r"k_scale must broadcast to \[batch, \*tokens, heads\] = \(1, 32, 2\) .*"
+                                         r"got k_scale.shape=\(1, 16, 2\)"):
+        gna_attention(q8, q8, q8, 3, scales=Fp8Scales(row, row[:, :16], scales.v_scale))
+    with pytest.raises(ValueError, match=r"v_scale must broadcast to \[batch, heads, head_dim\] = \(1, 2, 32\)"):
+        sparse_attention(q8, q8, q8, mask, 16, 16, scales=Fp8Scales(row, row, torch.ones(2)))  # [heads], not [heads, 1]
+    with pytest.raises(ValueError, match="q_scale must be on q's device, got q_scale.device=meta"):
+        gna_attention(q8, q8, q8, 3, scales=Fp8Scales(torch.ones((), device="meta"), row, scales.v_scale))
+    with pytest.raises(RuntimeError, match="for inference and has no backward pass"):
+        gna_attention(q8, q8, q8, 3, scales=Fp8Scales(row.clone().requires_grad_(), row, scales.v_scale))
+    with pytest.raises(RuntimeError, match="for inference and has no backward pass"):
+        sparse_attention(q8.clone().requires_grad_(), q8, q8, mask, 16, 16, scales=scales)
+    grid = q8.reshape(1, 4, 8, 2, 32)
+    grid_scales = Fp8Scales(row.reshape(1, 4, 8, 2), row.reshape(1, 4, 8, 2), scales.v_scale)
+    with pytest.raises(ValueError, match="static KV tiling only"):
+        gna_attention(grid, grid, grid, 3, kv_tiling="dynamic", scales=grid_scales)
+    with pytest.raises(ValueError, match="does not run with the PV skip"):
+        sparse_attention(q8, q8, q8, mask, 16, 16, scales=scales, pv_threshold=-5.0)
+    # The registered operators take the scales as tensors and check them alike (their fake implementations too).
+    with pytest.raises(ValueError, match="need their scales"):
+        torch.ops.natsim.gna_forward(q8, q8, q8, [3], [1], [1], [False], None, None, None, False)

@@ -2,7 +2,8 @@
 
 The kernels' every data path at real sizes against the reference of the same quantization rule and against
 float32 attention (GNA: permuted, 1-D in place, dense as 1-D; sparse: descriptor loads and gathered blocks,
-merged), and the operators under torch.compile(fullgraph=True) and CUDA graphs.
+merged), inputs given already in float8 with their scales against attention of their dequantized values, and
+the operators under torch.compile(fullgraph=True) and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from natsim.kernels import gna_attention, prepare_sparse, reference_attention, sparse_attention, sparse_reference
+from natsim.kernels import (Fp8Scales, gna_attention, prepare_sparse, reference_attention, sparse_attention,
+                            sparse_reference)
+from natsim.kernels.common.fp8 import E4M3, quantize
 from natsim.kernels.gna.reference import fp8_reference_attention
 from natsim.kernels.sparse.reference import fp8_sparse_reference
 
@@ -80,6 +83,95 @@ def test_fp8_under_compile_and_cuda_graphs_equals_eager():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = both(q, k, v, *flat)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager):
+        assert torch.equal(got, want)
+
+
+# -- inputs already in float8 -------------------------------------------------------------------------------------
+
+
+def _to_float8(q, k, v):
+    """The test's own quantization: q and k per token and head (`amax / 448`), v per channel over the tokens."""
+    tokens = tuple(range(1, q.dim() - 2))
+    q_scale, k_scale = (t.float().abs().amax(-1) / 448 for t in (q, k))
+    v_scale = v.float().abs().amax(dim=tokens) / 448
+    per_channel = v_scale.reshape(v_scale.shape[0], *(1,) * len(tokens), *v_scale.shape[1:])
+    return ((q.float() / q_scale[..., None]).to(E4M3), (k.float() / k_scale[..., None]).to(E4M3),
+            (v.float() / per_channel).to(E4M3)), Fp8Scales(q_scale, k_scale, v_scale)
+
+
+def _dequantized(q8, k8, v8, scales):
+    per_channel = scales.v_scale.reshape(scales.v_scale.shape[0], *(1,) * (v8.dim() - 3), *scales.v_scale.shape[1:])
+    return q8.float() * scales.q_scale[..., None], k8.float() * scales.k_scale[..., None], v8.float() * per_channel
+
+
+@pytest.mark.parametrize("shape, window, stride, dilation, causal", [
+    ((30, 48, 80), (18, 24, 24), (16, 8, 8), 1, False),  # HunyuanVideo, permuted
+    ((13, 21, 35), (5, 8, 7), (2, 3, 1), (2, 1, 3), (True, False, False)),  # dilation, causal, padding
+    ((8192,), 1024, 1, 1, True),  # 1-D in place
+])
+def test_gna_on_float8_inputs_is_attention_of_their_dequantized_values(shape, window, stride, dilation, causal):
+    (q8, k8, v8), scales = _to_float8(*_qkv(*shape))
+    args = (window, stride, dilation, causal)
+    out, lse = gna_attention(q8, k8, v8, *args, return_lse=True, scales=scales)
+    exact, exact_lse = reference_attention(*_dequantized(q8, k8, v8, scales), *args, return_lse=True)
+    assert out.dtype == torch.bfloat16
+    assert _error(out, exact) < 3e-2  # P's e4m3 rounding only
+    assert (lse - exact_lse).abs().max() < 1e-3
+    rule = fp8_reference_attention(q8, k8, v8, *args, scales=scales)
+    assert _error(out, rule) < 3e-2
+
+
+def test_float8_inputs_the_rule_would_produce_give_the_rules_attention_bit_for_bit():
+    """The rule's own float8 tensors and scales, given: the same bits into the same kernel, the same output (the
+    output does not depend on K's mean, which the softmax removes; only the LSE does)."""
+    q, k, v = _qkv(13, 21, 35)
+    t = quantize(q, k, v)
+    as_tokens = lambda x: x.reshape(1, 13, 21, 35, *x.shape[2:])  # noqa: E731
+    v8 = as_tokens(t.v_t[..., :13 * 21 * 35].permute(0, 3, 1, 2))
+    scales = Fp8Scales(as_tokens(t.q_scale), as_tokens(t.k_scale), t.v_scale)
+    got = gna_attention(as_tokens(t.q), as_tokens(t.k), v8, (5, 8, 7), scales=scales)
+    assert torch.equal(got, gna_attention(q, k, v, (5, 8, 7), precision="fp8"))
+
+
+@pytest.mark.parametrize("merge", [None, "xor"])
+def test_sparse_on_float8_inputs_is_attention_of_their_dequantized_values(merge):
+    n = 8192
+    (q8, k8, v8), scales = _to_float8(*_qkv(n, heads=4))
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    mask = torch.rand(1, 4, n // 128, n // 128, device="cuda", generator=generator) < 0.3
+    work = prepare_sparse(mask, 128, 128, n, merge=merge, backward=False)
+    out, lse = sparse_attention(q8, k8, v8, work, return_lse=True, scales=scales, out_dtype=torch.float16)
+    exact, exact_lse = sparse_reference(*_dequantized(q8, k8, v8, scales), mask, 128, 128, return_lse=True)
+    assert out.dtype == torch.float16 and _error(out, exact) < 3e-2
+    finite = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and (lse[finite] - exact_lse[finite]).abs().max() < 1e-3
+    assert torch.equal(sparse_attention(q8, k8, v8, mask, 128, 128, merge=merge, scales=scales,
+                                        out_dtype=torch.float16), out)
+
+
+def test_float8_inputs_under_compile_and_cuda_graphs_equal_eager():
+    (q8, k8, v8), scales = _to_float8(*_qkv(8, 16, 32, heads=4))
+    flat = tuple(t.reshape(1, -1, 4, 128) for t in (q8, k8, v8))
+    flat_scales = Fp8Scales(scales.q_scale.reshape(1, -1, 4), scales.k_scale.reshape(1, -1, 4), scales.v_scale)
+    mask = torch.rand(1, 4, 32, 32, device="cuda") < 0.5
+    work = prepare_sparse(mask, 128, 128, flat[0].shape[1], backward=False)
+
+    def both(q8, k8, v8, fq, fk, fv):  # the sparse call with one scale for all of k, broadcast inside the graph
+        return (gna_attention(q8, k8, v8, (5, 7, 9), scales=scales),
+                sparse_attention(fq, fk, fv, work, scales=Fp8Scales(flat_scales.q_scale, flat_scales.k_scale.amax(),
+                                                                    flat_scales.v_scale)))
+
+    eager = both(q8, k8, v8, *flat)
+    compiled = torch.compile(both, fullgraph=True)(q8, k8, v8, *flat)
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
+    both(q8, k8, v8, *flat)  # warm: compiled kernels and cached calls before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = both(q8, k8, v8, *flat)
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(captured, eager):

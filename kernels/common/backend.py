@@ -9,6 +9,8 @@ import os
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .fp8 import FLOAT8_DTYPES
+
 
 def interpreting() -> bool:
     """True when Triton runs its kernels in the CPU interpreter (TRITON_INTERPRET=1)."""
@@ -21,11 +23,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Inside an autocast region, floating inputs of another dtype are cast to the region's dtype."""
+    """Inside an autocast region, floating inputs of another dtype are cast to the region's dtype; float8 inputs
+    stay as they are (they come with their scales, kernels/common/fp8.py)."""
     device = q.device.type
     if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
-        q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
+        q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype not in (dtype, *FLOAT8_DTYPES) else t
+                   for t in (q, k, v))
     return q, k, v
 
 

@@ -18,6 +18,9 @@ The rule (float8 e4m3, largest finite value 448; the scores and the output accum
   kernels' P rounding depends on the order of the KV tiles; the reference rounds against the row's final
   maximum. Both are the rule; tests compare them within FP8 tolerance, not bit for bit.
 
+Inputs already in float8 e4m3 (`Fp8Scales`) skip the rule's Q, K and V steps: the kernels read the given tensors
+and scales as they are (V transposed into its padded rows, a copy), no K mean is removed, and P follows the rule.
+
 Triton 3.6's interpreter rounds fp32 -> float8 casts wrongly (it truncates, and by a whole binade in places)
 but converts exactly representable values exactly, so kernels under the interpreter round P in fp32 first
 (`round_to_e4m3`, `EXACT_CAST`); on the GPU the hardware conversion rounds to nearest even.
@@ -39,6 +42,9 @@ E4M3_MAX = 448.0
 LOG2_E4M3_MAX = math.log2(E4M3_MAX)
 P_OFFSET = tl.constexpr(LOG2_E4M3_MAX)  # kernels compute exp2(s - m + P_OFFSET) = 448 * exp2(s - m)
 PRECISIONS = (None, "fp8")
+FLOAT8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                         "float8_e5m2fnuz") if hasattr(torch, name))
+OUT_DTYPES = (torch.bfloat16, torch.float16)  # what a call on float8 inputs returns
 ROW_ALIGNMENT = 16  # rows of the transposed V are padded to whole 16-byte units (tensor descriptor strides)
 
 
@@ -49,9 +55,10 @@ def check_precision(precision: Optional[str]) -> Optional[str]:
     return precision
 
 
-def refuse_gradients(name: str, *tensors: torch.Tensor) -> None:
-    """FP8 attention is for inference: inputs that require grad are refused with a sentence."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+def refuse_gradients(name: str, *tensors: Optional[torch.Tensor]) -> None:
+    """FP8 attention is for inference: inputs (q, k, v and any given scales) that require grad are refused with a
+    sentence."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError(
             f"{name} with precision='fp8' is for inference and has no backward pass, and an input requires grad. "
             "Train in bfloat16 (precision=None), or call it under torch.no_grad() / torch.inference_mode()."
@@ -59,12 +66,114 @@ def refuse_gradients(name: str, *tensors: torch.Tensor) -> None:
 
 
 @dataclass(frozen=True)
+class Fp8Scales:
+    """The scales of q, k and v given to `gna_attention` / `sparse_attention` already in float8 e4m3
+    (`[B, *tokens, heads, head_dim]`): the call attends `q.float() * q_scale[..., None]`,
+    `k.float() * k_scale[..., None]` and V with `v_scale` applied per channel, `v.float()[b, ..., h, d] *
+    v_scale[b, h, d]`. Every scale is a float32 tensor on the inputs' device:
+
+    - `q_scale`, `k_scale`: one per token and head, `[B, *tokens, heads]`, or any shape that broadcasts to it by
+      torch's rules: a 0-d tensor (one scale for the whole tensor), `[heads]` (per head), `[B, 1, ..., 1, heads]`
+      (per batch and head).
+    - `v_scale`: one per channel, `[B, heads, head_dim]`, or any shape that broadcasts to it: 0-d, `[heads, 1]`
+      (per head), `[B, heads, 1]`, `[head_dim]`.
+
+    The call expands them to those full shapes once (the layout the kernels read). Scales must be positive and
+    finite (the kernels fold q's into each row's running maximum, which takes it positive), and their values are
+    not checked: that would wait on the GPU on every call, which a CUDA graph cannot capture. Nothing else is
+    applied to the given values; in particular no K mean is removed (kernels/common/fp8.py's rule removes it
+    before quantizing): a caller who wants that smoothing subtracts K's mean over the tokens before quantizing,
+    and the returned LSE is then that of the smoothed scores.
+    """
+
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name in ("q_scale", "k_scale", "v_scale"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a float32 torch.Tensor, got {type(t).__name__}.")
+            if t.dtype != torch.float32:
+                raise TypeError(f"{name} must be a float32 torch.Tensor, got {name}.dtype={t.dtype}.")
+
+
+def check_fp8_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: Optional[str],
+                   scales: Optional[Fp8Scales], out_dtype: Optional[torch.dtype]
+                   ) -> tuple[Optional[str], Optional[Fp8Scales], Optional[torch.dtype]]:
+    """A call's precision arguments, checked against its `[B, *tokens, heads, head_dim]` q, k, v: returns
+    `(precision, scales, out_dtype)`. For bf16 / fp16 (or other) inputs `(precision, None, None)`; `scales` and
+    `out_dtype` are refused there. For inputs in float8 e4m3 (all three): `("fp8", scales, out_dtype)` with the
+    scales expanded to their full shapes (contiguous float32 `[B, *tokens, heads]`, `[B, *tokens, heads]`,
+    `[B, heads, head_dim]`) and the output dtype (bfloat16 unless float16 is asked for); precision None is read
+    as "fp8", which float8 inputs imply."""
+    check_precision(precision)
+    if not any(t.dtype in FLOAT8_DTYPES for t in (q, k, v)):
+        if scales is not None:
+            raise ValueError(f"scales are for q, k and v given in float8 e4m3, got q.dtype={q.dtype}: pass "
+                             f"{q.dtype} inputs without scales (precision='fp8' quantizes them inside the call).")
+        if out_dtype is not None:
+            raise ValueError(f"out_dtype is for q, k and v given in float8 (the output of {q.dtype} inputs keeps "
+                             f"their dtype), got out_dtype={out_dtype}.")
+        return precision, None, None
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"q, k and v must have the same dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}."
+        )
+    if q.dtype != E4M3:
+        raise ValueError(f"float8 inputs must be torch.float8_e4m3fn (the FP8 kernels' format), got dtype={q.dtype}.")
+    if scales is None:
+        raise ValueError("q, k and v in float8 need their scales: pass scales=Fp8Scales(q_scale, k_scale, v_scale) "
+                         "(one per token and head for q and k, one per channel for v), got scales=None.")
+    if not isinstance(scales, Fp8Scales):
+        raise TypeError(f"scales must be a natsim.kernels.Fp8Scales, got {type(scales).__name__}.")
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got out_dtype={out_dtype}.")
+    if q.dim() < 3 or k.dim() < 3 or v.dim() < 3:
+        raise ValueError(f"q, k and v must be [batch, *tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
+    full = []
+    for name, t, shape, layout in (
+            ("q_scale", scales.q_scale, q.shape[:-1], "[batch, *tokens, heads]"),
+            ("k_scale", scales.k_scale, k.shape[:-1], "[batch, *tokens, heads]"),
+            ("v_scale", scales.v_scale, torch.Size((v.shape[0], v.shape[-2], v.shape[-1])),
+             "[batch, heads, head_dim]")):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device, got {name}.device={t.device} and q.device={q.device}.")
+        try:
+            fits = torch.broadcast_shapes(t.shape, shape) == shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{name} must broadcast to {layout} = {tuple(shape)} (torch's broadcasting rules), "
+                             f"got {name}.shape={tuple(t.shape)}.")
+        full.append(t.expand(shape).contiguous())
+    return "fp8", Fp8Scales(*full), out_dtype
+
+
+def scale_tensors(scales: Optional[Fp8Scales]) -> tuple[Optional[torch.Tensor], ...]:
+    """`(q_scale, k_scale, v_scale)` as the registered operators take them (three Nones without scales)."""
+    return (None, None, None) if scales is None else (scales.q_scale, scales.k_scale, scales.v_scale)
+
+
+def scales_from(q_scale: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                v_scale: Optional[torch.Tensor]) -> Optional[Fp8Scales]:
+    """The registered operators' three scale arguments as `Fp8Scales` (None when none is given)."""
+    if q_scale is None and k_scale is None and v_scale is None:
+        return None
+    return Fp8Scales(q_scale, k_scale, v_scale)
+
+
+@dataclass(frozen=True)
 class Fp8Tensors:
-    """Q, K and V quantized by the rule above, for `[B, rows, heads, head_dim]` inputs.
+    """Q, K and V in float8 as the kernels read them, for `[B, rows, heads, head_dim]` inputs: quantized by the
+    rule above, or given in float8 (`prequantized_rows`).
 
     `q`, `k`: float8 e4m3 `[B, rows, heads, head_dim]` (contiguous); `q_scale`, `k_scale`: float32
     `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim, rows_padded]` (V transposed, zeros past the
-    rows); `v_scale`: float32 `[B, heads, head_dim]`; `k_mean`: K's mean `[B, heads, head_dim]`. Dequantized, `q ~ q_fp8 * q_scale[..., None]`,
+    rows); `v_scale`: float32 `[B, heads, head_dim]`; `k_mean`: K's mean `[B, heads, head_dim]`, None for inputs
+    given in float8 (no mean removed). Dequantized, `q ~ q_fp8 * q_scale[..., None]`,
     `k - mean ~ k_fp8 * k_scale[..., None]`, `v ~ v_t.transpose * v_scale`.
     """
 
@@ -74,7 +183,7 @@ class Fp8Tensors:
     q_scale: torch.Tensor
     k_scale: torch.Tensor
     v_scale: torch.Tensor
-    k_mean: torch.Tensor
+    k_mean: Optional[torch.Tensor]
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K (mean removed) and V as the kernels see them, `[B, rows, heads, head_dim]` in `dtype`."""
@@ -110,6 +219,27 @@ def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: tor
         k8, k_scale = _per_row(k.float() - k_mean[:, None])
         v_t[..., :rows] = (v.float() / v_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).permute(0, 2, 3, 1).to(E4M3)
     return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean)
+
+
+def prequantized_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
+                      k_scale: torch.Tensor, v_scale: torch.Tensor) -> Fp8Tensors:
+    """`Fp8Tensors` of `[B, rows, heads, head_dim]` q, k, v given in float8 e4m3 with their full-size scales
+    (`check_fp8_call`; q's and k's `[B, rows, heads]`): nothing is quantized again; V is copied transposed into
+    rows padded to 16 (zeros past the rows), and no K mean is removed."""
+    batch, rows, heads, head_dim = k.shape
+    padded = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
+    v_t[..., :rows] = v.permute(0, 2, 3, 1)
+    return Fp8Tensors(q.contiguous(), k.contiguous(), v_t, q_scale, k_scale, v_scale, None)
+
+
+def prequantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Fp8Scales) -> Fp8Tensors:
+    """`prequantized_rows` of `[B, *tokens, heads, head_dim]` float8 q, k, v and their full-size scales; the
+    result's rows are the flattened tokens."""
+    flat = tuple(t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]) for t in (q, k, v))
+    batch, rows, heads = flat[0].shape[:3]
+    return prequantized_rows(*flat, scales.q_scale.reshape(batch, rows, heads),
+                             scales.k_scale.reshape(batch, rows, heads), scales.v_scale)
 
 
 QUANTIZE_ROWS = 64  # rows per program of the quantization kernel

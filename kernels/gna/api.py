@@ -27,7 +27,7 @@ from natsim.problem import BoolOrBools, IntOrInts
 from .. import ops
 from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
 from ..common.checks import check_matching, check_tensors
-from ..common.fp8 import check_precision, refuse_gradients
+from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
 from .checks import check_kernel_inputs, kernel_tiles
 from .dispatch import forward
 from .launch import frames_as_3d, make_call
@@ -120,6 +120,8 @@ def gna_attention(
     kv_tiling: Optional[str] = None,
     frame_offsets: Optional[tuple[int, int, int]] = None,
     precision: Optional[str] = None,
+    scales: Optional[Fp8Scales] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """Generalized Neighborhood Attention, forward, on `[B, *shape, heads, head_dim]` tensors (1 to 3 dims).
 
@@ -143,14 +145,21 @@ def gna_attention(
     on FP8 tensor cores with fp32 accumulation (kernels/common/fp8.py: scales per token for Q and K, K's mean
     removed, per channel for V, P per tile); the output keeps the inputs' dtype. Static KV tiling, no
     `frame_offsets`; CPU tensors run a reference that applies the same quantization.
+
+    q, k, v already in float8 e4m3 come with `scales=Fp8Scales(q_scale, k_scale, v_scale)` (per token and head
+    for q and k, per channel for v; kernels/common/fp8.py says which shapes broadcast) and imply
+    `precision="fp8"`: the kernel reads them as given (no K mean removed; the LSE is of the given values'
+    scores) and returns the output in `out_dtype` (torch.bfloat16 by default, or torch.float16).
     """
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
-    if check_precision(precision) is not None:
-        refuse_gradients("gna_attention", q, k, v)
+    precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales, out_dtype)
+    if precision is not None:
+        refuse_gradients("gna_attention", q, k, v, *scale_tensors(scales))
     if runs_eagerly(q, k, v):
         out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
-                           kv_tiling, None if frame_offsets is None else tuple(frame_offsets), precision)
+                           kv_tiling, None if frame_offsets is None else tuple(frame_offsets), precision, scales,
+                           out_dtype)
     else:
         ndim = q.dim() - 3
         # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
@@ -161,6 +170,7 @@ def gna_attention(
             _per_dim(causal, ndim), None if scale is None else float(scale),
             None if q_tile is None else _per_dim(q_tile, ndim), None if kv_tile is None else _per_dim(kv_tile, ndim),
             needs_lse, kv_tiling, None if frame_offsets is None else list(frame_offsets), precision,
+            *scale_tensors(scales), out_dtype,
         )
     return (out, lse) if return_lse else out
 

@@ -18,6 +18,7 @@ from natsim.problem import BoolOrBools, IntOrInts
 from natsim.tiles import KV_TILINGS
 
 from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS, check_matching, check_tensors
+from ..common.fp8 import E4M3
 
 MIN_TILE_TOKENS = 16
 MAX_TILE_TOKENS = 256
@@ -61,9 +62,10 @@ def problem_of(
     return Problem(shape, window, stride, dilation, causal)
 
 
-def check_kernel_inputs(q: torch.Tensor) -> None:
-    """Check what the Triton kernel supports: dtype and head_dim."""
-    if q.dtype not in KERNEL_DTYPES:
+def check_kernel_inputs(q: torch.Tensor, float8: bool = False) -> None:
+    """Check what the Triton kernel supports: dtype (float8 e4m3 too where the call was given `float8` inputs
+    with their scales, kernels/common/fp8.py) and head_dim."""
+    if q.dtype not in KERNEL_DTYPES and not (float8 and q.dtype == E4M3):
         raise ValueError(
             f"the GNA kernel supports dtype float16 and bfloat16 (fp32 accumulation), got dtype={q.dtype}; "
             "use reference_attention for other dtypes."

@@ -26,7 +26,7 @@ _warned_cpu = False
 
 
 def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_tile=None, kv_tile=None,
-            return_lse=False, kv_tiling=None, frame_offsets=None, precision=None):
+            return_lse=False, kv_tiling=None, frame_offsets=None, precision=None, scales=None, out_dtype=None):
     """GNA forward of `[B, *shape, heads, head_dim]` tensors: `(out, lse)`, `lse` None unless asked.
 
     `kv_tiling` "static" or "dynamic" picks the kernel; None lets natsim choose by predicted work
@@ -34,12 +34,15 @@ def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_t
     everything and works the call out (`_prepare`); later ones look it up. Tensor metadata (shapes, dtypes,
     devices, strides, 16-byte alignment; for CPU tensors whether the interpreter is on) is part of the key, so
     a call with other tensors is checked afresh. Lists among the arguments are keyed as tuples. `precision`
-    "fp8" quantizes inside the call (kernels/common/fp8.py; static KV tiling, no frame ranges).
+    "fp8" quantizes inside the call (kernels/common/fp8.py; static KV tiling, no frame ranges), or with float8
+    inputs takes them as given, with their full-size `scales` (`check_fp8_call`, which the public boundary ran)
+    and the output in `out_dtype`.
     """
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
            q.stride(), k.stride(), v.stride(), q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
            and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(),
-           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, frame_offsets, precision)
+           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, frame_offsets, precision,
+           out_dtype)
     try:
         run = _calls.get(key)
     except TypeError:  # a list among the arguments
@@ -50,26 +53,29 @@ def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_t
         if precision is not None and frame_offsets is not None:
             raise ValueError("precision='fp8' does not run with frame_offsets (natsim.distributed): use bf16 there.")
         run = (_prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
-                        precision == "fp8")
+                        precision == "fp8", out_dtype)
                if frame_offsets is None else
                _prepare_frames(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
                                kv_tiling, frame_offsets))
         if len(_calls) >= MAX_CALLS:
             _calls.pop(next(iter(_calls)))
         _calls[key] = run
-    return run(q, k, v)
+    return run(q, k, v) if scales is None else run(q, k, v, scales)
 
 
-def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, fp8=False):
-    """Validate a call and return the function that runs it on tensors like these."""
+def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, fp8=False,
+             out_dtype=None):
+    """Validate a call and return the function that runs it on tensors like these (and, for inputs given in
+    float8, whose output is in `out_dtype`, on their scales)."""
     shape = check_qkv(q, k, v)
     problem = problem_of(shape, window, stride, dilation, causal)
     check_kv_tiling(kv_tiling)
     if fp8 and kv_tiling == "dynamic":
         raise ValueError("precision='fp8' runs with static KV tiling only, got kv_tiling='dynamic'.")
     if not (q.is_cuda or interpreting()):
-        return functools.partial(_run_reference, problem=problem, scale=scale, return_lse=return_lse, fp8=fp8)
-    check_kernel_inputs(q)
+        return functools.partial(_run_reference, problem=problem, scale=scale, return_lse=return_lse, fp8=fp8,
+                                 out_dtype=out_dtype)
+    check_kernel_inputs(q, float8=out_dtype is not None)
     if fp8:
         check_fp8_device(q)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
@@ -91,7 +97,7 @@ def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, 
         check_fp8_tiles(q, math.prod(q_dims), math.prod(kv_dims))
     call = make_call(kernel_problem, shape, q_dims, kv_dims, batch=batch, heads=heads, head_dim=head_dim,
                      scale=scale, layout_tensors=views if layout else None, return_lse=return_lse, kv_tiling=mode,
-                     fp8=fp8)
+                     fp8=fp8, out_dtype=out_dtype)
     return call.run
 
 
@@ -128,8 +134,10 @@ def _prepare_frames(q, k, v, window, stride, dilation, causal, scale, q_tile, kv
     return run
 
 
-def _run_reference(q, k, v, *, problem: Problem, scale, return_lse, frame_offsets=None, fp8=False):
-    """CPU tensors without the interpreter: the exact torch reference, with a one-time warning."""
+def _run_reference(q, k, v, scales=None, *, problem: Problem, scale, return_lse, frame_offsets=None, fp8=False,
+                   out_dtype=None):
+    """CPU tensors without the interpreter: the exact torch reference (of FP8's rule with `fp8`, on the inputs
+    given in float8 with `scales`), with a one-time warning."""
     global _warned_cpu
     if not _warned_cpu:
         import warnings
@@ -139,7 +147,7 @@ def _run_reference(q, k, v, *, problem: Problem, scale, return_lse, frame_offset
         _warned_cpu = True
     if fp8:
         result = fp8_reference_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
-                                         scale, return_lse)
+                                         scale, return_lse, scales=scales, out_dtype=out_dtype)
     else:
         result = reference_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
                                      scale, return_lse, frame_offsets=frame_offsets)

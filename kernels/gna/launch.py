@@ -38,7 +38,8 @@ from natsim.partition import frame_dim_tiles
 from natsim.window import group_length, window_bounds
 
 from ..common.backend import interpreting
-from ..common.fp8 import ROW_ALIGNMENT, column_statistics, fp8_launch_config, lse_with_mean, quantize_rows
+from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_launch_config,
+                          lse_with_mean, prequantized_rows, quantize_rows)
 from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, launch_config
 from ..common.softmax import LOG2E
 from .dynamic import gna_dynamic_kernel
@@ -140,7 +141,8 @@ class GnaCall:
     kernel: PreboundKernel
     kv_tiling: str = "static"
     frames: Optional[tuple[int, int, int, int]] = None  # (q0, q1, k0, k1) along dimension 0, or None
-    fp8: bool = False  # quantize q, k, v inside the call (kernels/common/fp8.py)
+    fp8: bool = False  # the FP8 kernel: q, k, v quantized inside the call, or given in float8 (kernels/common/fp8.py)
+    out_dtype: Optional[torch.dtype] = None  # the output's dtype for inputs given in float8
 
     @property
     def q_shape(self) -> tuple[int, ...]:
@@ -154,14 +156,18 @@ class GnaCall:
         return self.problem.shape if self.frames is None else (self.frames[3] - self.frames[2],
                                                                *self.problem.shape[1:])
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """`(out, lse)` of `[B, *shape, heads, head_dim]` inputs in that layout (`lse` None unless asked)."""
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Optional[Fp8Scales] = None):
+        """`(out, lse)` of `[B, *shape, heads, head_dim]` inputs in that layout (`lse` None unless asked); an FP8
+        call of inputs given in float8 takes their full-size `scales` (kernels/common/fp8.py)."""
         flattened = self.q_shape != self.shape  # dense attention as 1-D: views when contiguous
         if flattened:
             batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
             q, k, v = (t.reshape(batch, *self.problem.shape, heads, head_dim) for t in (q, k, v))
+            if scales is not None:
+                scales = Fp8Scales(*(s.reshape(batch, *self.problem.shape, heads)
+                                     for s in (scales.q_scale, scales.k_scale)), scales.v_scale)
         if self.fp8:
-            out, lse = self.run_fp8(q, k, v)
+            out, lse = self.run_fp8(q, k, v, scales)
         elif self.layout:
             out = new_output(q.shape, q.dtype, q.device)
             lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
@@ -178,34 +184,47 @@ class GnaCall:
             lse = None if lse is None else lse.view(batch, *self.shape, heads)
         return out, lse
 
-    def run_fp8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """`(out, lse)` of an FP8 call: K's mean and V's scales over the real tokens, then q, k, v quantized
-        in place (a 1-D layout) or after the permutation (padding rows quantized too; the kernel never uses
-        them), and the kernel on the float8 tensors and their scales."""
-        k_mean, v_scale = column_statistics(k, v)
-        batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
-        if self.layout:
-            t = quantize_rows(*(x.reshape(batch, -1, heads, head_dim) for x in (q, k, v)), k_mean, v_scale)
-            out = new_output(q.shape, q.dtype, q.device)
-            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
-            self.kernel(t.q, t.k, t.v_t, out, out if lse is None else lse, out, t.q_scale, t.k_scale, t.v_scale)
-        else:
-            out, lse = self._run_fp8_permuted(q, k, v, k_mean, v_scale)
-        if lse is not None:  # the kernel's LSE is of the scores with K's mean removed
-            lse = lse_with_mean(lse, q, k_mean, self.kernel.arguments["qk_scale"] / LOG2E)
+    def run_fp8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Optional[Fp8Scales] = None):
+        """`(out, lse)` of an FP8 call: q, k, v in float8 in the kernel's row order (`_fp8_rows`), the kernel on
+        them and their scales, the output unpermuted unless the kernel read a 1-D layout in place (rows are
+        tokens there). The output has the inputs' dtype, or `out_dtype` for inputs given in float8."""
+        t = self._fp8_rows(q, k, v, scales)
+        out = new_output(t.q.shape, q.dtype if scales is None else self.out_dtype, q.device)
+        lse = torch.empty(t.q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
+        self.kernel(t.q, t.k, t.v_t, out, out if lse is None else lse, out, t.q_scale, t.k_scale, t.v_scale)
+        if not self.layout:
+            dilation = self.problem.dilation
+            out = unpermute(out, self.q_shape, self.q_tile, dilation)
+            lse = None if lse is None else unpermute(lse[..., None], self.q_shape, self.q_tile, dilation)[..., 0]
+        if lse is not None and t.k_mean is not None:  # the kernel's LSE is of the scores with K's mean removed
+            lse = lse_with_mean(lse, q, t.k_mean, self.kernel.arguments["qk_scale"] / LOG2E)
         return out, lse
 
-    def _run_fp8_permuted(self, q, k, v, k_mean, v_scale):
+    def _fp8_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scales: Optional[Fp8Scales]) -> Fp8Tensors:
+        """q, k, v as the FP8 kernel reads them: in place (a 1-D layout) or permuted, quantized by the rule (K's
+        mean and V's scales over the real tokens; padding rows are quantized too, and the kernel never uses
+        them), or given in float8 with `scales` (their bytes and scales permuted alike; padding reads zeros)."""
+        batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
         dilation = self.problem.dilation
-        t = quantize_rows(permute(q, self.q_tile, dilation), permute(k, self.kv_tile, dilation),
-                          permute(v, self.kv_tile, dilation), k_mean, v_scale)
-        out_p = new_output(t.q.shape, q.dtype, q.device)
-        lse_p = torch.empty(t.q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
-        self.kernel(t.q, t.k, t.v_t, out_p, out_p if lse_p is None else lse_p, out_p, t.q_scale, t.k_scale,
-                    t.v_scale)
-        out = unpermute(out_p, self.q_shape, self.q_tile, dilation)
-        lse = None if lse_p is None else unpermute(lse_p[..., None], self.q_shape, self.q_tile, dilation)[..., 0]
-        return out, lse
+        if self.layout:
+            rows = tuple(x.reshape(batch, -1, heads, head_dim) for x in (q, k, v))
+        else:
+            rows = (_permute_any(q, self.q_tile, dilation), _permute_any(k, self.kv_tile, dilation),
+                    _permute_any(v, self.kv_tile, dilation))
+        if scales is None:
+            return quantize_rows(*rows, *column_statistics(k, v))
+        if self.layout:
+            q_scale, k_scale = (s.reshape(batch, -1, heads) for s in (scales.q_scale, scales.k_scale))
+        else:
+            q_scale = permute(scales.q_scale[..., None], self.q_tile, dilation)[..., 0]
+            k_scale = permute(scales.k_scale[..., None], self.kv_tile, dilation)[..., 0]
+            # Padding queries take scale 1, as the rule gives their zero rows: a scale of 0 would turn their
+            # masked scores (-inf) into NaN (rows the output drops, but work for nothing and NaN in the LSE).
+            real = permute(torch.ones((1, *self.q_shape, 1, 1), dtype=torch.uint8, device=q.device), self.q_tile,
+                           dilation)[..., 0]
+            q_scale = torch.where(real.bool(), q_scale, 1.0)
+        return prequantized_rows(*rows, q_scale, k_scale, scales.v_scale)
 
     def run_permuted(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """`(out, lse, counts)` of permuted `[B, tokens, heads, head_dim]` inputs, in q's permuted order."""
@@ -247,6 +266,7 @@ def make_call(
     kv_tiling: str = "static",
     frames: Optional[tuple[int, int, int, int]] = None,
     fp8: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> GnaCall:
     """Work out one call. `layout_tensors` are q, k, v in the kernel's layout for the layout path (their strides
     are bound), or None for the permuted path. `options` override `launch_config`'s (tuning; `MASKED` may only
@@ -255,8 +275,9 @@ def make_call(
     kernel; the dynamic one gathers box tiles with pointer loads on the permuted path and is never
     warp-specialized (Triton 3.6 does not specialize its loops: rank-4 descriptors or pointer gathers).
     `frames` `(q0, q1, k0, k1)`: q holds frames `[q0, q1)` of dimension 0 and k, v `[k0, k1)` (module
-    docstring); static KV tiling only. `fp8`: quantize inside the call and run the FP8 variant of the static
-    kernel (kernels/common/fp8.py) on permuted sequences or a 1-D layout in place."""
+    docstring); static KV tiling only. `fp8`: run the FP8 variant of the static kernel (kernels/common/fp8.py)
+    on permuted sequences or a 1-D layout in place, on q, k, v quantized inside the call or, with `out_dtype`
+    (the output's dtype), given in float8 with their scales."""
     if kv_tiling not in KERNELS:
         raise ValueError(f"kv_tiling must be one of {tuple(KERNELS)} here, got kv_tiling={kv_tiling!r}.")
     if frames is not None and kv_tiling != "static":
@@ -322,7 +343,7 @@ def make_call(
     options = {name: launch[name] for name in LAUNCH_OPTIONS}
     return GnaCall(problem, shape, q_tile, kv_tile, layout, return_lse, debug,
                    PreboundKernel(KERNELS[kv_tiling], grid, arguments, options, check_alignment=check_alignment),
-                   kv_tiling, frames, fp8)
+                   kv_tiling, frames, fp8, out_dtype)
 
 
 
@@ -343,6 +364,13 @@ def frames_as_3d(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, 
     ones = (1,) * pad
     return (Problem(problem.shape + ones, problem.window + ones, problem.stride + ones, problem.dilation + ones,
                     problem.causal + (False,) * pad), q_tile + ones, kv_tile + ones)
+
+
+def _permute_any(x: torch.Tensor, tile: tuple[int, ...], dilation: tuple[int, ...]) -> torch.Tensor:
+    """`permute` for any dtype: float8 tensors move as their bytes (a gather; zero bytes are 0.0 in e4m3)."""
+    if x.dtype == E4M3:
+        return permute(x.view(torch.uint8), tile, dilation).view(E4M3)
+    return permute(x, tile, dilation)
 
 
 def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

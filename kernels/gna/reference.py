@@ -20,7 +20,7 @@ import torch
 from natsim.dimension import key_ranges
 from natsim.problem import BoolOrBools, IntOrInts
 
-from ..common.fp8 import lse_with_mean, quantize, quantized_weights
+from ..common.fp8 import Fp8Scales, check_fp8_call, lse_with_mean, prequantized, quantize, quantized_weights
 from .checks import check_frames, check_qkv, problem_of
 
 CHUNK_ELEMENTS = 1 << 27
@@ -124,21 +124,28 @@ def fp8_reference_attention(
     causal: BoolOrBools = False,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    scales: Optional[Fp8Scales] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """GNA with FP8's quantization rule (kernels/common/fp8.py) in float32: q, k, v quantized and dequantized,
     P rounded for P @ V as the kernels round it (against the row's final maximum). Output in q's dtype; the
-    LSE that of the dequantized scores with K's mean added back (`lse_with_mean`)."""
+    LSE that of the dequantized scores with K's mean added back (`lse_with_mean`). Inputs given in float8 e4m3
+    with their `scales` are dequantized as they are (no mean), and the output is in `out_dtype` (bfloat16 by
+    default)."""
     shape = check_qkv(q, k, v)
     problem_of(shape, window, stride, dilation, causal)
+    _, scales, out_dtype = check_fp8_call(q, k, v, "fp8", scales, out_dtype)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     scale = head_dim**-0.5 if scale is None else scale
-    quantized = quantize(q, k, v)
+    quantized = quantize(q, k, v) if scales is None else prequantized(q, k, v, scales)
     dequantized = (t.reshape(batch, *shape, heads, head_dim) for t in quantized.dequantized())
-    result = reference_attention(*dequantized, window, stride, dilation, causal, scale, return_lse,
-                                 quantized_probs=True)
-    if return_lse:
-        return result[0].to(q.dtype), lse_with_mean(result[1], q, quantized.k_mean, scale)
-    return result.to(q.dtype)
+    result = reference_attention(*dequantized, window, stride, dilation, causal, scale, True, quantized_probs=True)
+    out = result[0].to(q.dtype if out_dtype is None else out_dtype)
+    if not return_lse:
+        return out
+    if quantized.k_mean is None:
+        return out, result[1]
+    return out, lse_with_mean(result[1], q, quantized.k_mean, scale)
 
 
 def reference_gradients(

@@ -17,7 +17,7 @@ import torch
 from .. import ops
 from ..common.backend import autocast_inputs, runs_eagerly, use_triton
 from ..common.checks import check_tensors
-from ..common.fp8 import check_precision, refuse_gradients
+from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
 from .checks import SCHEDULES, check_pv_threshold, check_work
 from .dispatch import sparse_forward_impl
 from .forward import run_sparse
@@ -40,6 +40,8 @@ def sparse_attention(
     programs: Optional[int] = None,
     pv_threshold: Optional[float] = None,
     precision: Optional[str] = None,
+    scales: Optional[Fp8Scales] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """Attention of `[B, N, heads, head_dim]` q, k, v under a block mask: query i attends key j exactly when
     `mask[b, h, i // q_block, j // kv_block]`.
@@ -62,16 +64,21 @@ def sparse_attention(
     - `precision`: None (the inputs' dtype) or `"fp8"` (inference only): q, k, v quantized to float8 e4m3 inside
       the call, QK^T and P @ V on FP8 tensor cores (kernels/common/fp8.py); not with `pv_threshold`; blocks of
       the kernel (`block_n`) of at least 32 keys on the GPU.
-    Returns the output (q's dtype) and with `return_lse` the natural-log LSE `[B, N, heads]` (float32, -inf
-    for a query that attends nothing, whose output is 0). Differentiable with respect to q, k and v (the
-    Triton backward kernels, kernels/sparse/backward.py, on the unmerged mask; the reference's gradients on
-    the CPU path), except with `pv_threshold`, whose skips have no gradient (refused). CPU tensors without
+    - `scales`, `out_dtype`: q, k, v already in float8 e4m3 come with `scales=Fp8Scales(q_scale, k_scale,
+      v_scale)` (per token and head for q and k, per channel for v; kernels/common/fp8.py says which shapes
+      broadcast) and imply `precision="fp8"`: the kernel reads them as given (no K mean removed) and returns the
+      output in `out_dtype` (torch.bfloat16 by default, or torch.float16).
+    Returns the output (q's dtype, or `out_dtype`) and with `return_lse` the natural-log LSE `[B, N, heads]`
+    (float32, -inf for a query that attends nothing, whose output is 0). Differentiable with respect to q, k and
+    v (the Triton backward kernels, kernels/sparse/backward.py, on the unmerged mask; the reference's gradients
+    on the CPU path), except with `pv_threshold`, whose skips have no gradient (refused). CPU tensors without
     TRITON_INTERPRET=1 run `sparse_reference`.
     """
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
-    if check_precision(precision) is not None:
-        refuse_gradients("sparse_attention", q, k, v)
+    precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales, out_dtype)
+    if precision is not None:
+        refuse_gradients("sparse_attention", q, k, v, *scale_tensors(scales))
         if pv_threshold is not None:
             raise ValueError("precision='fp8' does not run with the PV skip (pv_threshold): pass one or the other.")
     schedule = "grid" if schedule is None else schedule
@@ -79,7 +86,7 @@ def sparse_attention(
         raise ValueError(f"schedule must be None, 'grid' or 'lpt', got schedule={schedule!r}.")
     if isinstance(mask, SparseWork):
         return _attend_prepared(q, k, v, mask, (q_block, kv_block, merge), scale, return_lse, schedule, programs,
-                                pv_threshold, precision)
+                                pv_threshold, precision, scales, out_dtype)
     if q.dim() < 2:
         raise ValueError(f"q must be [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
     dense, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
@@ -92,16 +99,17 @@ def sparse_attention(
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if runs_eagerly(q, k, v):
         out, lse = sparse_forward_impl(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
-                                       programs, pv_threshold, precision)
+                                       programs, pv_threshold, precision, scales, out_dtype)
     else:
         # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
         out, lse = ops.sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse or tracked,
-                                      schedule, programs, pv_threshold, precision)
+                                      schedule, programs, pv_threshold, precision, *scale_tensors(scales),
+                                      out_dtype)
     return (out, lse) if return_lse else out
 
 
 def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse: bool, schedule: str,
-                     programs, pv_threshold, precision=None):
+                     programs, pv_threshold, precision=None, scales=None, out_dtype=None):
     """`sparse_attention` on prepared work: the kernel straight away in plain eager Triton calls, else the
     registered operator `natsim::sparse_prepared` (autograd, torch.compile, dispatch modes, the CPU path)."""
     if any(value is not None for value in given):
@@ -122,10 +130,11 @@ def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse:
     check_work(work, q)
     if runs_eagerly(q, k, v) and use_triton(q):
         out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold,
-                                 precision=precision)
+                                 precision=precision, scales=scales, out_dtype=out_dtype)
     else:
         out, lse = ops.sparse_prepared(q, k, v, work_tensors(work), work_sizes(work), scale,
-                                       return_lse or tracked, schedule, programs, pv_threshold, precision)
+                                       return_lse or tracked, schedule, programs, pv_threshold, precision,
+                                       *scale_tensors(scales), out_dtype)
     return (out, lse) if return_lse else out
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..common.checks import KERNEL_DTYPES, check_matching, check_tensors
+from ..common.fp8 import E4M3
 from .work import SparseWork
 
 SCHEDULES = ("grid", "lpt")
@@ -44,9 +45,10 @@ def check_pv_threshold(pv_threshold) -> Optional[float]:
     return float(pv_threshold)
 
 
-def check_sparse_kernel(q: torch.Tensor) -> None:
-    """What the Triton kernel runs: fp16/bf16 and head_dim 32, 64 or 128."""
-    if q.dtype not in KERNEL_DTYPES:
+def check_sparse_kernel(q: torch.Tensor, float8: bool = False) -> None:
+    """What the Triton kernel runs: fp16/bf16 (float8 e4m3 too where the call was given `float8` inputs with
+    their scales, kernels/common/fp8.py) and head_dim 32, 64 or 128."""
+    if q.dtype not in KERNEL_DTYPES and not (float8 and q.dtype == E4M3):
         raise ValueError(
             f"the sparse kernel supports dtype float16 and bfloat16 (fp32 accumulation), got dtype={q.dtype}; "
             "use sparse_reference for other dtypes."

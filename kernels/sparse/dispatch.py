@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..common.backend import use_triton
+from ..common.fp8 import Fp8Scales
 from .checks import check_mask_batch, check_sparse_kernel, check_sparse_qkv
 from .forward import run_sparse
 from .reference import fp8_sparse_reference, sparse_pv_reference, sparse_reference
@@ -20,10 +21,12 @@ _warned_cpu = False
 
 def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int, merge: Optional[str],
                         scale: Optional[float], return_lse: bool, schedule: str, programs: Optional[int],
-                        pv_threshold: Optional[float] = None, precision: Optional[str] = None):
+                        pv_threshold: Optional[float] = None, precision: Optional[str] = None,
+                        scales: Optional[Fp8Scales] = None, out_dtype: Optional[torch.dtype] = None):
     """`(out, lse)` of a boolean block mask: the Triton kernel (CUDA tensors or the interpreter), else the torch
     reference (of the PV skip with `pv_threshold`) with a one-time warning. What both the operator and the
-    eager fast path run."""
+    eager fast path run. Inputs given in float8 come with their full-size `scales` and `out_dtype`
+    (`check_fp8_call`, which the public boundary ran)."""
     global _warned_cpu
     check_sparse_qkv(q, k, v)
     check_mask_batch(mask.shape[0], mask.shape[1], q)
@@ -36,8 +39,8 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
             work = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device,
                                   backward=False)
             return sparse_pv_reference(work, q, k, v, pv_threshold, scale)[:2]
-        return _reference(q, k, v, mask, q_block, kv_block, scale, precision)
-    check_sparse_kernel(q)
+        return _reference(q, k, v, mask, q_block, kv_block, scale, precision, scales, out_dtype)
+    check_sparse_kernel(q, float8=scales is not None)
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "sparse_attention with a mask prepares its work on the host, which a CUDA graph cannot capture: "
@@ -45,28 +48,32 @@ def sparse_forward_impl(q, k, v, mask: torch.Tensor, q_block: int, kv_block: int
         )
     work = prepare_for_call(mask, q_block, kv_block, q.shape[1], merge, q.device)
     out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold,
-                             precision=precision)
+                             precision=precision, scales=scales, out_dtype=out_dtype)
     return out, lse
 
 
 def sparse_prepared_impl(q, k, v, work: SparseWork, scale: Optional[float], return_lse: bool, schedule: str,
                          programs: Optional[int], pv_threshold: Optional[float] = None,
-                         precision: Optional[str] = None):
+                         precision: Optional[str] = None, scales: Optional[Fp8Scales] = None,
+                         out_dtype: Optional[torch.dtype] = None):
     """`(out, lse)` on prepared work: the Triton kernel (CUDA tensors or the interpreter), else the torch
-    reference on the work's mask (of the PV skip with `pv_threshold`). No host work: CUDA graphs capture it."""
+    reference on the work's mask (of the PV skip with `pv_threshold`). No host work: CUDA graphs capture it.
+    `scales`, `out_dtype`: as `sparse_forward_impl`'s."""
     check_sparse_qkv(q, k, v)
     if not use_triton(q):
         if pv_threshold is not None:
             return sparse_pv_reference(work, q, k, v, pv_threshold, scale)[:2]
-        return _reference(q, k, v, work.mask, work.q_block, work.kv_block, scale, precision)
-    check_sparse_kernel(q)
+        return _reference(q, k, v, work.mask, work.q_block, work.kv_block, scale, precision, scales, out_dtype)
+    check_sparse_kernel(q, float8=scales is not None)
     out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold,
-                             precision=precision)
+                             precision=precision, scales=scales, out_dtype=out_dtype)
     return out, lse
 
 
-def _reference(q, k, v, mask, q_block, kv_block, scale, precision):
-    """The exact reference, or with precision "fp8" the one that applies FP8's quantization rule."""
+def _reference(q, k, v, mask, q_block, kv_block, scale, precision, scales, out_dtype):
+    """The exact reference, or with precision "fp8" the one that applies FP8's quantization rule (to inputs given
+    in float8 with `scales`: their dequantized values)."""
     if precision == "fp8":
-        return fp8_sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True)
+        return fp8_sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True, scales=scales,
+                                    out_dtype=out_dtype)
     return sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True)

@@ -46,7 +46,8 @@ from triton.runtime.errors import OutOfResources
 
 from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, install_allocator, launch_config
 from ..common.backend import interpreting
-from ..common.fp8 import check_fp8_device, check_fp8_tiles, fp8_launch_config, lse_with_mean, quantize
+from ..common.fp8 import (Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_launch_config, lse_with_mean,
+                          prequantized_rows, quantize)
 from ..common.softmax import LOG2E, softmax_step, softmax_step_fp8
 from .checks import SCHEDULES, check_pv_threshold, check_sparse_kernel, check_sparse_qkv, check_work
 from .work import SparseWork
@@ -308,6 +309,8 @@ def run_sparse(
     specialize: bool = False,
     pv_threshold: Optional[float] = None,
     precision: Optional[str] = None,
+    scales: Optional[Fp8Scales] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """`(out, lse, counts)` of one launch on prepared work (`lse` None unless asked; `counts` int32
     `[B * H * groups, 3]` with `debug`: KV blocks loaded, pairs computed, pairs PV-skipped; else None);
@@ -315,27 +318,31 @@ def run_sparse(
     tiles load through descriptors (8 warps, 2 stages; Triton 3.6 builds it with 8 warps, not with 4), except
     with the LSE or debug counts (the LSE came out wrong under Triton 3.6's warp specialization in the GNA
     kernel); benchmarks/sparse.py --tune times it. `precision="fp8"` quantizes q, k, v first
-    (kernels/common/fp8.py) and runs the kernel's FP8 variant (no PV skip, no warp specialization)."""
+    (kernels/common/fp8.py) and runs the kernel's FP8 variant (no PV skip, no warp specialization); q, k, v
+    given in float8 come with their full-size `scales` (`check_fp8_call`) and an `out_dtype`, and are read as
+    they are."""
     check_sparse_qkv(q, k, v)
-    check_sparse_kernel(q)
+    check_sparse_kernel(q, float8=scales is not None)
     check_work(work, q)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be 'grid' or 'lpt', got schedule={schedule!r}.")
     batch, seq_len, heads, head_dim = q.shape
     fp8 = precision == "fp8"
-    scales = (None, None, None)
+    out_dtype = q.dtype if scales is None else out_dtype
+    kernel_scales = (None, None, None)
     if fp8:
         if pv_threshold is not None:
             raise ValueError("precision='fp8' does not run with the PV skip (pv_threshold): pass one or the other.")
         check_fp8_device(q)
         check_fp8_tiles(q, work.block_m, work.block_n)
-        quantized = quantize(q, k, v)
+        quantized = (quantize(q, k, v) if scales is None
+                     else prequantized_rows(q, k, v, scales.q_scale, scales.k_scale, scales.v_scale))
         q_in = q
         q, k, v = quantized.q, quantized.k, quantized.v_t
-        scales = (quantized.q_scale, quantized.k_scale, quantized.v_scale)
+        kernel_scales = (quantized.q_scale, quantized.k_scale, quantized.v_scale)
         specialize = False
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = torch.empty(q.shape, dtype=q_in.dtype if fp8 else q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     lse = torch.empty((batch, seq_len, heads), dtype=torch.float32, device=q.device) if return_lse else None
     items = batch * heads * work.groups
     counts = torch.zeros((items, 3), dtype=torch.int32, device=q.device) if debug else None
@@ -378,7 +385,7 @@ def run_sparse(
                 QB=work.q_block, KVB=work.kv_block, BLOCK_M=work.block_m, BLOCK_N=work.block_n, HEAD_DIM=head_dim,
                 WRITE_LSE=return_lse, DEBUG=debug, USE_TMA=use_tma, PERSISTENT=persistent,
                 WARP_SPECIALIZE=specialize, PV_SKIP=pv_threshold is not None, FP8=fp8,
-                EXACT_CAST=fp8 and interpreting(), SQ=scales[0], SK=scales[1], SV=scales[2],
+                EXACT_CAST=fp8 and interpreting(), SQ=kernel_scales[0], SK=kernel_scales[1], SV=kernel_scales[2],
                 num_warps=options["num_warps"], num_stages=stages,
             )
             break
@@ -387,7 +394,7 @@ def run_sparse(
                 raise
             stages -= 1
     _STAGES[key] = stages
-    if fp8 and lse is not None:  # the kernel's LSE is of the scores with K's mean removed
+    if fp8 and lse is not None and quantized.k_mean is not None:  # the kernel's LSE: scores with K's mean removed
         lse = lse_with_mean(lse, q_in, quantized.k_mean, scale)
     return out, lse, counts
 

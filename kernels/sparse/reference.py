@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..common.fp8 import lse_with_mean, quantize, quantized_weights
+from ..common.fp8 import Fp8Scales, check_fp8_call, lse_with_mean, prequantized, quantize, quantized_weights
 from .checks import check_mask_batch, check_pv_threshold, check_sparse_qkv
 from .mask import SparseMask
 from .work import SparseWork, dense_mask
@@ -80,17 +80,23 @@ def fp8_sparse_reference(
     kv_block: Optional[int] = None,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    scales: Optional[Fp8Scales] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """`sparse_reference` with FP8's quantization rule (kernels/common/fp8.py) in float32: q, k, v quantized and
     dequantized, P rounded for P @ V as the kernels round it (against the row's final maximum); the LSE with
-    K's mean added back. Output in q's dtype."""
+    K's mean added back. Output in q's dtype. Inputs given in float8 e4m3 with their `scales` are dequantized as
+    they are (no mean), and the output is in `out_dtype` (bfloat16 by default)."""
     check_sparse_qkv(q, k, v)
-    quantized = quantize(q, k, v)
+    _, scales, out_dtype = check_fp8_call(q, k, v, "fp8", scales, out_dtype)
+    quantized = quantize(q, k, v) if scales is None else prequantized(q, k, v, scales)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, lse = sparse_reference(*quantized.dequantized(), mask, q_block, kv_block, scale, return_lse=True,
                                 quantized_probs=True)
-    out = out.to(q.dtype)
-    return (out, lse_with_mean(lse, q, quantized.k_mean, scale)) if return_lse else out
+    out = out.to(q.dtype if out_dtype is None else out_dtype)
+    if not return_lse:
+        return out
+    return out, (lse if quantized.k_mean is None else lse_with_mean(lse, q, quantized.k_mean, scale))
 
 
 def sparse_pv_reference(
