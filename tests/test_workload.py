@@ -132,6 +132,19 @@ def test_diffusers_masks_benchmark_small_run(tmp_path, capsys):
     assert "first sparse step" in capsys.readouterr().out
 
 
+def test_diffusers_fp8_benchmark_small_run(reference_path, tmp_path, capsys):
+    """benchmarks/diffusers_fp8.py --small: three runs per case from one noise, FP8 close to bf16 but not equal
+    (FP8 ran), the plans of the FP8 run made for FP8."""
+    pytest.importorskip("diffusers")
+    load("diffusers_fp8").main(["--small", "--steps", "2", "--cases", "wan-480p", "--out", str(tmp_path)])
+    (record,) = json.loads(next(tmp_path.glob("diffusers-fp8-cpu-*.json")).read_text())["records"]
+    assert set(record["step_ms"]) == {"own", "natsim_bf16", "natsim_fp8"}
+    assert 0.0 < record["fp8_vs_bf16"]["relative_difference"] < 0.05 and record["fp8_vs_bf16"]["cosine"] > 0.99
+    assert all(plan["precision"] == "fp8" for plan in record["natsim_fp8_plans"])
+    assert all(plan["precision"] is None for plan in record["natsim_bf16_plans"])
+    assert "fp8 vs bf16" in capsys.readouterr().out
+
+
 def test_training_benchmark_small_run(reference_path, tmp_path, capsys):
     """benchmarks/training.py --small: every row of every case is in the JSON, timed with finite numbers and
     checked against the float32 reference, or refused / unsupported with its reason (Flex has no backward on

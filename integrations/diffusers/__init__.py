@@ -58,6 +58,7 @@ def apply(
     device: Union[None, str, torch.device] = None,
     cost_model: Optional[CostModel] = None,
     training: bool = False,
+    precision: Optional[str] = None,
 ) -> Applied:
     """Route `transformer`'s video attention through GNA at `sparsity` (default 0.9, or any that `window`
     reaches when a window is given), or through content-adaptive `masks` (masks.py: inference, eager or
@@ -71,6 +72,9 @@ def apply(
     compile once per latent size and CUDA graphs replay it. `dtype` is the kernel's dtype for a float32
     model (default bfloat16). Joint attention (HunyuanVideo, CogVideoX, FLUX): video queries attend their
     GNA window and every text key; text queries attend every key (natsim.integrations.diffusers.attention).
+    `precision="fp8"` runs the video self-attention in FP8 (GNA plans made with `precision="fp8"`, mask plans
+    likewise; inference only), while text attention, dense warm-up steps and joint attention's text part stay
+    in the model's dtype.
     """
     spec = spec_of(transformer)
     if hasattr(transformer, "_natsim"):
@@ -81,12 +85,12 @@ def apply(
     if masks is not None:
         if sparsity is not None or window is not None:
             raise ValueError("masks replaces GNA: pass masks=... or sparsity / window, not both.")
-        auto, masked = None, MaskedAttention(masks, dtype)
+        auto, masked = None, MaskedAttention(masks, dtype, precision)
     else:
         if sparsity is None:
             sparsity = 0.9 if window is None else 0.0
         auto = AutoPlan(sparsity, causal=causal, window=window, max_stride=max_stride, device=device,
-                        cost_model=cost_model, training=training)
+                        cost_model=cost_model, training=training, precision=precision)
     router = Router(auto, spec.text_first, dtype, masked)
     originals = {}
     for attention in spec.attentions(transformer):

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from natsim.kernels import ops
+from natsim.kernels.common.fp8 import check_precision
 from natsim.masks import MaskCache, hierarchical, hilbert_inverse, hilbert_order, to_order
 from natsim.planner import MaskPlan, best_mask
 
@@ -83,11 +84,12 @@ class MaskStats:
 class MaskedAttention:
     """The run-time side of `Masks` for one model (module docstring); registered as a natsim operator."""
 
-    def __init__(self, masks: Masks, dtype: Optional[torch.dtype] = None):
+    def __init__(self, masks: Masks, dtype: Optional[torch.dtype] = None, precision: Optional[str] = None):
         if not isinstance(masks, Masks):
             raise TypeError(f"masks must be a natsim.integrations.diffusers.Masks, got {type(masks).__name__}.")
         self.masks = masks
         self.dtype = dtype
+        self.precision = check_precision(precision)
         self.cache = masks.cache()
         self.stats = MaskStats()
         self.plans: dict[tuple, MaskPlan] = {}
@@ -176,7 +178,8 @@ class MaskedAttention:
         if plan is None:
             start = time.perf_counter()
             plan = best_mask(mask, self.masks.block, self.masks.block, q.shape[1], heads=q.shape[2], batch=q.shape[0],
-                             head_dim=q.shape[3], dtype=dtype, merges=tuple(self.masks.merges), keep_mask=False)
+                             head_dim=q.shape[3], dtype=dtype, merges=tuple(self.masks.merges), keep_mask=False,
+                             precision=self.precision)
             self.stats.plan_seconds[key] = time.perf_counter() - start
             self.plans[key] = plan
         return plan

@@ -1,0 +1,115 @@
+"""The final latent of a short denoising run with natsim's FP8 attention, against bf16, one run, one JSON:
+
+    python benchmarks/diffusers_fp8.py --out DIR [--cases wan-480p,hunyuan-720p] [--steps 8]
+    python benchmarks/diffusers_fp8.py --out /tmp/x --small      # CPU smoke test: tiny models, seconds
+
+Each case is a model of benchmarks/diffusers_step.py (built from its published configuration with random weights,
+nothing downloaded; bf16 on the GPU, batch 1, random text states). From one noise latent, `--steps` steps of a
+flow-matching Euler sampler (`x <- x + (sigma_next - sigma) * v`, sigma from 1 to 0, the model's prediction v) run
+three ways: (a) the model's own attention, (b) natsim GNA (`apply(model, ...)`, the case's options), (c) the same
+with `precision="fp8"`. Reported per case: the relative L2 difference and the cosine similarity of the final
+latents, (c) against (b) (what FP8 costs), (b) against (a) (what sparsity costs) and (c) against (a); the median
+step time of each run after its first step (which plans and compiles), synchronised wall clock, eager. Writes
+`diffusers-fp8-<device>-<date>.json`; the table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from diffusers_step import CASES, DEVICE, build, inputs, small_case, synchronize
+from natsim.integrations import diffusers as nd
+
+DEFAULT_CASES = "wan-480p,hunyuan-720p"
+
+
+def denoise(model, args: dict, noise: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:
+    """The final latent of `steps` Euler steps from `noise` and each step's milliseconds."""
+    scale = float(args["timestep"].flatten()[0]) / 0.5  # the case's timestep at sigma 0.5: 1000 or 1 (FLUX)
+    sigmas = torch.linspace(1.0, 0.0, steps + 1).tolist()
+    x, times = noise.clone(), []
+    with torch.no_grad():
+        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+            step_args = dict(args, hidden_states=x, timestep=torch.full_like(args["timestep"], sigma * scale))
+            synchronize()
+            start = time.perf_counter()
+            velocity = model(**step_args)[0]
+            synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+            x = (x.float() + (sigma_next - sigma) * velocity.float()).to(x.dtype)
+    return x.float(), times
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """Relative L2 difference of `a` to `b` and their cosine similarity (flattened, float64)."""
+    a, b = a.double().flatten(), b.double().flatten()
+    return {"relative_difference": float((a - b).norm() / b.norm()),
+            "cosine": float(torch.dot(a, b) / (a.norm() * b.norm()))}
+
+
+def run_case(name: str, steps: int, small: bool = False) -> dict:
+    cls_name, config, layout, text, options = small_case(name) if small else CASES[name]
+    torch.manual_seed(0)
+    model = build(cls_name, config)
+    args = inputs(cls_name, config, layout, text)
+    noise = args["hidden_states"].clone()
+    record = dict(case=name, model=cls_name, layout=list(layout), text_tokens=text, steps=steps,
+                  options={k: str(v) if isinstance(v, torch.dtype) else v for k, v in options.items()},
+                  layers={k: v for k, v in config.items() if "layers" in k})
+    latents, step_ms = {}, {}
+    for run, precision in (("own", None), ("natsim_bf16", None), ("natsim_fp8", "fp8")):
+        applied = None if run == "own" else nd.apply(model, **options, precision=precision)
+        latents[run], times = denoise(model, args, noise, steps)
+        step_ms[run] = statistics.median(times[1:]) if len(times) > 1 else times[0]
+        if applied is not None:
+            record[f"{run}_plans"] = [
+                {"window": list(p.problem.window), "stride": list(p.problem.stride), "q_tile": list(p.tiles.q_tile),
+                 "kv_tile": list(p.tiles.kv_tile), "kv_tiling": p.tiles.kv_tiling, "precision": p.precision}
+                for p in applied.plans.values()]
+            nd.remove(model)
+    record["step_ms"] = step_ms
+    record["fp8_vs_bf16"] = compare(latents["natsim_fp8"], latents["natsim_bf16"])
+    record["bf16_vs_own"] = compare(latents["natsim_bf16"], latents["own"])
+    record["fp8_vs_own"] = compare(latents["natsim_fp8"], latents["own"])
+    return record
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument("--cases", default=DEFAULT_CASES, help=f"comma-separated, from {', '.join(CASES)}")
+    parser.add_argument("--steps", type=int, default=8, help="denoising steps per run")
+    parser.add_argument("--small", action="store_true", help="tiny models on the CPU (a smoke test of the script)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    import diffusers
+    import triton
+
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
+                  date=datetime.date.today().isoformat(), records=[])
+    path = args.out / f"diffusers-fp8-{device.replace(' ', '_')}-{result['date']}.json"
+    for name in args.cases.split(","):
+        record = run_case(name, args.steps, args.small)
+        print(json.dumps(record), flush=True)
+        result["records"].append(record)
+        path.write_text(json.dumps(result, indent=1))
+    print(f"\n{'case':14s} {'own ms':>8s} {'bf16 ms':>8s} {'fp8 ms':>8s} {'fp8 vs bf16':>12s} {'cosine':>8s} "
+          f"{'bf16 vs own':>12s} {'fp8 vs own':>11s}")
+    for r in result["records"]:
+        ms = r["step_ms"]
+        print(f"{r['case']:14s} {ms['own']:8.1f} {ms['natsim_bf16']:8.1f} {ms['natsim_fp8']:8.1f} "
+              f"{r['fp8_vs_bf16']['relative_difference']:12.2e} {r['fp8_vs_bf16']['cosine']:8.5f} "
+              f"{r['bf16_vs_own']['relative_difference']:12.2e} {r['fp8_vs_own']['relative_difference']:11.2e}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
