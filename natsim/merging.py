@@ -391,15 +391,15 @@ def _unpack(bits):
     return counts, indices
 
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True)
 def _merged_counts(bits, full_bits, group, xor):
-    """`merged_counts` over the masks of the stack, one thread per mask (each mask is grouped on its own, so the
-    result does not depend on the threads)."""
+    """`merged_counts` over the masks of the stack, one after another (threads lose more than they gain on a
+    busy machine of few cores: each call waits for its slowest thread)."""
     masks, num_q, _ = bits.shape
     num_groups = (num_q + group - 1) // group
     visited = np.zeros((masks, num_groups), np.int64)
     full = np.zeros((masks, num_groups), np.int64)
-    for m in numba.prange(masks):
+    for m in range(masks):
         members = _xor_greedy(bits[m], group) if xor else np.arange(num_q)
         union, all_full, _ = _group_stats(bits[m], full_bits[m], members, group)
         visited[m] = _row_popcounts(union)

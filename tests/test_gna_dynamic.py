@@ -104,7 +104,7 @@ def _check_output(problem: natsim.Problem, q_tile, kv_tile, seed: int, return_ls
 def test_dynamic_output_and_lse_match_float64_reference(case, path, monkeypatch):
     shape, window, stride, dilation, causal, q_tile, kv_tile = case
     if path == "gathered":
-        monkeypatch.setattr(dispatch, "takes_layout_path", lambda *args: False)
+        monkeypatch.setattr(dispatch, "takes_layout_path", lambda *args, **options: False)
     _check_output(natsim.Problem(shape, window, stride, dilation, causal), q_tile, kv_tile, 0, return_lse=True)
 
 
@@ -115,7 +115,7 @@ def test_dynamic_output_matches_reference_on_random_problems(case, seed, gathere
     problem, q_tile, kv_tile = case
     with pytest.MonkeyPatch.context() as patch:
         if gathered:
-            patch.setattr(dispatch, "takes_layout_path", lambda *args: False)
+            patch.setattr(dispatch, "takes_layout_path", lambda *args, **options: False)
         _check_output(problem, q_tile, kv_tile, seed, heads=1)
 
 
@@ -219,7 +219,7 @@ GPU_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 1e-2}
 def test_gpu_dynamic_output_matches_float64_reference(case, gathered, monkeypatch):
     shape, window, stride, dilation, causal, q_tile, kv_tile, head_dim, dtype = case
     if gathered:
-        monkeypatch.setattr(dispatch, "takes_layout_path", lambda *args: False)
+        monkeypatch.setattr(dispatch, "takes_layout_path", lambda *args, **options: False)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, *shape, 2, head_dim, device="cuda", dtype=dtype) for _ in range(3))
     args = (window, stride, dilation, causal)

@@ -19,7 +19,7 @@ from natsim.dimension import dim_tiles, dim_totals_many
 from natsim.kernels import prepare_sparse
 from natsim.kernels.sparse.work import default_blocks
 from natsim.merging import merged_counts, pack_rows
-from natsim.planner import best, best_mask, cost_model_for, features_of, or_pool, tile_catalog
+from natsim.planner import SPARSE_FEATURES, best, best_mask, cost_model_for, features_of, or_pool, tile_catalog
 from natsim.planner.cost.predict import backward_score
 from natsim.planner.cost.sparse_features import sparse_features
 from natsim.planner.plans.mask import MERGES
@@ -194,7 +194,7 @@ def reference_mask_pick(dense, q_block, kv_block, seq_len, heads, cost_model):
                 coarse = or_pool(dense, qb // q_block, kb // kv_block)
                 work = prepare_sparse(coarse, qb, kb, seq_len, merge=kernel_merge, block_m=block_m, block_n=block_n)
                 row = sparse_features(work, 1, heads, 128)
-                score = float(cost_model.predict_sparse(row)) if cost_model else float(row[4] * block_m * block_n)
+                score = float(cost_model.predict_sparse(row)) if cost_model else float(row[SPARSE_FEATURES.index("tiles")] * block_m * block_n)
                 scored.append((score, MERGES.index(merge), -qb * kb, qb, kb, merge))
     scored.sort()
     tied = [c for c in scored if c[0] <= scored[0][0] * 1.02]
