@@ -26,7 +26,10 @@ stops early once R-1 exact copies of the leader are found.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, Union
 
 import numba
@@ -250,7 +253,23 @@ def merged_counts(bits: np.ndarray, full_bits: np.ndarray, group: int, method: M
     if bits.ndim != 3 or full_bits.shape != bits.shape or bits.dtype != np.uint64 or full_bits.dtype != np.uint64:
         raise ValueError("bits and full_bits must be uint64 arrays [masks, Q tiles, words] of one shape, got "
                          f"{bits.dtype} {bits.shape} and {full_bits.dtype} {full_bits.shape}.")
-    return _merged_counts(np.ascontiguousarray(bits), np.ascontiguousarray(full_bits), int(group), method == "xor")
+    bits, full_bits, xor = np.ascontiguousarray(bits), np.ascontiguousarray(full_bits), method == "xor"
+    workers = min(len(bits), os.cpu_count() or 1)
+    if workers < 2:
+        return _merged_counts(bits, full_bits, int(group), xor)
+    # Each mask is grouped on its own, so slices of the stack run on Python threads (the compiled loop releases
+    # the GIL) and their counts join in order: the same result as one pass. Not numba's own threads: its OpenMP
+    # layer would change torch's thread count, which a compiled model's guards watch.
+    bounds = np.linspace(0, len(bits), workers + 1).astype(int)
+    parts = list(_threads().map(lambda b: _merged_counts(bits[b[0]:b[1]], full_bits[b[0]:b[1]], int(group), xor),
+                                zip(bounds[:-1], bounds[1:])))
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+@lru_cache(maxsize=1)
+def _threads() -> ThreadPoolExecutor:
+    """The threads `merged_counts` splits a stack of masks over (one per core), made on first use."""
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="natsim-merge")
 
 
 def _check_size(num_q: int, num_kv: int) -> None:
@@ -391,10 +410,10 @@ def _unpack(bits):
     return counts, indices
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _merged_counts(bits, full_bits, group, xor):
-    """`merged_counts` over the masks of the stack, one after another (threads lose more than they gain on a
-    busy machine of few cores: each call waits for its slowest thread)."""
+    """`merged_counts` over the masks of the stack, one after another (without the GIL: `merged_counts` runs
+    slices of a stack on threads)."""
     masks, num_q, _ = bits.shape
     num_groups = (num_q + group - 1) // group
     visited = np.zeros((masks, num_groups), np.int64)
