@@ -148,6 +148,19 @@ def test_merged_counts_are_natsim_merges_unions_and_full_intersections(method, g
         assert np.array_equal(intersections[m], [full[m][r].all(axis=0).sum() for r in rows])
 
 
+@pytest.mark.parametrize("cores", [1, 3, 16])
+def test_merged_counts_on_threads_equal_one_pass_over_the_stack(monkeypatch, cores):
+    from natsim import merging
+
+    rng = np.random.default_rng(cores)
+    bits = pack_rows(rng.random((7, 40, 150)) < 0.3)
+    full = bits & pack_rows(rng.random((7, 40, 150)) < 0.6)
+    expected = merging._merged_counts(bits, full, 4, True)
+    monkeypatch.setattr(merging.os, "cpu_count", lambda: cores)
+    got = merged_counts(bits, full, 4, "xor")
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected))
+
+
 @pytest.mark.parametrize("seed, batch, heads, seq_len, fine", [
     (0, 1, 3, 2000, (16, 16)),
     (1, 2, 2, 1500, (16, 32)),
