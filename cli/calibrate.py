@@ -27,29 +27,32 @@ def _measurements_table(title: str, columns: Sequence[str], cells: Iterable[Sequ
     return table
 
 
+def _gna_cells(cases) -> list[tuple[str, ...]]:
+    return [(fmt_dims(case.problem.shape), fmt_dims(case.problem.window), fmt_dims(case.problem.stride),
+             f"{fmt_dims(case.tiles.q_tile)} / {fmt_dims(case.tiles.kv_tile)}", case.tiles.kv_tiling,
+             f"{case.heads} x {case.head_dim}") for case in cases]
+
+
+def _sparse_cells(cases) -> list[tuple[str, ...]]:
+    return [(case.pattern if case.pattern != "random" else f"random {case.sparsity:.0%} sparse", str(case.seq_len),
+             f"{case.q_block}x{case.kv_block}", str(case.merge), f"{case.heads} x {case.head_dim}") for case in cases]
+
+
+GNA_COLUMNS = ("shape", "window", "stride", "Q / KV tile", "KV tiling", "heads x head_dim")
+SPARSE_COLUMNS = ("mask", "tokens", "blocks", "merge", "heads x head_dim")
+
+
 def _cases_table(calibration) -> Table:
-    cells = [
-        (fmt_dims(case.problem.shape), fmt_dims(case.problem.window), fmt_dims(case.problem.stride),
-         f"{fmt_dims(case.tiles.q_tile)} / {fmt_dims(case.tiles.kv_tile)}", case.tiles.kv_tiling,
-         f"{case.heads} x {case.head_dim}")
-        for case in calibration.cases
-    ]
     return _measurements_table(
-        f"calibration on {calibration.model.gpu}",
-        ("shape", "window", "stride", "Q / KV tile", "KV tiling", "heads x head_dim"), cells, calibration.times,
+        f"calibration on {calibration.model.gpu}", GNA_COLUMNS, _gna_cells(calibration.cases), calibration.times,
         calibration.model.predict(calibration.features), calibration.errors, calibration.fitted,
     )
 
 
 def _sparse_cases_table(calibration) -> Table:
-    cells = [
-        (case.pattern if case.pattern != "random" else f"random {case.sparsity:.0%} sparse", str(case.seq_len),
-         f"{case.q_block}x{case.kv_block}", str(case.merge), f"{case.heads} x {case.head_dim}")
-        for case in calibration.sparse_cases
-    ]
     return _measurements_table(
-        f"sparse kernel calibration on {calibration.model.gpu}",
-        ("mask", "tokens", "blocks", "merge", "heads x head_dim"), cells, calibration.sparse_times,
+        f"sparse kernel calibration on {calibration.model.gpu}", SPARSE_COLUMNS,
+        _sparse_cells(calibration.sparse_cases), calibration.sparse_times,
         calibration.model.predict_sparse(calibration.sparse_features), calibration.sparse_errors,
         calibration.sparse_fitted,
     )
@@ -70,32 +73,19 @@ def _backward_cases_table(calibration) -> Table:
     )
 
 
-def _fp8_cases_table(calibration) -> Table:
-    measured = calibration.fp8
-    cells = [
-        (fmt_dims(case.problem.shape), fmt_dims(case.problem.window), fmt_dims(case.problem.stride),
-         f"{fmt_dims(case.tiles.q_tile)} / {fmt_dims(case.tiles.kv_tile)}", f"{case.heads} x {case.head_dim}")
-        for case in measured.cases
-    ]
-    return _measurements_table(
-        f"FP8 GNA calibration on {calibration.model.gpu}",
-        ("shape", "window", "stride", "Q / KV tile", "heads x head_dim"), cells, measured.times,
-        calibration.model.predict(measured.features, "fp8"), measured.errors, measured.fitted,
-    )
-
-
-def _fp8_sparse_cases_table(calibration) -> Table:
-    measured = calibration.fp8_sparse
-    cells = [
-        (case.pattern if case.pattern != "random" else f"random {case.sparsity:.0%} sparse", str(case.seq_len),
-         f"{case.q_block}x{case.kv_block}", str(case.merge), f"{case.heads} x {case.head_dim}")
-        for case in measured.cases
-    ]
-    return _measurements_table(
-        f"FP8 sparse kernel calibration on {calibration.model.gpu}",
-        ("mask", "tokens", "blocks", "merge", "heads x head_dim"), cells, measured.times,
-        calibration.model.predict_sparse(measured.features, "fp8"), measured.errors, measured.fitted,
-    )
+def _fp8_tables(calibration) -> list[Table]:
+    """The FP8 kernels' measurement tables (those calibrated)."""
+    tables, model = [], calibration.model
+    if calibration.fp8:
+        m = calibration.fp8
+        tables.append(_measurements_table(f"FP8 GNA calibration on {model.gpu}", GNA_COLUMNS, _gna_cells(m.cases),
+                                          m.times, model.predict(m.features, "fp8"), m.errors, m.fitted))
+    if calibration.fp8_sparse:
+        m = calibration.fp8_sparse
+        tables.append(_measurements_table(f"FP8 sparse kernel calibration on {model.gpu}", SPARSE_COLUMNS,
+                                          _sparse_cells(m.cases), m.times, model.predict_sparse(m.features, "fp8"),
+                                          m.errors, m.fitted))
+    return tables
 
 
 def _coefficients_table(model) -> Table:
@@ -241,10 +231,8 @@ def calibrate_command(
         out.print(_sparse_cases_table(calibration))
     if calibration.backward_cases:
         out.print(_backward_cases_table(calibration))
-    if calibration.fp8:
-        out.print(_fp8_cases_table(calibration))
-    if calibration.fp8_sparse:
-        out.print(_fp8_sparse_cases_table(calibration))
+    for table in _fp8_tables(calibration):
+        out.print(table)
     out.print(_coefficients_table(calibration.model))
     out.print(_summary(calibration, path))
 

@@ -231,7 +231,10 @@ def sparse_rows(cases) -> np.ndarray:
 
 
 
-def test_calibrating_the_fp8_kernels_extends_the_stored_model_with_their_coefficients(monkeypatch, tmp_path):
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """A GPU with FP8 tensor cores whose every call takes what the known coefficients say, and a stored model of
+    it without FP8 coefficients to extend; yields the (kernel, precision) of each timed call."""
     monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "gpu_of", lambda device: GPU)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -249,8 +252,13 @@ def test_calibrating_the_fp8_kernels_extends_the_stored_model_with_their_coeffic
         return float(_sparse_row(case) @ vector(FP8_SPARSE if precision else SPARSE, SPARSE_FEATURES))
 
     monkeypatch.setattr(calibration, "time_case", time_case)
-    monkeypatch.setattr(calibration, "sparse_case_features", sparse_rows)
     monkeypatch.setattr(calibration, "time_sparse_case", time_sparse_case)
+    monkeypatch.setattr(calibration, "sparse_case_features", sparse_rows)
+    return seen
+
+
+def test_calibrating_the_fp8_kernels_extends_the_stored_model_with_their_coefficients(fake_gpu):
+    seen = fake_gpu
     result = calibration.calibrate(kernels=("gna-fp8", "sparse-fp8"))
     assert set(seen) == {("gna", "fp8"), ("sparse", "fp8")}
     assert len(result.fp8.cases) == len(calibration.fp8_calibration_cases())
@@ -268,6 +276,14 @@ def test_the_fp8_cases_separate_every_feature():
     sparse = sparse_rows(calibration.fp8_sparse_calibration_cases())
     for matrix, names in ((gna, FEATURES), (sparse, SPARSE_FEATURES)):
         assert np.linalg.matrix_rank(matrix / np.linalg.norm(matrix, axis=0)) == len(names)
+
+
+def test_natsim_calibrate_prints_the_fp8_tables(fake_gpu):
+    result = CliRunner().invoke(app, ["calibrate", "--kernels", "gna-fp8,sparse-fp8"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert "FP8 GNA calibration on Test GPU" in text and "FP8 sparse kernel calibration on Test GPU" in text
+    assert f"FP8 GNA on {len(calibration.fp8_calibration_cases())} cases" in text and "gna-fp8" in text
 
 
 def test_fp8_calibration_needs_a_gpu_with_fp8_tensor_cores(monkeypatch):
