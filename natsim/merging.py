@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, Union
+from typing import Literal, Sequence, Union
 
 import numba
 import numpy as np
@@ -245,30 +246,57 @@ def merged_counts(bits: np.ndarray, full_bits: np.ndarray, group: int, method: M
     """Per mask of a stack of packed masks `[M, nQ, words]` and per group of `merge(mask, group, method)`: the
     KV tiles of the union of the group's rows and of the intersection of its members' `full_bits` rows, int64
     `[M, groups]` each. These are `merge(...).merged`'s visited and full counts, grouped by the same greedy,
-    without building its index rows. A planner asks this for many masks and granularities."""
-    if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) or group < 1:
-        raise ValueError(f"group must be a positive integer (Q tiles per merged group), got group={group!r}.")
-    if method not in METHODS:
-        raise ValueError(f"method must be 'consecutive' or 'xor', got method={method!r}.")
-    if bits.ndim != 3 or full_bits.shape != bits.shape or bits.dtype != np.uint64 or full_bits.dtype != np.uint64:
-        raise ValueError("bits and full_bits must be uint64 arrays [masks, Q tiles, words] of one shape, got "
-                         f"{bits.dtype} {bits.shape} and {full_bits.dtype} {full_bits.shape}.")
-    bits, full_bits, xor = np.ascontiguousarray(bits), np.ascontiguousarray(full_bits), method == "xor"
-    workers = min(len(bits), os.cpu_count() or 1)
-    if workers < 2:
-        return _merged_counts(bits, full_bits, int(group), xor)
-    # Each mask is grouped on its own, so slices of the stack run on Python threads (the compiled loop releases
-    # the GIL) and their counts join in order: the same result as one pass. Not numba's own threads: its OpenMP
-    # layer would change torch's thread count, which a compiled model's guards watch.
-    bounds = np.linspace(0, len(bits), workers + 1).astype(int)
-    parts = list(_threads().map(lambda b: _merged_counts(bits[b[0]:b[1]], full_bits[b[0]:b[1]], int(group), xor),
-                                zip(bounds[:-1], bounds[1:])))
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    without building its index rows. A planner asks this for many masks and granularities
+    (`merged_counts_many` asks for several at once)."""
+    visited, full, _ = merged_counts_many([(bits, full_bits, group, method)])[0]
+    return visited, full
+
+
+def merged_counts_many(
+    requests: Sequence[tuple[np.ndarray, np.ndarray, int, Method]],
+) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """`merged_counts` of each `(bits, full_bits, group, method)` request, with the seconds its grouping took on
+    one core (summed over its masks): `(visited, full, seconds)` per request, in order.
+
+    Each mask of each request is grouped on its own, so the (request, mask) pairs run on Python threads, one per
+    core (the compiled loop releases the GIL), and the counts join in order: the same result as one pass. Not
+    numba's own threads: its OpenMP layer would change torch's thread count, which a compiled model's guards watch.
+    """
+    checked = []
+    for bits, full_bits, group, method in requests:
+        if isinstance(group, (bool, np.bool_)) or not isinstance(group, (int, np.integer)) or group < 1:
+            raise ValueError(f"group must be a positive integer (Q tiles per merged group), got group={group!r}.")
+        if method not in METHODS:
+            raise ValueError(f"method must be 'consecutive' or 'xor', got method={method!r}.")
+        if bits.ndim != 3 or full_bits.shape != bits.shape or bits.dtype != np.uint64 or full_bits.dtype != np.uint64:
+            raise ValueError("bits and full_bits must be uint64 arrays [masks, Q tiles, words] of one shape, got "
+                             f"{bits.dtype} {bits.shape} and {full_bits.dtype} {full_bits.shape}.")
+        checked.append((np.ascontiguousarray(bits), np.ascontiguousarray(full_bits), int(group), method == "xor"))
+
+    def one_mask(job: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, float]:
+        bits, full_bits, group, xor = checked[job[0]]
+        m = job[1]
+        start = time.perf_counter()
+        visited, full = _merged_counts(bits[m:m + 1], full_bits[m:m + 1], group, xor)
+        return visited, full, time.perf_counter() - start
+
+    jobs = [(r, m) for r, (bits, *_) in enumerate(checked) for m in range(len(bits))]
+    parts = list(_threads().map(one_mask, jobs)) if len(jobs) > 1 and (os.cpu_count() or 1) > 1 else \
+        [one_mask(job) for job in jobs]
+    results, at = [], 0
+    for bits, full_bits, group, xor in checked:
+        mine, at = parts[at:at + len(bits)], at + len(bits)
+        if not mine:  # an empty stack: no mask, no group
+            results.append((*_merged_counts(bits, full_bits, group, xor), 0.0))
+            continue
+        results.append((np.concatenate([p[0] for p in mine]), np.concatenate([p[1] for p in mine]),
+                        sum(p[2] for p in mine)))
+    return results
 
 
 @lru_cache(maxsize=1)
 def _threads() -> ThreadPoolExecutor:
-    """The threads `merged_counts` splits a stack of masks over (one per core), made on first use."""
+    """The threads `merged_counts_many` spreads its masks over (one per core), made on first use."""
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="natsim-merge")
 
 

@@ -149,16 +149,23 @@ def test_merged_counts_are_natsim_merges_unions_and_full_intersections(method, g
 
 
 @pytest.mark.parametrize("cores", [1, 3, 16])
-def test_merged_counts_on_threads_equal_one_pass_over_the_stack(monkeypatch, cores):
+def test_counts_on_threads_equal_one_pass_over_each_stack(monkeypatch, cores):
     from natsim import merging
 
     rng = np.random.default_rng(cores)
-    bits = pack_rows(rng.random((7, 40, 150)) < 0.3)
-    full = bits & pack_rows(rng.random((7, 40, 150)) < 0.6)
-    expected = merging._merged_counts(bits, full, 4, True)
+    requests = []
+    for masks, rows, columns, group, method in [(7, 40, 150, 4, "xor"), (1, 33, 70, 2, "consecutive"),
+                                                (3, 16, 64, 8, "xor"), (0, 8, 64, 2, "xor")]:
+        bits = pack_rows(rng.random((masks, rows, columns)) < 0.3)
+        requests.append((bits, bits & pack_rows(rng.random((masks, rows, columns)) < 0.6), group, method))
     monkeypatch.setattr(merging.os, "cpu_count", lambda: cores)
-    got = merged_counts(bits, full, 4, "xor")
-    assert all(np.array_equal(g, e) for g, e in zip(got, expected))
+    results = merging.merged_counts_many(requests)
+    assert len(results) == len(requests)
+    for (bits, full, group, method), (visited, intersections, seconds) in zip(requests, results):
+        expected = merging._merged_counts(bits, full, group, method == "xor")
+        assert np.array_equal(visited, expected[0]) and np.array_equal(intersections, expected[1]) and seconds >= 0
+    bits, full, group, method = requests[0]
+    assert all(np.array_equal(a, b) for a, b in zip(merged_counts(bits, full, group, method), results[0][:2]))
 
 
 @pytest.mark.parametrize("seed, batch, heads, seq_len, fine", [

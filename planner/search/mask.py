@@ -80,10 +80,8 @@ def _candidate(rows: PackedMask, q_block: int, kv_block: int, merge: str, batch:
                cost_model: Optional[CostModel], precision: Optional[str] = None) -> tuple[MaskCandidate, np.ndarray]:
     """One candidate scored on the work `prepare_sparse` would make for it (counted by planner.search.mask_work),
     with the GPU's program tiles, and its feature row."""
-    kernel_merge = None if merge == "none" else merge
-    block_m, block_n = default_blocks(q_block, kv_block, kernel_merge, _GPU)
-    group = block_m // q_block
-    method = "xor" if merge == "xor" and group > 1 else "consecutive"
+    _, _, group, method = _grouping(q_block, kv_block, merge)
+    block_m, block_n = default_blocks(q_block, kv_block, None if merge == "none" else merge, _GPU)
     row, seconds = rows.features(q_block, kv_block, group, method, block_m=block_m, block_n=block_n, batch=batch,
                                  heads=heads, head_dim=head_dim)
     tiles = row[SPARSE_FEATURES.index("tiles")]
@@ -97,6 +95,14 @@ def _candidate(rows: PackedMask, q_block: int, kv_block: int, merge: str, batch:
         programs=int(row[SPARSE_FEATURES.index("programs")]), score=score,
         merge_s=seconds if merge == "xor" else 0.0,
     ), row
+
+
+def _grouping(q_block: int, kv_block: int, merge: str) -> tuple[int, int, int, str]:
+    """`(q_block, kv_block, group, method)`: how `prepare_sparse` groups a candidate's query blocks, with the GPU's
+    program tiles (XOR's greedy only where a group holds several blocks)."""
+    block_m, _ = default_blocks(q_block, kv_block, None if merge == "none" else merge, _GPU)
+    group = block_m // q_block
+    return q_block, kv_block, group, "xor" if merge == "xor" and group > 1 else "consecutive"
 
 
 @functools.lru_cache(maxsize=16)
@@ -177,15 +183,15 @@ def best_mask(
         model = None
 
     rows = PackedMask(dense, q_block, kv_block, seq_len)
+    # one 128-query block per program already: a merge changes nothing
+    options = [(qb, kb, merge) for qb in q_options for kb in kv_options for merge in merges
+               if merge == "none" or qb < DENSE_BLOCK]
+    rows.count([_grouping(qb, kb, merge) for qb, kb, merge in options])  # every candidate's counts, on every core
     scored, features = [], {}
-    for qb in q_options:
-        for kb in kv_options:
-            for merge in merges:
-                if merge != "none" and qb >= DENSE_BLOCK:
-                    continue  # one 128-query block per program already: a merge changes nothing
-                candidate, row = _candidate(rows, qb, kb, merge, batch, heads, head_dim, model, precision)
-                scored.append(candidate)
-                features[(qb, kb, merge)] = row
+    for qb, kb, merge in options:
+        candidate, row = _candidate(rows, qb, kb, merge, batch, heads, head_dim, model, precision)
+        scored.append(candidate)
+        features[(qb, kb, merge)] = row
     if not scored:
         raise ValueError(f"no candidate to score: merges={merges!r} need query blocks under {DENSE_BLOCK}.")
     scored.sort(key=lambda c: (c.score, _preference(c)))

@@ -7,8 +7,9 @@ much less: per work item (a group of query blocks of one batch element and head)
 visits (the union of its members' rows) and how many of those every member attends and end before N (their
 intersection over whole blocks). `PackedMask` packs the mask's rows into bits once, OR-pools them to every
 granularity on the packed words (`or_pool`'s pooling), and counts unions and intersections per group with
-`natsim.merging.merged_counts`, which groups exactly as `prepare_sparse` does (consecutively, or by natsim.merge's
-XOR greedy). The tests hold every count to `prepare_sparse`'s.
+`natsim.merging.merged_counts_many`, which groups exactly as `prepare_sparse` does (consecutively, or by
+natsim.merge's XOR greedy), every candidate's masks at once on the machine's cores. The tests hold every count to
+`prepare_sparse`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from natsim.merging import merged_counts, pack_rows, row_counts
+from natsim.merging import merged_counts_many, pack_rows, row_counts
 
 from ..cost.sparse_features import feature_row
 
@@ -65,6 +66,7 @@ class PackedMask:
         self.device = dense.device
         rows = dense.detach().to("cpu").contiguous().numpy().reshape(-1, self.num_q, self.num_kv)
         self._pooled = {(1, 1): pack_rows(rows)}
+        self._works: dict[tuple, tuple[np.ndarray, np.ndarray, float]] = {}
 
     def pooled(self, q_factor: int, kv_factor: int) -> np.ndarray:
         """The packed rows `[B * H, ceil(nQ / q_factor), words]` of the mask OR-pooled by `q_factor` x
@@ -98,12 +100,21 @@ class PackedMask:
         """`(visited, full, seconds)` of the mask at `q_block` x `kv_block` with query blocks grouped `group` at a
         time by `method` ("consecutive" or "xor"), as `prepare_sparse` groups them: per work item `[B * H,
         groups]` the KV blocks its group visits and those every member attends that end before N (`whole`),
-        and the seconds the grouping and counting took."""
-        _, num_kv, bits = self._counts(q_block, kv_block)
-        whole = _column_bits(np.arange(num_kv) < self.seq_len // kv_block, bits.shape[-1])
-        start = time.perf_counter()
-        visited, full = merged_counts(bits, bits & whole, group, method)
-        return visited, full, time.perf_counter() - start
+        and the seconds the grouping and counting took on one core (kept from `count` when it was asked first)."""
+        key = (q_block, kv_block, group, method)
+        if key not in self._works:
+            self.count([key])
+        return self._works[key]
+
+    def count(self, keys: list[tuple[int, int, int, str]]) -> None:
+        """Group and count every `(q_block, kv_block, group, method)` of `keys` at once, their masks spread over
+        the cores (`natsim.merging.merged_counts_many`), and keep the results for `work`."""
+        requests = []
+        for q_block, kv_block, group, method in keys:
+            _, num_kv, bits = self._counts(q_block, kv_block)
+            whole = _column_bits(np.arange(num_kv) < self.seq_len // kv_block, bits.shape[-1])
+            requests.append((bits, bits & whole, group, method))
+        self._works.update(zip(keys, merged_counts_many(requests)))
 
     def features(self, q_block: int, kv_block: int, group: int, method: str, *, block_m: int, block_n: int,
                  batch: int, heads: int, head_dim: int) -> tuple[np.ndarray, float]:
