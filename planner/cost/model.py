@@ -19,12 +19,13 @@ from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from natsim.kernels.common.fp8 import check_precision
+
 from .backward_features import BACKWARD_FEATURES
 from .features import FEATURES
 from .sparse_features import SPARSE_FEATURES
 
 FORMAT = "natsim-cost-model/1"
-PRECISIONS = (None, "fp8")
 # Features added after coefficient files were first written: a file fitted without one loads with it at 0 (the
 # model it was fitted with had no such cost), so that users' older calibrations keep working.
 ADDED_FEATURES = frozenset({"narrow_head_flops"})
@@ -69,13 +70,6 @@ _KERNEL_SETS = {
     "gna-fp8": ("fp8_coefficients", "FP8 GNA-kernel"),
     "sparse-fp8": ("fp8_sparse_coefficients", "FP8 sparse-kernel"),
 }
-
-
-def check_precision(precision: object) -> Optional[str]:
-    """`precision` is None (the inputs' dtype) or "fp8" (natsim.kernels' FP8 inference path)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be None (the inputs' dtype) or 'fp8', got precision={precision!r}.")
-    return precision
 
 
 def _gna_kernel(precision: Optional[str]) -> str:

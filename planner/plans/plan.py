@@ -17,11 +17,11 @@ from rich.console import Group
 
 from natsim import Problem, SimResult, TileConfig, simulate
 from natsim.kernels import gna_attention
+from natsim.kernels.common.fp8 import check_precision
 from natsim.simulate import FIGURES
 
 from ..catalog import as_dtype
 from ..cost.backward_features import backward_work
-from ..cost.model import check_precision
 from .candidates import Candidate, Search
 from .explain import explain_plan
 from .ranking import BASIS_COST_MODEL

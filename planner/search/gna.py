@@ -38,13 +38,14 @@ import torch
 from natsim import SweepResult, TileConfig, simulate, sweep
 from natsim.kernels.gna.backward import DEFAULT_VARIANT
 from natsim.kernels.gna.checks import kernel_tiles
+from natsim.kernels.common.fp8 import check_precision
 from natsim.kernels.gna.launch import permutes
 from natsim.tiles import KV_TILINGS
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 
 from ..catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
 from ..cost.features import feature_matrix, sweep_features, tile_arrays
-from ..cost.model import CostModel, check_precision
+from ..cost.model import CostModel
 from ..cost.predict import backward_breakdown, backward_score, backward_scores
 from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..plans.candidates import Candidate, Search

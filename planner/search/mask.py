@@ -29,9 +29,10 @@ import torch
 from natsim.kernels import SparseMask
 from natsim.kernels.sparse.checks import SPARSE_HEAD_DIMS
 from natsim.kernels.sparse.work import default_blocks
+from natsim.kernels.common.fp8 import check_precision
 
 from ..catalog import as_dtype, dtype_name
-from ..cost.model import CostModel, check_precision
+from ..cost.model import CostModel
 from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..cost.sparse_features import SPARSE_FEATURES
 from ..plans.mask import MERGES, MaskCandidate, MaskLike, MaskPlan, fine_mask
