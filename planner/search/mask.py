@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from natsim.kernels import SparseMask
+from natsim.kernels.common.fp8 import check_precision
 from natsim.kernels.sparse.checks import SPARSE_HEAD_DIMS
 from natsim.kernels.sparse.work import default_blocks
-from natsim.kernels.common.fp8 import check_precision
 
 from ..catalog import as_dtype, dtype_name
 from ..cost.model import CostModel
