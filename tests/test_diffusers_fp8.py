@@ -69,4 +69,19 @@ def test_fp8_refuses_training_and_unknown_precisions():
         nd.apply(model, 0.5, precision="int8")
     with pytest.raises(ValueError, match=r"precision must be None"):
         nd.apply(model, masks=nd.Masks(steps=4, block=16), precision="int8")
+    with pytest.raises(ValueError, match=r"masks=\.\.\. is for inference .* training must be False"):
+        nd.apply(model, masks=nd.Masks(steps=4, block=16), training=True, precision="fp8")
     assert not hasattr(model, "_natsim")  # refused before anything was routed
+
+
+def test_remove_after_fp8_gives_the_model_its_own_attention_back():
+    model = diffusers_models.build("WanTransformer3DModel")
+    inputs = diffusers_models.inputs("WanTransformer3DModel", LAYOUT)
+    with torch.no_grad():
+        own = model(**inputs)[0]
+        nd.apply(model, 0.5, dtype=torch.float16, precision="fp8")
+        routed = model(**inputs)[0]
+        nd.remove(model)
+        restored = model(**inputs)[0]
+    assert not torch.equal(routed, own) and torch.equal(restored, own)
+    assert not hasattr(model, "_natsim")

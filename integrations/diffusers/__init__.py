@@ -74,7 +74,8 @@ def apply(
     GNA window and every text key; text queries attend every key (natsim.integrations.diffusers.attention).
     `precision="fp8"` runs the video self-attention in FP8 (GNA plans made with `precision="fp8"`, mask plans
     likewise; inference only), while text attention, dense warm-up steps and joint attention's text part stay
-    in the model's dtype.
+    in the model's dtype. Refused with a sentence: `training=True` with FP8 (its kernels have no backward
+    pass: train in bfloat16) or with `masks` (inference only), and a precision other than None or "fp8".
     """
     spec = spec_of(transformer)
     if hasattr(transformer, "_natsim"):
@@ -85,6 +86,9 @@ def apply(
     if masks is not None:
         if sparsity is not None or window is not None:
             raise ValueError("masks replaces GNA: pass masks=... or sparsity / window, not both.")
+        if training:
+            raise ValueError("masks=... is for inference (natsim::attention_resolved has no backward pass), so "
+                             "training must be False; train with GNA instead (sparsity=..., training=True).")
         auto, masked = None, MaskedAttention(masks, dtype, precision)
     else:
         if sparsity is None:
