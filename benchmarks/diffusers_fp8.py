@@ -9,8 +9,16 @@ flow-matching Euler sampler (`x <- x + (sigma_next - sigma) * v`, sigma from 1 t
 three ways: (a) the model's own attention, (b) natsim GNA (`apply(model, ...)`, the case's options), (c) the same
 with `precision="fp8"`. Reported per case: the relative L2 difference and the cosine similarity of the final
 latents, (c) against (b) (what FP8 costs), (b) against (a) (what sparsity costs) and (c) against (a); the median
-step time of each run after its first step (which plans and compiles), synchronised wall clock, eager. Writes
+step time of each run after its first step (which plans and compiles), synchronised wall clock, eager; the
+attention alone (median of 5 calls on the q, k, v of a routed call, captured from a step: the model's own SDPA,
+natsim's bf16 and FP8 plans) and its share of each run's step, `calls x attention / step` (calls: the routed
+attention modules), which says how much of a step-time difference is the attention's. Writes
 `diffusers-fp8-<device>-<date>.json`; the table comes last.
+
+The GPU run (one H100, both default cases; by the H100 step times in docs/fp8.md the 48 steps take about 85 s,
+under three minutes with model building, planning, Triton's first compiles and the attention timings):
+
+    python benchmarks/diffusers_fp8.py --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -23,8 +31,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
 
-from diffusers_step import CASES, DEVICE, build, inputs, small_case, synchronize
+from diffusers_step import CASES, DEVICE, build, captured_qkv, inputs, median_ms, small_case, synchronize
 from natsim.integrations import diffusers as nd
 
 DEFAULT_CASES = "wan-480p,hunyuan-720p"
@@ -63,7 +74,7 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
     record = dict(case=name, model=cls_name, layout=list(layout), text_tokens=text, steps=steps,
                   options={k: str(v) if isinstance(v, torch.dtype) else v for k, v in options.items()},
                   layers={k: v for k, v in config.items() if "layers" in k})
-    latents, step_ms = {}, {}
+    latents, step_ms, attention_ms = {}, {}, {}
     for run, precision in (("own", None), ("natsim_bf16", None), ("natsim_fp8", "fp8")):
         applied = None if run == "own" else nd.apply(model, **options, precision=precision)
         latents[run], times = denoise(model, args, noise, steps)
@@ -73,8 +84,19 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
                 {"window": list(p.problem.window), "stride": list(p.problem.stride), "q_tile": list(p.tiles.q_tile),
                  "kv_tile": list(p.tiles.kv_tile), "kv_tiling": p.tiles.kv_tiling, "precision": p.precision}
                 for p in applied.plans.values()]
+            q, k, v, mask = captured_qkv(model, args, applied)
+            with torch.no_grad():
+                if "own" not in attention_ms:
+                    attention_ms["own"] = median_ms(lambda: F.scaled_dot_product_attention(
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask), 5)
+                attention_ms[run] = median_ms(lambda: applied.router.attend(q, k, v, mask, None), 5)
+            record["attention_calls"] = len(applied.originals)
+            del q, k, v, mask
             nd.remove(model)
     record["step_ms"] = step_ms
+    record["attention_ms"] = attention_ms
+    record["attention_share"] = {run: min(1.0, record["attention_calls"] * attention_ms[run] / step_ms[run])
+                                 for run in step_ms}
     record["fp8_vs_bf16"] = compare(latents["natsim_fp8"], latents["natsim_bf16"])
     record["bf16_vs_own"] = compare(latents["natsim_bf16"], latents["own"])
     record["fp8_vs_own"] = compare(latents["natsim_fp8"], latents["own"])
@@ -101,14 +123,26 @@ def main(argv=None) -> None:
         print(json.dumps(record), flush=True)
         result["records"].append(record)
         path.write_text(json.dumps(result, indent=1))
-    print(f"\n{'case':14s} {'own ms':>8s} {'bf16 ms':>8s} {'fp8 ms':>8s} {'fp8 vs bf16':>12s} {'cosine':>8s} "
-          f"{'bf16 vs own':>12s} {'fp8 vs own':>11s}")
+    Console(width=170).print(table(result, path))
+
+
+def table(result: dict, path: Path) -> Table:
+    """The final latents' differences, then per run (own / bf16 / FP8) the step and attention milliseconds and
+    the attention share."""
+    out = Table(title=f"final latent after {result['records'][0]['steps']} steps on {result['device']} "
+                      f"(written to {path})")
+    for name in ("case", "fp8 vs bf16", "cosine", "bf16 vs own", "cosine", "fp8 vs own", "cosine",
+                 "step ms own/bf16/fp8", "attention ms own/bf16/fp8", "share own/bf16/fp8"):
+        out.add_column(name, justify="right")
+    runs = ("own", "natsim_bf16", "natsim_fp8")
     for r in result["records"]:
-        ms = r["step_ms"]
-        print(f"{r['case']:14s} {ms['own']:8.1f} {ms['natsim_bf16']:8.1f} {ms['natsim_fp8']:8.1f} "
-              f"{r['fp8_vs_bf16']['relative_difference']:12.2e} {r['fp8_vs_bf16']['cosine']:8.5f} "
-              f"{r['bf16_vs_own']['relative_difference']:12.2e} {r['fp8_vs_own']['relative_difference']:11.2e}")
-    print(f"wrote {path}")
+        latents = [f"{r[key][field]:{spec}}" for key in ("fp8_vs_bf16", "bf16_vs_own", "fp8_vs_own")
+                   for field, spec in (("relative_difference", ".2e"), ("cosine", ".6f"))]
+        out.add_row(r["case"], *latents,
+                    " / ".join(f"{r['step_ms'][run]:.1f}" for run in runs),
+                    " / ".join(f"{r['attention_ms'][run]:.2f}" for run in runs),
+                    " / ".join(f"{r['attention_share'][run]:.2f}" for run in runs))
+    return out
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def test_diffusers_masks_benchmark_small_run(tmp_path, capsys):
 
 def test_diffusers_fp8_benchmark_small_run(reference_path, tmp_path, capsys):
     """benchmarks/diffusers_fp8.py --small: three runs per case from one noise, FP8 close to bf16 but not equal
-    (FP8 ran), the plans of the FP8 run made for FP8."""
+    (FP8 ran), the plans of the FP8 run made for FP8, the attention timed alone and its share of each step."""
     pytest.importorskip("diffusers")
     load("diffusers_fp8").main(["--small", "--steps", "2", "--cases", "wan-480p", "--out", str(tmp_path)])
     (record,) = json.loads(next(tmp_path.glob("diffusers-fp8-cpu-*.json")).read_text())["records"]
@@ -142,6 +142,9 @@ def test_diffusers_fp8_benchmark_small_run(reference_path, tmp_path, capsys):
     assert 0.0 < record["fp8_vs_bf16"]["relative_difference"] < 0.05 and record["fp8_vs_bf16"]["cosine"] > 0.99
     assert all(plan["precision"] == "fp8" for plan in record["natsim_fp8_plans"])
     assert all(plan["precision"] is None for plan in record["natsim_bf16_plans"])
+    for key in ("attention_ms", "attention_share"):
+        assert set(record[key]) == set(record["step_ms"]) and all(value > 0 for value in record[key].values())
+    assert all(share <= 1.0 for share in record["attention_share"].values())
     assert "fp8 vs bf16" in capsys.readouterr().out
 
 
