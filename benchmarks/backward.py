@@ -183,9 +183,13 @@ def run(cases, with_flex: bool, with_check: bool, save) -> list[dict]:
 # TMA bulk reductions for the atomic dQ and a rotated Q order per program within 2% (both dropped); the third,
 # timing `gna_backward` whole, made the dQ kernel run on mirrored tiles (128 queries, 64 keys) with three
 # stages the default: 106.2 / 102.9 ms against 112.6 / 107.2 for ATOMIC_DQ. All three on permuted copies; the
-# kernels now read the caller's layout in place (USE_TMA, rank-2 descriptors over permuted copies, is gone).
+# kernels now read the caller's layout in place. 2026-11-25, in place: USE_TMA came back as rank-4 descriptors
+# over the caller's layout, on by default in unmasked kernels (kernels/gna/backward.py's `_tile_loads`), and
+# ATOMIC_DQ=2 (bulk tensor reduces) within 1-14% of the dQ kernel, off.
 TUNE = [
     (1, dict(ATOMIC_DQ=False, IN_TILE=True, num_stages=3)),
+    (1, dict(ATOMIC_DQ=False, IN_TILE=True, num_stages=3, USE_TMA=False)),
+    (1, dict(ATOMIC_DQ=2, IN_TILE=True, num_stages=2)),
     (1, dict(ATOMIC_DQ=False, num_stages=3)),
     (1, dict(ATOMIC_DQ=True, IN_TILE=True)),
     (1, dict(ATOMIC_DQ=False, IN_TILE=True, num_stages=3, DQ_STAGES=4)),

@@ -268,6 +268,50 @@ def test_chunked_reference_gradients_equal_autograd_through_the_reference():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+# Unmasked kernels step over their tiles through rank-4 tensor descriptors (USE_TMA, on by default where
+# `_tile_loads` allows); a masked kernel keeps gathering. Problems: block-sparse 3-D (both kernels unmasked),
+# dilation 2 with 2-D tiles (unmasked, each group its own descriptor), and a window whose dK/dV kernel is masked
+# while the mirrored dQ kernel is not and has padding rows (read as zeros through the descriptor, clamped by
+# the gathers).
+DESCRIPTOR_PROBLEMS = [
+    (Problem((4, 8, 8), (2, 8, 8), (2, 4, 4)), (1, 4, 4), (2, 4, 4)),
+    (Problem((8, 16), (4, 8), (4, 8), (1, 2)), (2, 4), (4, 4)),
+    (Problem((6, 16), (6, 8), (1, 8)), (2, 8), (4, 8)),
+]
+
+
+@pytest.mark.parametrize("problem, q_tile, kv_tile", DESCRIPTOR_PROBLEMS)
+def test_descriptor_loads_give_the_gathers_gradients_bit_for_bit(problem, q_tile, kv_tile):
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(2, *problem.shape, 3, 16) for _ in range(4))
+    want, out, lse = reference_grads(problem, q, k, v, g)
+    args = (q, k, v, out.float(), lse.float(), g, None, problem, 16**-0.5, q_tile, kv_tile)
+    gathered = gna_backward(*args, options=dict(USE_TMA=False))
+    described = gna_backward(*args)
+    for name, a, b, ref in zip(("dq", "dk", "dv"), described, gathered, want):
+        assert torch.equal(a, b), name
+        assert rel_error(a, ref) < 1e-4, name
+
+
+@pytest.mark.parametrize("seq_len, block", [(77, 16), (64, 32), (50, 8)])
+def test_sparse_descriptor_loads_give_the_pointer_loads_gradients_bit_for_bit(seq_len, block):
+    """The sparse kernels move every tile through tensor descriptors (their own tile too, and the stores);
+    rows past N read as zeros and are dropped on store, as the masked pointer loads and stores do."""
+    from natsim.kernels import sparse_reference
+    from natsim.kernels.sparse.backward import sparse_backward
+
+    generator = torch.Generator().manual_seed(seq_len)
+    nb = -(-seq_len // block)
+    mask = torch.rand(1, 2, nb, nb, generator=generator) < 0.5
+    mask[..., 0] = True
+    q, k, v, g = (torch.randn(2, seq_len, 2, 16, generator=generator).half() for _ in range(4))
+    out, lse = sparse_reference(q.float(), k.float(), v.float(), mask, block, block, return_lse=True)
+    args = (q, k, v, out.half(), lse, g, None, mask, block, block)
+    pointers = sparse_backward(*args, options=dict(USE_TMA=False))
+    for name, a, b in zip(("dq", "dk", "dv"), sparse_backward(*args), pointers):
+        assert torch.equal(a, b), name
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Sparse attention's backward (kernels/sparse_backward.py) against sparse_reference's gradients
 

@@ -207,7 +207,8 @@ def test_sparse_attention_gradients_match_the_float32_reference(q_block, kv_bloc
         assert rel(a, b) < TOLERANCE[torch.bfloat16], (name, rel(a, b))
 
 
-@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(ATOMIC_DQ=False, num_stages=2), dict(IN_TILE=True)])
+@pytest.mark.parametrize("options", [dict(ATOMIC_DQ=True), dict(ATOMIC_DQ=2), dict(ATOMIC_DQ=False, num_stages=2),
+                                     dict(IN_TILE=True), dict(USE_TMA=False)])
 @pytest.mark.parametrize("stride", [(1, 1, 1), (16, 8, 8)])
 def test_tuning_variants_match_the_float32_reference(stride, options):
     from natsim.kernels.gna.backward import gna_backward

@@ -60,11 +60,10 @@ def _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads):
 
 @triton.jit
 def _load_rows(A, B, tokens, base, seq_len, heads, HEAD_DIM: tl.constexpr):
-    """Rows `tokens` of one head of two `[B, N, heads, head_dim]` tensors (zeros at and past N), their element
-    offsets from the tensors' start and which of them are real (`[rows, 1]`)."""
+    """Rows `tokens` of one head of two `[B, N, heads, head_dim]` tensors, zeros at and past N."""
     offsets = base + tokens.to(tl.int64)[:, None] * (heads * HEAD_DIM) + tl.arange(0, HEAD_DIM)[None, :]
     ok = (tokens < seq_len)[:, None]
-    return tl.load(A + offsets, mask=ok, other=0.0), tl.load(B + offsets, mask=ok, other=0.0), offsets, ok
+    return tl.load(A + offsets, mask=ok, other=0.0), tl.load(B + offsets, mask=ok, other=0.0)
 
 
 @triton.jit
@@ -82,8 +81,18 @@ def _load_pair(A, B, a_desc, b_desc, tokens, first, base, seq_len, heads, HEAD_D
     and past N: through tensor descriptors, or pointer loads."""
     if USE_TMA:
         return a_desc.load([first, 0]), b_desc.load([first, 0])
-    a, b, _, _ = _load_rows(A, B, tokens, base, seq_len, heads, HEAD_DIM)
-    return a, b
+    return _load_rows(A, B, tokens, base, seq_len, heads, HEAD_DIM)
+
+
+@triton.jit
+def _store_tile(A, a, tokens, first, base, seq_len, heads, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
+    """Store `a` to rows `tokens` (consecutive from `first`) of one head of a `[B, N, heads, head_dim]` tensor,
+    rows at and past N dropped: through a tensor descriptor, or a pointer store."""
+    if USE_TMA:
+        _row_descriptor(A, base, seq_len, heads, a.shape[0], HEAD_DIM).store([first, 0], a.to(A.dtype.element_ty))
+    else:
+        offsets = base + tokens.to(tl.int64)[:, None] * (heads * HEAD_DIM) + tl.arange(0, HEAD_DIM)[None, :]
+        tl.store(A + offsets, a.to(A.dtype.element_ty), mask=(tokens < seq_len)[:, None])
 
 
 @triton.jit
@@ -113,15 +122,19 @@ def sparse_dkdv_kernel(
     rows = tl.arange(0, BLOCK_M)
     k_tokens = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     base = b * seq_len * heads * HEAD_DIM + h * HEAD_DIM
-    k, v, kv_offsets, k_ok = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if USE_TMA:
+    if USE_TMA:  # the program's own tile too: no offsets held across the loop
+        k_desc = _row_descriptor(K, base, seq_len, heads, BLOCK_N, HEAD_DIM)
+        v_desc = _row_descriptor(V, base, seq_len, heads, BLOCK_N, HEAD_DIM)
+        k = k_desc.load([kv_tile * BLOCK_N, 0])
+        v = v_desc.load([kv_tile * BLOCK_N, 0])
         q_desc = _row_descriptor(Q, base, seq_len, heads, BLOCK_M, HEAD_DIM)
         do_desc = _row_descriptor(DO, base, seq_len, heads, BLOCK_M, HEAD_DIM)
     else:
+        k, v = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
         q_desc = Q  # unused: loads go through pointers
         do_desc = DO
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     column = mask_item * num_kv_tiles + kv_tile
     count = tl.load(COL_COUNT + column)
     full = tl.load(COL_FULL + column)
@@ -131,7 +144,7 @@ def sparse_dkdv_kernel(
         q_tokens = first + rows
         q, do = _load_pair(Q, DO, q_desc, do_desc, q_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
         lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
-        dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, k_ok, False)
+        dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
     for i in tl.range(full, count):
         first = tl.load(INDEX + i) * BLOCK_M
         q_tokens = first + rows
@@ -139,8 +152,8 @@ def sparse_dkdv_kernel(
         lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
         keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, True)
         dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
-    tl.store(DK + kv_offsets, (dk * scale).to(DK.dtype.element_ty), mask=k_ok)
-    tl.store(DV + kv_offsets, dv.to(DV.dtype.element_ty), mask=k_ok)
+    _store_tile(DK, dk * scale, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM, USE_TMA)
+    _store_tile(DV, dv, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM, USE_TMA)
 
 
 @triton.jit
@@ -159,15 +172,17 @@ def sparse_dq_kernel(
     cols = tl.arange(0, BLOCK_N)
     q_tokens = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     base = b * seq_len * heads * HEAD_DIM + h * HEAD_DIM
-    q, do, q_offsets, q_ok = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
-    lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if USE_TMA:
+    if USE_TMA:  # the program's own tile too: no offsets held across the loop
+        q = _row_descriptor(Q, base, seq_len, heads, BLOCK_M, HEAD_DIM).load([q_tile * BLOCK_M, 0])
+        do = _row_descriptor(DO, base, seq_len, heads, BLOCK_M, HEAD_DIM).load([q_tile * BLOCK_M, 0])
         k_desc = _row_descriptor(K, base, seq_len, heads, BLOCK_N, HEAD_DIM)
         v_desc = _row_descriptor(V, base, seq_len, heads, BLOCK_N, HEAD_DIM)
     else:
+        q, do = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
         k_desc = K  # unused: loads go through pointers
         v_desc = V
+    lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     row = mask_item * num_q_tiles + q_tile
     count = tl.load(ROW_COUNT + row)
     full = tl.load(ROW_FULL + row)
@@ -175,14 +190,14 @@ def sparse_dq_kernel(
     for i in tl.range(0, full):
         first = tl.load(INDEX + i) * BLOCK_N
         k, v = _load_pair(K, V, k_desc, v_desc, first + cols, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, q_ok, False)
+        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, 0, False)
     for i in tl.range(full, count):
         first = tl.load(INDEX + i) * BLOCK_N
         k_tokens = first + cols
         k, v = _load_pair(K, V, k_desc, v_desc, k_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
         keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, False)
         dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
-    tl.store(DQ + q_offsets, (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
+    _store_tile(DQ, dq * scale, q_tokens, q_tile * BLOCK_M, base, seq_len, heads, HEAD_DIM, USE_TMA)
 
 
 # -- host side ---------------------------------------------------------------------------------------------------
