@@ -184,7 +184,7 @@ def run(cases, with_flex: bool, with_check: bool, save) -> list[dict]:
 # timing `gna_backward` whole, made the dQ kernel run on mirrored tiles (128 queries, 64 keys) with three
 # stages the default: 106.2 / 102.9 ms against 112.6 / 107.2 for ATOMIC_DQ. All three on permuted copies; the
 # kernels now read the caller's layout in place. 2026-11-25, in place: USE_TMA came back as rank-4 descriptors
-# over the caller's layout, on by default in unmasked kernels (kernels/gna/backward.py's `_tile_loads`), and
+# over the caller's layout, on by default in unmasked kernels (kernels/gna/backward.py's `uses_descriptors`), and
 # ATOMIC_DQ=2 (bulk tensor reduces) within 1-14% of the dQ kernel, off.
 TUNE = [
     (1, dict(ATOMIC_DQ=False, IN_TILE=True, num_stages=3)),

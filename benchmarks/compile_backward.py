@@ -3,7 +3,7 @@
     PYTHONPATH=/path/to/triton-3.6 python benchmarks/compile_backward.py --out DIR [--arch 90] [--head-dim 64]
 
 No GPU needed: `triton.compile` lowers each variant of benchmarks/backward.py's tune sweep (Q-tile halvings x
-ATOMIC_DQ x IN_TILE x num_stages) for each problem of its table (HunyuanVideo dense, 1x1x1, 1x8x8, 16x8x8: the
+ATOMIC_DQ x IN_TILE x USE_TMA x num_stages) for each problem of its table (HunyuanVideo dense, 1x1x1, 1x8x8, 16x8x8: the
 backward's own tiles, mask and padding switches for each; the dQ kernel on its mirrored tiles) to PTX for
 `--arch`, and the ptxas bundled with Triton assembles it with `-v`, whose report gives registers per thread and
 spill stores/loads (what a run on the card would read from the loaded kernel's `n_regs` / `n_spills`). A
@@ -28,7 +28,7 @@ from backward import CASES, SHAPE, TUNE
 
 import natsim
 from natsim.kernels.common.backward import launch_options
-from natsim.kernels.gna.backward import backward_tiles, dkdv_kernel, dq_kernel, padded
+from natsim.kernels.gna.backward import DEFAULT_VARIANT, backward_tiles, dkdv_kernel, dq_kernel, padded, uses_descriptors
 from natsim.kernels.gna.launch import dense_as_1d, needs_mask
 
 INTS = ("tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
@@ -37,7 +37,7 @@ FLOATS = ("qk_scale", "scale")
 # Pointer arguments: bf16 tensors, fp32 statistics; DQ is fp32 under ATOMIC_DQ; COUNTS gets DELTA without DEBUG.
 BF16 = ("Q", "K", "V", "DO", "DK", "DV")
 FP32 = ("LSE", "DELTA", "COUNTS")
-SWITCHES = ("ATOMIC_DQ", "IN_TILE")
+SWITCHES = ("ATOMIC_DQ", "IN_TILE", "USE_TMA")
 
 
 def signature(fn, constexprs: dict, atomic: bool) -> tuple[dict, dict]:
@@ -93,13 +93,17 @@ def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, pad: bool,
     dq_stages = options.pop("DQ_STAGES", None)
     if fn is dq_kernel and dq_stages is not None:
         options["num_stages"] = dq_stages
-    switches = {name: bool(options.pop(name, False)) for name in SWITCHES}  # the kernels' tuning constexprs
+    # the kernels' tuning constexprs, DEFAULT_VARIANT's where the variant is silent; descriptors as the launcher
+    # allows them (`uses_descriptors`: unmasked kernels only)
+    switches = {name: int(options.pop(name, DEFAULT_VARIANT.get(name, False))) for name in SWITCHES}
+    switches["USE_TMA"] = int(uses_descriptors(bool(switches["USE_TMA"]), masked))
     atomic = switches["ATOMIC_DQ"]
     tq, tk = (tuple(t) + (1,) * (3 - len(t)) for t in (q_tile, kv_tile))
     constexprs = dict(C0=False, C1=False, C2=False, TQ0=tq[0], TQ1=tq[1], TQ2=tq[2], TK0=tk[0], TK1=tk[1],
-                      TK2=tk[2], HEAD_DIM=head_dim, MASKED=masked, PADDED=pad, IN_TILE=switches["IN_TILE"])
+                      TK2=tk[2], HEAD_DIM=head_dim, MASKED=masked, PADDED=pad, IN_TILE=bool(switches["IN_TILE"]),
+                      USE_TMA=bool(switches["USE_TMA"]))
     if fn is dkdv_kernel:
-        constexprs.update(DEBUG=False, ATOMIC_DQ=switches["ATOMIC_DQ"])
+        constexprs.update(DEBUG=False, ATOMIC_DQ=atomic)
     sig, attrs = signature(fn, constexprs, atomic)
     launch = {"num_warps": options["num_warps"], "num_stages": options["num_stages"]}
     row = {"kernel": fn.__name__, "q_tile": list(q_tile), "kv_tile": list(kv_tile), "masked": masked,

@@ -269,7 +269,7 @@ def test_chunked_reference_gradients_equal_autograd_through_the_reference():
 
 
 # Unmasked kernels step over their tiles through rank-4 tensor descriptors (USE_TMA, on by default where
-# `_tile_loads` allows); a masked kernel keeps gathering. Problems: block-sparse 3-D (both kernels unmasked),
+# `uses_descriptors` allows); a masked kernel keeps gathering. Problems: block-sparse 3-D (both kernels unmasked),
 # dilation 2 with 2-D tiles (unmasked, each group its own descriptor), and a window whose dK/dV kernel is masked
 # while the mirrored dQ kernel is not and has padding rows (read as zeros through the descriptor, clamped by
 # the gathers).

@@ -34,7 +34,7 @@ Tuning (`DEFAULT_VARIANT`, `benchmarks/backward.py --tune`, benchmarks/results/b
 both kernels, dQ on the mirrored tiles, `IN_TILE` (a row's token is its tile's first token plus a fixed in-tile
 offset: 5% more PTX instructions in the dK/dV loop than the permuted kernels had; computing each row's token
 from its coordinates, 16% more and 3-6% slower on the H100, backward-inplace-ab-*.json).
-`USE_TMA` (on where `_tile_loads` allows): an unmasked kernel reads its stepped tiles (the dK/dV kernel's Q
+`USE_TMA` (on where `uses_descriptors` allows): an unmasked kernel reads its stepped tiles (the dK/dV kernel's Q
 and dO, the dQ kernel's K and V) as boxes of rank-4 tensor descriptors over the tile's dilation group, in
 place, instead of gathering rows; bit for bit the same results.
 `ATOMIC_DQ` (off) has the dK/dV kernel add each pair's `ds k` to an fp32 dQ with atomics instead (five tile
@@ -528,13 +528,13 @@ def _descriptors_fit(*tensors: torch.Tensor) -> bool:
 def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, pad: bool, debug: bool,
           atomic: int, tma: bool, options: dict):
     """The dK/dV kernel's launch: dk, dv, dq (fp32, summed by atomics; None without `atomic`), counts. With
-    `tma`, an unmasked kernel steps over its Q tiles through tensor descriptors (`_tile_loads`)."""
+    `tma`, an unmasked kernel steps over its Q tiles through tensor descriptors (`uses_descriptors`)."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     batch, tokens, heads, head_dim = q.shape
     masked = needs_mask(problem, q_tile, kv_tile)
     options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens), **options,
-               "USE_TMA": _tile_loads(tma, masked)}
+               "USE_TMA": uses_descriptors(tma, masked)}
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     shape = (batch, heads, tokens, head_dim) if atomic == 2 else q.shape  # head-major for bulk reduces
     dq = torch.zeros(shape, dtype=torch.float32, device=q.device) if atomic else None
@@ -551,13 +551,13 @@ def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scal
 def _dq(q, grad_out, k, v, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, pad: bool, tma: bool,
         options: dict):
     """The dQ kernel's launch on its own tiles; with `tma`, an unmasked kernel steps over its KV tiles through
-    tensor descriptors (`_tile_loads`)."""
+    tensor descriptors (`uses_descriptors`)."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     batch, tokens, heads, head_dim = q.shape
     masked = needs_mask(problem, q_tile, kv_tile)
     options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens), **options,
-               "USE_TMA": _tile_loads(tma, masked)}
+               "USE_TMA": uses_descriptors(tma, masked)}
     dq = torch.empty_like(q)
     dq_kernel[(q_layout.num_tiles, batch * heads)](
         q, k, v, grad_out, lse, delta, dq, tokens=tokens, heads=heads, qk_scale=scale * LOG2E, scale=scale,
@@ -565,7 +565,7 @@ def _dq(q, grad_out, k, v, lse, delta, problem: Problem, q_tile, kv_tile, scale:
     return dq
 
 
-def _tile_loads(tma: bool, masked: bool) -> bool:
+def uses_descriptors(tma: bool, masked: bool) -> bool:
     """Whether a kernel's stepped tiles move through tensor descriptors: only where its loops carry no mask
     code (dense and block-sparse configurations). Measured on the H100 (bf16, head_dim 128, 24 heads): 6% faster
     at HunyuanVideo 16x8x8 (90.8 against 96.6 ms) and dense (986 against 1045), 2% at 1x8x8 and 1x1x1, but 3-17%
