@@ -1,7 +1,8 @@
 """The mask planner's counting paths against plain references: natsim.merge's XOR greedy on masks long enough for
 several distance passes and compactions of its word-major rows (a numpy greedy), the packing of a mask in torch
 ops (the CUDA path, run here on CPU tensors) against `pack_rows`, and the pooled rows and counts made at once on
-threads (`PackedMask.prepare`) against those made on demand."""
+threads, a mask or several per job (`PackedMask.prepare`, `merged_counts_many`), against those made on demand
+in one pass."""
 
 from __future__ import annotations
 
@@ -68,15 +69,18 @@ def test_packing_in_torch_ops_is_pack_rows(shape):
     assert np.array_equal(words.numpy().view(np.uint64), pack_rows(mask.numpy()))
 
 
-@pytest.mark.parametrize("cores", [1, 3])
+@pytest.mark.parametrize("cores, job_words", [(1, 1 << 16), (3, 1), (3, 1000)])  # a mask or a few per job
 @pytest.mark.parametrize("granularities", [
     [(q, kv) for q in (16, 32, 64, 128) for kv in (16, 32, 64, 128)],
     [(64, 32)],  # the poolings it starts from are made on the way
 ])
-def test_prepared_pooling_and_counts_are_those_made_on_demand(monkeypatch, cores, granularities):
+def test_prepared_pooling_and_counts_are_those_made_on_demand(monkeypatch, cores, job_words, granularities):
     from natsim import merging
+    from natsim.planner.search import mask_work
 
     monkeypatch.setattr(merging.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(mask_work, "_JOB_WORDS", job_words)
+    monkeypatch.setattr(merging, "_JOB_WORDS", job_words * 10)
     seq_len = 16 * 150 - 7  # partial last blocks at every granularity
     dense = torch.from_numpy(np.stack([clustered(np.random.default_rng(h), 150, 150, 0.2) for h in range(6)]))
     dense = dense.reshape(2, 3, 150, 150)

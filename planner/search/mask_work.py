@@ -26,6 +26,8 @@ from natsim.merging import map_on_cores, merged_counts_many, pack_rows, row_coun
 from ..cost.sparse_features import feature_row
 from ..plans.mask import or_pool
 
+_JOB_WORDS = 1 << 16  # the fewest packed words of the finest mask that one job of `prepare` pools
+
 # Morton compaction: after OR-ing each bit pair into its even bit, steps of shift 1, 2, 4, 8, 16 under these masks
 # gather a word's 32 even bits into its low half.
 _EVEN_BITS = np.uint64(0x5555555555555555)
@@ -155,13 +157,16 @@ class PackedMask:
             pooled[key] = np.empty(shape, np.uint64)
         counts = {key: np.empty(pooled[key].shape[:2], np.int64) for key in set(wanted) - set(self._row_counts)}
 
-        def one_mask(m: int) -> None:
-            for key in order:
-                (_halve_row_pairs if key[0] > 1 else _halve_words)(pooled[_parent(key)][m], pooled[key][m])
-            for key, out in counts.items():
-                out[m] = row_counts(pooled[key][m])
+        def some_masks(masks: range) -> None:
+            for m in masks:
+                for key in order:
+                    (_halve_row_pairs if key[0] > 1 else _halve_words)(pooled[_parent(key)][m], pooled[key][m])
+                for key, out in counts.items():
+                    out[m] = row_counts(pooled[key][m])
 
-        map_on_cores(one_mask, range(len(pooled[1, 1])))
+        masks, rows, words = pooled[1, 1].shape
+        per_job = -(-_JOB_WORDS // (rows * words))  # small masks share a job: a job costs the threads microseconds
+        map_on_cores(some_masks, [range(m, min(m + per_job, masks)) for m in range(0, masks, per_job)])
         self._pooled = pooled
         self._row_counts.update(counts)
 
