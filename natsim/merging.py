@@ -519,27 +519,6 @@ def _unpack(bits):
 
 
 @numba.njit(cache=True, nogil=True)
-def _group_counts(bits, full_bits, members, group):
-    """Per group (`members` in group order, `group` at a time): the set bits of the union of its `bits` rows and
-    of the intersection of its `full_bits` rows, int64 `[groups]` each, without building either row."""
-    num_q, words = bits.shape
-    num_groups = (num_q + group - 1) // group
-    visited = np.zeros(num_groups, np.int64)
-    full = np.zeros(num_groups, np.int64)
-    for g in range(num_groups):
-        first, end = g * group, min(g * group + group, num_q)
-        for w in range(words):
-            union = bits[members[first], w]
-            common = full_bits[members[first], w]
-            for m in range(first + 1, end):
-                union |= bits[members[m], w]
-                common &= full_bits[members[m], w]
-            visited[g] += _popcount(union)
-            full[g] += _popcount(common)
-    return visited, full
-
-
-@numba.njit(cache=True, nogil=True)
 def _merged_counts(bits, full_bits, group, xor):
     """`merged_counts` over the masks of the stack, one after another (without the GIL: `merged_counts_many` runs
     masks and stacks on threads)."""
@@ -549,5 +528,7 @@ def _merged_counts(bits, full_bits, group, xor):
     full = np.zeros((masks, num_groups), np.int64)
     for m in range(masks):
         members = _xor_greedy(bits[m], group) if xor else np.arange(num_q)
-        visited[m], full[m] = _group_counts(bits[m], full_bits[m], members, group)
+        union, all_full, _ = _group_stats(bits[m], full_bits[m], members, group)
+        visited[m] = _row_popcounts(union)
+        full[m] = _row_popcounts(all_full)
     return visited, full
