@@ -17,10 +17,11 @@ and a group's representative is its lowest-numbered tile (the greedy's leader is
 lowest ungrouped tile).
 
 Rows are bit-packed into uint64 words (bit k of word w is KV tile 64 w + k) and the loops are
-numba-compiled, with hardware popcount for the distances. The greedy scans only ungrouped tiles, keeps
-the R-1 best candidates in a small sorted array instead of sorting, skips a candidate whose popcount
-difference from the leader (a lower bound on the distance) cannot beat the current R-1-th best, and
-stops early once R-1 exact copies of the leader are found.
+numba-compiled, with hardware popcount for the distances. The greedy keeps the ungrouped tiles word-major,
+so that a leader's distances to a run of candidates are vector popcounts (cheaper lower bounds cannot help:
+on a predictor's mask the R-1-th nearest row is nearly as far as any, and no bound short of the distance
+itself rules rows out), keeps the R-1 best candidates in a small sorted array instead of sorting, and stops
+early once R-1 exact copies of the leader are found.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, Sequence, Union
+from typing import Callable, Literal, Sequence, TypeVar, Union
 
 import numba
 import numpy as np
@@ -41,6 +42,8 @@ from numba.extending import intrinsic
 from .blockmask import BlockMask
 
 Method = Literal["consecutive", "xor"]
+T = TypeVar("T")
+R = TypeVar("R")
 METHODS = ("consecutive", "xor")
 
 
@@ -242,6 +245,9 @@ def row_counts(bits: np.ndarray) -> np.ndarray:
     return _row_popcounts(flat).reshape(bits.shape[:-1])
 
 
+_JOB_WORDS = 1 << 20  # the least work, in word comparisons (about 0.2 ms), worth a job of `merged_counts_many`
+
+
 def merged_counts(bits: np.ndarray, full_bits: np.ndarray, group: int, method: Method) -> tuple[np.ndarray, np.ndarray]:
     """Per mask of a stack of packed masks `[M, nQ, words]` and per group of `merge(mask, group, method)`: the
     KV tiles of the union of the group's rows and of the intersection of its members' `full_bits` rows, int64
@@ -258,9 +264,11 @@ def merged_counts_many(
     """`merged_counts` of each `(bits, full_bits, group, method)` request, with the seconds its grouping took on
     one core (summed over its masks): `(visited, full, seconds)` per request, in order.
 
-    Each mask of each request is grouped on its own, so the (request, mask) pairs run on Python threads, one per
-    core (the compiled loop releases the GIL), and the counts join in order: the same result as one pass. Not
-    numba's own threads: its OpenMP layer would change torch's thread count, which a compiled model's guards watch.
+    The masks of an XOR request are grouped one per job (small ones a few per job), a consecutive request (one
+    cheap pass) is one job; the jobs run on Python threads, one per core (the compiled loops release the GIL),
+    the longest first so that no core is left with a long one at the end, and the counts join in order: the
+    same result as one pass. Not numba's own threads: its OpenMP layer would change torch's thread count, which a
+    compiled model's guards watch.
     """
     checked = []
     for bits, full_bits, group, method in requests:
@@ -273,30 +281,44 @@ def merged_counts_many(
                              f"{bits.dtype} {bits.shape} and {full_bits.dtype} {full_bits.shape}.")
         checked.append((np.ascontiguousarray(bits), np.ascontiguousarray(full_bits), int(group), method == "xor"))
 
-    def one_mask(job: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, float]:
+    jobs = []  # (request, first mask, end mask, estimated cost)
+    for r, (bits, _, group, xor) in enumerate(checked):
+        masks, rows, words = bits.shape
+        if xor and masks:  # the greedy compares each leader with the ungrouped rows: about rows^2 / (2 group) distances
+            cost = rows * rows * words // (2 * group) + rows * words
+            per_job = -(-_JOB_WORDS // cost)  # small masks share a job: a job costs the threads some microseconds
+            jobs += [(r, m, min(m + per_job, masks), cost * (min(m + per_job, masks) - m))
+                     for m in range(0, masks, per_job)]
+        else:
+            jobs.append((r, 0, masks, masks * rows * words))
+
+    def run(job: tuple[int, int, int, int]) -> tuple[np.ndarray, np.ndarray, float]:
         bits, full_bits, group, xor = checked[job[0]]
-        m = job[1]
         start = time.perf_counter()
-        visited, full = _merged_counts(bits[m:m + 1], full_bits[m:m + 1], group, xor)
+        visited, full = _merged_counts(bits[job[1]:job[2]], full_bits[job[1]:job[2]], group, xor)
         return visited, full, time.perf_counter() - start
 
-    jobs = [(r, m) for r, (bits, *_) in enumerate(checked) for m in range(len(bits))]
-    parts = list(_threads().map(one_mask, jobs)) if len(jobs) > 1 and (os.cpu_count() or 1) > 1 else \
-        [one_mask(job) for job in jobs]
-    results, at = [], 0
-    for bits, full_bits, group, xor in checked:
-        mine, at = parts[at:at + len(bits)], at + len(bits)
-        if not mine:  # an empty stack: no mask, no group
-            results.append((*_merged_counts(bits, full_bits, group, xor), 0.0))
-            continue
-        results.append((np.concatenate([p[0] for p in mine]), np.concatenate([p[1] for p in mine]),
-                        sum(p[2] for p in mine)))
-    return results
+    longest_first = sorted(jobs, key=lambda job: -job[3])
+    done = dict(zip(longest_first, map_on_cores(run, longest_first)))
+    parts = [[] for _ in checked]
+    for job in jobs:  # in request and mask order
+        parts[job[0]].append(done[job])
+    return [(np.concatenate([p[0] for p in mine]), np.concatenate([p[1] for p in mine]), sum(p[2] for p in mine))
+            for mine in parts]
+
+
+def map_on_cores(function: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """`[function(item) for item in items]`, the items spread over Python threads, one per core (a single core or
+    item runs them here), results in order. It pays where `function` spends its time in compiled code that releases
+    the GIL; `function` must not call this itself (its threads would wait on one another)."""
+    if len(items) > 1 and (os.cpu_count() or 1) > 1:
+        return list(_threads().map(function, items))
+    return [function(item) for item in items]
 
 
 @lru_cache(maxsize=1)
 def _threads() -> ThreadPoolExecutor:
-    """The threads `merged_counts_many` spreads its masks over (one per core), made on first use."""
+    """The threads `map_on_cores` spreads its items over (one per core), made on first use."""
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="natsim-merge")
 
 
@@ -320,7 +342,7 @@ def _popcount(typingctx, word):
     return types.int64(types.uint64), codegen
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _row_popcounts(bits):
     """Set bits per row: the KV tiles each packed row visits."""
     counts = np.zeros(bits.shape[0], np.int64)
@@ -345,55 +367,113 @@ def _pack_rows(counts, indices, num_kv, out):
     return -1
 
 
-@numba.njit(cache=True)
+_CHUNK = 512  # candidates per distance pass: their distances stay in the L1 cache, and R-1 exact copies of the
+# leader among them end its scan
+_GONE = 1 << 40  # a grouped tile's distance offset: above every real distance, so never chosen
+
+
+@numba.njit(cache=True, nogil=True)
+def _distances(cols, lead, c0, m, dist):
+    """`dist[k] += d(lead, column c0 + k)` for k < m, `cols` holding the packed rows word-major (`[words, tiles]`).
+
+    Word-major, a word of the leader meets a run of candidates at once, which the compiler turns into vector
+    popcounts; eight words per pass over the run halve the loads and stores of `dist`."""
+    words = cols.shape[0]
+    w = 0
+    while w + 8 <= words:
+        l0, l1, l2, l3 = lead[w], lead[w + 1], lead[w + 2], lead[w + 3]
+        l4, l5, l6, l7 = lead[w + 4], lead[w + 5], lead[w + 6], lead[w + 7]
+        r0, r1, r2, r3 = cols[w, c0:c0 + m], cols[w + 1, c0:c0 + m], cols[w + 2, c0:c0 + m], cols[w + 3, c0:c0 + m]
+        r4, r5, r6, r7 = cols[w + 4, c0:c0 + m], cols[w + 5, c0:c0 + m], cols[w + 6, c0:c0 + m], cols[w + 7, c0:c0 + m]
+        for k in range(m):
+            low = (_popcount(r0[k] ^ l0) + _popcount(r1[k] ^ l1)) + (_popcount(r2[k] ^ l2) + _popcount(r3[k] ^ l3))
+            high = (_popcount(r4[k] ^ l4) + _popcount(r5[k] ^ l5)) + (_popcount(r6[k] ^ l6) + _popcount(r7[k] ^ l7))
+            dist[k] += low + high
+        w += 8
+    while w < words:
+        lw = lead[w]
+        row = cols[w, c0:c0 + m]
+        for k in range(m):
+            dist[k] += _popcount(row[k] ^ lw)
+        w += 1
+
+
+@numba.njit(cache=True, nogil=True)
 def _xor_greedy(bits, group):
-    """FG-Attn's greedy grouping: Q tile indices in group order, `group` at a time."""
+    """FG-Attn's greedy grouping: Q tile indices in group order, `group` at a time.
+
+    The ungrouped tiles sit word-major in `cols`, in ascending tile order, so the leader is the first live column
+    and a leader's distances to a run of columns are one vectorised pass (`_distances`); the R-1 nearest are then
+    picked from the run in column order, a candidate replacing the R-1-th best only when strictly nearer (ties go
+    to the lower tile, as they come first). Grouped columns stay in place, their distances offset by _GONE, until
+    they are an eighth of the live range; then the columns are compacted."""
     num_q, words = bits.shape
-    pop = _row_popcounts(bits)
-    remaining = np.arange(num_q)  # ungrouped tiles, ascending, compacted after each group
-    num_left = num_q
-    taken = np.zeros(num_q, np.bool_)
-    order = np.empty(num_q, np.int64)
-    best_d = np.empty(max(group - 1, 1), np.int64)  # the R-1 nearest so far, by (distance, index)
-    best_i = np.empty(max(group - 1, 1), np.int64)
-    done = 0
-    while num_left > 0:
-        leader = remaining[0]
-        want = min(group - 1, num_left - 1)
+    order = np.arange(num_q)
+    if group == 1:
+        return order
+    cols = np.empty((words, num_q), np.uint64)
+    for i in range(num_q):
+        for w in range(words):
+            cols[w, i] = bits[i, w]
+    index = np.arange(num_q)  # the tile of each column
+    gone = np.zeros(num_q, np.int64)  # _GONE for a grouped column, else 0
+    keep = np.empty(num_q, np.int64)
+    dist = np.empty(_CHUNK, np.int64)
+    lead = np.empty(words, np.uint64)
+    best_d = np.empty(group - 1, np.int64)  # the R-1 nearest so far, by (distance, column)
+    best_c = np.empty(group - 1, np.int64)
+    columns, start, dead, done = num_q, 0, 0, 0  # columns in use, first live one, grouped ones from start on
+    while done < num_q:
+        while gone[start]:
+            start += 1
+            dead -= 1
+        for w in range(words):
+            lead[w] = cols[w, start]
+        want = min(group - 1, num_q - done - 1)
         found = 0
-        scan_end = num_left if want > 0 else 1  # nothing to pick when R = 1 or one tile is left
-        for c in range(1, scan_end):
-            j = remaining[c]
-            have_all = found == want
-            if have_all and abs(pop[j] - pop[leader]) >= best_d[want - 1]:
-                continue  # |pop(i) - pop(j)| <= d(i, j): cannot beat the R-1-th best
-            d = 0
-            for w in range(words):
-                d += _popcount(bits[leader, w] ^ bits[j, w])
-            if have_all and d >= best_d[want - 1]:
-                continue  # candidates come in ascending index, so a tie keeps the earlier one
-            p = want - 1 if have_all else found
-            while p > 0 and best_d[p - 1] > d:
-                best_d[p] = best_d[p - 1]
-                best_i[p] = best_i[p - 1]
-                p -= 1
-            best_d[p] = d
-            best_i[p] = j
-            if not have_all:
-                found += 1
-            if found == want and best_d[want - 1] == 0:
-                break  # R-1 exact copies: no later tile can do better
-        order[done] = leader
-        order[done + 1 : done + 1 + want] = np.sort(best_i[:want])
-        for m in range(done, done + 1 + want):
-            taken[order[m]] = True
+        limit = _GONE  # a candidate must be nearer than this: the R-1-th best once R-1 are found
+        c0 = start + 1
+        while want > 0 and c0 < columns and limit > 0:  # limit 0: R-1 exact copies, no later tile does better
+            m = min(_CHUNK, columns - c0)
+            dist[:m] = gone[c0:c0 + m]
+            _distances(cols, lead, c0, m, dist)
+            for k in range(m):
+                d = dist[k]
+                if d >= limit:
+                    continue
+                p = found if found < want else want - 1
+                while p > 0 and best_d[p - 1] > d:
+                    best_d[p] = best_d[p - 1]
+                    best_c[p] = best_c[p - 1]
+                    p -= 1
+                best_d[p] = d
+                best_c[p] = c0 + k
+                if found < want:
+                    found += 1
+                if found == want:
+                    limit = best_d[want - 1]
+            c0 += m
+        order[done] = index[start]
+        gone[start] = _GONE
+        chosen = np.sort(best_c[:want])
+        for k in range(want):
+            order[done + 1 + k] = index[chosen[k]]
+            gone[chosen[k]] = _GONE
         done += want + 1
-        kept = 0
-        for c in range(num_left):
-            if not taken[remaining[c]]:
-                remaining[kept] = remaining[c]
-                kept += 1
-        num_left = kept
+        dead += want + 1
+        if done < num_q and 8 * dead > columns - start:
+            kept = 0
+            for c in range(start, columns):
+                if not gone[c]:
+                    keep[kept] = c
+                    kept += 1
+            for w in range(words):
+                for k in range(kept):
+                    cols[w, k] = cols[w, keep[k]]
+            for k in range(kept):
+                index[k] = index[keep[k]]
+                gone[k] = 0
+            columns, start, dead = kept, 0, 0
     return order
 
 
@@ -440,8 +520,8 @@ def _unpack(bits):
 
 @numba.njit(cache=True, nogil=True)
 def _merged_counts(bits, full_bits, group, xor):
-    """`merged_counts` over the masks of the stack, one after another (without the GIL: `merged_counts` runs
-    slices of a stack on threads)."""
+    """`merged_counts` over the masks of the stack, one after another (without the GIL: `merged_counts_many` runs
+    masks and stacks on threads)."""
     masks, num_q, _ = bits.shape
     num_groups = (num_q + group - 1) // group
     visited = np.zeros((masks, num_groups), np.int64)

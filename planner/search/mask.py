@@ -187,6 +187,7 @@ def best_mask(
     # one 128-query block per program already: a merge changes nothing
     options = [(qb, kb, merge) for qb in q_options for kb in kv_options for merge in merges
                if merge == "none" or qb < DENSE_BLOCK]
+    rows.prepare({(qb, kb) for qb, kb, _ in options})  # pooled rows and their counts, on every core
     rows.count([_grouping(qb, kb, merge) for qb, kb, merge in options])  # every candidate's counts, on every core
     scored, features = [], {}
     for qb, kb, merge in options:
