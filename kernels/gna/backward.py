@@ -57,6 +57,7 @@ import triton.language as tl
 
 from natsim import Problem
 
+from ..common.backend import interpreting
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
 from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, install_allocator
 from ..common.softmax import LOG2E
@@ -499,8 +500,8 @@ def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, k
     dq_stages = options.pop("DQ_STAGES", None)
     fit = _descriptors_fit(q, k, v, grad_out)
     tma = bool(options.pop("USE_TMA", False)) and fit
-    if atomic == 2 and not fit:
-        atomic = 1  # bulk reduces need descriptors too
+    if atomic == 2 and (not fit or interpreting()):
+        atomic = 1  # bulk reduces need descriptors, and Triton's interpreter has none
     if tma or atomic == 2:
         install_allocator()
     delta = softmax_delta(out, grad_out, grad_lse)
