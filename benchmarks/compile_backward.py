@@ -1,6 +1,7 @@
 """Compile the GNA backward kernels for a GPU target offline and report registers and spills per variant.
 
     PYTHONPATH=/path/to/triton-3.6 python benchmarks/compile_backward.py --out DIR [--arch 90] [--head-dim 64]
+        [--sparse]
 
 No GPU needed: `triton.compile` lowers each variant of benchmarks/backward.py's tune sweep (Q-tile halvings x
 ATOMIC_DQ x IN_TILE x USE_TMA x num_stages) for each problem of its table (HunyuanVideo dense, 1x1x1, 1x8x8, 16x8x8: the
@@ -8,7 +9,9 @@ backward's own tiles, mask and padding switches for each; the dQ kernel on its m
 `--arch`, and the ptxas bundled with Triton assembles it with `-v`, whose report gives registers per thread and
 spill stores/loads (what a run on the card would read from the loaded kernel's `n_regs` / `n_spills`). A
 variant that fails to compile is reported with its error, so that the sweep can drop it before it costs device
-time. Writes `compile-backward-sm<arch>-d<head_dim>-triton<version>.json`."""
+time. Writes `compile-backward-sm<arch>-d<head_dim>-triton<version>.json`. With `--sparse`, the sparse
+backward's dK/dV and dQ kernels instead (`SPARSE_VARIANTS`: 128-, 64- and 16-token blocks at their default tiles,
+two stages, 32-query steps; descriptor loads on and off), into `compile-sparse-backward-sm<arch>-...json`."""
 
 from __future__ import annotations
 
@@ -32,11 +35,15 @@ from natsim.kernels.gna.backward import DEFAULT_VARIANT, backward_tiles, dkdv_ke
 from natsim.kernels.gna.launch import dense_as_1d, needs_mask
 
 INTS = ("tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
-        "NQ0", "NQ1", "NQ2", "NK0", "NK1", "NK2", "STEPS0", "STEPS1", "STEPS2")
+        "NQ0", "NQ1", "NQ2", "NK0", "NK1", "NK2", "STEPS0", "STEPS1", "STEPS2",
+        "seq_len", "num_q_blocks", "num_kv_blocks", "num_q_tiles", "num_kv_tiles", "mask_b_step", "mask_h_step",
+        "mask_heads")
 FLOATS = ("qk_scale", "scale")
 # Pointer arguments: bf16 tensors, fp32 statistics; DQ is fp32 under ATOMIC_DQ; COUNTS gets DELTA without DEBUG.
 BF16 = ("Q", "K", "V", "DO", "DK", "DV")
 FP32 = ("LSE", "DELTA", "COUNTS")
+U8 = ("MASK",)  # the sparse kernels' boolean block mask, read as bytes
+I32 = ("COL_COUNT", "COL_FULL", "COL_INDEX", "ROW_COUNT", "ROW_FULL", "ROW_INDEX")  # their tile lists
 SWITCHES = ("ATOMIC_DQ", "IN_TILE", "USE_TMA")
 
 
@@ -50,6 +57,10 @@ def signature(fn, constexprs: dict, atomic: bool) -> tuple[dict, dict]:
             sig[name] = "*bf16"
         elif name in FP32 or name == "DQ":
             sig[name] = "*fp32"
+        elif name in U8:
+            sig[name] = "*u8"
+        elif name in I32:
+            sig[name] = "*i32"
         elif name in INTS:
             sig[name] = "i32"
         elif name in FLOATS:
@@ -117,14 +128,54 @@ def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, pad: bool,
     return row
 
 
+# The sparse backward's variants for --sparse: (mask block, BackwardTiles fields or None for the default tiles,
+# launch options over `launch_options`), each compiled with descriptor loads on and off.
+SPARSE_VARIANTS = [(128, None, {}), (128, None, {"num_stages": 2}), (128, (32, 128, 128, 64), {}),
+                   (64, None, {}), (16, None, {})]
+
+
+def compile_sparse(arch: int, head_dim: int) -> list[dict]:
+    """The sparse backward's dK/dV and dQ kernels (kernels/sparse/backward.py) for `SPARSE_VARIANTS`."""
+    import torch
+
+    from natsim.kernels.sparse.backward import BackwardTiles, backward_tiles, sparse_dkdv_kernel, sparse_dq_kernel
+
+    rows = []
+    for block, fields, options in SPARSE_VARIANTS:
+        tiles = BackwardTiles(*fields) if fields else backward_tiles(block, block, torch.device("cuda"))
+        for use_tma in (True, False):
+            for fn, block_m, block_n in ((sparse_dkdv_kernel, tiles.dkdv_queries, tiles.dkdv_keys),
+                                         (sparse_dq_kernel, tiles.dq_queries, tiles.dq_keys)):
+                launch = {**launch_options(block_m, block_n), **options}
+                constexprs = dict(QB=block, KVB=block, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+                                  USE_TMA=use_tma)
+                sig, attrs = signature(fn, constexprs, False)
+                row = {"kernel": fn.__name__, "block": block, "block_m": block_m, "block_n": block_n,
+                       "USE_TMA": use_tma, **launch}
+                try:
+                    compiled = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs),
+                                              target=GPUTarget("cuda", arch, 128), options=launch)
+                    row.update(shared_bytes=compiled.metadata.shared, **ptxas_report(compiled.asm["ptx"], arch))
+                except Exception as error:  # reported, so that the sweep drops the variant
+                    row["error"] = f"{type(error).__name__}: {error}"[:400]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
     parser.add_argument("--head-dim", type=int, default=128, help="head_dim of the compiled kernels")
     parser.add_argument("--num-warps", type=int, default=None, help="override every variant's num_warps")
+    parser.add_argument("--sparse", action="store_true",
+                        help="compile the sparse backward's kernels instead (SPARSE_VARIANTS)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.sparse:
+        write_report(args.out, "sparse-backward", args.arch, args.head_dim, compile_sparse(args.arch, args.head_dim))
+        return
     rows, seen = [], set()
     for halvings, options in TUNE:
         for case, (stride, window) in CASES.items():
