@@ -31,7 +31,8 @@ from backward import CASES, SHAPE, TUNE
 
 import natsim
 from natsim.kernels.common.backward import launch_options
-from natsim.kernels.gna.backward import DEFAULT_VARIANT, backward_tiles, dkdv_kernel, dq_kernel, padded, uses_descriptors
+from natsim.kernels.gna.backward import (DEFAULT_VARIANT, backward_tiles, dkdv_kernel, dq_kernel, padded,
+                                         uses_descriptors)
 from natsim.kernels.gna.launch import dense_as_1d, needs_mask
 
 INTS = ("tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
@@ -115,17 +116,22 @@ def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, pad: bool,
                       USE_TMA=bool(switches["USE_TMA"]))
     if fn is dkdv_kernel:
         constexprs.update(DEBUG=False, ATOMIC_DQ=atomic)
-    sig, attrs = signature(fn, constexprs, atomic)
     launch = {"num_warps": options["num_warps"], "num_stages": options["num_stages"]}
     row = {"kernel": fn.__name__, "q_tile": list(q_tile), "kv_tile": list(kv_tile), "masked": masked,
            "padded": pad, **switches, **launch}
+    return {**row, **compile_report(fn, constexprs, atomic, launch, arch)}
+
+
+def compile_report(fn, constexprs: dict, atomic: bool, launch: dict, arch: int) -> dict:
+    """`fn` compiled for `arch` with `constexprs` and the launch options: shared memory and ptxas's register
+    report, or the error (reported, so that a sweep drops the variant before it costs device time)."""
+    sig, attrs = signature(fn, constexprs, atomic)
     try:
         compiled = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs),
                                   target=GPUTarget("cuda", arch, 128), options=launch)
-        row.update(shared_bytes=compiled.metadata.shared, **ptxas_report(compiled.asm["ptx"], arch))
-    except Exception as error:  # reported, so that the sweep drops the variant
-        row["error"] = f"{type(error).__name__}: {error}"[:400]
-    return row
+        return dict(shared_bytes=compiled.metadata.shared, **ptxas_report(compiled.asm["ptx"], arch))
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"[:400]}
 
 
 # The sparse backward's variants for --sparse: (mask block, BackwardTiles fields or None for the default tiles,
@@ -149,15 +155,8 @@ def compile_sparse(arch: int, head_dim: int) -> list[dict]:
                 launch = {**launch_options(block_m, block_n), **options}
                 constexprs = dict(QB=block, KVB=block, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
                                   USE_TMA=use_tma)
-                sig, attrs = signature(fn, constexprs, False)
                 row = {"kernel": fn.__name__, "block": block, "block_m": block_m, "block_n": block_n,
-                       "USE_TMA": use_tma, **launch}
-                try:
-                    compiled = triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs),
-                                              target=GPUTarget("cuda", arch, 128), options=launch)
-                    row.update(shared_bytes=compiled.metadata.shared, **ptxas_report(compiled.asm["ptx"], arch))
-                except Exception as error:  # reported, so that the sweep drops the variant
-                    row["error"] = f"{type(error).__name__}: {error}"[:400]
+                       "USE_TMA": use_tma, **launch, **compile_report(fn, constexprs, False, launch, arch)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows

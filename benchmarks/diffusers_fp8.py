@@ -24,7 +24,6 @@ under three minutes with model building, planning, Triton's first compiles and t
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import time
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from diffusers_step import CASES, DEVICE, build, captured_qkv, inputs, median_ms, small_case, synchronize
+from diffusers_step import CASES, build, captured_qkv, inputs, median_ms, run_header, small_case, synchronize
 from natsim.integrations import diffusers as nd
 
 DEFAULT_CASES = "wan-480p,hunyuan-720p"
@@ -111,13 +110,7 @@ def main(argv=None) -> None:
     parser.add_argument("--small", action="store_true", help="tiny models on the CPU (a smoke test of the script)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    import diffusers
-    import triton
-
-    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
-                  date=datetime.date.today().isoformat(), records=[])
-    path = args.out / f"diffusers-fp8-{device.replace(' ', '_')}-{result['date']}.json"
+    result, path = run_header("fp8", args.out)
     for name in args.cases.split(","):
         record = run_case(name, args.steps, args.small)
         print(json.dumps(record), flush=True)

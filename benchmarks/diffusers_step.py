@@ -249,6 +249,18 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
     return record
 
 
+def run_header(kind: str, out: Path) -> tuple[dict, Path]:
+    """A diffusers benchmark's result record (device, versions, date, no records yet) and where it is written:
+    `out/diffusers-<kind>-<device>-<date>.json`."""
+    import diffusers
+    import triton
+
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
+                  date=datetime.date.today().isoformat(), records=[])
+    return result, out / f"diffusers-{kind}-{device.replace(' ', '_')}-{result['date']}.json"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
@@ -257,13 +269,7 @@ def main(argv=None) -> None:
     parser.add_argument("--small", action="store_true", help="tiny models on the CPU (a smoke test of the script)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    import diffusers
-    import triton
-
-    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
-                  date=datetime.date.today().isoformat(), records=[])
-    path = args.out / f"diffusers-step-{device.replace(' ', '_')}-{result['date']}.json"
+    result, path = run_header("step", args.out)
     for name in args.cases.split(","):
         record = run_case(name, args.steps, args.small)
         print(json.dumps(record), flush=True)

@@ -45,6 +45,22 @@ GNA = [
 ]
 
 
+def _assert_compiled_and_captured_equal_eager(fn, *args):
+    """`fn(*args)` under `torch.compile(fullgraph=True)` and replayed from a CUDA graph gives eager's bits."""
+    eager = fn(*args)
+    compiled = torch.compile(fn, fullgraph=True)(*args)
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
+    fn(*args)  # warm: compiled kernels and cached calls before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("shape, window, stride, dilation, causal, head_dim", GNA)
 def test_gna_fp8_follows_the_rule_at_real_sizes(shape, window, stride, dilation, causal, head_dim):
     q, k, v = _qkv(*shape, head_dim=head_dim)
@@ -80,18 +96,7 @@ def test_fp8_under_compile_and_cuda_graphs_equals_eager():
     def both(q, k, v, fq, fk, fv):
         return (gna_attention(q, k, v, (5, 7, 9), precision="fp8"), sparse_attention(fq, fk, fv, work, precision="fp8"))
 
-    eager = both(q, k, v, *flat)
-    compiled = torch.compile(both, fullgraph=True)(q, k, v, *flat)
-    for got, want in zip(compiled, eager):
-        assert torch.equal(got, want)
-    both(q, k, v, *flat)  # warm: compiled kernels and cached calls before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = both(q, k, v, *flat)
-    graph.replay()
-    torch.cuda.synchronize()
-    for got, want in zip(captured, eager):
-        assert torch.equal(got, want)
+    _assert_compiled_and_captured_equal_eager(both, q, k, v, *flat)
 
 
 # -- inputs already in float8 -------------------------------------------------------------------------------------
@@ -169,18 +174,7 @@ def test_float8_inputs_under_compile_and_cuda_graphs_equal_eager():
                 sparse_attention(fq, fk, fv, work, scales=Fp8Scales(flat_scales.q_scale, flat_scales.k_scale.amax(),
                                                                     flat_scales.v_scale)))
 
-    eager = both(q8, k8, v8, *flat)
-    compiled = torch.compile(both, fullgraph=True)(q8, k8, v8, *flat)
-    for got, want in zip(compiled, eager):
-        assert torch.equal(got, want)
-    both(q8, k8, v8, *flat)  # warm: compiled kernels and cached calls before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = both(q8, k8, v8, *flat)
-    graph.replay()
-    torch.cuda.synchronize()
-    for got, want in zip(captured, eager):
-        assert torch.equal(got, want)
+    _assert_compiled_and_captured_equal_eager(both, q8, k8, v8, *flat)
 
 
 def test_fp8_plans_run_on_the_gpu_eager_and_compiled():

@@ -62,6 +62,13 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def descriptors_fit(*tensors: torch.Tensor) -> bool:
+    """Whether `tensors` (on one device) can move through tensor descriptors: the device has them, their strides
+    suit a descriptor and their starts are 16-byte aligned."""
+    return (has_tensor_descriptors(tensors[0].device) and all(descriptor_strides_ok(t) for t in tensors)
+            and aligned(*tensors))
+
+
 def install_allocator() -> None:
     """In-kernel tensor descriptors need a scratch allocator; install a torch one unless the caller has one.
     Triton keeps the allocator in a context variable, one per thread: a launch from another thread (autograd's

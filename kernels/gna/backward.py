@@ -59,7 +59,7 @@ from natsim import Problem
 
 from ..common.backend import interpreting
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
-from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, install_allocator
+from ..common.launch import descriptors_fit, install_allocator
 from ..common.softmax import LOG2E
 from .geometry import (dim_setup, full_run, inner_box, is_full, next_tile, slab_tile, tile_in_group, window_bounds,
                        window_mask)
@@ -179,6 +179,23 @@ def _group_descriptor(HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
 
 
 @triton.jit
+def _pair_descriptors(A_HEAD, B_HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
+                      T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      USE_TMA: tl.constexpr):
+    """`_group_descriptor`s of two tensors' heads (the tiles a kernel steps over) with USE_TMA, else the bare
+    head pointers (`_load_tile` gathers then)."""
+    if USE_TMA:
+        a = _group_descriptor(A_HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
+                              T0, T1, T2, HEAD_DIM)
+        b = _group_descriptor(B_HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
+                              T0, T1, T2, HEAD_DIM)
+    else:
+        a = A_HEAD
+        b = B_HEAD
+    return a, b
+
+
+@triton.jit
 def _load_tile(P, desc, offsets, t0, t1, t2, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
                HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
     """Tile (t0, t1, t2)'s `[rows, head_dim]` rows: one bulk copy through `desc`, or a gather at `offsets`
@@ -265,14 +282,8 @@ def dkdv_kernel(
                                                kv_in_tile, dims, row_stride, TK0, TK1, TK2, PADDED, IN_TILE)
     k = tl.load(K + base + kv_offsets)
     v = tl.load(V + base + kv_offsets)
-    if USE_TMA:
-        q_desc = _group_descriptor(Q + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                   base * 0 + row_stride, TQ0, TQ1, TQ2, HEAD_DIM)
-        do_desc = _group_descriptor(DO + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                    base * 0 + row_stride, TQ0, TQ1, TQ2, HEAD_DIM)
-    else:
-        q_desc = Q  # unused: gathers
-        do_desc = DO
+    q_desc, do_desc = _pair_descriptors(Q + base, DO + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                        base * 0 + row_stride, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA)
     if ATOMIC_DQ == 2:  # this head's dilation group of the head-major `[B, heads, L0, L1, L2, head_dim]` dQ
         dq_desc = tl.make_tensor_descriptor(
             DQ + (stats + (gi0 * L1 + gi1) * L2 + gi2) * HEAD_DIM, shape=[len0, len1, len2, HEAD_DIM],
@@ -382,14 +393,8 @@ def dq_kernel(
     lse2, delta = _load_stats(LSE, DELTA, bh.to(tl.int64) * tokens + q_token, q_real, PADDED)
     dq = tl.zeros([TQ0 * TQ1 * TQ2, HEAD_DIM], dtype=tl.float32)
     kv_in_tile = _in_tile_tokens(L1, L2, D0, D1, D2, TK0, TK1, TK2)
-    if USE_TMA:
-        k_desc = _group_descriptor(K + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                   base * 0 + row_stride, TK0, TK1, TK2, HEAD_DIM)
-        v_desc = _group_descriptor(V + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                   base * 0 + row_stride, TK0, TK1, TK2, HEAD_DIM)
-    else:
-        k_desc = K  # unused: gathers
-        v_desc = V
+    k_desc, v_desc = _pair_descriptors(K + base, V + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                       base * 0 + row_stride, TK0, TK1, TK2, HEAD_DIM, USE_TMA)
 
     k0 = f0
     k1 = f1
@@ -498,7 +503,7 @@ def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, k
     options = {**DEFAULT_VARIANT, **(options or {})}
     atomic = int(options.pop("ATOMIC_DQ", 0))
     dq_stages = options.pop("DQ_STAGES", None)
-    fit = _descriptors_fit(q, k, v, grad_out)
+    fit = descriptors_fit(q, k, v, grad_out)
     tma = bool(options.pop("USE_TMA", False)) and fit
     if atomic == 2 and (not fit or interpreting()):
         atomic = 1  # bulk reduces need descriptors, and Triton's interpreter has none
@@ -517,13 +522,6 @@ def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, k
         options["num_stages"] = dq_stages
     # The dQ kernel on the mirrored tiles: the KV box as its Q tile, the Q tile as its KV tile.
     return _dq(q, grad_out, k, v, lse, delta, problem, kv_tile, q_tile, scale, pad, tma, options), dk, dv, counts
-
-
-def _descriptors_fit(*tensors: torch.Tensor) -> bool:
-    """Whether the contiguous `[B, tokens, heads, head_dim]` operands can move through tensor descriptors: on
-    Hopper or later (or in the interpreter), 16-byte aligned, rows a multiple of 16 bytes apart."""
-    return has_tensor_descriptors(tensors[0].device) and aligned(*tensors) and all(
-        descriptor_strides_ok(t) for t in tensors)
 
 
 def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, pad: bool, debug: bool,

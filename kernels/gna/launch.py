@@ -40,7 +40,7 @@ from natsim.window import group_length, window_bounds
 from ..common.backend import interpreting
 from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_launch_config,
                           lse_with_mean, prequantized_rows, quantize_rows)
-from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, launch_config
+from ..common.launch import descriptors_fit, has_tensor_descriptors, launch_config
 from ..common.softmax import LOG2E
 from .dynamic import gna_dynamic_kernel
 from .forward import gna_forward_kernel
@@ -350,8 +350,7 @@ def make_call(
 def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> bool:
     """Whether the kernel can read these tensors where they are: no dilation, descriptors on this device (and in
     FP8 a 1-D layout: `permutes`), descriptor-friendly strides and 16-byte aligned starts."""
-    return (not permutes(problem, has_tensor_descriptors(q.device), fp8)
-            and all(descriptor_strides_ok(t) for t in (q, k, v)) and aligned(q, k, v))
+    return not permutes(problem, has_tensor_descriptors(q.device), fp8) and descriptors_fit(q, k, v)
 
 
 def frames_as_3d(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]):

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..common.backend import interpreting
-from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, install_allocator
+from ..common.launch import descriptors_fit, install_allocator
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
 from ..common.softmax import LOG2E
 
@@ -324,6 +324,4 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
 def _use_descriptors(q, k, v, grad_out, options: Optional[dict]) -> bool:
     """Whether the stepped operands load through tensor descriptors (`options["USE_TMA"]` decides when given):
     on Hopper and later (or in the interpreter), with the strides and alignment TMA needs."""
-    wanted = (options or {}).get("USE_TMA", True)
-    return bool(wanted) and has_tensor_descriptors(q.device) and aligned(q, k, v, grad_out) and all(
-        descriptor_strides_ok(t) for t in (q, k, v, grad_out))
+    return bool((options or {}).get("USE_TMA", True)) and descriptors_fit(q, k, v, grad_out)

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ..common.launch import aligned, descriptor_strides_ok, has_tensor_descriptors, install_allocator, launch_config
+from ..common.launch import descriptors_fit, install_allocator, launch_config
 from ..common.backend import interpreting
 from ..common.fp8 import (Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_launch_config, lse_with_mean,
                           prequantized_rows, quantize)
@@ -347,8 +347,7 @@ def run_sparse(
     items = batch * heads * work.groups
     counts = torch.zeros((items, 3), dtype=torch.int32, device=q.device) if debug else None
     pv_threshold = check_pv_threshold(pv_threshold)
-    use_tma = (work.block_n == work.kv_block and has_tensor_descriptors(q.device)
-               and all(descriptor_strides_ok(t) for t in (k, v)) and aligned(k, v))
+    use_tma = work.block_n == work.kv_block and descriptors_fit(k, v)
     if use_tma:
         install_allocator()
     config = launch_config(work.block_m, work.block_n, head_dim, masked=True, tma=use_tma, specialize=False)
