@@ -3,6 +3,8 @@
     python benchmarks/backward.py --out benchmarks/results           # the issue-13 table (HunyuanVideo)
     python benchmarks/backward.py --out DIR --tune                   # backward tiles and launch options
     python benchmarks/backward.py --out DIR --variant DIR/backward-tune-*.json   # the table with the winner
+    python benchmarks/backward.py --out DIR --layout 160x160:40x40:8x16 --layout 31x45x77:13x15x17:4x4x4
+                                                                     # any layouts, ours beside Flex
 
 HunyuanVideo 30x48x80, 24 heads, head_dim 128, bf16, window 18x24x24 at strides 1x1x1, 1x8x8 and 16x8x8,
 and dense attention. Ours: `gna_attention` with q, k, v requiring grad (the registered operator, its
@@ -13,6 +15,10 @@ FlexAttention gets the identical element mask on the forward's permuted tiles (b
 backward. Gradients are checked on two heads of the full layout against the float32 chunked reference
 (`reference_gradients`). Simulated speedups are the backward tiles' (`natsim.simulate_backward`): the
 dK/dV kernel's KV-major counts and the dQ kernel's Q-major counts, relative to dense attention.
+
+`--layout SHAPE:WINDOW:STRIDE[:DILATION]` (repeatable) times layouts the table does not name instead, ours
+beside Flex (on 2x8x8, 8x16 or 128-token tiles by the layout's rank, dilation groups permuted as ours are),
+24 heads, gradients checked as above; written to backward-layouts-<device>-<date>.json.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from natsim.kernels.gna.reference import reference_gradients
 HEADS, HEAD_DIM, DTYPE = 24, 128, torch.bfloat16
 SHAPE, WINDOW = (30, 48, 80), (18, 24, 24)
 FLEX_TILE = (2, 8, 8)
+FLEX_TILES = {1: (128,), 2: (8, 16), 3: FLEX_TILE}  # Flex's 128-token tiles by the layout's rank
 CHECK_HEADS = 2
 BF16_TOLERANCE = 2e-2
 
@@ -68,7 +75,7 @@ def simulated(problem: natsim.Problem) -> dict:
 
 
 def ours(problem, q, k, v, g) -> dict:
-    args = dict(window=problem.window, stride=problem.stride)
+    args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation)
     row = {}
     with torch.no_grad():
         row["fwd_ms"] = bench(lambda: gna_attention(q, k, v, **args))
@@ -84,20 +91,22 @@ def ours(problem, q, k, v, g) -> dict:
 def check(problem, q, k, v, g, grads) -> dict:
     """Relative errors of our gradients on the first heads against the float32 chunked reference."""
     heads = slice(0, CHECK_HEADS)
-    want = reference_gradients(*(t[..., heads, :] for t in (q, k, v, g)), problem.window, problem.stride)
+    want = reference_gradients(*(t[..., heads, :] for t in (q, k, v, g)), problem.window, problem.stride,
+                               problem.dilation)
     return {f"rel_err_{name}": rel(got[..., heads, :], ref) for name, got, ref in zip(("dq", "dk", "dv"), grads, want)}
 
 
-def flex(problem, q, k, v, g) -> dict:
-    """FlexAttention forward and forward + backward under the same element mask, on permuted tokens."""
+def flex(problem, q, k, v, g, tile=FLEX_TILE) -> dict:
+    """FlexAttention forward and forward + backward under the same element mask, on tokens permuted to `tile`
+    (and the problem's dilation groups)."""
     from gna import flex_block_mask
     from torch.nn.attention.flex_attention import flex_attention
 
     row = {}
     try:
         t0 = time.time()
-        fq, fk, fv, fg = (permute(t, FLEX_TILE).transpose(1, 2).contiguous() for t in (q, k, v, g))
-        block_mask = flex_block_mask(problem, FLEX_TILE, fq.shape[2])
+        fq, fk, fv, fg = (permute(t, tile, problem.dilation).transpose(1, 2).contiguous() for t in (q, k, v, g))
+        block_mask = flex_block_mask(problem, tile, fq.shape[2])
         torch._dynamo.config.recompile_limit = 64
         compiled = torch.compile(flex_attention, dynamic=False)
         with torch.no_grad():
@@ -173,6 +182,46 @@ def run(cases, with_flex: bool, with_check: bool, save) -> list[dict]:
                 row["flex_bwd_over_ours"] = row["flex_bwd_ms"] / row["bwd_ms"]
             print(json.dumps(row), flush=True)
             save(rows)
+    return rows
+
+
+def parse_layout(text: str) -> natsim.Problem:
+    """`SHAPE:WINDOW:STRIDE[:DILATION]`, each `AxBxC`, as a Problem (its own checks and errors)."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4):
+        raise SystemExit(f"--layout takes SHAPE:WINDOW:STRIDE[:DILATION] such as 160x160:40x40:8x16, got {text!r}.")
+    sizes = [tuple(int(x) for x in part.split("x")) for part in parts]
+    return natsim.Problem(*sizes)
+
+
+def run_layouts(problems, with_flex: bool, with_check: bool, save) -> list[dict]:
+    """Ours (forward, backward) and Flex's on each problem, 24 heads; `save(rows)` after each."""
+    rows = []
+    for problem in problems:
+        q, k, v, g = inputs(problem.shape)
+        row = {"case": f"{'x'.join(map(str, problem.shape))} w{'x'.join(map(str, problem.window))} "
+                       f"s{'x'.join(map(str, problem.stride))} d{'x'.join(map(str, problem.dilation))}",
+               "shape": list(problem.shape), "window": list(problem.window), "stride": list(problem.stride),
+               "dilation": list(problem.dilation), "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
+               **simulated(problem)}
+        try:
+            timings, grads = ours(problem, q, k, v, g)
+            row.update(timings)
+            row["bwd_over_fwd"] = row["bwd_ms"] / row["fwd_ms"]
+            if with_check:
+                row.update(check(problem, q, k, v, g, grads))
+            del grads
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {error}"[:500]
+        if with_flex:
+            row["flex_tile"] = list(FLEX_TILES[problem.ndim])
+            row.update(flex(problem, q, k, v, g, FLEX_TILES[problem.ndim]))
+            if "flex_bwd_ms" in row and "bwd_ms" in row:
+                row["flex_bwd_over_ours"] = row["flex_bwd_ms"] / row["bwd_ms"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        save(rows)
+        del q, k, v, g
     return rows
 
 
@@ -323,6 +372,9 @@ def main(argv=None) -> None:
                         help="run the table with the winner of this --tune JSON (tiles and launch options)")
     parser.add_argument("--cases", default=",".join(CASES),
                         help=f"table rows, joined by ',' (default: {','.join(CASES)}); FlexAttention runs in this order")
+    parser.add_argument("--layout", action="append", default=[],
+                        help="SHAPE:WINDOW:STRIDE[:DILATION] (repeatable): time these layouts, ours beside Flex, "
+                             "instead of the table")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     record = environment()
@@ -334,6 +386,13 @@ def main(argv=None) -> None:
         return
     if args.variant is not None:
         record["variant"] = use_variant(args.variant)
+    if args.layout:
+        problems = [parse_layout(text) for text in args.layout]
+        path = args.out / f"backward-layouts-{device}-{record['date']}.json"
+        rows = run_layouts(problems, not args.no_flex, not args.no_check,
+                           lambda rows: path.write_text(json.dumps({**record, "rows": rows}, indent=1)))
+        print(table(rows))
+        return
     cases = [name.strip() for name in args.cases.split(",") if name.strip()]
     unknown = [name for name in cases if name not in CASES]
     if unknown:

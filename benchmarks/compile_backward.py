@@ -10,8 +10,9 @@ backward's own tiles, mask and padding switches for each; the dQ kernel on its m
 spill stores/loads (what a run on the card would read from the loaded kernel's `n_regs` / `n_spills`). A
 variant that fails to compile is reported with its error, so that the sweep can drop it before it costs device
 time. Writes `compile-backward-sm<arch>-d<head_dim>-triton<version>.json`. With `--sparse`, the sparse
-backward's dK/dV and dQ kernels instead (`SPARSE_VARIANTS`: 128-, 64- and 16-token blocks at their default tiles,
-two stages, 32-query steps; descriptor loads on and off), into `compile-sparse-backward-sm<arch>-...json`."""
+backward's kernel instead (its dK/dV and dQ programs in one launch; `SPARSE_VARIANTS`: 128-, 64- and 16-token
+blocks at their default tiles, two stages, 32-query steps; descriptor loads on and off), into
+`compile-sparse-backward-sm<arch>-...json`."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from natsim.kernels.gna.launch import dense_as_1d, needs_mask
 INTS = ("tokens", "heads", "L0", "L1", "L2", "W0", "W1", "W2", "S0", "S1", "S2", "D0", "D1", "D2",
         "NQ0", "NQ1", "NQ2", "NK0", "NK1", "NK2", "STEPS0", "STEPS1", "STEPS2",
         "seq_len", "num_q_blocks", "num_kv_blocks", "num_q_tiles", "num_kv_tiles", "mask_b_step", "mask_h_step",
-        "mask_heads")
+        "mask_heads", "dkdv_q_tiles", "dkdv_kv_tiles", "dq_q_tiles", "dq_kv_tiles")
 FLOATS = ("qk_scale", "scale")
 # Pointer arguments: bf16 tensors, fp32 statistics; DQ is fp32 under ATOMIC_DQ; COUNTS gets DELTA without DEBUG.
 BF16 = ("Q", "K", "V", "DO", "DK", "DV")
@@ -140,25 +141,32 @@ SPARSE_VARIANTS = [(128, None, {}), (128, None, {"num_stages": 2}), (128, (32, 1
                    (64, None, {}), (16, None, {})]
 
 
-def compile_sparse(arch: int, head_dim: int) -> list[dict]:
-    """The sparse backward's dK/dV and dQ kernels (kernels/sparse/backward.py) for `SPARSE_VARIANTS`."""
+def compile_sparse(arch: int, head_dim: int, seq_len: int = 32768) -> list[dict]:
+    """The sparse backward's kernel (kernels/sparse/backward.py: dK/dV and dQ programs in one launch) for
+    `SPARSE_VARIANTS`, its masked loops built as the launcher builds them for N = `seq_len`."""
     import torch
 
-    from natsim.kernels.sparse.backward import BackwardTiles, backward_tiles, sparse_dkdv_kernel, sparse_dq_kernel
+    from natsim.kernels.sparse.backward import (BackwardTiles, _may_hold_partial_pairs, backward_tiles,
+                                                sparse_backward_kernel)
 
     rows = []
     for block, fields, options in SPARSE_VARIANTS:
         tiles = BackwardTiles(*fields) if fields else backward_tiles(block, block, torch.device("cuda"))
         for use_tma in (True, False):
-            for fn, block_m, block_n in ((sparse_dkdv_kernel, tiles.dkdv_queries, tiles.dkdv_keys),
-                                         (sparse_dq_kernel, tiles.dq_queries, tiles.dq_keys)):
-                launch = {**launch_options(block_m, block_n), **options}
-                constexprs = dict(QB=block, KVB=block, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-                                  USE_TMA=use_tma)
-                row = {"kernel": fn.__name__, "block": block, "block_m": block_m, "block_n": block_n,
-                       "USE_TMA": use_tma, **launch, **compile_report(fn, constexprs, False, launch, arch)}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+            launch = {**launch_options(max(tiles.dkdv_queries, tiles.dq_queries),
+                                       max(tiles.dkdv_keys, tiles.dq_keys)), **options}
+            constexprs = dict(QB=block, KVB=block, DKDV_M=tiles.dkdv_queries, DKDV_N=tiles.dkdv_keys,
+                              DQ_M=tiles.dq_queries, DQ_N=tiles.dq_keys, HEAD_DIM=head_dim, USE_TMA=use_tma,
+                              DKDV_PARTIAL=_may_hold_partial_pairs(tiles.dkdv_queries, tiles.dkdv_keys, block, block,
+                                                                   seq_len),
+                              DQ_PARTIAL=_may_hold_partial_pairs(tiles.dq_queries, tiles.dq_keys, block, block,
+                                                                 seq_len))
+            row = {"kernel": sparse_backward_kernel.__name__, "block": block, "tiles": list(tiles.__dict__.values()),
+                   "USE_TMA": use_tma, "DKDV_PARTIAL": constexprs["DKDV_PARTIAL"],
+                   "DQ_PARTIAL": constexprs["DQ_PARTIAL"], **launch,
+                   **compile_report(sparse_backward_kernel, constexprs, False, launch, arch)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 

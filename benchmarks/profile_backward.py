@@ -4,13 +4,19 @@
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
         python benchmarks/profile_backward.py ours-16x8x8
 
-HunyuanVideo 30x48x80, window 18x24x24, head_dim 128, bf16, batch 1, `--heads` heads (default 8: a third of
+GNA cases (`ours-S`, `flex-S`): HunyuanVideo 30x48x80, window 18x24x24, head_dim 128, bf16, batch 1, `--heads` heads (default 8: a third of
 benchmarks/backward.py's 24, so that each of ncu's replays is short). `ours-*` runs `gna_attention`'s backward
 (natsim::gna_backward: the dK/dV kernel is the one named `dkdv_kernel`); `flex-*` runs FlexAttention's
 backward under the same element mask on permuted tokens (benchmarks/backward.py's setup; its fused kernel's
 name starts with `triton_tem`). The backward runs twice (the first compiles); the second runs inside the NVTX
 range "profiled", to which the command above restricts ncu (on this thread: autograd's device threads are
 turned off for the script).
+
+Block-mask cases (`sparse-ours-P`, `sparse-flex-P`, P the sparsity in percent): benchmarks/training.py's random
+128x128 block mask over N = 32,768 tokens, `--heads` heads; ours is `sparse_attention` on the mask prepared once
+(`prepare_sparse`: its kernels are `sparse_dkdv_kernel` and `sparse_dq_kernel`), Flex its compiled
+`flex_attention` with the BlockMask of the same blocks, every one full (its backward's kernel name starts with
+`triton_tem`). Profile them with `--kernel-name regex:"sparse_d|tem" --launch-count 2`.
 """
 
 from __future__ import annotations
@@ -26,8 +32,33 @@ SHAPE, WINDOW, HEAD_DIM, DTYPE = (30, 48, 80), (18, 24, 24), 128, torch.bfloat16
 STRIDES = {"dense": None, "1x1x1": (1, 1, 1), "1x8x8": (1, 8, 8), "16x8x8": (16, 8, 8)}
 
 
+def _sparse_backward(name: str, heads: int):
+    """A function that runs one backward pass of block-mask case `name` (sparse-ours-P or sparse-flex-P)."""
+    _, kind, percent = name.split("-", 2)
+    if kind not in ("ours", "flex") or not percent.isdigit() or not 0 <= int(percent) < 100:
+        raise SystemExit(f"block-mask cases are sparse-ours-P or sparse-flex-P with P in 0..99; got {name!r}.")
+    from training import Flex, MaskCase, random_mask
+
+    tokens, block = 32768, 128
+    torch.manual_seed(0)
+    q, k, v, g = (torch.randn(1, tokens, heads, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = random_mask(tokens, heads, block, int(percent) / 100, seed=0).cuda()
+    if kind == "ours":
+        from natsim.kernels import prepare_sparse, sparse_attention
+
+        out = sparse_attention(q, k, v, prepare_sparse(mask, block, block, tokens))
+    else:
+        flex = Flex(q.device)
+        case = MaskCase(name, "random", mask, block)
+        out = flex.attend(q, k, v, flex.block_mask(case, tokens, heads))
+    return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+
 def _backward(name: str, heads: int):
     """(run, (inputs...)): a function that runs one backward pass of case `name`."""
+    if name.startswith("sparse-"):
+        return _sparse_backward(name, heads)
     kind, _, stride_name = name.partition("-")
     if kind not in ("ours", "flex") or stride_name not in STRIDES:
         raise SystemExit(f"cases are ours-S or flex-S with S in {', '.join(STRIDES)}; got {name!r}.")
@@ -56,7 +87,8 @@ def _backward(name: str, heads: int):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("case", help="ours-S or flex-S, S one of dense, 1x1x1, 1x8x8, 16x8x8")
+    parser.add_argument("case", help="ours-S or flex-S, S one of dense, 1x1x1, 1x8x8, 16x8x8; or sparse-ours-P "
+                                     "or sparse-flex-P, P the random block mask's sparsity in percent")
     parser.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     parser.add_argument("--options", type=json.loads, default=None,
                         help='ours: the backward variant\'s options as JSON, e.g. \'{"ATOMIC_DQ": false}\' '

@@ -5,15 +5,18 @@ The backward always runs on the unmerged block mask: query merging (`merge=`) on
 programs and never changes an output row, so the gradients are those of the plain mask, and the backward
 tiles are runs of consecutive tokens (`BackwardTiles`; a tile may hold several mask blocks or part of one).
 
-Three launches on `[B, N, heads, head_dim]` tensors:
+Two launches on `[B, N, heads, head_dim]` tensors:
 1. `delta_kernel` (kernels/common/backward.py): `delta = rowsum(dO * O) - dLSE` in fp32, head-major as the LSE.
-2. `sparse_dkdv_kernel`: one program per KV tile, over the Q tiles of its column of the tile mask.
-3. `sparse_dq_kernel`: one program per Q tile, over the KV tiles of its row.
-Each kernel's tile mask and lists (`tile_lists`) are built on the GPU with torch ops, no host round trip, or
-once per mask by `prepare_sparse` (a `SparseWork` carries them). A list holds the full pairs first (every query
+2. `sparse_backward_kernel`, two kinds of programs in one grid: a dK/dV program per KV tile, over the Q tiles
+   of its column of the tile mask (`_dkdv_program`), then a dQ program per Q tile, over the KV tiles of its row
+   (`_dq_program`).
+Both kinds' lists (`tile_lists`) are built on the GPU (kernels/sparse/lists.py), no host round trip, or once
+per mask by `prepare_sparse` (a `SparseWork` carries them). A list holds the full pairs first (every query
 attends every key, no key past N), which run with no mask code, as the forward's first loop does; the partial
 pairs follow, each element masked by its own block's bit (gathered from the boolean mask) and by `token < N`.
-A query that attends nothing (LSE -inf) contributes nothing.
+Where the tiles cannot hold a partial pair (each tile within one mask block, N a multiple of the key tile), the
+masked loop is not built at all (fewer registers spilled). A query that attends nothing (LSE -inf) contributes
+nothing.
 """
 
 from __future__ import annotations
@@ -107,16 +110,16 @@ def _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads):
 
 
 @triton.jit
-def sparse_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COL_COUNT, COL_FULL, COL_INDEX,
+def _dkdv_program(
+    kv_tile, Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COL_COUNT, COL_FULL, COL_INDEX,
     seq_len, heads, num_q_blocks, num_kv_blocks, num_q_tiles, num_kv_tiles, mask_b_step, mask_h_step, mask_heads,
     qk_scale, scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, PARTIAL: tl.constexpr,
 ):
-    """One program per KV tile of BLOCK_N keys: its dK and dV over the Q tiles of its column, the full ones
-    (every query attends every key) first and without mask code, then the partial ones under the element mask."""
-    kv_tile = tl.program_id(0)
+    """KV tile `kv_tile` of BLOCK_N keys: its dK and dV over the Q tiles of its column, the full ones (every
+    query attends every key) first and without mask code, then (when the tiles can hold any: PARTIAL) the
+    partial ones under the element mask."""
     b, h, mask_item = _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads)
     MASK_BH = MASK + mask_item * num_q_blocks * num_kv_blocks
     rows = tl.arange(0, BLOCK_M)
@@ -145,28 +148,28 @@ def sparse_dkdv_kernel(
         q, do = _load_pair(Q, DO, q_desc, do_desc, q_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
         lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
         dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
-    for i in tl.range(full, count):
-        first = tl.load(INDEX + i) * BLOCK_M
-        q_tokens = first + rows
-        q, do = _load_pair(Q, DO, q_desc, do_desc, q_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
-        lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
-        keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, True)
-        dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
+    if PARTIAL:
+        for i in tl.range(full, count):
+            first = tl.load(INDEX + i) * BLOCK_M
+            q_tokens = first + rows
+            q, do = _load_pair(Q, DO, q_desc, do_desc, q_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
+            lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
+            keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, True)
+            dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
     _store_tile(DK, dk * scale, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM, USE_TMA)
     _store_tile(DV, dv, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM, USE_TMA)
 
 
 @triton.jit
-def sparse_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, MASK, ROW_COUNT, ROW_FULL, ROW_INDEX,
+def _dq_program(
+    q_tile, Q, K, V, DO, LSE, DELTA, DQ, MASK, ROW_COUNT, ROW_FULL, ROW_INDEX,
     seq_len, heads, num_q_blocks, num_kv_blocks, num_q_tiles, num_kv_tiles, mask_b_step, mask_h_step, mask_heads,
     qk_scale, scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, PARTIAL: tl.constexpr,
 ):
-    """One program per Q tile of BLOCK_M queries: its dQ over the KV tiles of its row, full ones first and
-    without mask code, then the partial ones under the element mask."""
-    q_tile = tl.program_id(0)
+    """Q tile `q_tile` of BLOCK_M queries: its dQ over the KV tiles of its row, full ones first and without mask
+    code, then (PARTIAL) the partial ones under the element mask."""
     b, h, mask_item = _head_and_mask_item(heads, mask_b_step, mask_h_step, mask_heads)
     MASK_BH = MASK + mask_item * num_q_blocks * num_kv_blocks
     cols = tl.arange(0, BLOCK_N)
@@ -191,13 +194,40 @@ def sparse_dq_kernel(
         first = tl.load(INDEX + i) * BLOCK_N
         k, v = _load_pair(K, V, k_desc, v_desc, first + cols, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
         dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, 0, False)
-    for i in tl.range(full, count):
-        first = tl.load(INDEX + i) * BLOCK_N
-        k_tokens = first + cols
-        k, v = _load_pair(K, V, k_desc, v_desc, k_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
-        keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, False)
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
+    if PARTIAL:
+        for i in tl.range(full, count):
+            first = tl.load(INDEX + i) * BLOCK_N
+            k_tokens = first + cols
+            k, v = _load_pair(K, V, k_desc, v_desc, k_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
+            keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, False)
+            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
     _store_tile(DQ, dq * scale, q_tokens, q_tile * BLOCK_M, base, seq_len, heads, HEAD_DIM, USE_TMA)
+
+
+@triton.jit
+def sparse_backward_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, MASK, COL_COUNT, COL_FULL, COL_INDEX, ROW_COUNT, ROW_FULL, ROW_INDEX,
+    seq_len, heads, num_q_blocks, num_kv_blocks, dkdv_q_tiles, dkdv_kv_tiles, dq_q_tiles, dq_kv_tiles,
+    mask_b_step, mask_h_step, mask_heads, qk_scale, scale,
+    QB: tl.constexpr, KVB: tl.constexpr, DKDV_M: tl.constexpr, DKDV_N: tl.constexpr, DQ_M: tl.constexpr,
+    DQ_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, DKDV_PARTIAL: tl.constexpr,
+    DQ_PARTIAL: tl.constexpr,
+):
+    """The dK/dV and the dQ programs in one launch (grid: dK/dV's KV tiles + dQ's Q tiles, x batch * heads): the
+    dK/dV programs first (the longer ones), then the dQ programs, which fill the SMs that the last dK/dV
+    programs leave idle instead of waiting for a second launch (H100, random 128x128 masks, 24 heads: 2-6%
+    faster than two launches; benchmarks/results/sparse-backward-fused-*.json)."""
+    pid = tl.program_id(0)
+    if pid < dkdv_kv_tiles:
+        _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COL_COUNT, COL_FULL, COL_INDEX,
+                      seq_len, heads, num_q_blocks, num_kv_blocks, dkdv_q_tiles, dkdv_kv_tiles, mask_b_step,
+                      mask_h_step, mask_heads, qk_scale, scale, QB, KVB, DKDV_M, DKDV_N, HEAD_DIM, USE_TMA,
+                      DKDV_PARTIAL)
+    else:
+        _dq_program(pid - dkdv_kv_tiles, Q, K, V, DO, LSE, DELTA, DQ, MASK, ROW_COUNT, ROW_FULL, ROW_INDEX,
+                    seq_len, heads, num_q_blocks, num_kv_blocks, dq_q_tiles, dq_kv_tiles, mask_b_step,
+                    mask_h_step, mask_heads, qk_scale, scale, QB, KVB, DQ_M, DQ_N, HEAD_DIM, USE_TMA,
+                    DQ_PARTIAL)
 
 
 # -- host side ---------------------------------------------------------------------------------------------------
@@ -297,28 +327,33 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
     mask = mask.to(q.device, torch.bool).contiguous()
     columns, rows = tile_lists(mask, tiles, q_block, kv_block, seq_len) if lists is None else lists
     delta = softmax_delta(out, grad_out, None if grad_lse is None else grad_lse.detach().float().contiguous())
-    shared = dict(seq_len=seq_len, heads=heads, num_q_blocks=mask.shape[2], num_kv_blocks=mask.shape[3],
-                  mask_b_step=0 if mask.shape[0] == 1 else 1, mask_h_step=0 if mask.shape[1] == 1 else 1,
-                  mask_heads=mask.shape[1], qk_scale=scale * LOG2E, scale=scale, QB=q_block, KVB=kv_block,
-                  HEAD_DIM=head_dim)
     use_tma = _use_descriptors(q, k, v, grad_out, options)
     if use_tma:
         install_allocator()
-    shared["USE_TMA"] = use_tma
+    shared = dict(seq_len=seq_len, heads=heads, num_q_blocks=mask.shape[2], num_kv_blocks=mask.shape[3],
+                  mask_b_step=0 if mask.shape[0] == 1 else 1, mask_h_step=0 if mask.shape[1] == 1 else 1,
+                  mask_heads=mask.shape[1], qk_scale=scale * LOG2E, scale=scale, QB=q_block, KVB=kv_block,
+                  HEAD_DIM=head_dim, USE_TMA=use_tma)
     options = {key: value for key, value in (options or {}).items() if key != "USE_TMA"}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    mask_bytes = mask.view(torch.uint8)
-    num_q_tiles, num_kv_tiles = columns.index.shape[-1], columns.count.shape[-1]
-    sparse_dkdv_kernel[(num_kv_tiles, batch * heads)](
-        q, k, v, grad_out, lse, delta, dk, dv, mask_bytes, columns.count, columns.full, columns.index,
-        num_q_tiles=num_q_tiles, num_kv_tiles=num_kv_tiles, BLOCK_M=tiles.dkdv_queries, BLOCK_N=tiles.dkdv_keys,
-        **shared, **{**launch_options(tiles.dkdv_queries, tiles.dkdv_keys), **options})
-    num_q_tiles, num_kv_tiles = rows.count.shape[-1], rows.index.shape[-1]
-    sparse_dq_kernel[(num_q_tiles, batch * heads)](
-        q, k, v, grad_out, lse, delta, dq, mask_bytes, rows.count, rows.full, rows.index,
-        num_q_tiles=num_q_tiles, num_kv_tiles=num_kv_tiles, BLOCK_M=tiles.dq_queries, BLOCK_N=tiles.dq_keys,
-        **shared, **{**launch_options(tiles.dq_queries, tiles.dq_keys), **options})
+    dkdv_kv_tiles, dq_q_tiles = columns.count.shape[-1], rows.count.shape[-1]
+    sparse_backward_kernel[(dkdv_kv_tiles + dq_q_tiles, batch * heads)](
+        q, k, v, grad_out, lse, delta, dq, dk, dv, mask.view(torch.uint8), columns.count, columns.full,
+        columns.index, rows.count, rows.full, rows.index, dkdv_q_tiles=columns.index.shape[-1],
+        dkdv_kv_tiles=dkdv_kv_tiles, dq_q_tiles=dq_q_tiles, dq_kv_tiles=rows.index.shape[-1],
+        DKDV_M=tiles.dkdv_queries, DKDV_N=tiles.dkdv_keys, DQ_M=tiles.dq_queries, DQ_N=tiles.dq_keys,
+        DKDV_PARTIAL=_may_hold_partial_pairs(tiles.dkdv_queries, tiles.dkdv_keys, q_block, kv_block, seq_len),
+        DQ_PARTIAL=_may_hold_partial_pairs(tiles.dq_queries, tiles.dq_keys, q_block, kv_block, seq_len),
+        **shared, **{**launch_options(max(tiles.dkdv_queries, tiles.dq_queries),
+                                      max(tiles.dkdv_keys, tiles.dq_keys)), **options})
     return dq, dk, dv
+
+
+def _may_hold_partial_pairs(tile_q: int, tile_k: int, q_block: int, kv_block: int, seq_len: int) -> bool:
+    """Whether a kernel's tile pairs can be partial (some query-key pair of a listed pair not attended): only
+    where a tile spans several mask blocks, or the last key tile reaches past N. Otherwise its kernel is built
+    without the masked loop."""
+    return tile_q > q_block or tile_k > kv_block or seq_len % tile_k != 0
 
 
 def _use_descriptors(q, k, v, grad_out, options: Optional[dict]) -> bool:
