@@ -1,6 +1,7 @@
 """A prepared block mask (`SparseWork` from `prepare_sparse`): the backward's tile lists against a brute-force
 element mask, prepared calls against calls with the boolean mask (bit for bit, forward and gradients) and against
-float64 gradients, one compiled graph for masks of one size, and the refusals.
+float64 gradients, one compiled graph for masks of one size, the refusals, and the Triton list builders (the
+forward's union lists, the backward's tile lists) against the torch ones.
 
 The kernels run in the CPU interpreter (tests/conftest.py): tiny problems, fp16, 16-token backward tiles.
 """
@@ -168,3 +169,62 @@ def test_gpu_list_builder_equals_the_torch_builder(num_q, num_kv, group, merge, 
     assert torch.equal(offsets, want[0]) and torch.equal(full_tiles, want[1])
     assert kv_list.numel() == members.shape[0] * members.shape[1] * members.shape[2] * num_kv
     assert torch.equal(kv_list[:total], want[2][:total]) and torch.equal(member_bits[:total], want[3][:total])
+
+
+def torch_tile_lists(mask: torch.Tensor, tile_q: int, tile_k: int, q_block: int, kv_block: int, seq_len: int,
+                     by_keys: bool):
+    """The torch builder's lists of one backward kernel: per Q tile its KV tiles, or per KV tile its Q tiles."""
+    from natsim.kernels.sparse.backward import _ordered, _tile_flags
+
+    listed, full = _tile_flags(mask, tile_q, tile_k, q_block, kv_block, seq_len)
+    return _ordered(listed.transpose(2, 3), full.transpose(2, 3)) if by_keys else _ordered(listed, full)
+
+
+def assert_same_tile_lists(got: tuple[torch.Tensor, torch.Tensor, torch.Tensor], want) -> None:
+    """The counts bit for bit, and each row's listed columns (entries past the count carry no meaning)."""
+    count, full, index = got
+    assert count.is_contiguous() and full.is_contiguous() and index.is_contiguous()
+    assert torch.equal(count, want.count) and torch.equal(full, want.full)
+    assert index.shape == want.index.shape and index.dtype == torch.int32
+    for row in torch.cartesian_prod(*(torch.arange(n) for n in count.shape)).tolist():
+        valid = int(count[tuple(row)])
+        assert torch.equal(index[tuple(row)][:valid], want.index[tuple(row)][:valid]), row
+
+
+@BUILDER
+@given(
+    st.sampled_from(POWERS[3:]), st.sampled_from(POWERS), st.integers(1, 200),
+    st.sampled_from([(16, 16, 16, 16), (16, 32, 32, 16), (32, 16, 64, 16), (64, 128, 128, 64)]),
+    st.sampled_from([0.0, 0.3, 0.8, 1.0]), st.integers(1, 2), st.integers(1, 2), st.integers(0, 2**16),
+)
+def test_gpu_tile_list_builder_equals_the_torch_builder(q_block, kv_block, seq_len, tiles, density, batch, heads,
+                                                        seed):
+    """The Triton builder of the backward's tile lists against the torch one, both kernels' lists: tiles smaller
+    than, equal to and larger than the blocks, N not a multiple of them."""
+    from natsim.kernels.sparse.lists import build_tile_lists
+
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, heads, -(-seq_len // q_block), -(-seq_len // kv_block), generator=generator) < density
+    tiles = BackwardTiles(*tiles)
+    for tile_q, tile_k, by_keys in ((tiles.dkdv_queries, tiles.dkdv_keys, True),
+                                    (tiles.dq_queries, tiles.dq_keys, False)):
+        want = torch_tile_lists(mask, tile_q, tile_k, q_block, kv_block, seq_len, by_keys)
+        assert_same_tile_lists(build_tile_lists(mask, tile_q, tile_k, q_block, kv_block, seq_len, by_keys), want)
+
+
+@pytest.mark.parametrize("by_keys, tile_q, tile_k", [(True, 16, 128), (False, 32, 16)])
+def test_gpu_tile_list_builder_places_columns_across_chunks(monkeypatch, by_keys, tile_q, tile_k):
+    """Rows of 37 columns walked 16 at a time, full and partial runs both crossing chunks: a causal mask of
+    one-token KV blocks with a few holes, N = 585 (a short last key tile, and a last 32-query tile whose last two
+    query blocks lie past the mask, which must not make its pairs partial)."""
+    from natsim.kernels.sparse import lists
+
+    monkeypatch.setattr(lists, "CHUNK", 16)
+    seq_len, q_block, kv_block = 585, 8, 1
+    generator = torch.Generator().manual_seed(0)
+    queries = torch.arange(-(-seq_len // q_block))[:, None] * q_block + q_block - 1
+    causal = torch.arange(seq_len)[None, :] <= queries
+    mask = (causal & (torch.rand(2, 1, *causal.shape, generator=generator) > 0.002)).contiguous()
+    want = torch_tile_lists(mask, tile_q, tile_k, q_block, kv_block, seq_len, by_keys)
+    assert want.index.shape[-1] == 37 and int(want.full.max()) > 16 and int((want.count - want.full).sum()) > 0
+    assert_same_tile_lists(lists.build_tile_lists(mask, tile_q, tile_k, q_block, kv_block, seq_len, by_keys), want)

@@ -32,6 +32,7 @@ from ..common.backend import interpreting
 from ..common.launch import descriptors_fit, install_allocator
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
 from ..common.softmax import LOG2E
+from .lists import build_tile_lists
 
 
 @triton.jit
@@ -305,7 +306,13 @@ def _ordered(listed: torch.Tensor, full: torch.Tensor) -> TileList:
 def tile_lists(mask: torch.Tensor, tiles: BackwardTiles, q_block: int, kv_block: int,
                seq_len: int) -> tuple[TileList, TileList]:
     """The dK/dV kernel's column lists and the dQ kernel's row lists of a boolean block mask `[B|1, H|1, nQ,
-    nKV]`, built with torch ops on the mask's device (no host round trip)."""
+    nKV]`, on the mask's device with no host round trip: one Triton launch per list on the GPU
+    (kernels/sparse/lists.py), torch ops elsewhere."""
+    if mask.is_cuda:
+        sizes = (tiles.dkdv_queries, tiles.dkdv_keys, q_block, kv_block, seq_len)
+        columns = TileList(*build_tile_lists(mask, *sizes, by_keys=True))
+        sizes = (tiles.dq_queries, tiles.dq_keys, q_block, kv_block, seq_len)
+        return columns, TileList(*build_tile_lists(mask, *sizes, by_keys=False))
     listed, full = _tile_flags(mask, tiles.dkdv_queries, tiles.dkdv_keys, q_block, kv_block, seq_len)
     columns = _ordered(listed.transpose(2, 3), full.transpose(2, 3))
     listed, full = _tile_flags(mask, tiles.dq_queries, tiles.dq_keys, q_block, kv_block, seq_len)
