@@ -4,19 +4,19 @@
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
         python benchmarks/profile_backward.py ours-16x8x8
 
-GNA cases (`ours-S`, `flex-S`): HunyuanVideo 30x48x80, window 18x24x24, head_dim 128, bf16, batch 1, `--heads` heads (default 8: a third of
-benchmarks/backward.py's 24, so that each of ncu's replays is short). `ours-*` runs `gna_attention`'s backward
-(natsim::gna_backward: the dK/dV kernel is the one named `dkdv_kernel`); `flex-*` runs FlexAttention's
-backward under the same element mask on permuted tokens (benchmarks/backward.py's setup; its fused kernel's
-name starts with `triton_tem`). The backward runs twice (the first compiles); the second runs inside the NVTX
-range "profiled", to which the command above restricts ncu (on this thread: autograd's device threads are
+GNA cases (`ours-S`, `flex-S`): HunyuanVideo 30x48x80, window 18x24x24, head_dim 128, bf16, batch 1, `--heads`
+heads (default 8: a third of benchmarks/backward.py's 24, so that each of ncu's replays is short). `ours-*` runs
+`gna_attention`'s backward (natsim::gna_backward: the dK/dV kernel is the one named `dkdv_kernel`); `flex-*` runs
+FlexAttention's backward under the same element mask on permuted tokens (benchmarks/backward.py's setup; its fused
+kernel's name starts with `triton_tem`). The backward runs twice (the first compiles); the second runs inside the
+NVTX range "profiled", to which the command above restricts ncu (on this thread: autograd's device threads are
 turned off for the script).
 
 Block-mask cases (`sparse-ours-P`, `sparse-flex-P`, P the sparsity in percent): benchmarks/training.py's random
 128x128 block mask over N = 32,768 tokens, `--heads` heads; ours is `sparse_attention` on the mask prepared once
-(`prepare_sparse`: its kernels are `sparse_dkdv_kernel` and `sparse_dq_kernel`), Flex its compiled
-`flex_attention` with the BlockMask of the same blocks, every one full (its backward's kernel name starts with
-`triton_tem`). Profile them with `--kernel-name regex:"sparse_d|tem" --launch-count 2`.
+(`prepare_sparse`: its backward is one kernel, `sparse_backward_kernel`), Flex its compiled `flex_attention` with
+the BlockMask of the same blocks, every one full (its backward's kernel name starts with `triton_tem`). Profile
+them with `--kernel-name regex:"sparse_backward|tem" --launch-count 1`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import time
 from typing import Callable, Hashable
 
@@ -29,11 +30,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def interleaved(timers: dict[Hashable, Callable], rounds: int, min_ms: float,
-                sync: Callable[[], None]) -> dict[Hashable, list[float]]:
+                sync: Callable[[], None], seed: int = 0) -> dict[Hashable, list[float]]:
     """Milliseconds per call of each of `timers` (already warmed up), one figure per round: every round runs
-    each timer in turn, `calls` back-to-back calls between two `sync()`s (wall clock, so host work counts),
-    `calls` set once per timer from one timed call to last at least `min_ms`. Interleaving puts clock and
-    thermal drift on every timer alike; report the median over rounds."""
+    each timer once, in an order shuffled per round (seeded), `calls` back-to-back calls between two `sync()`s
+    (wall clock, so host work counts), `calls` set once per timer from one timed call to last at least `min_ms`.
+    Interleaving puts clock and thermal drift on every timer alike, and the shuffle keeps a timer from always
+    following the same neighbour, whose load can leave the clocks higher or lower (H100, a fixed order: two
+    identical kernels 12% apart, benchmarks/results/training-*-2026-11-25-fused.json); report the median over
+    rounds."""
     calls = {}
     for key, fn in timers.items():
         sync()
@@ -43,8 +47,12 @@ def interleaved(timers: dict[Hashable, Callable], rounds: int, min_ms: float,
         once_ms = (time.perf_counter() - start) * 1e3
         calls[key] = max(1, math.ceil(min_ms / max(once_ms, 1e-3)))
     per_round: dict[Hashable, list[float]] = {key: [] for key in timers}
+    order = list(timers)
+    shuffle = random.Random(seed).shuffle
     for _ in range(rounds):
-        for key, fn in timers.items():
+        shuffle(order)
+        for key in order:
+            fn = timers[key]
             sync()
             start = time.perf_counter()
             for _ in range(calls[key]):

@@ -35,15 +35,15 @@ Rows per mask, all differentiating the same q, k, v with the same output gradien
 And per problem `sdpa`: dense attention through SDPA's cuDNN backend (flash where cuDNN is unavailable; the row
 says so), and with `gna` natsim's `natsim-gna`.
 
-Correct first: each row's first call is checked against a float32 reference on the first heads (output and
-dq, dk, dv; relative L2 error, bf16 tolerances 1e-2 and 2e-2); a row that fails is "wrong" and not timed. The
-natsim rows' gradients are also compared with Flex's on every head. Timing: every row's forward (autograd
-recording, as in training), backward alone (`torch.autograd.grad` with `retain_graph` on a held output) and
-step (forward + backward) run in interleaved rounds (benchmarks/timing.py's `interleaved`, wall clock between
-synchronisations, host work included); the medians over rounds are reported and every round is kept in the
-JSON. Useful TFLOP/s counts attended pairs only, as FlashAttention does: forward 4 * pairs * head_dim, backward
-2.5 times that, step 3.5 times. Written to OUT_DIR/training-<device>-<date>.json after every problem; a problem
-that would start after `--budget-s` seconds is skipped and listed.
+Correct first: each row's first call is checked against a float32 reference on the first heads (output and dq, dk,
+dv; relative L2 error, bf16 tolerances 1e-2 and 2e-2); a row that fails is "wrong" and not timed. The natsim rows'
+gradients are also compared with Flex's on every head. Timing: every row's forward (autograd recording, as in
+training), backward alone (`torch.autograd.grad` with `retain_graph` on a held output) and step (forward +
+backward) run in interleaved rounds (benchmarks/timing.py's `interleaved`, the order shuffled per round, wall clock
+between synchronisations, host work included); the medians over rounds are reported and every round is kept in the
+JSON. Useful TFLOP/s counts attended pairs only, as FlashAttention does: forward 4 * pairs * head_dim, backward 2.5
+times that, step 3.5 times. Written to OUT_DIR/training-<device>-<date>.json after every problem; a problem that
+would start after `--budget-s` seconds is skipped and listed.
 """
 
 from __future__ import annotations
