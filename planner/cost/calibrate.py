@@ -661,8 +661,10 @@ def calibrate(
              "triton": triton.__version__, "python": platform.python_version()}
     if base is None:
         info.update(stamp)
-    else:
-        info["extended"] = {**stamp, "kernels": list(kernels)}
+    else:  # one record per extension, oldest first (a file written before kept only the last, as a dict)
+        earlier = info.get("extended", [])
+        earlier = [earlier] if isinstance(earlier, dict) else earlier
+        info["extended"] = [*earlier, {**stamp, "kernels": list(kernels)}]
     model = CostModel(gpu=gpu, coefficients=coefficients, sparse_coefficients=sparse,
                       backward_coefficients=backward, fp8_coefficients=fp8_sets["fp8_coefficients"],
                       fp8_sparse_coefficients=fp8_sets["fp8_sparse_coefficients"], info=info)
