@@ -228,3 +228,23 @@ def test_gpu_tile_list_builder_places_columns_across_chunks(monkeypatch, by_keys
     want = torch_tile_lists(mask, tile_q, tile_k, q_block, kv_block, seq_len, by_keys)
     assert want.index.shape[-1] == 37 and int(want.full.max()) > 16 and int((want.count - want.full).sum()) > 0
     assert_same_tile_lists(lists.build_tile_lists(mask, tile_q, tile_k, q_block, kv_block, seq_len, by_keys), want)
+
+
+@LISTS
+@given(st.sampled_from(POWERS[4:]), st.sampled_from(POWERS[4:]), st.integers(0, 3), st.integers(0, 3),
+       st.integers(1, 12), st.sampled_from([0.0, 0.3, 0.8, 1.0]), st.integers(0, 2**16))
+def test_tiles_inside_blocks_hold_no_partial_pairs(q_block, kv_block, q_halvings, kv_halvings, key_tiles, density,
+                                                   seed):
+    """Where the backward builds its kernel without the masked loop (`_may_hold_partial_pairs` False: every tile
+    inside one mask block, N a multiple of the key tiles), no listed pair is partial, so none is left out."""
+    from natsim.kernels.sparse.backward import _may_hold_partial_pairs
+
+    tile_q, tile_k = max(q_block >> q_halvings, 16), max(kv_block >> kv_halvings, 16)
+    seq_len = key_tiles * max(tile_k, tile_q)
+    assert not _may_hold_partial_pairs(tile_q, tile_k, q_block, kv_block, seq_len)
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(1, 2, -(-seq_len // q_block), -(-seq_len // kv_block), generator=generator) < density
+    columns, rows = tile_lists(mask, BackwardTiles(tile_q, tile_k, tile_q, tile_k), q_block, kv_block, seq_len)
+    assert torch.equal(columns.count, columns.full) and torch.equal(rows.count, rows.full)
+    listed, _ = brute_force_tiles(element_mask(mask, q_block, kv_block, seq_len), tile_q, tile_k)
+    assert torch.equal(rows.count.long(), listed.sum(-1))
