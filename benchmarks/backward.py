@@ -88,6 +88,19 @@ def ours(problem, q, k, v, g) -> dict:
     return row, grads
 
 
+def ours_row(problem, q, k, v, g, with_check: bool) -> dict:
+    """Our timings and backward / forward ratio, with the gradient check; an error is recorded, not raised, so
+    that one failing row does not lose the run."""
+    try:
+        row, grads = ours(problem, q, k, v, g)
+        row["bwd_over_fwd"] = row["bwd_ms"] / row["fwd_ms"]
+        if with_check:
+            row.update(check(problem, q, k, v, g, grads))
+        return row
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"[:500]}
+
+
 def check(problem, q, k, v, g, grads) -> dict:
     """Relative errors of our gradients on the first heads against the float32 chunked reference."""
     heads = slice(0, CHECK_HEADS)
@@ -158,15 +171,7 @@ def run(cases, with_flex: bool, with_check: bool, save) -> list[dict]:
         row = {"case": "dense" if window == SHAPE else "x".join(map(str, stride)), "shape": list(SHAPE),
                "window": list(window), "stride": list(stride), "heads": HEADS, "head_dim": HEAD_DIM,
                "dtype": str(DTYPE), **simulated(problem), **baseline}
-        try:
-            timings, grads = ours(problem, q, k, v, g)
-            row.update(timings)
-            row["bwd_over_fwd"] = row["bwd_ms"] / row["fwd_ms"]
-            if with_check:
-                row.update(check(problem, q, k, v, g, grads))
-            del grads
-        except Exception as error:
-            row["error"] = f"{type(error).__name__}: {error}"[:500]
+        row.update(ours_row(problem, q, k, v, g, with_check))
         print(json.dumps(row), flush=True)
         rows.append(row)
         save(rows)
@@ -204,15 +209,7 @@ def run_layouts(problems, with_flex: bool, with_check: bool, save) -> list[dict]
                "shape": list(problem.shape), "window": list(problem.window), "stride": list(problem.stride),
                "dilation": list(problem.dilation), "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                **simulated(problem)}
-        try:
-            timings, grads = ours(problem, q, k, v, g)
-            row.update(timings)
-            row["bwd_over_fwd"] = row["bwd_ms"] / row["fwd_ms"]
-            if with_check:
-                row.update(check(problem, q, k, v, g, grads))
-            del grads
-        except Exception as error:
-            row["error"] = f"{type(error).__name__}: {error}"[:500]
+        row.update(ours_row(problem, q, k, v, g, with_check))
         if with_flex:
             row["flex_tile"] = list(FLEX_TILES[problem.ndim])
             row.update(flex(problem, q, k, v, g, FLEX_TILES[problem.ndim]))
