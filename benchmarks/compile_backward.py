@@ -11,7 +11,8 @@ spill stores/loads (what a run on the card would read from the loaded kernel's `
 variant that fails to compile is reported with its error, so that the sweep can drop it before it costs device
 time. Writes `compile-backward-sm<arch>-d<head_dim>-triton<version>.json`. With `--sparse`, the sparse
 backward's kernel instead (its dK/dV and dQ programs in one launch; `SPARSE_VARIANTS`: 128-, 64- and 16-token
-blocks at their default tiles, two stages, 32-query steps; descriptor loads on and off), into
+blocks at their default tiles, three stages, the earlier 128-token programs, 32-query steps; descriptor loads on
+and off), into
 `compile-sparse-backward-sm<arch>-...json`."""
 
 from __future__ import annotations
@@ -137,8 +138,8 @@ def compile_report(fn, constexprs: dict, atomic: bool, launch: dict, arch: int) 
 
 # The sparse backward's variants for --sparse: (mask block, BackwardTiles fields or None for the default tiles,
 # launch options over `launch_options`), each compiled with descriptor loads on and off.
-SPARSE_VARIANTS = [(128, None, {}), (128, None, {"num_stages": 2}), (128, (32, 128, 128, 64), {}),
-                   (64, None, {}), (16, None, {})]
+SPARSE_VARIANTS = [(128, None, {}), (128, None, {"num_stages": 3}), (128, (64, 128, 128, 64), {"num_stages": 3}),
+                   (128, (32, 128, 128, 64), {}), (64, None, {}), (16, None, {})]
 
 
 def compile_sparse(arch: int, head_dim: int, seq_len: int = 32768) -> list[dict]:
@@ -146,7 +147,7 @@ def compile_sparse(arch: int, head_dim: int, seq_len: int = 32768) -> list[dict]
     `SPARSE_VARIANTS`, its masked loops built as the launcher builds them for N = `seq_len`."""
     import torch
 
-    from natsim.kernels.sparse.backward import (BackwardTiles, _may_hold_partial_pairs, backward_tiles,
+    from natsim.kernels.sparse.backward import (STAGES, BackwardTiles, _may_hold_partial_pairs, backward_tiles,
                                                 sparse_backward_kernel)
 
     rows = []
@@ -154,7 +155,7 @@ def compile_sparse(arch: int, head_dim: int, seq_len: int = 32768) -> list[dict]
         tiles = BackwardTiles(*fields) if fields else backward_tiles(block, block, torch.device("cuda"))
         for use_tma in (True, False):
             launch = {**launch_options(max(tiles.dkdv_queries, tiles.dq_queries),
-                                       max(tiles.dkdv_keys, tiles.dq_keys)), **options}
+                                       max(tiles.dkdv_keys, tiles.dq_keys)), "num_stages": STAGES, **options}
             constexprs = dict(QB=block, KVB=block, DKDV_M=tiles.dkdv_queries, DKDV_N=tiles.dkdv_keys,
                               DQ_M=tiles.dq_queries, DQ_N=tiles.dq_keys, HEAD_DIM=head_dim, USE_TMA=use_tma,
                               DKDV_PARTIAL=_may_hold_partial_pairs(tiles.dkdv_queries, tiles.dkdv_keys, block, block,

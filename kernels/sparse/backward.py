@@ -233,6 +233,11 @@ def sparse_backward_kernel(
 
 # -- host side ---------------------------------------------------------------------------------------------------
 
+# Pipeline stages of the backward kernel: two, at which its 64 x 64 tiles compile without spills (three spill 20
+# bytes) and two programs fit an SM (H100, 128 x 128 masks: 3-8% faster than three;
+# sparse-backward-tiles-*-2026-11-25.json).
+STAGES = 2
+
 
 @dataclass(frozen=True)
 class BackwardTiles:
@@ -247,15 +252,15 @@ class BackwardTiles:
 
 
 def backward_tiles(q_block: int, kv_block: int, device: torch.device) -> BackwardTiles:
-    """The default tiles. On the GPU both kernels step over 64 tokens; the dK/dV kernel's programs hold 128 keys
-    where KV blocks are at least 128 tokens, else 64, and the dQ kernel's hold 128 queries where Q blocks are at
-    least 128, else 64. So no tile straddles two 64-token blocks (a straddling tile runs under the element mask
-    whenever its blocks differ: twice as slow at 64 x 64 blocks), and finer masks get 64 x 64 tiles, whose
-    partial pairs cost less than 128-token ones (H100, head_dim 128: 13% faster on 16-token masks with locality;
-    benchmarks/results/sparse-backward-tune*-h100-*.json). 16 x 16 in the interpreter."""
+    """The default tiles: 64 x 64 on the GPU, whatever the mask's blocks, so that no tile straddles two 64-token
+    blocks (a straddling tile runs under the element mask whenever its blocks differ: twice as slow at 64 x 64
+    blocks) and the kernel runs at 4 warps in under half the shared memory, two programs per SM, which hide each
+    other's waits (H100, head_dim 128, 128 x 128 masks: 8-13% faster than programs of 128 keys or queries at
+    8 warps, one per SM; benchmarks/results/sparse-backward-tiles-*-2026-11-25.json). 16 x 16 in the
+    interpreter."""
     if interpreting() and device.type == "cpu":
         return BackwardTiles(16, 16, 16, 16)
-    return BackwardTiles(64, 128 if kv_block >= 128 else 64, 128 if q_block >= 128 else 64, 64)
+    return BackwardTiles(64, 64, 64, 64)
 
 
 @dataclass(frozen=True)
@@ -352,7 +357,7 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
         DKDV_PARTIAL=_may_hold_partial_pairs(tiles.dkdv_queries, tiles.dkdv_keys, q_block, kv_block, seq_len),
         DQ_PARTIAL=_may_hold_partial_pairs(tiles.dq_queries, tiles.dq_keys, q_block, kv_block, seq_len),
         **shared, **{**launch_options(max(tiles.dkdv_queries, tiles.dq_queries),
-                                      max(tiles.dkdv_keys, tiles.dq_keys)), **options})
+                                      max(tiles.dkdv_keys, tiles.dq_keys)), "num_stages": STAGES, **options})
     return dq, dk, dv
 
 
