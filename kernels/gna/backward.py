@@ -331,7 +331,7 @@ def dkdv_kernel(
             dk, dv, ds = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
             if ATOMIC_DQ:
                 _add_dq(DQ + base, dq_desc, q_offsets, q_real, ds, k, scale, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM,
-                    PADDED, ATOMIC_DQ)
+                        PADDED, ATOMIC_DQ)
             if DEBUG:
                 visited += 1
                 full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,

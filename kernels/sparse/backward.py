@@ -342,22 +342,21 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
     use_tma = _use_descriptors(q, k, v, grad_out, options)
     if use_tma:
         install_allocator()
-    shared = dict(seq_len=seq_len, heads=heads, num_q_blocks=mask.shape[2], num_kv_blocks=mask.shape[3],
-                  mask_b_step=0 if mask.shape[0] == 1 else 1, mask_h_step=0 if mask.shape[1] == 1 else 1,
-                  mask_heads=mask.shape[1], qk_scale=scale * LOG2E, scale=scale, QB=q_block, KVB=kv_block,
-                  HEAD_DIM=head_dim, USE_TMA=use_tma)
     options = {key: value for key, value in (options or {}).items() if key != "USE_TMA"}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dkdv_kv_tiles, dq_q_tiles = columns.count.shape[-1], rows.count.shape[-1]
     sparse_backward_kernel[(dkdv_kv_tiles + dq_q_tiles, batch * heads)](
         q, k, v, grad_out, lse, delta, dq, dk, dv, mask.view(torch.uint8), columns.count, columns.full,
-        columns.index, rows.count, rows.full, rows.index, dkdv_q_tiles=columns.index.shape[-1],
-        dkdv_kv_tiles=dkdv_kv_tiles, dq_q_tiles=dq_q_tiles, dq_kv_tiles=rows.index.shape[-1],
-        DKDV_M=tiles.dkdv_queries, DKDV_N=tiles.dkdv_keys, DQ_M=tiles.dq_queries, DQ_N=tiles.dq_keys,
+        columns.index, rows.count, rows.full, rows.index, seq_len=seq_len, heads=heads, num_q_blocks=mask.shape[2],
+        num_kv_blocks=mask.shape[3], dkdv_q_tiles=columns.index.shape[-1], dkdv_kv_tiles=dkdv_kv_tiles,
+        dq_q_tiles=dq_q_tiles, dq_kv_tiles=rows.index.shape[-1], mask_b_step=0 if mask.shape[0] == 1 else 1,
+        mask_h_step=0 if mask.shape[1] == 1 else 1, mask_heads=mask.shape[1], qk_scale=scale * LOG2E, scale=scale,
+        QB=q_block, KVB=kv_block, DKDV_M=tiles.dkdv_queries, DKDV_N=tiles.dkdv_keys, DQ_M=tiles.dq_queries,
+        DQ_N=tiles.dq_keys, HEAD_DIM=head_dim, USE_TMA=use_tma,
         DKDV_PARTIAL=_may_hold_partial_pairs(tiles.dkdv_queries, tiles.dkdv_keys, q_block, kv_block, seq_len),
         DQ_PARTIAL=_may_hold_partial_pairs(tiles.dq_queries, tiles.dq_keys, q_block, kv_block, seq_len),
-        **shared, **{**launch_options(max(tiles.dkdv_queries, tiles.dq_queries),
-                                      max(tiles.dkdv_keys, tiles.dq_keys)), "num_stages": STAGES, **options})
+        **{**launch_options(max(tiles.dkdv_queries, tiles.dq_queries), max(tiles.dkdv_keys, tiles.dq_keys)),
+           "num_stages": STAGES, **options})
     return dq, dk, dv
 
 
