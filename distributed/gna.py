@@ -9,8 +9,7 @@ import torch
 
 from natsim import Problem, TileConfig
 from natsim.kernels import gna_attention as single_gpu_gna_attention
-from natsim.kernels.gna.checks import check_qkv
-from natsim.kernels.gna.tiles import TILE_TOKENS, default_tiles
+from natsim.kernels.backends.triton import TILE_TOKENS, check_qkv, default_tiles
 from natsim.partition import STRATEGIES, choose_strategy, strategy_cost
 from natsim.problem import BoolOrBools, IntOrInts
 

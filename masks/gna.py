@@ -9,8 +9,7 @@ import torch
 
 from natsim import Problem, TileConfig, block_mask
 from natsim.problem import BoolOrBools, IntOrInts
-from natsim.kernels.sparse.mask import check_block
-from natsim.kernels.sparse.work import MIN_Q_BLOCK
+from natsim.kernels.backends.triton import MIN_Q_BLOCK, check_block
 
 
 def gna_block_mask(

@@ -21,8 +21,7 @@ from typing import Optional
 
 import torch
 
-from natsim.kernels.sparse.mask import check_block
-from natsim.kernels.sparse.work import MIN_Q_BLOCK
+from natsim.kernels.backends.triton import MIN_Q_BLOCK, check_block
 
 # Elements of one float32 temporary of `hierarchical`'s sub-block scores (128 MiB); larger inputs go in chunks
 # of query blocks.

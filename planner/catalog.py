@@ -1,10 +1,11 @@
 """The tile catalog: which Q/KV tile shapes the planner may choose for a layout, head_dim and dtype.
 
-What the GNA kernel can run (dtypes, head dims, tile token counts) and which tile shapes it runs *well*
-(`natsim.kernels.gna.tiles`: boxes of 64 or 128 tokens with power-of-two sides, KV tiles equal to the Q tile or
-half of it) are decided by natsim.kernels and imported from there, not copied: the kernel's own default tiles
-come from the same list. Each tile pair comes in the KV tiling modes asked for (static first, so that a tie
-keeps the static kernel).
+What the GNA kernel can run (dtypes, head dims) is its backend's capability table
+(`natsim.kernels.backends.capabilities("triton", "gna")`), and which tile shapes it runs *well* (boxes of 64 or
+128 tokens with power-of-two sides, KV tiles equal to the Q tile or half of it) its tile catalog
+(`natsim.kernels.backends.triton`: `TILE_TOKENS`, `tile_pairs`); both are read from there, not copied: the
+kernel's own default tiles come from the same list. Each tile pair comes in the KV tiling modes asked for
+(static first, so that a tie keeps the static kernel).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import torch
 
 from natsim import TileConfig
 from natsim.tiles import KV_TILINGS
-from natsim.kernels.common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
-from natsim.kernels.gna.tiles import TILE_TOKENS, tile_pairs
+from natsim.kernels.backends import capabilities
+from natsim.kernels.backends.triton import TILE_TOKENS, tile_pairs
+
+GNA_KERNEL = capabilities("triton", "gna")  # what the GNA kernel the planner plans for runs
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 DTYPE_ALIASES = {
@@ -38,8 +41,8 @@ def as_dtype(dtype: object) -> torch.dtype:
         resolved = dtype
     else:
         raise TypeError(f"dtype must be a torch.dtype or a name like 'bf16', got dtype={dtype!r}.")
-    if resolved not in KERNEL_DTYPES:
-        names = ", ".join(DTYPE_NAMES[d] for d in KERNEL_DTYPES)
+    if resolved not in GNA_KERNEL.dtypes:
+        names = ", ".join(DTYPE_NAMES[d] for d in GNA_KERNEL.dtypes)
         raise ValueError(f"dtype must be one of those the GNA kernel runs ({names}), got dtype={dtype!r}.")
     return resolved
 
@@ -57,7 +60,7 @@ def check_head_dim(head_dim: object) -> int:
     """Check that the GNA kernel runs `head_dim` and the catalog has tiles for it."""
     if not isinstance(head_dim, int) or isinstance(head_dim, bool):
         raise TypeError(f"head_dim must be an int, got head_dim={head_dim!r}.")
-    supported = tuple(d for d in KERNEL_HEAD_DIMS if d in TILE_TOKENS)
+    supported = tuple(d for d in GNA_KERNEL.head_dims if d in TILE_TOKENS)
     if head_dim not in supported:
         raise ValueError(f"head_dim must be one of those the GNA kernel runs {supported}, got head_dim={head_dim}.")
     return head_dim

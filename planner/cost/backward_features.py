@@ -31,8 +31,8 @@ from typing import Optional
 import numpy as np
 
 from natsim import Problem, TileConfig, simulate
-from natsim.kernels.gna.backward import DEFAULT_VARIANT, DKDV_PRODUCTS, DQ_PRODUCTS, backward_tiles
-from natsim.kernels.gna.launch import dense_as_1d, needs_mask
+from natsim.kernels.backends.triton import (DEFAULT_VARIANT, DKDV_PRODUCTS, DQ_PRODUCTS, backward_tiles, dense_as_1d,
+                                           needs_mask)
 
 from .features import padded_tokens
 

@@ -41,9 +41,9 @@ import torch
 from natsim import Problem, TileConfig, block_mask, simulate
 from natsim.tiles import KV_TILINGS
 
-from natsim.kernels.common.launch import has_tensor_descriptors
-from natsim.kernels.gna.launch import permutes
-from natsim.kernels.sparse.work import default_blocks, prepare_sparse
+from natsim.kernels import prepare_sparse
+from natsim.kernels.backends.triton import (default_blocks, gna_backward_for_timing, gna_forward_for_timing,
+                                           has_tensor_descriptors, permutes)
 
 from ..catalog import as_dtype, dtype_name, element_bytes
 from .backward_features import BACKWARD_FEATURES, backward_features, backward_work
@@ -211,7 +211,7 @@ def case_features(cases: Sequence[Case], dtype: torch.dtype, descriptors: bool =
                   precision: Optional[str] = None) -> np.ndarray:
     """The feature matrix of `cases` (rows in order), from the simulator. `descriptors`: the GPU has tensor
     descriptors, so only dilated calls (and in FP8, 2-D and 3-D ones) permute tokens
-    (natsim.kernels.gna.launch.permutes); `precision="fp8"` adds the quantization pass."""
+    (natsim.kernels.backends.triton.permutes); `precision="fp8"` adds the quantization pass."""
     size, fp8 = element_bytes(dtype), precision == "fp8"
     return np.stack(
         [
@@ -463,21 +463,17 @@ def backward_case_features(cases: Sequence[BackwardCase], dtype: torch.dtype) ->
 def backward_case_inputs(case: BackwardCase, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Random q, k, v and output gradient for `case`, with the forward's output and LSE: `(q, k, v, out, lse,
     grad_out)`, what `natsim::gna_backward` receives in a training step."""
-    from natsim.kernels.gna.dispatch import forward
-
     p = case.problem
     q, k, v, grad = (torch.randn((1, *p.shape, case.heads, case.head_dim), device=device, dtype=dtype)
                      for _ in range(4))
-    out, lse = forward(q, k, v, p.window, p.stride, p.dilation, p.causal, None, None, None, True)
+    out, lse = gna_forward_for_timing(q, k, v, p)
     return q, k, v, out, lse, grad
 
 
 def backward_case_call(case: BackwardCase, inputs: Sequence[torch.Tensor]) -> Callable[[], object]:
     """The GNA backward call of `case` on `inputs` (`backward_case_inputs`), returning dq, dk, dv."""
-    from natsim.kernels.gna.backward import gna_backward
-
     q, k, v, out, lse, grad = inputs
-    return lambda: gna_backward(q, k, v, out, lse, grad, None, case.problem)
+    return lambda: gna_backward_for_timing(q, k, v, out, lse, grad, case.problem)
 
 
 def time_backward_case(case: BackwardCase, dtype: torch.dtype, device: torch.device,

@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from natsim.kernels.common.fp8 import check_precision
+from natsim.kernels.backends.triton import check_precision
 
 from .backward_features import BACKWARD_FEATURES
 from .features import FEATURES

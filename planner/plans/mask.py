@@ -27,10 +27,8 @@ from rich.table import Table
 from rich.text import Text
 
 from natsim.kernels import SparseMask, SparseWork, prepare_sparse, sparse_attention
-from natsim.kernels.common.backend import runs_eagerly, use_triton
-from natsim.kernels.common.fp8 import check_precision
-from natsim.kernels.sparse.mask import check_block, check_dense_mask, check_seq_len
-from natsim.kernels.sparse.work import MIN_Q_BLOCK
+from natsim.kernels.backends.triton import (MIN_Q_BLOCK, check_block, check_dense_mask, check_precision, check_seq_len,
+                                           runs_eagerly, use_triton)
 
 from ..catalog import as_dtype
 from .ranking import BASIS_COST_MODEL, TIE_TOLERANCE

@@ -17,7 +17,7 @@ from rich.console import Group
 
 from natsim import Problem, SimResult, TileConfig, simulate
 from natsim.kernels import gna_attention
-from natsim.kernels.common.fp8 import check_precision
+from natsim.kernels.backends.triton import check_precision
 from natsim.simulate import FIGURES
 
 from ..catalog import as_dtype

@@ -36,10 +36,7 @@ import numpy as np
 import torch
 
 from natsim import SweepResult, TileConfig, simulate, sweep
-from natsim.kernels.common.fp8 import check_precision
-from natsim.kernels.gna.backward import DEFAULT_VARIANT
-from natsim.kernels.gna.checks import kernel_tiles
-from natsim.kernels.gna.launch import permutes
+from natsim.kernels.backends.triton import DEFAULT_VARIANT, check_precision, kernel_tiles, permutes
 from natsim.tiles import KV_TILINGS
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 

@@ -27,9 +27,8 @@ import numpy as np
 import torch
 
 from natsim.kernels import SparseMask
-from natsim.kernels.common.fp8 import check_precision
-from natsim.kernels.sparse.checks import SPARSE_HEAD_DIMS
-from natsim.kernels.sparse.work import default_blocks
+from natsim.kernels.backends import capabilities
+from natsim.kernels.backends.triton import check_precision, default_blocks
 
 from ..catalog import as_dtype, dtype_name
 from ..cost.model import CostModel
@@ -42,6 +41,7 @@ from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
 BLOCKS = (16, 32, 64, 128)  # the granularities scored (those at least the mask's own)
 DENSE_BLOCK = 128  # the dense reference: every 128 x 128 block, one query block per program
 _GPU = torch.device("cuda")  # program tiles are the GPU's, whatever device plans (default_blocks reads the type)
+SPARSE_HEAD_DIMS = capabilities("triton", "masks").head_dims  # those the sparse kernel runs
 
 
 def token_density(mask: torch.Tensor, q_block: int, kv_block: int, seq_len: int) -> float:
