@@ -1,0 +1,110 @@
+"""FlashAttention-4 (`flash-attn-4`, CuTe-DSL kernels) as a backend: what it runs, and the face the rooms above
+read.
+
+natsim runs FlashAttention-4's Hopper forward and backward with block sparsity (kernels/fa4/): a GNA call on
+tokens in tile order (the simulator's full tiles as its full blocks, partial tiles through a `mask_mod` that
+evaluates GNA's window), and attention under a block mask of block sizes it runs. The tables hold what any call
+of a family may use; `tile_refusal` holds the rules that tie block sizes to the head dim, read off
+FlashAttention-4 4.0.0b36's Hopper tile configurations:
+
+- forward: a query block is a multiple of 64 tokens (the kernel's query tile shrinks from 128 or 192 to 64 to
+  divide it); a key block is a multiple of 16 up to the kernel's key tile, 128 tokens for head dims to 192 and
+  80 at 256 (a smaller block shrinks the tile to it);
+- backward: a key block equals the backward's key tile (128 tokens for head dims to 128; natsim's power-of-two
+  blocks fit no other), and a query block is a multiple of its query tile (128 tokens for head dims to 64, else
+  64).
+
+Measured on an H100 (benchmarks/results/fa4-probe-*.json): full blocks run faster than natsim's Triton kernels
+(dense 18.7 vs 23.0 ms at 32,768 tokens; HunyuanVideo's block-sparse 16x8x8 23.3 vs 28 ms); blocks through the
+GNA `mask_mod` run about 8x slower than natsim's masked tiles, since the mask is evaluated element by element.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..common.checks import KERNEL_DTYPES
+from ..fa4.library import installed, unavailable
+from .capabilities import Capabilities
+
+__all__ = ["GNA", "MASKS", "installed", "unavailable", "tile_refusal", "HEAD_DIMS", "MAX_GNA_Q_BLOCK"]
+
+HEAD_DIMS = tuple(range(8, 257, 8))  # Hopper: 8 to 256, multiples of 8 for 16-bit inputs
+MAX_GNA_Q_BLOCK = 256  # natsim's largest GNA tile (kernels/gna/checks.py)
+_KV_BLOCKS = tuple(range(16, 129, 16))
+
+GNA = Capabilities(
+    name="FlashAttention-4 GNA",
+    devices=("cuda",),
+    dtypes=KERNEL_DTYPES,
+    head_dims=HEAD_DIMS,
+    q_blocks=tuple(range(64, MAX_GNA_Q_BLOCK + 1, 64)),
+    kv_blocks=_KV_BLOCKS,
+    partial_tiles=True,  # through the GNA mask_mod (slow: see the module docstring)
+    backward=True,
+    fp8=False,  # FlashAttention-4's FP8 runs on Blackwell only
+    dynamic_kv_tiling=False,  # its key blocks lie on a fixed grid
+    in_place_layouts=False,  # tokens in tile order: natsim permutes them for it
+    frame_ranges=False,
+    min_capability=(9, 0),
+    max_capability=(9, 0),  # natsim has checked FlashAttention-4's Hopper kernels only
+)
+
+MASKS = Capabilities(
+    name="FlashAttention-4 block-mask",
+    devices=("cuda",),
+    dtypes=KERNEL_DTYPES,
+    head_dims=HEAD_DIMS,
+    q_blocks=(64, 128),  # natsim's query blocks are powers of two up to 128
+    kv_blocks=(16, 32, 64, 128),
+    partial_tiles=False,  # a block mask's blocks are whole: every visited block is full
+    backward=True,
+    fp8=False,
+    dynamic_kv_tiling=False,
+    in_place_layouts=False,
+    frame_ranges=False,
+    min_capability=(9, 0),
+    max_capability=(9, 0),
+)
+
+
+def _forward_kv_tile(head_dim: int) -> int:
+    return 128 if head_dim <= 192 else 80
+
+
+def _backward_tiles(head_dim: int) -> Optional[tuple[int, int]]:
+    """(query tile, key tile) of the Hopper backward with block sparsity; None where natsim's blocks fit none."""
+    if head_dim <= 64:
+        return 128, 128
+    if head_dim <= 128:
+        return 64, 128
+    return None
+
+
+def tile_refusal(q_block: int, kv_block: int, head_dim: int, backward: bool = False) -> Optional[str]:
+    """None when FlashAttention-4 runs query blocks of `q_block` tokens against key blocks of `kv_block` at
+    `head_dim` (and with `backward`, differentiates them), else one sentence saying why not (module docstring)."""
+    if head_dim not in HEAD_DIMS:
+        return f"FlashAttention-4 runs head_dim 8 to 256 in steps of 8, got head_dim={head_dim}."
+    if q_block % 64:
+        return f"FlashAttention-4 runs query blocks of a multiple of 64 tokens, got {q_block}."
+    kv_tile = _forward_kv_tile(head_dim)
+    if kv_block % 16 or kv_block > kv_tile:
+        return (f"FlashAttention-4 runs key blocks of a multiple of 16 tokens up to {kv_tile} at head_dim={head_dim}, "
+                f"got {kv_block}.")
+    if backward:
+        tiles = _backward_tiles(head_dim)
+        if tiles is None:
+            return f"FlashAttention-4's block-sparse backward runs head_dim up to 128 here, got head_dim={head_dim}."
+        q_tile, kv_tile = tiles
+        if kv_block != kv_tile or q_block % q_tile:
+            return (f"FlashAttention-4's block-sparse backward at head_dim={head_dim} runs key blocks of {kv_tile} "
+                    f"tokens and query blocks of a multiple of {q_tile}, got {q_block} x {kv_block}.")
+    return None
+
+
+def device_refusal(device: torch.device) -> Optional[str]:
+    """None when FlashAttention-4 runs on `device` here (installed, in natsim's version, on a GPU it runs on)."""
+    return unavailable(device)

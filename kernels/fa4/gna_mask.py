@@ -1,0 +1,143 @@
+"""GNA's element mask on tokens in tile order, written once over an arithmetic namespace so that the same code
+runs as numpy (CPU tests against the brute-force mask) and as CuTe DSL (FlashAttention-4's `mask_mod`, for the
+tiles of a GNA plan that are partial).
+
+FlashAttention-4 sees q in Q-tile order and k, v in KV-tile order (kernels/gna/layout.py: dilation groups, then
+tiles, then tokens inside a tile, row-major at every level). A query row `q_idx` and a key column `kv_idx` are
+decoded into (dilation group, in-group coordinate) per dimension, and the pair is attended exactly when both
+are in the same group and, along every dimension, the key lies in the query's window: the window bounds of
+natsim/window.py (gna-semantics.md, section 1), whose `np.minimum` / `np.clip` become `where` selections. Every
+layout constant is a Python int, so the kernel compiles them in (divisions by powers of two become shifts).
+Padding keys (in-group coordinate past the group's length) are never attended; padding queries attend their
+clamped window, and their rows are dropped by the unpermutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from natsim import Problem
+from natsim.dimension import ceil_div
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """The operations the mask needs beyond `+ - * // % < <= == &`: `where(cond, a, b)` and `const(int)`, which
+    turns a Python int into the namespace's integer value (numpy: itself; CuTe: an Int32 SSA value)."""
+
+    where: Callable[[Any, Any, Any], Any]
+    const: Callable[[int], Any]
+
+
+NUMPY = Arithmetic(where=np.where, const=lambda value: np.int64(value))
+
+
+@dataclass(frozen=True)
+class TileOrder:
+    """One tile shape's token order over a layout: `shape`, `tile` and `dilation` per dimension."""
+
+    shape: tuple[int, ...]
+    tile: tuple[int, ...]
+    dilation: tuple[int, ...]
+
+    @property
+    def tiles_per_group(self) -> tuple[int, ...]:
+        return tuple(ceil_div(L, t * d) for L, t, d in zip(self.shape, self.tile, self.dilation))
+
+    def decode(self, p, ops: Arithmetic) -> tuple[list, list]:
+        """Permuted position(s) `p` -> (per-dimension dilation group, per-dimension in-group coordinate)."""
+        c = ops.const
+        n = len(self.shape)
+        tile_tokens = math.prod(self.tile)
+        per_group = self.tiles_per_group
+        inner, tile = p % c(tile_tokens), p // c(tile_tokens)
+        group, tile = tile // c(math.prod(per_group)), tile % c(math.prod(per_group))
+        groups, coords = [], []
+        for i in range(n):
+            tiles_after = math.prod(per_group[i + 1:])
+            inner_after = math.prod(self.tile[i + 1:])
+            groups_after = math.prod(self.dilation[i + 1:])
+            t = (tile // c(tiles_after)) % c(per_group[i])
+            r = (inner // c(inner_after)) % c(self.tile[i])
+            groups.append((group // c(groups_after)) % c(self.dilation[i]))
+            coords.append(t * c(self.tile[i]) + r)
+        return groups, coords
+
+
+def _group_length(length: int, dilation: int, group, ops: Arithmetic):
+    """Length of dilation group `group` (natsim.window.group_length, for SSA values too)."""
+    base, extra = length // dilation, length % dilation
+    if extra == 0:
+        return ops.const(base)
+    return ops.where(group < ops.const(extra), ops.const(base + 1), ops.const(base))
+
+
+def _window(i, length, window: int, stride: int, causal: bool, ops: Arithmetic):
+    """natsim.window.window_bounds with `where` for minimum and maximum: `[start, end)` of coordinate(s) `i`."""
+    c = ops.const
+
+    def lesser(a, b):
+        return ops.where(a < b, a, b)
+
+    def greater(a, b):
+        return ops.where(a < b, b, a)
+
+    if causal:
+        leader = lesser((i // c(stride)) * c(stride) + c(stride - 1), length - c(1))
+        return greater(leader - c(window - 1), c(0)), lesser(i + c(1), length)
+    leader = lesser((i // c(stride)) * c(stride) + c(stride // 2), length - c(1))
+    start = lesser(greater(leader - c(window // 2), c(0)), length - c(window))
+    return start, start + c(window)
+
+
+@dataclass(frozen=True)
+class GnaMask:
+    """GNA's mask between queries in `q_tile` order and keys in `kv_tile` order of `problem`."""
+
+    problem: Problem
+    q_tile: tuple[int, ...]
+    kv_tile: tuple[int, ...]
+
+    @property
+    def q_order(self) -> TileOrder:
+        return TileOrder(self.problem.shape, self.q_tile, self.problem.dilation)
+
+    @property
+    def kv_order(self) -> TileOrder:
+        return TileOrder(self.problem.shape, self.kv_tile, self.problem.dilation)
+
+    def allowed(self, q_idx, kv_idx, ops: Arithmetic = NUMPY):
+        """Whether query row(s) `q_idx` attend key column(s) `kv_idx` (broadcasting like the namespace's
+        arithmetic)."""
+        p = self.problem
+        q_groups, q_coords = self.q_order.decode(q_idx, ops)
+        k_groups, k_coords = self.kv_order.decode(kv_idx, ops)
+        result = None
+        for i in range(p.ndim):
+            length = _group_length(p.shape[i], p.dilation[i], q_groups[i], ops)
+            start, end = _window(q_coords[i], length, p.window[i], p.stride[i], p.causal[i], ops)
+            inside = (start <= k_coords[i]) & (k_coords[i] < end)
+            if p.dilation[i] > 1:
+                inside = inside & (q_groups[i] == k_groups[i])
+            result = inside if result is None else result & inside
+        return result
+
+    def dense(self) -> np.ndarray:
+        """The whole mask as a boolean `[q tokens, kv tokens]` array in tile order (small problems: tests)."""
+        q = np.arange(self.q_order_tokens)[:, None]
+        k = np.arange(self.kv_order_tokens)[None, :]
+        return np.broadcast_to(self.allowed(q, k), (len(q), k.shape[1]))
+
+    @property
+    def q_order_tokens(self) -> int:
+        order = self.q_order
+        return math.prod(order.dilation) * math.prod(order.tiles_per_group) * math.prod(order.tile)
+
+    @property
+    def kv_order_tokens(self) -> int:
+        order = self.kv_order
+        return math.prod(order.dilation) * math.prod(order.tiles_per_group) * math.prod(order.tile)
