@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from bruteforce import attention_mask, problems
 from natsim import Problem
 from natsim.kernels.backends import capabilities
-from natsim.kernels.backends.fa4 import GNA, MASKS, tile_refusal
+from natsim.kernels.backends.fa4 import GNA, MASKS, gna_tile_refusal, tile_refusal
 from natsim.kernels.fa4 import library
 from natsim.kernels.fa4.gna_mask import GnaMask
-from natsim.kernels.fa4.lists import gna_lists, lists_from_blocks, padded_kv_tiles
+from natsim.kernels.fa4.lists import gna_lists, lists_from_blocks, nested_refusal
 from natsim.kernels.gna.permute import permute_reference
 
 
@@ -42,6 +42,15 @@ def small_tiles(problem: Problem):
     return st.tuples(*(st.sampled_from([1, 2, 4]) for _ in problem.shape))
 
 
+@st.composite
+def nested_tiles(draw, problem: Problem):
+    """A Q tile and a KV tile that is the Q tile or a slab of it along its first dimension longer than 1."""
+    q_tile = draw(small_tiles(problem))
+    dim = next((i for i, side in enumerate(q_tile) if side > 1), 0)
+    kv_side = draw(st.sampled_from([s for s in (1, 2, 4) if q_tile[dim] % s == 0]))
+    return q_tile, q_tile[:dim] + (kv_side,) + q_tile[dim + 1:]
+
+
 # -- the element mask -------------------------------------------------------------------------------------------
 
 
@@ -49,19 +58,19 @@ def small_tiles(problem: Problem):
 @given(st.data())
 def test_the_gna_mask_in_tile_order_is_the_brute_force_mask(data):
     problem = data.draw(problems(max_tokens=300))
-    q_tile, kv_tile = data.draw(small_tiles(problem)), data.draw(small_tiles(problem))
-    mask = GnaMask(problem, q_tile, kv_tile).dense()
-    queries, keys = source_tokens(problem, q_tile), source_tokens(problem, kv_tile)
-    real_q, real_k = queries >= 0, keys >= 0
-    assert mask.shape == (len(queries), len(keys))
-    expected = attention_mask(problem)[np.ix_(queries[real_q], keys[real_k])]
-    assert np.array_equal(mask[np.ix_(real_q, real_k)], expected)
-    assert not mask[:, ~real_k].any()  # padding keys are never attended, by any row
+    tile = data.draw(small_tiles(problem))
+    mask = GnaMask(problem, tile).dense()
+    tokens = source_tokens(problem, tile)
+    real = tokens >= 0
+    assert mask.shape == (len(tokens), len(tokens))
+    expected = attention_mask(problem)[np.ix_(tokens[real], tokens[real])]
+    assert np.array_equal(mask[np.ix_(real, real)], expected)
+    assert not mask[:, ~real].any()  # padding keys are never attended, by any row
 
 
 def test_the_mask_broadcasts_like_numpy_and_takes_scalars():
     problem = Problem((9, 12), (3, 5), (2, 1), (1, 2), (False, True))
-    mask = GnaMask(problem, (2, 4), (4, 2))
+    mask = GnaMask(problem, (2, 4))
     dense = mask.dense()
     assert bool(mask.allowed(np.int64(5), np.int64(7))) == dense[5, 7]
     rows = np.arange(dense.shape[0])
@@ -75,9 +84,9 @@ def test_the_mask_broadcasts_like_numpy_and_takes_scalars():
 @given(st.data())
 def test_gna_lists_cover_every_attended_pair_and_run_unmasked_only_full_blocks(data):
     problem = data.draw(problems(max_tokens=300))
-    q_tile, kv_tile = data.draw(small_tiles(problem)), data.draw(small_tiles(problem))
+    q_tile, kv_tile = data.draw(nested_tiles(problem))
     lists = gna_lists(problem, q_tile, kv_tile, torch.device("cpu"))
-    mask = GnaMask(problem, q_tile, kv_tile).dense()
+    mask = GnaMask(problem, q_tile).dense()
     tq, tk = math.prod(q_tile), math.prod(kv_tile)
     nq, nk = mask.shape[0] // tq, mask.shape[1] // tk
     real_q = source_tokens(problem, q_tile) >= 0
@@ -105,10 +114,21 @@ def test_block_sparse_gna_needs_no_mask_and_matches_the_simulator():
 
 def test_full_tiles_holding_padding_keys_are_masked():
     problem = Problem((6, 10), (6, 10))  # dense, but 10 keys do not fill two tiles of 8 along dimension 1
-    assert padded_kv_tiles(problem, (2, 8)).tolist() == [False, True] * 3
     lists = gna_lists(problem, (2, 8), (2, 8), torch.device("cpu"))
     assert lists.masked
     assert np.array_equal(dense_lists(*lists.forward[2:], 6), np.tile([True, False], (6, 3)))
+    assert np.array_equal(dense_lists(*lists.forward[:2], 6), np.tile([False, True], (6, 3)))
+
+
+@pytest.mark.parametrize("q_tile, kv_tile, refused", [
+    ((4, 8, 8), (2, 8, 8), False), ((4, 8, 8), (4, 8, 8), False), ((1, 16, 8), (1, 8, 8), False),
+    ((1, 1, 8), (1, 1, 4), False), ((2, 16, 8), (2, 8, 8), True), ((4, 8, 8), (4, 8, 4), True),
+    ((4, 8, 8), (2, 8, 4), True), ((4, 8, 8), (3, 8, 8), True), ((2, 8, 8), (4, 8, 8), True),
+])
+def test_kv_tiles_must_nest_in_the_q_tiles_order(q_tile, kv_tile, refused):
+    refusal = nested_refusal(q_tile, kv_tile)
+    assert (refusal is not None) == refused
+    assert refusal is None or "the KV tile must be the Q tile or a slab of it along its first dimension longer than 1" in refusal
 
 
 @settings(max_examples=30, deadline=None)
@@ -158,6 +178,12 @@ def test_lists_refuse_masks_of_other_shapes():
 def test_tile_rules(q_block, kv_block, head_dim, backward, refused):
     refusal = tile_refusal(q_block, kv_block, head_dim, backward)
     assert refusal is None if refused is None else refused in refusal
+
+
+def test_gna_tiles_must_nest_and_fit_the_kernel():
+    assert gna_tile_refusal((4, 8, 8), (2, 8, 8), 128, backward=True) is None
+    assert "slab of it" in gna_tile_refusal((4, 8, 8), (4, 8, 4), 128)
+    assert "key blocks of 128 tokens" in gna_tile_refusal((2, 8, 8), (1, 8, 8), 128, backward=True)
 
 
 def test_the_tables_agree_with_the_tile_rules():

@@ -12,7 +12,9 @@ FlashAttention-4 4.0.0b36's Hopper tile configurations:
   80 at 256 (a smaller block shrinks the tile to it);
 - backward: a key block equals the backward's key tile (128 tokens for head dims to 128; natsim's power-of-two
   blocks fit no other), and a query block is a multiple of its query tile (128 tokens for head dims to 64, else
-  64).
+  64);
+- GNA: q, k and v are read in one token order, the Q tile's, so a KV tile must form contiguous runs of it: the Q
+  tile itself, or a slab of it along its first dimension longer than 1 (`gna_tile_refusal`).
 
 Measured on an H100 (benchmarks/results/fa4-probe-*.json): full blocks run faster than natsim's Triton kernels
 (dense 18.7 vs 23.0 ms at 32,768 tokens; HunyuanVideo's block-sparse 16x8x8 23.3 vs 28 ms); blocks through the
@@ -21,15 +23,18 @@ GNA `mask_mod` run about 8x slower than natsim's masked tiles, since the mask is
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 from ..common.checks import KERNEL_DTYPES
 from ..fa4.library import installed, unavailable
+from ..fa4.lists import nested_refusal
 from .capabilities import Capabilities
 
-__all__ = ["GNA", "MASKS", "installed", "unavailable", "tile_refusal", "HEAD_DIMS", "MAX_GNA_Q_BLOCK"]
+__all__ = ["GNA", "MASKS", "installed", "device_refusal", "tile_refusal", "gna_tile_refusal", "HEAD_DIMS",
+           "MAX_GNA_Q_BLOCK"]
 
 HEAD_DIMS = tuple(range(8, 257, 8))  # Hopper: 8 to 256, multiples of 8 for 16-bit inputs
 MAX_GNA_Q_BLOCK = 256  # natsim's largest GNA tile (kernels/gna/checks.py)
@@ -103,6 +108,14 @@ def tile_refusal(q_block: int, kv_block: int, head_dim: int, backward: bool = Fa
             return (f"FlashAttention-4's block-sparse backward at head_dim={head_dim} runs key blocks of {kv_tile} "
                     f"tokens and query blocks of a multiple of {q_tile}, got {q_block} x {kv_block}.")
     return None
+
+
+def gna_tile_refusal(q_tile: tuple[int, ...], kv_tile: tuple[int, ...], head_dim: int,
+                     backward: bool = False) -> Optional[str]:
+    """None when FlashAttention-4 runs GNA with these Q and KV tile shapes at `head_dim` (and with `backward`,
+    differentiates it), else one sentence saying why not."""
+    return nested_refusal(tuple(q_tile), tuple(kv_tile)) or tile_refusal(
+        math.prod(q_tile), math.prod(kv_tile), head_dim, backward)
 
 
 def device_refusal(device: torch.device) -> Optional[str]:

@@ -2,14 +2,15 @@
 runs as numpy (CPU tests against the brute-force mask) and as CuTe DSL (FlashAttention-4's `mask_mod`, for the
 tiles of a GNA plan that are partial).
 
-FlashAttention-4 sees q in Q-tile order and k, v in KV-tile order (kernels/gna/layout.py: dilation groups, then
-tiles, then tokens inside a tile, row-major at every level). A query row `q_idx` and a key column `kv_idx` are
-decoded into (dilation group, in-group coordinate) per dimension, and the pair is attended exactly when both
-are in the same group and, along every dimension, the key lies in the query's window: the window bounds of
-natsim/window.py (gna-semantics.md, section 1), whose `np.minimum` / `np.clip` become `where` selections. Every
-layout constant is a Python int, so the kernel compiles them in (divisions by powers of two become shifts).
-Padding keys (in-group coordinate past the group's length) are never attended; padding queries attend their
-clamped window, and their rows are dropped by the unpermutation.
+FlashAttention-4 sees q, k and v in one token order, the Q tile's (kernels/gna/layout.py: dilation groups, then
+tiles, then tokens inside a tile, row-major at every level); its key blocks are runs of KV-tile size in that
+order (kernels/fa4/lists.py). A query row `q_idx` and a key column `kv_idx` are decoded into (dilation group,
+in-group coordinate) per dimension, and the pair is attended exactly when both are in the same group and, along
+every dimension, the key lies in the query's window: the window bounds of natsim/window.py (gna-semantics.md,
+section 1), whose `np.minimum` / `np.clip` become `where` selections. Every layout constant is a Python int, so
+the kernel compiles them in (divisions by powers of two become shifts). Padding keys (in-group coordinate past
+the group's length) are never attended; padding queries attend their clamped window, and their rows are dropped
+by the unpermutation.
 """
 
 from __future__ import annotations
@@ -96,26 +97,27 @@ def _window(i, length, window: int, stride: int, causal: bool, ops: Arithmetic):
 
 @dataclass(frozen=True)
 class GnaMask:
-    """GNA's mask between queries in `q_tile` order and keys in `kv_tile` order of `problem`."""
+    """GNA's mask between the tokens of `problem` in `tile` order (queries and keys alike)."""
 
     problem: Problem
-    q_tile: tuple[int, ...]
-    kv_tile: tuple[int, ...]
+    tile: tuple[int, ...]
 
     @property
-    def q_order(self) -> TileOrder:
-        return TileOrder(self.problem.shape, self.q_tile, self.problem.dilation)
+    def order(self) -> TileOrder:
+        return TileOrder(self.problem.shape, self.tile, self.problem.dilation)
 
     @property
-    def kv_order(self) -> TileOrder:
-        return TileOrder(self.problem.shape, self.kv_tile, self.problem.dilation)
+    def tokens(self) -> int:
+        """Positions of the order, padding included."""
+        order = self.order
+        return math.prod(order.dilation) * math.prod(order.tiles_per_group) * math.prod(order.tile)
 
     def allowed(self, q_idx, kv_idx, ops: Arithmetic = NUMPY):
         """Whether query row(s) `q_idx` attend key column(s) `kv_idx` (broadcasting like the namespace's
         arithmetic)."""
         p = self.problem
-        q_groups, q_coords = self.q_order.decode(q_idx, ops)
-        k_groups, k_coords = self.kv_order.decode(kv_idx, ops)
+        q_groups, q_coords = self.order.decode(q_idx, ops)
+        k_groups, k_coords = self.order.decode(kv_idx, ops)
         result = None
         for i in range(p.ndim):
             length = _group_length(p.shape[i], p.dilation[i], q_groups[i], ops)
@@ -127,17 +129,6 @@ class GnaMask:
         return result
 
     def dense(self) -> np.ndarray:
-        """The whole mask as a boolean `[q tokens, kv tokens]` array in tile order (small problems: tests)."""
-        q = np.arange(self.q_order_tokens)[:, None]
-        k = np.arange(self.kv_order_tokens)[None, :]
-        return np.broadcast_to(self.allowed(q, k), (len(q), k.shape[1]))
-
-    @property
-    def q_order_tokens(self) -> int:
-        order = self.q_order
-        return math.prod(order.dilation) * math.prod(order.tiles_per_group) * math.prod(order.tile)
-
-    @property
-    def kv_order_tokens(self) -> int:
-        order = self.kv_order
-        return math.prod(order.dilation) * math.prod(order.tiles_per_group) * math.prod(order.tile)
+        """The whole mask as a boolean `[tokens, tokens]` array in tile order (small problems: tests)."""
+        positions = np.arange(self.tokens)
+        return self.allowed(positions[:, None], positions[None, :])

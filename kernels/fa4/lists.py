@@ -5,16 +5,21 @@ need the element mask (`mask_block_cnt`, `mask_block_idx`) and those that do not
 `full_block_idx`), and for the backward the same split per key block over query blocks. `Fa4Lists` holds both
 directions as int32 tensors `[B|1, H|1, rows, width]` on the device, rows only as wide as the busiest row.
 
-A GNA plan's lists come from the simulator (`natsim.block_mask`: visited and full tiles of tokens in tile order,
-kernels/gna/layout.py), with one change: a KV tile holding padding keys (a layout not divisible by the tile)
-goes to the masked list even where the simulator calls it full, since FlashAttention-4 would attend its padding
-rows (zeros) in an unmasked block; the GNA mask (kernels/fa4/gna_mask.py) excludes them.
+A GNA plan's lists come from the simulator (`natsim.block_mask`: visited and full tiles), for q, k and v in one
+token order, the Q tile's (kernels/gna/layout.py): its key blocks are the runs of KV-tile size in that order,
+which are KV tiles when the KV tile is the Q tile or a slab of it along its outermost dimension longer than 1
+(`nested_refusal`). One
+change: a KV tile holding padding keys (a layout not divisible by the tile) goes to the masked list even where
+the simulator calls it full, since FlashAttention-4 would attend its padding rows (zeros) in an unmasked block;
+the GNA mask (kernels/fa4/gna_mask.py) excludes them.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -81,28 +86,57 @@ def lists_from_blocks(visited: torch.Tensor, full: torch.Tensor, q_block: int, k
     return Fa4Lists(q_block, kv_block, forward, backward, bool(partial.any()), int(visited.sum()))
 
 
-def padded_kv_tiles(problem: Problem, kv_tile: tuple[int, ...]) -> np.ndarray:
-    """Boolean per KV tile in tile order (dilation groups first): whether it holds padding keys."""
-    per_dim = []
-    for L, t, d in zip(problem.shape, kv_tile, problem.dilation):
-        tiles = ceil_div(L, t * d)
-        group_len = L // d + (np.arange(d)[:, None] < L % d)  # (groups, 1)
-        per_dim.append((np.arange(tiles)[None, :] + 1) * t > group_len)  # (groups, tiles)
+def nested_refusal(q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> Optional[str]:
+    """None when the KV tile's tokens form contiguous runs of the Q tile's row-major order, else why not:
+    FlashAttention-4 reads q, k and v in one token order, the Q tile's, with key blocks of KV-tile size. Runs are
+    contiguous when the KV tile is the Q tile, or a slab of it along one dimension (dividing the Q tile's side
+    there) before which every side of the Q tile is 1 (4x8x8 in 2x8x8 slabs, 1x16x8 in 1x8x8 ones)."""
+    differ = [i for i, (q, k) in enumerate(zip(q_tile, kv_tile)) if q != k]
+    if (len(q_tile) != len(kv_tile) or len(differ) > 1
+            or any(q_tile[i] % kv_tile[i] or any(side > 1 for side in q_tile[:i]) for i in differ)):
+        return (f"FlashAttention-4 runs GNA on tokens in the Q tile's order, so the KV tile must be the Q tile or a "
+                f"slab of it along its first dimension longer than 1, got q_tile={tuple(q_tile)}, "
+                f"kv_tile={tuple(kv_tile)}.")
+    return None
+
+
+def _kv_blocks(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Every key block of the Q tile's order (runs of KV-tile size, in order): its KV tile's index in the
+    simulator's numbering (-1 where that tile lies wholly in padding, outside the simulator's grid), and whether
+    it holds padding keys."""
     n = problem.ndim
-    padded = np.zeros([*problem.dilation, *(p.shape[1] for p in per_dim)], dtype=bool)
-    for i, flags in enumerate(per_dim):
-        shape = [1] * (2 * n)
-        shape[i], shape[n + i] = flags.shape
-        padded = padded | flags.reshape(shape)
-    return padded.reshape(-1)
+    q_grid = [ceil_div(L, t * d) for L, t, d in zip(problem.shape, q_tile, problem.dilation)]
+    kv_grid = [ceil_div(L, t * d) for L, t, d in zip(problem.shape, kv_tile, problem.dilation)]
+    ratio = [q // k for q, k in zip(q_tile, kv_tile)]
+    slab = next((i for i in range(n) if ratio[i] > 1), 0)
+    # block order: dilation groups, Q tiles, then the KV slabs inside a Q tile (kernels/gna/layout.py)
+    index = np.indices([*problem.dilation, *q_grid, ratio[slab]]).reshape(2 * n + 1, -1)
+    groups, tiles, part = index[:n], index[n:2 * n].copy(), index[2 * n]
+    tiles[slab] = tiles[slab] * ratio[slab] + part  # KV tile coordinates
+    lengths = [L // d + (g < L % d) for L, d, g in zip(problem.shape, problem.dilation, groups)]
+    padded = np.zeros(index.shape[1], dtype=bool)
+    inside = np.ones(index.shape[1], dtype=bool)
+    for i in range(n):
+        padded |= (tiles[i] + 1) * kv_tile[i] > lengths[i]
+        inside &= tiles[i] < kv_grid[i]
+    group = np.ravel_multi_index(tuple(groups), problem.dilation)
+    linear = group * math.prod(kv_grid) + np.ravel_multi_index(tuple(np.minimum(tiles, np.array(kv_grid)[:, None] - 1)),
+                                                              kv_grid)
+    return np.where(inside, linear, -1), padded
 
 
 @functools.lru_cache(maxsize=64)
 def gna_lists(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], device: torch.device) -> Fa4Lists:
-    """FlashAttention-4's lists of a GNA problem with tokens in `q_tile` / `kv_tile` order (module docstring),
-    on `device`; kept per geometry, since every layer of a model shares them."""
+    """FlashAttention-4's lists of a GNA problem with q, k and v in `q_tile` order and key blocks of `kv_tile`
+    size (`nested_refusal` must be None), on `device`; kept per geometry, since every layer of a model shares
+    them."""
     mask = block_mask(problem, TileConfig(q_tile, kv_tile))
-    visited, full = mask.to_dense(), mask.full_dense()
-    full &= ~padded_kv_tiles(problem, kv_tile)[None, :]
+    simulator_tile, padded = _kv_blocks(problem, q_tile, kv_tile)
+    real = simulator_tile >= 0
+    visited = np.zeros((mask.num_q_tiles, len(simulator_tile)), dtype=bool)
+    full = np.zeros_like(visited)
+    visited[:, real] = mask.to_dense()[:, simulator_tile[real]]
+    full[:, real] = mask.full_dense()[:, simulator_tile[real]]
+    full &= ~padded[None, :]
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))[None, None].to(device)  # noqa: E731
-    return lists_from_blocks(as_tensor(visited), as_tensor(full), int(np.prod(q_tile)), int(np.prod(kv_tile)))
+    return lists_from_blocks(as_tensor(visited), as_tensor(full), math.prod(q_tile), math.prod(kv_tile))
