@@ -25,7 +25,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lis
         q, k, v, softmax_scale=scale, mask_mod=mask_mod if lists is not None and lists.masked else None,
         block_sparse_tensors=_block_sparse(lists, False), return_lse=return_lse,
     )
-    return out, None if lse is None or not return_lse else lse.transpose(1, 2)
+    return out, None if lse is None or not return_lse else lse.transpose(1, 2).contiguous()
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,

@@ -1,0 +1,79 @@
+"""One GNA geometry on FlashAttention-4: tokens in the Q tile's order, the simulator's lists, GNA's mask_mod.
+
+`Fa4Gna` holds what a call needs besides its tensors: the problem and the tiles. q, k and v go into the Q tile's
+token order (kernels/gna/permute.py; the output and the LSE come back out of it), FlashAttention-4 runs the
+lists of `gna_lists` and, where any visited block is partial, `gna_mask_mod`. Calls on tensors already in that
+order (a whole model kept in tile order) use `forward_ordered` / `backward_ordered` and pay no permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from natsim import Problem
+
+from ..gna.layout import TileLayout
+from ..gna.permute import permute, unpermute
+from . import run
+from .gna_mask import GnaMask
+from .lists import Fa4Lists, gna_lists
+from .mask_mod import gna_mask_mod
+
+
+@dataclass(frozen=True)
+class Fa4Gna:
+    """GNA of `problem` on FlashAttention-4 with `q_tile` / `kv_tile` (`gna_tile_refusal` said yes)."""
+
+    problem: Problem
+    q_tile: tuple[int, ...]
+    kv_tile: tuple[int, ...]
+
+    @property
+    def ordered_tokens(self) -> int:
+        """Tokens of the Q tile's order, padding included: q, k and v in that order have this length."""
+        return TileLayout(self.problem.shape, self.q_tile, self.problem.dilation).num_tokens
+
+    def lists(self, device: torch.device) -> Fa4Lists:
+        return gna_lists(self.problem, self.q_tile, self.kv_tile, device)
+
+    def mask_mod(self, lists: Fa4Lists) -> Optional[Callable]:
+        """GNA's mask_mod where a visited block is partial; None for block-sparse geometries."""
+        return gna_mask_mod(GnaMask(self.problem, self.q_tile)) if lists.masked else None
+
+    def to_order(self, x: torch.Tensor) -> torch.Tensor:
+        """`[B, *shape, H, D]` -> `[B, tokens, H, D]` in the Q tile's order (zeros at padding)."""
+        return permute(x, self.q_tile, self.problem.dilation)
+
+    def from_order(self, y: torch.Tensor) -> torch.Tensor:
+        """`[B, tokens, H, D]` in the Q tile's order -> `[B, *shape, H, D]` (padding dropped)."""
+        return unpermute(y, self.problem.shape, self.q_tile, self.problem.dilation)
+
+    def _lse_from_order(self, lse: torch.Tensor) -> torch.Tensor:
+        return self.from_order(lse[..., None])[..., 0]
+
+    def forward_ordered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`(out, lse or None)` of q, k, v in the Q tile's order, in that order."""
+        lists = self.lists(q.device)
+        return run.forward(q, k, v, scale, lists, self.mask_mod(lists), return_lse)
+
+    def backward_ordered(self, q, k, v, out, lse, grad_out, grad_lse, scale):
+        """dq, dk, dv of q, k, v in the Q tile's order, from the forward's output and LSE in that order."""
+        lists = self.lists(q.device)
+        return run.backward(q, k, v, out, grad_out, lse, grad_lse, scale, lists, self.mask_mod(lists))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`(out, lse or None)` of `[B, *shape, H, D]` tensors, in that layout."""
+        out, lse = self.forward_ordered(self.to_order(q), self.to_order(k), self.to_order(v), scale, return_lse)
+        return self.from_order(out), None if lse is None else self._lse_from_order(lse)
+
+    def backward(self, q, k, v, out, lse, grad_out, grad_lse, scale):
+        """dq, dk, dv of `[B, *shape, H, D]` tensors from the forward's output and LSE `[B, *shape, H]`."""
+        as_order = lambda t: None if t is None else self.to_order(t[..., None])[..., 0]  # noqa: E731
+        grads = self.backward_ordered(self.to_order(q), self.to_order(k), self.to_order(v), self.to_order(out),
+                                      as_order(lse), self.to_order(grad_out), as_order(grad_lse), scale)
+        return tuple(self.from_order(g) for g in grads)
