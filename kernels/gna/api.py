@@ -15,7 +15,7 @@ On CPU tensors (without TRITON_INTERPRET=1) `gna_attention` runs `reference_atte
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from .. import ops
 from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
 from ..common.checks import check_matching, check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
+from ..common.launch import launch_overrides
 from .checks import check_kernel_inputs, kernel_tiles
 from .dispatch import forward
 from .launch import frames_as_3d, make_call
@@ -52,13 +53,14 @@ def gna_attention_permuted(
     kv_tile: Optional[IntOrInts] = None,
     scale: Optional[float] = None,
     return_lse: bool = False,
-    config: Union[tuple[int, int], dict, None] = None,
+    config: Union[tuple[int, int], Mapping[str, object], None] = None,
 ):
     """GNA on permuted `[B, tokens, heads, head_dim]` tensors; output (and `[B, tokens, heads]` LSE) permuted.
 
     `config=(num_warps, num_stages)` overrides the launch configuration (for tuning; no warp specialization);
-    a dict overrides any of `launch_config`'s options (`num_warps`, `num_stages`, `USE_TMA`, `WARP_SPECIALIZE`,
-    `MASKED`, which may only be forced on) and `HEAD_MAJOR` (grid over (batch * heads, Q tiles)).
+    a dict overrides any of the launch options (kernels/common/launch.py, `LaunchOptions`: `num_warps`,
+    `num_stages`, `USE_TMA`, `WARP_SPECIALIZE`, `MASKED`, which may only be forced on, and `HEAD_MAJOR`, a grid
+    over (batch * heads, Q tiles)); another name is refused with a sentence.
     """
     if not isinstance(problem, Problem):
         raise TypeError(f"problem must be a natsim.Problem, got {type(problem).__name__}.")
@@ -78,17 +80,17 @@ def gna_attention_permuted(
         config = dict(num_warps=config[0], num_stages=config[1], WARP_SPECIALIZE=False)
     call = _permuted_call(problem, q_dims, kv_dims, q.shape[0], q.shape[2], q.shape[3],
                           q.shape[-1] ** -0.5 if scale is None else float(scale), return_lse,
-                          tuple(sorted((config or {}).items())))  # tensors checked for alignment per launch
+                          launch_overrides(config, "config"))  # tensors checked for alignment per launch
     _check_permuted(call, q, k, v)
     out, lse, _ = call.run_permuted(*(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)))
     return (out, lse) if return_lse else out
 
 
 @functools.lru_cache(maxsize=256)
-def _permuted_call(problem, q_tile, kv_tile, batch, heads, head_dim, scale, return_lse, options, debug=False,
+def _permuted_call(problem, q_tile, kv_tile, batch, heads, head_dim, scale, return_lse, overrides, debug=False,
                    kv_tiling="static", frames=None):
     return make_call(problem, problem.shape, q_tile, kv_tile, batch=batch, heads=heads, head_dim=head_dim,
-                     scale=scale, layout_tensors=None, return_lse=return_lse, debug=debug, options=dict(options),
+                     scale=scale, layout_tensors=None, return_lse=return_lse, debug=debug, overrides=overrides,
                      check_alignment=True, kv_tiling=kv_tiling, frames=frames)
 
 

@@ -28,7 +28,7 @@ windows reach. Window bounds are global; Q and KV tiles are cut from the local f
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -40,15 +40,13 @@ from natsim.window import group_length, window_bounds
 from ..common.backend import interpreting
 from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_launch_config,
                           lse_with_mean, prequantized_rows, quantize_rows)
-from ..common.launch import descriptors_fit, has_tensor_descriptors, launch_config
+from ..common.launch import Overrides, descriptors_fit, has_tensor_descriptors, launch_config
 from ..common.softmax import LOG2E
 from .dynamic import gna_dynamic_kernel
 from .forward import gna_forward_kernel
 from .layout import TileLayout, as_3d
 from .permute import permute, unpermute
 from .prebound import PreboundKernel
-
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
 # -- what the kernel needs to know, from plain Python values ---------------------------------------------------
@@ -261,7 +259,7 @@ def make_call(
     layout_tensors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     return_lse: bool,
     debug: bool = False,
-    options: Optional[dict] = None,
+    overrides: Overrides = (),
     check_alignment: bool = False,
     kv_tiling: str = "static",
     frames: Optional[tuple[int, int, int, int]] = None,
@@ -269,8 +267,8 @@ def make_call(
     out_dtype: Optional[torch.dtype] = None,
 ) -> GnaCall:
     """Work out one call. `layout_tensors` are q, k, v in the kernel's layout for the layout path (their strides
-    are bound), or None for the permuted path. `options` override `launch_config`'s (tuning; `MASKED` may only
-    be forced on) and may set `HEAD_MAJOR`. `check_alignment`: check the tensors' alignment on every launch
+    are bound), or None for the permuted path. `overrides` (checked names, `launch_overrides`) override
+    `launch_config`'s options (tuning; `MASKED` may only be forced on) and may set `HEAD_MAJOR`. `check_alignment`: check the tensors' alignment on every launch
     (callers that pass their own permuted tensors; `forward` keys on it instead). `kv_tiling` picks the
     kernel; the dynamic one gathers box tiles with pointer loads on the permuted path and is never
     warp-specialized (Triton 3.6 does not specialize its loops: rank-4 descriptors or pointer gathers).
@@ -299,12 +297,11 @@ def make_call(
     launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim, masked, True,
                            specialize=not (return_lse or debug) and mode != 1 and kv_tiling == "static")
     if fp8:
-        launch.update(fp8_launch_config(q_layout.tile_tokens, kv_layout.tile_tokens))
-    launch.update(options or {})
-    if masked and not launch["MASKED"]:
+        launch = replace(launch, **fp8_launch_config(q_layout.tile_tokens, kv_layout.tile_tokens))
+    launch = launch.overridden(overrides)
+    if masked and not launch.MASKED:
         raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
                          "the kernel needs MASKED=True.")
-    head_major = launch.pop("HEAD_MAJOR", False)
     if layout and fp8:  # the quantized copies: contiguous
         layout_tensors = tuple(torch.empty(t.shape, device="meta") for t in layout_tensors)
     if layout:
@@ -328,8 +325,8 @@ def make_call(
         **dict(zip(("C0", "C1", "C2"), as_3d(problem.causal, False))),
         **dict(zip(("TQ0", "TQ1", "TQ2"), q_layout.tile)),
         **dict(zip(("TK0", "TK1", "TK2"), kv_layout.tile)),
-        HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug, HEAD_MAJOR=head_major, LAYOUT=mode,
-        **{name: value for name, value in launch.items() if name not in LAUNCH_OPTIONS},
+        HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug, HEAD_MAJOR=launch.HEAD_MAJOR, LAYOUT=mode,
+        MASKED=launch.MASKED, USE_TMA=launch.USE_TMA, WARP_SPECIALIZE=launch.WARP_SPECIALIZE,
     )
     if fp8:  # V transposed: its token stride is the padded row count (kernels/common/fp8.py)
         kv_rows = kv_layout.num_tokens if not layout else problem.num_tokens
@@ -337,13 +334,14 @@ def make_call(
                          stride_v2=-(-kv_rows // ROW_ALIGNMENT) * ROW_ALIGNMENT)
     if kv_tiling == "static":  # the frame range (the whole layout without one); the dynamic kernel has none
         arguments.update(G0=as_3d(problem.shape)[0], KL0=kv_layout.shape[0], Q0_OFF=q0, K0_OFF=k0)
-    if layout and not arguments["USE_TMA"]:
+    if layout and not launch.USE_TMA:
         raise ValueError("the layout path reads through tensor descriptors: USE_TMA cannot be turned off there.")
-    grid = (batch * heads, q_layout.num_tiles, 1) if head_major else (q_layout.num_tiles, batch * heads, 1)
-    options = {name: launch[name] for name in LAUNCH_OPTIONS}
-    return GnaCall(problem, shape, q_tile, kv_tile, layout, return_lse, debug,
-                   PreboundKernel(KERNELS[kv_tiling], grid, arguments, options, check_alignment=check_alignment),
-                   kv_tiling, frames, fp8, out_dtype)
+    grid = ((batch * heads, q_layout.num_tiles, 1) if launch.HEAD_MAJOR
+            else (q_layout.num_tiles, batch * heads, 1))
+    kernel = PreboundKernel(KERNELS[kv_tiling], grid, arguments, launch.triton_options(),
+                            check_alignment=check_alignment)
+    return GnaCall(problem, shape, q_tile, kv_tile, layout, return_lse, debug, kernel, kv_tiling, frames, fp8,
+                   out_dtype)
 
 
 

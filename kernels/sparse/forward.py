@@ -37,6 +37,7 @@ The online softmax is GNA's (`softmax_step`, base 2, fp32 accumulators, the runn
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -350,18 +351,17 @@ def run_sparse(
     use_tma = work.block_n == work.kv_block and descriptors_fit(k, v)
     if use_tma:
         install_allocator()
-    config = launch_config(work.block_m, work.block_n, head_dim, masked=True, tma=use_tma, specialize=False)
+    launch = launch_config(work.block_m, work.block_n, head_dim, masked=True, tma=use_tma, specialize=False)
     if fp8:
-        config.update(fp8_launch_config(work.block_m, work.block_n))
-    options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+        launch = replace(launch, **fp8_launch_config(work.block_m, work.block_n))
     specialize = specialize and use_tma and not (return_lse or debug or pv_threshold is not None)
     if specialize:
-        options = dict(num_warps=8, num_stages=2)
+        launch = replace(launch, num_warps=8, num_stages=2)
     persistent = schedule == "lpt"
     if persistent:
         order = work.order(batch, heads)
         queue = torch.zeros(1, dtype=torch.int32, device=q.device)
-        count = default_programs(q.device, options["num_warps"]) if programs is None else int(programs)
+        count = default_programs(q.device, launch.num_warps) if programs is None else int(programs)
         if count < 1:
             raise ValueError(f"programs must be a positive int, got programs={programs!r}.")
         grid = (min(count, items),)
@@ -371,7 +371,7 @@ def run_sparse(
     scale = head_dim**-0.5 if scale is None else float(scale)
     key = (work.block_m, work.block_n, work.q_block, work.kv_block, head_dim, q.dtype, use_tma, persistent,
            return_lse, debug, specialize, pv_threshold is not None, fp8)
-    stages = _STAGES.get(key, options["num_stages"])
+    stages = _STAGES.get(key, launch.num_stages)
     while True:
         try:
             sparse_forward_kernel[grid](
@@ -385,7 +385,7 @@ def run_sparse(
                 WRITE_LSE=return_lse, DEBUG=debug, USE_TMA=use_tma, PERSISTENT=persistent,
                 WARP_SPECIALIZE=specialize, PV_SKIP=pv_threshold is not None, FP8=fp8,
                 EXACT_CAST=fp8 and interpreting(), SQ=kernel_scales[0], SK=kernel_scales[1], SV=kernel_scales[2],
-                num_warps=options["num_warps"], num_stages=stages,
+                num_warps=launch.num_warps, num_stages=stages,
             )
             break
         except OutOfResources:  # raised while compiling, before the launch: retry with one stage fewer
