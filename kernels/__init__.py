@@ -1,9 +1,16 @@
 """natsim.kernels: what runs on the GPU. GNA (kernels/gna/) and attention under any block mask
-(kernels/sparse/), forward and backward, as PyTorch operators registered in one place (kernels/ops.py), each
-with a CPU path through its torch reference; kernels/common/ holds what the families share.
+(kernels/sparse/), forward and backward, as PyTorch operators that each family registers (kernels/gna/ops.py,
+kernels/sparse/ops.py), each with a CPU path through its torch reference; kernels/common/ holds what the families
+share, among it `natsim::attention_resolved` (kernels/common/resolved.py).
+
+The face that rooms above the kernels import: the entry points, the operators they run through at run time
+(`gna_resolved` with `register_resolver`, `attention_resolved` with `register_attention`), launch options
+(`LaunchOptions`) and the sentences the operators refuse gradients with.
 """
 
 from .common.fp8 import Fp8Scales
+from .common.launch import LaunchOptions
+from .common.resolved import attention_resolved, register_attention
 from .gna import (
     gna_attention,
     gna_attention_permuted,
@@ -14,6 +21,7 @@ from .gna import (
     unpermute,
     unpermute_reference,
 )
+from .gna.ops import FRAMES_GRADIENT_REFUSAL, gna_resolved, register_resolver
 from .sparse import (
     SparseMask,
     SparseTileCounts,
@@ -23,9 +31,17 @@ from .sparse import (
     sparse_reference,
     sparse_tile_counts,
 )
+from .sparse.ops import PV_SKIP_GRADIENT_REFUSAL
 
 __all__ = [
     "Fp8Scales",
+    "LaunchOptions",
+    "gna_resolved",
+    "register_resolver",
+    "attention_resolved",
+    "register_attention",
+    "FRAMES_GRADIENT_REFUSAL",
+    "PV_SKIP_GRADIENT_REFUSAL",
     "gna_attention",
     "gna_attention_permuted",
     "gna_tile_counts",

@@ -28,9 +28,10 @@ RANKS = {
     "natsim.integrations": 4,
     "natsim.cli": 5,
 }
-# Modules that may call into a torch reference: the operators (their CPU path) and the dispatchers that pick
-# the kernel or the reference for one call. Kernel modules never do.
-REFERENCE_CALLERS = ("natsim.kernels.ops", "natsim.kernels.gna.dispatch", "natsim.kernels.sparse.dispatch")
+# Modules that may call into a torch reference: each family's operators (their CPU path) and the dispatchers that
+# pick the kernel or the reference for one call. Kernel modules never do.
+REFERENCE_CALLERS = ("natsim.kernels.gna.ops", "natsim.kernels.sparse.ops", "natsim.kernels.gna.dispatch",
+                     "natsim.kernels.sparse.dispatch")
 
 
 def _package_dirs() -> dict[str, Path]:
@@ -128,15 +129,16 @@ def _room(module: str) -> str:
 def test_the_checker_finds_a_circle_and_resolves_relative_imports():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
-    modules = {"natsim.kernels": Path("x/__init__.py"), "natsim.kernels.ops": Path("x/ops.py"),
+    modules = {"natsim.kernels": Path("x/__init__.py"), "natsim.kernels.common": Path("x/common/__init__.py"),
+               "natsim.kernels.common.operators": Path("x/common/operators.py"),
                "natsim.kernels.gna": Path("x/gna/__init__.py"), "natsim.kernels.gna.api": Path("x/gna/api.py")}
-    source = "from .. import ops\nfrom . import api\nfrom natsim.kernels import gna\n"
+    source = "from ..common import operators\nfrom . import api\nfrom natsim.kernels import gna\n"
     path = ROOT / "build" / "architecture-probe.py"
     path.parent.mkdir(exist_ok=True)
     try:
         path.write_text(source)
         assert _imports("natsim.kernels.gna.probe", path, modules) == {
-            "natsim.kernels.ops", "natsim.kernels.gna.api", "natsim.kernels.gna"}
+            "natsim.kernels.common.operators", "natsim.kernels.gna.api", "natsim.kernels.gna"}
     finally:
         path.unlink()
 

@@ -1,6 +1,6 @@
 """natsim.kernels.gna: Generalized Neighborhood Attention on the GPU, forward (static and dynamic KV tiling,
 frame ranges) and backward, with the token permutation, tile choice and launch that feed the kernels, the
-public entry points, and the torch reference they are checked against.
+public entry points, the registered operators, and the torch reference they are checked against.
 """
 
 from .api import gna_attention, gna_attention_permuted, gna_tile_counts

@@ -1,7 +1,7 @@
 """Public entry points of GNA attention.
 
 - `gna_attention(q, k, v, window, ...)`: `[B, *shape, heads, head_dim]` in and out. Runs the registered
-  operator `natsim::gna_forward` (kernels/ops.py) under torch.compile, autograd or a dispatch mode, and in
+  operator `natsim::gna_forward` (kernels/gna/ops.py) under torch.compile, autograd or a dispatch mode, and in
   plain eager calls goes straight to the same cached implementation (kernels/gna/dispatch.py), which skips the
   dispatcher's per-call cost. Both do exactly the same work.
 - `gna_attention_permuted(q, k, v, problem, q_tile, kv_tile, ...)`: tensors already permuted
@@ -24,7 +24,6 @@ from natsim import Problem
 from natsim.partition import key_frames
 from natsim.problem import BoolOrBools, IntOrInts
 
-from .. import ops
 from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
 from ..common.checks import check_matching, check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
@@ -33,6 +32,7 @@ from .checks import check_kernel_inputs, kernel_tiles
 from .dispatch import forward
 from .launch import frames_as_3d, make_call
 from .layout import TileLayout
+from .ops import gna_forward
 from .tiles import default_tiles
 
 
@@ -167,7 +167,7 @@ def gna_attention(
         # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
         tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         needs_lse = return_lse or tracked
-        out, lse = ops.gna_forward(
+        out, lse = gna_forward(
             q, k, v, _per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim),
             _per_dim(causal, ndim), None if scale is None else float(scale),
             None if q_tile is None else _per_dim(q_tile, ndim), None if kv_tile is None else _per_dim(kv_tile, ndim),

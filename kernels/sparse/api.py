@@ -1,8 +1,9 @@
 """Public entry points of attention under any block mask.
 
 - `sparse_attention(q, k, v, mask, ...)`: `[B, N, heads, head_dim]` in and out. Runs the registered operator
-  `natsim::sparse_forward` (kernels/ops.py) under torch.compile, autograd or a dispatch mode, and in plain eager
-  calls goes straight to the same implementation (kernels/sparse/dispatch.py).
+  `natsim::sparse_forward` (or, on prepared work, `natsim::sparse_prepared`; kernels/sparse/ops.py) under
+  torch.compile, autograd or a dispatch mode, and in plain eager calls goes straight to the same implementation
+  (kernels/sparse/dispatch.py).
 - `sparse_tile_counts(mask, ...)`: runs the kernel with its debug counters on and returns its per-program counts.
 """
 
@@ -14,7 +15,6 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from .. import ops
 from ..common.backend import autocast_inputs, runs_eagerly, use_triton
 from ..common.checks import check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
@@ -22,6 +22,7 @@ from .checks import SCHEDULES, check_pv_threshold, check_work
 from .dispatch import sparse_forward_impl
 from .forward import run_sparse
 from .mask import SparseMask
+from .ops import PV_SKIP_GRADIENT_REFUSAL, sparse_forward, sparse_prepared
 from .work import MERGES, SparseWork, dense_mask, prepare_sparse, work_sizes, work_tensors
 
 
@@ -95,16 +96,15 @@ def sparse_attention(
     scale = None if scale is None else float(scale)
     pv_threshold = check_pv_threshold(pv_threshold)
     if pv_threshold is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError(ops.PV_SKIP_GRADIENT_REFUSAL)
+        raise ValueError(PV_SKIP_GRADIENT_REFUSAL)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if runs_eagerly(q, k, v):
         out, lse = sparse_forward_impl(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
                                        programs, pv_threshold, precision, scales, out_dtype)
     else:
         # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
-        out, lse = ops.sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse or tracked,
-                                      schedule, programs, pv_threshold, precision, *scale_tensors(scales),
-                                      out_dtype)
+        out, lse = sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse or tracked,
+                                  schedule, programs, pv_threshold, precision, *scale_tensors(scales), out_dtype)
     return (out, lse) if return_lse else out
 
 
@@ -121,7 +121,7 @@ def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse:
     pv_threshold = check_pv_threshold(pv_threshold)
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if pv_threshold is not None and tracked:
-        raise ValueError(ops.PV_SKIP_GRADIENT_REFUSAL)
+        raise ValueError(PV_SKIP_GRADIENT_REFUSAL)
     if tracked and work.dkdv_lists is None:
         raise ValueError(
             "this SparseWork was prepared without the backward's lists (prepare_sparse(..., backward=False)) and "
@@ -132,9 +132,8 @@ def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse:
         out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold,
                                  precision=precision, scales=scales, out_dtype=out_dtype)
     else:
-        out, lse = ops.sparse_prepared(q, k, v, work_tensors(work), work_sizes(work), scale,
-                                       return_lse or tracked, schedule, programs, pv_threshold, precision,
-                                       *scale_tensors(scales), out_dtype)
+        out, lse = sparse_prepared(q, k, v, work_tensors(work), work_sizes(work), scale, return_lse or tracked,
+                                   schedule, programs, pv_threshold, precision, *scale_tensors(scales), out_dtype)
     return (out, lse) if return_lse else out
 
 
