@@ -4,14 +4,15 @@ kernels/sparse/ops.py), each with a CPU path through its torch reference; kernel
 share, among it `natsim::attention_resolved` (kernels/common/resolved.py).
 
 The face that rooms above the kernels import: the entry points, the operators they run through at run time
-(`gna_resolved` with `register_resolver`, `attention_resolved` with `register_attention`), launch options
-(`LaunchOptions`) and the sentences the operators refuse gradients with.
+(`gna_resolved` with `register_resolver`, `attention_resolved` with `register_attention`), a call's spec
+(`GnaSpec`), launch options (`LaunchOptions`) and the sentences the operators refuse gradients with.
 """
 
 from .common.fp8 import Fp8Scales
 from .common.launch import LaunchOptions
 from .common.resolved import attention_resolved, register_attention
 from .gna import (
+    GnaSpec,
     gna_attention,
     gna_attention_permuted,
     gna_tile_counts,
@@ -36,6 +37,7 @@ from .sparse.ops import PV_SKIP_GRADIENT_REFUSAL
 __all__ = [
     "Fp8Scales",
     "LaunchOptions",
+    "GnaSpec",
     "gna_resolved",
     "register_resolver",
     "attention_resolved",

@@ -2,8 +2,9 @@
 
 `natsim::gna_forward` is a custom operator with a fake (meta) implementation, so `torch.compile(...,
 fullgraph=True)` keeps a call in its graph without tracing into Triton, and CUDA graphs capture it like any
-other op. Every argument that selects a kernel variant is a plain int, float or bool list: the host-side
-decisions are made from them, never from tensor values.
+other op. Every argument that selects a kernel variant is a plain int, float or bool list, the schema form of a
+`GnaSpec` (kernels/gna/spec.py, which converts both ways): the host-side decisions are made from them, never
+from tensor values.
 
 Gradients: `natsim::gna_forward` saves q, k, v, the output and the LSE, and its backward runs the Triton backward
 kernels (kernels/gna/backward.py) through `natsim::gna_backward`, an operator of its own with a fake
@@ -27,9 +28,10 @@ from ..common.backend import use_triton
 from ..common.fp8 import check_fp8_call, refuse_gradients, scales_from
 from ..common.operators import fake_lse, incoming_gradients, like, no_lse, recomputed_gradients
 from .backward import gna_backward as run_gna_backward
-from .checks import check_frames, check_kv_tiling, check_qkv, problem_of
-from .dispatch import forward
+from .checks import check_frames, check_qkv, problem_of
+from .dispatch import run_spec
 from .reference import reference_attention
+from .spec import GnaSpec
 
 FRAMES_GRADIENT_REFUSAL = (
     "gna_attention with frame_offsets (natsim.distributed's halo exchange) has no backward kernel yet, and q, k "
@@ -66,11 +68,9 @@ def gna_forward(
     `out_dtype` (kernels/common/fp8.py, `Fp8Scales`)."""
     precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale),
                                                   out_dtype)
-    out, lse = forward(q, k, v, tuple(window), tuple(stride), tuple(dilation), tuple(causal), scale,
-                       None if q_tile is None else tuple(q_tile), None if kv_tile is None else tuple(kv_tile),
-                       return_lse, kv_tiling, None if frame_offsets is None else tuple(frame_offsets), precision,
-                       scales, out_dtype)
-    # tuples: the schema hands over lists, which the call cache cannot hash
+    spec = GnaSpec.from_operator(window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
+                                 frame_offsets, precision, out_dtype)
+    out, lse = run_spec(q, k, v, spec, scales)
     return out, (no_lse(q) if lse is None else lse)
 
 
@@ -78,29 +78,29 @@ def gna_forward(
 def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
                       kv_tiling=None, frame_offsets=None, precision=None, q_scale=None, k_scale=None, v_scale=None,
                       out_dtype=None):
-    if frame_offsets is None:  # the same sentence errors as eager
-        problem_of(check_qkv(q, k, v), window, stride, dilation, causal)
+    precision, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
+    spec = GnaSpec.from_operator(window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
+                                 frame_offsets, precision, out_dtype)
+    if spec.frames is None:  # the same sentence errors as eager
+        spec.problem(check_qkv(q, k, v))
     else:
-        check_frames(q, k, v, window, stride, dilation, causal, list(frame_offsets))
-    check_kv_tiling(kv_tiling)
-    _, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
+        check_frames(q, k, v, spec.frames, *spec.parameters)
     return like(q, out_dtype), fake_lse(q, return_lse)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    # By position: q, k, v, window, stride, dilation, causal, scale lead the schema; later arguments (tiles,
-    # return_lse, kv_tiling) select kernel variants and take no gradient; then frame_offsets, and FP8's
-    # precision, scales and output dtype.
-    q, k, v, window, stride, dilation, causal, scale = inputs[:8]
-    frame_offsets = inputs[12] if len(inputs) > 12 else None
-    if frame_offsets is not None and use_triton(q):
+    # q, k, v, then the schema's spec arguments up to precision, then FP8's scales and output dtype; trailing
+    # arguments at their defaults may be left out of `inputs`.
+    q, k, v, *arguments = inputs
+    spec = GnaSpec.from_operator(*arguments[:11])
+    scale_tensors = arguments[11:14]
+    if spec.frames is not None and use_triton(q):
         raise RuntimeError(FRAMES_GRADIENT_REFUSAL)
-    if any(x is not None for x in inputs[13:17]):  # precision, q_scale, k_scale, v_scale
-        refuse_gradients("gna_attention", q, k, v, *inputs[14:17])
+    if spec.precision is not None or any(t is not None for t in scale_tensors):
+        refuse_gradients("gna_attention", q, k, v, *scale_tensors)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.arguments = (window, stride, dilation, causal, scale)
-    ctx.frame_offsets = frame_offsets
+    ctx.spec = spec
     ctx.num_inputs = len(inputs)
     ctx.set_materialize_grads(False)  # an unused LSE (the usual case) brings None, not a tensor of zeros
 
@@ -126,8 +126,7 @@ def gna_backward(
     its graph as one opaque call."""
     problem = problem_of(tuple(q.shape[1:-2]), tuple(window), tuple(stride), tuple(dilation), tuple(causal))
     if not lse.numel():
-        out, lse = forward(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal, scale,
-                           None, None, True)
+        out, lse = run_spec(q, k, v, GnaSpec.for_problem(problem, scale=scale, return_lse=True))
     return run_gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem, scale)
 
 
@@ -136,14 +135,14 @@ def _gna_backward_fake(q, k, v, out, lse, grad_out, grad_lse, window, stride, di
     return like(q), like(k), like(v)
 
 
-def _gradients(arguments: tuple, frame_offsets: Optional[Sequence[int]], q, k, v, out, lse,
-               grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor]):
-    """dq, dk, dv of a GNA forward of `arguments` (window, stride, dilation, causal, scale): through
-    `natsim::gna_backward` on the Triton path, the torch reference's recomputed under autograd on the CPU path."""
+def _gradients(spec: GnaSpec, q, k, v, out, lse, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor]):
+    """dq, dk, dv of a GNA forward of `spec`: through `natsim::gna_backward` on the Triton path, the torch
+    reference's recomputed under autograd on the CPU path."""
     if use_triton(q):
-        return gna_backward(q, k, v, out, lse, grad_out, grad_lse, *arguments)
+        return gna_backward(q, k, v, out, lse, grad_out, grad_lse, *spec.parameters, spec.scale)
     return recomputed_gradients(
-        lambda q, k, v: reference_attention(q, k, v, *arguments, return_lse=True, frame_offsets=frame_offsets),
+        lambda q, k, v: reference_attention(q, k, v, *spec.parameters, spec.scale, return_lse=True,
+                                            frame_offsets=spec.frames),
         q, k, v, grad_out, grad_lse,
     )
 
@@ -151,8 +150,7 @@ def _gradients(arguments: tuple, frame_offsets: Optional[Sequence[int]], q, k, v
 def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     """The gradients of q, k and v (none for the other arguments)."""
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _gradients(ctx.arguments, ctx.frame_offsets, q, k, v, out, lse,
-                            *incoming_gradients(out, grad_out, grad_lse))
+    dq, dk, dv = _gradients(ctx.spec, q, k, v, out, lse, *incoming_gradients(out, grad_out, grad_lse))
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
@@ -181,11 +179,14 @@ def _check_registered(resolver: int) -> None:
         raise ValueError(f"resolver must be an id from register_resolver, got resolver={resolver!r}.")
 
 
-def _resolved(resolver: int, q: torch.Tensor) -> Mapping[str, object]:
-    """The arguments that the registered `resolver` picks for q's layout."""
+def _resolved(resolver: int, q: torch.Tensor, scale: Optional[float], return_lse: bool) -> GnaSpec:
+    """The spec that the registered `resolver` picks for q's layout."""
     _check_registered(resolver)
-    return _resolvers[resolver](tuple(int(n) for n in q.shape[1:-2]), int(q.shape[-2]), int(q.shape[-1]), q.dtype,
-                                q.device)
+    a = _resolvers[resolver](tuple(int(n) for n in q.shape[1:-2]), int(q.shape[-2]), int(q.shape[-1]), q.dtype,
+                             q.device)
+    return GnaSpec.of(q.dim() - 3, a["window"], a["stride"], a["dilation"], a["causal"], scale=scale,
+                      q_tile=a["q_tile"], kv_tile=a["kv_tile"], kv_tiling=a["kv_tiling"],
+                      precision=a.get("precision"), return_lse=return_lse)
 
 
 @torch.library.custom_op("natsim::gna_resolved", mutates_args=())
@@ -194,9 +195,7 @@ def gna_resolved(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]` with the arguments the registered `resolver` picks for this
     layout: the output, and the LSE (empty unless `return_lse`)."""
-    a = _resolved(resolver, q)
-    out, lse = forward(q, k, v, a["window"], a["stride"], a["dilation"], a["causal"], scale, a["q_tile"],
-                       a["kv_tile"], return_lse, a["kv_tiling"], None, a.get("precision"))
+    out, lse = run_spec(q, k, v, _resolved(resolver, q, scale, return_lse))
     return out, (no_lse(q) if lse is None else lse)
 
 
@@ -221,9 +220,7 @@ def gna_resolved_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of `natsim::gna_resolved`: the arguments resolved again (the resolver caches them) and the
     backward of `natsim::gna_forward` with them, the Triton kernels or the reference's recomputed gradients."""
-    a = _resolved(resolver, q)
-    arguments = (a["window"], a["stride"], a["dilation"], a["causal"], scale)
-    return tuple(_gradients(arguments, None, q, k, v, out, lse, grad_out, grad_lse))
+    return tuple(_gradients(_resolved(resolver, q, scale, True), q, k, v, out, lse, grad_out, grad_lse))
 
 
 @gna_resolved_backward.register_fake
