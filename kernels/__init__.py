@@ -5,7 +5,8 @@ share, among it `natsim::attention_resolved` (kernels/common/resolved.py).
 
 The face that rooms above the kernels import: the entry points, the operators they run through at run time
 (`gna_resolved` with `register_resolver`, `attention_resolved` with `register_attention`), a call's spec
-(`GnaSpec`), launch options (`LaunchOptions`) and the sentences the operators refuse gradients with.
+(`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`) and the sentences the operators refuse gradients
+with.
 """
 
 from .common.fp8 import Fp8Scales
@@ -25,6 +26,7 @@ from .gna import (
 from .gna.ops import FRAMES_GRADIENT_REFUSAL, gna_resolved, register_resolver
 from .sparse import (
     SparseMask,
+    SparseSpec,
     SparseTileCounts,
     SparseWork,
     prepare_sparse,
@@ -38,6 +40,7 @@ __all__ = [
     "Fp8Scales",
     "LaunchOptions",
     "GnaSpec",
+    "SparseSpec",
     "gna_resolved",
     "register_resolver",
     "attention_resolved",

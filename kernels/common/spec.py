@@ -1,6 +1,6 @@
-"""What the families' call specs share (kernels/gna/spec.py): a spec is made once per distinct arguments. Eager
-calls repeat theirs, and checking them and building a frozen dataclass of a dozen fields costs microseconds, a
-fifth of an eager call's host time; a lookup costs a fraction of one.
+"""What the families' call specs share (kernels/gna/spec.py, kernels/sparse/spec.py): a spec is made once per
+distinct arguments. Eager calls repeat theirs, and checking them and building a frozen dataclass of a dozen fields
+costs microseconds, a fifth of an eager call's host time; a lookup costs a fraction of one.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 `natsim::sparse_forward` (under a boolean block mask) and `natsim::sparse_prepared` (on a prepared mask, a
 `SparseWork`, which crosses the schema as its tensors and sizes: kernels/sparse/work.py) are custom operators with
 fake implementations, so that torch.compile keeps a call in its graph as one opaque call and CUDA graphs capture
-the prepared one.
+the prepared one. Their arguments are the schema form of a `SparseSpec` (kernels/sparse/spec.py, which converts
+both ways).
 
 Gradients: each forward saves q, k, v, the output and the LSE, and its backward runs the Triton backward kernels
 (kernels/sparse/backward.py, on the unmerged block mask) through an operator of its own
@@ -23,9 +24,10 @@ from ..common.backend import use_triton
 from ..common.fp8 import check_fp8_call, refuse_gradients, scales_from
 from ..common.operators import fake_lse, incoming_gradients, like, no_lse, recomputed_gradients
 from .backward import sparse_backward as run_sparse_backward
-from .checks import check_mask_batch, check_pv_threshold, check_sparse_qkv
+from .checks import check_mask_batch, check_sparse_qkv
 from .dispatch import sparse_forward_impl, sparse_prepared_impl
 from .reference import sparse_reference
+from .spec import SparseSpec
 from .work import dense_mask, work_from
 
 PV_SKIP_GRADIENT_REFUSAL = (
@@ -65,8 +67,9 @@ def sparse_forward(
     lists) happens inside, so a compiled graph holds one opaque call."""
     precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale),
                                                   out_dtype)
-    out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, merge, scale, return_lse, schedule, programs,
-                                   pv_threshold, precision, scales, out_dtype)
+    spec = SparseSpec.from_operator(q_block, kv_block, merge, scale, return_lse, schedule, programs, pv_threshold,
+                                    precision, out_dtype)
+    out, lse = sparse_forward_impl(q, k, v, mask, spec, scales)
     return out, (no_lse(q) if not return_lse else lse)
 
 
@@ -75,24 +78,27 @@ def _sparse_forward_fake(q, k, v, mask, q_block, kv_block, merge, scale, return_
                          pv_threshold=None, precision=None, q_scale=None, k_scale=None, v_scale=None,
                          out_dtype=None):
     check_sparse_qkv(q, k, v)
-    check_pv_threshold(pv_threshold)
-    _, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
+    precision, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
+    SparseSpec.from_operator(q_block, kv_block, merge, scale, return_lse, schedule, programs, pv_threshold,
+                             precision, out_dtype)
     dense_mask(mask, q_block, kv_block, q.shape[1])  # the same sentence errors as eager
     check_mask_batch(mask.shape[0], mask.shape[1], q)
     return like(q, out_dtype), fake_lse(q, return_lse)
 
 
 def _sparse_setup_context(ctx, inputs, output) -> None:
-    # By position: q, k, v, mask, q_block, kv_block, merge, scale lead the schema; later arguments select
-    # kernel variants and take no gradient; FP8's precision, scales and output dtype come last.
-    q, k, v, mask, q_block, kv_block, merge, scale = inputs[:8]
-    if inputs[11] is not None:  # pv_threshold
+    # q, k, v and the mask, then the schema's spec arguments up to precision, then FP8's scales and output dtype;
+    # trailing arguments at their defaults may be left out of `inputs`.
+    q, k, v, mask, *arguments = inputs
+    spec = SparseSpec.from_operator(*arguments[:9])
+    scale_tensors = arguments[9:12]
+    if spec.pv_threshold is not None:
         raise RuntimeError(PV_SKIP_GRADIENT_REFUSAL)
-    if any(x is not None for x in inputs[12:16]):  # precision, q_scale, k_scale, v_scale
-        refuse_gradients("sparse_attention", q, k, v, *inputs[13:16])
+    if spec.precision is not None or any(t is not None for t in scale_tensors):
+        refuse_gradients("sparse_attention", q, k, v, *scale_tensors)
     out, lse = output
     ctx.save_for_backward(q, k, v, mask, out, lse)
-    ctx.arguments = (q_block, kv_block, scale)
+    ctx.spec = spec
     ctx.num_inputs = len(inputs)
     ctx.set_materialize_grads(False)
 
@@ -115,7 +121,8 @@ def sparse_backward(
     block mask: merging never changes an output row). An empty `lse` (a forward called without `return_lse`)
     runs the forward again for it."""
     if not lse.numel():
-        out, lse = sparse_forward_impl(q, k, v, mask, q_block, kv_block, None, scale, True, "grid", None)
+        spec = SparseSpec(q_block, kv_block, scale=scale, return_lse=True)
+        out, lse = sparse_forward_impl(q, k, v, mask, spec)
     return run_sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask, q_block, kv_block, scale)
 
 
@@ -128,13 +135,15 @@ def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     """The gradients of q, k and v (none for the other arguments): through `natsim::sparse_backward` on the
     Triton path, the torch reference's recomputed under autograd on the CPU path."""
     q, k, v, mask, out, lse = ctx.saved_tensors
-    q_block, kv_block, scale = ctx.arguments
+    spec = ctx.spec
     grad_out, grad_lse = incoming_gradients(out, grad_out, grad_lse)
     if use_triton(q):
-        dq, dk, dv = sparse_backward(q, k, v, mask, out, lse, grad_out, grad_lse, q_block, kv_block, scale)
+        dq, dk, dv = sparse_backward(q, k, v, mask, out, lse, grad_out, grad_lse, spec.q_block, spec.kv_block,
+                                     spec.scale)
     else:
         dq, dk, dv = recomputed_gradients(
-            lambda q, k, v: sparse_reference(q, k, v, mask, q_block, kv_block, scale, return_lse=True),
+            lambda q, k, v: sparse_reference(q, k, v, mask, spec.q_block, spec.kv_block, spec.scale,
+                                             return_lse=True),
             q, k, v, grad_out, grad_lse,
         )
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
@@ -170,9 +179,9 @@ def sparse_prepared(
     q, k, v in float8 e4m3 come with `q_scale`, `k_scale`, `v_scale` and `out_dtype` (kernels/common/fp8.py)."""
     precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale),
                                                   out_dtype)
-    work = work_from(work_tensors, work_sizes)
-    out, lse = sparse_prepared_impl(q, k, v, work, scale, return_lse, schedule, programs, pv_threshold, precision,
-                                    scales, out_dtype)
+    spec = SparseSpec.from_operator(None, None, None, scale, return_lse, schedule, programs, pv_threshold,
+                                    precision, out_dtype)
+    out, lse = sparse_prepared_impl(q, k, v, work_from(work_tensors, work_sizes), spec, scales)
     return out, (no_lse(q) if not return_lse else lse)
 
 
@@ -180,20 +189,25 @@ def sparse_prepared(
 def _sparse_prepared_fake(q, k, v, work_tensors, work_sizes, scale, return_lse, schedule, programs,
                           pv_threshold, precision=None, q_scale=None, k_scale=None, v_scale=None, out_dtype=None):
     check_sparse_qkv(q, k, v)
-    check_pv_threshold(pv_threshold)
-    _, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
+    precision, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
+    SparseSpec.from_operator(None, None, None, scale, return_lse, schedule, programs, pv_threshold, precision,
+                             out_dtype)
     return like(q, out_dtype), fake_lse(q, return_lse)
 
 
 def _sparse_prepared_setup_context(ctx, inputs, output) -> None:
-    q, k, v, tensors, sizes, scale, return_lse, schedule, programs, pv_threshold = inputs[:10]
-    if pv_threshold is not None:
+    # q, k, v, the work's tensors and sizes, then the schema's spec arguments up to precision, then FP8's scales
+    # and output dtype; trailing arguments at their defaults may be left out of `inputs`.
+    q, k, v, tensors, sizes, *arguments = inputs
+    spec = SparseSpec.from_operator(None, None, None, *arguments[:6])
+    scale_tensors = arguments[6:9]
+    if spec.pv_threshold is not None:
         raise RuntimeError(PV_SKIP_GRADIENT_REFUSAL)
-    if any(x is not None for x in inputs[10:14]):  # precision, q_scale, k_scale, v_scale
-        refuse_gradients("sparse_attention", q, k, v, *inputs[11:14])
+    if spec.precision is not None or any(t is not None for t in scale_tensors):
+        refuse_gradients("sparse_attention", q, k, v, *scale_tensors)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *tensors)
-    ctx.arguments = (list(sizes), scale)
+    ctx.arguments = (list(sizes), spec.scale)
     ctx.set_materialize_grads(False)
 
 
@@ -214,7 +228,7 @@ def sparse_prepared_backward(
     empty `lse` (a forward called without `return_lse`) runs the forward again for it."""
     work = work_from(work_tensors, work_sizes)
     if not lse.numel():
-        out, lse = sparse_prepared_impl(q, k, v, work, scale, True, "grid", None)
+        out, lse = sparse_prepared_impl(q, k, v, work, SparseSpec(scale=scale, return_lse=True))
     return run_sparse_backward(q, k, v, out, lse, grad_out, grad_lse, work.mask, work.q_block, work.kv_block, scale,
                                tiles=work.tiles, lists=(work.dkdv_lists, work.dq_lists))
 
