@@ -5,11 +5,15 @@ share, among it `natsim::attention_resolved` (kernels/common/resolved.py).
 
 The face that rooms above the kernels import: the entry points, the operators they run through at run time
 (`gna_resolved` with `register_resolver`, `attention_resolved` with `register_attention`), a call's spec
-(`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`) and the sentences the operators refuse gradients
-with.
+(`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`), the sentences the operators refuse gradients
+with, and what an entry point of their own (natsim.planner's AutoPlan, a model integration) checks at its
+boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`,
+`check_precision`, `refuse_gradients`).
 """
 
-from .common.fp8 import Fp8Scales
+from .common.backend import autocast_inputs, runs_eagerly
+from .common.checks import check_tensors
+from .common.fp8 import Fp8Scales, check_precision, refuse_gradients
 from .common.launch import LaunchOptions
 from .common.resolved import attention_resolved, register_attention
 from .gna import (
@@ -23,6 +27,7 @@ from .gna import (
     unpermute,
     unpermute_reference,
 )
+from .gna.checks import check_qkv
 from .gna.ops import FRAMES_GRADIENT_REFUSAL, gna_resolved, register_resolver
 from .sparse import (
     SparseMask,
@@ -47,6 +52,12 @@ __all__ = [
     "register_attention",
     "FRAMES_GRADIENT_REFUSAL",
     "PV_SKIP_GRADIENT_REFUSAL",
+    "check_tensors",
+    "check_qkv",
+    "autocast_inputs",
+    "runs_eagerly",
+    "check_precision",
+    "refuse_gradients",
     "gna_attention",
     "gna_attention_permuted",
     "gna_tile_counts",

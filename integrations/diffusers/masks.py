@@ -28,8 +28,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from natsim.kernels import register_attention
-from natsim.kernels.common.fp8 import check_precision
+from natsim.kernels import check_precision, register_attention
 from natsim.masks import MaskCache, hierarchical, hilbert_inverse, hilbert_order, to_order
 from natsim.planner import MaskPlan, best_mask
 

@@ -16,11 +16,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from natsim.kernels import gna_resolved, register_resolver
-from natsim.kernels.common.backend import autocast_inputs, runs_eagerly
-from natsim.kernels.common.checks import check_tensors
-from natsim.kernels.common.fp8 import refuse_gradients
-from natsim.kernels.gna.checks import check_qkv
+from natsim.kernels import (autocast_inputs, check_qkv, check_tensors, gna_resolved, refuse_gradients,
+                            register_resolver, runs_eagerly)
 from natsim.problem import BoolOrBools, IntOrInts
 
 from ..cost.gpus import names_a_gpu
