@@ -154,12 +154,13 @@ def gna_attention(
     precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales, out_dtype)
     if precision is not None:
         refuse_gradients("gna_attention", q, k, v, *scale_tensors(scales))
+    eager = runs_eagerly(q, k, v)  # no gradient to track there
     # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
-    tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    tracked = not eager and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     spec = GnaSpec.of(q.dim() - 3, window, stride, dilation, causal, scale=scale, q_tile=q_tile, kv_tile=kv_tile,
                       kv_tiling=kv_tiling, frame_offsets=frame_offsets, precision=precision, out_dtype=out_dtype,
                       return_lse=return_lse or tracked)
-    if runs_eagerly(q, k, v):
+    if eager:
         out, lse = run_spec(q, k, v, spec, scales)
     else:
         out, lse = gna_forward(q, k, v, *spec.operator_arguments(scales))
