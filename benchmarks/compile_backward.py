@@ -103,7 +103,7 @@ def write_report(out: Path, kind: str, arch: int, head_dim: int, rows: list[dict
 
 def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, pad: bool, arch: int,
                     head_dim: int = 128) -> dict:
-    options = {**launch_options(math.prod(q_tile), math.prod(kv_tile)), **options}
+    options = {**launch_options(math.prod(q_tile), math.prod(kv_tile)).triton_options(), **options}
     dq_stages = options.pop("DQ_STAGES", None)
     if fn is dq_kernel and dq_stages is not None:
         options["num_stages"] = dq_stages
@@ -155,7 +155,8 @@ def compile_sparse(arch: int, head_dim: int, seq_len: int = 32768) -> list[dict]
         tiles = BackwardTiles(*fields) if fields else backward_tiles(block, block, torch.device("cuda"))
         for use_tma in (True, False):
             launch = {**launch_options(max(tiles.dkdv_queries, tiles.dq_queries),
-                                       max(tiles.dkdv_keys, tiles.dq_keys)), "num_stages": STAGES, **options}
+                                       max(tiles.dkdv_keys, tiles.dq_keys)).triton_options(), "num_stages": STAGES,
+                      **options}
             constexprs = dict(QB=block, KVB=block, DKDV_M=tiles.dkdv_queries, DKDV_N=tiles.dkdv_keys,
                               DQ_M=tiles.dq_queries, DQ_N=tiles.dq_keys, HEAD_DIM=head_dim, USE_TMA=use_tma,
                               DKDV_PARTIAL=_may_hold_partial_pairs(tiles.dkdv_queries, tiles.dkdv_keys, block, block,

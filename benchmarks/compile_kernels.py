@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget
 from compile_backward import ptxas_report, write_report
 
 import natsim
+from natsim.kernels import GnaSpec
 from natsim.kernels.gna.launch import dense_as_1d, make_call
 from natsim.kernels.gna.tiles import choose_tiles
 
@@ -46,9 +47,10 @@ def launches(head_dim: int):
                 views = (tuple(torch.empty((1, *problem.shape, HEADS, head_dim), device="meta") for _ in range(3))
                          if layout else None)
                 for return_lse in (False, True):
-                    call = make_call(problem, problem.shape, q_tile, kv_tile, batch=1, heads=HEADS,
-                                     head_dim=head_dim, scale=head_dim**-0.5, layout_tensors=views,
-                                     return_lse=return_lse, kv_tiling=mode)
+                    spec = GnaSpec.for_problem(problem, scale=head_dim**-0.5, q_tile=q_tile, kv_tile=kv_tile,
+                                               kv_tiling=mode, return_lse=return_lse)
+                    call = make_call(problem, problem.shape, spec, batch=1, heads=HEADS, head_dim=head_dim,
+                                     layout_tensors=views)
                     yield case, "in-place" if layout else "permuted", mode, return_lse, call
 
 
@@ -58,7 +60,7 @@ def source(call) -> tuple:
     kernel = call.kernel
     fn = kernel.fn
     tensors = {"Q": torch.bfloat16, "K": torch.bfloat16, "V": torch.bfloat16, "O": torch.bfloat16,
-               "LSE": torch.float32 if call.return_lse else torch.bfloat16, "COUNTS": torch.bfloat16}
+               "LSE": torch.float32 if call.spec.return_lse else torch.bfloat16, "COUNTS": torch.bfloat16}
     signature, constants, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         value = kernel.arguments.get(name, param.default)
@@ -89,7 +91,7 @@ def ptx_instructions(ptx: str) -> int:
 def compile_call(call, arch: int) -> dict:
     signature, constants, attrs = source(call)
     options = dict(call.kernel.options)
-    row = {"kernel": call.kernel.fn.__name__, "q_tile": list(call.q_tile), "kv_tile": list(call.kv_tile),
+    row = {"kernel": call.kernel.fn.__name__, "q_tile": list(call.spec.q_tile), "kv_tile": list(call.spec.kv_tile),
            **{name: constants[name] for name in ("MASKED", "USE_TMA", "WARP_SPECIALIZE", "LAYOUT")
               if name in constants}, **options}
     try:

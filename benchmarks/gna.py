@@ -180,6 +180,8 @@ def tune(out_dir: Path) -> None:
     warp specialization on masked problems (Triton does not specialize a loop with the mask in it, and 4 warps
     alone spill), are skipped.
     """
+    from dataclasses import asdict, replace
+
     from natsim.kernels.common.launch import launch_config
     from natsim.kernels.gna.launch import needs_mask
 
@@ -192,11 +194,11 @@ def tune(out_dir: Path) -> None:
         default = launch_config(128, 128, HEAD_DIM, masked, True)
         reference = gna_attention_permuted(q, k, v, problem, tile, tile).float()
         for name, options in TUNE_VARIANTS:
-            effective = {**default, **options}
-            if (name != "default" and effective == default) or (masked and effective["WARP_SPECIALIZE"]):
+            effective = replace(default, **options)
+            if (name != "default" and effective == default) or (masked and effective.WARP_SPECIALIZE):
                 continue
             row = {"window": win, "stride": stride, "tile": tile, "masked": masked, "variant": name,
-                   "options": effective}
+                   "options": asdict(effective)}
             try:
                 run = lambda: gna_attention_permuted(q, k, v, problem, tile, tile, config=options)  # noqa: E731
                 row["rel_diff_vs_default"] = ((run().float() - reference).norm() / reference.norm()).item()

@@ -32,7 +32,7 @@ from timing import bench, rel
 
 import natsim
 from natsim.kernels import gna_attention, gna_attention_permuted, permute
-from natsim.kernels import ops
+from natsim.kernels.gna.ops import gna_forward
 from natsim.kernels.gna.tiles import default_tiles, tile_pairs
 from natsim.planner.cost import COEFFICIENTS_DIR, CostModel, features_of
 
@@ -167,7 +167,7 @@ def overhead_section(rows: list, calls: int = 200, rounds: int = 5) -> None:
         row = {"shape": shape, "heads": heads, "head_dim": head_dim, "window": window, "stride": stride}
         paths = {
             "eager": functools.partial(gna_attention, q, k, v, window, stride),
-            "operator": functools.partial(ops.gna_forward, q, k, v, list(window), list(stride), [1] * ndim,
+            "operator": functools.partial(gna_forward, q, k, v, list(window), list(stride), [1] * ndim,
                                           [False] * ndim, None, None, None, False),
         }
         torch.cuda.synchronize()

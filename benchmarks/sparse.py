@@ -343,6 +343,7 @@ def table(rows: list) -> None:
 def tune(out: Path, layouts: list, heads: int) -> None:
     """--tune: the unmasked loop warp-specialized (8 warps, 2 stages) against the default single-partition loop
     (8 warps, 3 stages), on 128x128 masks that load through descriptors, grid and lpt; outputs compared."""
+    from natsim.kernels import SparseSpec
     from natsim.kernels.sparse.forward import run_sparse
 
     rows = []
@@ -355,14 +356,15 @@ def tune(out: Path, layouts: list, heads: int) -> None:
             mask = (torch.rand(1, heads, blocks, blocks, generator=generator) < density).to(DEVICE)
             work = prepare_sparse(mask, 128, 128, n)
             for schedule in ("grid", "lpt"):
-                baseline = run_sparse(work, q, k, v, schedule=schedule)[0]
+                spec = SparseSpec(schedule=schedule)
+                baseline = run_sparse(work, q, k, v, spec)[0]
                 for specialize in (False, True):
                     row = {"layout": layout, "N": n, "heads": heads, "mask": name, "schedule": schedule,
                            "warp_specialized": specialize}
                     try:
-                        result = run_sparse(work, q, k, v, schedule=schedule, specialize=specialize)[0]
+                        result = run_sparse(work, q, k, v, spec, specialize=specialize)[0]
                         row["rel_diff_vs_default"] = rel(result, baseline)
-                        row["ms"] = bench(lambda: run_sparse(work, q, k, v, schedule=schedule, specialize=specialize))
+                        row["ms"] = bench(lambda: run_sparse(work, q, k, v, spec, specialize=specialize))
                     except Exception as error:  # a variant Triton cannot build is a finding, not a lost run
                         row["error"] = f"{type(error).__name__}: {error}"[:400]
                     print(json.dumps(row), flush=True)

@@ -1,10 +1,23 @@
 """natsim.kernels: what runs on the GPU. GNA (kernels/gna/) and attention under any block mask
-(kernels/sparse/), forward and backward, as PyTorch operators registered in one place (kernels/ops.py), each
-with a CPU path through its torch reference; kernels/common/ holds what the families share.
+(kernels/sparse/), forward and backward, as PyTorch operators that each family registers (kernels/gna/ops.py,
+kernels/sparse/ops.py), each with a CPU path through its torch reference; kernels/common/ holds what the families
+share, among it `natsim::attention_resolved` (kernels/common/resolved.py).
+
+The face that rooms above the kernels import: the entry points, the operators they run through at run time
+(`gna_resolved` with `register_resolver`, `attention_resolved` with `register_attention`), a call's spec
+(`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`), the sentences the operators refuse gradients
+with, and what an entry point of their own (natsim.planner's AutoPlan, a model integration) checks at its
+boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`,
+`check_precision`, `refuse_gradients`).
 """
 
-from .common.fp8 import Fp8Scales
+from .common.backend import autocast_inputs, runs_eagerly
+from .common.checks import check_tensors
+from .common.fp8 import Fp8Scales, check_precision, refuse_gradients
+from .common.launch import LaunchOptions
+from .common.resolved import attention_resolved, register_attention
 from .gna import (
+    GnaSpec,
     gna_attention,
     gna_attention_permuted,
     gna_tile_counts,
@@ -14,8 +27,11 @@ from .gna import (
     unpermute,
     unpermute_reference,
 )
+from .gna.checks import check_qkv
+from .gna.ops import FRAMES_GRADIENT_REFUSAL, gna_resolved, register_resolver
 from .sparse import (
     SparseMask,
+    SparseSpec,
     SparseTileCounts,
     SparseWork,
     prepare_sparse,
@@ -23,9 +39,25 @@ from .sparse import (
     sparse_reference,
     sparse_tile_counts,
 )
+from .sparse.ops import PV_SKIP_GRADIENT_REFUSAL
 
 __all__ = [
     "Fp8Scales",
+    "LaunchOptions",
+    "GnaSpec",
+    "SparseSpec",
+    "gna_resolved",
+    "register_resolver",
+    "attention_resolved",
+    "register_attention",
+    "FRAMES_GRADIENT_REFUSAL",
+    "PV_SKIP_GRADIENT_REFUSAL",
+    "check_tensors",
+    "check_qkv",
+    "autocast_inputs",
+    "runs_eagerly",
+    "check_precision",
+    "refuse_gradients",
     "gna_attention",
     "gna_attention_permuted",
     "gna_tile_counts",

@@ -28,17 +28,15 @@ RANKS = {
     "natsim.integrations": 4,
     "natsim.cli": 5,
 }
-# Modules that may call into a torch reference: the operators (their CPU path) and the dispatchers that pick
-# the kernel or the reference for one call. Kernel modules never do.
-REFERENCE_CALLERS = ("natsim.kernels.ops", "natsim.kernels.gna.dispatch", "natsim.kernels.sparse.dispatch")
+# Modules that may call into a torch reference: each family's operators (their CPU path) and the dispatchers that
+# pick the kernel or the reference for one call. Kernel modules never do.
+REFERENCE_CALLERS = ("natsim.kernels.gna.ops", "natsim.kernels.sparse.ops", "natsim.kernels.gna.dispatch",
+                     "natsim.kernels.sparse.dispatch")
 # What the rooms above the kernels may import of them: the package face (natsim.kernels, its __init__) and the
 # backends' seam (natsim.kernels.backends and its modules: capability tables, the Triton kernels' public face), so
 # that a new backend plugs in without the rooms above importing its internals.
 KERNEL_FACE = "natsim.kernels"
 KERNEL_SEAM = "natsim.kernels.backends"
-# Left out of that rule for now: these call the registered operators (natsim.kernels.ops) and the kernels' call
-# checks directly, and the modules those live in are being split; they join the rule once the split has landed.
-KERNEL_FACE_EXEMPT = ("natsim.planner.search.auto", "natsim.integrations")
 
 
 def _package_dirs() -> dict[str, Path]:
@@ -138,11 +136,11 @@ def _within(module: str, packages: tuple[str, ...]) -> bool:
 
 
 def _kernel_internals(graph: dict[str, set[str]]) -> list[str]:
-    """The imports of kernel modules past the kernels' face by modules of the rooms above (exemptions aside)."""
+    """The imports of kernel modules past the kernels' face by modules of the rooms above."""
     return sorted(
         f"{name} -> {target}"
         for name, targets in graph.items()
-        if RANKS[_room(name)] > RANKS["natsim.kernels"] and not _within(name, KERNEL_FACE_EXEMPT)
+        if RANKS[_room(name)] > RANKS["natsim.kernels"]
         for target in targets
         if _room(target) == "natsim.kernels" and target != KERNEL_FACE and not _within(target, (KERNEL_SEAM,))
     )
@@ -151,15 +149,16 @@ def _kernel_internals(graph: dict[str, set[str]]) -> list[str]:
 def test_the_checker_finds_a_circle_and_resolves_relative_imports():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
-    modules = {"natsim.kernels": Path("x/__init__.py"), "natsim.kernels.ops": Path("x/ops.py"),
+    modules = {"natsim.kernels": Path("x/__init__.py"), "natsim.kernels.common": Path("x/common/__init__.py"),
+               "natsim.kernels.common.operators": Path("x/common/operators.py"),
                "natsim.kernels.gna": Path("x/gna/__init__.py"), "natsim.kernels.gna.api": Path("x/gna/api.py")}
-    source = "from .. import ops\nfrom . import api\nfrom natsim.kernels import gna\n"
+    source = "from ..common import operators\nfrom . import api\nfrom natsim.kernels import gna\n"
     path = ROOT / "build" / "architecture-probe.py"
     path.parent.mkdir(exist_ok=True)
     try:
         path.write_text(source)
         assert _imports("natsim.kernels.gna.probe", path, modules) == {
-            "natsim.kernels.ops", "natsim.kernels.gna.api", "natsim.kernels.gna"}
+            "natsim.kernels.common.operators", "natsim.kernels.gna.api", "natsim.kernels.gna"}
     finally:
         path.unlink()
 
@@ -184,15 +183,15 @@ def test_rooms_import_only_rooms_below_them():
     assert upward == []
 
 
-def test_the_face_rule_finds_kernel_internals_and_keeps_its_exemptions():
+def test_the_face_rule_finds_kernel_internals():
     graph = {
         "natsim.planner.catalog": {"natsim.kernels", "natsim.kernels.backends.triton", "natsim.kernels.gna.tiles"},
         "natsim.masks.gna": {"natsim.kernels.backends", "natsim.kernels.sparse.mask"},
-        "natsim.planner.search.auto": {"natsim.kernels.ops"},
         "natsim.integrations.diffusers.masks": {"natsim.kernels.common.fp8"},
-        "natsim.kernels.ops": {"natsim.kernels.gna.dispatch"},
+        "natsim.kernels.gna.ops": {"natsim.kernels.gna.dispatch"},
     }
-    assert _kernel_internals(graph) == ["natsim.masks.gna -> natsim.kernels.sparse.mask",
+    assert _kernel_internals(graph) == ["natsim.integrations.diffusers.masks -> natsim.kernels.common.fp8",
+                                        "natsim.masks.gna -> natsim.kernels.sparse.mask",
                                         "natsim.planner.catalog -> natsim.kernels.gna.tiles"]
 
 

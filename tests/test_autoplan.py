@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from natsim.kernels import ops, reference_attention
+from natsim.kernels import gna_resolved, reference_attention
 from natsim.planner import AutoPlan, best
 
 
@@ -68,4 +68,4 @@ def test_gradients_flow_through_the_resolved_operator(compiled):
 def test_an_unknown_resolver_is_a_sentence():
     q = torch.randn(1, 4, 4, 4, 2, 32).half()
     with pytest.raises(ValueError, match="resolver must be an id from register_resolver"):
-        ops.gna_resolved(q, q, q, 10**6, None, False)
+        gna_resolved(q, q, q, 10**6, None, False)

@@ -169,7 +169,8 @@ def test_natsim_chooses_static_on_the_gathered_path(monkeypatch):
     monkeypatch.setattr(dispatch, "_calls", {})
     make_call = dispatch.make_call
     monkeypatch.setattr(dispatch, "make_call",
-                        lambda *a, **kw: chosen.append(kw["kv_tiling"]) or make_call(*a, **kw))
+                        lambda problem, shape, spec, **kw: chosen.append(spec.kv_tiling)
+                        or make_call(problem, shape, spec, **kw))
     q, k, v = (torch.randn(1, 12, 10, 1, 32, device=DEVICE).half() for _ in range(3))
     gna_attention(q, k, v, (3, 4), dilation=(2, 1), q_tile=(4, 4))
     gna_attention(q, k, v, (3, 4), q_tile=(4, 4), kv_tiling="dynamic")

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from natsim.kernels import ops
+from natsim.kernels import attention_resolved
 from natsim.planner import AutoPlan
 
 from .dense import attention_with_lse
@@ -78,7 +78,7 @@ class Router:
         """The video tokens' own attention of `[B, N_video, heads, head_dim]` tokens: GNA over the layout (or the
         content-adaptive mask): the output (and LSE) per token."""
         if self.masked is not None:
-            out, lse = ops.attention_resolved(q, k, v, self.masked.id, scale, return_lse)
+            out, lse = attention_resolved(q, k, v, self.masked.id, scale, return_lse)
             return (out, lse) if return_lse else out
         batch, tokens, heads, head_dim = q.shape
         dtype = self._kernel_dtype(q)

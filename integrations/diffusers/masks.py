@@ -28,8 +28,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from natsim.kernels import ops
-from natsim.kernels.common.fp8 import check_precision
+from natsim.kernels import check_precision, register_attention
 from natsim.masks import MaskCache, hierarchical, hilbert_inverse, hilbert_order, to_order
 from natsim.planner import MaskPlan, best_mask
 
@@ -99,7 +98,7 @@ class MaskedAttention:
         self._layer = 0
         self._running: dict[int, tuple[torch.Tensor, MaskPlan]] = {}  # layer -> (its mask, its pooled plan)
         self._orders: dict = {}
-        self.id = ops.register_attention(self)
+        self.id = register_attention(self)
 
     # -- told by the forward pre-hook ------------------------------------------------------------------------
 

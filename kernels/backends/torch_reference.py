@@ -1,5 +1,6 @@
 """The torch references as a backend: what kernels/gna/reference.py and kernels/sparse/reference.py run as the CPU
-path of every call (the dispatchers and kernels/ops.py send CPU tensors there when Triton's interpreter is off).
+path of every call (the dispatchers and the families' operators, kernels/gna/ops.py and kernels/sparse/ops.py,
+send CPU tensors there when Triton's interpreter is off).
 
 The references are exact attention in float32 (float64 for float64 inputs) under the element mask: they take
 any floating dtype and any head dim, a backward pass (autograd through torch ops), FP8 calls (FP8's

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import LaunchOptions
+
 DELTA_ROWS = 64
 
 
@@ -78,10 +80,10 @@ def softmax_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[
     return delta
 
 
-def launch_options(block_m: int, block_n: int) -> dict:
+def launch_options(block_m: int, block_n: int) -> LaunchOptions:
     """8 warps for tiles of 128 rows on either side, else 4; three pipeline stages (H100, bf16, head_dim 128: the
     GNA backward 3-21% faster than with two, benchmarks/results/backward-tma-*.json; the sparse backward sets its
     own, kernels/sparse/backward.py's STAGES). Every head_dim counts: at 4 warps the dK/dV kernel's two `[128 keys,
     head_dim]` fp32 accumulators and its `[128, 64]` score tiles spill 368 to 1940 bytes at head_dim 32, 64 and
     128 alike, at 8 warps 104-328 (sm_90, Triton 3.6; benchmarks/compile_backward.py --head-dim)."""
-    return dict(num_warps=8 if max(block_m, block_n) >= 128 else 4, num_stages=3)
+    return LaunchOptions(num_warps=8 if max(block_m, block_n) >= 128 else 4, num_stages=3)

@@ -365,7 +365,8 @@ def lse_with_mean(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, scal
 
 
 def fp8_launch_config(block_m: int, block_n: int) -> dict:
-    """Warps and stages of the FP8 kernels (H100, Triton 3.6, benchmarks/results/fp8-tune-*.json): no warp
+    """Warps and stages of the FP8 kernels, as overrides of the launch options' fields (kernels/common/launch.py,
+    `LaunchOptions`) (H100, Triton 3.6, benchmarks/results/fp8-tune-*.json): no warp
     specialization (Triton 3.6 fails to build it for some FP8 tiles and it bought nothing where it built);
     8 warps and 4 stages for 128x128 tiles (4 warps ran them at half speed), else 4 warps and 3 stages."""
     if block_m * block_n >= 128 * 128:

@@ -1,10 +1,13 @@
-"""Launching the Triton kernels: launch options that fit in shared memory, whether a device and a tensor can
-use tensor descriptors (Hopper's bulk tensor copies), and the scratch allocator that in-kernel descriptors need.
+"""Launching the Triton kernels: launch options (`LaunchOptions`) that fit in shared memory and a caller's checked
+overrides of them, whether a device and a tensor can use tensor descriptors (Hopper's bulk tensor copies), and the
+scratch allocator that in-kernel descriptors need.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, fields, replace
+from typing import Mapping, Optional
 
 import torch
 import triton
@@ -19,9 +22,54 @@ except ImportError:  # pragma: no cover - layout of triton's internals changed
 SHARED_MEMORY_BUDGET = 227 * 1024  # bytes: what one H100 thread block may use
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a Triton kernel launches: Triton's own `num_warps` and `num_stages`, and the launch switches that the
+    kernels take as constexprs of the same names. `MASKED` compiles the masked loop (tiles that can hold
+    partial pairs need it), `USE_TMA` loads through tensor descriptors, `WARP_SPECIALIZE` warp-specializes the
+    unmasked loop (Hopper), `HEAD_MAJOR` lays the GNA forward's grid over (batch * heads, Q tiles). A kernel
+    reads the switches it has; `dataclasses.replace` (or `overridden`) makes a variant."""
+
+    num_warps: int
+    num_stages: int
+    MASKED: bool = True
+    USE_TMA: bool = False
+    WARP_SPECIALIZE: bool = False
+    HEAD_MAJOR: bool = False
+
+    def overridden(self, overrides: Overrides) -> LaunchOptions:
+        """These options with a caller's checked overrides (`launch_overrides`) in place."""
+        return replace(self, **dict(overrides)) if overrides else self
+
+    def triton_options(self) -> dict[str, int]:
+        """What Triton's launcher takes beside the kernel's arguments."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+# A caller's overrides of launch options, names checked: sorted (name, value) pairs, hashable for call caches.
+Overrides = tuple[tuple[str, object], ...]
+LAUNCH_OPTION_NAMES = tuple(field.name for field in fields(LaunchOptions))
+
+
+def launch_overrides(overrides: Optional[Mapping[str, object]], argument: str,
+                     known: tuple[str, ...] = LAUNCH_OPTION_NAMES) -> Overrides:
+    """A caller's overrides of launch options (tuning, benchmarks), checked once at the public boundary: each
+    name must be among `known`, the options the launch reads; `argument` names the overrides in the sentence
+    that refuses another."""
+    if overrides is None:
+        return ()
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"{argument} must be a dict of launch options, got {type(overrides).__name__}.")
+    for name in overrides:
+        if name not in known:
+            raise ValueError(f"{argument} names an unknown launch option, {name!r}: the known options are "
+                             f"{', '.join(known)}.")
+    return tuple(sorted(overrides.items()))
+
+
 def launch_config(
     block_m: int, block_n: int, head_dim: int, masked: bool = True, tma: bool = False, specialize: bool = True
-) -> dict:
+) -> LaunchOptions:
     """Launch options for a tile of `block_m` queries, `block_n` keys and `head_dim` (see kernels/gna/forward.py).
 
     A 128x128 tile without masks, with tensor descriptors, runs warp-specialized: `num_warps=4` asks for one
@@ -37,9 +85,10 @@ def launch_config(
     q_bytes, kv_bytes = 2 * block_m * head_dim, 2 * 2 * block_n * head_dim
     large = block_m * head_dim >= 128 * 128
     if specialize and tma and not masked and large and block_m == 128 and block_n == 128:
-        return dict(num_warps=4, num_stages=2, MASKED=False, USE_TMA=True, WARP_SPECIALIZE=True)
+        return LaunchOptions(num_warps=4, num_stages=2, MASKED=False, USE_TMA=True, WARP_SPECIALIZE=True)
     stages = 3 if q_bytes + 3 * kv_bytes <= SHARED_MEMORY_BUDGET else 2
-    return dict(num_warps=8 if large else 4, num_stages=stages, MASKED=masked, USE_TMA=tma, WARP_SPECIALIZE=False)
+    return LaunchOptions(num_warps=8 if large else 4, num_stages=stages, MASKED=masked, USE_TMA=tma,
+                         WARP_SPECIALIZE=False)
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,13 +1,16 @@
 """natsim.kernels.gna: Generalized Neighborhood Attention on the GPU, forward (static and dynamic KV tiling,
 frame ranges) and backward, with the token permutation, tile choice and launch that feed the kernels, the
-public entry points, and the torch reference they are checked against.
+public entry points, a call's spec, the registered operators, and the torch reference they are checked against.
 """
 
 from .api import gna_attention, gna_attention_permuted, gna_tile_counts
 from .permute import permute, permute_reference, unpermute, unpermute_reference
 from .reference import reference_attention
+from .spec import FrameRange, GnaSpec
 
 __all__ = [
+    "FrameRange",
+    "GnaSpec",
     "gna_attention",
     "gna_attention_permuted",
     "gna_tile_counts",

@@ -1,9 +1,10 @@
 """Public entry points of GNA attention.
 
-- `gna_attention(q, k, v, window, ...)`: `[B, *shape, heads, head_dim]` in and out. Runs the registered
-  operator `natsim::gna_forward` (kernels/ops.py) under torch.compile, autograd or a dispatch mode, and in
-  plain eager calls goes straight to the same cached implementation (kernels/gna/dispatch.py), which skips the
-  dispatcher's per-call cost. Both do exactly the same work.
+- `gna_attention(q, k, v, window, ...)`: `[B, *shape, heads, head_dim]` in and out. Its arguments become one
+  `GnaSpec` (kernels/gna/spec.py). Runs the registered operator `natsim::gna_forward` (kernels/gna/ops.py)
+  under torch.compile, autograd or a dispatch mode, and in plain eager calls goes straight to the same cached
+  implementation (kernels/gna/dispatch.py), which skips the dispatcher's per-call cost. Both do exactly the
+  same work.
 - `gna_attention_permuted(q, k, v, problem, q_tile, kv_tile, ...)`: tensors already permuted
   (kernels/gna/permute.py), q with `q_tile`, k and v with `kv_tile`; output in q's permuted order.
 - `gna_tile_counts(...)`: runs the kernel with its debug counters on and returns, per Q tile, the KV tiles
@@ -15,7 +16,7 @@ On CPU tensors (without TRITON_INTERPRET=1) `gna_attention` runs `reference_atte
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -24,23 +25,17 @@ from natsim import Problem
 from natsim.partition import key_frames
 from natsim.problem import BoolOrBools, IntOrInts
 
-from .. import ops
 from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
 from ..common.checks import check_matching, check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
+from ..common.launch import Overrides, launch_overrides
 from .checks import check_kernel_inputs, kernel_tiles
-from .dispatch import forward
-from .launch import frames_as_3d, make_call
+from .dispatch import run_spec
+from .launch import GnaCall, frames_as_3d, make_call
 from .layout import TileLayout
+from .ops import gna_forward
+from .spec import GnaSpec
 from .tiles import default_tiles
-
-
-def _per_dim(value, ndim: int) -> list:
-    """An int, bool or sequence as one value per dimension (a list, as operator schemas take them);
-    anything else is passed on for the operator's checks to reject with a sentence."""
-    if isinstance(value, (int, bool)):
-        return [value] * ndim
-    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def gna_attention_permuted(
@@ -52,13 +47,14 @@ def gna_attention_permuted(
     kv_tile: Optional[IntOrInts] = None,
     scale: Optional[float] = None,
     return_lse: bool = False,
-    config: Union[tuple[int, int], dict, None] = None,
+    config: Union[tuple[int, int], Mapping[str, object], None] = None,
 ):
     """GNA on permuted `[B, tokens, heads, head_dim]` tensors; output (and `[B, tokens, heads]` LSE) permuted.
 
     `config=(num_warps, num_stages)` overrides the launch configuration (for tuning; no warp specialization);
-    a dict overrides any of `launch_config`'s options (`num_warps`, `num_stages`, `USE_TMA`, `WARP_SPECIALIZE`,
-    `MASKED`, which may only be forced on) and `HEAD_MAJOR` (grid over (batch * heads, Q tiles)).
+    a dict overrides any of the launch options (kernels/common/launch.py, `LaunchOptions`: `num_warps`,
+    `num_stages`, `USE_TMA`, `WARP_SPECIALIZE`, `MASKED`, which may only be forced on, and `HEAD_MAJOR`, a grid
+    over (batch * heads, Q tiles)); another name is refused with a sentence.
     """
     if not isinstance(problem, Problem):
         raise TypeError(f"problem must be a natsim.Problem, got {type(problem).__name__}.")
@@ -76,26 +72,28 @@ def gna_attention_permuted(
     q_dims, kv_dims = kernel_tiles(problem, q_tile, kv_tile)
     if isinstance(config, tuple):
         config = dict(num_warps=config[0], num_stages=config[1], WARP_SPECIALIZE=False)
-    call = _permuted_call(problem, q_dims, kv_dims, q.shape[0], q.shape[2], q.shape[3],
-                          q.shape[-1] ** -0.5 if scale is None else float(scale), return_lse,
-                          tuple(sorted((config or {}).items())))  # tensors checked for alignment per launch
+    spec = GnaSpec.for_problem(problem, scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+                               q_tile=q_dims, kv_tile=kv_dims, kv_tiling="static", return_lse=bool(return_lse))
+    call = _permuted_call(problem, spec, q.shape[0], q.shape[2], q.shape[3],
+                          launch_overrides(config, "config"))  # tensors checked for alignment per launch
     _check_permuted(call, q, k, v)
     out, lse, _ = call.run_permuted(*(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)))
     return (out, lse) if return_lse else out
 
 
 @functools.lru_cache(maxsize=256)
-def _permuted_call(problem, q_tile, kv_tile, batch, heads, head_dim, scale, return_lse, options, debug=False,
-                   kv_tiling="static", frames=None):
-    return make_call(problem, problem.shape, q_tile, kv_tile, batch=batch, heads=heads, head_dim=head_dim,
-                     scale=scale, layout_tensors=None, return_lse=return_lse, debug=debug, options=dict(options),
-                     check_alignment=True, kv_tiling=kv_tiling, frames=frames)
+def _permuted_call(problem: Problem, spec: GnaSpec, batch: int, heads: int, head_dim: int,
+                   overrides: Overrides = (), debug: bool = False,
+                   frames: Optional[tuple[int, int, int, int]] = None) -> GnaCall:
+    """The call that runs `spec` on permuted tensors of `problem` (kept per distinct arguments)."""
+    return make_call(problem, problem.shape, spec, batch=batch, heads=heads, head_dim=head_dim, layout_tensors=None,
+                     frames=frames, overrides=overrides, debug=debug, check_alignment=True)
 
 
-def _check_permuted(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_permuted(call: GnaCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     problem = call.problem
-    q_layout = TileLayout(problem.shape, call.q_tile, problem.dilation)
-    kv_layout = TileLayout(problem.shape, call.kv_tile, problem.dilation)
+    q_layout = TileLayout(problem.shape, call.spec.q_tile, problem.dilation)
+    kv_layout = TileLayout(problem.shape, call.spec.kv_tile, problem.dilation)
     batch, heads, head_dim = q.shape[0], q.shape[2], q.shape[3]
     for name, t, layout in (("q", q, q_layout), ("k", k, kv_layout), ("v", v, kv_layout)):
         if t.dim() != 4 or t.shape[0] != batch or t.shape[1] != layout.num_tokens or t.shape[2:] != q.shape[2:]:
@@ -156,22 +154,16 @@ def gna_attention(
     precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales, out_dtype)
     if precision is not None:
         refuse_gradients("gna_attention", q, k, v, *scale_tensors(scales))
-    if runs_eagerly(q, k, v):
-        out, lse = forward(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
-                           kv_tiling, None if frame_offsets is None else tuple(frame_offsets), precision, scales,
-                           out_dtype)
+    eager = runs_eagerly(q, k, v)  # no gradient to track there
+    # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
+    tracked = not eager and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    spec = GnaSpec.of(q.dim() - 3, window, stride, dilation, causal, scale=scale, q_tile=q_tile, kv_tile=kv_tile,
+                      kv_tiling=kv_tiling, frame_offsets=frame_offsets, precision=precision, out_dtype=out_dtype,
+                      return_lse=return_lse or tracked)
+    if eager:
+        out, lse = run_spec(q, k, v, spec, scales)
     else:
-        ndim = q.dim() - 3
-        # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
-        tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        needs_lse = return_lse or tracked
-        out, lse = ops.gna_forward(
-            q, k, v, _per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim),
-            _per_dim(causal, ndim), None if scale is None else float(scale),
-            None if q_tile is None else _per_dim(q_tile, ndim), None if kv_tile is None else _per_dim(kv_tile, ndim),
-            needs_lse, kv_tiling, None if frame_offsets is None else list(frame_offsets), precision,
-            *scale_tensors(scales), out_dtype,
-        )
+        out, lse = gna_forward(q, k, v, *spec.operator_arguments(scales))
     return (out, lse) if return_lse else out
 
 
@@ -226,8 +218,8 @@ def gna_tile_counts(
     k = torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype)
     v = torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype)
     check_kernel_inputs(q)
-    call = _permuted_call(problem, q_dims, kv_dims, 1, 1, head_dim, head_dim**-0.5, False, (), debug=True,
-                          kv_tiling=kv_tiling, frames=frames)
+    spec = GnaSpec.for_problem(problem, scale=head_dim**-0.5, q_tile=q_dims, kv_tile=kv_dims, kv_tiling=kv_tiling)
+    call = _permuted_call(problem, spec, 1, 1, head_dim, debug=True, frames=frames)
     _, _, counts = call.run_permuted(q, k, v)
     counts = counts.cpu().numpy().astype(np.int64)
     return counts[:, 0], counts[:, 1]

@@ -532,7 +532,7 @@ def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scal
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     batch, tokens, heads, head_dim = q.shape
     masked = needs_mask(problem, q_tile, kv_tile)
-    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens), **options,
+    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens).triton_options(), **options,
                "USE_TMA": uses_descriptors(tma, masked)}
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     shape = (batch, heads, tokens, head_dim) if atomic == 2 else q.shape  # head-major for bulk reduces
@@ -555,7 +555,7 @@ def _dq(q, grad_out, k, v, lse, delta, problem: Problem, q_tile, kv_tile, scale:
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     batch, tokens, heads, head_dim = q.shape
     masked = needs_mask(problem, q_tile, kv_tile)
-    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens), **options,
+    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens).triton_options(), **options,
                "USE_TMA": uses_descriptors(tma, masked)}
     dq = torch.empty_like(q)
     dq_kernel[(q_layout.num_tiles, batch * heads)](

@@ -8,7 +8,7 @@ ranges (`frame_offsets`, natsim.distributed's halo exchange).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -99,17 +99,24 @@ def kernel_tiles(
     return q_dims, kv_dims
 
 
-def check_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntOrInts, stride: IntOrInts,
-                 dilation: IntOrInts, causal: BoolOrBools,
-                 frame_offsets: Sequence[int]) -> tuple[Problem, tuple[int, int, int, int]]:
-    """Check a frame-range call: q holds frames `[q0, q0 + Tq)` of dimension 0 of a layout of `L0` frames and
-    k, v frames `[k0, k0 + Tk)`, which must hold every frame the queries' windows reach
-    (`frame_offsets=(q0, k0, L0)`). Returns the global problem and `(q0, q1, k0, k1)`."""
+def check_frame_offsets(frame_offsets: object) -> tuple[int, int, int]:
+    """`frame_offsets=(q0, k0, L0)`: three non-negative ints (query offset, key offset, frames of dimension 0)."""
     if not isinstance(frame_offsets, (tuple, list)) or len(frame_offsets) != 3 or not all(
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in frame_offsets):
         raise ValueError("frame_offsets must be three non-negative ints (query offset, key offset, frames of "
                          f"dimension 0), got frame_offsets={frame_offsets!r}.")
     q0, k0, frames = (int(x) for x in frame_offsets)
+    return q0, k0, frames
+
+
+def check_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_offsets: tuple[int, int, int],
+                 window: IntOrInts, stride: IntOrInts, dilation: IntOrInts,
+                 causal: BoolOrBools) -> tuple[Problem, tuple[int, int, int, int]]:
+    """Check a frame-range call against its tensors: q holds frames `[q0, q0 + Tq)` of dimension 0 of a layout of
+    `L0` frames and k, v frames `[k0, k0 + Tk)`, which must hold every frame the queries' windows reach
+    (`frame_offsets=(q0, k0, L0)`, already checked by `check_frame_offsets`). Returns the global problem and
+    `(q0, q1, k0, k1)`."""
+    q0, k0, frames = frame_offsets
     if k.shape != v.shape or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:]:
         raise ValueError("k and v must have the same shape, and q's but along dimension 0 of the layout, got "
                          f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}.")
@@ -118,7 +125,7 @@ def check_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntO
     q1, k1 = q0 + q.shape[1], k0 + k.shape[1]
     if q.shape[1] < 1 or k.shape[1] < 1 or q1 > frames or k1 > frames:
         raise ValueError(f"q's frames [{q0}, {q1}) and k's frames [{k0}, {k1}) must be non-empty and lie within "
-                         f"the {frames} frames of dimension 0, got frame_offsets={tuple(frame_offsets)}.")
+                         f"the {frames} frames of dimension 0, got frame_offsets={(q0, k0, frames)}.")
     problem = problem_of((frames, *q.shape[2:-2]), window, stride, dilation, causal)
     need = key_frames(problem, q0, q1)
     if need[0] < k0 or need[1] > k1:

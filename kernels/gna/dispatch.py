@@ -1,130 +1,133 @@
-"""One GNA forward call, from arguments to output: the Triton kernel on CUDA tensors (or in the interpreter),
+"""One GNA forward call, from its spec to output: the Triton kernel on CUDA tensors (or in the interpreter),
 the torch reference on CPU tensors.
 
-`forward` keys every call on its plain-Python arguments and tensor metadata; the first call with a key validates
-everything and works the call out (`_prepare`, a `GnaCall` of kernels/gna/launch.py), later ones look it up, so
-that a repeated call only checks its tensors, allocates its output and launches.
+`run_spec` keys every call on its `GnaSpec` (kernels/gna/spec.py) and tensor metadata; the first call with a key
+validates what needs the tensors and works the call out (`_prepare`, a `GnaCall` of kernels/gna/launch.py), later
+ones look it up, so that a repeated call only checks its tensors, allocates its output and launches. `forward`
+takes the same call as plain arguments, for callers that want the dispatcher's output without the public entry
+point's autograd and operator (calibration, benchmarks).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
 
 from natsim import Problem
+from natsim.problem import BoolOrBools, IntOrInts
 
 from ..common.backend import interpreting
-from ..common.fp8 import check_fp8_device, check_fp8_tiles, check_precision, fp8_q_tile
-from .checks import check_frames, check_kernel_inputs, check_kv_tiling, check_qkv, kernel_tiles, problem_of
+from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_q_tile
+from .checks import check_frames, check_kernel_inputs, check_qkv, kernel_tiles
 from .launch import KERNELS, dense_as_1d, frames_as_3d, make_call, takes_layout_path
 from .reference import fp8_reference_attention, reference_attention
+from .spec import GnaSpec
 from .tiles import choose_tiles, default_tiles
 
-MAX_CALLS = 1024  # distinct argument sets kept (a model has a handful of attention shapes)
+MAX_CALLS = 1024  # distinct calls kept (a model has a handful of attention shapes)
 _calls: dict = {}
 _warned_cpu = False
 
+Output = tuple[torch.Tensor, Optional[torch.Tensor]]
+Runner = Callable[..., Output]
 
-def forward(q, k, v, window, stride=1, dilation=1, causal=False, scale=None, q_tile=None, kv_tile=None,
-            return_lse=False, kv_tiling=None, frame_offsets=None, precision=None, scales=None, out_dtype=None):
-    """GNA forward of `[B, *shape, heads, head_dim]` tensors: `(out, lse)`, `lse` None unless asked.
 
-    `kv_tiling` "static" or "dynamic" picks the kernel; None lets natsim choose by predicted work
-    (kernels/gna/tiles.py, `choose_tiles`). The first call with given tensor metadata and arguments validates
-    everything and works the call out (`_prepare`); later ones look it up. Tensor metadata (shapes, dtypes,
-    devices, strides, 16-byte alignment; for CPU tensors whether the interpreter is on) is part of the key, so
-    a call with other tensors is checked afresh. Lists among the arguments are keyed as tuples. `precision`
-    "fp8" quantizes inside the call (kernels/common/fp8.py; static KV tiling, no frame ranges), or with float8
-    inputs takes them as given, with their full-size `scales` (`check_fp8_call`, which the public boundary ran)
-    and the output in `out_dtype`.
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntOrInts, stride: IntOrInts = 1,
+            dilation: IntOrInts = 1, causal: BoolOrBools = False, scale: Optional[float] = None,
+            q_tile: Optional[IntOrInts] = None, kv_tile: Optional[IntOrInts] = None, return_lse: bool = False,
+            kv_tiling: Optional[str] = None, frame_offsets: Optional[tuple[int, int, int]] = None,
+            precision: Optional[str] = None, scales: Optional[Fp8Scales] = None,
+            out_dtype: Optional[torch.dtype] = None) -> Output:
+    """GNA forward of `[B, *shape, heads, head_dim]` tensors from `gna_attention`'s arguments: `(out, lse)`,
+    `lse` None unless asked. Their spec (`GnaSpec.of`, checked) run by `run_spec`; no autograd, no operator.
+    Inputs given in float8 come with their full-size `scales` and `out_dtype` as `check_fp8_call` returns them."""
+    spec = GnaSpec.of(q.dim() - 3, window, stride, dilation, causal, scale=scale, q_tile=q_tile, kv_tile=kv_tile,
+                      kv_tiling=kv_tiling, frame_offsets=frame_offsets, precision=precision, out_dtype=out_dtype,
+                      return_lse=return_lse)
+    return run_spec(q, k, v, spec, scales)
+
+
+def run_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec,
+             scales: Optional[Fp8Scales] = None) -> Output:
+    """GNA forward of `spec` on `[B, *shape, heads, head_dim]` tensors: `(out, lse)`, `lse` None unless
+    `spec.return_lse`.
+
+    `spec.kv_tiling` "static" or "dynamic" picks the kernel; None lets natsim choose by predicted work
+    (kernels/gna/tiles.py, `choose_tiles`). The first call with a spec and given tensor metadata validates what
+    needs the tensors and works the call out (`_prepare`); later ones look it up. Tensor metadata (shapes,
+    dtypes, devices, strides, 16-byte alignment; for CPU tensors whether the interpreter is on) is part of the
+    key, so a call with other tensors is checked afresh. `spec.precision` "fp8" quantizes inside the call
+    (kernels/common/fp8.py; static KV tiling, no frame ranges), or with float8 inputs takes them as given, with
+    their full-size `scales` (`check_fp8_call`, which the public boundary ran) and the output in
+    `spec.out_dtype`.
     """
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
            q.stride(), k.stride(), v.stride(), q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
-           and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(),
-           window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, frame_offsets, precision,
-           out_dtype)
-    try:
-        run = _calls.get(key)
-    except TypeError:  # a list among the arguments
-        key = tuple(tuple(item) if isinstance(item, list) else item for item in key)
-        run = _calls.get(key)
+           and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(), spec)
+    run = _calls.get(key)
     if run is None:
-        check_precision(precision)
-        if precision is not None and frame_offsets is not None:
-            raise ValueError("precision='fp8' does not run with frame_offsets (natsim.distributed): use bf16 there.")
-        run = (_prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
-                        precision == "fp8", out_dtype)
-               if frame_offsets is None else
-               _prepare_frames(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
-                               kv_tiling, frame_offsets))
+        run = _prepare(q, k, v, spec) if spec.frames is None else _prepare_frames(q, k, v, spec)
         if len(_calls) >= MAX_CALLS:
             _calls.pop(next(iter(_calls)))
         _calls[key] = run
     return run(q, k, v) if scales is None else run(q, k, v, scales)
 
 
-def _prepare(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling, fp8=False,
-             out_dtype=None):
-    """Validate a call and return the function that runs it on tensors like these (and, for inputs given in
-    float8, whose output is in `out_dtype`, on their scales)."""
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -> Runner:
+    """Validate a call against its tensors and return the function that runs it on tensors like these (and, for
+    inputs given in float8, whose output is in `spec.out_dtype`, on their scales)."""
     shape = check_qkv(q, k, v)
-    problem = problem_of(shape, window, stride, dilation, causal)
-    check_kv_tiling(kv_tiling)
-    if fp8 and kv_tiling == "dynamic":
-        raise ValueError("precision='fp8' runs with static KV tiling only, got kv_tiling='dynamic'.")
+    problem = spec.problem(shape)
     if not (q.is_cuda or interpreting()):
-        return functools.partial(_run_reference, problem=problem, scale=scale, return_lse=return_lse, fp8=fp8,
-                                 out_dtype=out_dtype)
-    check_kernel_inputs(q, float8=out_dtype is not None)
+        return functools.partial(_run_reference, problem=problem, spec=spec)
+    fp8 = spec.precision == "fp8"
+    check_kernel_inputs(q, float8=spec.out_dtype is not None)
     if fp8:
         check_fp8_device(q)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
-    scale = head_dim**-0.5 if scale is None else float(scale)
     kernel_problem = problem
-    if q_tile is None and kv_tile is None:
+    if spec.q_tile is None and spec.kv_tile is None:
         kernel_problem = dense_as_1d(problem) or problem
         given = (None, None)
     else:
-        given = kernel_tiles(problem, q_tile, kv_tile)
+        given = kernel_tiles(problem, spec.q_tile, spec.kv_tile)
     views = tuple(t.reshape(batch, *kernel_problem.shape, heads, head_dim) for t in (q, k, v))
     layout = takes_layout_path(kernel_problem, *views, fp8=fp8)
     # natsim chooses between the modes only where both are costed alike: the in-place path (kernels/gna/tiles.py).
-    modes = (kv_tiling,) if kv_tiling is not None else (tuple(KERNELS) if layout and not fp8 else ("static",))
+    modes = ((spec.kv_tiling,) if spec.kv_tiling is not None
+             else (tuple(KERNELS) if layout and not fp8 else ("static",)))
     q_dims, kv_dims, mode = choose_tiles(kernel_problem, head_dim, modes, *given)
     if fp8:
         if given == (None, None):
             q_dims = fp8_q_tile(q_dims)
         check_fp8_tiles(q, math.prod(q_dims), math.prod(kv_dims))
-    call = make_call(kernel_problem, shape, q_dims, kv_dims, batch=batch, heads=heads, head_dim=head_dim,
-                     scale=scale, layout_tensors=views if layout else None, return_lse=return_lse, kv_tiling=mode,
-                     fp8=fp8, out_dtype=out_dtype)
+    call = make_call(kernel_problem, shape, replace(spec, q_tile=q_dims, kv_tile=kv_dims, kv_tiling=mode),
+                     batch=batch, heads=heads, head_dim=head_dim, layout_tensors=views if layout else None)
     return call.run
 
 
-def _prepare_frames(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
-                    frame_offsets):
-    """`_prepare` for a frame range: q holds frames from `frame_offsets[0]`, k and v from `frame_offsets[1]`,
-    of a layout of `frame_offsets[2]` frames along dimension 0 (static KV tiling only)."""
-    problem, frames = check_frames(q, k, v, window, stride, dilation, causal, frame_offsets)
-    check_kv_tiling(kv_tiling)
-    if kv_tiling == "dynamic":
-        raise ValueError("frame_offsets (natsim.distributed's halo exchange) run with static KV tiling only, got "
-                         "kv_tiling='dynamic'.")
+def _prepare_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -> Runner:
+    """`_prepare` for a frame range (`spec.frames`): q holds frames from `q0`, k and v from `k0`, of a layout of
+    `frames` frames along dimension 0 (static KV tiling only)."""
+    problem, bounds = check_frames(q, k, v, spec.frames, *spec.parameters)
     if not (q.is_cuda or interpreting()):
-        return functools.partial(_run_reference, problem=problem, scale=scale, return_lse=return_lse,
-                                 frame_offsets=frame_offsets)
+        return functools.partial(_run_reference, problem=problem, spec=spec)
     check_kernel_inputs(q)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
-    scale = head_dim**-0.5 if scale is None else float(scale)
-    if q_tile is None and kv_tile is None:
+    if spec.q_tile is None and spec.kv_tile is None:
         q_dims, kv_dims = default_tiles(problem, head_dim)
     else:
-        q_dims, kv_dims = kernel_tiles(problem, q_tile, kv_tile)
+        q_dims, kv_dims = kernel_tiles(problem, spec.q_tile, spec.kv_tile)
     problem, q_dims, kv_dims = frames_as_3d(problem, q_dims, kv_dims)
     views = tuple(t.reshape(*t.shape[:-2], *(1,) * (6 - t.dim()), *t.shape[-2:]) for t in (q, k, v))
     layout = takes_layout_path(problem, *views)
-    call = make_call(problem, tuple(views[0].shape[1:-2]), q_dims, kv_dims, batch=batch, heads=heads, head_dim=head_dim,
-                     scale=scale, layout_tensors=views if layout else None, return_lse=return_lse, frames=frames)
+    call = make_call(problem, tuple(views[0].shape[1:-2]),
+                     replace(spec, q_tile=q_dims, kv_tile=kv_dims, kv_tiling="static"), batch=batch, heads=heads,
+                     head_dim=head_dim, layout_tensors=views if layout else None, frames=bounds)
 
     def run(q, k, v):
         out, lse = call.run(*(t.reshape(t.shape[0], t.shape[1], *problem.shape[1:], *t.shape[-2:])
@@ -134,10 +137,9 @@ def _prepare_frames(q, k, v, window, stride, dilation, causal, scale, q_tile, kv
     return run
 
 
-def _run_reference(q, k, v, scales=None, *, problem: Problem, scale, return_lse, frame_offsets=None, fp8=False,
-                   out_dtype=None):
-    """CPU tensors without the interpreter: the exact torch reference (of FP8's rule with `fp8`, on the inputs
-    given in float8 with `scales`), with a one-time warning."""
+def _run_reference(q, k, v, scales=None, *, problem: Problem, spec: GnaSpec):
+    """CPU tensors without the interpreter: the exact torch reference (of FP8's rule with precision "fp8", on the
+    inputs given in float8 with `scales`), with a one-time warning."""
     global _warned_cpu
     if not _warned_cpu:
         import warnings
@@ -145,10 +147,10 @@ def _run_reference(q, k, v, scales=None, *, problem: Problem, scale, return_lse,
         warnings.warn("gna_attention got CPU tensors: running the torch reference (exact but slow); "
                       "use CUDA tensors for the Triton kernel.", stacklevel=4)
         _warned_cpu = True
-    if fp8:
-        result = fp8_reference_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
-                                         scale, return_lse, scales=scales, out_dtype=out_dtype)
+    parameters = (problem.window, problem.stride, problem.dilation, problem.causal)
+    if spec.precision == "fp8":
+        result = fp8_reference_attention(q, k, v, *parameters, spec.scale, spec.return_lse, scales=scales,
+                                         out_dtype=spec.out_dtype)
     else:
-        result = reference_attention(q, k, v, problem.window, problem.stride, problem.dilation, problem.causal,
-                                     scale, return_lse, frame_offsets=frame_offsets)
-    return result if return_lse else (result, None)
+        result = reference_attention(q, k, v, *parameters, spec.scale, spec.return_lse, frame_offsets=spec.frames)
+    return result if spec.return_lse else (result, None)

@@ -2,8 +2,9 @@
 
 A `GnaCall` holds every decision of a call that depends only on plain-Python arguments and tensor metadata
 (shapes, dtype, device, strides): the validated problem, the tiles, the data path, whether the kernel needs the
-mask, launch options, grid and every scalar kernel argument. `gna_call` builds one per distinct key and keeps
-it, so that a repeated call only checks its tensors, allocates its output and launches through a
+mask, launch options, grid and every scalar kernel argument. `make_call` builds one from a call's `GnaSpec` with
+its choices made (kernels/gna/spec.py), and the dispatcher keeps it per distinct key (kernels/gna/dispatch.py),
+so that a repeated call only checks its tensors, allocates its output and launches through a
 `PreboundKernel` (Triton's JIT dispatch, which binds and specialises every one of the kernel's 70 arguments on
 each call, is skipped once the kernel is compiled).
 
@@ -21,14 +22,14 @@ between both on the layout path and static on the permuted one, whose gathers ar
 
 Frame ranges (`frame_offsets`, for natsim.distributed's halo exchange): q holds frames `[q0, q0 + Tq)` of
 dimension 0 of a layout of `L0` frames and k, v frames `[k0, k0 + Tk)`, which must hold every frame the queries'
-windows reach. Window bounds are global; Q and KV tiles are cut from the local first frames
-(natsim.partition.frame_dim_tiles counts them the same way). No dense-as-1-D there.
+windows reach; a launch takes their bounds `(q0, q1, k0, k1)`. Window bounds are global; Q and KV tiles are cut
+from the local first frames (natsim.partition.frame_dim_tiles counts them the same way). No dense-as-1-D there.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -40,15 +41,14 @@ from natsim.window import group_length, window_bounds
 from ..common.backend import interpreting
 from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_launch_config,
                           lse_with_mean, prequantized_rows, quantize_rows)
-from ..common.launch import descriptors_fit, has_tensor_descriptors, launch_config
+from ..common.launch import Overrides, descriptors_fit, has_tensor_descriptors, launch_config
 from ..common.softmax import LOG2E
 from .dynamic import gna_dynamic_kernel
 from .forward import gna_forward_kernel
 from .layout import TileLayout, as_3d
 from .permute import permute, unpermute
 from .prebound import PreboundKernel
-
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+from .spec import GnaSpec
 
 
 # -- what the kernel needs to know, from plain Python values ---------------------------------------------------
@@ -123,26 +123,23 @@ def dense_as_1d(problem: Problem) -> Optional[Problem]:
 
 @dataclass(frozen=True)
 class GnaCall:
-    """Everything about a GNA forward call but its tensors: run it with `gna_call(...).run(q, k, v)`.
+    """Everything about a GNA forward call but its tensors: run it with `make_call(...).run(q, k, v)`.
 
-    `problem`, `q_tile`, `kv_tile` are what the kernel runs (a dense problem as 1-D over the flattened layout);
-    `shape` is the caller's layout; `kv_tiling` which kernel: static (kernels/gna/forward.py) or dynamic
-    (kernels/gna/dynamic.py) KV tiles. `layout` selects the data path (module docstring). `kernel` is the
-    pre-bound launch for the tensors the kernel reads: the caller's (layout) or permuted ones.
+    `spec` is the call with every choice made: its `q_tile`, `kv_tile` and `kv_tiling` are what the kernel runs,
+    static (kernels/gna/forward.py) or dynamic (kernels/gna/dynamic.py) KV tiles; `problem` is the problem the
+    kernel runs (dense attention as 1-D over the flattened layout, a frame range's in three dimensions), `shape`
+    the caller's layout. `layout` selects the data path (module docstring). `kernel` is the pre-bound launch for
+    the tensors the kernel reads: the caller's (layout) or permuted ones. `frames`: `(q0, q1, k0, k1)` along
+    dimension 0, or None.
     """
 
     problem: Problem
     shape: tuple[int, ...]
-    q_tile: tuple[int, ...]
-    kv_tile: tuple[int, ...]
+    spec: GnaSpec
     layout: bool
-    return_lse: bool
     debug: bool
     kernel: PreboundKernel
-    kv_tiling: str = "static"
-    frames: Optional[tuple[int, int, int, int]] = None  # (q0, q1, k0, k1) along dimension 0, or None
-    fp8: bool = False  # the FP8 kernel: q, k, v quantized inside the call, or given in float8 (kernels/common/fp8.py)
-    out_dtype: Optional[torch.dtype] = None  # the output's dtype for inputs given in float8
+    frames: Optional[tuple[int, int, int, int]] = None
 
     @property
     def q_shape(self) -> tuple[int, ...]:
@@ -166,19 +163,20 @@ class GnaCall:
             if scales is not None:
                 scales = Fp8Scales(*(s.reshape(batch, *self.problem.shape, heads)
                                      for s in (scales.q_scale, scales.k_scale)), scales.v_scale)
-        if self.fp8:
+        spec = self.spec
+        if spec.precision == "fp8":
             out, lse = self.run_fp8(q, k, v, scales)
         elif self.layout:
             out = new_output(q.shape, q.dtype, q.device)
-            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if spec.return_lse else None
             self.kernel(q, k, v, out, out if lse is None else lse, out)
         else:
             dilation = self.problem.dilation
-            out_p, lse_p, _ = self.run_permuted(permute(q, self.q_tile, dilation), permute(k, self.kv_tile, dilation),
-                                                permute(v, self.kv_tile, dilation))
-            out = unpermute(out_p, self.q_shape, self.q_tile, dilation)
+            out_p, lse_p, _ = self.run_permuted(permute(q, spec.q_tile, dilation), permute(k, spec.kv_tile, dilation),
+                                                permute(v, spec.kv_tile, dilation))
+            out = unpermute(out_p, self.q_shape, spec.q_tile, dilation)
             lse = (None if lse_p is None
-                   else unpermute(lse_p[..., None], self.q_shape, self.q_tile, dilation)[..., 0])
+                   else unpermute(lse_p[..., None], self.q_shape, spec.q_tile, dilation)[..., 0])
         if flattened:
             out = out.view(batch, *self.shape, heads, head_dim)
             lse = None if lse is None else lse.view(batch, *self.shape, heads)
@@ -187,15 +185,15 @@ class GnaCall:
     def run_fp8(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Optional[Fp8Scales] = None):
         """`(out, lse)` of an FP8 call: q, k, v in float8 in the kernel's row order (`_fp8_rows`), the kernel on
         them and their scales, the output unpermuted unless the kernel read a 1-D layout in place (rows are
-        tokens there). The output has the inputs' dtype, or `out_dtype` for inputs given in float8."""
+        tokens there). The output has the inputs' dtype, or the spec's `out_dtype` for inputs given in float8."""
         t = self._fp8_rows(q, k, v, scales)
-        out = new_output(t.q.shape, q.dtype if scales is None else self.out_dtype, q.device)
-        lse = torch.empty(t.q.shape[:-1], dtype=torch.float32, device=q.device) if self.return_lse else None
+        out = new_output(t.q.shape, q.dtype if scales is None else self.spec.out_dtype, q.device)
+        lse = torch.empty(t.q.shape[:-1], dtype=torch.float32, device=q.device) if self.spec.return_lse else None
         self.kernel(t.q, t.k, t.v_t, out, out if lse is None else lse, out, t.q_scale, t.k_scale, t.v_scale)
         if not self.layout:
-            dilation = self.problem.dilation
-            out = unpermute(out, self.q_shape, self.q_tile, dilation)
-            lse = None if lse is None else unpermute(lse[..., None], self.q_shape, self.q_tile, dilation)[..., 0]
+            dilation, q_tile = self.problem.dilation, self.spec.q_tile
+            out = unpermute(out, self.q_shape, q_tile, dilation)
+            lse = None if lse is None else unpermute(lse[..., None], self.q_shape, q_tile, dilation)[..., 0]
         if lse is not None and t.k_mean is not None:  # the kernel's LSE is of the scores with K's mean removed
             lse = lse_with_mean(lse, q, t.k_mean, self.kernel.arguments["qk_scale"] / LOG2E)
         return out, lse
@@ -206,22 +204,22 @@ class GnaCall:
         mean and V's scales over the real tokens; padding rows are quantized too, and the kernel never uses
         them), or given in float8 with `scales` (their bytes and scales permuted alike; padding reads zeros)."""
         batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
-        dilation = self.problem.dilation
+        dilation, q_tile, kv_tile = self.problem.dilation, self.spec.q_tile, self.spec.kv_tile
         if self.layout:
             rows = tuple(x.reshape(batch, -1, heads, head_dim) for x in (q, k, v))
         else:
-            rows = (_permute_any(q, self.q_tile, dilation), _permute_any(k, self.kv_tile, dilation),
-                    _permute_any(v, self.kv_tile, dilation))
+            rows = (_permute_any(q, q_tile, dilation), _permute_any(k, kv_tile, dilation),
+                    _permute_any(v, kv_tile, dilation))
         if scales is None:
             return quantize_rows(*rows, *column_statistics(k, v))
         if self.layout:
             q_scale, k_scale = (s.reshape(batch, -1, heads) for s in (scales.q_scale, scales.k_scale))
         else:
-            q_scale = permute(scales.q_scale[..., None], self.q_tile, dilation)[..., 0]
-            k_scale = permute(scales.k_scale[..., None], self.kv_tile, dilation)[..., 0]
+            q_scale = permute(scales.q_scale[..., None], q_tile, dilation)[..., 0]
+            k_scale = permute(scales.k_scale[..., None], kv_tile, dilation)[..., 0]
             # Padding queries take scale 1, as the rule gives their zero rows: a scale of 0 would turn their
             # masked scores (-inf) into NaN (rows the output drops, but work for nothing and NaN in the LSE).
-            real = permute(torch.ones((1, *self.q_shape, 1, 1), dtype=torch.uint8, device=q.device), self.q_tile,
+            real = permute(torch.ones((1, *self.q_shape, 1, 1), dtype=torch.uint8, device=q.device), q_tile,
                            dilation)[..., 0]
             q_scale = torch.where(real.bool(), q_scale, 1.0)
         return prequantized_rows(*rows, q_scale, k_scale, scales.v_scale)
@@ -230,7 +228,7 @@ class GnaCall:
         """`(out, lse, counts)` of permuted `[B, tokens, heads, head_dim]` inputs, in q's permuted order."""
         out = new_output(q.shape, q.dtype, q.device)
         lse = (torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32, device=q.device)
-               if self.return_lse else None)
+               if self.spec.return_lse else None)
         num_q_tiles = self.kernel.grid[0]
         counts = torch.zeros((num_q_tiles, 2), dtype=torch.int32, device=q.device) if self.debug else None
         self.kernel(q, k, v, out, out if lse is None else lse, out if counts is None else counts)
@@ -251,37 +249,31 @@ def _token_strides(t: torch.Tensor, ndim: int) -> tuple[int, int, int]:
 def make_call(
     problem: Problem,
     shape: tuple[int, ...],
-    q_tile: tuple[int, ...],
-    kv_tile: tuple[int, ...],
+    spec: GnaSpec,
     *,
     batch: int,
     heads: int,
     head_dim: int,
-    scale: float,
     layout_tensors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    return_lse: bool,
-    debug: bool = False,
-    options: Optional[dict] = None,
-    check_alignment: bool = False,
-    kv_tiling: str = "static",
     frames: Optional[tuple[int, int, int, int]] = None,
-    fp8: bool = False,
-    out_dtype: Optional[torch.dtype] = None,
+    overrides: Overrides = (),
+    debug: bool = False,
+    check_alignment: bool = False,
 ) -> GnaCall:
-    """Work out one call. `layout_tensors` are q, k, v in the kernel's layout for the layout path (their strides
-    are bound), or None for the permuted path. `options` override `launch_config`'s (tuning; `MASKED` may only
-    be forced on) and may set `HEAD_MAJOR`. `check_alignment`: check the tensors' alignment on every launch
-    (callers that pass their own permuted tensors; `forward` keys on it instead). `kv_tiling` picks the
-    kernel; the dynamic one gathers box tiles with pointer loads on the permuted path and is never
-    warp-specialized (Triton 3.6 does not specialize its loops: rank-4 descriptors or pointer gathers).
-    `frames` `(q0, q1, k0, k1)`: q holds frames `[q0, q1)` of dimension 0 and k, v `[k0, k1)` (module
-    docstring); static KV tiling only. `fp8`: run the FP8 variant of the static kernel (kernels/common/fp8.py)
-    on permuted sequences or a 1-D layout in place, on q, k, v quantized inside the call or, with `out_dtype`
-    (the output's dtype), given in float8 with their scales."""
-    if kv_tiling not in KERNELS:
-        raise ValueError(f"kv_tiling must be one of {tuple(KERNELS)} here, got kv_tiling={kv_tiling!r}.")
-    if frames is not None and kv_tiling != "static":
-        raise ValueError(f"frame ranges run with static KV tiling only, got kv_tiling={kv_tiling!r}.")
+    """Work out one call of `problem` (what the kernel runs; `shape` is the caller's layout) from `spec`, the call
+    with every choice made: its tiles and KV tiling ("static" or "dynamic", never None here), scale (None:
+    `head_dim ** -0.5`), LSE, precision and output dtype. `layout_tensors` are q, k, v in the kernel's layout for
+    the layout path (their strides are bound), or None for the permuted path. `frames` `(q0, q1, k0, k1)`: q holds
+    frames `[q0, q1)` of dimension 0 and k, v `[k0, k1)` (module docstring); static KV tiling only. `overrides`
+    (checked names, `launch_overrides`) override `launch_config`'s options (tuning; `MASKED` may only be forced
+    on) and may set `HEAD_MAJOR`. `check_alignment`: check the tensors' alignment on every launch (callers that
+    pass their own permuted tensors; `forward` keys on it instead). The dynamic kernel gathers box tiles with
+    pointer loads on the permuted path and is never warp-specialized (Triton 3.6 does not specialize its loops:
+    rank-4 descriptors or pointer gathers). Precision "fp8" runs the FP8 variant of the static kernel
+    (kernels/common/fp8.py) on permuted sequences or a 1-D layout in place, on q, k, v quantized inside the call
+    or, with `spec.out_dtype` (the output's dtype), given in float8 with their scales."""
+    q_tile, kv_tile, kv_tiling = spec.q_tile, spec.kv_tile, spec.kv_tiling
+    fp8 = spec.precision == "fp8"
     q0, q1, k0, k1 = (0, problem.shape[0], 0, problem.shape[0]) if frames is None else frames
     q_shape, kv_shape = (q1 - q0, *problem.shape[1:]), (k1 - k0, *problem.shape[1:])
     q_layout = TileLayout(q_shape, q_tile, problem.dilation).to_3d()
@@ -297,14 +289,13 @@ def make_call(
     if fp8 and (kv_tiling != "static" or frames is not None or mode == 1):
         raise ValueError("FP8 runs the static kernel on permuted sequences or a 1-D layout, without frame ranges.")
     launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim, masked, True,
-                           specialize=not (return_lse or debug) and mode != 1 and kv_tiling == "static")
+                           specialize=not (spec.return_lse or debug) and mode != 1 and kv_tiling == "static")
     if fp8:
-        launch.update(fp8_launch_config(q_layout.tile_tokens, kv_layout.tile_tokens))
-    launch.update(options or {})
-    if masked and not launch["MASKED"]:
+        launch = replace(launch, **fp8_launch_config(q_layout.tile_tokens, kv_layout.tile_tokens))
+    launch = launch.overridden(overrides)
+    if masked and not launch.MASKED:
         raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
                          "the kernel needs MASKED=True.")
-    head_major = launch.pop("HEAD_MAJOR", False)
     if layout and fp8:  # the quantized copies: contiguous
         layout_tensors = tuple(torch.empty(t.shape, device="meta") for t in layout_tensors)
     if layout:
@@ -317,6 +308,7 @@ def make_call(
                    for n in (q_tokens, kv_tokens, kv_tokens, q_tokens)]
     names = [f"stride_{t}{axis}" for t in "qkvo" for axis in ("b", "0", "1", "2", "h")]
     arguments = dict(zip(names, (s for group in strides for s in group)))
+    scale = head_dim**-0.5 if spec.scale is None else spec.scale
     arguments.update(
         heads=heads, qk_scale=scale * LOG2E,
         **dict(zip(("L0", "L1", "L2"), q_layout.shape)),
@@ -328,8 +320,8 @@ def make_call(
         **dict(zip(("C0", "C1", "C2"), as_3d(problem.causal, False))),
         **dict(zip(("TQ0", "TQ1", "TQ2"), q_layout.tile)),
         **dict(zip(("TK0", "TK1", "TK2"), kv_layout.tile)),
-        HEAD_DIM=head_dim, WRITE_LSE=return_lse, DEBUG=debug, HEAD_MAJOR=head_major, LAYOUT=mode,
-        **{name: value for name, value in launch.items() if name not in LAUNCH_OPTIONS},
+        HEAD_DIM=head_dim, WRITE_LSE=spec.return_lse, DEBUG=debug, HEAD_MAJOR=launch.HEAD_MAJOR, LAYOUT=mode,
+        MASKED=launch.MASKED, USE_TMA=launch.USE_TMA, WARP_SPECIALIZE=launch.WARP_SPECIALIZE,
     )
     if fp8:  # V transposed: its token stride is the padded row count (kernels/common/fp8.py)
         kv_rows = kv_layout.num_tokens if not layout else problem.num_tokens
@@ -337,14 +329,13 @@ def make_call(
                          stride_v2=-(-kv_rows // ROW_ALIGNMENT) * ROW_ALIGNMENT)
     if kv_tiling == "static":  # the frame range (the whole layout without one); the dynamic kernel has none
         arguments.update(G0=as_3d(problem.shape)[0], KL0=kv_layout.shape[0], Q0_OFF=q0, K0_OFF=k0)
-    if layout and not arguments["USE_TMA"]:
+    if layout and not launch.USE_TMA:
         raise ValueError("the layout path reads through tensor descriptors: USE_TMA cannot be turned off there.")
-    grid = (batch * heads, q_layout.num_tiles, 1) if head_major else (q_layout.num_tiles, batch * heads, 1)
-    options = {name: launch[name] for name in LAUNCH_OPTIONS}
-    return GnaCall(problem, shape, q_tile, kv_tile, layout, return_lse, debug,
-                   PreboundKernel(KERNELS[kv_tiling], grid, arguments, options, check_alignment=check_alignment),
-                   kv_tiling, frames, fp8, out_dtype)
-
+    grid = ((batch * heads, q_layout.num_tiles, 1) if launch.HEAD_MAJOR
+            else (q_layout.num_tiles, batch * heads, 1))
+    kernel = PreboundKernel(KERNELS[kv_tiling], grid, arguments, launch.triton_options(),
+                            check_alignment=check_alignment)
+    return GnaCall(problem, shape, spec, layout, debug, kernel, frames)
 
 
 def takes_layout_path(problem: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = False) -> bool:

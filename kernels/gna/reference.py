@@ -21,7 +21,7 @@ from natsim.dimension import key_ranges
 from natsim.problem import BoolOrBools, IntOrInts
 
 from ..common.fp8 import Fp8Scales, check_fp8_call, lse_with_mean, prequantized, quantize, quantized_weights
-from .checks import check_frames, check_qkv, problem_of
+from .checks import check_frame_offsets, check_frames, check_qkv, problem_of
 
 CHUNK_ELEMENTS = 1 << 27
 
@@ -83,7 +83,7 @@ def reference_attention(
         shape = check_qkv(q, k, v)
         problem = problem_of(shape, window, stride, dilation, causal)
     else:
-        problem, frames = check_frames(q, k, v, window, stride, dilation, causal, frame_offsets)
+        problem, frames = check_frames(q, k, v, check_frame_offsets(frame_offsets), window, stride, dilation, causal)
         shape = tuple(q.shape[1:-2])
     if compute_dtype is None:
         compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -1,8 +1,9 @@
 """Public entry points of attention under any block mask.
 
-- `sparse_attention(q, k, v, mask, ...)`: `[B, N, heads, head_dim]` in and out. Runs the registered operator
-  `natsim::sparse_forward` (kernels/ops.py) under torch.compile, autograd or a dispatch mode, and in plain eager
-  calls goes straight to the same implementation (kernels/sparse/dispatch.py).
+- `sparse_attention(q, k, v, mask, ...)`: `[B, N, heads, head_dim]` in and out. Its arguments become one
+  `SparseSpec` (kernels/sparse/spec.py). Runs the registered operator `natsim::sparse_forward` (or, on prepared
+  work, `natsim::sparse_prepared`; kernels/sparse/ops.py) under torch.compile, autograd or a dispatch mode, and
+  in plain eager calls goes straight to the same implementation (kernels/sparse/dispatch.py).
 - `sparse_tile_counts(mask, ...)`: runs the kernel with its debug counters on and returns its per-program counts.
 """
 
@@ -14,15 +15,16 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from .. import ops
 from ..common.backend import autocast_inputs, runs_eagerly, use_triton
 from ..common.checks import check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
-from .checks import SCHEDULES, check_pv_threshold, check_work
+from .checks import check_work
 from .dispatch import sparse_forward_impl
 from .forward import run_sparse
 from .mask import SparseMask
-from .work import MERGES, SparseWork, dense_mask, prepare_sparse, work_sizes, work_tensors
+from .ops import PV_SKIP_GRADIENT_REFUSAL, sparse_forward, sparse_prepared
+from .spec import SparseSpec
+from .work import SparseWork, dense_mask, prepare_sparse, work_sizes, work_tensors
 
 
 def sparse_attention(
@@ -79,49 +81,36 @@ def sparse_attention(
     precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales, out_dtype)
     if precision is not None:
         refuse_gradients("sparse_attention", q, k, v, *scale_tensors(scales))
-        if pv_threshold is not None:
-            raise ValueError("precision='fp8' does not run with the PV skip (pv_threshold): pass one or the other.")
-    schedule = "grid" if schedule is None else schedule
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be None, 'grid' or 'lpt', got schedule={schedule!r}.")
-    if isinstance(mask, SparseWork):
-        return _attend_prepared(q, k, v, mask, (q_block, kv_block, merge), scale, return_lse, schedule, programs,
-                                pv_threshold, precision, scales, out_dtype)
-    if q.dim() < 2:
-        raise ValueError(f"q must be [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
-    dense, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
-    if merge not in MERGES:
-        raise ValueError(f"merge must be None, 'consecutive' or 'xor', got merge={merge!r}.")
-    scale = None if scale is None else float(scale)
-    pv_threshold = check_pv_threshold(pv_threshold)
-    if pv_threshold is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise ValueError(ops.PV_SKIP_GRADIENT_REFUSAL)
-    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if runs_eagerly(q, k, v):
-        out, lse = sparse_forward_impl(q, k, v, dense, q_block, kv_block, merge, scale, return_lse, schedule,
-                                       programs, pv_threshold, precision, scales, out_dtype)
+    prepared = isinstance(mask, SparseWork)
+    if prepared:
+        if any(value is not None for value in (q_block, kv_block, merge)):
+            raise ValueError(
+                "q_block, kv_block and merge are the SparseWork's own (chosen by prepare_sparse): pass None with "
+                f"it, got (q_block, kv_block, merge)={(q_block, kv_block, merge)}."
+            )
     else:
-        # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
-        out, lse = ops.sparse_forward(q, k, v, dense, q_block, kv_block, merge, scale, return_lse or tracked,
-                                      schedule, programs, pv_threshold, precision, *scale_tensors(scales),
-                                      out_dtype)
+        if q.dim() < 2:
+            raise ValueError(f"q must be [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
+        mask, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
+    # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    spec = SparseSpec.of(q_block=q_block, kv_block=kv_block, merge=merge, scale=scale,
+                         return_lse=return_lse or tracked, schedule=schedule, programs=programs,
+                         pv_threshold=pv_threshold, precision=precision, out_dtype=out_dtype)
+    if spec.pv_threshold is not None and tracked:
+        raise ValueError(PV_SKIP_GRADIENT_REFUSAL)
+    if prepared:
+        out, lse = _attend_prepared(q, k, v, mask, spec, scales, tracked)
+    elif runs_eagerly(q, k, v):
+        out, lse = sparse_forward_impl(q, k, v, mask, spec, scales)
+    else:
+        out, lse = sparse_forward(q, k, v, mask, *spec.mask_arguments(scales))
     return (out, lse) if return_lse else out
 
 
-def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse: bool, schedule: str,
-                     programs, pv_threshold, precision=None, scales=None, out_dtype=None):
+def _attend_prepared(q, k, v, work: SparseWork, spec: SparseSpec, scales: Optional[Fp8Scales], tracked: bool):
     """`sparse_attention` on prepared work: the kernel straight away in plain eager Triton calls, else the
     registered operator `natsim::sparse_prepared` (autograd, torch.compile, dispatch modes, the CPU path)."""
-    if any(value is not None for value in given):
-        raise ValueError(
-            "q_block, kv_block and merge are the SparseWork's own (chosen by prepare_sparse): pass None with it, "
-            f"got (q_block, kv_block, merge)={given}."
-        )
-    scale = None if scale is None else float(scale)
-    pv_threshold = check_pv_threshold(pv_threshold)
-    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if pv_threshold is not None and tracked:
-        raise ValueError(ops.PV_SKIP_GRADIENT_REFUSAL)
     if tracked and work.dkdv_lists is None:
         raise ValueError(
             "this SparseWork was prepared without the backward's lists (prepare_sparse(..., backward=False)) and "
@@ -129,13 +118,9 @@ def _attend_prepared(q, k, v, work: SparseWork, given: tuple, scale, return_lse:
         )
     check_work(work, q)
     if runs_eagerly(q, k, v) and use_triton(q):
-        out, lse, _ = run_sparse(work, q, k, v, scale, return_lse, schedule, programs, pv_threshold=pv_threshold,
-                                 precision=precision, scales=scales, out_dtype=out_dtype)
-    else:
-        out, lse = ops.sparse_prepared(q, k, v, work_tensors(work), work_sizes(work), scale,
-                                       return_lse or tracked, schedule, programs, pv_threshold, precision,
-                                       *scale_tensors(scales), out_dtype)
-    return (out, lse) if return_lse else out
+        out, lse, _ = run_sparse(work, q, k, v, spec, scales)
+        return out, lse
+    return sparse_prepared(q, k, v, work_tensors(work), work_sizes(work), *spec.work_arguments(scales))
 
 
 @dataclass(frozen=True)
@@ -184,7 +169,8 @@ def sparse_tile_counts(
         shape = (work.mask_batch, work.seq_len, work.mask_heads, head_dim)
         inputs = tuple(torch.randn(shape, device=device).to(dtype) for _ in range(3))
     q, k, v = inputs
-    _, _, counts = run_sparse(work, q, k, v, scale, schedule=schedule, debug=True, pv_threshold=pv_threshold)
+    spec = SparseSpec.of(scale=scale, schedule=schedule, pv_threshold=pv_threshold)
+    _, _, counts = run_sparse(work, q, k, v, spec, debug=True)
     counts = counts.cpu().numpy().astype(np.int64).reshape(q.shape[0], q.shape[2], work.groups, 3)
     members = work.members.cpu().numpy().astype(np.int64).reshape(work.mask_batch, work.mask_heads, work.groups, -1)
     return SparseTileCounts(counts[..., 0], counts[..., 1], members, work.merge_seconds, counts[..., 2])

@@ -21,15 +21,15 @@ nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from ..common.backend import interpreting
-from ..common.launch import descriptors_fit, install_allocator
+from ..common.launch import LaunchOptions, descriptors_fit, install_allocator, launch_overrides
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
 from ..common.softmax import LOG2E
 from .lists import build_tile_lists
@@ -324,25 +324,33 @@ def tile_lists(mask: torch.Tensor, tiles: BackwardTiles, q_block: int, kv_block:
     return columns, _ordered(listed, full)
 
 
+# The launch options (kernels/common/launch.py, `LaunchOptions`) the backward kernel reads: what `options` may set.
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "USE_TMA")
+
+
 def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q_block: int, kv_block: int,
                     scale: Optional[float] = None, tiles: Optional[BackwardTiles] = None,
-                    lists: Optional[tuple[TileList, TileList]] = None, options: Optional[dict] = None):
+                    lists: Optional[tuple[TileList, TileList]] = None,
+                    options: Optional[Mapping[str, object]] = None):
     """dq, dk, dv of sparse attention of `[B, N, H, D]` tensors under the boolean block mask `[B|1, H|1, nQ,
     nKV]`, from the forward's output and natural-log LSE `[B, N, H]` (-inf for a query that attends nothing);
     `grad_lse` may be None. `tiles` overrides `backward_tiles`; `lists` are `tile_lists` of the mask at those
-    tiles when prepared beforehand (a `SparseWork` carries them); `options` override the launch options."""
+    tiles when prepared beforehand (a `SparseWork` carries them); `options` override the launch options
+    (`LAUNCH_OPTIONS`; `USE_TMA` off loads the stepped operands with pointers, on leaves it to the tensors)."""
     batch, seq_len, heads, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else float(scale)
     tiles = backward_tiles(q_block, kv_block, q.device) if tiles is None else tiles
+    default = launch_options(max(tiles.dkdv_queries, tiles.dq_queries), max(tiles.dkdv_keys, tiles.dq_keys))
+    launch = replace(default, num_stages=STAGES, USE_TMA=True).overridden(
+        launch_overrides(options, "options", LAUNCH_OPTIONS))
     q, k, v, out, grad_out = (t.detach().contiguous() for t in (q, k, v, out, grad_out.to(q.dtype)))
     lse = lse.detach().float().transpose(1, 2).contiguous()  # head-major, as delta
     mask = mask.to(q.device, torch.bool).contiguous()
     columns, rows = tile_lists(mask, tiles, q_block, kv_block, seq_len) if lists is None else lists
     delta = softmax_delta(out, grad_out, None if grad_lse is None else grad_lse.detach().float().contiguous())
-    use_tma = _use_descriptors(q, k, v, grad_out, options)
+    use_tma = _use_descriptors(launch, q, k, v, grad_out)
     if use_tma:
         install_allocator()
-    options = {key: value for key, value in (options or {}).items() if key != "USE_TMA"}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dkdv_kv_tiles, dq_q_tiles = columns.count.shape[-1], rows.count.shape[-1]
     sparse_backward_kernel[(dkdv_kv_tiles + dq_q_tiles, batch * heads)](
@@ -355,8 +363,7 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
         DQ_N=tiles.dq_keys, HEAD_DIM=head_dim, USE_TMA=use_tma,
         DKDV_PARTIAL=_may_hold_partial_pairs(tiles.dkdv_queries, tiles.dkdv_keys, q_block, kv_block, seq_len),
         DQ_PARTIAL=_may_hold_partial_pairs(tiles.dq_queries, tiles.dq_keys, q_block, kv_block, seq_len),
-        **{**launch_options(max(tiles.dkdv_queries, tiles.dq_queries), max(tiles.dkdv_keys, tiles.dq_keys)),
-           "num_stages": STAGES, **options})
+        **launch.triton_options())
     return dq, dk, dv
 
 
@@ -367,7 +374,7 @@ def _may_hold_partial_pairs(tile_q: int, tile_k: int, q_block: int, kv_block: in
     return tile_q > q_block or tile_k > kv_block or seq_len % tile_k != 0
 
 
-def _use_descriptors(q, k, v, grad_out, options: Optional[dict]) -> bool:
-    """Whether the stepped operands load through tensor descriptors (`options["USE_TMA"]` decides when given):
-    on Hopper and later (or in the interpreter), with the strides and alignment TMA needs."""
-    return bool((options or {}).get("USE_TMA", True)) and descriptors_fit(q, k, v, grad_out)
+def _use_descriptors(launch: LaunchOptions, q, k, v, grad_out) -> bool:
+    """Whether the stepped operands load through tensor descriptors: where `launch.USE_TMA` allows them, on
+    Hopper and later (or in the interpreter), with the strides and alignment TMA needs."""
+    return bool(launch.USE_TMA) and descriptors_fit(q, k, v, grad_out)

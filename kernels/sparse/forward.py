@@ -37,6 +37,7 @@ The online softmax is GNA's (`softmax_step`, base 2, fp32 accumulators, the runn
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -49,7 +50,8 @@ from ..common.backend import interpreting
 from ..common.fp8 import (Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_launch_config, lse_with_mean,
                           prequantized_rows, quantize)
 from ..common.softmax import LOG2E, softmax_step, softmax_step_fp8
-from .checks import SCHEDULES, check_pv_threshold, check_sparse_kernel, check_sparse_qkv, check_work
+from .checks import check_sparse_kernel, check_sparse_qkv, check_work
+from .spec import SparseSpec
 from .work import SparseWork
 
 
@@ -301,38 +303,30 @@ def run_sparse(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    scale: Optional[float] = None,
-    return_lse: bool = False,
-    schedule: str = "grid",
-    programs: Optional[int] = None,
+    spec: SparseSpec,
+    scales: Optional[Fp8Scales] = None,
+    *,
     debug: bool = False,
     specialize: bool = False,
-    pv_threshold: Optional[float] = None,
-    precision: Optional[str] = None,
-    scales: Optional[Fp8Scales] = None,
-    out_dtype: Optional[torch.dtype] = None,
 ):
-    """`(out, lse, counts)` of one launch on prepared work (`lse` None unless asked; `counts` int32
-    `[B * H * groups, 3]` with `debug`: KV blocks loaded, pairs computed, pairs PV-skipped; else None);
-    `pv_threshold` (None or negative) turns on the PV skip. `specialize` warp-specializes the unmasked loop where its
-    tiles load through descriptors (8 warps, 2 stages; Triton 3.6 builds it with 8 warps, not with 4), except
-    with the LSE or debug counts (the LSE came out wrong under Triton 3.6's warp specialization in the GNA
-    kernel); benchmarks/sparse.py --tune times it. `precision="fp8"` quantizes q, k, v first
+    """`(out, lse, counts)` of one launch of `spec` on prepared work (`lse` None unless `spec.return_lse`;
+    `counts` int32 `[B * H * groups, 3]` with `debug`: KV blocks loaded, pairs computed, pairs PV-skipped; else
+    None); `spec.pv_threshold` (None or negative) turns on the PV skip. `specialize` warp-specializes the unmasked
+    loop where its tiles load through descriptors (8 warps, 2 stages; Triton 3.6 builds it with 8 warps, not
+    with 4), except with the LSE or debug counts (the LSE came out wrong under Triton 3.6's warp specialization in
+    the GNA kernel); benchmarks/sparse.py --tune times it. Precision "fp8" quantizes q, k, v first
     (kernels/common/fp8.py) and runs the kernel's FP8 variant (no PV skip, no warp specialization); q, k, v
-    given in float8 come with their full-size `scales` (`check_fp8_call`) and an `out_dtype`, and are read as
+    given in float8 come with their full-size `scales` (`check_fp8_call`) and `spec.out_dtype`, and are read as
     they are."""
     check_sparse_qkv(q, k, v)
     check_sparse_kernel(q, float8=scales is not None)
     check_work(work, q)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be 'grid' or 'lpt', got schedule={schedule!r}.")
     batch, seq_len, heads, head_dim = q.shape
-    fp8 = precision == "fp8"
-    out_dtype = q.dtype if scales is None else out_dtype
+    fp8 = spec.precision == "fp8"
+    return_lse, pv_threshold = spec.return_lse, spec.pv_threshold
+    out_dtype = q.dtype if scales is None else spec.out_dtype
     kernel_scales = (None, None, None)
     if fp8:
-        if pv_threshold is not None:
-            raise ValueError("precision='fp8' does not run with the PV skip (pv_threshold): pass one or the other.")
         check_fp8_device(q)
         check_fp8_tiles(q, work.block_m, work.block_n)
         quantized = (quantize(q, k, v) if scales is None
@@ -346,32 +340,31 @@ def run_sparse(
     lse = torch.empty((batch, seq_len, heads), dtype=torch.float32, device=q.device) if return_lse else None
     items = batch * heads * work.groups
     counts = torch.zeros((items, 3), dtype=torch.int32, device=q.device) if debug else None
-    pv_threshold = check_pv_threshold(pv_threshold)
     use_tma = work.block_n == work.kv_block and descriptors_fit(k, v)
     if use_tma:
         install_allocator()
-    config = launch_config(work.block_m, work.block_n, head_dim, masked=True, tma=use_tma, specialize=False)
+    launch = launch_config(work.block_m, work.block_n, head_dim, masked=True, tma=use_tma, specialize=False)
     if fp8:
-        config.update(fp8_launch_config(work.block_m, work.block_n))
-    options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+        launch = replace(launch, **fp8_launch_config(work.block_m, work.block_n))
     specialize = specialize and use_tma and not (return_lse or debug or pv_threshold is not None)
     if specialize:
-        options = dict(num_warps=8, num_stages=2)
-    persistent = schedule == "lpt"
+        launch = replace(launch, num_warps=8, num_stages=2)
+    persistent = spec.schedule == "lpt"
     if persistent:
         order = work.order(batch, heads)
         queue = torch.zeros(1, dtype=torch.int32, device=q.device)
-        count = default_programs(q.device, options["num_warps"]) if programs is None else int(programs)
+        programs = spec.programs
+        count = default_programs(q.device, launch.num_warps) if programs is None else int(programs)
         if count < 1:
             raise ValueError(f"programs must be a positive int, got programs={programs!r}.")
         grid = (min(count, items),)
     else:
         order = queue = work.offsets  # unused
         grid = (work.groups, batch * heads)
-    scale = head_dim**-0.5 if scale is None else float(scale)
+    scale = head_dim**-0.5 if spec.scale is None else spec.scale
     key = (work.block_m, work.block_n, work.q_block, work.kv_block, head_dim, q.dtype, use_tma, persistent,
            return_lse, debug, specialize, pv_threshold is not None, fp8)
-    stages = _STAGES.get(key, options["num_stages"])
+    stages = _STAGES.get(key, launch.num_stages)
     while True:
         try:
             sparse_forward_kernel[grid](
@@ -385,7 +378,7 @@ def run_sparse(
                 WRITE_LSE=return_lse, DEBUG=debug, USE_TMA=use_tma, PERSISTENT=persistent,
                 WARP_SPECIALIZE=specialize, PV_SKIP=pv_threshold is not None, FP8=fp8,
                 EXACT_CAST=fp8 and interpreting(), SQ=kernel_scales[0], SK=kernel_scales[1], SV=kernel_scales[2],
-                num_warps=options["num_warps"], num_stages=stages,
+                num_warps=launch.num_warps, num_stages=stages,
             )
             break
         except OutOfResources:  # raised while compiling, before the launch: retry with one stage fewer

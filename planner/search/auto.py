@@ -16,11 +16,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from natsim.kernels import ops
-from natsim.kernels.common.backend import autocast_inputs, runs_eagerly
-from natsim.kernels.common.checks import check_tensors
-from natsim.kernels.common.fp8 import refuse_gradients
-from natsim.kernels.gna.checks import check_qkv
+from natsim.kernels import (autocast_inputs, check_qkv, check_tensors, gna_resolved, refuse_gradients,
+                            register_resolver, runs_eagerly)
 from natsim.problem import BoolOrBools, IntOrInts
 
 from ..cost.gpus import names_a_gpu
@@ -61,7 +58,7 @@ class AutoPlan:
         self.target_sparsity = target_sparsity
         self.plans: dict[PlanKey, Plan] = {}
         self._lock = threading.Lock()
-        self._resolver = ops.register_resolver(self._kernel_arguments)
+        self._resolver = register_resolver(self._kernel_arguments)
 
     def plan_for(self, shape: tuple[int, ...], *, heads: int, head_dim: int, dtype: torch.dtype,
                  device: Union[str, torch.device]) -> Plan:
@@ -98,8 +95,8 @@ class AutoPlan:
         tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if self.options["precision"] is not None:
             refuse_gradients("AutoPlan", q, k, v)
-        out, lse = ops.gna_resolved(q, k, v, self._resolver, None if scale is None else float(scale),
-                                    return_lse or tracked)
+        out, lse = gna_resolved(q, k, v, self._resolver, None if scale is None else float(scale),
+                                return_lse or tracked)
         return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:

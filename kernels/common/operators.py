@@ -1,0 +1,56 @@
+"""What every family's registered operators share (kernels/gna/ops.py, kernels/sparse/ops.py,
+kernels/common/resolved.py): the fake outputs that torch.compile traces with, the empty LSE of a call that did not
+ask for one, the incoming gradients as the backward kernels take them, and the CPU path's backward, the torch
+reference's gradients recomputed under autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def like(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A fake output shaped as `x` with contiguous strides, as the kernels and references allocate theirs
+    (`empty_like` would copy the strides of a transposed input, and compiled graphs check them); in x's dtype
+    unless `dtype` is given."""
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """The LSE's dtype: float64 for float64 inputs (the references), float32 otherwise."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def no_lse(q: torch.Tensor) -> torch.Tensor:
+    """The empty LSE an operator returns when the call did not ask for one (a schema's outputs are tensors)."""
+    return q.new_empty((0,), dtype=lse_dtype(q))
+
+
+def fake_lse(q: torch.Tensor, return_lse: bool) -> torch.Tensor:
+    """A fake LSE `[B, *tokens, heads]` of `[B, *tokens, heads, head_dim]` q, or the empty one."""
+    return q.new_empty(q.shape[:-1], dtype=lse_dtype(q)) if return_lse else no_lse(q)
+
+
+def incoming_gradients(out: torch.Tensor, grad_out: Optional[torch.Tensor],
+                       grad_lse: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gradients autograd hands an operator's backward (without materialized zeros), as the backward passes
+    take them: a tensor for the output (zeros when it was unused), None for an unused or empty LSE."""
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    return grad_out, grad_lse if grad_lse is not None and grad_lse.numel() else None
+
+
+def recomputed_gradients(reference: Reference, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor]):
+    """dq, dk, dv of `reference(q, k, v) -> (out, lse)` recomputed under autograd: the CPU path's backward."""
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = reference(*inputs)
+        outputs, grads = [out], [grad_out]
+        if grad_lse is not None and grad_lse.numel():
+            outputs.append(lse)
+            grads.append(grad_lse)
+        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)

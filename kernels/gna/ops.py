@@ -1,0 +1,245 @@
+"""GNA's PyTorch operators: the one place of the family that knows torch.library.
+
+`natsim::gna_forward` is a custom operator with a fake (meta) implementation, so `torch.compile(...,
+fullgraph=True)` keeps a call in its graph without tracing into Triton, and CUDA graphs capture it like any
+other op. Every argument that selects a kernel variant is a plain int, float or bool list, the schema form of a
+`GnaSpec` (kernels/gna/spec.py, which converts both ways): the host-side decisions are made from them, never
+from tensor values.
+
+Gradients: `natsim::gna_forward` saves q, k, v, the output and the LSE, and its backward runs the Triton backward
+kernels (kernels/gna/backward.py) through `natsim::gna_backward`, an operator of its own with a fake
+implementation, so that torch.compile keeps it in its graph; callers that need gradients ask the forward for the
+LSE (gna_attention does), and a forward called without it is run again for it in the backward. The torch
+reference (CPU tensors without the interpreter) is differentiable too: its backward recomputes the reference
+under autograd.
+
+`natsim::gna_resolved` runs GNA with arguments that a registered resolver picks per token layout at run time
+(`register_resolver`): rooms above the kernels (the planner) decide through it, so that a compiled graph holds
+one opaque call whatever the layout, and the kernels never import them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional, Sequence
+
+import torch
+
+from ..common.backend import use_triton
+from ..common.fp8 import check_fp8_call, refuse_gradients, scales_from
+from ..common.operators import fake_lse, incoming_gradients, like, no_lse, recomputed_gradients
+from .backward import gna_backward as run_gna_backward
+from .checks import check_frames, check_qkv, problem_of
+from .dispatch import run_spec
+from .reference import reference_attention
+from .spec import GnaSpec
+
+FRAMES_GRADIENT_REFUSAL = (
+    "gna_attention with frame_offsets (natsim.distributed's halo exchange) has no backward kernel yet, and q, k "
+    "or v requires grad: call it under torch.no_grad() for inference, or compute gradients on one device "
+    "without frame_offsets (or with the torch reference on CPU tensors)."
+)
+
+
+@torch.library.custom_op("natsim::gna_forward", mutates_args=())
+def gna_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    causal: Sequence[bool],
+    scale: Optional[float],
+    q_tile: Optional[Sequence[int]],
+    kv_tile: Optional[Sequence[int]],
+    return_lse: bool,
+    kv_tiling: Optional[str] = None,
+    frame_offsets: Optional[Sequence[int]] = None,
+    precision: Optional[str] = None,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
+    unless `return_lse`). `kv_tiling`: "static", "dynamic" or None (natsim chooses). `frame_offsets=(q0, k0,
+    L0)`: q and k, v hold frame ranges of dimension 0 (kernels/gna/launch.py). `precision`: None or "fp8"
+    (inference only: no gradient). q, k, v in float8 e4m3 come with `q_scale`, `k_scale`, `v_scale` and
+    `out_dtype` (kernels/common/fp8.py, `Fp8Scales`)."""
+    precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale),
+                                                  out_dtype)
+    spec = GnaSpec.from_operator(window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
+                                 frame_offsets, precision, out_dtype)
+    out, lse = run_spec(q, k, v, spec, scales)
+    return out, (no_lse(q) if lse is None else lse)
+
+
+@gna_forward.register_fake
+def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
+                      kv_tiling=None, frame_offsets=None, precision=None, q_scale=None, k_scale=None, v_scale=None,
+                      out_dtype=None):
+    precision, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
+    spec = GnaSpec.from_operator(window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
+                                 frame_offsets, precision, out_dtype)
+    if spec.frames is None:  # the same sentence errors as eager
+        spec.problem(check_qkv(q, k, v))
+    else:
+        check_frames(q, k, v, spec.frames, *spec.parameters)
+    return like(q, out_dtype), fake_lse(q, return_lse)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    # q, k, v, then the schema's spec arguments up to precision, then FP8's scales and output dtype; trailing
+    # arguments at their defaults may be left out of `inputs`.
+    q, k, v, *arguments = inputs
+    spec = GnaSpec.from_operator(*arguments[:11])
+    scale_tensors = arguments[11:14]
+    if spec.frames is not None and use_triton(q):
+        raise RuntimeError(FRAMES_GRADIENT_REFUSAL)
+    if spec.precision is not None or any(t is not None for t in scale_tensors):
+        refuse_gradients("gna_attention", q, k, v, *scale_tensors)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.spec = spec
+    ctx.num_inputs = len(inputs)
+    ctx.set_materialize_grads(False)  # an unused LSE (the usual case) brings None, not a tensor of zeros
+
+
+@torch.library.custom_op("natsim::gna_backward", mutates_args=())
+def gna_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    window: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    causal: Sequence[bool],
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `natsim::gna_forward` on the Triton path: the backward kernels (kernels/gna/backward.py)
+    from the forward's output and LSE; an empty `lse` (a forward called without `return_lse`) runs the
+    forward again for it. An operator of its own, so that AOTAutograd (torch.compile) keeps the backward in
+    its graph as one opaque call."""
+    problem = problem_of(tuple(q.shape[1:-2]), tuple(window), tuple(stride), tuple(dilation), tuple(causal))
+    if not lse.numel():
+        out, lse = run_spec(q, k, v, GnaSpec.for_problem(problem, scale=scale, return_lse=True))
+    return run_gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem, scale)
+
+
+@gna_backward.register_fake
+def _gna_backward_fake(q, k, v, out, lse, grad_out, grad_lse, window, stride, dilation, causal, scale):
+    return like(q), like(k), like(v)
+
+
+def _gradients(spec: GnaSpec, q, k, v, out, lse, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor]):
+    """dq, dk, dv of a GNA forward of `spec`: through `natsim::gna_backward` on the Triton path, the torch
+    reference's recomputed under autograd on the CPU path."""
+    if use_triton(q):
+        return gna_backward(q, k, v, out, lse, grad_out, grad_lse, *spec.parameters, spec.scale)
+    return recomputed_gradients(
+        lambda q, k, v: reference_attention(q, k, v, *spec.parameters, spec.scale, return_lse=True,
+                                            frame_offsets=spec.frames),
+        q, k, v, grad_out, grad_lse,
+    )
+
+
+def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    """The gradients of q, k and v (none for the other arguments)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _gradients(ctx.spec, q, k, v, out, lse, *incoming_gradients(out, grad_out, grad_lse))
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+
+
+gna_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# == natsim::gna_resolved: GNA whose arguments a registered resolver picks per layout ============================
+
+GnaResolver = Callable[[tuple[int, ...], int, int, torch.dtype, torch.device], Mapping[str, object]]
+_resolvers: dict[int, GnaResolver] = {}
+
+
+def register_resolver(resolver: GnaResolver) -> int:
+    """Register `resolver(shape, heads, head_dim, dtype, device)`, which returns `gna_attention`'s keyword
+    arguments (window, stride, dilation, causal, q_tile, kv_tile, kv_tiling, and optionally precision) for a
+    layout, and return the id that `natsim::gna_resolved` takes. Rooms above the kernels (the planner) decide
+    through it at run time, so that a compiled graph holds one opaque call whatever the layout, and the kernels
+    never import them."""
+    key = len(_resolvers)
+    _resolvers[key] = resolver
+    return key
+
+
+def _check_registered(resolver: int) -> None:
+    if resolver not in _resolvers:
+        raise ValueError(f"resolver must be an id from register_resolver, got resolver={resolver!r}.")
+
+
+def _resolved(resolver: int, q: torch.Tensor, scale: Optional[float], return_lse: bool) -> GnaSpec:
+    """The spec that the registered `resolver` picks for q's layout."""
+    _check_registered(resolver)
+    a = _resolvers[resolver](tuple(int(n) for n in q.shape[1:-2]), int(q.shape[-2]), int(q.shape[-1]), q.dtype,
+                             q.device)
+    return GnaSpec.of(q.dim() - 3, a["window"], a["stride"], a["dilation"], a["causal"], scale=scale,
+                      q_tile=a["q_tile"], kv_tile=a["kv_tile"], kv_tiling=a["kv_tiling"],
+                      precision=a.get("precision"), return_lse=return_lse)
+
+
+@torch.library.custom_op("natsim::gna_resolved", mutates_args=())
+def gna_resolved(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, resolver: int, scale: Optional[float], return_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GNA forward on `[B, *shape, heads, head_dim]` with the arguments the registered `resolver` picks for this
+    layout: the output, and the LSE (empty unless `return_lse`)."""
+    out, lse = run_spec(q, k, v, _resolved(resolver, q, scale, return_lse))
+    return out, (no_lse(q) if lse is None else lse)
+
+
+@gna_resolved.register_fake
+def _gna_resolved_fake(q, k, v, resolver, scale, return_lse):
+    check_qkv(q, k, v)
+    _check_registered(resolver)
+    return like(q), fake_lse(q, return_lse)
+
+
+@torch.library.custom_op("natsim::gna_resolved_backward", mutates_args=())
+def gna_resolved_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_lse: Optional[torch.Tensor],
+    resolver: int,
+    scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `natsim::gna_resolved`: the arguments resolved again (the resolver caches them) and the
+    backward of `natsim::gna_forward` with them, the Triton kernels or the reference's recomputed gradients."""
+    return tuple(_gradients(_resolved(resolver, q, scale, True), q, k, v, out, lse, grad_out, grad_lse))
+
+
+@gna_resolved_backward.register_fake
+def _gna_resolved_backward_fake(q, k, v, out, lse, grad_out, grad_lse, resolver, scale):
+    return like(q), like(k), like(v)
+
+
+def _resolved_setup_context(ctx, inputs, output) -> None:
+    q, k, v, resolver, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.arguments = (resolver, scale)
+    ctx.set_materialize_grads(False)
+
+
+def _resolved_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = gna_resolved_backward(q, k, v, out, lse, *incoming_gradients(out, grad_out, grad_lse),
+                                       *ctx.arguments)
+    return dq, dk, dv, None, None, None
+
+
+gna_resolved.register_autograd(_resolved_backward, setup_context=_resolved_setup_context)
