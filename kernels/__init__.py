@@ -1,7 +1,9 @@
 """natsim.kernels: what runs on the GPU. GNA (kernels/gna/) and attention under any block mask
 (kernels/sparse/), forward and backward, as PyTorch operators that each family registers (kernels/gna/ops.py,
-kernels/sparse/ops.py), each with a CPU path through its torch reference; kernels/common/ holds what the families
-share, among it `natsim::attention_resolved` (kernels/common/resolved.py).
+kernels/sparse/ops.py), each with a CPU path through its torch reference, on natsim's Triton kernels or on
+FlashAttention-4 (kernels/fa4/, an optional dependency) behind one seam (kernels/backends/: what each backend
+runs); kernels/common/ holds what the families share, among it `natsim::attention_resolved`
+(kernels/common/resolved.py).
 
 The face that rooms above the kernels import: the entry points, the operators they run through at run time
 (`gna_resolved` with `register_resolver`, `attention_resolved` with `register_attention`), a call's spec
@@ -18,6 +20,7 @@ from .common.launch import LaunchOptions
 from .common.resolved import attention_resolved, register_attention
 from .gna import (
     GnaSpec,
+    chosen_backend,
     gna_attention,
     gna_attention_permuted,
     gna_tile_counts,
@@ -59,6 +62,7 @@ __all__ = [
     "check_precision",
     "refuse_gradients",
     "gna_attention",
+    "chosen_backend",
     "gna_attention_permuted",
     "gna_tile_counts",
     "permute",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+BACKENDS = ("triton", "fa4")  # what a call may name: natsim's Triton kernels, FlashAttention-4 (kernels/backends/)
 KERNEL_HEAD_DIMS = (32, 64, 128)
 
 
@@ -23,3 +24,9 @@ def check_matching(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             "q, k and v must share dtype and device, got "
             f"dtypes ({q.dtype}, {k.dtype}, {v.dtype}), devices ({q.device}, {k.device}, {v.device})."
         )
+
+
+def check_backend(backend: object) -> None:
+    """`backend` is one of BACKENDS or None (natsim chooses)."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'triton', 'fa4' or None (natsim chooses), got backend={backend!r}.")

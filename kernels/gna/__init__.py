@@ -3,12 +3,13 @@ frame ranges) and backward, with the token permutation, tile choice and launch t
 public entry points, a call's spec, the registered operators, and the torch reference they are checked against.
 """
 
-from .api import gna_attention, gna_attention_permuted, gna_tile_counts
+from .api import chosen_backend, gna_attention, gna_attention_permuted, gna_tile_counts
 from .permute import permute, permute_reference, unpermute, unpermute_reference
 from .reference import reference_attention
 from .spec import FrameRange, GnaSpec
 
 __all__ = [
+    "chosen_backend",
     "FrameRange",
     "GnaSpec",
     "gna_attention",

@@ -29,7 +29,8 @@ from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, us
 from ..common.checks import check_matching, check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
 from ..common.launch import Overrides, launch_overrides
-from .checks import check_kernel_inputs, kernel_tiles
+from .checks import check_kernel_inputs, check_qkv, kernel_tiles
+from .choice import choose
 from .dispatch import run_spec
 from .launch import GnaCall, frames_as_3d, make_call
 from .layout import TileLayout
@@ -120,6 +121,7 @@ def gna_attention(
     precision: Optional[str] = None,
     scales: Optional[Fp8Scales] = None,
     out_dtype: Optional[torch.dtype] = None,
+    backend: Optional[str] = None,
 ):
     """Generalized Neighborhood Attention, forward, on `[B, *shape, heads, head_dim]` tensors (1 to 3 dims).
 
@@ -148,6 +150,14 @@ def gna_attention(
     for q and k, per channel for v; kernels/common/fp8.py says which shapes broadcast) and imply
     `precision="fp8"`: the kernel reads them as given (no K mean removed; the LSE is of the given values'
     scores) and returns the output in `out_dtype` (torch.bfloat16 by default, or torch.float16).
+
+    `backend`: "triton" (natsim's kernels), "fa4" (FlashAttention-4, when installed: `pip install
+    'natsim[fa4]'`; q, k, v in the Q tile's token order, permuted for it, the KV tile the Q tile or a slab of it
+    along its first dimension longer than 1; bf16 / fp16, no frame ranges, no FP8, static KV tiling), or None:
+    natsim chooses, FlashAttention-4 where it runs the call and every block it visits is full (dense attention,
+    block-sparse configurations) or natsim's kernels do not run the head dim, natsim's kernels elsewhere
+    (kernels/gna/choice.py; `chosen_backend` says which). A backend that cannot run the call is refused with a
+    sentence saying why. Gradients run on the forward's backend where its backward takes the tiles.
     """
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
@@ -159,12 +169,24 @@ def gna_attention(
     tracked = not eager and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     spec = GnaSpec.of(q.dim() - 3, window, stride, dilation, causal, scale=scale, q_tile=q_tile, kv_tile=kv_tile,
                       kv_tiling=kv_tiling, frame_offsets=frame_offsets, precision=precision, out_dtype=out_dtype,
-                      return_lse=return_lse or tracked)
+                      return_lse=return_lse or tracked, backend=backend)
     if eager:
         out, lse = run_spec(q, k, v, spec, scales)
     else:
         out, lse = gna_forward(q, k, v, *spec.operator_arguments(scales))
     return (out, lse) if return_lse else out
+
+
+def chosen_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntOrInts, stride: IntOrInts = 1,
+                   dilation: IntOrInts = 1, causal: BoolOrBools = False, q_tile: Optional[IntOrInts] = None,
+                   kv_tile: Optional[IntOrInts] = None, kv_tiling: Optional[str] = None,
+                   backend: Optional[str] = None) -> str:
+    """The backend `gna_attention` runs these arguments on: "triton", "fa4" or "reference" (CPU tensors), or the
+    sentence error it would raise (kernels/gna/choice.py)."""
+    check_tensors(q, k, v)
+    spec = GnaSpec.of(q.dim() - 3, window, stride, dilation, causal, q_tile=q_tile, kv_tile=kv_tile,
+                      kv_tiling=kv_tiling, backend=backend)
+    return choose(spec, spec.problem(check_qkv(q, k, v)), q).backend
 
 
 def gna_tile_counts(

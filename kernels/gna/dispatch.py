@@ -1,5 +1,5 @@
-"""One GNA forward call, from its spec to output: the Triton kernel on CUDA tensors (or in the interpreter),
-the torch reference on CPU tensors.
+"""One GNA call, from its spec to output: the backend kernels/gna/choice.py picks (natsim's Triton kernel on CUDA
+tensors or in the interpreter, FlashAttention-4), the torch reference on CPU tensors; and its backward.
 
 `run_spec` keys every call on its `GnaSpec` (kernels/gna/spec.py) and tensor metadata; the first call with a key
 validates what needs the tensors and works the call out (`_prepare`, a `GnaCall` of kernels/gna/launch.py), later
@@ -21,8 +21,12 @@ from natsim import Problem
 from natsim.problem import BoolOrBools, IntOrInts
 
 from ..common.backend import interpreting
+from ..common.checks import KERNEL_HEAD_DIMS
 from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_q_tile
+from ..fa4 import run as fa4_run
+from .backward import gna_backward
 from .checks import check_frames, check_kernel_inputs, check_qkv, kernel_tiles
+from .choice import Choice, backward_refusal, choose
 from .launch import KERNELS, dense_as_1d, frames_as_3d, make_call, takes_layout_path
 from .reference import fp8_reference_attention, reference_attention
 from .spec import GnaSpec
@@ -41,13 +45,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntOrInts
             q_tile: Optional[IntOrInts] = None, kv_tile: Optional[IntOrInts] = None, return_lse: bool = False,
             kv_tiling: Optional[str] = None, frame_offsets: Optional[tuple[int, int, int]] = None,
             precision: Optional[str] = None, scales: Optional[Fp8Scales] = None,
-            out_dtype: Optional[torch.dtype] = None) -> Output:
+            out_dtype: Optional[torch.dtype] = None, backend: Optional[str] = None) -> Output:
     """GNA forward of `[B, *shape, heads, head_dim]` tensors from `gna_attention`'s arguments: `(out, lse)`,
     `lse` None unless asked. Their spec (`GnaSpec.of`, checked) run by `run_spec`; no autograd, no operator.
     Inputs given in float8 come with their full-size `scales` and `out_dtype` as `check_fp8_call` returns them."""
     spec = GnaSpec.of(q.dim() - 3, window, stride, dilation, causal, scale=scale, q_tile=q_tile, kv_tile=kv_tile,
                       kv_tiling=kv_tiling, frame_offsets=frame_offsets, precision=precision, out_dtype=out_dtype,
-                      return_lse=return_lse)
+                      return_lse=return_lse, backend=backend)
     return run_spec(q, k, v, spec, scales)
 
 
@@ -82,8 +86,11 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
     inputs given in float8, whose output is in `spec.out_dtype`, on their scales)."""
     shape = check_qkv(q, k, v)
     problem = spec.problem(shape)
-    if not (q.is_cuda or interpreting()):
+    choice = choose(spec, problem, q)
+    if choice.backend == "reference":
         return functools.partial(_run_reference, problem=problem, spec=spec)
+    if choice.backend == "fa4":
+        return functools.partial(_run_fa4, choice=choice, spec=spec)
     fp8 = spec.precision == "fp8"
     check_kernel_inputs(q, float8=spec.out_dtype is not None)
     if fp8:
@@ -108,6 +115,48 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
     call = make_call(kernel_problem, shape, replace(spec, q_tile=q_dims, kv_tile=kv_dims, kv_tiling=mode),
                      batch=batch, heads=heads, head_dim=head_dim, layout_tensors=views if layout else None)
     return call.run
+
+
+def _scale(spec: GnaSpec, q: torch.Tensor) -> float:
+    return q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`[B, *shape, H, D]` as one sequence `[B, N, H, D]`."""
+    return t.reshape(t.shape[0], -1, *t.shape[-2:])
+
+
+def _run_fa4(q, k, v, *, choice: Choice, spec: GnaSpec) -> Output:
+    """FlashAttention-4: GNA of the chosen geometry, or dense attention over the flattened layout."""
+    if choice.fa4 is not None:
+        return choice.fa4.forward(q, k, v, _scale(spec, q), spec.return_lse)
+    out, lse = fa4_run.forward(_flat(q), _flat(k), _flat(v), _scale(spec, q), None, None, spec.return_lse)
+    return out.view(q.shape), None if lse is None else lse.view(q.shape[:-1])
+
+
+def run_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], spec: GnaSpec):
+    """dq, dk, dv of a GNA forward of `spec` on GPU tensors (or in the interpreter) from its output and LSE; an
+    empty `lse` (a forward called without it) runs the forward again for it. FlashAttention-4 differentiates
+    what it ran forward where its backward runs the tiles (kernels/backends/fa4.py), natsim's Triton backward
+    kernels the rest."""
+    problem = spec.problem(tuple(q.shape[1:-2]))
+    if not lse.numel():
+        out, lse = run_spec(q, k, v, replace(spec, return_lse=True))
+    choice = choose(spec, problem, q)
+    head_dim = q.shape[-1]
+    if choice.backend == "fa4" and backward_refusal(choice, head_dim) is None:
+        scale = _scale(spec, q)
+        if choice.fa4 is not None:
+            return choice.fa4.backward(q, k, v, out, lse, grad_out, grad_lse, scale)
+        rows = lambda t: None if t is None else t.reshape(t.shape[0], -1, t.shape[-1])  # noqa: E731
+        grads = fa4_run.backward(_flat(q), _flat(k), _flat(v), _flat(out), _flat(grad_out), rows(lse), rows(grad_lse),
+                                 scale, None, None)
+        return tuple(g.view(t.shape) for g, t in zip(grads, (q, k, v)))
+    if choice.backend == "fa4" and head_dim not in KERNEL_HEAD_DIMS:
+        raise ValueError(f"natsim has no backward for this call: {backward_refusal(choice, head_dim)} natsim's "
+                         f"Triton backward runs head_dim in {KERNEL_HEAD_DIMS}.")
+    return gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem, spec.scale)
 
 
 def _prepare_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -> Runner:

@@ -27,9 +27,8 @@ import torch
 from ..common.backend import use_triton
 from ..common.fp8 import check_fp8_call, refuse_gradients, scales_from
 from ..common.operators import fake_lse, incoming_gradients, like, no_lse, recomputed_gradients
-from .backward import gna_backward as run_gna_backward
-from .checks import check_frames, check_qkv, problem_of
-from .dispatch import run_spec
+from .checks import check_frames, check_qkv
+from .dispatch import run_backward, run_spec
 from .reference import reference_attention
 from .spec import GnaSpec
 
@@ -60,16 +59,18 @@ def gna_forward(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]`: the output, and the LSE `[B, *shape, heads]` (empty
     unless `return_lse`). `kv_tiling`: "static", "dynamic" or None (natsim chooses). `frame_offsets=(q0, k0,
     L0)`: q and k, v hold frame ranges of dimension 0 (kernels/gna/launch.py). `precision`: None or "fp8"
     (inference only: no gradient). q, k, v in float8 e4m3 come with `q_scale`, `k_scale`, `v_scale` and
-    `out_dtype` (kernels/common/fp8.py, `Fp8Scales`)."""
+    `out_dtype` (kernels/common/fp8.py, `Fp8Scales`). `backend`: "triton", "fa4" or None (natsim chooses,
+    kernels/gna/choice.py)."""
     precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale),
                                                   out_dtype)
     spec = GnaSpec.from_operator(window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
-                                 frame_offsets, precision, out_dtype)
+                                 frame_offsets, precision, out_dtype, backend)
     out, lse = run_spec(q, k, v, spec, scales)
     return out, (no_lse(q) if lse is None else lse)
 
@@ -77,10 +78,10 @@ def gna_forward(
 @gna_forward.register_fake
 def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse,
                       kv_tiling=None, frame_offsets=None, precision=None, q_scale=None, k_scale=None, v_scale=None,
-                      out_dtype=None):
+                      out_dtype=None, backend=None):
     precision, _, out_dtype = check_fp8_call(q, k, v, precision, scales_from(q_scale, k_scale, v_scale), out_dtype)
     spec = GnaSpec.from_operator(window, stride, dilation, causal, scale, q_tile, kv_tile, return_lse, kv_tiling,
-                                 frame_offsets, precision, out_dtype)
+                                 frame_offsets, precision, out_dtype, backend)
     if spec.frames is None:  # the same sentence errors as eager
         spec.problem(check_qkv(q, k, v))
     else:
@@ -89,10 +90,10 @@ def _gna_forward_fake(q, k, v, window, stride, dilation, causal, scale, q_tile, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    # q, k, v, then the schema's spec arguments up to precision, then FP8's scales and output dtype; trailing
-    # arguments at their defaults may be left out of `inputs`.
+    # q, k, v, then the schema's spec arguments up to precision, then FP8's scales, the output dtype and the
+    # backend; trailing arguments at their defaults may be left out of `inputs`.
     q, k, v, *arguments = inputs
-    spec = GnaSpec.from_operator(*arguments[:11])
+    spec = GnaSpec.from_operator(*arguments[:11], backend=arguments[15] if len(arguments) > 15 else None)
     scale_tensors = arguments[11:14]
     if spec.frames is not None and use_triton(q):
         raise RuntimeError(FRAMES_GRADIENT_REFUSAL)
@@ -119,19 +120,22 @@ def gna_backward(
     dilation: Sequence[int],
     causal: Sequence[bool],
     scale: Optional[float],
+    q_tile: Optional[Sequence[int]] = None,
+    kv_tile: Optional[Sequence[int]] = None,
+    backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of `natsim::gna_forward` on the Triton path: the backward kernels (kernels/gna/backward.py)
-    from the forward's output and LSE; an empty `lse` (a forward called without `return_lse`) runs the
-    forward again for it. An operator of its own, so that AOTAutograd (torch.compile) keeps the backward in
-    its graph as one opaque call."""
-    problem = problem_of(tuple(q.shape[1:-2]), tuple(window), tuple(stride), tuple(dilation), tuple(causal))
-    if not lse.numel():
-        out, lse = run_spec(q, k, v, GnaSpec.for_problem(problem, scale=scale, return_lse=True))
-    return run_gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem, scale)
+    """dq, dk, dv of `natsim::gna_forward` on the GPU (or in the interpreter) from the forward's output and LSE,
+    on the backend the forward ran (kernels/gna/dispatch.py `run_backward`: FlashAttention-4 where its backward
+    runs the tiles, natsim's Triton backward kernels otherwise); an empty `lse` (a forward called without
+    `return_lse`) runs the forward again for it. An operator of its own, so that AOTAutograd (torch.compile)
+    keeps the backward in its graph as one opaque call."""
+    spec = GnaSpec.from_operator(window, stride, dilation, causal, scale, q_tile, kv_tile, False, backend=backend)
+    return run_backward(q, k, v, out, lse, grad_out, grad_lse, spec)
 
 
 @gna_backward.register_fake
-def _gna_backward_fake(q, k, v, out, lse, grad_out, grad_lse, window, stride, dilation, causal, scale):
+def _gna_backward_fake(q, k, v, out, lse, grad_out, grad_lse, window, stride, dilation, causal, scale, q_tile=None,
+                       kv_tile=None, backend=None):
     return like(q), like(k), like(v)
 
 
@@ -139,7 +143,8 @@ def _gradients(spec: GnaSpec, q, k, v, out, lse, grad_out: torch.Tensor, grad_ls
     """dq, dk, dv of a GNA forward of `spec`: through `natsim::gna_backward` on the Triton path, the torch
     reference's recomputed under autograd on the CPU path."""
     if use_triton(q):
-        return gna_backward(q, k, v, out, lse, grad_out, grad_lse, *spec.parameters, spec.scale)
+        return gna_backward(q, k, v, out, lse, grad_out, grad_lse, *spec.parameters, spec.scale,
+                            *(None if t is None else list(t) for t in (spec.q_tile, spec.kv_tile)), spec.backend)
     return recomputed_gradients(
         lambda q, k, v: reference_attention(q, k, v, *spec.parameters, spec.scale, return_lse=True,
                                             frame_offsets=spec.frames),
@@ -165,8 +170,8 @@ _resolvers: dict[int, GnaResolver] = {}
 
 def register_resolver(resolver: GnaResolver) -> int:
     """Register `resolver(shape, heads, head_dim, dtype, device)`, which returns `gna_attention`'s keyword
-    arguments (window, stride, dilation, causal, q_tile, kv_tile, kv_tiling, and optionally precision) for a
-    layout, and return the id that `natsim::gna_resolved` takes. Rooms above the kernels (the planner) decide
+    arguments (window, stride, dilation, causal, q_tile, kv_tile, kv_tiling, and optionally precision and
+    backend) for a layout, and return the id that `natsim::gna_resolved` takes. Rooms above the kernels (the planner) decide
     through it at run time, so that a compiled graph holds one opaque call whatever the layout, and the kernels
     never import them."""
     key = len(_resolvers)
@@ -186,7 +191,7 @@ def _resolved(resolver: int, q: torch.Tensor, scale: Optional[float], return_lse
                              q.device)
     return GnaSpec.of(q.dim() - 3, a["window"], a["stride"], a["dilation"], a["causal"], scale=scale,
                       q_tile=a["q_tile"], kv_tile=a["kv_tile"], kv_tiling=a["kv_tiling"],
-                      precision=a.get("precision"), return_lse=return_lse)
+                      precision=a.get("precision"), return_lse=return_lse, backend=a.get("backend"))
 
 
 @torch.library.custom_op("natsim::gna_resolved", mutates_args=())

@@ -23,6 +23,7 @@ from natsim.problem import BoolOrBools, IntOrInts
 
 from ..common.fp8 import Fp8Scales, check_precision, scale_tensors
 from ..common.spec import kept
+from ..common.checks import check_backend
 from .checks import check_frame_offsets, check_kv_tiling
 
 
@@ -49,7 +50,8 @@ class GnaSpec:
     scale (None: `head_dim ** -0.5`); `q_tile`, `kv_tile`: per-dimension tiles, or None for natsim's choice;
     `kv_tiling`: "static", "dynamic" or None (natsim chooses); `frames`: the frame ranges q and k, v hold, or None
     for the whole layout; `precision`: None or "fp8"; `out_dtype`: the output's dtype for q, k, v given in float8
-    (None otherwise); `return_lse`: whether the call returns the LSE. Hashable: with tensor metadata, the key of
+    (None otherwise); `return_lse`: whether the call returns the LSE; `backend`: "triton", "fa4" or None (natsim
+chooses, kernels/gna/choice.py). Hashable: with tensor metadata, the key of
     the dispatcher's call cache.
     """
 
@@ -65,6 +67,7 @@ class GnaSpec:
     precision: Optional[str] = None
     out_dtype: Optional[torch.dtype] = None
     return_lse: bool = False
+    backend: Optional[str] = None
 
     @classmethod
     def of(
@@ -83,13 +86,14 @@ class GnaSpec:
         precision: Optional[str] = None,
         out_dtype: Optional[torch.dtype] = None,
         return_lse: bool = False,
+        backend: Optional[str] = None,
     ) -> GnaSpec:
         """The spec of a caller's arguments for a layout of `ndim` dimensions: scalars broadcast to one value per
         dimension, sequences made tuples (values of other types are left for `problem` to refuse with its
         sentence), the scale a float, frame offsets a `FrameRange`; KV tiling, precision, frame offsets and
         their combinations checked (sentence errors). Made once per distinct arguments (kernels/common/spec.py)."""
         return _spec_of(ndim, window, stride, dilation, causal, scale, q_tile, kv_tile, kv_tiling, frame_offsets,
-                        precision, out_dtype, bool(return_lse))
+                        precision, out_dtype, bool(return_lse), backend)
 
     @classmethod
     def for_problem(cls, problem: Problem, **fields: object) -> GnaSpec:
@@ -101,12 +105,13 @@ class GnaSpec:
     def from_operator(cls, window: list[int], stride: list[int], dilation: list[int], causal: list[bool],
                       scale: Optional[float], q_tile: Optional[list[int]], kv_tile: Optional[list[int]],
                       return_lse: bool, kv_tiling: Optional[str] = None, frame_offsets: Optional[list[int]] = None,
-                      precision: Optional[str] = None, out_dtype: Optional[torch.dtype] = None) -> GnaSpec:
+                      precision: Optional[str] = None, out_dtype: Optional[torch.dtype] = None,
+                      backend: Optional[str] = None) -> GnaSpec:
         """The spec of `natsim::gna_forward`'s schema arguments (after q, k, v; without the FP8 scales, which are
         tensors), checked as `of` checks a caller's."""
         return cls.of(len(window), window, stride, dilation, causal, scale=scale, q_tile=q_tile, kv_tile=kv_tile,
                       kv_tiling=kv_tiling, frame_offsets=frame_offsets, precision=precision, out_dtype=out_dtype,
-                      return_lse=return_lse)
+                      return_lse=return_lse, backend=backend)
 
     def operator_arguments(self, scales: Optional[Fp8Scales] = None) -> tuple:
         """`natsim::gna_forward`'s arguments after q, k, v, in schema order: lists where the schema takes lists,
@@ -115,7 +120,7 @@ class GnaSpec:
                 None if self.q_tile is None else list(self.q_tile),
                 None if self.kv_tile is None else list(self.kv_tile), self.return_lse, self.kv_tiling,
                 None if self.frames is None else list(self.frames), self.precision, *scale_tensors(scales),
-                self.out_dtype)
+                self.out_dtype, self.backend)
 
     @property
     def parameters(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
@@ -132,9 +137,10 @@ class GnaSpec:
 def _spec_of(ndim: int, window: IntOrInts, stride: IntOrInts, dilation: IntOrInts, causal: BoolOrBools,
              scale: Optional[float], q_tile: Optional[IntOrInts], kv_tile: Optional[IntOrInts],
              kv_tiling: Optional[str], frame_offsets: Optional[object], precision: Optional[str],
-             out_dtype: Optional[torch.dtype], return_lse: bool) -> GnaSpec:
+             out_dtype: Optional[torch.dtype], return_lse: bool, backend: Optional[str]) -> GnaSpec:
     """`GnaSpec.of`'s work."""
     check_kv_tiling(kv_tiling)
+    check_backend(backend)
     check_precision(precision)
     frames = None if frame_offsets is None else FrameRange.of(frame_offsets)
     if precision is not None and frames is not None:
@@ -148,7 +154,7 @@ def _spec_of(ndim: int, window: IntOrInts, stride: IntOrInts, dilation: IntOrInt
     return GnaSpec(_per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim), _per_dim(causal, ndim),
                    None if scale is None else float(scale), None if q_tile is None else _per_dim(q_tile, ndim),
                    None if kv_tile is None else _per_dim(kv_tile, ndim), kv_tiling, frames, precision, out_dtype,
-                   return_lse)
+                   return_lse, backend)
 
 
 def _per_dim(value: object, ndim: int) -> object:

@@ -16,8 +16,11 @@ import numpy as np
 import torch
 
 from ..common.backend import autocast_inputs, runs_eagerly, use_triton
-from ..common.checks import check_tensors
+from ..common.checks import KERNEL_DTYPES, check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
+from ..fa4 import run as fa4_run
+from ..fa4.ops import fa4_blocks, lists_schema
+from ..fa4.rules import tile_refusal
 from .checks import check_work
 from .dispatch import sparse_forward_impl
 from .forward import run_sparse
@@ -53,7 +56,10 @@ def sparse_attention(
       `SparseWork` from `prepare_sparse`: the mask's work for the forward and the backward done once and reused
       by every call, in eager calls, under autograd, torch.compile and CUDA graphs (its blocks and merge are
       its own: leave `q_block`, `kv_block` and `merge` None). A boolean mask or SparseMask is prepared again
-      on every call (and its backward lists again in the backward).
+      on every call (and its backward lists again in the backward) and runs on natsim's kernels; a SparseWork
+      runs on the backend `prepare_sparse` chose or was asked for (`prepare_sparse(..., backend="fa4")`:
+      FlashAttention-4), calls that backend does not take on natsim's kernels, or, where the work names its
+      backend, refused with a sentence.
     - `merge`: None (a program holds one query block, at least 16 rows), `"consecutive"` or `"xor"` (a program
       holds 128 queries, 128 // q_block blocks: consecutive ones, or natsim.merge's XOR greedy per head).
       The output never depends on it: each row is masked by its own block's row.
@@ -117,10 +123,39 @@ def _attend_prepared(q, k, v, work: SparseWork, spec: SparseSpec, scales: Option
             "q, k or v requires grad: prepare it with backward=True, or call under torch.no_grad()."
         )
     check_work(work, q)
+    if _on_fa4(work, q, spec, scales, tracked):
+        if runs_eagerly(q, k, v):
+            out, lse = fa4_run.forward(q, k, v, _scale(q, spec), work.fa4, None, spec.return_lse)
+            return out, lse
+        return fa4_blocks(q, k, v, *lists_schema(work.fa4), spec.scale, spec.return_lse)
     if runs_eagerly(q, k, v) and use_triton(q):
         out, lse, _ = run_sparse(work, q, k, v, spec, scales)
         return out, lse
     return sparse_prepared(q, k, v, work_tensors(work), work_sizes(work), *spec.work_arguments(scales))
+
+
+def _scale(q: torch.Tensor, spec: SparseSpec) -> float:
+    return q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+
+
+def _on_fa4(work: SparseWork, q: torch.Tensor, spec: SparseSpec, scales: Optional[Fp8Scales], tracked: bool) -> bool:
+    """Whether a call on `work` runs on FlashAttention-4: the work has its lists and the call is one it takes (CUDA
+    tensors in bf16 / fp16, no PV skip, no FP8, blocks it runs at this head dim, forward and with `tracked`
+    backward). Where the work was prepared for it by name (`backend="fa4"`), a call it cannot take is refused."""
+    if work.fa4 is None:
+        return False
+    if not q.is_cuda:
+        refusal = "FlashAttention-4 runs on CUDA tensors."
+    elif q.dtype not in KERNEL_DTYPES or scales is not None or spec.precision is not None:
+        refusal = f"FlashAttention-4 runs bfloat16 and float16 inputs without FP8, got dtype={q.dtype}."
+    elif spec.pv_threshold is not None:
+        refusal = "FlashAttention-4 has no PV skip (pv_threshold)."
+    else:
+        refusal = tile_refusal(work.q_block, work.kv_block, q.shape[-1], backward=tracked)
+    if refusal is not None and work.requested == "fa4":
+        raise ValueError(f"this SparseWork was prepared for FlashAttention-4 (backend='fa4'), which cannot run this "
+                         f"call: {refusal} Prepare it with backend='triton' or None.")
+    return refusal is None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,9 @@ import torch
 from natsim import merge as natsim_merge
 
 from ..common.backend import interpreting
+from ..fa4.lists import Fa4Lists, lists_from_blocks
+from ..fa4.rules import device_refusal, tile_refusal
+from ..common.checks import check_backend
 from .backward import BackwardTiles, TileList, backward_tiles, tile_lists
 from .lists import build_lists
 from .mask import SparseMask, check_block, check_dense_mask
@@ -42,7 +45,9 @@ class SparseWork:
     `tiles`, `dkdv_lists`, `dq_lists`: the backward kernels' tiles and lists (None in work prepared without
     them, for inference). `merge_seconds`: time of the
     grouping (natsim.merge on the CPU for "xor", including the mask's copy there); `prepare_seconds`: the whole
-    preparation.
+    preparation. `fa4`: FlashAttention-4's lists of the mask (kernels/fa4/lists.py) where the work runs on it
+    (`prepare_sparse(..., backend=...)`), else None; `requested`: the backend `prepare_sparse` was asked for
+    (None: natsim chose).
     """
 
     q_block: int
@@ -65,6 +70,13 @@ class SparseWork:
     dq_lists: Optional[TileList]
     merge_seconds: float
     prepare_seconds: float
+    fa4: Optional[Fa4Lists] = None
+    requested: Optional[str] = None
+
+    @property
+    def backend(self) -> str:
+        """The backend the work runs on: "fa4" (FlashAttention-4's lists) or "triton"."""
+        return "triton" if self.fa4 is None else "fa4"
 
     @property
     def group(self) -> int:
@@ -104,16 +116,48 @@ def prepare_sparse(
     block_n: Optional[int] = None,
     device: Optional[torch.device] = None,
     backward: bool = True,
+    backend: Optional[str] = None,
 ) -> SparseWork:
     """The kernel's work for `mask` (a boolean `[B|1, H|1, nQ, nKV]` tensor with `q_block`, `kv_block` and
     `seq_len`, or a SparseMask), grouped by `merge`, on `device` (the mask's by default). Pass it as the mask
     of `sparse_attention` to reuse it across calls; `block_m` / `block_n` override `default_blocks`.
-    `backward=False` leaves out the backward kernels' lists (work for inference only)."""
+    `backward=False` leaves out the backward kernels' lists (work for inference only).
+
+    `backend`: "triton" (natsim's kernels), "fa4" (FlashAttention-4: its lists are built too; no merge, blocks
+    it runs, kernels/backends/fa4.py), or None: FlashAttention-4 where it is installed and runs the mask's blocks
+    unmerged (with `backward`, its backward too), natsim's kernels otherwise. Work on FlashAttention-4 keeps
+    natsim's own lists as well, for calls FlashAttention-4 does not take (CPU tensors, and with natsim's choice
+    of backend, the PV skip, FP8 or a head dim whose blocks it does not run)."""
+    check_backend(backend)
     start = time.perf_counter()
     work = _prepare(mask, q_block, kv_block, seq_len, merge, block_m, block_n, device, backward, exact=True)
+    lists = _fa4_lists(work, backend, backward)
+    if lists is not None or backend is not None:
+        work = replace(work, fa4=lists, requested=backend)
     if work.mask.is_cuda:
         torch.cuda.synchronize(work.mask.device)
     return replace(work, prepare_seconds=time.perf_counter() - start)
+
+
+def fa4_refusal(q_block: int, kv_block: int, merge: Optional[str], device: torch.device, head_dim: int = 128,
+                backward: bool = False) -> Optional[str]:
+    """None when FlashAttention-4 runs a mask of these blocks on `device` (at `head_dim`; with `backward`, its
+    gradients too), else why not (a sentence)."""
+    if merge is not None:
+        return f"FlashAttention-4 runs a block mask unmerged (each query block its own row), got merge={merge!r}."
+    return device_refusal(device) or tile_refusal(q_block, kv_block, head_dim, backward)
+
+
+def _fa4_lists(work: "SparseWork", backend: Optional[str], backward: bool) -> Optional[Fa4Lists]:
+    """FlashAttention-4's lists of the work's mask, where `backend` asks for them or natsim chooses it."""
+    if backend == "triton":
+        return None
+    refusal = fa4_refusal(work.q_block, work.kv_block, work.merge, work.mask.device, backward=backward)
+    if refusal is not None:
+        if backend == "fa4":
+            raise ValueError(f"prepare_sparse(..., backend='fa4') cannot run this mask: {refusal}")
+        return None
+    return lists_from_blocks(work.mask, work.mask, work.q_block, work.kv_block)
 
 
 def prepare_for_call(mask: torch.Tensor, q_block: int, kv_block: int, seq_len: int, merge: Optional[str],

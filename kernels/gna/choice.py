@@ -1,0 +1,125 @@
+"""Which backend runs one GNA call: natsim's Triton kernels or FlashAttention-4 (kernels/backends/fa4.py), or the
+torch reference for CPU tensors.
+
+`choose` decides once per distinct call (the dispatcher keeps the answer): a call that names its backend gets it
+or a sentence saying why it cannot run there; a call that leaves it to natsim (`backend=None`) goes to
+FlashAttention-4 where that is installed, runs the call, and every block it visits is full (dense attention, or
+a block-sparse configuration: measured faster than natsim's kernels in every such case, benchmarks/results/
+fa4-probe-*.json), and where natsim's kernels do not run the head dim; elsewhere to natsim's Triton kernels
+(partial tiles: FlashAttention-4 evaluates the GNA mask element by element, about 8x slower there). The planner
+(natsim.planner) chooses with calibrated costs instead, and names the backend it picked.
+
+Without tiles, FlashAttention-4 takes dense attention over the flattened layout as one sequence (no permutation),
+and a GNA configuration on the block-sparse tiles with the fewest blocks among those it runs (the catalog's, in
+the Q tile's token order), else natsim's default tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from natsim import Problem, TileConfig, simulate
+
+from ..common.backend import interpreting
+from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
+from ..fa4.gna import Fa4Gna
+from ..fa4.rules import HEAD_DIMS as FA4_HEAD_DIMS
+from ..fa4.rules import device_refusal, gna_tile_refusal
+from .launch import dense_as_1d
+from .spec import GnaSpec
+from .tiles import TILE_TOKENS, default_tiles, tile_pairs
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend of one call: "triton", "fa4" or "reference"; with FlashAttention-4 the geometry it runs (None:
+    dense attention over the flattened layout)."""
+
+    backend: str
+    fa4: Optional[Fa4Gna] = None
+
+
+def choose(spec: GnaSpec, problem: Problem, q: torch.Tensor) -> Choice:
+    """The backend of a GNA call of `spec` on `problem` with tensors like `q` (module docstring)."""
+    if not q.is_cuda:
+        if spec.backend == "fa4":
+            raise ValueError(f"backend='fa4' cannot run this call: {device_refusal(q.device)}")
+        return Choice("triton" if interpreting() else "reference")
+    if spec.backend == "triton":
+        return Choice("triton")
+    refusal, geometry = _fa4_geometry(spec, problem, q)
+    if spec.backend == "fa4":
+        if refusal is not None:
+            raise ValueError(f"backend='fa4' cannot run this call: {refusal}")
+        return Choice("fa4", geometry)
+    if refusal is None and (geometry is None or not geometry.lists(q.device).masked
+                            or q.shape[-1] not in KERNEL_HEAD_DIMS):
+        return Choice("fa4", geometry)
+    return Choice("triton")
+
+
+def backward_refusal(choice: Choice, head_dim: int) -> Optional[str]:
+    """None when FlashAttention-4 differentiates a call it ran forward (`choice`), else why not; natsim's Triton
+    backward then takes it where it runs the head dim."""
+    if choice.fa4 is None:
+        return None
+    return gna_tile_refusal(choice.fa4.q_tile, choice.fa4.kv_tile, head_dim, backward=True)
+
+
+def _fa4_geometry(spec: GnaSpec, problem: Problem, q: torch.Tensor) -> tuple[Optional[str], Optional[Fa4Gna]]:
+    """(why FlashAttention-4 cannot run the call, or None; the geometry it runs, None for dense attention)."""
+    refusal = device_refusal(q.device)
+    if refusal is not None:
+        return refusal, None
+    if q.dtype not in KERNEL_DTYPES:
+        return f"FlashAttention-4 runs float16 and bfloat16 inputs, got dtype={q.dtype}.", None
+    if spec.precision is not None or spec.frames is not None or spec.kv_tiling == "dynamic":
+        return ("FlashAttention-4 runs bfloat16 / float16 GNA with static KV tiling over a whole layout: not "
+                "precision='fp8', frame_offsets or kv_tiling='dynamic'."), None
+    head_dim = int(q.shape[-1])
+    if head_dim not in FA4_HEAD_DIMS:
+        return f"FlashAttention-4 runs head_dim 8 to 256 in steps of 8, got head_dim={head_dim}.", None
+    if spec.q_tile is None and spec.kv_tile is None:
+        if dense_as_1d(problem) is not None:
+            return None, None
+        return None, _default_geometry(problem, head_dim)
+    q_tile = spec.q_tile if spec.q_tile is not None else spec.kv_tile
+    kv_tile = spec.kv_tile if spec.kv_tile is not None else spec.q_tile
+    refusal = _tile_problem(problem, q_tile, kv_tile) or gna_tile_refusal(q_tile, kv_tile, head_dim)
+    return refusal, None if refusal else Fa4Gna(problem, tuple(q_tile), tuple(kv_tile))
+
+
+def _tile_problem(problem: Problem, q_tile, kv_tile) -> Optional[str]:
+    if len(q_tile) != problem.ndim or len(kv_tile) != problem.ndim:
+        return f"tiles must have one side per dimension of the layout {problem.shape}, got {q_tile} / {kv_tile}."
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _default_geometry(problem: Problem, head_dim: int) -> Fa4Gna:
+    """The block-sparse tiles with the fewest visited blocks among the catalog's that FlashAttention-4 runs, else
+    natsim's default tiles where it runs them, else the catalog's first it runs (module docstring)."""
+    catalog_dim = head_dim if head_dim in TILE_TOKENS else max(TILE_TOKENS)
+    pairs = [(q, kv) for q, kv in tile_pairs(problem.shape, catalog_dim) if gna_tile_refusal(q, kv, head_dim) is None]
+    sparse = [(simulate(problem, TileConfig(q, kv)).visited_tiles, i) for i, (q, kv) in enumerate(pairs)
+              if _block_sparse(problem, q, kv)]
+    if sparse:
+        return Fa4Gna(problem, *pairs[min(sparse)[1]])
+    if head_dim in TILE_TOKENS:
+        q_tile, kv_tile = default_tiles(problem, head_dim)
+        if gna_tile_refusal(q_tile, kv_tile, head_dim) is None:
+            return Fa4Gna(problem, q_tile, kv_tile)
+    if not pairs:
+        raise ValueError(f"FlashAttention-4 runs none of natsim's tiles on the layout {problem.shape}; pass q_tile "
+                         "and kv_tile.")
+    return Fa4Gna(problem, *pairs[0])
+
+
+def _block_sparse(problem: Problem, q_tile, kv_tile) -> bool:
+    """Every visited block full for FlashAttention-4: the simulator's full tiles, and no KV tile holding padding
+    keys (every dimension a whole number of KV tiles per dilation group; kernels/fa4/lists.py)."""
+    divides = all(L % (t * d) == 0 for L, t, d in zip(problem.shape, kv_tile, problem.dilation))
+    return divides and simulate(problem, TileConfig(q_tile, kv_tile)).block_sparse
