@@ -92,16 +92,30 @@ def unpadded_full_blocks(problem: Problem, strides: np.ndarray, q_tiles: np.ndar
 
     A multi-D pair is full and unpadded when it is along every dimension, so the total is the product over
     dimensions of the per-dimension totals (natsim.dimension), counted once per distinct (stride, Q side, KV
-    side) of a dimension."""
+    side) of a dimension: the rows' values are coded by lookup tables, without sorting the rows."""
     columns = [np.asarray(a, np.int64).reshape(-1, problem.ndim) for a in (strides, q_tiles, kv_tiles)]
     total = np.ones(len(columns[0]), np.int64)
     for axis in range(problem.ndim):
-        triples = np.stack([column[:, axis] for column in columns], axis=1)
-        distinct, inverse = np.unique(triples, axis=0, return_inverse=True)
-        values = _per_dimension(problem.shape[axis], problem.window[axis], problem.dilation[axis],
-                                problem.causal[axis], tuple(map(tuple, distinct.tolist())))
-        total *= values[inverse.reshape(-1)]
+        (strides_d, stride_code), (q_d, q_code), (kv_d, kv_code) = (_codes(column[:, axis]) for column in columns)
+        key = (stride_code * len(q_d) + q_code) * len(kv_d) + kv_code
+        present = np.zeros(len(strides_d) * len(q_d) * len(kv_d), bool)
+        present[key] = True
+        keys = np.nonzero(present)[0]
+        s_index, rest = np.divmod(keys, len(q_d) * len(kv_d))
+        q_index, kv_index = np.divmod(rest, len(kv_d))
+        combinations = tuple(zip(strides_d[s_index].tolist(), q_d[q_index].tolist(), kv_d[kv_index].tolist()))
+        table = np.zeros(len(present), np.int64)
+        table[keys] = _per_dimension(problem.shape[axis], problem.window[axis], problem.dilation[axis],
+                                     problem.causal[axis], combinations)
+        total *= table[key]
     return total
+
+
+def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of small non-negative ints, ascending, and each value's index among them."""
+    present = np.zeros(int(values.max(initial=0)) + 1, bool)
+    present[values] = True
+    return np.nonzero(present)[0], (np.cumsum(present) - 1)[values]
 
 
 def gna_fa4_features(problem: Problem, q_tile: Sequence[int], kv_tile: Sequence[int], *, batch_heads: int,
