@@ -145,6 +145,10 @@ def test_training_ranks_flashattention4_with_its_backward_on_the_blocks_its_back
     fa4 = [c for c in (*plan.search.top, *plan.search.best_by_backend) if c.backend == "fa4"]
     assert fa4 and all(fa4_runs(TileConfig(c.q_tile, c.kv_tile), backward=True) for c in fa4)
     assert all(c.backward_score is not None and c.backward_score < c.score for c in fa4)
+    on_fa4 = best((16, 32, 48), 0.85, heads=8, cost_model=MODEL, training=True, backends="fa4")
+    assert on_fa4.backend == "fa4" and on_fa4.backward_tiles == (on_fa4.tiles.q_tile, on_fa4.tiles.kv_tile)
+    assert {"backward_full_flops", "full_flops"} <= set(on_fa4.breakdown)
+    assert on_fa4.predicted_backward_time_s == pytest.approx(on_fa4.score - on_fa4.predicted_forward_time_s)
     forward_only = replace(MODEL, fa4_backward_coefficients=None)
     plan = best((16, 32, 48), 0.85, heads=8, cost_model=forward_only, training=True)
     assert plan.backend == "triton" and [c.backend for c in plan.search.best_by_backend] == ["triton"]

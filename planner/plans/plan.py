@@ -99,9 +99,12 @@ class Plan:
 
     @property
     def backward_tiles(self) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """(Q tile, KV tile) the backward runs for this plan (training plans), else None."""
+        """(Q tile, KV tile) the backward runs for this plan (training plans), else None: FlashAttention-4's runs
+        the forward's blocks, natsim's backward kernels tiles of their own."""
         if not self.training:
             return None
+        if self.backend == "fa4":
+            return self.tiles.q_tile, self.tiles.kv_tile
         work = backward_work(self.problem, self.head_dim)
         return work.q_tile, work.kv_tile
 
