@@ -248,6 +248,14 @@ def test_the_report_names_what_flashattention4_would_gain_and_how_to_get_it(fa4_
     assert again.search.would_pick == would and dict(again.search.backend_notes) == {"fa4": NOT_INSTALLED}
 
 
+def test_the_report_says_when_flashattention4_would_not_gain(fa4_missing):
+    slow = replace(MODEL, fa4_coefficients={name: 10 * value for name, value in FA4.items()})
+    plan = best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), cost_model=slow)
+    assert plan.search.would_pick.backend == "triton"
+    assert ("FlashAttention-4 would not make this plan faster, the cost model predicts; it does not run here: "
+            + NOT_INSTALLED) in render(plan.explain())
+
+
 def test_the_report_says_when_the_backends_cannot_be_told_apart(fa4_here):
     text = render(best((16, 32, 48), 0.85).explain())
     assert ("FlashAttention-4 runs here, but there is no cost model for this machine (no CUDA GPU) (plans rank by tile "

@@ -9,7 +9,7 @@ how much faster the cost model predicts it, and what makes it run (`backend_line
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Protocol
+from typing import Collection, Mapping, NamedTuple, Optional, Protocol, Sequence
 
 from rich.console import Group
 from rich.table import Table
@@ -301,10 +301,9 @@ def _backends(plan: ExplainedPlan) -> list:
                           _score(plan, c.score), versus(c.score, plan.score),
                           "yes" if c.backend in search.backends else "no")
         parts.append(table)
-    priced = {c.backend: c for c in search.best_by_backend}
     would = search.would_pick
-    gain = (would.backend, _setting(would), would.score) if would is not None else None
-    return parts + backend_lines(search.backend_notes, priced.keys(), gain, plan.score)
+    gain = None if would is None else Gain(would.backend, _setting(would), would.score)
+    return parts + backend_lines(search.backend_notes, {c.backend for c in search.best_by_backend}, gain, plan.score)
 
 
 def versus(score: float, plan_score: float) -> str:
@@ -314,22 +313,32 @@ def versus(score: float, plan_score: float) -> str:
     return f"{plan_score / score:.2f}x faster" if score < plan_score else f"{score / plan_score:.2f}x slower"
 
 
-def backend_lines(notes, priced, gain: Optional[tuple[str, str, float]], plan_score: float) -> list[Text]:
+class Gain(NamedTuple):
+    """What a search would have picked had every backend it priced run here: the backend, its setting in words
+    and its predicted seconds."""
+
+    backend: str
+    setting: str
+    seconds: float
+
+
+def backend_lines(notes: Sequence[tuple[str, str]], priced: Collection[str], gain: Optional[Gain],
+                  plan_score: float) -> list[Text]:
     """Lines about the backends a search could not pick here, one per note (backend, why): for one that was
-    priced, what it would have run and how much faster (`gain`: the backend the search would have picked had
-    every priced backend run here, its setting and predicted seconds), then why it did not; for one that was not
+    `priced`, what it would have run and how much faster (`gain`), then why it did not; for one that was not
     priced, the note itself (why it could not be priced)."""
     lines = []
     for backend, why in notes:
         name = NAMES[backend]
         if backend not in priced:
             lines.append(Text(why, style="yellow"))
-        elif gain is not None and gain[0] == backend and gain[2] < plan_score:
-            lines.append(Text(f"{name} would run this plan's best configuration ({gain[1]}) in "
-                              f"{gain[2] * 1e3:.4g} ms, {plan_score / gain[2]:.2f}x faster: {why}", style="yellow"))
+        elif gain is not None and gain.backend == backend and gain.seconds < plan_score:
+            lines.append(Text(f"{name} would run this plan's best configuration ({gain.setting}) in "
+                              f"{gain.seconds * 1e3:.4g} ms, {plan_score / gain.seconds:.2f}x faster: {why}",
+                              style="yellow"))
         else:
-            lines.append(Text(f"{name} does not run here ({why.rstrip('.')}); the cost model predicts it would not "
-                              "make this plan faster."))
+            lines.append(Text(f"{name} would not make this plan faster, the cost model predicts; it does not run "
+                              f"here: {why}"))
     return lines
 
 

@@ -33,7 +33,7 @@ from natsim.kernels.backends.triton import (MIN_Q_BLOCK, check_block, check_dens
 
 from ..catalog import as_dtype
 from .candidates import check_backend
-from .explain import backend_label, backend_lines, versus
+from .explain import Gain, backend_label, backend_lines, versus
 from .ranking import BASIS_COST_MODEL, TIE_TOLERANCE
 from .reading import check_basis, check_record, parse_json, required_keys
 
@@ -360,7 +360,7 @@ class MaskPlan:
         parts = [Text(line) for line in lines] + [basis, Text(f"Why: {why}")]
         parts += self._best_by_backend()
         would = self.would_pick
-        gain = None if would is None else (
+        gain = None if would is None else Gain(
             would.backend, f"{would.q_block} x {would.kv_block} blocks, merge {would.merge}", would.score)
         parts += backend_lines(self.backend_notes, {c.backend for c in self.candidates}, gain, self.score)
         if self.breakdown:
