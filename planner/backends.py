@@ -122,24 +122,13 @@ def backend_choice(backends: BackendsLike, *, device: DeviceLike, model: Optiona
 def fa4_gna_refusal(tiles: TileConfig, head_dim: int, dtype: torch.dtype, training: bool) -> Optional[str]:
     """None when FlashAttention-4 runs GNA with these multi-D tiles at `head_dim` in `dtype` (and with
     `training`, its backward), else why not: static KV tiling (its key blocks lie on a fixed grid), its capability
-    table, a KV tile that is the Q tile or a slab of it along its first dimension longer than 1 (it reads q, k and v
-    in the Q tile's order, key blocks being runs of KV-tile size there), and its block sizes per head dim."""
+    table, then its tile rules (natsim.kernels.backends.fa4.gna_tile_refusal: a KV tile that is the Q tile or a
+    slab of it along its first dimension longer than 1, block sizes per head dim)."""
     if tiles.kv_tiling != "static":
         return f"FlashAttention-4 runs static KV tiling only, got kv_tiling={tiles.kv_tiling!r}."
     refusal = capabilities("fa4", "gna").refusal(dtype=dtype, head_dim=head_dim, q_block=tiles.q_tokens,
                                                   kv_block=tiles.kv_tokens, needs=("backward",) if training else ())
-    return refusal or _nesting_refusal(tiles.q_tile, tiles.kv_tile) or fa4_backend.tile_refusal(
-        tiles.q_tokens, tiles.kv_tokens, head_dim, backward=training)
-
-
-def _nesting_refusal(q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> Optional[str]:
-    """None when the KV tile's tokens are contiguous runs of the Q tile's row-major order: the Q tile itself, or a
-    slab of it along one dimension (dividing the Q tile's side there) before which every side of the Q tile is 1."""
-    differ = [i for i, (q, k) in enumerate(zip(q_tile, kv_tile)) if q != k]
-    if len(differ) > 1 or any(q_tile[i] % kv_tile[i] or any(side > 1 for side in q_tile[:i]) for i in differ):
-        return (f"FlashAttention-4 runs GNA on tokens in the Q tile's order, so the KV tile must be the Q tile or a "
-                f"slab of it along its first dimension longer than 1, got q_tile={q_tile}, kv_tile={kv_tile}.")
-    return None
+    return refusal or fa4_backend.gna_tile_refusal(tiles.q_tile, tiles.kv_tile, head_dim, backward=training)
 
 
 def fa4_mask_refusal(q_block: int, kv_block: int, head_dim: int, dtype: torch.dtype,
