@@ -1,5 +1,5 @@
-"""`natsim calibrate`: time natsim's GNA kernels (and its sparse kernel, and the GNA backward pass) on this GPU
-and write its cost-model coefficients."""
+"""`natsim calibrate`: time natsim's GNA kernels (and its sparse kernel, the GNA backward pass, the FP8 kernels and
+FlashAttention-4) on this GPU and write its cost-model coefficients."""
 
 from __future__ import annotations
 
@@ -73,8 +73,11 @@ def _backward_cases_table(calibration) -> Table:
     )
 
 
-def _fp8_tables(calibration) -> list[Table]:
-    """The FP8 kernels' measurement tables (those calibrated)."""
+FA4_COLUMNS = ("call", "Q / KV block", "heads x head_dim")
+
+
+def _set_tables(calibration) -> list[Table]:
+    """The FP8 kernels' and FlashAttention-4's measurement tables (those calibrated)."""
     tables, model = [], calibration.model
     if calibration.fp8:
         m = calibration.fp8
@@ -85,6 +88,12 @@ def _fp8_tables(calibration) -> list[Table]:
         tables.append(_measurements_table(f"FP8 sparse kernel calibration on {model.gpu}", SPARSE_COLUMNS,
                                           _sparse_cells(m.cases), m.times, model.predict_sparse(m.features, "fp8"),
                                           m.errors, m.fitted))
+    for label, m, backward in (("FlashAttention-4", calibration.fa4, False),
+                               ("FlashAttention-4 backward", calibration.fa4_backward, True)):
+        if m:
+            tables.append(_measurements_table(f"{label} calibration on {model.gpu}", FA4_COLUMNS,
+                                              [case.describe() for case in m.cases], m.times,
+                                              model.predict_fa4(m.features, backward), m.errors, m.fitted))
     return tables
 
 
@@ -103,6 +112,10 @@ def _coefficients_table(model) -> Table:
         table.add_row("gna-fp8", name, f"{value:.4e}")
     for name, value in (model.fp8_sparse_coefficients or {}).items():
         table.add_row("sparse-fp8", name, f"{value:.4e}")
+    for name, value in (model.fa4_coefficients or {}).items():
+        table.add_row("fa4", name, f"{value:.4e}")
+    for name, value in (model.fa4_backward_coefficients or {}).items():
+        table.add_row("fa4-backward", name, f"{value:.4e}")
     return table
 
 
@@ -112,7 +125,10 @@ def _summary(calibration, path) -> str:
     sets = (("fitted", "", calibration.cases), ("sparse kernel", "sparse_", calibration.sparse_cases),
             ("GNA backward", "backward_", calibration.backward_cases),
             ("FP8 GNA", "gna_fp8_", calibration.fp8.cases if calibration.fp8 else ()),
-            ("FP8 sparse", "sparse_fp8_", calibration.fp8_sparse.cases if calibration.fp8_sparse else ()))
+            ("FP8 sparse", "sparse_fp8_", calibration.fp8_sparse.cases if calibration.fp8_sparse else ()),
+            ("FlashAttention-4", "fa4_", calibration.fa4.cases if calibration.fa4 else ()),
+            ("FlashAttention-4 backward", "fa4_backward_",
+             calibration.fa4_backward.cases if calibration.fa4_backward else ()))
     for label, prefix, cases in sets:
         if cases:
             parts.append(
@@ -123,6 +139,19 @@ def _summary(calibration, path) -> str:
     if not calibration.cases:
         parts.append("GNA kernel coefficients kept from the stored cost model")
     return "; ".join(parts) + f"; written to {path}"
+
+
+def _fa4_records(calibration) -> dict:
+    """FlashAttention-4's measurements as JSON records, per kernel ('fa4', 'fa4-backward'; those calibrated)."""
+    records = {}
+    for kernel, m, backward in (("fa4", calibration.fa4, False), ("fa4-backward", calibration.fa4_backward, True)):
+        if m:
+            records[kernel] = [
+                {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
+                for case, t, g, f in zip(m.cases, m.times, calibration.model.predict_fa4(m.features, backward),
+                                         m.fitted)
+            ]
+    return records
 
 
 def _fp8_records(calibration) -> dict:
@@ -153,9 +182,8 @@ def parse_kernels(text: str) -> tuple[str, ...]:
         return check_kernels(names)
     except ValueError:
         raise CliInputError(
-            f"--kernels takes one or more of gna, sparse, backward, gna-fp8, sparse-fp8 joined by ',' (without gna, "
-            f"this GPU's stored "
-            f"cost model is extended), got --kernels {text!r}."
+            f"--kernels takes one or more of gna, sparse, backward, gna-fp8, sparse-fp8, fa4, fa4-backward joined by "
+            f"',' (without gna, this GPU's stored cost model is extended), got --kernels {text!r}."
         ) from None
 
 
@@ -170,7 +198,7 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
     kernels: str = typer.Option(
         "gna,sparse", "--kernels",
-        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer). Without gna, this GPU's stored cost model is extended.",
+        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim[fa4]'). Without gna, this GPU's stored cost model is extended.",
     ),
 ) -> None:
     """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
@@ -222,6 +250,7 @@ def calibrate_command(
                                              backward_predicted, calibration.backward_fitted)
                 ],
                 "fp8_measurements": _fp8_records(calibration),
+                "fa4_measurements": _fa4_records(calibration),
             },
         )
         return
@@ -231,7 +260,7 @@ def calibrate_command(
         out.print(_sparse_cases_table(calibration))
     if calibration.backward_cases:
         out.print(_backward_cases_table(calibration))
-    for table in _fp8_tables(calibration):
+    for table in _set_tables(calibration):
         out.print(table)
     out.print(_coefficients_table(calibration.model))
     out.print(_summary(calibration, path))

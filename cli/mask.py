@@ -14,7 +14,7 @@ import typer
 
 from .common import ListsGpusInHelp, load_cost_model, out, reports_bad_input
 from .output import print_json
-from .parsing import CliInputError, parse_precision
+from .parsing import CliInputError, parse_backends, parse_precision
 
 MASK_KEY = "mask"
 META_KEYS = ("q_block", "kv_block", "seq_len")
@@ -101,6 +101,7 @@ def mask_command(
     limit: int = typer.Option(16, "--limit", help="Rows in the table (0 for all); --json is never cut."),
     as_json: bool = typer.Option(False, "--json", help="Print the mask plan as one JSON document instead of a table."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp8: score the FP8 inference kernel (ranked by the GPU's FP8 sparse coefficients from `natsim calibrate --kernels gna,sparse-fp8`, else by token pairs). Default: compute in --dtype."),
+    backend: Optional[list[str]] = typer.Option(None, "--backend", help="Kernel backends the plan may run on, repeated or joined by ',': triton (natsim's kernels), fa4 (FlashAttention-4: installed, on this GPU, with coefficients from `natsim calibrate --kernels fa4`). Default: every one available here."),
 ) -> None:
     """Score a saved block mask at every granularity and merge; show the table, fastest first.
 
@@ -115,7 +116,8 @@ def mask_command(
     kv_block = kv_block if kv_block is not None else meta.get("kv_block", 16)
     seq_len = seq_len if seq_len is not None else meta.get("seq_len", mask.shape[2] * q_block)
     options = {"heads": heads, "head_dim": head_dim, "dtype": dtype, "device": device,
-               "merges": [m.strip() for m in merges.split(",") if m.strip()], "precision": parse_precision(precision)}
+               "merges": [m.strip() for m in merges.split(",") if m.strip()], "precision": parse_precision(precision),
+               "backends": parse_backends(backend)}
     if coefficients is not None:
         options["cost_model"] = load_cost_model(coefficients)
     plan = best_mask(mask, q_block, kv_block, seq_len, **options)
@@ -132,7 +134,8 @@ def mask_command(
     if hidden:
         out.print(f"[dim]{hidden} more rows: raise --limit or use --json.[/dim]")
     out.print(
-        f"chosen: {plan.q_block}x{plan.kv_block}, merge {plan.merge}, {plan.predicted_speedup:.2f}x over dense "
+        f"chosen: {plan.q_block}x{plan.kv_block}, merge {plan.merge}, on {plan.backend}, {plan.predicted_speedup:.2f}x "
+        "over dense "
         + (f"({plan.score * 1e3:.4g} ms vs {plan.dense_score * 1e3:.4g} ms)" if plan.calibrated else "(tile work)")
     )
 

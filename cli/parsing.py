@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"0", "false", "no", "off"}
@@ -58,6 +58,18 @@ def parse_strides(texts: Optional[list[str]], option: str = "--stride") -> Optio
             raise CliInputError(f"{option} all cannot be combined with other strides, got {texts}.")
         return None
     return [parse_dims(t, option) for t in texts]
+
+
+def parse_backends(values: Optional[Sequence[str]]) -> Optional[tuple[str, ...]]:
+    """--backend, repeatable or a comma list ('triton,fa4'): the backends' names, or None (every one available
+    here) when it is not given; the planner checks the names."""
+    if not values:
+        return None
+    names = tuple(name.strip().lower() for value in values for name in value.split(","))
+    if not all(names):
+        raise CliInputError(f"--backend takes backend names (triton, fa4), repeated or joined by ',', got "
+                            f"{' '.join('--backend ' + repr(value) for value in values)}.")
+    return names
 
 
 def parse_precision(text: Optional[str]) -> Optional[str]:

@@ -11,7 +11,7 @@ from natsim import end_to_end_speedup
 
 from .common import ListsGpusInHelp, load_cost_model, out, reports_bad_input
 from .output import print_json
-from .parsing import CliInputError, broadcast, parse_dims, parse_flags, parse_precision
+from .parsing import CliInputError, broadcast, parse_backends, parse_dims, parse_flags, parse_precision
 
 
 def _end_to_end(plan, attention_share: Optional[float], dense_steps: Optional[int], steps: Optional[int]) -> Optional[dict]:
@@ -55,10 +55,11 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document instead of a report."),
     world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks sharing the layout's frames (context parallelism, forward only): also choose the strategy (ulysses or halo; halo runs static KV tiling only) and the frame split, and show the per-rank table."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp8: plan the FP8 inference kernel (inputs in --dtype, quantized inside the call; static KV tiling, KV tiles of 32+ tokens; ranked by the GPU's FP8 coefficients from `natsim calibrate --kernels gna,gna-fp8`, else by tile work). Not with --training or --world-size. Default: compute in --dtype."),
+    backend: Optional[list[str]] = typer.Option(None, "--backend", help="Kernel backends the plan may run on, repeated or joined by ',': triton (natsim's kernels), fa4 (FlashAttention-4: installed, on this GPU, with coefficients from `natsim calibrate --kernels fa4`, for --training fa4-backward too). Default: every one available here; the report shows each backend's best plan."),
 ) -> None:
     """Choose the fastest GNA configuration of a layout that is at least as sparse as asked.
 
-    Candidate windows meet the target, stay close to it and are shaped like the layout; strides and tiles are scored with the simulator and the cost model of the GPU at hand (without one, by simulated tile work, and the report says so). Among configurations within 2% of the best, the smallest stride product wins. With --attention-share (and --steps, --dense-steps) it also estimates the end-to-end speedup.
+    Candidate windows meet the target, stay close to it and are shaped like the layout; strides, tiles and kernel backends are scored with the simulator and the cost model of the GPU at hand (without one, by simulated tile work, and the report says so). Among configurations within 2% of the best, the smallest stride product wins. With --attention-share (and --steps, --dense-steps) it also estimates the end-to-end speedup.
 
     Example: natsim plan --shape 30x48x80 --sparsity 0.9 --heads 24 --attention-share 0.8 --steps 50 --dense-steps 15
 
@@ -81,6 +82,7 @@ def plan_command(
         "world_size": world_size,
         "kv_tiling": kv_tiling,
         "precision": parse_precision(precision),
+        "backends": parse_backends(backend),
     }
     plan = best(dims, sparsity, **options)
     estimate = _end_to_end(plan, attention_share, dense_steps, steps)

@@ -3,7 +3,9 @@
 Multi-D Q and KV tiles are Cartesian products of per-dimension ranges, so every multi-D count is a
 product of the per-dimension counts computed here. `dim_tiles` counts one configuration tile by tile
 (cached: simulations re-use each dimension's counts across the configurations that share them);
-`dim_totals_many` gives the totals of many configurations at once, what a sweep needs.
+`dim_totals_many` gives the totals of many configurations at once, what a sweep needs, and
+`dim_unpadded_full_many` the full tiles whose KV tile holds no padding key (what a kernel without a padding mask
+may run unmasked).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def dim_totals(
     return int(tiles.visited.sum()), int(tiles.full.sum()), int(tiles.visited.max())
 
 
-def dim_totals_many(
+def _full_spans(
     length: int,
     window: int,
     dilation: int,
@@ -125,16 +127,16 @@ def dim_totals_many(
     q_tiles: np.ndarray,
     kv_tiles: np.ndarray,
     dynamic_kv: np.ndarray,
-) -> np.ndarray:
-    """`dim_totals` of many (stride, Q side, KV side, KV tiling) combinations along one dimension at once:
-    int64 `[combinations, 3]` (visited, full, most). What a sweep asks for every tile configuration.
+) -> dict[str, np.ndarray]:
+    """Every Q tile of every (stride, Q side, KV side, KV tiling) combination along one dimension, flattened:
+    `offsets` (where each combination's Q tiles start), and per Q tile its group's length, its first visited KV
+    tile (`kv_first`, static KV tiling), its `visited` KV tiles and the first and last of them that are full
+    (`lowest`, `highest`, relative to the first visited; none full when `lowest > highest`).
 
-    The same rule as `dim_tiles` on all Q tiles of all combinations together, with each Q tile's full KV tiles
-    counted in closed form instead of flag by flag: its visited tiles start at `origin` every `kv_tile` keys,
-    and tile m is full when it starts at or after the last query's window start (m >= ceil((start_last -
-    origin) / kv_tile)) and ends, cut at the group's end, at or before the first query's window end (m <=
-    floor((end_first - origin) / kv_tile) - 1, or any m when that end is the group's end). The tests hold it
-    to `dim_tiles`.
+    Its visited tiles start at `origin` every `kv_tile` keys, and tile m is full when it starts at or after the
+    last query's window start (m >= ceil((start_last - origin) / kv_tile)) and ends, cut at the group's end, at
+    or before the first query's window end (m <= floor((end_first - origin) / kv_tile) - 1, or any m when that
+    end is the group's end).
     """
     strides, q_tiles, kv_tiles, dynamic_kv = (np.asarray(a) for a in (strides, q_tiles, kv_tiles, dynamic_kv))
     per_group = ceil_div(length, q_tiles * dilation)  # Q tiles per dilation group, per combination
@@ -158,9 +160,57 @@ def dim_totals_many(
     lowest = np.maximum(ceil_div(start_last - origin, kv_tile), 0)
     highest = np.where(end_first >= group_len, visited - 1,
                        np.minimum((end_first - origin) // kv_tile - 1, visited - 1))
-    full = np.maximum(highest - lowest + 1, 0)
+    return dict(offsets=offsets, group_len=group_len, kv_tile=kv_tile, kv_first=static_first, visited=visited,
+                lowest=lowest, highest=highest)
+
+
+def dim_totals_many(
+    length: int,
+    window: int,
+    dilation: int,
+    causal: bool,
+    strides: np.ndarray,
+    q_tiles: np.ndarray,
+    kv_tiles: np.ndarray,
+    dynamic_kv: np.ndarray,
+) -> np.ndarray:
+    """`dim_totals` of many (stride, Q side, KV side, KV tiling) combinations along one dimension at once:
+    int64 `[combinations, 3]` (visited, full, most). What a sweep asks for every tile configuration.
+
+    The same rule as `dim_tiles` on all Q tiles of all combinations together, with each Q tile's full KV tiles
+    counted in closed form instead of flag by flag (`_full_spans`). The tests hold it to `dim_tiles`.
+    """
+    spans = _full_spans(length, window, dilation, causal, strides, q_tiles, kv_tiles, dynamic_kv)
+    offsets, visited = spans["offsets"], spans["visited"]
+    full = np.maximum(spans["highest"] - spans["lowest"] + 1, 0)
     return np.stack([np.add.reduceat(visited, offsets), np.add.reduceat(full, offsets),
                      np.maximum.reduceat(visited, offsets)], axis=1).astype(np.int64)
+
+
+def dim_unpadded_full_many(
+    length: int,
+    window: int,
+    dilation: int,
+    causal: bool,
+    strides: np.ndarray,
+    q_tiles: np.ndarray,
+    kv_tiles: np.ndarray,
+) -> np.ndarray:
+    """Full (Q tile, KV tile) pairs along one dimension whose KV tile holds no padding key, summed over every Q
+    tile and dilation group, for many (stride, Q side, KV side) combinations of static KV tiling at once: int64
+    `[combinations]`.
+
+    A KV tile holds padding when it runs past its group's end (`(index + 1) * kv_tile > group length`): the
+    last tile of a group whose length the tile does not divide. A kernel that runs full tiles without any mask
+    (FlashAttention-4's full blocks) must mask those too. Like every multi-D count, the multi-D total is the
+    product of these over dimensions: a multi-D KV tile holds padding when it does along some dimension.
+    """
+    strides = np.asarray(strides)
+    spans = _full_spans(length, window, dilation, causal, strides, q_tiles, kv_tiles, np.zeros(len(strides), bool))
+    last_unpadded = spans["group_len"] // spans["kv_tile"] - 1 - spans["kv_first"]  # relative to the first visited
+    highest = np.minimum(spans["highest"], last_unpadded)
+    full = np.maximum(highest - spans["lowest"] + 1, 0)
+    return np.add.reduceat(full, spans["offsets"]).astype(np.int64)
 
 
 def key_ranges(length: int, window: int, stride: int, dilation: int, causal: bool):

@@ -5,6 +5,7 @@ cost (the per-GPU cost model), search (the searches), plans (runnable results); 
 
 from .catalog import TILE_TOKENS, tile_catalog
 from .cost import (
+    FA4_FEATURES,
     FEATURES,
     SPARSE_FEATURES,
     CostModel,
@@ -39,6 +40,7 @@ __all__ = [
     "fit_coefficients",
     "TIE_TOLERANCE",
     "SPARSE_FEATURES",
+    "FA4_FEATURES",
     "sparse_features",
     "predict_sparse_time",
     "best_mask",

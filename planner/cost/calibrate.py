@@ -25,6 +25,11 @@ own tiles) gets a third set (`backward_calibration_cases`, BACKWARD_CASES) and c
 (planner.cost.backward_features): masked, block-sparse, dense, causal and dilated problems in 1-D, 2-D and 3-D on 16k
 to 33k tokens, 24 heads. Calibrating it without 'gna' (`kernels=("backward",)`) extends this GPU's stored cost
 model instead of refitting the forward: the quick way to add backward coefficients to a shipped file.
+
+FlashAttention-4 (`backend="fa4"`, where it runs: a Hopper GPU with it installed) gets two sets of its own, 'fa4'
+and 'fa4-backward' (planner.cost.fa4_calibrate: GNA calls, block-sparse and masked, and random block masks,
+through natsim's entry points), fitted over planner.cost.fa4_features' FA4_FEATURES; elsewhere they are refused
+with the sentence saying why it does not run.
 """
 
 from __future__ import annotations
@@ -42,20 +47,25 @@ from natsim import Problem, TileConfig, block_mask, simulate
 from natsim.tiles import KV_TILINGS
 
 from natsim.kernels import prepare_sparse
+from natsim.kernels.backends import fa4 as fa4_backend
 from natsim.kernels.backends.triton import (default_blocks, gna_backward_for_timing, gna_forward_for_timing,
                                            has_tensor_descriptors, permutes)
 
 from ..catalog import as_dtype, dtype_name, element_bytes
 from .backward_features import BACKWARD_FEATURES, backward_features, backward_work
+from .fa4_calibrate import (fa4_backward_calibration_cases, fa4_calibration_cases, fa4_case_features,
+                            time_fa4_backward_case, time_fa4_case)
+from .fa4_features import FA4_FEATURES
 from .features import FEATURES, features_of
 from .files import cost_model_for, gpu_file_name, user_coefficients_dir
 from .fit import fit_coefficients, relative_errors
 from .gpus import gpu_of
 from .model import CostModel
 from .sparse_features import SPARSE_FEATURES
+from .timing import MIN_REPEATS, median_seconds
 from .sparse_features import sparse_features as work_features
 
-KERNELS = ("gna", "sparse", "backward", "gna-fp8", "sparse-fp8")
+KERNELS = ("gna", "sparse", "backward", "gna-fp8", "sparse-fp8", "fa4", "fa4-backward")
 DEFAULT_KERNELS = ("gna", "sparse")  # what `calibrate` times unless told: the backward is asked for by name
 
 # Tile shapes per number of dimensions, one per (Q tokens, KV tokens) pair of the catalog.
@@ -222,9 +232,6 @@ def case_features(cases: Sequence[Case], dtype: torch.dtype, descriptors: bool =
     )
 
 
-MIN_REPEATS = 20
-
-
 def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats: int = MIN_REPEATS,
               precision: Optional[str] = None) -> float:
     """Median seconds of one `gna_attention` call for `case` (random inputs, in `precision`) on a CUDA `device`."""
@@ -238,30 +245,10 @@ def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats:
     def run():
         return gna_attention(
             q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=case.tiles.q_tile, kv_tile=case.tiles.kv_tile,
-            kv_tiling=case.tiles.kv_tiling, precision=precision,
+            kv_tiling=case.tiles.kv_tiling, precision=precision, backend="triton",
         )
 
     return median_seconds(run, device, min_repeats)
-
-
-def median_seconds(run: Callable[[], object], device: torch.device, min_repeats: int = MIN_REPEATS) -> float:
-    """Median seconds of `run()` on a CUDA `device`, by `triton.testing.do_bench`.
-
-    do_bench times as many calls as fit in its `rep` budget, which for a 100 ms call is one; the budget is
-    stretched here to at least `min_repeats` calls so that the median means something (single calls of one
-    configuration varied by 10 % on an H100).
-    """
-    import triton.testing
-
-    run()  # compile, and keep the first call's start-up out of the estimate
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    torch.cuda.synchronize(device)
-    estimate_ms = start.elapsed_time(end)
-    budget_ms = max(100.0, 1.25 * min_repeats * estimate_ms)
-    return triton.testing.do_bench(run, warmup=max(25.0, 2 * estimate_ms), rep=budget_ms, return_mode="median") * 1e-3
 
 
 # -- the sparse kernel ------------------------------------------------------------------------------------------
@@ -409,7 +396,8 @@ def time_sparse_case(
     q, k, v = (
         torch.randn((1, case.seq_len, case.heads, case.head_dim), device=device, dtype=dtype) for _ in range(3)
     )
-    return median_seconds(lambda: sparse_attention(q, k, v, work, precision=precision), device, min_repeats)
+    return median_seconds(lambda: sparse_attention(q, k, v, work, precision=precision, backend="triton"), device,
+                          min_repeats)
 
 
 # -- the GNA backward pass -----------------------------------------------------------------------------------------
@@ -484,7 +472,7 @@ def time_backward_case(case: BackwardCase, dtype: torch.dtype, device: torch.dev
 
 def check_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
     """The kernels to calibrate, in KERNELS order: any of 'gna', 'sparse', 'backward', 'gna-fp8', 'sparse-fp8',
-    at least one. Without 'gna', `calibrate` extends the GPU's stored cost model (which carries the GNA kernel's
+    'fa4', 'fa4-backward', at least one. Without 'gna', `calibrate` extends the GPU's stored cost model (which carries the GNA kernel's
     coefficients)."""
     names = tuple(kernels)
     unknown = [name for name in names if name not in KERNELS]
@@ -528,12 +516,15 @@ class Calibration:
     backward_fitted: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     fp8: Optional["Measurements"] = None
     fp8_sparse: Optional["Measurements"] = None
+    fa4: Optional["Measurements"] = None
+    fa4_backward: Optional["Measurements"] = None
 
 
 @dataclass(frozen=True)
 class Measurements:
-    """One FP8 kernel's calibration: its cases, their features and measured seconds, the fit's relative errors
-    and which cases entered the fit (as the fields of `Calibration` for the bf16 kernels)."""
+    """One kernel's calibration (an FP8 kernel's, FlashAttention-4's): its cases, their features and measured
+    seconds, the fit's relative errors and which cases entered the fit (as the fields of `Calibration` for natsim's
+    bf16 kernels)."""
 
     cases: tuple
     features: np.ndarray
@@ -571,9 +562,11 @@ def calibrate(
 ) -> Calibration:
     """Time the calibration cases of `kernels` ('gna': `calibration_cases()`, 'sparse':
     `sparse_calibration_cases()`, 'backward': `backward_calibration_cases()`, 'gna-fp8': `fp8_calibration_cases()`
-    in FP8, 'sparse-fp8': `fp8_sparse_calibration_cases()` in FP8) with natsim.kernels on a CUDA GPU
-    and fit the cost model to them. Without 'gna' the GPU's stored cost model (`cost_model_for`) is extended:
-    its other coefficients are kept, those of the kernels calibrated replaced."""
+    in FP8, 'sparse-fp8': `fp8_sparse_calibration_cases()` in FP8, 'fa4': `fa4_calibration_cases()` on
+    FlashAttention-4, 'fa4-backward': `fa4_backward_calibration_cases()`, their backward) with natsim.kernels on a
+    CUDA GPU and fit the cost model to them. Without 'gna' the GPU's stored cost model (`cost_model_for`) is
+    extended: its other coefficients are kept, those of the kernels calibrated replaced. FlashAttention-4's sets
+    are refused where it does not run (natsim.kernels.backends.fa4.device_refusal's sentence)."""
     kernels = check_kernels(kernels)
     dtype = as_dtype(dtype)
     gpu = gpu_of(device)
@@ -597,11 +590,17 @@ def calibrate(
     if (fp8_cases or fp8_sparse_cases) and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"kernels={kernels!r} asks for FP8, which needs a GPU of compute capability 8.9 or newer "
                          f"(Ada, Hopper, Blackwell), got {gpu}.")
+    fa4_cases = fa4_calibration_cases() if "fa4" in kernels else []
+    fa4_backward_cases = fa4_backward_calibration_cases() if "fa4-backward" in kernels else []
+    refusal = fa4_backend.device_refusal(device) if fa4_cases or fa4_backward_cases else None
+    if refusal is not None:
+        raise ValueError(f"kernels={kernels!r} asks for FlashAttention-4, which does not run on {gpu}: {refusal}")
     features = case_features(cases, dtype, has_tensor_descriptors(device)) if cases else _empty(len(FEATURES))
     sparse_matrix = sparse_case_features(sparse_cases) if sparse_cases else _empty(len(SPARSE_FEATURES))
     backward_matrix = (backward_case_features(backward_cases, dtype) if backward_cases
                        else _empty(len(BACKWARD_FEATURES)))
-    total = len(cases) + len(sparse_cases) + len(backward_cases) + len(fp8_cases) + len(fp8_sparse_cases)
+    total = (len(cases) + len(sparse_cases) + len(backward_cases) + len(fp8_cases) + len(fp8_sparse_cases)
+             + len(fa4_cases) + len(fa4_backward_cases))
     timed: list[float] = []
 
     def time_all(items, timer, **options) -> np.ndarray:
@@ -617,6 +616,8 @@ def calibrate(
     backward_times = time_all(backward_cases, time_backward_case)
     fp8_times = time_all(fp8_cases, time_case, precision="fp8")
     fp8_sparse_times = time_all(fp8_sparse_cases, time_sparse_case, precision="fp8")
+    fa4_times = time_all(fa4_cases, time_fa4_case)
+    fa4_backward_times = time_all(fa4_backward_cases, time_fa4_backward_case)
     info = dict(base.info) if base is not None else {}
     coefficients, errors, fitted = (base.coefficients, np.zeros(0), np.zeros(0, dtype=bool)) if base else \
         _fit(features, times, FEATURES, "GNA")
@@ -637,19 +638,22 @@ def calibrate(
         backward, backward_errors, backward_fitted = _fit(backward_matrix, backward_times, BACKWARD_FEATURES,
                                                           "backward")
         info.update(_error_info("backward_", backward_errors, backward_fitted))
-    fp8_sets = {}
-    for attribute, kernel, items, matrix, seconds in (
+    sets = {}  # the FP8 and FlashAttention-4 sets: coefficients by attribute, measurements by kernel
+    for attribute, kernel, items, matrix, seconds, names in (
         ("fp8_coefficients", "gna-fp8", fp8_cases,
-         case_features(fp8_cases, dtype, has_tensor_descriptors(device), "fp8") if fp8_cases else None, fp8_times),
+         case_features(fp8_cases, dtype, has_tensor_descriptors(device), "fp8") if fp8_cases else None, fp8_times,
+         FEATURES),
         ("fp8_sparse_coefficients", "sparse-fp8", fp8_sparse_cases,
-         sparse_case_features(fp8_sparse_cases) if fp8_sparse_cases else None, fp8_sparse_times),
+         sparse_case_features(fp8_sparse_cases) if fp8_sparse_cases else None, fp8_sparse_times, SPARSE_FEATURES),
+        ("fa4_coefficients", "fa4", fa4_cases, fa4_case_features(fa4_cases, dtype), fa4_times, FA4_FEATURES),
+        ("fa4_backward_coefficients", "fa4-backward", fa4_backward_cases,
+         fa4_case_features(fa4_backward_cases, dtype), fa4_backward_times, FA4_FEATURES),
     ):
-        fp8_sets[attribute] = getattr(base, attribute) if base is not None else None
+        sets[attribute] = getattr(base, attribute) if base is not None else None
         if items:
-            names = FEATURES if kernel == "gna-fp8" else SPARSE_FEATURES
             fitted_set, set_errors, set_fitted = _fit(matrix, seconds, names, kernel)
-            fp8_sets[attribute] = fitted_set
-            fp8_sets[kernel] = Measurements(tuple(items), matrix, seconds, set_errors, set_fitted)
+            sets[attribute] = fitted_set
+            sets[kernel] = Measurements(tuple(items), matrix, seconds, set_errors, set_fitted)
             info.update(_error_info(kernel.replace("-", "_") + "_", set_errors, set_fitted))
     import triton
 
@@ -662,12 +666,13 @@ def calibrate(
         earlier = [earlier] if isinstance(earlier, dict) else earlier
         info["extended"] = [*earlier, {**stamp, "kernels": list(kernels)}]
     model = CostModel(gpu=gpu, coefficients=coefficients, sparse_coefficients=sparse,
-                      backward_coefficients=backward, fp8_coefficients=fp8_sets["fp8_coefficients"],
-                      fp8_sparse_coefficients=fp8_sets["fp8_sparse_coefficients"], info=info)
+                      backward_coefficients=backward, fp8_coefficients=sets["fp8_coefficients"],
+                      fp8_sparse_coefficients=sets["fp8_sparse_coefficients"], fa4_coefficients=sets["fa4_coefficients"],
+                      fa4_backward_coefficients=sets["fa4_backward_coefficients"], info=info)
     return Calibration(model, tuple(cases), features, times, errors, fitted, tuple(sparse_cases), sparse_matrix,
                        sparse_times, sparse_errors, sparse_fitted, tuple(backward_cases), backward_matrix,
-                       backward_times, backward_errors, backward_fitted, fp8_sets.get("gna-fp8"),
-                       fp8_sets.get("sparse-fp8"))
+                       backward_times, backward_errors, backward_fitted, sets.get("gna-fp8"), sets.get("sparse-fp8"),
+                       sets.get("fa4"), sets.get("fa4-backward"))
 
 
 def default_path(gpu: str) -> Path:

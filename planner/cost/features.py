@@ -39,6 +39,16 @@ def padded_tokens(shape: Sequence[int], tile: Sequence[int], dilation: Sequence[
     return math.prod(d * ceil_div(L, t * d) * t for L, t, d in zip(shape, tile, dilation))
 
 
+def permutation_bytes(tokens: int, q_padded, kv_padded, *, batch_heads: int, head_dim: int,
+                      element_bytes: int) -> np.ndarray:
+    """Bytes a call moves permuting q, k, v into tile order (reading the `tokens` real tokens, writing the
+    permuted lengths `q_padded` and `kv_padded`, padding included) and unpermuting the output (reading and
+    writing real tokens), per row of the length arrays."""
+    moved = (tokens + np.asarray(q_padded, np.float64)) + 2.0 * (tokens + np.asarray(kv_padded, np.float64)) \
+        + 2.0 * tokens
+    return moved * batch_heads * head_dim * element_bytes
+
+
 def feature_matrix(
     *,
     full_tiles: np.ndarray,
@@ -68,9 +78,9 @@ def feature_matrix(
     q_padded = np.asarray(q_padded, np.float64)
     kv_padded = np.asarray(kv_padded, np.float64)
     tile_flops = 4.0 * q_tokens * kv_tokens * head_dim * batch_heads
-    # permute q, k, v (read real tokens, write padded ones) and unpermute the output (read and write real).
-    moved = (tokens + q_padded) + 2.0 * (tokens + kv_padded) + 2.0 * tokens
-    permute_bytes = moved * batch_heads * head_dim * element_bytes if permutation else np.zeros_like(moved)
+    moved = permutation_bytes(tokens, q_padded, kv_padded, batch_heads=batch_heads, head_dim=head_dim,
+                              element_bytes=element_bytes)
+    permute_bytes = moved if permutation else np.zeros_like(moved)
     if quantized:
         rows = q_padded + 2.0 * kv_padded if permutation else np.full_like(moved, 3.0 * tokens)
         permute_bytes = permute_bytes + rows * batch_heads * head_dim * (element_bytes + 1)

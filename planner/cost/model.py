@@ -5,7 +5,9 @@ over planner.cost.features' FEATURES. A model may also carry a set for the spars
 over planner.cost.sparse_features' SPARSE_FEATURES), one for the GNA backward pass (`backward_coefficients`, over
 planner.cost.backward_features' BACKWARD_FEATURES) and, for `precision="fp8"`, the FP8 variants of the GNA and
 sparse kernels (`fp8_coefficients` over FEATURES, `fp8_sparse_coefficients` over SPARSE_FEATURES: the same
-work counted, a different cost per unit); files without a set load with None there. Coefficients differ per GPU
+work counted, a different cost per unit), and FlashAttention-4's forward and backward (`fa4_coefficients`,
+`fa4_backward_coefficients`, over planner.cost.fa4_features' FA4_FEATURES); files without a set load with None
+there. Coefficients differ per GPU
 and are data: one JSON file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a
 device names).
 """
@@ -22,6 +24,7 @@ import numpy as np
 from natsim.kernels.backends.triton import check_precision
 
 from .backward_features import BACKWARD_FEATURES
+from .fa4_features import FA4_FEATURES
 from .features import FEATURES
 from .sparse_features import SPARSE_FEATURES
 
@@ -62,6 +65,8 @@ _SET_FEATURES = {
     "backward_coefficients": BACKWARD_FEATURES,
     "fp8_coefficients": FEATURES,
     "fp8_sparse_coefficients": SPARSE_FEATURES,
+    "fa4_coefficients": FA4_FEATURES,
+    "fa4_backward_coefficients": FA4_FEATURES,
 }
 OPTIONAL_SETS = tuple(name for name in _SET_FEATURES if name != "coefficients")
 _KERNEL_SETS = {
@@ -69,6 +74,8 @@ _KERNEL_SETS = {
     "backward": ("backward_coefficients", "backward"),
     "gna-fp8": ("fp8_coefficients", "FP8 GNA-kernel"),
     "sparse-fp8": ("fp8_sparse_coefficients", "FP8 sparse-kernel"),
+    "fa4": ("fa4_coefficients", "FlashAttention-4"),
+    "fa4-backward": ("fa4_backward_coefficients", "FlashAttention-4 backward"),
 }
 
 
@@ -80,14 +87,19 @@ def _sparse_kernel(precision: Optional[str]) -> str:
     return "sparse" if check_precision(precision) is None else "sparse-fp8"
 
 
+def _fa4_kernel(backward: bool) -> str:
+    return "fa4-backward" if backward else "fa4"
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per unit of each feature on one GPU, with how and when they were fitted (`info`).
 
     `coefficients` are the GNA kernel's (FEATURES); `sparse_coefficients` the sparse kernel's
     (SPARSE_FEATURES), `backward_coefficients` the GNA backward pass's (BACKWARD_FEATURES), `fp8_coefficients`
-    and `fp8_sparse_coefficients` the GNA and sparse kernels' with `precision="fp8"`; each None for a model
-    calibrated without it.
+    and `fp8_sparse_coefficients` the GNA and sparse kernels' with `precision="fp8"`, `fa4_coefficients` and
+    `fa4_backward_coefficients` FlashAttention-4's forward and backward calls (FA4_FEATURES, GNA and block masks
+    alike); each None for a model calibrated without it.
     """
 
     gpu: str
@@ -97,6 +109,8 @@ class CostModel:
     backward_coefficients: Optional[Mapping[str, float]] = None
     fp8_coefficients: Optional[Mapping[str, float]] = None
     fp8_sparse_coefficients: Optional[Mapping[str, float]] = None
+    fa4_coefficients: Optional[Mapping[str, float]] = None
+    fa4_backward_coefficients: Optional[Mapping[str, float]] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coefficients", _checked(self.coefficients, FEATURES, "coefficients"))
@@ -118,7 +132,8 @@ class CostModel:
         return tuple(self.info.get("kv_tilings", ("static",)))
 
     def has(self, kernel: str) -> bool:
-        """Whether this model has coefficients for `kernel`: "gna", "sparse", "backward", "gna-fp8", "sparse-fp8"."""
+        """Whether this model has coefficients for `kernel`: "gna", "sparse", "backward", "gna-fp8", "sparse-fp8",
+        "fa4", "fa4-backward"."""
         return kernel == "gna" or getattr(self, _KERNEL_SETS[kernel][0]) is not None
 
     def predict(self, features: np.ndarray, precision: Optional[str] = None) -> np.ndarray:
@@ -150,6 +165,15 @@ class CostModel:
     def backward_breakdown(self, features: np.ndarray) -> dict[str, float]:
         """Predicted seconds of one backward feature row, per feature."""
         return _per_feature(features, *self._fitted("backward"))
+
+    def predict_fa4(self, features: np.ndarray, backward: bool = False) -> np.ndarray:
+        """Predicted seconds of FlashAttention-4 calls for feature rows `(n, len(FA4_FEATURES))` (or one row): the
+        forward's, or with `backward` the backward's."""
+        return np.asarray(features, np.float64) @ _in_order(*self._fitted(_fa4_kernel(backward)))
+
+    def fa4_breakdown(self, features: np.ndarray, backward: bool = False) -> dict[str, float]:
+        """Predicted seconds of one FlashAttention-4 feature row, per feature (the backward's with `backward`)."""
+        return _per_feature(features, *self._fitted(_fa4_kernel(backward)))
 
     def _fitted(self, kernel: str) -> tuple[Mapping[str, float], tuple[str, ...]]:
         """The coefficients of `kernel` (a key of _KERNEL_SETS) and their features, or a sentence error saying

@@ -1,13 +1,16 @@
 """What a GNA plan records of its search: the scored configurations and how the choice was made.
 
-`Candidate` is one scored (window, stride, tiles, KV tiling) configuration; `Search` the windows tried, how many
-configurations were scored and the best of them. Both are plain data that round-trip through JSON inside a plan.
+`Candidate` is one scored (window, stride, tiles, KV tiling, backend) configuration; `Search` the windows tried, how
+many configurations were scored, the best of them, and the best of each backend priced. Both are plain data that
+round-trip through JSON inside a plan (plans written before backends read as natsim's Triton kernels).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping, Optional
+
+from ..backends import PLANNED
 
 
 def _ints(values) -> tuple[int, ...]:
@@ -20,7 +23,8 @@ class Candidate:
 
     `score` is predicted seconds under a cost model, otherwise tile work (token pairs computed, padding
     and masked pairs included: the sum over visited tiles of Q tokens x KV tokens). In a training plan it is
-    forward + backward, and `backward_score` the backward's part (None otherwise).
+    forward + backward, and `backward_score` the backward's part (None otherwise). `backend` is the kernel backend
+    it was scored on (planner.backends.PLANNED).
     """
 
     window: tuple[int, ...]
@@ -33,6 +37,7 @@ class Candidate:
     block_sparse: bool
     kv_tiling: str = "static"
     backward_score: Optional[float] = None
+    backend: str = "triton"
 
     def to_dict(self) -> dict:
         extra = {} if self.backward_score is None else {"backward_score": self.backward_score}
@@ -46,6 +51,7 @@ class Candidate:
             "sparsity": self.sparsity,
             "tile_speedup": self.tile_speedup,
             "block_sparse": self.block_sparse,
+            "backend": self.backend,
             **extra,
         }
 
@@ -62,7 +68,15 @@ class Candidate:
             block_sparse=bool(data["block_sparse"]),
             kv_tiling=str(data.get("kv_tiling", "static")),  # plans written before dynamic KV tiling: static
             backward_score=None if data.get("backward_score") is None else float(data["backward_score"]),
+            backend=check_backend(data.get("backend", "triton")),  # plans written before backends: Triton
         )
+
+
+def check_backend(backend: object) -> str:
+    """`backend` when it is one a search plans for (planner.backends.PLANNED), else a sentence error."""
+    if backend not in PLANNED:
+        raise ValueError(f"backend must be one of {PLANNED}, got backend={backend!r}.")
+    return backend
 
 
 @dataclass(frozen=True)
@@ -73,7 +87,12 @@ class Search:
     `kv_tiling_fixed` says why the modes were narrowed, if they were: "kv_tiling" (asked for with
     `kv_tiling=`), "halo" (static only, for the halo strategy over several ranks) or "precision" (static only,
     what FP8 runs); None means every mode
-    the cost model was calibrated on (both without one)."""
+    the cost model was calibrated on (both without one).
+
+    `backends` are the backends the plan could be picked from (planner.backends); `best_by_backend` holds the
+    best candidate (by the tie rule) of every backend priced, those that could not be picked here included;
+    `would_pick` is the pick had every priced backend run here (None when each did), and `backend_notes` says, per
+    backend a report mentions, why it could not be picked (a sentence)."""
 
     windows: tuple[tuple[int, ...], ...]
     window_given: bool
@@ -83,6 +102,10 @@ class Search:
     tie_tolerance: float
     kv_tilings: tuple[str, ...] = ("static",)
     kv_tiling_fixed: Optional[str] = None
+    backends: tuple[str, ...] = ("triton",)
+    best_by_backend: tuple[Candidate, ...] = ()
+    would_pick: Optional[Candidate] = None
+    backend_notes: tuple[tuple[str, str], ...] = ()
 
     @property
     def fastest(self) -> Candidate:
@@ -98,6 +121,10 @@ class Search:
             "tie_tolerance": self.tie_tolerance,
             "kv_tilings": list(self.kv_tilings),
             "kv_tiling_fixed": self.kv_tiling_fixed,
+            "backends": list(self.backends),
+            "best_by_backend": [c.to_dict() for c in self.best_by_backend],
+            "would_pick": None if self.would_pick is None else self.would_pick.to_dict(),
+            "backend_notes": dict(self.backend_notes),
         }
 
     @classmethod
@@ -111,4 +138,9 @@ class Search:
             tie_tolerance=float(data["tie_tolerance"]),
             kv_tilings=tuple(str(m) for m in data.get("kv_tilings", ("static",))),  # older plans: static only
             kv_tiling_fixed=data.get("kv_tiling_fixed"),
+            # plans written before backends: natsim's Triton kernels, the only one priced
+            backends=tuple(check_backend(b) for b in data.get("backends", ("triton",))),
+            best_by_backend=tuple(Candidate.from_dict(c) for c in data.get("best_by_backend", ())),
+            would_pick=None if data.get("would_pick") is None else Candidate.from_dict(data["would_pick"]),
+            backend_notes=tuple((check_backend(b), str(note)) for b, note in data.get("backend_notes", {}).items()),
         )

@@ -1,13 +1,15 @@
 """The plan report: the choice, how it was ranked, why it won, and the runners-up, as rich renderables.
 
 `Plan.explain()` calls `explain_plan(self)`, so this module cannot import the plan's: it reads a plan through
-`ExplainedPlan`, the plan's attributes that the report uses.
+`ExplainedPlan`, the plan's attributes that the report uses. Where the search priced several kernel backends, the
+report shows the best plan of each; where one could not run here (FlashAttention-4 not installed, another GPU),
+how much faster the cost model predicts it, and what makes it run (`backend_lines`, shared with mask plans).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Protocol
+from typing import Collection, Mapping, NamedTuple, Optional, Protocol, Sequence
 
 from rich.console import Group
 from rich.table import Table
@@ -15,6 +17,7 @@ from rich.text import Text
 
 from natsim import Problem, SimResult, TileConfig
 
+from ..backends import NAMES
 from ..cost.backward_features import FORWARD_TILE_PRODUCTS
 from ..cost.files import known_gpus
 from ..cost.gpus import describe_gpus
@@ -44,6 +47,8 @@ class ExplainedPlan(Protocol):
     def training(self) -> bool: ...
     @property
     def precision(self) -> Optional[str]: ...
+    @property
+    def backend(self) -> str: ...
     @property
     def calibrated(self) -> bool: ...
     @property
@@ -94,6 +99,7 @@ def _choice_table(plan: ExplainedPlan) -> Table:
         ("stride", _dims(problem.stride)),
         ("Q tile / KV tile", f"{_dims(plan.tiles.q_tile)} / {_dims(plan.tiles.kv_tile)}"),
         ("KV tiling", _kv_tiling(plan.tiles.kv_tiling)),
+        ("backend", backend_label(plan.backend)),
         ("sparsity (target)", f"{sim.sparsity:.4f} ({plan.target_sparsity:g})"),
         ("FLOP-wise speedup", f"{sim.flop_speedup:.2f}x"),
         ("tile speedup", f"{sim.tile_speedup:.2f}x"),
@@ -200,6 +206,7 @@ def _same(candidate: Candidate, plan: ExplainedPlan) -> bool:
         and candidate.q_tile == plan.tiles.q_tile
         and candidate.kv_tile == plan.tiles.kv_tile
         and candidate.kv_tiling == plan.tiles.kv_tiling
+        and candidate.backend == plan.backend
     )
 
 
@@ -214,7 +221,12 @@ def _reasons(plan: ExplainedPlan) -> list[str]:
             f"{len(search.windows)} candidate windows with sparsity in [{low:.4f}, {high:.4f}] at stride 1, shaped "
             "like the layout, those made of whole KV tiles first."
         )
-    reasons.append(f"{search.scored:,} (window, stride, tile) configurations scored.")
+    if len(search.backends) > 1:
+        names = " and ".join(NAMES[b] for b in search.backends)
+        reasons.append(f"{search.scored:,} (window, stride, tile, backend) configurations scored, on {names}; a "
+                       "configuration's score is its faster backend's.")
+    else:
+        reasons.append(f"{search.scored:,} (window, stride, tile) configurations scored.")
     if plan.predicted_speedup < 1.0:
         reasons.append(
             f"Even this plan is predicted {1.0 / plan.predicted_speedup:.2f}x slower than dense attention on this "
@@ -231,9 +243,10 @@ def _reasons(plan: ExplainedPlan) -> list[str]:
     else:
         gap = plan.score / fastest.score - 1.0
         standing = "ties with it" if gap <= 1e-9 else f"is {gap:.1%} behind, within {search.tie_tolerance:.0%}"
+        on = f", on {NAMES[fastest.backend]}" if fastest.backend != plan.backend else ""
         reasons.append(
             f"The best score belongs to stride {_dims(fastest.stride)} (window {_dims(fastest.window)}, tiles "
-            f"{_dims(fastest.q_tile)}/{_dims(fastest.kv_tile)}); this plan {standing}, and its stride product "
+            f"{_dims(fastest.q_tile)}/{_dims(fastest.kv_tile)}{on}); this plan {standing}, and its stride product "
             f"({_product(plan.problem.stride)} vs {_product(fastest.stride)}) is smaller, which keeps more "
             "translational equivariance."
         )
@@ -242,8 +255,8 @@ def _reasons(plan: ExplainedPlan) -> list[str]:
 
 def _runners_up(plan: ExplainedPlan) -> Table:
     table = Table(title="runners-up: the best of each other window, and stride 1", title_justify="left")
-    for name in ("window", "stride", "Q tile", "KV tile", "KV tiling", "score", "vs plan", "tile speedup",
-                 "block-sparse"):
+    for name in ("window", "stride", "Q tile", "KV tile", "KV tiling", "backend", "score", "vs plan",
+                 "tile speedup", "block-sparse"):
         table.add_column(name, justify="right")
     for c in plan.runners_up:
         table.add_row(
@@ -252,12 +265,81 @@ def _runners_up(plan: ExplainedPlan) -> Table:
             _dims(c.q_tile),
             _dims(c.kv_tile),
             c.kv_tiling,
+            c.backend,
             _score(plan, c.score),
             f"{c.score / plan.score - 1.0:+.1%}",
             f"{c.tile_speedup:.2f}x",
             "yes" if c.block_sparse else "",
         )
     return table
+
+
+def backend_label(backend: str) -> str:
+    """A backend's name with what it is: 'fa4 (FlashAttention-4)'."""
+    return f"{backend} ({NAMES[backend]})"
+
+
+def _setting(c: Candidate) -> str:
+    return (f"window {_dims(c.window)}, stride {_dims(c.stride)}, tiles {_dims(c.q_tile)}/{_dims(c.kv_tile)}"
+            f"{', dynamic KV tiling' if c.kv_tiling == 'dynamic' else ''}")
+
+
+def _backends(plan: ExplainedPlan) -> list:
+    """The best plan of each backend priced (when several were), and the lines about backends that could not be
+    picked here (`backend_lines`)."""
+    search, parts = plan.search, []
+    if any(c.backend == "fa4" for c in search.best_by_backend):
+        parts.append(Text(f"FlashAttention-4's calls were priced by its own coefficients on {plan.gpu} (its full "
+                          "blocks, its masked blocks through the window mask, and q, k, v permuted into tile order "
+                          "and back)."))
+    if len(search.best_by_backend) > 1:
+        table = Table(title="the best plan of each backend priced", title_justify="left")
+        for name in ("backend", "window", "stride", "Q tile / KV tile", "predicted", "vs plan", "runs here"):
+            table.add_column(name, justify="right")
+        for c in search.best_by_backend:
+            table.add_row(c.backend, _dims(c.window), _dims(c.stride), f"{_dims(c.q_tile)} / {_dims(c.kv_tile)}",
+                          _score(plan, c.score), versus(c.score, plan.score),
+                          "yes" if c.backend in search.backends else "no")
+        parts.append(table)
+    would = search.would_pick
+    gain = None if would is None else Gain(would.backend, _setting(would), would.score)
+    return parts + backend_lines(search.backend_notes, {c.backend for c in search.best_by_backend}, gain, plan.score)
+
+
+def versus(score: float, plan_score: float) -> str:
+    """A candidate's time against the plan's: 'this plan', '1.21x faster', '1.05x slower'."""
+    if score == plan_score:
+        return "this plan"
+    return f"{plan_score / score:.2f}x faster" if score < plan_score else f"{score / plan_score:.2f}x slower"
+
+
+class Gain(NamedTuple):
+    """What a search would have picked had every backend it priced run here: the backend, its setting in words
+    and its predicted seconds."""
+
+    backend: str
+    setting: str
+    seconds: float
+
+
+def backend_lines(notes: Sequence[tuple[str, str]], priced: Collection[str], gain: Optional[Gain],
+                  plan_score: float) -> list[Text]:
+    """Lines about the backends a search could not pick here, one per note (backend, why): for one that was
+    `priced`, what it would have run and how much faster (`gain`), then why it did not; for one that was not
+    priced, the note itself (why it could not be priced)."""
+    lines = []
+    for backend, why in notes:
+        name = NAMES[backend]
+        if backend not in priced:
+            lines.append(Text(why, style="yellow"))
+        elif gain is not None and gain.backend == backend and gain.seconds < plan_score:
+            lines.append(Text(f"{name} would run this plan's best configuration ({gain.setting}) in "
+                              f"{gain.seconds * 1e3:.4g} ms, {plan_score / gain.seconds:.2f}x faster: {why}",
+                              style="yellow"))
+        else:
+            lines.append(Text(f"{name} would not make this plan faster, the cost model predicts; it does not run "
+                              f"here: {why}"))
+    return lines
 
 
 def _breakdown(plan: ExplainedPlan) -> Table:
@@ -273,6 +355,7 @@ def explain_plan(plan: ExplainedPlan) -> Group:
     """The report of `plan.explain()`."""
     parts = [_choice_table(plan), _basis(plan), Text("Why:")]
     parts += [Text(f"  - {reason}") for reason in _reasons(plan)]
+    parts += _backends(plan)
     if plan.breakdown:
         parts.append(_breakdown(plan))
     if plan.runners_up:

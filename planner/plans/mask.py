@@ -9,7 +9,8 @@ ways and returns the fastest as a `MaskPlan`, with every candidate it scored (`M
 
 A mask plan is plain data that round-trips through JSON (the mask itself is not stored there), `explain()`, and
 `plan(q, k, v)` / `plan(q, k, v, mask=fine_mask)` running `sparse_attention` at the chosen granularity and
-merge. A plan made for one mask serves the next masks of the same layer and shape (the next diffusion steps),
+merge, on the kernel backend it was planned for (natsim's Triton kernels, or FlashAttention-4 for unmerged
+blocks it runs). A plan made for one mask serves the next masks of the same layer and shape (the next diffusion steps),
 which is how the diffusers example uses it.
 """
 
@@ -31,6 +32,8 @@ from natsim.kernels.backends.triton import (MIN_Q_BLOCK, check_block, check_dens
                                            runs_eagerly, use_triton)
 
 from ..catalog import as_dtype
+from .candidates import check_backend
+from .explain import Gain, backend_label, backend_lines, versus
 from .ranking import BASIS_COST_MODEL, TIE_TOLERANCE
 from .reading import check_basis, check_record, parse_json, required_keys
 
@@ -111,7 +114,8 @@ class MaskCandidate:
     (basis "simulated tiles"). `merge_s`: host seconds the XOR grouping took while planning (the greedy and
     the group counts, every head: natsim.merging.merged_counts), not part of the score; a call's
     `prepare_sparse` runs natsim.merge head by head and builds its lists, which takes longer
-    (`SparseWork.merge_seconds`).
+    (`SparseWork.merge_seconds`). `backend` is the kernel backend it was scored on: "triton", or "fa4"
+    (FlashAttention-4, unmerged, on its own blocks: `block_m` x `block_n` are the mask's blocks there).
     """
 
     q_block: int
@@ -125,6 +129,12 @@ class MaskCandidate:
     programs: int
     score: float
     merge_s: float
+    backend: str = "triton"
+
+    @property
+    def key(self) -> tuple[int, int, str, str]:
+        """What tells candidates apart: (q_block, kv_block, merge, backend)."""
+        return self.q_block, self.kv_block, self.merge, self.backend
 
     @property
     def kernel_merge(self) -> Optional[str]:
@@ -142,6 +152,7 @@ class MaskCandidate:
                 block_m=int(data["block_m"]), block_n=int(data["block_n"]), density=float(data["density"]),
                 work=float(data["work"]), tiles=int(data["tiles"]), programs=int(data["programs"]),
                 score=float(data["score"]), merge_s=float(data["merge_s"]),
+                backend=check_backend(data.get("backend", "triton")),  # plans written before backends: Triton
             )
 
 
@@ -156,10 +167,14 @@ class MaskPlan:
     - `gpu`, `basis`: "cost model" (scores are predicted seconds on `gpu`) or "simulated tiles" (no
       coefficients: computed token pairs). `score` / `dense_score`: the chosen candidate and dense attention
       (every 128 x 128 block) in that unit; `breakdown`: the chosen candidate's predicted seconds per feature.
-    - `candidates`: every candidate scored, best score first.
+    - `candidates`: every candidate scored, best score first (those of a backend priced but not runnable here
+      included).
     - `mask`: the pooled mask `plan(q, k, v)` runs when no mask is passed (None after `from_json`; not stored
       in JSON and not compared).
     - `precision`: "fp8" for a plan of the FP8 inference kernel (`best_mask(..., precision="fp8")`), else None.
+    - `backend`: the kernel backend it runs on ("triton", "fa4"); `backends` those it could be picked from;
+      `would_pick` the pick had every priced backend run here (None when each did); `backend_notes` why a
+      backend a report mentions could not be picked, per backend (planner.backends).
     """
 
     seq_len: int
@@ -181,6 +196,10 @@ class MaskPlan:
     tie_tolerance: float = TIE_TOLERANCE
     mask: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     precision: Optional[str] = None
+    backend: str = "triton"
+    backends: tuple[str, ...] = ("triton",)
+    would_pick: Optional[MaskCandidate] = None
+    backend_notes: tuple[tuple[str, str], ...] = ()
     _works: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- what was predicted -----------------------------------------------------------------------------
@@ -189,12 +208,16 @@ class MaskPlan:
     def chosen(self) -> MaskCandidate:
         """The candidate this plan runs."""
         for c in self.candidates:
-            if (c.q_block, c.kv_block, c.merge) == (self.q_block, self.kv_block, self.merge):
+            if c.key == self._key:
                 return c
         raise ValueError(
-            f"the plan's choice (q_block={self.q_block}, kv_block={self.kv_block}, merge={self.merge!r}) is not "
-            "among its candidates."
+            f"the plan's choice (q_block={self.q_block}, kv_block={self.kv_block}, merge={self.merge!r}, "
+            f"backend={self.backend!r}) is not among its candidates."
         )
+
+    @property
+    def _key(self) -> tuple[int, int, str, str]:
+        return self.q_block, self.kv_block, self.merge, self.backend
 
     @property
     def calibrated(self) -> bool:
@@ -244,7 +267,7 @@ class MaskPlan:
         work = self._works.get(device)
         if work is None:
             work = prepare_sparse(self.mask, self.q_block, self.kv_block, self.seq_len, merge=self.kernel_merge,
-                                  device=device, backward=False)
+                                  device=device, backward=False, backend=self.backend)
             self._works[device] = work
         return work
 
@@ -253,7 +276,7 @@ class MaskPlan:
         """`sparse_attention` of `[B, N, heads, head_dim]` q, k, v under `mask` (at the plan's fine blocks,
         pooled here) or, without one, the plan's own pooled mask, at the plan's blocks and merge. With the
         plan's own mask the kernel's host work (`prepare_sparse`) is done once per device and reused. An FP8
-        plan runs in FP8 (inference only)."""
+        plan runs in FP8 (inference only); every plan runs on its backend."""
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != self.seq_len:
             raise ValueError(f"this plan is for seq_len={self.seq_len} tokens, got q.shape={tuple(q.shape)}.")
         if mask is not None:
@@ -267,25 +290,28 @@ class MaskPlan:
             pooled = self.mask
             if isinstance(q, torch.Tensor) and use_triton(q) and runs_eagerly(q, k, v):
                 return sparse_attention(q, k, v, self.prepared(q.device), scale=scale, return_lse=return_lse,
-                                        schedule=schedule, precision=self.precision)
+                                        schedule=schedule, precision=self.precision, backend=self.backend)
         return sparse_attention(q, k, v, pooled.to(q.device), self.q_block, self.kv_block, merge=self.kernel_merge,
-                                scale=scale, return_lse=return_lse, schedule=schedule, precision=self.precision)
+                                scale=scale, return_lse=return_lse, schedule=schedule, precision=self.precision,
+                                backend=self.backend)
 
     # -- reporting and storage ----------------------------------------------------------------------------
 
     def candidates_table(self, title: Optional[str] = None, limit: int = 0) -> Table:
         """The candidates, best score first (the first `limit`, all for 0; the chosen one always): blocks,
-        merge, density, computed work, tiles, predicted time (or tile work) and speedup over dense."""
+        merge, backend, density, computed work, tiles, predicted time (or tile work) and speedup over dense."""
         table = Table(title=title, title_justify="left")
-        for name in ("Q x KV block", "merge", "density", "work", "tiles", "predicted ms" if self.calibrated
+        for name in ("Q x KV block", "merge", "backend", "density", "work", "tiles", "predicted ms" if self.calibrated
                      else "tile work", "speedup", "merge ms", ""):
             table.add_column(name, justify="right")
         for i, c in enumerate(self.candidates):
-            chosen = (c.q_block, c.kv_block, c.merge) == (self.q_block, self.kv_block, self.merge)
+            chosen = c.key == self._key
             if 0 < limit <= i and not chosen:
                 continue
             table.add_row(
-                f"{c.q_block}x{c.kv_block}", c.merge, f"{c.density:.1%}", f"{c.work:.1%}", f"{c.tiles:,}",
+                f"{c.q_block}x{c.kv_block}", c.merge,
+                c.backend if c.backend in self.backends else f"{c.backend} (not here)",
+                f"{c.density:.1%}", f"{c.work:.1%}", f"{c.tiles:,}",
                 f"{c.score * 1e3:.4g}" if self.calibrated else f"{c.score:.4g}",
                 f"{_ratio(self.dense_score, c.score):.2f}x", f"{c.merge_s * 1e3:.3g}" if c.merge == "xor" else "",
                 "[green]chosen[/green]" if chosen else "",
@@ -300,15 +326,18 @@ class MaskPlan:
         lines = [
             f"Mask plan for N={self.seq_len:,} tokens, {self.batch} x {self.heads} heads, head_dim {self.head_dim}, "
             f"{self.dtype}{', FP8 kernel' if self.precision else ''}: run at {self.q_block} x {self.kv_block} blocks, "
-            f"merge {self.merge}.",
+            f"merge {self.merge}, on {backend_label(self.backend)}.",
             f"The mask was given at {self.fine_q_block} x {self.fine_kv_block}"
             + (f" (density {fine.density:.1%})" if fine is not None else "")
             + f"; pooled it attends {c.density:.1%} of token pairs and the kernel computes {c.work:.1%}.",
         ]
         if self.calibrated:
             coefficients = "FP8 sparse coefficients" if self.precision else "sparse coefficients"
+            kernel = "the same kernel"
+            if self.backend == "fa4":
+                coefficients, kernel = "FlashAttention-4 coefficients", "natsim's sparse kernel"
             lines.append(f"Predicted {self.score * 1e3:.4g} ms on {self.gpu}, {self.predicted_speedup:.2f}x faster "
-                         f"than dense attention through the same kernel (cost model, {coefficients}).")
+                         f"than dense attention through {kernel} (cost model, {coefficients}).")
             basis = Text(lines.pop())
         else:
             where = self.gpu if self.gpu else "this machine (no CUDA GPU)"
@@ -319,14 +348,21 @@ class MaskPlan:
                 f"GPU with coefficients (device='h100') or run `natsim calibrate --kernels gna,{kernel}` on yours.",
                 style="yellow",
             )
-        best = self.candidates[0]
-        if (best.q_block, best.kv_block, best.merge) == (self.q_block, self.kv_block, self.merge):
-            why = f"It has the best score of {len(self.candidates)} candidates."
+        runnable = [c for c in self.candidates if c.backend in self.backends]
+        best = runnable[0]
+        if best.key == self._key:
+            why = f"It has the best score of {len(runnable)} candidates."
         else:
-            why = (f"The best score is {best.q_block} x {best.kv_block}, merge {best.merge}; this one is "
+            on = f", on {best.backend}" if best.backend != self.backend else ""
+            why = (f"The best score is {best.q_block} x {best.kv_block}, merge {best.merge}{on}; this one is "
                    f"{self.score / best.score - 1.0:.1%} behind, within {self.tie_tolerance:.0%}, and needs less "
                    "host work (no merge before consecutive before xor, then coarser blocks).")
         parts = [Text(line) for line in lines] + [basis, Text(f"Why: {why}")]
+        parts += self._best_by_backend()
+        would = self.would_pick
+        gain = None if would is None else Gain(
+            would.backend, f"{would.q_block} x {would.kv_block} blocks, merge {would.merge}", would.score)
+        parts += backend_lines(self.backend_notes, {c.backend for c in self.candidates}, gain, self.score)
         if self.breakdown:
             table = Table(title="predicted time by feature", title_justify="left")
             table.add_column("feature")
@@ -337,16 +373,32 @@ class MaskPlan:
         parts.append(self.candidates_table("candidates, best score first"))
         return Group(*parts)
 
+    def _best_by_backend(self) -> list[Text]:
+        """One line per backend priced, when there were several: its best candidate against the plan."""
+        backends = dict.fromkeys(c.backend for c in self.candidates)
+        if len(backends) < 2:
+            return []
+        lines = []
+        for backend in backends:
+            c = next(c for c in self.candidates if c.backend == backend)  # best score first
+            here = "" if backend in self.backends else "; it does not run here"
+            lines.append(Text(f"Best on {backend_label(backend)}: {c.q_block} x {c.kv_block} blocks, merge {c.merge}, "
+                              f"{c.score * 1e3:.4g} ms ({versus(c.score, self.score)}{here})."))
+        return lines
+
     def to_dict(self) -> dict:
         return {
             "format": FORMAT,
             **{name: getattr(self, name) for name in (
                 "seq_len", "fine_q_block", "fine_kv_block", "q_block", "kv_block", "merge", "batch", "heads",
-                "head_dim", "dtype", "gpu", "basis", "score", "dense_score", "tie_tolerance", "precision")},
+                "head_dim", "dtype", "gpu", "basis", "score", "dense_score", "tie_tolerance", "precision", "backend")},
             "predicted_time_s": self.predicted_time_s,
             "predicted_speedup": self.predicted_speedup,
             "breakdown": dict(self.breakdown),
             "candidates": [c.to_dict() for c in self.candidates],
+            "backends": list(self.backends),
+            "would_pick": None if self.would_pick is None else self.would_pick.to_dict(),
+            "backend_notes": dict(self.backend_notes),
         }
 
     @classmethod
@@ -365,6 +417,11 @@ class MaskPlan:
             breakdown={k: float(v) for k, v in data["breakdown"].items()},
             candidates=tuple(MaskCandidate.from_dict(c) for c in data["candidates"]),
             precision=check_precision(data.get("precision")),  # plans written before FP8: the inputs' dtype
+            # plans written before backends: natsim's Triton kernels, the only one priced
+            backend=check_backend(data.get("backend", "triton")),
+            backends=tuple(check_backend(b) for b in data.get("backends", ("triton",))),
+            would_pick=None if data.get("would_pick") is None else MaskCandidate.from_dict(data["would_pick"]),
+            backend_notes=tuple((check_backend(b), str(note)) for b, note in data.get("backend_notes", {}).items()),
         )
         plan.chosen  # noqa: B018 (raises when the choice is not a candidate)
         return plan

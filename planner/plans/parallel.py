@@ -60,6 +60,7 @@ class ParallelPlan:
         from natsim.distributed import gna_attention
 
         args = self.plan.kernel_arguments()
+        args.pop("backend")  # natsim.distributed runs natsim's Triton kernels, what a plan over ranks is made for
         return gna_attention(q, k, v, args.pop("window"), args.pop("stride"), args.pop("dilation"),
                              args.pop("causal"), group=group, strategy=self.strategy, split=self.split,
                              scale=scale, **args)

@@ -2,7 +2,7 @@
 
 A plan is plain data (window, stride, tiles, predictions, runners-up) that round-trips through JSON, so it
 can be computed once per layer shape and reused; calling it runs `natsim.kernels.gna_attention` with
-exactly its settings.
+exactly its settings, on the kernel backend it was planned for (natsim's Triton kernels or FlashAttention-4).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from natsim.simulate import FIGURES
 
 from ..catalog import as_dtype
 from ..cost.backward_features import backward_work
-from .candidates import Candidate, Search
+from .candidates import Candidate, Search, check_backend
 from .explain import explain_plan
 from .ranking import BASIS_COST_MODEL
 from .reading import check_basis, check_record, parse_json, required_keys
@@ -41,7 +41,8 @@ class Plan:
     A `training` plan was ranked by forward + backward (`best(..., training=True)`): `score` and `dense_score`
     are sums, `backward_score` / `dense_backward_score` their backward parts (the backward runs its own tiles,
     `backward_tiles`); otherwise those are None. `precision` is "fp8" for a plan of the FP8 inference kernel
-    (`best(..., precision="fp8")`: it runs quantized, without gradients), else None.
+    (`best(..., precision="fp8")`: it runs quantized, without gradients), else None. `backend` is the kernel
+    backend it runs on: "triton" (natsim's kernels) or "fa4" (FlashAttention-4; planner.backends).
     """
 
     problem: Problem
@@ -61,6 +62,7 @@ class Plan:
     backward_score: Optional[float] = None
     dense_backward_score: Optional[float] = None
     precision: Optional[str] = None
+    backend: str = "triton"
 
     @cached_property
     def simulation(self) -> SimResult:
@@ -97,9 +99,12 @@ class Plan:
 
     @property
     def backward_tiles(self) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """(Q tile, KV tile) the backward runs for this plan (training plans), else None."""
+        """(Q tile, KV tile) the backward runs for this plan (training plans), else None: FlashAttention-4's runs
+        the forward's blocks, natsim's backward kernels tiles of their own."""
         if not self.training:
             return None
+        if self.backend == "fa4":
+            return self.tiles.q_tile, self.tiles.kv_tile
         work = backward_work(self.problem, self.head_dim)
         return work.q_tile, work.kv_tile
 
@@ -133,6 +138,7 @@ class Plan:
             "q_tile": self.tiles.q_tile,
             "kv_tile": self.tiles.kv_tile,
             "kv_tiling": self.tiles.kv_tiling,
+            "backend": self.backend,
         }
         if self.precision is not None:
             arguments["precision"] = self.precision
@@ -141,8 +147,8 @@ class Plan:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None, return_lse: bool = False
     ):
-        """GNA of `[B, *shape, heads, head_dim]` tensors with this plan's window, stride, tiles, KV tiling mode and
-        precision (returns what `gna_attention` returns: the output, and with `return_lse` its log-sum-exp)."""
+        """GNA of `[B, *shape, heads, head_dim]` tensors with this plan's window, stride, tiles, KV tiling mode,
+        precision and backend (returns what `gna_attention` returns: the output, and with `return_lse` its log-sum-exp)."""
         if isinstance(q, torch.Tensor) and tuple(q.shape[1:-2]) != self.problem.shape:
             raise ValueError(
                 f"this plan is for token layout shape={self.problem.shape}, got q with spatial shape "
@@ -182,6 +188,7 @@ class Plan:
             "predicted_forward_time_s": self.predicted_forward_time_s,
             "predicted_backward_time_s": self.predicted_backward_time_s,
             "precision": self.precision,
+            "backend": self.backend,
         }
 
     @classmethod
@@ -224,6 +231,7 @@ class Plan:
             dense_backward_score=(None if data.get("dense_backward_score") is None
                                   else float(data["dense_backward_score"])),
             precision=check_precision(data.get("precision")),  # plans written before FP8: the inputs' dtype
+            backend=check_backend(data.get("backend", "triton")),  # plans written before backends: Triton
         )
 
     def to_json(self, indent: Optional[int] = 2) -> str:

@@ -12,6 +12,12 @@ The search:
 4. among the configurations within TIE_TOLERANCE (2%) of the best score the smallest stride product
    wins: a larger stride gives up translational equivariance, so it must buy more than noise.
 
+Each configuration is scored on every kernel backend the search ranks (planner.backends): natsim's Triton
+kernels, and FlashAttention-4 where it runs the configuration's tiles (planner.search.fa4_scores), priced by its
+own coefficients; a configuration's score is its best backend's, so the search ranks (configuration, backend)
+pairs under the same tie rule. FlashAttention-4 is priced where its coefficients exist even when it does not run
+here: the plan records its best candidate, and what the search would have picked with it.
+
 `precision="fp8"` plans natsim's FP8 inference kernel: the same simulated tile counts, FP8's coefficients
 (`CostModel.fp8_coefficients`; without them the plan ranks by tile work and says so), static KV tiling and tiles
 of at least 32 keys (what FP8 runs), and FP8's own memory passes (quantization, and the permutation of 2-D and
@@ -40,6 +46,7 @@ from natsim.kernels.backends.triton import DEFAULT_VARIANT, check_precision, ker
 from natsim.tiles import KV_TILINGS
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 
+from ..backends import NAMES, Backends, BackendsLike, backend_choice, fa4_gna_refusal
 from ..catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
 from ..cost.features import feature_matrix, sweep_features, tile_arrays
 from ..cost.model import CostModel
@@ -49,6 +56,7 @@ from ..plans.candidates import Candidate, Search
 from ..plans.parallel import ParallelPlan
 from ..plans.plan import Plan
 from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
+from .fa4_scores import Fa4Scorer
 from .parallel import check_world_size, parallel_plan
 from .windows import candidate_windows, window_sparsity
 
@@ -220,9 +228,9 @@ def _runner_up_rows(rows: dict, scores: np.ndarray, chosen: int) -> list[int]:
     runs = rows["window_rows"]
     own = int(rows["window_index"][chosen])
     picked = [start + int(np.argmin(scores[start:stop])) for w, (start, stop) in enumerate(runs) if w != own]
-    picked = sorted(picked, key=lambda row: scores[row])[:RUNNERS_UP]
+    picked = sorted((row for row in picked if np.isfinite(scores[row])), key=lambda row: scores[row])[:RUNNERS_UP]
     start, stop = runs[own]
-    unit = (rows["stride"][start:stop] == 1).all(axis=1)
+    unit = (rows["stride"][start:stop] == 1).all(axis=1) & np.isfinite(scores[start:stop])
     if unit.any() and not unit[chosen - start]:
         members = start + np.nonzero(unit)[0]
         picked.append(int(members[np.argmin(scores[members])]))
@@ -230,13 +238,16 @@ def _runner_up_rows(rows: dict, scores: np.ndarray, chosen: int) -> list[int]:
 
 
 def _best_rows(scores: np.ndarray, count: int) -> np.ndarray:
-    """The first `count` rows of `np.argsort(scores, kind="stable")`, without sorting every row: the rows at or
-    under the count-th smallest score, sorted stably (ties stay in row order, as in the full sort)."""
+    """The first `count` rows of `np.argsort(scores, kind="stable")` with a finite score (a row no backend
+    ranked runs is infinite), without sorting every row: the rows at or under the count-th smallest score,
+    sorted stably (ties stay in row order, as in the full sort)."""
     if len(scores) <= count:
-        return np.argsort(scores, kind="stable")
-    kth = np.partition(scores, count - 1)[count - 1]
-    rows = np.nonzero(scores <= kth)[0]
-    return rows[np.argsort(scores[rows], kind="stable")][:count]
+        rows = np.argsort(scores, kind="stable")
+    else:
+        kth = np.partition(scores, count - 1)[count - 1]
+        rows = np.nonzero(scores <= kth)[0]
+        rows = rows[np.argsort(scores[rows], kind="stable")][:count]
+    return rows[np.isfinite(scores[rows])]
 
 
 @dataclass(frozen=True)
@@ -260,6 +271,7 @@ class _Request:
     backward_variant: tuple = ()  # the backward kernels' switches (DEFAULT_VARIANT) a training search priced
     kv_tiling_fixed: Optional[str] = None  # Search.kv_tiling_fixed: why the modes were narrowed
     precision: Optional[str] = None
+    backends: Backends = Backends()
 
 
 def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: bool,
@@ -297,8 +309,21 @@ def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: b
     return gpu, model, (kv_tiling,)
 
 
+def _fa4_excluded(world_size: Optional[int], kv_tiling: Optional[str], precision: Optional[str]) -> Optional[str]:
+    """Why FlashAttention-4 has no place in a search with these arguments (planner.backends.backend_choice), or
+    None."""
+    if precision is not None:
+        return f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's Triton kernels"
+    if world_size is not None:
+        return (f"natsim.distributed runs natsim's Triton kernels, so a plan over world_size={world_size} ranks "
+                "runs them")
+    if kv_tiling == "dynamic":
+        return "it runs static KV tiling only, so kv_tiling='dynamic' plans natsim's Triton kernels"
+    return None
+
+
 def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
-               training, world_size, kv_tiling, precision=None) -> _Request:
+               training, world_size, kv_tiling, precision=None, backends: BackendsLike = None) -> _Request:
     """Check every argument of `best` and resolve its cost model: the search's request, or one sentence error
     for the first argument, or combination, that no plan can honour (`world_size` is checked, not searched)."""
     shape = as_shape(shape)
@@ -318,6 +343,8 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
     head_dim = check_head_dim(head_dim)
     dtype = as_dtype(dtype)
     gpu, model, kv_tilings = ranking(device, cost_model, training, kv_tiling, precision)
+    choice = backend_choice(backends, device=device, model=model, training=training, gpu=gpu,
+                            excluded=_fa4_excluded(world_size, kv_tiling, precision))
     if world_size is not None:
         check_world_size(world_size, shape[0])
         if precision is not None:
@@ -340,6 +367,7 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         backward_variant=tuple(sorted(DEFAULT_VARIANT.items())) if training else (),
         kv_tiling_fixed="precision" if precision is not None else (None if kv_tiling is None else "kv_tiling"),
         precision=precision,
+        backends=choice,
     )
     return request
 
@@ -384,33 +412,57 @@ def _search(r: _Request) -> Plan:
     # Every row meets the target: a window admissible at stride 1 attends no more keys at larger strides.
     rows, keys = _sweep_windows(r, windows, catalog)
     scorer = _Scorer(r.shape, catalog, r.cost_model, r.heads or 1, r.head_dim, element_bytes(r.dtype), r.precision)
-    scores = scorer.score(rows["tile_index"], rows["visited_tiles"], rows["full_tiles"])
     call = dict(batch_heads=r.heads or 1, head_dim=r.head_dim, element_bytes=element_bytes(r.dtype))
-    if r.training:
-        problems = [Problem(r.shape, windows[w], stride, causal=r.causal) for w, stride in keys]
-        backward = backward_scores(problems, r.cost_model, **call)[rows["key_index"]]
-        scores = scores + backward
-    chosen = choose(scores, rows["stride"].prod(axis=1))
+    priced: dict[str, tuple[np.ndarray, Optional[np.ndarray]]] = {}  # backend: (scores, their backward parts)
+    if "triton" in r.backends.priced:
+        scores = scorer.score(rows["tile_index"], rows["visited_tiles"], rows["full_tiles"])
+        backward = None
+        if r.training:
+            problems = [Problem(r.shape, windows[w], stride, causal=r.causal) for w, stride in keys]
+            backward = backward_scores(problems, r.cost_model, **call)[rows["key_index"]]
+            scores = scores + backward
+        priced["triton"] = scores, backward
+    fa4 = None
+    if "fa4" in r.backends.priced:
+        fa4 = Fa4Scorer(r.shape, r.causal, windows, catalog, r.cost_model, dtype=r.dtype, training=r.training, **call)
+        priced["fa4"] = fa4.scores(rows)
+    products = rows["stride"].prod(axis=1)
+    allowed = r.backends.allowed
+    scores, backend_of = _best_backend(priced, allowed)
+    if not np.isfinite(scores).any():
+        raise ValueError(
+            f"no configuration of shape={r.shape} runs on {' or '.join(NAMES[b] for b in allowed)} at "
+            f"head_dim={r.head_dim}{' with its backward pass' if r.training else ''}; for the catalog's first tiles: "
+            f"{fa4_gna_refusal(catalog[0], r.head_dim, r.dtype, r.training)}"
+        )
+    chosen = choose(scores, products)
     n = math.prod(r.shape)
 
-    def candidate(row: int) -> Candidate:
+    def candidate(row: int, backend: str) -> Candidate:
         tiles = catalog[int(rows["tile_index"][row])]
+        score, backward = priced[backend]
         return Candidate(
             window=windows[int(rows["window_index"][row])],
             stride=tuple(int(s) for s in rows["stride"][row]),
             q_tile=tiles.q_tile,
             kv_tile=tiles.kv_tile,
-            score=float(scores[row]),
+            score=float(score[row]),
             sparsity=1.0 - float(rows["attended_pairs"][row]) / (n * n),
             tile_speedup=float(rows["num_kv_tiles"][row] / rows["max_kv_tiles"][row]),
             block_sparse=bool(rows["full_tiles"][row] == rows["visited_tiles"][row]),
             kv_tiling=tiles.kv_tiling,
             backward_score=float(backward[row]) if r.training else None,
+            backend=backend,
         )
 
-    winner = candidate(chosen)
+    def ranked(row: int) -> Candidate:
+        return candidate(row, allowed[backend_of[row]])
+
+    winner = ranked(chosen)
     breakdown = {}
-    if r.cost_model is not None:
+    if winner.backend == "fa4":
+        breakdown = fa4.breakdown(rows, chosen)
+    elif r.cost_model is not None:
         picked = [chosen]
         breakdown = r.cost_model.breakdown(
             scorer.features(rows["tile_index"][picked], rows["visited_tiles"][picked], rows["full_tiles"][picked])[0],
@@ -421,6 +473,13 @@ def _search(r: _Request) -> Plan:
                                                 r.cost_model, **call))
     dense = Problem(r.shape, r.shape)
     dense_backward = backward_score(dense, r.cost_model, **call) if r.training else None
+    best_by_backend = tuple(candidate(choose(priced[b][0], products), b) for b in r.backends.priced
+                            if np.isfinite(priced[b][0]).any())
+    would_pick = None
+    if r.backends.priced != allowed:
+        everywhere, everywhere_backend = _best_backend(priced, r.backends.priced)
+        row = choose(everywhere, products)
+        would_pick = candidate(row, r.backends.priced[everywhere_backend[row]])
     return Plan(
         problem=Problem(r.shape, winner.window, winner.stride, causal=r.causal),
         tiles=TileConfig(winner.q_tile, winner.kv_tile, kv_tiling=winner.kv_tiling),
@@ -433,22 +492,37 @@ def _search(r: _Request) -> Plan:
         score=winner.score,
         dense_score=scorer.dense_score() + (dense_backward or 0.0),
         breakdown=breakdown,
-        runners_up=tuple(candidate(row) for row in _runner_up_rows(rows, scores, chosen)),
+        runners_up=tuple(ranked(row) for row in _runner_up_rows(rows, scores, chosen)),
         search=Search(
             windows=tuple(windows),
             window_given=band is None,
             band=band,
-            scored=int(len(scores)),
-            top=tuple(candidate(int(row)) for row in _best_rows(scores, TOP)),
+            scored=int(sum(np.isfinite(priced[b][0]).sum() for b in allowed)),
+            top=tuple(ranked(int(row)) for row in _best_rows(scores, TOP)),
             tie_tolerance=TIE_TOLERANCE,
             kv_tilings=r.kv_tilings,
             kv_tiling_fixed=r.kv_tiling_fixed,
+            backends=allowed,
+            best_by_backend=best_by_backend,
+            would_pick=would_pick,
+            backend_notes=r.backends.notes,
         ),
         training=r.training,
         backward_score=winner.backward_score,
         dense_backward_score=dense_backward,
         precision=r.precision,
+        backend=winner.backend,
     )
+
+
+def _best_backend(priced: dict[str, tuple[np.ndarray, Optional[np.ndarray]]],
+                  backends: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's best score among `backends` and the index in `backends` of the backend that has it (the first on
+    a tie): ranking rows by it under the tie rule ranks (configuration, backend) pairs, since a row's backends
+    share its stride product."""
+    table = np.stack([priced[b][0] for b in backends])
+    best = np.argmin(table, axis=0)
+    return table[best, np.arange(table.shape[1])], best
 
 
 def best(
@@ -467,6 +541,7 @@ def best(
     world_size: Optional[int] = None,
     kv_tiling: Optional[str] = None,
     precision: Optional[str] = None,
+    backends: BackendsLike = None,
 ) -> Union[Plan, ParallelPlan]:
     """The fastest GNA configuration of `shape` whose sparsity is at least `target_sparsity`.
 
@@ -483,12 +558,17 @@ def best(
     backward tile work). `world_size=P`: a `ParallelPlan` for P ranks sharding frames
     (planner.search.parallel), which knows its strategy and split; training plans are for one GPU.
     `precision="fp8"` plans the FP8 inference kernel (module docstring); the plan runs in FP8.
+    `backends` names the kernel backends the plan may run on ("triton", "fa4"; planner.backends): None means every
+    one available here, natsim's Triton kernels and FlashAttention-4 where it is installed, runs on the device (a
+    torch device, or the current CUDA device) and the cost model has its coefficients (with `training`, its
+    backward's too); a backend asked for that cannot run here or cannot be priced is refused with a sentence.
+    The plan records its backend and runs on it.
 
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
     """
     request = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device,
-                         cost_model, training, world_size, kv_tiling, precision)
+                         cost_model, training, world_size, kv_tiling, precision, backends)
     plan = _search(request)
     if world_size is None:
         return plan

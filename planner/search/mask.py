@@ -16,11 +16,18 @@ before consecutive before xor, then coarser blocks) is preferred: the host's mer
 model. With `precision="fp8"` the candidates are scored by the FP8 sparse kernel's coefficients (the same work,
 FP8's cost per unit; tile work without them) and the plan runs in FP8. The result is a `MaskPlan`
 (planner.plans.mask).
+
+Where FlashAttention-4 is a backend the search ranks (planner.backends: installed, on this GPU, with its
+coefficients), every granularity it runs unmerged is a candidate too, scored by its own coefficients on the
+blocks the pooled mask visits (planner.cost.fa4_features; every visited block is full, nothing is permuted).
+Where it has coefficients but does not run here it is priced all the same, and the plan records what it would
+have picked.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -30,7 +37,9 @@ from natsim.kernels import SparseMask
 from natsim.kernels.backends import capabilities
 from natsim.kernels.backends.triton import check_precision, default_blocks
 
+from ..backends import BackendsLike, backend_choice, fa4_mask_refusal
 from ..catalog import as_dtype, dtype_name
+from ..cost.fa4_features import FA4_FEATURES, mask_fa4_features
 from ..cost.model import CostModel
 from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..cost.sparse_features import SPARSE_FEATURES
@@ -98,6 +107,23 @@ def _candidate(rows: PackedMask, q_block: int, kv_block: int, merge: str, batch:
     ), row
 
 
+def _fa4_candidate(rows: PackedMask, q_block: int, kv_block: int, batch: int, heads: int, head_dim: int,
+                   cost_model: CostModel) -> tuple[MaskCandidate, np.ndarray]:
+    """FlashAttention-4's candidate at `q_block` x `kv_block` (unmerged): the blocks the pooled mask visits, every
+    one full, scored by the cost model's FlashAttention-4 coefficients, and its feature row."""
+    copies = (batch // rows.batch) * (heads // rows.heads)  # a mask of batch or heads 1 serves each
+    visited = int(rows.row_counts(q_block, kv_block).sum()) * copies
+    row = mask_fa4_features(visited, q_block=q_block, kv_block=kv_block, seq_len=rows.seq_len,
+                            batch_heads=batch * heads, head_dim=head_dim)
+    seq_len = rows.seq_len
+    return MaskCandidate(
+        q_block=q_block, kv_block=kv_block, merge="none", block_m=q_block, block_n=kv_block,
+        density=rows.density(q_block, kv_block), work=visited * q_block * kv_block / (batch * heads * seq_len ** 2),
+        tiles=visited, programs=math.ceil(row[FA4_FEATURES.index("programs")]),
+        score=float(cost_model.predict_fa4(row)), merge_s=0.0, backend="fa4",
+    ), row
+
+
 def _grouping(q_block: int, kv_block: int, merge: str) -> tuple[int, int, int, str]:
     """`(q_block, kv_block, group, method)`: how `prepare_sparse` groups a candidate's query blocks, with the GPU's
     program tiles (XOR's greedy only where a group holds several blocks)."""
@@ -114,8 +140,14 @@ def _dense_rows(seq_len: int) -> PackedMask:
 
 
 def _preference(c: MaskCandidate) -> tuple:
-    """Less host work first: no merge, consecutive, xor; then coarser blocks."""
-    return (MERGES.index(c.merge), -c.q_block * c.kv_block)
+    """Less host work first: no merge, consecutive, xor; then coarser blocks; then natsim's Triton kernels."""
+    return (MERGES.index(c.merge), -c.q_block * c.kv_block, c.backend != "triton")
+
+
+def _pick(candidates: Sequence[MaskCandidate]) -> MaskCandidate:
+    """The winner among `candidates` (sorted by score): the least host work within TIE_TOLERANCE of the best."""
+    limit = candidates[0].score * (1.0 + TIE_TOLERANCE)
+    return min((c for c in candidates if c.score <= limit), key=_preference)
 
 
 def best_mask(
@@ -135,6 +167,7 @@ def best_mask(
     merges: Sequence[str] = MERGES,
     keep_mask: bool = True,
     precision: Optional[str] = None,
+    backends: BackendsLike = None,
 ) -> MaskPlan:
     """The fastest way to run a predicted block mask with `sparse_attention`: its granularity and merge.
 
@@ -155,6 +188,9 @@ def best_mask(
     - `keep_mask`: keep the pooled mask in the plan, so that `plan(q, k, v)` runs it.
     - `precision`: None (the inputs' dtype) or "fp8": plan and run the FP8 inference kernel, scored by the FP8
       sparse coefficients (by token pairs without them).
+    - `backends`: the kernel backends the plan may run on ("triton", "fa4"), as for `best`: None means every one
+      available here (FlashAttention-4 where it is installed, runs on the device and the cost model has its
+      coefficients; it runs unmerged blocks, in the inputs' dtype).
 
     >>> plan = best_mask(topp(q, k, 16, 16, 0.9), 16, 16, q.shape[1], device="h100")   # doctest: +SKIP
     >>> out = plan(q, k, v)                                                             # doctest: +SKIP
@@ -182,6 +218,12 @@ def best_mask(
     gpu, model = resolve_cost_model(device, cost_model)
     if model is not None and not model.has("sparse" if precision is None else "sparse-fp8"):
         model = None
+    excluded = None
+    if precision is not None:
+        excluded = f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's kernels"
+    elif "none" not in merges:
+        excluded = f"it runs unmerged blocks only, and merges={merges!r} leaves out 'none'"
+    choice = backend_choice(backends, device=device, model=model, training=False, gpu=gpu, excluded=excluded)
 
     rows = PackedMask(dense, q_block, kv_block, seq_len)
     # one 128-query block per program already: a merge changes nothing
@@ -190,20 +232,34 @@ def best_mask(
     rows.prepare({(qb, kb) for qb, kb, _ in options})  # pooled rows and their counts, on every core
     rows.count([_grouping(qb, kb, merge) for qb, kb, merge in options])  # every candidate's counts, on every core
     scored, features = [], {}
-    for qb, kb, merge in options:
-        candidate, row = _candidate(rows, qb, kb, merge, batch, heads, head_dim, model, precision)
-        scored.append(candidate)
-        features[(qb, kb, merge)] = row
-    if not scored:
-        raise ValueError(f"no candidate to score: merges={merges!r} need query blocks under {DENSE_BLOCK}.")
+    if "triton" in choice.priced:
+        for qb, kb, merge in options:
+            candidate, row = _candidate(rows, qb, kb, merge, batch, heads, head_dim, model, precision)
+            scored.append(candidate)
+            features[candidate.key] = row
+    if "fa4" in choice.priced:
+        for qb, kb in sorted({(qb, kb) for qb, kb, merge in options if merge == "none"}):
+            if fa4_mask_refusal(qb, kb, head_dim, dtype) is None:
+                candidate, row = _fa4_candidate(rows, qb, kb, batch, heads, head_dim, model)
+                scored.append(candidate)
+                features[candidate.key] = row
     scored.sort(key=lambda c: (c.score, _preference(c)))
-    limit = scored[0].score * (1.0 + TIE_TOLERANCE)
-    winner = min((c for c in scored if c.score <= limit), key=_preference)
+    runnable = [c for c in scored if c.backend in choice.allowed]
+    if not options:
+        raise ValueError(f"no candidate to score: merges={merges!r} need query blocks under {DENSE_BLOCK}.")
+    if not runnable:
+        why = fa4_mask_refusal(q_options[0], kv_options[0], head_dim, dtype)
+        raise ValueError(f"no candidate to score: FlashAttention-4 runs none of q_blocks={q_options} x "
+                         f"kv_blocks={kv_options} at head_dim={head_dim} (for the first: {why})")
+    winner = _pick(runnable)
+    would_pick = _pick(scored) if choice.priced != choice.allowed else None
     dense_candidate, _ = _candidate(_dense_rows(seq_len), DENSE_BLOCK, DENSE_BLOCK, "none", batch, heads, head_dim,
                                     model, precision)
     breakdown = {}
-    if model is not None:
-        breakdown = model.sparse_breakdown(features[(winner.q_block, winner.kv_block, winner.merge)], precision)
+    if winner.backend == "fa4":
+        breakdown = model.fa4_breakdown(features[winner.key])
+    elif model is not None:
+        breakdown = model.sparse_breakdown(features[winner.key], precision)
     kept = None
     if keep_mask:
         fine = (winner.q_block, winner.kv_block) == (q_block, kv_block)
@@ -213,5 +269,6 @@ def best_mask(
         kv_block=winner.kv_block, merge=winner.merge, batch=batch, heads=heads, head_dim=head_dim,
         dtype=dtype_name(dtype), gpu=gpu, basis=BASIS_COST_MODEL if model is not None else BASIS_TILES,
         score=winner.score, dense_score=dense_candidate.score, breakdown=breakdown, candidates=tuple(scored),
-        mask=kept, precision=precision,
+        mask=kept, precision=precision, backend=winner.backend, backends=choice.allowed, would_pick=would_pick,
+        backend_notes=choice.notes,
     )
