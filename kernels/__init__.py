@@ -13,68 +13,75 @@ boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_in
 `check_precision`, `refuse_gradients`).
 """
 
-from .common.backend import autocast_inputs, runs_eagerly
-from .common.checks import check_tensors
-from .common.fp8 import Fp8Scales, check_precision, refuse_gradients
-from .common.launch import LaunchOptions
-from .common.resolved import attention_resolved, register_attention
-from .gna import (
-    GnaSpec,
-    chosen_backend,
-    gna_attention,
-    gna_attention_permuted,
-    gna_tile_counts,
-    permute,
-    permute_reference,
-    reference_attention,
-    unpermute,
-    unpermute_reference,
-)
-from .gna.checks import check_qkv
-from .gna.ops import FRAMES_GRADIENT_REFUSAL, gna_resolved, register_resolver
-from .sparse import (
-    SparseMask,
-    SparseSpec,
-    SparseTileCounts,
-    SparseWork,
-    prepare_sparse,
-    sparse_attention,
-    sparse_reference,
-    sparse_tile_counts,
-)
-from .sparse.ops import PV_SKIP_GRADIENT_REFUSAL
+# This folder is natsim.kernels (pyproject.toml's package-dir mapping). Where the repository's root is on sys.path
+# (`python -m pytest` there, a script run from it) it is also importable as a top-level package "kernels", a name
+# other libraries probe for (transformers imports "kernels", the Hub's kernel package, to read its version).
+# Imported so, it stays empty: its modules would otherwise run a second time, and their torch.library operators,
+# registered again under the same names with registries of their own, would replace natsim's (a compiled
+# natsim::gna_resolved then no longer finds the plans registered with natsim.kernels).
+if __name__ == "natsim.kernels":
+    from .common.backend import autocast_inputs, runs_eagerly
+    from .common.checks import check_tensors
+    from .common.fp8 import Fp8Scales, check_precision, refuse_gradients
+    from .common.launch import LaunchOptions
+    from .common.resolved import attention_resolved, register_attention
+    from .gna import (
+        GnaSpec,
+        chosen_backend,
+        gna_attention,
+        gna_attention_permuted,
+        gna_tile_counts,
+        permute,
+        permute_reference,
+        reference_attention,
+        unpermute,
+        unpermute_reference,
+    )
+    from .gna.checks import check_qkv
+    from .gna.ops import FRAMES_GRADIENT_REFUSAL, gna_resolved, register_resolver
+    from .sparse import (
+        SparseMask,
+        SparseSpec,
+        SparseTileCounts,
+        SparseWork,
+        prepare_sparse,
+        sparse_attention,
+        sparse_reference,
+        sparse_tile_counts,
+    )
+    from .sparse.ops import PV_SKIP_GRADIENT_REFUSAL
 
-__all__ = [
-    "Fp8Scales",
-    "LaunchOptions",
-    "GnaSpec",
-    "SparseSpec",
-    "gna_resolved",
-    "register_resolver",
-    "attention_resolved",
-    "register_attention",
-    "FRAMES_GRADIENT_REFUSAL",
-    "PV_SKIP_GRADIENT_REFUSAL",
-    "check_tensors",
-    "check_qkv",
-    "autocast_inputs",
-    "runs_eagerly",
-    "check_precision",
-    "refuse_gradients",
-    "gna_attention",
-    "chosen_backend",
-    "gna_attention_permuted",
-    "gna_tile_counts",
-    "permute",
-    "unpermute",
-    "permute_reference",
-    "unpermute_reference",
-    "reference_attention",
-    "SparseMask",
-    "SparseTileCounts",
-    "SparseWork",
-    "prepare_sparse",
-    "sparse_attention",
-    "sparse_reference",
-    "sparse_tile_counts",
-]
+    __all__ = [
+        "Fp8Scales",
+        "LaunchOptions",
+        "GnaSpec",
+        "SparseSpec",
+        "gna_resolved",
+        "register_resolver",
+        "attention_resolved",
+        "register_attention",
+        "FRAMES_GRADIENT_REFUSAL",
+        "PV_SKIP_GRADIENT_REFUSAL",
+        "check_tensors",
+        "check_qkv",
+        "autocast_inputs",
+        "runs_eagerly",
+        "check_precision",
+        "refuse_gradients",
+        "gna_attention",
+        "chosen_backend",
+        "gna_attention_permuted",
+        "gna_tile_counts",
+        "permute",
+        "unpermute",
+        "permute_reference",
+        "unpermute_reference",
+        "reference_attention",
+        "SparseMask",
+        "SparseTileCounts",
+        "SparseWork",
+        "prepare_sparse",
+        "sparse_attention",
+        "sparse_reference",
+        "sparse_tile_counts",
+    ]

@@ -69,3 +69,32 @@ def test_an_unknown_resolver_is_a_sentence():
     q = torch.randn(1, 4, 4, 4, 2, 32).half()
     with pytest.raises(ValueError, match="resolver must be an id from register_resolver"):
         gna_resolved(q, q, q, 10**6, None, False)
+
+
+def test_a_library_probing_the_kernels_folder_leaves_natsims_operators_in_place():
+    """With the repository's root on sys.path (`python -m pytest` there), transformers imports the folder
+    `kernels` as a package of its own when it looks for the Hub's `kernels`: natsim's operators must stay the ones
+    natsim.kernels registered, or a compiled AutoPlan no longer finds its plans (the fake of natsim::gna_resolved
+    raised "resolver must be an id from register_resolver" on the GPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = f"""
+import importlib, sys
+sys.path.insert(0, {str(root)!r})
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from natsim.kernels import gna_resolved
+from natsim.planner import AutoPlan
+auto = AutoPlan(0.5)
+importlib.import_module("kernels")  # what transformers' is_kernels_available() does
+assert not [name for name in sys.modules if name.startswith("kernels.")], "the folder's modules ran again"
+with FakeTensorMode():
+    q = torch.empty(1, 4, 8, 2, 32, dtype=torch.float16)
+    out, lse = gna_resolved(q, q, q, auto._resolver, None, False)
+assert out.shape == q.shape
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

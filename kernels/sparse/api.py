@@ -9,14 +9,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import numpy as np
 import torch
 
 from ..common.backend import autocast_inputs, runs_eagerly, use_triton
-from ..common.checks import KERNEL_DTYPES, check_tensors
+from ..common.checks import KERNEL_DTYPES, check_backend, check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
 from ..fa4 import run as fa4_run
 from ..fa4.ops import fa4_blocks, lists_schema
@@ -47,6 +47,7 @@ def sparse_attention(
     precision: Optional[str] = None,
     scales: Optional[Fp8Scales] = None,
     out_dtype: Optional[torch.dtype] = None,
+    backend: Optional[str] = None,
 ):
     """Attention of `[B, N, heads, head_dim]` q, k, v under a block mask: query i attends key j exactly when
     `mask[b, h, i // q_block, j // kv_block]`.
@@ -60,6 +61,9 @@ def sparse_attention(
       runs on the backend `prepare_sparse` chose or was asked for (`prepare_sparse(..., backend="fa4")`:
       FlashAttention-4), calls that backend does not take on natsim's kernels, or, where the work names its
       backend, refused with a sentence.
+    - `backend`: None (a SparseWork's own backend; natsim's kernels for a boolean mask), "triton", or "fa4"
+      (FlashAttention-4: a SparseWork prepared with its lists, or a boolean mask prepared for it on this call,
+      outside torch.compile).
     - `merge`: None (a program holds one query block, at least 16 rows), `"consecutive"` or `"xor"` (a program
       holds 128 queries, 128 // q_block blocks: consecutive ones, or natsim.merge's XOR greedy per head).
       The output never depends on it: each row is masked by its own block's row.
@@ -105,7 +109,21 @@ def sparse_attention(
                          pv_threshold=pv_threshold, precision=precision, out_dtype=out_dtype)
     if spec.pv_threshold is not None and tracked:
         raise ValueError(PV_SKIP_GRADIENT_REFUSAL)
+    check_backend(backend)
+    if not prepared and backend == "fa4":
+        if torch.compiler.is_compiling():
+            raise ValueError("sparse_attention(..., backend='fa4') on a boolean mask prepares FlashAttention-4's lists "
+                             "on the call, which a compiled graph cannot hold: prepare them once before, with "
+                             "prepare_sparse(mask, ..., backend='fa4'), and pass that SparseWork.")
+        mask = prepare_sparse(mask, q_block, kv_block, q.shape[1], merge=merge, device=q.device, backward=tracked,
+                              backend="fa4")
+        prepared = True
     if prepared:
+        if backend == "fa4" and mask.fa4 is None:
+            raise ValueError("backend='fa4' needs a SparseWork prepared with FlashAttention-4's lists "
+                             "(prepare_sparse(..., backend='fa4')); this one runs on natsim's kernels.")
+        if backend == "triton":
+            mask = replace(mask, fa4=None, requested="triton")
         out, lse = _attend_prepared(q, k, v, mask, spec, scales, tracked)
     elif runs_eagerly(q, k, v):
         out, lse = sparse_forward_impl(q, k, v, mask, spec, scales)

@@ -376,7 +376,7 @@ def prepare_case(case: SparseCase, device: torch.device):
     """The case's forward `SparseWork` on `device`, with the GPU's program tiles wherever it is prepared."""
     block_m, block_n = case.blocks
     return prepare_sparse(sparse_case_mask(case), case.q_block, case.kv_block, case.seq_len, merge=case.merge,
-                          block_m=block_m, block_n=block_n, device=device, backward=False)
+                          block_m=block_m, block_n=block_n, device=device, backward=False, backend="triton")
 
 
 def sparse_case_features(cases: Sequence[SparseCase]) -> np.ndarray:
