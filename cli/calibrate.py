@@ -198,7 +198,7 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
     kernels: str = typer.Option(
         "gna,sparse", "--kernels",
-        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim[fa4]'). Without gna, this GPU's stored cost model is extended.",
+        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim\\[fa4]'). Without gna, this GPU's stored cost model is extended.",
     ),
 ) -> None:
     """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
