@@ -45,7 +45,7 @@ from timing import bench, rel  # noqa: E402
 
 import natsim  # noqa: E402
 from natsim import planner  # noqa: E402
-from natsim.kernels import gna_attention, prepare_sparse, sparse_attention  # noqa: E402
+from natsim.kernels import chosen_backend, gna_attention, prepare_sparse, sparse_attention  # noqa: E402
 
 DTYPE = torch.bfloat16
 CHECK_TOLERANCE = 1e-2
@@ -63,29 +63,33 @@ def cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-def fa4_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists) -> torch.Tensor:
-    """FlashAttention-4's public function on `[B, N, H, D]` tensors in tile order, natsim's lists as its blocks."""
+def fa4_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists, mask_mod=None) -> torch.Tensor:
+    """FlashAttention-4's public function on `[B, N, H, D]` tensors in tile order, natsim's lists as its blocks (and
+    natsim's GNA mask_mod for the partial ones)."""
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     from flash_attn.cute.interface import flash_attn_func
 
     sparse = None if lists is None else BlockSparseTensorsTorch(*lists.forward,
                                                                 block_size=(lists.q_block, lists.kv_block))
-    out = flash_attn_func(q, k, v, block_sparse_tensors=sparse)
+    out = flash_attn_func(q, k, v, block_sparse_tensors=sparse, mask_mod=mask_mod)
     return out[0] if isinstance(out, tuple) else out
 
 
 _flex = None
 
 
-def flex(q, k, v, block_mask):
-    """Compiled FlexAttention on `[B, N, H, D]` tensors."""
+def flex(q, k, v, block_mask, block: int = 128):
+    """Compiled FlexAttention on `[B, N, H, D]` tensors; blocks under 128 tokens ask its kernel for tiles of their
+    size (it refuses blocks its tiles do not divide)."""
     global _flex
     if _flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
         torch._dynamo.config.recompile_limit = 64
         _flex = torch.compile(flex_attention, dynamic=False)
-    return _flex(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask).transpose(1, 2)
+    options = None if block >= 128 else {"BLOCK_M": block, "BLOCK_N": block}
+    return _flex(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask,
+                 kernel_options=options).transpose(1, 2)
 
 
 def flex_gna_mask(problem: natsim.Problem, tile: tuple[int, ...], tokens: int):
@@ -139,43 +143,48 @@ def timed(row: dict, timers: dict[str, Callable[[], torch.Tensor]], reference: t
 
 
 def gna_row(name: str, shape, heads: int, head_dim: int, *, sparsity: Optional[float] = None, window=None,
-            stride=None) -> dict:
-    """A GNA row: the planner's pick, the same configuration on each backend, FA4 direct, Flex, cuDNN."""
-    options = dict(heads=heads, head_dim=head_dim, device="cuda")
-    if window is not None:
-        options.update(window=window, max_stride=stride)
-    plan = planner.best(shape, sparsity if sparsity is not None else 0.0, **options)
-    if stride is not None and plan.problem.stride != tuple(stride):
-        raise ValueError(f"{name}: the planner chose stride {plan.problem.stride}, the row asks for {stride}.")
-    row = dict(row=name, shape=shape, heads=heads, head_dim=head_dim, window=plan.problem.window,
-               stride=plan.problem.stride, q_tile=plan.tiles.q_tile, kv_tile=plan.tiles.kv_tile,
-               picked=plan.backend, predicted_ms=None if plan.predicted_time_s is None else plan.predicted_time_s * 1e3,
-               sparsity=plan.sparsity)
+            stride=None, fa4_tiles=((4, 8, 8), (2, 8, 8))) -> dict:
+    """A GNA row: natsim's pick (the planner's plan at `sparsity`, or for a given `window` and `stride` what
+    `gna_attention` chooses by itself), the same configuration on each backend, FA4 direct, Flex, cuDNN.
+    FlashAttention-4 direct and Flex run the plan's tiles, or `fa4_tiles` where natsim chose its own."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, *shape, heads, head_dim, device="cuda", generator=gen, dtype=DTYPE) for _ in range(3))
-    arguments = plan.kernel_arguments()
-    arguments.pop("backend", None)
+    if sparsity is not None:
+        plan = planner.best(shape, sparsity, heads=heads, head_dim=head_dim, device="cuda")
+        arguments = {key: value for key, value in plan.kernel_arguments().items() if key != "backend"}
+        natsim_call, picked = (lambda: plan(q, k, v)), plan.backend
+        problem, tiles = plan.problem, (plan.tiles.q_tile, plan.tiles.kv_tile)
+        extra = dict(predicted_ms=None if plan.predicted_time_s is None else plan.predicted_time_s * 1e3,
+                     kv_tiling=plan.tiles.kv_tiling)
+    else:
+        arguments = dict(window=window, stride=stride)
+        natsim_call, picked = (lambda: gna_attention(q, k, v, **arguments)), chosen_backend(q, k, v, **arguments)
+        problem, tiles, extra = natsim.Problem(shape, window, stride), fa4_tiles, {}
+    row = dict(row=name, shape=shape, heads=heads, head_dim=head_dim, window=problem.window, stride=problem.stride,
+               q_tile=tiles[0], kv_tile=tiles[1], picked=picked, sparsity=natsim.simulate(
+                   problem, natsim.TileConfig(*tiles)).sparsity, **extra)
     reference = gna_attention(q, k, v, **arguments, backend="triton")
-    timers = {"natsim": lambda: plan(q, k, v),
+    fa4_arguments = dict(arguments, q_tile=tiles[0], kv_tile=tiles[1], kv_tiling="static")
+    timers = {"natsim": natsim_call,
               "triton": lambda: gna_attention(q, k, v, **arguments, backend="triton"),
-              "fa4": lambda: gna_attention(q, k, v, **arguments, backend="fa4"),
-              "cudnn": lambda: cudnn(*(t.reshape(1, -1, heads, head_dim) for t in (q, k, v)))}
+              "fa4": lambda: gna_attention(q, k, v, **fa4_arguments, backend="fa4")}
     from natsim.kernels.fa4.gna import Fa4Gna
 
-    fa4 = Fa4Gna(plan.problem, plan.tiles.q_tile, plan.tiles.kv_tile)
+    fa4 = Fa4Gna(problem, *tiles)
     ordered = [fa4.to_order(t) for t in (q, k, v)]
-    timers["fa4-direct"] = lambda: fa4_direct(*ordered, fa4.lists(q.device))
-    block_mask = flex_gna_mask(plan.problem, plan.tiles.q_tile, ordered[0].shape[1])
-    timers["flex"] = lambda: flex(*ordered, block_mask)
-    timed(row, {n: t for n, t in timers.items() if n != "cudnn"}, reference, order=fa4.from_order)
-    row["cudnn_ms"] = bench(timers["cudnn"])
+    lists = fa4.lists(q.device)
+    timers["fa4-direct"] = lambda: fa4_direct(*ordered, lists, fa4.mask_mod(lists))
+    block_mask = flex_gna_mask(problem, tiles[0], ordered[0].shape[1])
+    timers["flex"] = lambda: flex(*ordered, block_mask, math.prod(tiles[0]))
+    timed(row, timers, reference, order=fa4.from_order)
+    row["cudnn_ms"] = bench(lambda: cudnn(*(t.reshape(1, -1, heads, head_dim) for t in (q, k, v))))
     return row
 
 
 def dense_row(n: int, heads: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, n, heads, 128, device="cuda", generator=gen, dtype=DTYPE) for _ in range(3))
-    row = dict(row=f"dense-{n}", tokens=n, heads=heads, head_dim=128, picked=natsim_backend(q, k, v, (n,)))
+    row = dict(row=f"dense-{n}", tokens=n, heads=heads, head_dim=128, picked=chosen_backend(q, k, v, (n,)))
     reference = gna_attention(q, k, v, n, backend="triton")
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -187,12 +196,6 @@ def dense_row(n: int, heads: int) -> dict:
                 "flex": lambda: flex(q, k, v, dense_mask),
                 "cudnn": lambda: cudnn(q, k, v)}, reference)
     return row
-
-
-def natsim_backend(q, k, v, window) -> str:
-    from natsim.kernels import chosen_backend
-
-    return chosen_backend(q, k, v, window)
 
 
 def mask_row(name: str, mask: torch.Tensor, q_block: int, kv_block: int, n: int, heads: int,
@@ -245,13 +248,12 @@ def random_mask(n: int, heads: int, sparsity: float, block: int = 128, seed: int
 
 def rows(small: bool) -> dict[str, Callable[[], dict]]:
     scale = 4 if small else 1
-    hunyuan = (30 // (2 if small else 1), 48, 80 // scale)
+    hunyuan, window = ((16, 48, 32), (8, 24, 16)) if small else ((30, 48, 80), (18, 24, 24))
     n = 32768 // scale
     table = {
-        "hunyuan-16x8x8": lambda: gna_row("hunyuan-16x8x8", hunyuan, 24, 128, window=(18, 24, 24 // scale),
-                                          stride=(16, 8, 8)),
-        "hunyuan-1x1x1": lambda: gna_row("hunyuan-1x1x1", hunyuan, 24, 128, window=(18, 24, 24 // scale),
-                                         stride=(1, 1, 1)),
+        "hunyuan-16x8x8": lambda: gna_row("hunyuan-16x8x8", hunyuan, 24, 128, window=window,
+                                          stride=(16 if not small else 8, 8, 8)),
+        "hunyuan-1x1x1": lambda: gna_row("hunyuan-1x1x1", hunyuan, 24, 128, window=window, stride=(1, 1, 1)),
         "wan720-0.9": lambda: gna_row("wan720-0.9", (21, 45, 80 // scale), 40, 128, sparsity=0.9),
         "dense-32768": lambda: dense_row(n, 24),
         "cosmos-d64-0.9": lambda: gna_row("cosmos-d64-0.9", (16, 44, 80 // scale), 32, 64, sparsity=0.9),

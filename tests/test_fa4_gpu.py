@@ -72,22 +72,28 @@ def test_gna_gradients_match_float64(geometry, head_dim):
 
 @pytest.mark.parametrize("density, q_block, kv_block", [(0.3, 128, 128), (0.5, 64, 64), (0.2, 128, 32)])
 def test_block_masks_forward_and_backward_match_float64(density, q_block, kv_block):
+    """Forward on every block size FlashAttention-4 runs; gradients where its backward runs the blocks (key blocks
+    of 128 tokens at head_dim 128), which prepare_sparse(..., backward=True) refuses elsewhere."""
     n, heads = 2048 + 64, 4  # a partial last block
+    backward = kv_block == 128
     gen = torch.Generator(device="cuda").manual_seed(3)
     mask = torch.rand(1, heads, -(-n // q_block), -(-n // kv_block), device="cuda", generator=gen) < density
     q, k, v = (torch.randn(2, n, heads, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
-               .requires_grad_() for _ in range(3))
-    work = prepare_sparse(mask, q_block, kv_block, n, backend="fa4")
+               .requires_grad_(backward) for _ in range(3))
+    work = prepare_sparse(mask, q_block, kv_block, n, backend="fa4", backward=backward)
+    assert work.backend == "fa4"
+    if not backward:
+        with pytest.raises(ValueError, match="backward at head_dim=128 runs key blocks of 128 tokens"):
+            prepare_sparse(mask, q_block, kv_block, n, backend="fa4", backward=True)
     out = sparse_attention(q, k, v, work)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    leaves = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
     ref = sparse_reference(*leaves, mask, q_block, kv_block)
-    ref.backward(grad.double())
     attended = ref.detach().abs().sum(-1) > 0  # rows that attend nothing are 0 in both
-    assert relative_error(out[attended], ref.detach()[attended]) < 1e-2
-    backward_runs = kv_block == 128
-    if backward_runs:
+    assert relative_error(out.detach()[attended], ref.detach()[attended]) < 1e-2
+    if backward:
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref.backward(grad.double())
         for ours, theirs in zip((q, k, v), leaves):
             assert relative_error(ours.grad, theirs.grad) < 1e-2
 
