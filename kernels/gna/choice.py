@@ -55,7 +55,7 @@ def choose(spec: GnaSpec, problem: Problem, q: torch.Tensor) -> Choice:
         if refusal is not None:
             raise ValueError(f"backend='fa4' cannot run this call: {refusal}")
         return Choice("fa4", geometry)
-    if refusal is None and (geometry is None or not geometry.lists(q.device).masked
+    if refusal is None and (geometry is None or _block_sparse(problem, geometry.q_tile, geometry.kv_tile)
                             or q.shape[-1] not in KERNEL_HEAD_DIMS):
         return Choice("fa4", geometry)
     return Choice("triton")
