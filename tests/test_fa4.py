@@ -202,3 +202,20 @@ def test_unavailable_says_why_in_a_sentence():
     assert reason == "FlashAttention-4 runs on CUDA GPUs, got tensors on cpu."
     installed = library.installed()
     assert installed is None or installed.endswith(".") and "FlashAttention-4" in installed
+
+
+def test_the_block_mask_operator_has_fake_shapes_for_compiled_graphs():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from natsim.kernels.fa4.ops import fa4_blocks, lists_schema
+
+    lists = lists_from_blocks(torch.ones(1, 2, 4, 4, dtype=torch.bool), torch.ones(1, 2, 4, 4, dtype=torch.bool),
+                              128, 128)
+    tensors, sizes = lists_schema(lists)
+    assert sizes == [128, 128, 0, 32]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(2, 512, 2, 64, dtype=torch.bfloat16)
+        out, lse = fa4_blocks(q, q, q, tensors, sizes, None, True)
+        assert out.shape == q.shape and lse.shape == (2, 512, 2) and lse.dtype == torch.float32
+        out, lse = fa4_blocks(q, q, q, tensors, sizes, 0.1, False)
+        assert lse.numel() == 0

@@ -2,8 +2,8 @@
 
 `Fa4Gna` holds what a call needs besides its tensors: the problem and the tiles. q, k and v go into the Q tile's
 token order (kernels/gna/permute.py; the output and the LSE come back out of it), FlashAttention-4 runs the
-lists of `gna_lists` and, where any visited block is partial, `gna_mask_mod`. Calls on tensors already in that
-order (a whole model kept in tile order) use `forward_ordered` / `backward_ordered` and pay no permutation.
+lists of `gna_lists` and, where any visited block is partial, `gna_mask_mod`; `forward_ordered` /
+`backward_ordered` run tensors already in that order.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 
 from natsim import Problem
 
-from ..gna.layout import TileLayout
 from ..gna.permute import permute, unpermute
 from . import run
 from .gna_mask import GnaMask
@@ -30,11 +29,6 @@ class Fa4Gna:
     problem: Problem
     q_tile: tuple[int, ...]
     kv_tile: tuple[int, ...]
-
-    @property
-    def ordered_tokens(self) -> int:
-        """Tokens of the Q tile's order, padding included: q, k and v in that order have this length."""
-        return TileLayout(self.problem.shape, self.q_tile, self.problem.dilation).num_tokens
 
     def lists(self, device: torch.device) -> Fa4Lists:
         return gna_lists(self.problem, self.q_tile, self.kv_tile, device)

@@ -22,7 +22,8 @@ from typing import Any, Callable
 import numpy as np
 
 from natsim import Problem
-from natsim.dimension import ceil_div
+
+from ..gna.layout import TileLayout
 
 
 @dataclass(frozen=True)
@@ -37,36 +38,20 @@ class Arithmetic:
 NUMPY = Arithmetic(where=np.where, const=lambda value: np.int64(value))
 
 
-@dataclass(frozen=True)
-class TileOrder:
-    """One tile shape's token order over a layout: `shape`, `tile` and `dilation` per dimension."""
-
-    shape: tuple[int, ...]
-    tile: tuple[int, ...]
-    dilation: tuple[int, ...]
-
-    @property
-    def tiles_per_group(self) -> tuple[int, ...]:
-        return tuple(ceil_div(L, t * d) for L, t, d in zip(self.shape, self.tile, self.dilation))
-
-    def decode(self, p, ops: Arithmetic) -> tuple[list, list]:
-        """Permuted position(s) `p` -> (per-dimension dilation group, per-dimension in-group coordinate)."""
-        c = ops.const
-        n = len(self.shape)
-        tile_tokens = math.prod(self.tile)
-        per_group = self.tiles_per_group
-        inner, tile = p % c(tile_tokens), p // c(tile_tokens)
-        group, tile = tile // c(math.prod(per_group)), tile % c(math.prod(per_group))
-        groups, coords = [], []
-        for i in range(n):
-            tiles_after = math.prod(per_group[i + 1:])
-            inner_after = math.prod(self.tile[i + 1:])
-            groups_after = math.prod(self.dilation[i + 1:])
-            t = (tile // c(tiles_after)) % c(per_group[i])
-            r = (inner // c(inner_after)) % c(self.tile[i])
-            groups.append((group // c(groups_after)) % c(self.dilation[i]))
-            coords.append(t * c(self.tile[i]) + r)
-        return groups, coords
+def decode(layout: TileLayout, p, ops: Arithmetic) -> tuple[list, list]:
+    """Position(s) `p` of `layout`'s token order -> (per-dimension dilation group, per-dimension in-group
+    coordinate), the inverse of kernels/gna/layout.py's numbering."""
+    c = ops.const
+    per_group = layout.tiles_per_group
+    inner, tile = p % c(layout.tile_tokens), p // c(layout.tile_tokens)
+    group, tile = tile // c(math.prod(per_group)), tile % c(math.prod(per_group))
+    groups, coords = [], []
+    for i in range(len(layout.shape)):
+        t = (tile // c(math.prod(per_group[i + 1:]))) % c(per_group[i])
+        r = (inner // c(math.prod(layout.tile[i + 1:]))) % c(layout.tile[i])
+        groups.append((group // c(math.prod(layout.dilation[i + 1:]))) % c(layout.dilation[i]))
+        coords.append(t * c(layout.tile[i]) + r)
+    return groups, coords
 
 
 def _group_length(length: int, dilation: int, group, ops: Arithmetic):
@@ -103,21 +88,16 @@ class GnaMask:
     tile: tuple[int, ...]
 
     @property
-    def order(self) -> TileOrder:
-        return TileOrder(self.problem.shape, self.tile, self.problem.dilation)
-
-    @property
-    def tokens(self) -> int:
-        """Positions of the order, padding included."""
-        order = self.order
-        return math.prod(order.dilation) * math.prod(order.tiles_per_group) * math.prod(order.tile)
+    def layout(self) -> TileLayout:
+        """The token order both queries and keys are in."""
+        return TileLayout(self.problem.shape, self.tile, self.problem.dilation)
 
     def allowed(self, q_idx, kv_idx, ops: Arithmetic = NUMPY):
         """Whether query row(s) `q_idx` attend key column(s) `kv_idx` (broadcasting like the namespace's
         arithmetic)."""
         p = self.problem
-        q_groups, q_coords = self.order.decode(q_idx, ops)
-        k_groups, k_coords = self.order.decode(kv_idx, ops)
+        q_groups, q_coords = decode(self.layout, q_idx, ops)
+        k_groups, k_coords = decode(self.layout, kv_idx, ops)
         result = None
         for i in range(p.ndim):
             length = _group_length(p.shape[i], p.dilation[i], q_groups[i], ops)
@@ -130,5 +110,5 @@ class GnaMask:
 
     def dense(self) -> np.ndarray:
         """The whole mask as a boolean `[tokens, tokens]` array in tile order (small problems: tests)."""
-        positions = np.arange(self.tokens)
+        positions = np.arange(self.layout.num_tokens)
         return self.allowed(positions[:, None], positions[None, :])

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from natsim import Problem, TileConfig, block_mask
-from natsim.dimension import ceil_div
+
+from ..gna.layout import TileLayout
 
 # Lists as FlashAttention-4's BlockSparseTensorsTorch orders them: mask count, mask index, full count, full index.
 Lists = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -105,8 +106,8 @@ def _kv_blocks(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ..
     simulator's numbering (-1 where that tile lies wholly in padding, outside the simulator's grid), and whether
     it holds padding keys."""
     n = problem.ndim
-    q_grid = [ceil_div(L, t * d) for L, t, d in zip(problem.shape, q_tile, problem.dilation)]
-    kv_grid = [ceil_div(L, t * d) for L, t, d in zip(problem.shape, kv_tile, problem.dilation)]
+    q_grid = list(TileLayout(problem.shape, q_tile, problem.dilation).tiles_per_group)
+    kv_grid = list(TileLayout(problem.shape, kv_tile, problem.dilation).tiles_per_group)
     ratio = [q // k for q, k in zip(q_tile, kv_tile)]
     slab = next((i for i in range(n) if ratio[i] > 1), 0)
     # block order: dilation groups, Q tiles, then the KV slabs inside a Q tile (kernels/gna/layout.py)
