@@ -54,7 +54,7 @@ def nested_tiles(draw, problem: Problem):
 # -- the element mask -------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_the_gna_mask_in_tile_order_is_the_brute_force_mask(data):
     problem = data.draw(problems(max_tokens=300))
@@ -80,7 +80,7 @@ def test_the_mask_broadcasts_like_numpy_and_takes_scalars():
 # -- the lists --------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_gna_lists_cover_every_attended_pair_and_run_unmasked_only_full_blocks(data):
     problem = data.draw(problems(max_tokens=300))

@@ -119,6 +119,27 @@ def test_compiled_fullgraph_and_cuda_graph_replay_without_recompiles():
     assert relative_error(again, attend(*fresh)) < 1e-3
 
 
+def test_a_prepared_mask_on_fa4_compiles_fullgraph_and_replays_under_cuda_graphs():
+    n, heads = 4096, 4
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    mask = torch.rand(1, heads, n // 128, n // 128, device="cuda", generator=gen) < 0.3
+    work = prepare_sparse(mask, 128, 128, n, backend="fa4", backward=False)
+    q, k, v = (torch.randn(1, n, heads, 128, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
+
+    def attend(q, k, v):
+        return sparse_attention(q, k, v, work) + 1
+
+    eager = attend(q, k, v)
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        graphed = compiled(q, k, v).clone()
+    assert relative_error(graphed, eager) < 1e-3
+    ref = sparse_reference(q.double(), k.double(), v.double(), mask, 128, 128) + 1
+    assert relative_error(eager, ref) < 1e-2
+
+
 def test_autocast_casts_float32_inputs():
     q, k, v = inputs((8, 16, 16), 2, 64, torch.float32, seed=5)
     with torch.autocast("cuda", dtype=torch.bfloat16):
