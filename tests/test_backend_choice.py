@@ -15,6 +15,14 @@ from natsim.kernels import GnaSpec, chosen_backend, prepare_sparse, sparse_atten
 SHAPE = (8, 16, 16)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_choices():
+    """natsim decides once per distinct call and keeps the answer: each test decides afresh."""
+    choice._choose.cache_clear()
+    yield
+    choice._choose.cache_clear()
+
+
 @pytest.fixture
 def fa4_here(monkeypatch):
     """FlashAttention-4 installed and on a GPU it runs on, as far as natsim's checks go."""

@@ -43,20 +43,27 @@ class Choice:
 
 
 def choose(spec: GnaSpec, problem: Problem, q: torch.Tensor) -> Choice:
-    """The backend of a GNA call of `spec` on `problem` with tensors like `q` (module docstring)."""
-    if not q.is_cuda:
+    """The backend of a GNA call of `spec` on `problem` with tensors like `q` (module docstring); decided once per
+    distinct call (the forward's dispatcher and the backward ask alike)."""
+    return _choose(spec, problem, q.device, q.dtype, int(q.shape[-1]), interpreting())
+
+
+@functools.lru_cache(maxsize=1024)
+def _choose(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int,
+            interpreter: bool) -> Choice:
+    if device.type != "cuda":
         if spec.backend == "fa4":
-            raise ValueError(f"backend='fa4' cannot run this call: {device_refusal(q.device)}")
-        return Choice("triton" if interpreting() else "reference")
+            raise ValueError(f"backend='fa4' cannot run this call: {device_refusal(device)}")
+        return Choice("triton" if interpreter else "reference")
     if spec.backend == "triton":
         return Choice("triton")
-    refusal, geometry = _fa4_geometry(spec, problem, q)
+    refusal, geometry = _fa4_geometry(spec, problem, device, dtype, head_dim)
     if spec.backend == "fa4":
         if refusal is not None:
             raise ValueError(f"backend='fa4' cannot run this call: {refusal}")
         return Choice("fa4", geometry)
     if refusal is None and (geometry is None or _block_sparse(problem, geometry.q_tile, geometry.kv_tile)
-                            or q.shape[-1] not in KERNEL_HEAD_DIMS):
+                            or head_dim not in KERNEL_HEAD_DIMS):
         return Choice("fa4", geometry)
     return Choice("triton")
 
@@ -69,17 +76,17 @@ def backward_refusal(choice: Choice, head_dim: int) -> Optional[str]:
     return gna_tile_refusal(choice.fa4.q_tile, choice.fa4.kv_tile, head_dim, backward=True)
 
 
-def _fa4_geometry(spec: GnaSpec, problem: Problem, q: torch.Tensor) -> tuple[Optional[str], Optional[Fa4Gna]]:
+def _fa4_geometry(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype,
+                  head_dim: int) -> tuple[Optional[str], Optional[Fa4Gna]]:
     """(why FlashAttention-4 cannot run the call, or None; the geometry it runs, None for dense attention)."""
-    refusal = device_refusal(q.device)
+    refusal = device_refusal(device)
     if refusal is not None:
         return refusal, None
-    if q.dtype not in KERNEL_DTYPES:
-        return f"FlashAttention-4 runs float16 and bfloat16 inputs, got dtype={q.dtype}.", None
+    if dtype not in KERNEL_DTYPES:
+        return f"FlashAttention-4 runs float16 and bfloat16 inputs, got dtype={dtype}.", None
     if spec.precision is not None or spec.frames is not None or spec.kv_tiling == "dynamic":
         return ("FlashAttention-4 runs bfloat16 / float16 GNA with static KV tiling over a whole layout: not "
                 "precision='fp8', frame_offsets or kv_tiling='dynamic'."), None
-    head_dim = int(q.shape[-1])
     if head_dim not in FA4_HEAD_DIMS:
         return f"FlashAttention-4 runs head_dim 8 to 256 in steps of 8, got head_dim={head_dim}.", None
     if spec.q_tile is None and spec.kv_tile is None:
@@ -118,6 +125,7 @@ def _default_geometry(problem: Problem, head_dim: int) -> Fa4Gna:
     return Fa4Gna(problem, *pairs[0])
 
 
+@functools.lru_cache(maxsize=1024)
 def _block_sparse(problem: Problem, q_tile, kv_tile) -> bool:
     """Every visited block full for FlashAttention-4: the simulator's full tiles, and no KV tile holding padding
     keys (every dimension a whole number of KV tiles per dilation group; kernels/fa4/lists.py)."""
