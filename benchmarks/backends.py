@@ -1,7 +1,7 @@
 """Every backend a user could pick, beside natsim's choice, per case: is the planner's pick the fastest?
 
 Per row, in one run on one GPU (bf16, batch 1), after a correctness check of every timer's output against natsim's
-Triton kernel (relative error under 1e-2):
+Triton kernel (relative error under 1e-2), the timers that pass timed together in interleaved rounds (medians):
 
 - `natsim`: what natsim picks by itself: for GNA the planner's plan (`natsim.planner.best`, default backends)
   called on q, k, v in the layout's row-major order (any permutation it needs included); for a block mask the
@@ -32,6 +32,7 @@ import argparse
 import datetime
 import json
 import math
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -41,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules (timing, gna, sparse)
 
-from timing import bench, rel  # noqa: E402
+from timing import bench, interleaved, rel  # noqa: E402
 
 import natsim  # noqa: E402
 from natsim import planner  # noqa: E402
@@ -49,6 +50,8 @@ from natsim.kernels import chosen_backend, gna_attention, prepare_sparse, sparse
 
 DTYPE = torch.bfloat16
 CHECK_TOLERANCE = 1e-2
+ROUNDS = 5  # interleaved rounds per row
+MIN_MS = 200.0  # each timer's calls in a round last at least this long
 
 
 # -- the timers ---------------------------------------------------------------------------------------------------
@@ -126,7 +129,10 @@ def flex_block_mask(mask: torch.Tensor, q_block: int, kv_block: int, n: int, hea
 
 def timed(row: dict, timers: dict[str, Callable[[], torch.Tensor]], reference: torch.Tensor,
           order: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
-    """Check every timer against `reference` (outputs in tile order brought back by `order`), then time it."""
+    """Check every timer against `reference` (outputs in tile order brought back by `order`), then time those that
+    pass together, interleaved (benchmarks/timing.py: each round runs every timer once, in a shuffled order, so
+    that clock drift falls on all alike): the median over ROUNDS rounds, and the rounds themselves."""
+    passed = {}
     for name, fn in timers.items():
         try:
             out = fn()
@@ -137,9 +143,13 @@ def timed(row: dict, timers: dict[str, Callable[[], torch.Tensor]], reference: t
             if row[f"{name}_err"] > CHECK_TOLERANCE:
                 row[f"{name}_error"] = f"relative error {row[f'{name}_err']:.3g} over {CHECK_TOLERANCE}"
                 continue
-            row[f"{name}_ms"] = bench(fn)
+            passed[name] = fn
         except Exception as error:  # recorded: the other timers still run
             row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:400]
+    rounds = interleaved(passed, ROUNDS, MIN_MS, torch.cuda.synchronize)
+    for name, times in rounds.items():
+        row[f"{name}_ms"] = statistics.median(times)
+        row[f"{name}_rounds_ms"] = times
 
 
 def gna_row(name: str, shape, heads: int, head_dim: int, *, sparsity: Optional[float] = None, window=None,
