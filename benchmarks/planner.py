@@ -113,6 +113,11 @@ def random_cases(count: int, seed: int) -> list[tuple]:
     return cases
 
 
+def _settings(c: Candidate) -> tuple:
+    """What a candidate runs: its configuration and the backend that runs it."""
+    return c.window, c.stride, c.q_tile, c.kv_tile, c.kv_tiling, c.backend
+
+
 def measure_gpu(shape, sparsity, heads: int = GPU_HEADS, head_dim: int = GPU_HEAD_DIM,
                 top: Optional[int] = None) -> dict:
     """Time the plan's top candidates (all it keeps, or the first `top`) and its pick on the current CUDA device.
@@ -123,11 +128,12 @@ def measure_gpu(shape, sparsity, heads: int = GPU_HEADS, head_dim: int = GPU_HEA
     """
     plan = best(shape, sparsity, heads=heads, head_dim=head_dim, dtype=torch.bfloat16)
     device = torch.device("cuda", torch.cuda.current_device())
-    pick = (plan.problem.window, plan.problem.stride, plan.tiles.q_tile, plan.tiles.kv_tile, plan.tiles.kv_tiling)
+    pick = (plan.problem.window, plan.problem.stride, plan.tiles.q_tile, plan.tiles.kv_tile, plan.tiles.kv_tiling,
+            plan.backend)
     timed = list(plan.search.top)[:top]
-    if all((c.window, c.stride, c.q_tile, c.kv_tile, c.kv_tiling) != pick for c in timed):
+    if all(_settings(c) != pick for c in timed):
         timed.append(Candidate(*pick[:4], plan.score, plan.sparsity, plan.tile_speedup, plan.simulation.block_sparse,
-                               pick[4]))
+                               pick[4], backend=pick[5]))
     cases = [
         Case(natsim.Problem(shape, c.window, c.stride), natsim.TileConfig(c.q_tile, c.kv_tile, kv_tiling=c.kv_tiling),
              heads, head_dim)
@@ -137,12 +143,12 @@ def measure_gpu(shape, sparsity, heads: int = GPU_HEADS, head_dim: int = GPU_HEA
     for r in range(ROUNDS):
         shift = r * len(cases) // ROUNDS  # each round starts at another candidate
         for i in [*range(shift, len(cases)), *range(shift)]:
-            rounds[i].append(time_case(cases[i], torch.bfloat16, device, min_repeats=GPU_REPEATS))
+            rounds[i].append(time_case(cases[i], torch.bfloat16, device, min_repeats=GPU_REPEATS,
+                                       backend=timed[i].backend))
     candidates = [
         {**c.to_dict(), "measured_s": statistics.median(times), "rounds_s": times} for c, times in zip(timed, rounds)
     ]
-    chosen = next(c for c, t in zip(candidates, timed)
-                  if (t.window, t.stride, t.q_tile, t.kv_tile, t.kv_tiling) == pick)
+    chosen = next(c for c, t in zip(candidates, timed) if _settings(t) == pick)
     fastest = min(c["measured_s"] for c in candidates)
     errors = [abs(c["score"] - c["measured_s"]) / c["measured_s"] for c in candidates] if plan.calibrated else []
     return {
@@ -152,6 +158,7 @@ def measure_gpu(shape, sparsity, heads: int = GPU_HEADS, head_dim: int = GPU_HEA
         "head_dim": head_dim,
         "basis": plan.basis,
         "gpu": plan.gpu,
+        "pick_backend": plan.backend,
         "pick_predicted_s": chosen["score"] if plan.calibrated else None,
         "pick_prediction_error": (chosen["score"] - chosen["measured_s"]) / chosen["measured_s"]
         if plan.calibrated else None,
@@ -168,7 +175,7 @@ def measure_gpu(shape, sparsity, heads: int = GPU_HEADS, head_dim: int = GPU_HEA
 
 def gpu_table(rows) -> Table:
     table = Table(title=f"planner picks timed on {torch.cuda.get_device_name()} ({rows[0]['basis']})")
-    for name in ("shape", "sparsity", "heads x dim", "pick ms", "fastest ms", "pick / fastest", "pick pred err",
+    for name in ("shape", "sparsity", "heads x dim", "backend", "pick ms", "fastest ms", "pick / fastest", "pick pred err",
                  "median / max |pred err|"):
         table.add_column(name, justify="right")
     for r in rows:
@@ -178,6 +185,7 @@ def gpu_table(rows) -> Table:
             fmt(r["shape"]),
             f"{r['target_sparsity']:g}",
             f"{r['heads']} x {r['head_dim']}",
+            r["pick_backend"],
             f"{r['pick_measured_s'] * 1e3:.2f}",
             f"{r['fastest_measured_s'] * 1e3:.2f}",
             f"{r['pick_over_fastest']:.3f}",

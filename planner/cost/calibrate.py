@@ -233,8 +233,10 @@ def case_features(cases: Sequence[Case], dtype: torch.dtype, descriptors: bool =
 
 
 def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats: int = MIN_REPEATS,
-              precision: Optional[str] = None) -> float:
-    """Median seconds of one `gna_attention` call for `case` (random inputs, in `precision`) on a CUDA `device`."""
+              precision: Optional[str] = None, backend: str = "triton") -> float:
+    """Median seconds of one `gna_attention` call for `case` (random inputs, in `precision`) on a CUDA `device`,
+    run by `backend` (natsim's Triton kernels unless told otherwise; "fa4" includes the permutation into tile
+    order)."""
     from natsim.kernels import gna_attention
 
     p = case.problem
@@ -245,7 +247,7 @@ def time_case(case: Case, dtype: torch.dtype, device: torch.device, min_repeats:
     def run():
         return gna_attention(
             q, k, v, p.window, p.stride, p.dilation, p.causal, q_tile=case.tiles.q_tile, kv_tile=case.tiles.kv_tile,
-            kv_tiling=case.tiles.kv_tiling, precision=precision, backend="triton",
+            kv_tiling=case.tiles.kv_tiling, precision=precision, backend=backend,
         )
 
     return median_seconds(run, device, min_repeats)
