@@ -147,9 +147,17 @@ def test_prepared_sparse_forward_and_backward_replay_under_a_cuda_graph():
 @pytest.mark.parametrize("q_block, kv_block, merge, density", [
     (128, 128, None, 0.3), (64, 64, None, 0.5), (64, 16, "xor", 0.5), (16, 128, "consecutive", 0.7),
 ])
-def test_prepared_mask_gradients_equal_the_boolean_masks_bit_for_bit(q_block, kv_block, merge, density):
+@pytest.mark.parametrize("backend", ["triton", "fa4"])
+def test_prepared_mask_gradients_equal_the_boolean_masks_bit_for_bit(q_block, kv_block, merge, density, backend):
+    """Work prepared once computes what the boolean mask computes on the same backend (a boolean mask runs on
+    natsim's kernels unless backend='fa4' is named; prepared work on natsim's choice, FlashAttention-4 where it
+    takes the blocks)."""
     from natsim.kernels import prepare_sparse, sparse_attention
+    from natsim.kernels.backends import fa4
 
+    if backend == "fa4" and (fa4.device_refusal(torch.device("cuda")) is not None or merge is not None
+                             or fa4.tile_refusal(q_block, kv_block, 128, backward=True) is not None):
+        pytest.skip("FlashAttention-4 is not installed or does not run these blocks")
     torch.manual_seed(4)
     seq_len, heads = 12000, 2
     mask = torch.rand(1, heads, -(-seq_len // q_block), -(-seq_len // kv_block), device="cuda") < density
@@ -160,8 +168,8 @@ def test_prepared_mask_gradients_equal_the_boolean_masks_bit_for_bit(q_block, kv
         out = sparse_attention(*leaves, *mask_args, **kwargs)
         return (out,) + torch.autograd.grad(out, leaves, g)
 
-    want = grads(mask, q_block, kv_block, merge=merge)
-    got = grads(prepare_sparse(mask, q_block, kv_block, seq_len, merge=merge))
+    want = grads(mask, q_block, kv_block, merge=merge, backend=backend)
+    got = grads(prepare_sparse(mask, q_block, kv_block, seq_len, merge=merge, backend=backend))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
 

@@ -141,7 +141,10 @@ def test_lists_of_a_block_mask_list_its_blocks_in_order(batch, heads, rows, colu
     lists = lists_from_blocks(visited, full, 128, 64)
     for counts, indices in (lists.forward[:2], lists.forward[2:], lists.backward[:2], lists.backward[2:]):
         assert counts.dtype == indices.dtype == torch.int32
-        assert indices.stride()[-1] == 1 and indices.is_contiguous()  # unit stride even at width 1
+        assert indices.stride()[-1] == 1 and indices.is_contiguous()  # unit stride even at one column
+    # shapes follow from the mask's shape alone (a compiled graph taking the lists is not recompiled per mask)
+    assert [tuple(t.shape) for t in lists.tensors()] == [
+        (batch, heads, rows), (batch, heads, rows, columns)] * 2 + [(batch, heads, columns), (batch, heads, columns, rows)] * 2
     for b in range(batch):
         for h in range(heads):
             rows_of = lambda pair: dense_lists(pair[0][b, h], pair[1][b, h], columns)  # noqa: E731

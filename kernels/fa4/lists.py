@@ -3,7 +3,9 @@
 FlashAttention-4 (like FlexAttention) reads, per query block, the key blocks it visits in two lists: those that
 need the element mask (`mask_block_cnt`, `mask_block_idx`) and those that do not (`full_block_cnt`,
 `full_block_idx`), and for the backward the same split per key block over query blocks. `Fa4Lists` holds both
-directions as int32 tensors `[B|1, H|1, rows, width]` on the device, rows only as wide as the busiest row.
+directions as int32 tensors `[B|1, H|1, rows, columns]` on the device: each row as wide as the other direction has
+blocks, so that the tensors' shapes follow from the mask's shape alone and a compiled graph that takes prepared
+lists as inputs is not recompiled for another mask of that shape.
 
 A GNA plan's lists come from the simulator (`natsim.block_mask`: visited and full tiles), for q, k and v in one
 token order, the Q tile's (kernels/gna/layout.py): its key blocks are the runs of KV-tile size in that order,
@@ -65,13 +67,12 @@ class Fa4Lists:
 
 
 def _rows(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Counts `[..., rows]` and ascending indices `[..., rows, width]` of the True entries of each row of
+    """Counts `[..., rows]` and ascending indices `[..., rows, columns]` of the True entries of each row of
     `blocks` (int32; entries past a row's count are any index and never read)."""
     counts = blocks.sum(-1, dtype=torch.int32)
-    width = max(int(counts.max()) if counts.numel() else 0, 1)
     # a stable sort of "not visited" puts each row's visited blocks first, in ascending order
-    order = torch.sort((~blocks).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
-    # standard strides even where the width is 1 (FlashAttention-4 reads the last dimension as unit-stride)
+    order = torch.sort((~blocks).to(torch.uint8), dim=-1, stable=True).indices
+    # standard strides even where there is one column (FlashAttention-4 reads the last dimension as unit-stride)
     return counts, torch.empty(order.shape, dtype=torch.int32, device=order.device).copy_(order)
 
 
