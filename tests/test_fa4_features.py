@@ -139,7 +139,8 @@ def test_the_matrix_broadcasts_rows():
 
 
 def test_a_model_with_flashattention4_sets_predicts_them_and_round_trips():
-    base = cost_model_for("NVIDIA H100 80GB HBM3")
+    h100 = cost_model_for("NVIDIA H100 80GB HBM3")
+    base = CostModel(h100.gpu, h100.coefficients)  # a GPU calibrated for natsim's kernels only
     assert not base.has("fa4") and not base.has("fa4-backward") and base.fa4_coefficients is None
     model = CostModel(base.gpu, base.coefficients, fa4_coefficients=FA4,
                       fa4_backward_coefficients={k: 2 * v for k, v in FA4.items()})
@@ -155,7 +156,9 @@ def test_a_model_with_flashattention4_sets_predicts_them_and_round_trips():
 
 
 def test_files_without_flashattention4_sets_load_with_none_and_say_how_to_fit_them():
-    model = cost_model_for("NVIDIA H100 80GB HBM3")
+    h100 = cost_model_for("NVIDIA H100 80GB HBM3")
+    model = CostModel(h100.gpu, h100.coefficients, sparse_coefficients=h100.sparse_coefficients,
+                      backward_coefficients=h100.backward_coefficients)
     data = model.to_dict()
     assert "fa4_coefficients" not in data
     loaded = CostModel.from_dict(data)

@@ -91,7 +91,9 @@ def test_the_winner_is_the_best_score_or_a_tie_needing_less_host_work():
     plan = best_mask(mask, 16, 16, 640, device="h100")
     scores = [c.score for c in plan.candidates]
     assert scores == sorted(scores) and plan.calibrated
-    assert plan.score <= scores[0] * (1 + plan.tie_tolerance)
+    # the winner runs here: FlashAttention-4's candidates are priced (for what it would gain), not picked
+    runnable = [c.score for c in plan.candidates if c.backend in plan.backends]
+    assert plan.backend in plan.backends and plan.score <= runnable[0] * (1 + plan.tie_tolerance)
     assert plan.chosen.score == plan.score and plan.predicted_time_s == plan.score
     assert plan.predicted_speedup == pytest.approx(plan.dense_score / plan.score)
     assert sum(plan.breakdown.values()) == pytest.approx(plan.score)
