@@ -96,23 +96,20 @@ def flex(q, k, v, block_mask, block: int = 128):
 
 
 def flex_gna_mask(problem: natsim.Problem, tile: tuple[int, ...], tokens: int):
-    """Flex's BlockMask of GNA over tokens in `tile` order (same blocks for queries and keys)."""
+    """Flex's BlockMask of GNA over tokens in `tile` order (same blocks for queries and keys): FlashAttention-4's
+    lists, which follow FlexAttention's convention (a KV tile holding padding keys among the masked blocks), and
+    GNA's mask on tile-ordered tokens as its mask_mod."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    from natsim.kernels.fa4.gna import Fa4Gna
     from natsim.kernels.fa4.gna_mask import Arithmetic, GnaMask
 
     arithmetic = Arithmetic(where=torch.where, const=lambda value: value)
     mask = GnaMask(problem, tile)
-    lists = natsim.block_mask(problem, natsim.TileConfig(tile, tile))
-
-    def padded(counts, indices):
-        wide = torch.zeros((lists.num_q_tiles, lists.num_kv_tiles), dtype=torch.int32)
-        wide[:, : indices.shape[1]] = torch.as_tensor(indices)
-        return torch.as_tensor(counts)[None, None].cuda(), wide[None, None].cuda()
-
+    masked_counts, masked_indices, full_counts, full_indices = Fa4Gna(problem, tile, tile).lists(
+        torch.device("cuda")).forward
     block = math.prod(tile)
-    return BlockMask.from_kv_blocks(*padded(lists.kv_num_blocks, lists.kv_indices),
-                                    *padded(lists.full_kv_num_blocks, lists.full_kv_indices),
+    return BlockMask.from_kv_blocks(masked_counts, masked_indices, full_counts, full_indices,
                                     BLOCK_SIZE=(block, block), seq_lengths=(tokens, tokens),
                                     mask_mod=lambda b, h, q_idx, kv_idx: mask.allowed(q_idx, kv_idx, arithmetic))
 
@@ -218,8 +215,12 @@ def mask_row(name: str, mask: torch.Tensor, q_block: int, kv_block: int, n: int,
     grad = torch.randn_like(q)
     row = dict(row=name, tokens=n, heads=heads, head_dim=128, q_block=q_block, kv_block=kv_block,
                sparsity=1.0 - float(mask.float().mean()), pass_="forward + backward" if backward else "forward")
-    works = {name: prepare_sparse(mask, q_block, kv_block, n, backend=name, backward=backward)
-             for name in (None, "triton", "fa4")}
+    works = {}
+    for backend in (None, "triton", "fa4"):
+        try:
+            works[backend] = prepare_sparse(mask, q_block, kv_block, n, backend=backend, backward=backward)
+        except ValueError as refusal:  # a backend that does not run these blocks: recorded, the others run
+            row[f"{backend}_error"] = str(refusal)[:400]
     row["picked"] = works[None].backend
     block_mask = flex_block_mask(mask, q_block, kv_block, n, heads)
 
@@ -233,11 +234,11 @@ def mask_row(name: str, mask: torch.Tensor, q_block: int, kv_block: int, n: int,
         return forward_backward
 
     reference = sparse_attention(q.detach(), k.detach(), v.detach(), works["triton"])
-    lists = works["fa4"].fa4
+    lists = works["fa4"].fa4 if "fa4" in works else None
     timers = {"natsim": step(lambda: sparse_attention(q, k, v, works[None])),
-              "triton": step(lambda: sparse_attention(q, k, v, works["triton"])),
-              "fa4": step(lambda: sparse_attention(q, k, v, works["fa4"])),
-              "flex": step(lambda: flex(q, k, v, block_mask)),
+              **{backend: step(lambda backend=backend: sparse_attention(q, k, v, works[backend]))
+                 for backend in ("triton", "fa4") if backend in works},
+              "flex": step(lambda: flex(q, k, v, block_mask, min(q_block, kv_block))),
               "cudnn": step(lambda: cudnn(q, k, v))}
     if not backward and lists is not None:
         timers["fa4-direct"] = lambda: fa4_direct(q, k, v, lists)
