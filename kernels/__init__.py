@@ -6,7 +6,8 @@ runs); kernels/common/ holds what the families share, among it `natsim::attentio
 (kernels/common/resolved.py).
 
 The face that rooms above the kernels import: the entry points, the operators they run through at run time
-(`gna_resolved` with `register_resolver`, `attention_resolved` with `register_attention`), a call's spec
+(`gna_resolved` with `register_resolver`, and `gna_resolved_ordered` on tokens kept in a `TileOrder`;
+`attention_resolved` with `register_attention`), a call's spec
 (`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`), the sentences the operators refuse gradients
 with, and what an entry point of their own (natsim.planner's AutoPlan, a model integration) checks at its
 boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`,
@@ -38,7 +39,8 @@ if __name__ == "natsim.kernels":
         unpermute_reference,
     )
     from .gna.checks import check_qkv
-    from .gna.ops import FRAMES_GRADIENT_REFUSAL, gna_resolved, register_resolver
+    from .gna.ops import FRAMES_GRADIENT_REFUSAL, gna_resolved, gna_resolved_ordered, register_resolver
+    from .gna.ordered import TileOrder, tile_order_refusal
     from .sparse import (
         SparseMask,
         SparseSpec,
@@ -57,6 +59,9 @@ if __name__ == "natsim.kernels":
         "GnaSpec",
         "SparseSpec",
         "gna_resolved",
+        "gna_resolved_ordered",
+        "TileOrder",
+        "tile_order_refusal",
         "register_resolver",
         "attention_resolved",
         "register_attention",

@@ -29,6 +29,7 @@ from ..common.fp8 import check_fp8_call, refuse_gradients, scales_from
 from ..common.operators import fake_lse, incoming_gradients, like, no_lse, recomputed_gradients
 from .checks import check_frames, check_qkv
 from .dispatch import run_backward, run_spec
+from .ordered import TileOrder, fa4_backward_ordered, layout_views, ordered_like, run_ordered
 from .reference import reference_attention
 from .spec import GnaSpec
 
@@ -180,6 +181,8 @@ def register_resolver(resolver: GnaResolver) -> int:
 
 
 def _check_registered(resolver: int) -> None:
+    if type(resolver) is not int:  # made symbolic by a dynamic-shape trace (a second plan's id): checked at run time
+        return
     if resolver not in _resolvers:
         raise ValueError(f"resolver must be an id from register_resolver, got resolver={resolver!r}.")
 
@@ -248,3 +251,81 @@ def _resolved_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
 
 
 gna_resolved.register_autograd(_resolved_backward, setup_context=_resolved_setup_context)
+
+
+# == natsim::gna_resolved_ordered: the same, on tokens a model keeps in tile order ================================
+
+
+def _resolved_ordered(resolver: int, q: torch.Tensor, shape: Sequence[int], tile: Sequence[int],
+                      dilation: Sequence[int], scale: Optional[float], return_lse: bool) -> tuple[TileOrder, GnaSpec]:
+    """The order of `q`'s tokens and the spec the registered `resolver` picks for their layout, checked to agree."""
+    _check_registered(resolver)
+    order = TileOrder.of(shape, tile, dilation)
+    a = _resolvers[resolver](order.shape, int(q.shape[-2]), int(q.shape[-1]), q.dtype, q.device)
+    spec = GnaSpec.of(len(order.shape), a["window"], a["stride"], a["dilation"], a["causal"], scale=scale,
+                      q_tile=a["q_tile"], kv_tile=a["kv_tile"], kv_tiling=a["kv_tiling"],
+                      precision=a.get("precision"), return_lse=return_lse, backend=a.get("backend"))
+    if tuple(spec.dilation) != order.dilation:
+        raise ValueError(f"tokens in the tile order of dilation {order.dilation} need a GNA call of that dilation, "
+                         f"got dilation={spec.dilation}.")
+    return order, spec
+
+
+@torch.library.custom_op("natsim::gna_resolved_ordered", mutates_args=())
+def gna_resolved_ordered(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Sequence[int], tile: Sequence[int],
+    dilation: Sequence[int], resolver: int, scale: Optional[float], return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`natsim::gna_resolved` on `[B, N, heads, head_dim]` tensors whose tokens are in the tile order of the
+    layout `shape` (kernels/gna/ordered.py `TileOrder`): the output and the LSE `[B, N, heads]` (empty unless
+    `return_lse`) in that order. The resolver's Q tile must be `tile`."""
+    order, spec = _resolved_ordered(resolver, q, shape, tile, dilation, scale, return_lse)
+    out, lse = run_ordered(q, k, v, order, spec)
+    return out, (no_lse(q) if lse is None else lse)
+
+
+@gna_resolved_ordered.register_fake
+def _gna_resolved_ordered_fake(q, k, v, shape, tile, dilation, resolver, scale, return_lse):
+    _check_registered(resolver)
+    if all(type(n) is int for n in (*shape, *tile, *dilation)):  # else symbolic in a dynamic-shape trace: at run time
+        TileOrder.of(shape, tile, dilation)
+    return like(q), fake_lse(q, return_lse)
+
+
+@torch.library.custom_op("natsim::gna_resolved_ordered_backward", mutates_args=())
+def gna_resolved_ordered_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], shape: Sequence[int], tile: Sequence[int],
+    dilation: Sequence[int], resolver: int, scale: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `natsim::gna_resolved_ordered`, in tile order: FlashAttention-4's backward on them as they
+    are where it ran the forward, else the row-major call's gradients between permutations."""
+    order, spec = _resolved_ordered(resolver, q, shape, tile, dilation, scale, True)
+    grads = fa4_backward_ordered(q, k, v, out, lse, grad_out, grad_lse, order, spec)
+    if grads is None:
+        views = layout_views(order, q, k, v, out, lse, grad_out, grad_lse)
+        grads = tuple(ordered_like(order, g) for g in _gradients(spec, *views))
+    return grads
+
+
+@gna_resolved_ordered_backward.register_fake
+def _gna_resolved_ordered_backward_fake(q, k, v, out, lse, grad_out, grad_lse, shape, tile, dilation, resolver,
+                                        scale):
+    return like(q), like(k), like(v)
+
+
+def _resolved_ordered_setup_context(ctx, inputs, output) -> None:
+    q, k, v, shape, tile, dilation, resolver, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.arguments = (shape, tile, dilation, resolver, scale)
+    ctx.set_materialize_grads(False)
+
+
+def _resolved_ordered_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = gna_resolved_ordered_backward(q, k, v, out, lse, *incoming_gradients(out, grad_out, grad_lse),
+                                               *ctx.arguments)
+    return (dq, dk, dv) + (None,) * 6
+
+
+gna_resolved_ordered.register_autograd(_resolved_ordered_backward, setup_context=_resolved_ordered_setup_context)

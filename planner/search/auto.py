@@ -16,8 +16,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from natsim.kernels import (autocast_inputs, check_qkv, check_tensors, gna_resolved, refuse_gradients,
-                            register_resolver, runs_eagerly)
+from natsim.kernels import (TileOrder, autocast_inputs, check_qkv, check_tensors, gna_resolved, gna_resolved_ordered,
+                            refuse_gradients, register_resolver, runs_eagerly, tile_order_refusal)
 from natsim.problem import BoolOrBools, IntOrInts
 
 from ..cost.gpus import names_a_gpu
@@ -82,12 +82,33 @@ class AutoPlan:
     def _kernel_arguments(self, shape, heads, head_dim, dtype, device) -> Mapping[str, object]:
         return self.plan_for(shape, heads=heads, head_dim=head_dim, dtype=dtype, device=device).kernel_arguments()
 
+    def tile_order(self, shape: tuple[int, ...], *, heads: int, head_dim: int, dtype: torch.dtype,
+                   device: Union[str, torch.device], force: bool = False) -> Optional[TileOrder]:
+        """The token order a model can keep its hidden states in for the plan of a layout (its Q tile's order):
+        where the plan runs on FlashAttention-4, which then needs no permutation per call, or with `force` on any
+        backend; None where the tile does not divide the layout (or, without `force`, the plan runs elsewhere)."""
+        plan = self.plan_for(shape, heads=heads, head_dim=head_dim, dtype=dtype, device=device)
+        if not force and plan.backend != "fa4":
+            return None
+        if tile_order_refusal(plan.problem.shape, plan.tiles.q_tile, plan.problem.dilation) is not None:
+            return None
+        return TileOrder(plan.problem.shape, plan.tiles.q_tile, plan.problem.dilation)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
-                 return_lse: bool = False):
+                 return_lse: bool = False, order: Optional[TileOrder] = None):
         """GNA of `[B, *shape, heads, head_dim]` tensors with the plan for `shape` (returns what
-        `gna_attention` returns: the output, and with `return_lse` its log-sum-exp)."""
+        `gna_attention` returns: the output, and with `return_lse` its log-sum-exp); with `order` (from
+        `tile_order`), of `[B, N, heads, head_dim]` tensors whose tokens are in that order, output and LSE in it."""
         check_tensors(q, k, v)
         q, k, v = autocast_inputs(q, k, v)
+        if order is not None:
+            if self.options["precision"] is not None:
+                refuse_gradients("AutoPlan", q, k, v)
+            tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            out, lse = gna_resolved_ordered(q, k, v, list(order.shape), list(order.tile), list(order.dilation),
+                                            self._resolver, None if scale is None else float(scale),
+                                            return_lse or tracked)
+            return (out, lse) if return_lse else out
         if runs_eagerly(q, k, v):
             shape = check_qkv(q, k, v)
             plan = self.plan_for(shape, heads=q.shape[-2], head_dim=q.shape[-1], dtype=q.dtype, device=q.device)
