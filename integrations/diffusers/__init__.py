@@ -18,7 +18,7 @@ from .attention import Router
 from .masks import MaskedAttention, Masks
 from .processors import release, routed_processor
 from .registry import SPECS, register, spec_of, unregister
-from .spec import Call, ModelSpec, Tokens
+from .spec import Call, ModelSpec, Tokens, set_processor
 
 __all__ = ["apply", "remove", "Masks", "SUPPORTED_MODELS", "Applied", "register", "unregister", "ModelSpec", "Call",
            "Tokens"]
@@ -101,7 +101,7 @@ def apply(
     originals = {}
     for attention, attention_router in spec.routes(transformer, router):
         originals[attention] = attention.processor
-        attention.set_processor(routed_processor(attention.processor, attention_router))
+        set_processor(attention, routed_processor(attention.processor, attention_router))
 
     def tell_layout(model, args, kwargs):
         router.set_layout(*spec.tokens(model, args, kwargs, layout))
@@ -121,6 +121,6 @@ def remove(transformer: nn.Module) -> None:
         raise ValueError("natsim is not applied to this transformer (apply(transformer, ...) was not called).")
     for attention, processor in applied.originals.items():
         release(attention.processor)
-        attention.set_processor(processor)
+        set_processor(attention, processor)
     applied.hook.remove()
     del transformer._natsim

@@ -123,7 +123,7 @@ class Bound:
             routes += [(module, view) for module in modules]
         seen = set()
         for module, _ in routes:
-            if not (callable(getattr(module, "set_processor", None)) and hasattr(module, "processor")):
+            if not callable(getattr(module, "processor", None)):
                 raise TypeError(f"natsim routes diffusers attention modules (with a processor), but the spec of "
                                 f"{self.name} names a {type(module).__name__}.")
             if id(module) in seen:
@@ -161,6 +161,15 @@ def _argument(args: tuple, kwargs: dict, positions: dict[str, int], name: str) -
         return kwargs[name]
     index = positions.get(name)
     return args[index] if index is not None and index < len(args) else None
+
+
+def set_processor(module: nn.Module, processor) -> None:
+    """Give an attention module `processor`: through its `set_processor` where it has one (Mochi's attention has
+    none, only the attribute its forward calls)."""
+    if callable(getattr(module, "set_processor", None)):
+        module.set_processor(processor)
+    else:
+        module.processor = processor
 
 
 def _modules(model: nn.Module, attentions: Attentions, name: str) -> list[nn.Module]:
