@@ -1,8 +1,9 @@
-"""Every diffusers class natsim routes beyond the first five, on tiny random models (GNA through the torch
-reference): with a window over the whole layout each equals the model's own attention; with a sparse window
-each equals the model run with its attention replaced by a brute-force masked softmax (tests/bruteforce.py's
-GNA mask over the latent's tokens, the documented rule for the others); refusals; and the route for classes
-natsim does not know (register a ModelSpec)."""
+"""Every diffusers class natsim routes, on tiny random models (GNA through the torch reference): with a window
+over the whole layout each equals the model's own attention; with a sparse window each equals the model run
+with its attention replaced by a brute-force masked softmax (tests/bruteforce.py's GNA mask over the latent's
+tokens, the documented rule for the others); refusals; and the route for classes natsim does not know (register
+a ModelSpec). tests/test_diffusers.py runs the first five classes through Triton's interpreter, compiled, and
+with content-adaptive masks."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ class Case:
 
 VIDEO, IMAGE = (2, 4, 8), (8, 8)
 CASES = [
+    Case("WanTransformer3DModel", VIDEO, None, (("blocks.attn1", None),)),
+    Case("HunyuanVideoTransformer3DModel", VIDEO, "after",
+         (("transformer_blocks.attn", None), ("single_transformer_blocks.attn", None))),
+    Case("CogVideoXTransformer3DModel", VIDEO, "before", (("transformer_blocks.attn1", None),)),
+    Case("LTXVideoTransformer3DModel", VIDEO, None, (("transformer_blocks.attn1", None),)),
     Case("ChronoEditTransformer3DModel", VIDEO, None, (("blocks.attn1", None),)),
     Case("SkyReelsV2Transformer3DModel", VIDEO, None, (("blocks.attn1", None),)),
     Case("WanVACETransformer3DModel", VIDEO, None, (("blocks.attn1", None), ("vace_blocks.attn1", None))),
@@ -58,6 +64,8 @@ CASES = [
          (("transformer_blocks.attn", None), ("single_transformer_blocks.attn", None))),
     Case("Flux2Transformer2DModel", IMAGE, "before",
          (("transformer_blocks.attn", None), ("single_transformer_blocks.attn", None)), reference=(4, 4)),
+    Case("FluxTransformer2DModel", IMAGE, "before",
+         (("transformer_blocks.attn", None), ("single_transformer_blocks.attn", None))),
     Case("FluxTransformer2DModel", IMAGE, "before",
          (("transformer_blocks.attn", None), ("single_transformer_blocks.attn", None)), reference=(4, 4)),
     Case("QwenImageTransformer2DModel", IMAGE, "before", (("transformer_blocks.attn", None),)),
