@@ -25,6 +25,11 @@ def _configs(layers: int, frames: int) -> dict:
         "ChronoEditTransformer3DModel": {**wan, "num_layers": 1},
         "SkyReelsV2Transformer3DModel": {**wan, "num_layers": 1},
         "WanVACETransformer3DModel": {**wan, "num_layers": 1, "vace_layers": [0], "vace_in_channels": 4},
+        "WanAnimateTransformer3DModel": {
+            **wan, "num_layers": 1, "in_channels": 12, "latent_channels": 4, "image_dim": None,
+            "motion_encoder_channel_sizes": {"8": 8, "4": 8}, "motion_encoder_size": 8, "motion_style_dim": 16,
+            "motion_dim": 4, "motion_encoder_dim": 16, "face_encoder_hidden_dim": 32, "face_encoder_num_heads": 2,
+            "inject_face_latents_blocks": 1},
         "HunyuanVideoTransformer3DModel": dict(
             in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2,
             patch_size_t=1, text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(8, 12, 12),
@@ -150,6 +155,10 @@ def inputs(name: str, layout: tuple[int, ...], batch: int = 1, seed: int = 1,
         return common
     if name == "WanVACETransformer3DModel":
         return dict(common, control_hidden_states=randn(batch, 4, frames, height * 2, width * 2))
+    if name == "WanAnimateTransformer3DModel":  # its first frame is the reference image's; 4 face frames a frame
+        return dict(common, hidden_states=randn(batch, 12, frames, height * 2, width * 2),
+                    pose_hidden_states=randn(batch, 4, frames - 1, height * 2, width * 2),
+                    face_pixel_values=randn(batch, 3, 4 * (frames - 1), 8, 8))
     if name == "HunyuanVideoTransformer3DModel":
         return dict(common, encoder_attention_mask=mask, pooled_projections=randn(batch, 16),
                     guidance=torch.full((batch,), 3500.0))

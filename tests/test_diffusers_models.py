@@ -51,6 +51,7 @@ CASES = [
     Case("ChronoEditTransformer3DModel", VIDEO, None, (("blocks.attn1", None),)),
     Case("SkyReelsV2Transformer3DModel", VIDEO, None, (("blocks.attn1", None),)),
     Case("WanVACETransformer3DModel", VIDEO, None, (("blocks.attn1", None), ("vace_blocks.attn1", None))),
+    Case("WanAnimateTransformer3DModel", VIDEO, None, (("blocks.attn1", None),)),
     Case("HunyuanVideo15Transformer3DModel", VIDEO, "after", (("transformer_blocks.attn", None),)),
     Case("LTX2VideoTransformer3DModel", VIDEO, None, (("transformer_blocks.attn1", None),)),
     Case("MochiTransformer3DModel", VIDEO, "after", (("transformer_blocks.attn1", None),)),
