@@ -142,17 +142,21 @@ class Bound:
             raise ValueError(f"the spec of {self.name} has no layout function: pass the token layout to apply() "
                              "(apply(transformer, ..., layout=(frames, height, width))).")
         tokens = self.spec.layout(Call(model, args, kwargs, self.positions))
-        tokens = tokens if isinstance(tokens, Tokens) else Tokens(tuple(tokens))
-        sizes = tokens.layout
-        if not (1 <= len(sizes) <= 3 and all(isinstance(n, int) and n > 0 for n in sizes)):
-            raise ValueError(f"a token layout is 1 to 3 positive ints, but the spec of {self.name} gives {sizes}.")
-        if not (isinstance(tokens.trailing, int) and tokens.trailing >= 0):
-            raise ValueError(f"trailing tokens are a count >= 0, but the spec of {self.name} gives {tokens.trailing}.")
-        return tokens
+        layout, trailing = tokens if isinstance(tokens, Tokens) else (tokens, 0)
+        if not (1 <= len(layout) <= 3 and all(_is_int(n) and n > 0 for n in layout)):
+            raise ValueError(f"a token layout is 1 to 3 positive ints, but the spec of {self.name} gives {layout}.")
+        if not (_is_int(trailing) and trailing >= 0):
+            raise ValueError(f"trailing tokens are a count >= 0, but the spec of {self.name} gives {trailing}.")
+        # sizes read from shapes under a compile with dynamic shapes are symbolic: one plan (and graph) per size
+        return Tokens(tuple(int(n) for n in layout), int(trailing))
 
     def timestep(self, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
         """The forward call's timestep argument."""
         return _argument(args, kwargs, self.positions, self.spec.timestep)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
 
 
 def _argument(args: tuple, kwargs: dict, positions: dict[str, int], name: str) -> Any:
