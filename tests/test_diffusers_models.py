@@ -160,6 +160,35 @@ def test_each_class_matches_its_own_attention_and_a_brute_force_reference(case, 
     assert relative_error(routed, own) > 2e-3  # the window is smaller than the layout: attention changed
 
 
+@pytest.mark.parametrize("text_first", [True, False])
+def test_the_router_attends_tokens_on_both_sides_of_the_layout_under_a_pairwise_mask(text_first, reference_path):
+    """Text before the latent and reference tokens after it (or every other token after it), under a
+    `keep[q] & keep[k]` mask with padding (HunyuanVideo 1.5's): against a float64 brute-force mask."""
+    from natsim.integrations.diffusers.attention import Router
+    from natsim.planner import AutoPlan
+
+    layout, window, before, after = (4, 4, 4), (2, 3, 2), 3, 5
+    if not text_first:
+        before, after = 0, before + after
+    router = Router(AutoPlan(0.0, window=window), text_first)
+    router.set_layout(layout, trailing=after if text_first else 0)
+    video = math.prod(layout)
+    tokens = before + video + after
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, tokens, 2, 32, generator=gen).half() for _ in range(3))
+    keep = torch.ones(2, tokens, dtype=torch.bool)
+    keep[1, [0 if text_first else tokens - 2, tokens - 1]] = False  # the second sample's padding, outside the layout
+    mask = (keep[:, None, :, None] & keep[:, None, None, :])
+    allowed = mask[:, 0].clone()
+    gna = torch.from_numpy(attention_mask(router.auto.plan_for(layout, heads=2, head_dim=32, dtype=torch.float16,
+                                                                   device="cpu").problem))
+    allowed[:, before:before + video, before:before + video] &= gna
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * 32**-0.5
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1).nan_to_num()
+    reference = torch.einsum("bhqk,bkhd->bqhd", probs, v.double())
+    assert relative_error(router.attend(q, k, v, mask, None), reference) < 2e-3
+
+
 # -- what each class refuses, and classes natsim refuses -------------------------------------------------------
 
 
