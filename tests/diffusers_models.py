@@ -86,9 +86,6 @@ def _configs(layers: int, frames: int) -> dict:
     }
 
 
-MODELS = tuple(_configs(1, 1))
-
-
 def build(name: str, seed: int = 0, layers: int = 2, frames: int = 2):
     """A tiny model of class `name` in eval mode (`layers`: Wan's block count; `frames`: Latte's frame count)."""
     import diffusers
@@ -183,11 +180,10 @@ def _flux_inputs(name, layout, batch, text, timestep, reference, randn) -> dict:
         columns = [first, rows, cols] + ([torch.zeros_like(rows)] if name == "Flux2Transformer2DModel" else [])
         return torch.stack(columns, dim=-1).reshape(-1, len(columns)).float()
 
-    img_ids = [ids(0, *layout)] + ([ids(1 if name == "FluxTransformer2DModel" else 10, *reference)] if reference else [])
-    img_ids = torch.cat(img_ids)
-    width = img_ids.shape[1]
+    first_id = 1 if name == "FluxTransformer2DModel" else 10  # FLUX Kontext's; FLUX.2's time coordinate
+    img_ids = torch.cat([ids(0, *layout)] + ([ids(first_id, *reference)] if reference else []))
     args = dict(hidden_states=randn(batch, img_ids.shape[0], 16), encoder_hidden_states=text, timestep=timestep / 1000,
-                img_ids=img_ids, txt_ids=torch.zeros(TEXT_TOKENS, width), return_dict=False)
+                img_ids=img_ids, txt_ids=torch.zeros(TEXT_TOKENS, img_ids.shape[1]), return_dict=False)
     if name == "FluxTransformer2DModel":
         return dict(args, pooled_projections=randn(batch, 16))
     return dict(args, guidance=torch.full((batch,), 3.5))

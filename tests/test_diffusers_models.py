@@ -71,7 +71,8 @@ CASES = [
          (("transformer_blocks.attn", None), ("single_transformer_blocks.attn", None)), reference=(4, 4)),
     Case("QwenImageTransformer2DModel", IMAGE, "before", (("transformer_blocks.attn", None),)),
     Case("QwenImageTransformer2DModel", IMAGE, "before", (("transformer_blocks.attn", None),), reference=(4, 4)),
-    Case("SD3Transformer2DModel", IMAGE, "after", (("transformer_blocks.attn", None), ("transformer_blocks.attn2", None))),
+    Case("SD3Transformer2DModel", IMAGE, "after",
+         (("transformer_blocks.attn", None), ("transformer_blocks.attn2", None))),
     Case("PixArtTransformer2DModel", IMAGE, None, (("transformer_blocks.attn1", None),)),
     Case("CogView4Transformer2DModel", IMAGE, "before", (("transformer_blocks.attn1", None),)),
 ]

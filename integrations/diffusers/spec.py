@@ -85,7 +85,7 @@ class ModelSpec:
         for entry in self.split:
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], tuple)
                     and all(isinstance(axis, int) for axis in entry[1])):
-                raise TypeError(f"split must hold (attentions, axes) pairs with a tuple of ints as axes, got {entry!r}.")
+                raise TypeError(f"split must hold (attentions, axes) pairs, axes a tuple of ints, got {entry!r}.")
         if not self.split and not _named(self.attentions):
             raise ValueError("a ModelSpec must name attention modules (attentions=..., or split=...).")
 
