@@ -16,10 +16,12 @@ from natsim.problem import BoolOrBools, IntOrInts
 
 from .attention import Router
 from .masks import MaskedAttention, Masks
-from .models import SPECS, spec_of
 from .processors import release, routed_processor
+from .registry import SPECS, register, spec_of, unregister
+from .spec import Call, ModelSpec, Tokens, set_processor
 
-__all__ = ["apply", "remove", "Masks", "SUPPORTED_MODELS", "Applied"]
+__all__ = ["apply", "remove", "Masks", "SUPPORTED_MODELS", "Applied", "register", "unregister", "ModelSpec", "Call",
+           "Tokens"]
 
 SUPPORTED_MODELS = tuple(SPECS)
 
@@ -37,7 +39,7 @@ class Applied:
     def plans(self) -> dict:
         """The plans made so far: GNA plans per (layout, heads, head_dim, dtype, device), or with masks the mask
         plans per (layout, batch, heads, head_dim, dtype, device)."""
-        return self.router.auto.plans if self.router.masked is None else self.router.masked.plans
+        return self.router.plans if self.router.masked is None else self.router.masked.plans
 
     @property
     def masked(self) -> Optional[MaskedAttention]:
@@ -97,12 +99,12 @@ def apply(
                         cost_model=cost_model, training=training, precision=precision)
     router = Router(auto, spec.text_first, dtype, masked)
     originals = {}
-    for attention in spec.attentions(transformer):
+    for attention, attention_router in spec.routes(transformer, router):
         originals[attention] = attention.processor
-        attention.set_processor(routed_processor(attention.processor, router))
+        set_processor(attention, routed_processor(attention.processor, attention_router))
 
     def tell_layout(model, args, kwargs):
-        router.set_layout(layout if layout is not None else spec.layout(model, args, kwargs))
+        router.set_layout(*spec.tokens(model, args, kwargs, layout))
         if masked is not None:
             masked.begin_forward(router.layout, spec.timestep(args, kwargs))
 
@@ -119,6 +121,6 @@ def remove(transformer: nn.Module) -> None:
         raise ValueError("natsim is not applied to this transformer (apply(transformer, ...) was not called).")
     for attention, processor in applied.originals.items():
         release(attention.processor)
-        attention.set_processor(processor)
+        set_processor(attention, processor)
     applied.hook.remove()
     del transformer._natsim

@@ -6,15 +6,22 @@ query, key and value, and decides by their lengths, against the token layout of 
 
 - N == N_video (self-attention over the video tokens): GNA with the plan for the layout (`AutoPlan`), or a
   content-adaptive mask (masks.py).
-- N == N_video + N_text (joint attention, text tokens before or after the video tokens):
-  - a video query attends the keys in its GNA window (or its content-adaptive mask) and every (unmasked) text
-    key: the sparse output and the dense attention over the text keys are merged through their log-sum-exps,
+- N > N_video (joint attention): the tokens outside the layout (text; reference images or keyframe tokens) sit
+  before the video tokens (`text_first`; `trailing` of them after it, told per forward call) or after them:
+  - a video query attends the keys in its GNA window (or its content-adaptive mask) and every (unmasked) other
+    key: the sparse output and the dense attention over the other keys are merged through their log-sum-exps,
     which is exact softmax attention over the union of the two key sets;
-  - a text query attends every key, video and text (unmasked), densely, as in the model.
-  A key mask (`[B or 1, 1, 1, N]`, boolean or additive, as HunyuanVideo passes for text padding) masks text
-  keys; video keys are never masked.
+  - any other query attends every key, video and other (unmasked), densely, as in the model.
+  A key mask (`[B or 1, 1, 1, N]`, boolean or additive with -inf, as HunyuanVideo passes for text padding)
+  masks keys outside the layout; video keys are never masked. A `[B or 1, 1, N, N]` mask (HunyuanVideo 1.5's
+  `keep[query] & keep[key]`) masks the other queries' rows as given, and the video queries' keys as its first
+  video query's row does: it must mask keys alike for every video query.
 - anything else (cross-attention to text, a text-only refiner, a call outside a forward): the model's own
   attention, untouched.
+
+Models that split their attention over the latent (Latte: over (H, W) per frame, then over (F,) per position)
+route each split through a `RouterView` over some dims of the layout (the others fold into the batch), with
+GNA planned for those dims.
 
 q, k and v go to the kernel in `dtype` (the model's when it is float16 or bfloat16; bfloat16 for a float32
 model unless told otherwise) and the output comes back in the model's dtype.
@@ -29,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from natsim.kernels import attention_resolved
+from natsim.kernels.backends.triton import TILE_TOKENS, tile_pairs
 from natsim.planner import AutoPlan
 
 from .dense import attention_with_lse
@@ -51,9 +59,39 @@ class Router:
         self.dtype = dtype
         self.masked = masked
         self.layout: Optional[tuple[int, ...]] = None
+        self.trailing = 0  # text-first joint attention: tokens after the video tokens (reference images)
+        self.views: list[RouterView] = []
 
-    def set_layout(self, layout: tuple[int, ...]) -> None:
+    def set_layout(self, layout: tuple[int, ...], trailing: int = 0) -> None:
+        """The token layout of the forward call beginning, and the tokens outside it that follow the video
+        tokens in text-first joint attention (reference images); the views follow."""
         self.layout = tuple(layout)
+        self.trailing = trailing
+        for view in self.views:
+            view.set_layout(view.select(self.layout), trailing)
+
+    # -- attention over part of the layout --------------------------------------------------------------------
+
+    def view(self, axes: tuple[int, ...]) -> RouterView:
+        """A router for attention modules that attend over the dims `axes` of every forward call's layout, the
+        other dims folded into their batch (Latte's spatial and temporal attention)."""
+        if self.masked is not None:
+            raise ValueError(
+                "content-adaptive masks need every routed attention to attend over the whole token layout, but this "
+                f"model splits its attention over the latent (dims {axes} in some of its blocks): use GNA "
+                "(apply(transformer, sparsity=...)) instead."
+            )
+        view = RouterView(self, axes)
+        self.views.append(view)
+        return view
+
+    @property
+    def plans(self) -> dict:
+        """The GNA plans made so far, this router's and its views': per (layout, heads, head_dim, dtype, device)."""
+        plans = dict(self.auto.plans) if self.auto is not None else {}
+        for view in self.views:
+            plans.update(view.auto.plans)
+        return plans
 
     # -- routing --------------------------------------------------------------------------------------------
 
@@ -94,39 +132,93 @@ class Router:
 
     def _joint(self, q, k, v, video: int, key_mask, scale):
         batch, tokens, heads, head_dim = q.shape
-        text = tokens - video
-        first, rest = (text, video) if self.text_first else (video, text)
-        qa, qb = q.split([first, rest], dim=1)
-        ka, kb = k.split([first, rest], dim=1)
-        va, vb = v.split([first, rest], dim=1)
-        (qv, kv, vv), (qt, kt, vt) = ((qb, kb, vb), (qa, ka, va)) if self.text_first else ((qa, ka, va), (qb, kb, vb))
-        keep = _key_mask(key_mask, batch, tokens, q.device)
-        text_keep = None if keep is None else (keep[:, :text] if self.text_first else keep[:, video:])
+        after = self.trailing if self.text_first else tokens - video
+        before = tokens - video - after
+        if before < 0:
+            raise ValueError(f"natsim's joint attention got {tokens} tokens, fewer than the {video} video tokens of "
+                             f"layout={self.layout} and the {after} tokens told to follow them.")
+        sizes = [before, video, after]
+        (qb, qv, qa), (kb, kv, ka), (vb, vv, va) = (t.split(sizes, dim=1) for t in (q, k, v))
+        qo, ko, vo = (_other(x, y) for x, y in ((qb, qa), (kb, ka), (vb, va)))  # the tokens outside the layout
+        keep, other_rows = _masks(key_mask, batch, tokens, before)
+        other_keep = None if keep is None else _other(keep[:, :before], keep[:, before + video:])
         scale = head_dim**-0.5 if scale is None else scale
 
-        # Video queries: their GNA window over the video keys, merged with every text key.
+        # Video queries: their GNA window over the video keys, merged with every other key.
         out_window, lse_window = self._gna(qv, kv, vv, scale, return_lse=True)
-        out_text, lse_text = attention_with_lse(qv, kt, vt, text_keep, scale)
-        lse = torch.logaddexp(lse_window, lse_text)
+        out_other, lse_other = attention_with_lse(qv, ko, vo, other_keep, scale)
+        lse = torch.logaddexp(lse_window, lse_other)
         video_out = (out_window.float() * torch.exp(lse_window - lse)[..., None]
-                     + out_text * torch.exp(lse_text - lse)[..., None]).to(q.dtype)
+                     + out_other * torch.exp(lse_other - lse)[..., None]).to(q.dtype)
 
-        # Text queries: every key, as the model attends them.
-        mask = None if keep is None else keep[:, None, None, :]
-        text_out = F.scaled_dot_product_attention(qt.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  attn_mask=mask, scale=scale).transpose(1, 2)
-        parts = (text_out, video_out) if self.text_first else (video_out, text_out)
-        return torch.cat(parts, dim=1)
+        # Other queries: every key, as the model attends them.
+        if other_rows is not None:
+            mask = _other(other_rows[:, :, :before], other_rows[:, :, before + video:], dim=2)
+        else:
+            mask = None if keep is None else keep[:, None, None, :]
+        other_out = F.scaled_dot_product_attention(qo.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   attn_mask=mask, scale=scale).transpose(1, 2)
+        return torch.cat([other_out[:, :before], video_out, other_out[:, before:]], dim=1)
 
 
-def _key_mask(mask: Optional[torch.Tensor], batch: int, tokens: int, device) -> Optional[torch.Tensor]:
-    """A `[B, N]` boolean key mask from a boolean or additive `[B or 1, 1, 1, N]` mask (None without one)."""
+def _other(before: torch.Tensor, after: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The tokens outside the layout, those before the video tokens then those after them."""
+    if after.shape[dim] == 0:
+        return before
+    return after if before.shape[dim] == 0 else torch.cat([before, after], dim=dim)
+
+
+def _masks(mask: Optional[torch.Tensor], batch: int, tokens: int, first_video: int):
+    """From the model's mask: the `[B, N]` boolean key mask of the video queries, and, for a pairwise
+    `[B or 1, 1, N, N]` mask, its rows `[B or 1, 1, N, N]` for the other queries (None, None without a mask)."""
     if mask is None:
-        return None
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != tokens:
+        return None, None
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] not in (1, tokens) or mask.shape[3] != tokens:
         raise ValueError(
-            "natsim's joint attention takes a key mask of shape [batch, 1, 1, tokens] (boolean, or additive with "
-            f"-inf at masked keys), got attn_mask.shape={tuple(mask.shape)}."
+            "natsim's joint attention takes a key mask of shape [batch, 1, 1, tokens] or a mask of shape [batch, 1, "
+            "tokens, tokens] (boolean, or additive with -inf at masked keys), got "
+            f"attn_mask.shape={tuple(mask.shape)}."
         )
-    keep = mask[:, 0, 0, :] if mask.dtype == torch.bool else mask[:, 0, 0, :] > float("-inf")
-    return keep.to(device).expand(batch, tokens)
+    row = mask[:, 0, first_video if mask.shape[2] == tokens else 0, :]
+    keep = row if row.dtype == torch.bool else row > float("-inf")
+    return keep.expand(batch, tokens), (mask if mask.shape[2] == tokens else None)
+
+
+class RouterView(Router):
+    """A router for attention modules that attend over the dims `axes` of the forward call's layout, the other
+    dims folded into the batch: GNA planned for those dims (the window, stride and causal options of `axes`),
+    sharing its parent's dtype. A view over fewer tokens than the smallest tile the planner has for the head
+    dim (Latte's temporal attention over 16 frames: one tile holds the whole sequence, nothing to skip) is left
+    to the model."""
+
+    def __init__(self, parent: Router, axes: tuple[int, ...]):
+        if not axes or len(set(axes)) != len(axes) or min(axes) < 0:
+            raise ValueError(f"axes must name distinct dims of the token layout, got axes={axes!r}.")
+        super().__init__(_narrowed(parent.auto, axes), parent.text_first, parent.dtype)
+        self.axes = tuple(axes)
+
+    def select(self, layout: tuple[int, ...]) -> tuple[int, ...]:
+        """This view's layout: the dims `axes` of the forward call's `layout`."""
+        if max(self.axes) >= len(layout):
+            raise ValueError(f"a split attention over dims {self.axes} needs a token layout of more than "
+                             f"{max(self.axes)} dims, got layout={layout}.")
+        return tuple(layout[axis] for axis in self.axes)
+
+    def attend(self, q, k, v, key_mask, scale):
+        head_dim = q.shape[-1]
+        if self.layout is not None and head_dim in TILE_TOKENS and not tile_pairs(self.layout, head_dim):
+            return None
+        return super().attend(q, k, v, key_mask, scale)
+
+
+def _narrowed(auto: AutoPlan, axes: tuple[int, ...]) -> AutoPlan:
+    """An AutoPlan with `auto`'s options, its per-dim ones (window, stride, causal) kept for the dims `axes`."""
+    options = dict(auto.options)
+    for name in ("window", "max_stride", "causal"):
+        value = options[name]
+        if isinstance(value, (tuple, list)):
+            if max(axes) >= len(value):
+                raise ValueError(f"{name}={tuple(value)} names {len(value)} dims, but a split attention of this model "
+                                 f"attends over dims {axes} of its layout: give one value per layout dim.")
+            options[name] = tuple(value[axis] for axis in axes)
+    return AutoPlan(auto.target_sparsity, **options)

@@ -1,116 +1,125 @@
-"""What natsim needs to know of each supported diffusers transformer: which attention modules carry the
-video (or image) tokens, whether text tokens come before them in joint attention, and the token layout of a
-forward call (the latent's frames, height and width after patching).
+"""natsim's specs of diffusers 0.42's video transformers: which attention modules carry the latent's tokens, where
+text sits in their joint attention, and the token layout of a forward call (images.py: the image
+transformers). docs/diffusers.md tables what each one routes.
 
-Tokens are the patches of the latent in row-major (frames, height, width) order in every supported model,
-which is natsim's token layout.
+Every class here patches its latent into tokens in row-major (frames, height, width) order, which is natsim's
+token layout; the layout is the latent's sizes divided by the patch sizes of the model's config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
-
-import torch
 from torch import nn
 
-LayoutOf = Callable[[nn.Module, tuple, dict], tuple[int, ...]]
+from .spec import Call, ModelSpec, patched
+
+WAN_ATTENTIONS = ("WanAttention", "SkyReelsV2Attention")  # diffusers' Wan attention and its copies
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """One supported transformer class: `attentions(model)` lists the attention modules natsim routes
-    (self-attention over the video tokens, or joint attention over video and text tokens), `text_first`
-    says where text tokens sit in joint attention, `layout(model, args, kwargs)` gives the token layout of a
-    forward call from its arguments and the model's patch sizes, `timestep(args, kwargs)` its timestep."""
-
-    attentions: Callable[[nn.Module], list[nn.Module]]
-    text_first: bool
-    layout: LayoutOf
-    timestep_index: int  # the forward's timestep argument: its position (it is also accepted by name)
-
-    def timestep(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        return _argument(args, kwargs, self.timestep_index, "timestep")
+def latent_layout(call: Call, patch: tuple[int, ...]) -> tuple[int, ...]:
+    """The layout of a `[B, C, F, H, W]` (or `[B, C, H, W]`) `hidden_states` cut into patches of `patch`."""
+    return patched(tuple(call.required("hidden_states").shape[2:]), patch)
 
 
-def _argument(args: tuple, kwargs: dict, index: int, name: str):
-    """A forward argument given by position or by name (None when absent)."""
-    if name in kwargs:
-        return kwargs[name]
-    return args[index] if len(args) > index else None
+def refuse(call: Call, name: str, what: str) -> None:
+    """Refuse a forward call that gives the argument `name` (`what` it does, which natsim does not run)."""
+    if call.argument(name) is not None:
+        raise ValueError(f"natsim does not run {type(call.model).__name__} called with {name} ({what}): call it "
+                         "without, as its pipeline does, or remove natsim (remove(transformer)).")
 
 
-def _patched(sizes: tuple, patches: tuple) -> tuple[int, ...]:
-    return tuple(size // patch for size, patch in zip(sizes, patches))
+def _temporal_spatial(call: Call) -> tuple[int, ...]:
+    """HunyuanVideo, HunyuanVideo 1.5, Motif-Video, Allegro: patch_size_t x patch_size x patch_size."""
+    config = call.model.config
+    return latent_layout(call, (config.patch_size_t, config.patch_size, config.patch_size))
 
 
-def _wan_layout(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, ...]:
-    latent = _argument(args, kwargs, 0, "hidden_states")  # [B, C, F, H, W]
-    return _patched(tuple(latent.shape[2:]), tuple(model.config.patch_size))
+def _per_frame(call: Call) -> tuple[int, ...]:
+    """Mochi, Latte: each frame patched alone, patch_size x patch_size."""
+    patch = call.model.config.patch_size
+    return latent_layout(call, (1, patch, patch))
 
 
-def _hunyuan_layout(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, ...]:
-    latent = _argument(args, kwargs, 0, "hidden_states")  # [B, C, F, H, W]
-    p, pt = model.config.patch_size, model.config.patch_size_t
-    return _patched(tuple(latent.shape[2:]), (pt, p, p))
+def _config_patch(call: Call) -> tuple[int, ...]:
+    """Cosmos: its config's (t, h, w) patch_size."""
+    return latent_layout(call, tuple(call.model.config.patch_size))
 
 
-def _cogvideox_layout(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, ...]:
-    latent = _argument(args, kwargs, 0, "hidden_states")  # [B, F, C, H, W]
-    p, pt = model.config.patch_size, model.config.patch_size_t or 1
-    return _patched((latent.shape[1], latent.shape[3], latent.shape[4]), (pt, p, p))
-
-
-def _ltx_layout(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, ...]:
-    sizes = tuple(_argument(args, kwargs, index, name) for index, name in ((4, "num_frames"), (5, "height"),
-                                                                          (6, "width")))
-    if any(size is None for size in sizes):
-        raise ValueError("LTXVideoTransformer3DModel must be called with num_frames, height and width (the latent's "
-                         "sizes) for natsim to know its token layout, as its pipeline does.")
-    p, pt = model.config.patch_size, model.config.patch_size_t
-    return _patched(sizes, (pt, p, p))
-
-
-def _flux_layout(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, ...]:
-    ids = _argument(args, kwargs, 4, "img_ids")  # [N, 3]: (0, row, column) of each packed latent patch
-    if ids is None:
-        raise ValueError("FluxTransformer2DModel must be called with img_ids for natsim to know its token layout.")
-    if torch.compiler.is_compiling():
+def _wan_layout(call: Call) -> tuple[int, ...]:
+    """Every Wan-derived class; SkyReels-V2's diffusion forcing (a block-causal mask over frames) refused."""
+    frames_per_block = getattr(call.model.config, "num_frame_per_block", 1)
+    if frames_per_block > 1:
         raise ValueError(
-            "natsim reads FluxTransformer2DModel's token layout from img_ids, which a compiled graph cannot read: "
-            "pass layout=(height // 16, width // 16) to apply(), or compile the blocks "
-            "(transformer.compile_repeated_blocks(fullgraph=True)) so that the layout is read before them."
+            f"natsim does not run {type(call.model).__name__} with num_frame_per_block={frames_per_block} (diffusion "
+            "forcing: a block-causal mask over frames, which GNA's causal window does not reproduce): use "
+            "causal_block_size=1, or remove natsim (remove(transformer))."
         )
-    ids = ids[0] if ids.dim() == 3 else ids
-    return int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
+    return latent_layout(call, tuple(call.model.config.patch_size))
 
 
-def _blocks(*names: str) -> Callable[[nn.Module], list[nn.Module]]:
-    """The attention modules named `block_list.attention` (e.g. "blocks.attn1") of every block."""
-    def attentions(model: nn.Module) -> list[nn.Module]:
-        found = []
-        for name in names:
-            blocks, attention = name.split(".")
-            found += [getattr(block, attention) for block in getattr(model, blocks)]
-        return found
-    return attentions
+def _allegro_layout(call: Call) -> tuple[int, ...]:
+    refuse(call, "attention_mask", "a mask over the video tokens' self-attention")
+    return _temporal_spatial(call)
 
 
-SPECS: dict[str, ModelSpec] = {
-    "WanTransformer3DModel": ModelSpec(_blocks("blocks.attn1"), False, _wan_layout, 1),
+def _cogvideox_layout(call: Call) -> tuple[int, ...]:
+    latent = call.required("hidden_states")  # [B, F, C, H, W]
+    config = call.model.config
+    return patched((latent.shape[1], latent.shape[3], latent.shape[4]),
+                   (config.patch_size_t or 1, config.patch_size, config.patch_size))
+
+
+def _ltx_layout(call: Call) -> tuple[int, ...]:
+    """LTX-Video and LTX-2: the latent's sizes are arguments (its tokens come patched)."""
+    config = call.model.config
+    sizes = tuple(call.required(name) for name in ("num_frames", "height", "width"))
+    return patched(sizes, (config.patch_size_t, config.patch_size, config.patch_size))
+
+
+def _ltx2_layout(call: Call) -> tuple[int, ...]:
+    refuse(call, "video_self_attention_mask", "a mask over the video tokens' self-attention")
+    return _ltx_layout(call)
+
+
+def wan_attentions(model: nn.Module) -> list[nn.Module]:
+    """The self-attention of every block of a Wan-derived model, WanVACE's control blocks included."""
+    return [block.attn1 for block in (*model.blocks, *(getattr(model, "vace_blocks", None) or ()))]
+
+
+def is_wan(model: nn.Module) -> bool:
+    """A Wan-derived class: blocks whose self-attention is diffusers' Wan attention, a (t, h, w) patch size."""
+    blocks = getattr(model, "blocks", None)
+    patch = getattr(getattr(model, "config", None), "patch_size", None)
+    return (isinstance(blocks, nn.ModuleList) and len(blocks) > 0
+            and type(getattr(blocks[0], "attn1", None)).__name__ in WAN_ATTENTIONS
+            and isinstance(patch, (tuple, list)) and len(patch) == 3)
+
+
+def _motif_attentions(model: nn.Module) -> list[nn.Module]:
+    """Motif-Video's dual-stream blocks and its encoder's single-stream blocks; its decoder's single-stream
+    blocks attend over the decoder's and the encoder's latent tokens (no text) and keep the model's attention."""
+    singles = list(model.single_transformer_blocks)
+    encoder = singles[:len(singles) - model.config.num_decoder_layers]
+    return [block.attn for block in (*model.transformer_blocks, *encoder)]
+
+
+WAN = ModelSpec(wan_attentions, _wan_layout)
+WAN_FAMILY = ("WanTransformer3DModel", "WanVACETransformer3DModel", "WanAnimateTransformer3DModel",
+              "ChronoEditTransformer3DModel", "SkyReelsV2Transformer3DModel")
+
+VIDEO_SPECS: dict[str, ModelSpec] = {
+    **{name: WAN for name in WAN_FAMILY},
     "HunyuanVideoTransformer3DModel": ModelSpec(
-        _blocks("transformer_blocks.attn", "single_transformer_blocks.attn"), False, _hunyuan_layout, 1),
-    "CogVideoXTransformer3DModel": ModelSpec(_blocks("transformer_blocks.attn1"), True, _cogvideox_layout, 2),
-    "LTXVideoTransformer3DModel": ModelSpec(_blocks("transformer_blocks.attn1"), False, _ltx_layout, 2),
-    "FluxTransformer2DModel": ModelSpec(
-        _blocks("transformer_blocks.attn", "single_transformer_blocks.attn"), True, _flux_layout, 3),
+        ("transformer_blocks.attn", "single_transformer_blocks.attn"), _temporal_spatial, "after"),
+    "HunyuanVideo15Transformer3DModel": ModelSpec("transformer_blocks.attn", _temporal_spatial, "after"),
+    "CogVideoXTransformer3DModel": ModelSpec("transformer_blocks.attn1", _cogvideox_layout, "before"),
+    "LTXVideoTransformer3DModel": ModelSpec("transformer_blocks.attn1", _ltx_layout),
+    "LTX2VideoTransformer3DModel": ModelSpec("transformer_blocks.attn1", _ltx2_layout, "after"),
+    "MochiTransformer3DModel": ModelSpec("transformer_blocks.attn1", _per_frame, "after"),
+    "AllegroTransformer3DModel": ModelSpec("transformer_blocks.attn1", _allegro_layout),
+    "CosmosTransformer3DModel": ModelSpec("transformer_blocks.attn1", _config_patch),
+    "MotifVideoTransformer3DModel": ModelSpec(_motif_attentions, _temporal_spatial, "after"),
+    "LatteTransformer3DModel": ModelSpec(layout=_per_frame, split=(
+        ("transformer_blocks.attn1", (1, 2)),  # spatial: (height, width) per frame
+        ("temporal_transformer_blocks.attn1", (0,)),  # temporal: (frames,) per position
+    )),
 }
-
-
-def spec_of(model: nn.Module) -> ModelSpec:
-    """The spec of `model`'s class, or a sentence naming the supported ones."""
-    spec: Optional[ModelSpec] = SPECS.get(type(model).__name__)
-    if spec is None:
-        raise TypeError(f"natsim supports the diffusers transformers {', '.join(SPECS)}, got "
-                        f"{type(model).__name__}.")
-    return spec
