@@ -16,6 +16,7 @@ from natsim.problem import BoolOrBools, IntOrInts
 
 from .attention import Router
 from .masks import MaskedAttention, Masks
+from .order import ModelOrder, check_tile_order
 from .processors import release, routed_processor
 from .registry import SPECS, register, spec_of, unregister
 from .spec import Call, ModelSpec, Tokens, set_processor
@@ -29,11 +30,13 @@ SUPPORTED_MODELS = tuple(SPECS)
 @dataclass
 class Applied:
     """What `apply` did to one model: the router (its `auto.plans` holds a plan per layout met so far), the
-    model's own processors, and the forward pre-hook that tells the router each call's layout."""
+    model's own processors, the forward pre-hook that tells the router each call's layout, and the whole-model
+    tile order's state where the model may keep one (`order.decided`: the order per layout, None where none)."""
 
     router: Router
     originals: dict
     hook: torch.utils.hooks.RemovableHandle
+    order: Optional[ModelOrder] = None
 
     @property
     def plans(self) -> dict:
@@ -61,6 +64,7 @@ def apply(
     cost_model: Optional[CostModel] = None,
     training: bool = False,
     precision: Optional[str] = None,
+    tile_order: Optional[bool] = None,
 ) -> Applied:
     """Route `transformer`'s video attention through GNA at `sparsity` (default 0.9, or any that `window`
     reaches when a window is given), or through content-adaptive `masks` (masks.py: inference, eager or
@@ -78,6 +82,10 @@ def apply(
     likewise; inference only), while text attention, dense warm-up steps and joint attention's text part stay
     in the model's dtype. Refused with a sentence: `training=True` with FP8 (its kernels have no backward
     pass: train in bfloat16) or with `masks` (inference only), and a precision other than None or "fp8".
+    `tile_order`: whether the model keeps its video tokens in the GNA plan's tile order from its first block to
+    its last (natsim.integrations.diffusers.order: no permutation per attention call): None where the plan runs
+    on FlashAttention-4 and its tile divides the layout, True wherever the tile divides the layout (refused with
+    a sentence for models natsim does not know the blocks of), False never.
     """
     spec = spec_of(transformer)
     if hasattr(transformer, "_natsim"):
@@ -97,19 +105,24 @@ def apply(
             sparsity = 0.9 if window is None else 0.0
         auto = AutoPlan(sparsity, causal=causal, window=window, max_stride=max_stride, device=device,
                         cost_model=cost_model, training=training, precision=precision)
+    points = check_tile_order(tile_order, transformer, masked is not None)
     router = Router(auto, spec.text_first, dtype, masked)
     originals = {}
-    for attention, attention_router in spec.routes(transformer, router):
+    routes = spec.routes(transformer, router)
+    for attention, attention_router in routes:
         originals[attention] = attention.processor
         set_processor(attention, routed_processor(attention.processor, attention_router))
+    order = None if points is None else ModelOrder(transformer, points, router, routes[0][0], bool(tile_order))
 
     def tell_layout(model, args, kwargs):
         router.set_layout(*spec.tokens(model, args, kwargs, layout))
+        if order is not None:
+            order.begin(model)
         if masked is not None:
             masked.begin_forward(router.layout, spec.timestep(args, kwargs))
 
     hook = transformer.register_forward_pre_hook(tell_layout, with_kwargs=True)
-    applied = Applied(router, originals, hook)
+    applied = Applied(router, originals, hook, order)
     transformer._natsim = applied
     return applied
 
@@ -123,4 +136,6 @@ def remove(transformer: nn.Module) -> None:
         release(attention.processor)
         set_processor(attention, processor)
     applied.hook.remove()
+    if applied.order is not None:
+        applied.order.remove()
     del transformer._natsim

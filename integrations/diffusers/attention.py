@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from natsim.kernels import attention_resolved
+from natsim.kernels import TileOrder, attention_resolved
 from natsim.kernels.backends.triton import TILE_TOKENS, tile_pairs
 from natsim.planner import AutoPlan
 
@@ -60,6 +60,7 @@ class Router:
         self.masked = masked
         self.layout: Optional[tuple[int, ...]] = None
         self.trailing = 0  # text-first joint attention: tokens after the video tokens (reference images)
+        self.order: Optional[TileOrder] = None  # the video tokens' order when the model keeps a tile order
         self.views: list[RouterView] = []
 
     def set_layout(self, layout: tuple[int, ...], trailing: int = 0) -> None:
@@ -120,6 +121,8 @@ class Router:
             return (out, lse) if return_lse else out
         batch, tokens, heads, head_dim = q.shape
         dtype = self._kernel_dtype(q)
+        if self.order is not None:  # the model keeps its video tokens in the plan's tile order (order.py)
+            return self.auto(*(t.to(dtype) for t in (q, k, v)), scale=scale, return_lse=return_lse, order=self.order)
         q, k, v = (t.reshape(batch, *self.layout, heads, head_dim).to(dtype) for t in (q, k, v))
         result = self.auto(q, k, v, scale=scale, return_lse=return_lse)
         if not return_lse:
