@@ -16,7 +16,9 @@ random latent, timestep and text states. Per case, side by side in one process:
 - the attention share of the step, `a = calls x the model's own attention / the model's own step` (calls: the
   routed attention modules, each called once a step), and Amdahl's ceiling for the step,
   `1 / ((1 - a) + a / s)`, and the fraction of it the step reaches;
-- the relative difference of natsim's step output to the model's own, and the plan natsim made.
+- the relative difference of natsim's step output to the model's own, and the plan natsim made (its backend);
+- where the model keeps the plan's tile order (integrations/diffusers/order.py: FlashAttention-4 plans), the
+  compiled step again with `tile_order=False` (every attention call permuting its tokens), beside it.
 Medians of `--steps` timed steps after warm-up (synchronised wall clock). Writes
 `diffusers-step-<device>-<date>.json`; the table comes last.
 """
@@ -202,7 +204,10 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
     plan = next(iter(applied.plans.values()))
     record["plan"] = dict(window=list(plan.problem.window), stride=list(plan.problem.stride),
                           q_tile=list(plan.tiles.q_tile), kv_tile=list(plan.tiles.kv_tile),
-                          kv_tiling=plan.tiles.kv_tiling, sparsity=plan.sparsity, tile_speedup=plan.tile_speedup)
+                          kv_tiling=plan.tiles.kv_tiling, sparsity=plan.sparsity, tile_speedup=plan.tile_speedup,
+                          backend=plan.backend)
+    orders = [] if applied.order is None else [o for o in applied.order.decided.values() if o is not None]
+    record["tile_order"] = list(orders[0].tile) if orders else None
     record["output_relative_difference"] = float((natsim_out.float() - own_out.float()).norm()
                                                  / own_out.float().norm())
 
@@ -226,6 +231,10 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
     own_compiled_ms, _ = step_ms(compiled, args, steps)
     nd.apply(model, **options)
     natsim_compiled_ms, compiled_out = step_ms(compiled, args, steps)
+    if record["tile_order"] is not None:  # the same plan with every call permuting its tokens (no model order)
+        nd.remove(model)
+        nd.apply(model, **options, tile_order=False)
+        record["natsim_compiled_row_major_step_ms"], _ = step_ms(compiled, args, steps)
     share = min(1.0, calls * own_attention / own_ms)
     share_compiled = min(1.0, calls * own_attention / own_compiled_ms)
 
@@ -276,12 +285,15 @@ def main(argv=None) -> None:
         result["records"].append(record)
         path.write_text(json.dumps(result, indent=1))
     print(f"\n{'case':14s} {'share e/c':>10s} {'attn x':>7s} {'eager x':>8s} {'ceil':>6s} {'compiled x':>10s} {'ceil':>6s}"
-          f" {'of ceil':>8s} {'diff':>8s}")
+          f" {'of ceil':>8s} {'diff':>8s} {'backend':>8s} {'order ms / row-major ms':>24s}")
     for r in result["records"]:
+        ordered = (f"{r['natsim_compiled_step_ms']:.1f} / {r['natsim_compiled_row_major_step_ms']:.1f}"
+                   if r["tile_order"] is not None else "-")
         print(f"{r['case']:14s} {r['attention_share']:.2f}/{r['attention_share_compiled']:.2f} "
               f"{r['attention_speedup']:7.2f} {r['step_speedup']:8.2f} {r['ceiling']:6.2f} "
               f"{r['compiled_step_speedup']:10.2f} {r['ceiling_compiled']:6.2f} "
-              f"{r['fraction_of_ceiling_compiled']:8.2f} {r['output_relative_difference']:8.1e}")
+              f"{r['fraction_of_ceiling_compiled']:8.2f} {r['output_relative_difference']:8.1e} "
+              f"{r['plan']['backend']:>8s} {ordered:>24s}")
 
 
 if __name__ == "__main__":
