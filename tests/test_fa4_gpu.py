@@ -155,3 +155,31 @@ def test_natsim_picks_fa4_for_block_sparse_calls_and_triton_for_partial_tiles():
     q, k, v = inputs((8, 16, 16), 2, 128, torch.bfloat16, seed=9)
     assert chosen_backend(q, k, v, (4, 8, 8), (4, 8, 8), q_tile=(2, 8, 8), kv_tile=(2, 8, 8)) == "fa4"
     assert chosen_backend(q, k, v, (3, 5, 7), 1, q_tile=(2, 8, 8), kv_tile=(2, 8, 8)) == "triton"
+
+
+def test_tokens_kept_in_tile_order_run_on_fa4_as_they_are_forward_backward_and_compiled():
+    """A plan on FlashAttention-4 with tokens already in its Q tile's order (a model kept in tile order,
+    integrations/diffusers/order.py) equals the row-major call permuted, forward and backward, eager and
+    compiled."""
+    from natsim.planner import AutoPlan
+
+    shape, heads, head_dim = (8, 16, 32), 4, 128
+    auto = AutoPlan(0.0, window=(4, 8, 8), max_stride=(4, 8, 8))
+    order = auto.tile_order(shape, heads=heads, head_dim=head_dim, dtype=torch.bfloat16, device="cuda")
+    if order is None:
+        pytest.skip("the plan does not run on FlashAttention-4 here (no cost model prices it)")
+    q, k, v, g = inputs(shape, heads, head_dim, torch.bfloat16, seed=21, count=4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = auto(*leaves)
+    want_grads = torch.autograd.grad(want, leaves, g)
+
+    def ordered(t):
+        return order.to_order(t.reshape(2, -1, heads, head_dim))
+
+    ordered_leaves = [ordered(t).detach().requires_grad_() for t in (q, k, v)]
+    compiled = torch.compile(lambda q, k, v: auto(q, k, v, order=order), fullgraph=True)
+    for run in (lambda q, k, v: auto(q, k, v, order=order), compiled):
+        got = run(*ordered_leaves)
+        assert relative_error(got, ordered(want)) < 1e-3
+        for got_grad, want_grad in zip(torch.autograd.grad(got, ordered_leaves, ordered(g)), want_grads):
+            assert relative_error(got_grad, ordered(want_grad)) < 1e-3
