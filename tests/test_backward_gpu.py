@@ -151,7 +151,7 @@ def test_prepared_sparse_forward_and_backward_replay_under_a_cuda_graph():
 def test_prepared_mask_gradients_equal_the_boolean_masks_bit_for_bit(q_block, kv_block, merge, density, backend):
     """Work prepared once computes what the boolean mask computes on the same backend (a boolean mask runs on
     natsim's kernels unless backend='fa4' is named; prepared work on natsim's choice, FlashAttention-4 where it
-    takes the blocks)."""
+    takes the blocks): bit for bit, but for FlashAttention-4's dQ, which it accumulates with atomics."""
     from natsim.kernels import prepare_sparse, sparse_attention
     from natsim.kernels.backends import fa4
 
@@ -171,7 +171,10 @@ def test_prepared_mask_gradients_equal_the_boolean_masks_bit_for_bit(q_block, kv
     want = grads(mask, q_block, kv_block, merge=merge, backend=backend)
     got = grads(prepare_sparse(mask, q_block, kv_block, seq_len, merge=merge, backend=backend))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        assert torch.equal(a, b), name
+        if backend == "fa4" and name == "dq":  # FlashAttention-4 sums dQ with atomics: its order varies per run
+            assert rel(a, b) < 1e-3, name
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_prepared_masks_run_one_compiled_graph_on_the_gpu():

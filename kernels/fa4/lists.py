@@ -38,15 +38,18 @@ Lists = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 class Fa4Lists:
     """Both directions of one block mask for FlashAttention-4: `forward` per query block (of `q_block` tokens)
     over key blocks (of `kv_block` tokens), `backward` per key block over query blocks; `masked` says whether
-    any visited block needs the element mask. `visited` counts (query block, key block) pairs visited, per
-    batch and head of the mask."""
+    any visited block needs the element mask."""
 
     q_block: int
     kv_block: int
     forward: Lists
     backward: Lists
     masked: bool
-    visited: int
+
+    @property
+    def visited(self) -> int:
+        """(query block, key block) pairs visited, over the mask's batch and heads (reads the device)."""
+        return int(self.forward[0].sum()) + int(self.forward[2].sum())
 
     @property
     def num_q_blocks(self) -> int:
@@ -61,9 +64,8 @@ class Fa4Lists:
         return [*self.forward, *self.backward]
 
     @classmethod
-    def from_tensors(cls, tensors: list[torch.Tensor], q_block: int, kv_block: int, masked: bool,
-                     visited: int) -> "Fa4Lists":
-        return cls(q_block, kv_block, tuple(tensors[:4]), tuple(tensors[4:]), masked, visited)
+    def from_tensors(cls, tensors: list[torch.Tensor], q_block: int, kv_block: int, masked: bool) -> "Fa4Lists":
+        return cls(q_block, kv_block, tuple(tensors[:4]), tuple(tensors[4:]), masked)
 
 
 def _rows(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +87,7 @@ def lists_from_blocks(visited: torch.Tensor, full: torch.Tensor, q_block: int, k
     partial = visited & ~full
     backward = (*_rows(partial.transpose(-1, -2)), *_rows(full.transpose(-1, -2)))
     forward = (*_rows(partial), *_rows(full))
-    return Fa4Lists(q_block, kv_block, forward, backward, bool(partial.any()), int(visited.sum()))
+    return Fa4Lists(q_block, kv_block, forward, backward, bool(partial.any()))
 
 
 def nested_refusal(q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> Optional[str]:

@@ -26,13 +26,14 @@ def _scale(q: torch.Tensor, scale: Optional[float]) -> float:
 
 
 def _lists(tensors: Sequence[torch.Tensor], sizes: Sequence[int]) -> Fa4Lists:
-    q_block, kv_block, masked, visited = sizes
-    return Fa4Lists.from_tensors(list(tensors), q_block, kv_block, bool(masked), visited)
+    q_block, kv_block, masked = sizes
+    return Fa4Lists.from_tensors(list(tensors), q_block, kv_block, bool(masked))
 
 
 def lists_schema(lists: Fa4Lists) -> tuple[list[torch.Tensor], list[int]]:
-    """How `lists` crosses `natsim::fa4_blocks`' schema: its tensors and its sizes."""
-    return lists.tensors(), [lists.q_block, lists.kv_block, int(lists.masked), lists.visited]
+    """How `lists` crosses `natsim::fa4_blocks`' schema: its tensors and its sizes (ints a compiled graph guards
+    on, so only what every mask of the work's shape and blocks shares)."""
+    return lists.tensors(), [lists.q_block, lists.kv_block, int(lists.masked)]
 
 
 @torch.library.custom_op("natsim::fa4_blocks", mutates_args=())
