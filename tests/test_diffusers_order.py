@@ -17,6 +17,9 @@ from natsim.integrations import diffusers as nd  # noqa: E402
 
 ORDERED = ("WanTransformer3DModel", "HunyuanVideoTransformer3DModel", "CogVideoXTransformer3DModel",
            "LTXVideoTransformer3DModel")
+# every test attends through the torch reference (the reference_path fixture): the order's hooks and operator are
+# what is tested here, Triton's interpreter runs the kernels in tests/test_diffusers.py
+pytestmark = pytest.mark.usefixtures("reference_path")
 LAYOUT = (2, 8, 16)
 WINDOW = (2, 5, 5)  # a sparse window whose plan's tile (2, 8, 4) moves tokens: an order error changes the output
 

@@ -245,8 +245,12 @@ def _resolved_setup_context(ctx, inputs, output) -> None:
 
 def _resolved_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = gna_resolved_backward(q, k, v, out, lse, *incoming_gradients(out, grad_out, grad_lse),
-                                       *ctx.arguments)
+    grads = incoming_gradients(out, grad_out, grad_lse)
+    if use_triton(q):
+        dq, dk, dv = gna_resolved_backward(q, k, v, out, lse, *grads, *ctx.arguments)
+    else:  # the reference's gradients recompute under autograd, which an operator's body runs without
+        resolver, scale = ctx.arguments
+        dq, dk, dv = _gradients(_resolved(resolver, q, scale, True), q, k, v, out, lse, *grads)
     return dq, dk, dv, None, None, None
 
 
@@ -300,7 +304,13 @@ def gna_resolved_ordered_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of `natsim::gna_resolved_ordered`, in tile order: FlashAttention-4's backward on them as they
     are where it ran the forward, else the row-major call's gradients between permutations."""
-    order, spec = _resolved_ordered(resolver, q, shape, tile, dilation, scale, True)
+    return _ordered_gradients(*_resolved_ordered(resolver, q, shape, tile, dilation, scale, True), q, k, v, out, lse,
+                              grad_out, grad_lse)
+
+
+def _ordered_gradients(order: TileOrder, spec: GnaSpec, q, k, v, out, lse, grad_out, grad_lse):
+    """dq, dk, dv of GNA of `spec` on tokens in `order`: FlashAttention-4's backward on them as they are where it
+    ran the forward, else the row-major call's gradients between permutations."""
     grads = fa4_backward_ordered(q, k, v, out, lse, grad_out, grad_lse, order, spec)
     if grads is None:
         views = layout_views(order, q, k, v, out, lse, grad_out, grad_lse)
@@ -323,8 +333,13 @@ def _resolved_ordered_setup_context(ctx, inputs, output) -> None:
 
 def _resolved_ordered_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = gna_resolved_ordered_backward(q, k, v, out, lse, *incoming_gradients(out, grad_out, grad_lse),
-                                               *ctx.arguments)
+    grads = incoming_gradients(out, grad_out, grad_lse)
+    if use_triton(q):
+        dq, dk, dv = gna_resolved_ordered_backward(q, k, v, out, lse, *grads, *ctx.arguments)
+    else:  # the reference's gradients recompute under autograd, which an operator's body runs without
+        shape, tile, dilation, resolver, scale = ctx.arguments
+        order, spec = _resolved_ordered(resolver, q, shape, tile, dilation, scale, True)
+        dq, dk, dv = _ordered_gradients(order, spec, q, k, v, out, lse, *grads)
     return (dq, dk, dv) + (None,) * 6
 
 
