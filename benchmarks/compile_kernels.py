@@ -64,7 +64,7 @@ def source(call) -> tuple:
     signature, constants, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         value = kernel.arguments.get(name, param.default)
-        if param.is_constexpr:
+        if param.is_constexpr or value is None:  # None: an FP8 scale a bf16 launch leaves out
             signature[name] = "constexpr"
             constants[name] = value
         elif name in tensors:
