@@ -28,8 +28,8 @@ def delta_kernel(O, DO, DLSE, DELTA, rows, tokens, heads, HEAD_DIM: tl.constexpr
     next power of two) columns, those past head_dim as zeros."""
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = r < rows
-    o = load_columns(O + r.to(tl.int64) * HEAD_DIM, 0, BLOCK_D, HEAD_DIM, inside).to(tl.float32)
-    do = load_columns(DO + r.to(tl.int64) * HEAD_DIM, 0, BLOCK_D, HEAD_DIM, inside).to(tl.float32)
+    o = load_columns(O, r.to(tl.int64) * HEAD_DIM, 0, BLOCK_D, HEAD_DIM, inside).to(tl.float32)
+    do = load_columns(DO, r.to(tl.int64) * HEAD_DIM, 0, BLOCK_D, HEAD_DIM, inside).to(tl.float32)
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + r, mask=inside, other=0.0)

@@ -159,16 +159,17 @@ def _chunk_mask(cols, HEAD_DIM: tl.constexpr, row_ok, PAST_END: tl.constexpr, TR
 
 
 @triton.jit
-def load_columns(rows, OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, row_ok=None,
+def load_columns(base, rows, OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, row_ok=None,
                  TRANSPOSED: tl.constexpr = False):
-    """A chunk `[rows, WIDTH]` (`[WIDTH, rows]` TRANSPOSED) through pointers: `rows` points at each row's first
-    element (`[R]` pointers), columns are contiguous. Columns past head_dim and rows where `row_ok` is False
+    """A chunk `[rows, WIDTH]` (`[WIDTH, rows]` TRANSPOSED) through pointers: row r starts `rows[r]` elements past
+    `base` (integer offsets: the cell offsets are summed before the pointer, as the kernels did before chunks,
+    which keeps their registers), columns are contiguous. Columns past head_dim and rows where `row_ok` is False
     (None: every row) read zeros; the column mask is compiled only where the chunk reaches past head_dim."""
     cols = chunk_columns(OFFSET, WIDTH)
     if TRANSPOSED:
-        ptrs = rows[None, :] + cols[:, None]
+        ptrs = base + (rows[None, :] + cols[:, None])
     else:
-        ptrs = rows[:, None] + cols[None, :]
+        ptrs = base + (rows[:, None] + cols[None, :])
     mask = _chunk_mask(cols, HEAD_DIM, row_ok, OFFSET + WIDTH > HEAD_DIM, TRANSPOSED)
     if mask is None:
         x = tl.load(ptrs)
@@ -178,12 +179,13 @@ def load_columns(rows, OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.c
 
 
 @triton.jit
-def store_columns(rows, values, OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, row_ok=None):
-    """Store a chunk `[rows, WIDTH]` through pointers (`rows`: each row's first element), columns past head_dim
-    and rows where `row_ok` is False (None: every row) left alone."""
+def store_columns(base, rows, values, OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  row_ok=None):
+    """Store a chunk `[rows, WIDTH]` through pointers (row r starts `rows[r]` elements past `base`), columns past
+    head_dim and rows where `row_ok` is False (None: every row) left alone."""
     cols = chunk_columns(OFFSET, WIDTH)
-    ptrs = rows[:, None] + cols[None, :]
-    values = values.to(rows.dtype.element_ty)
+    ptrs = base + (rows[:, None] + cols[None, :])
+    values = values.to(base.dtype.element_ty)
     mask = _chunk_mask(cols, HEAD_DIM, row_ok, OFFSET + WIDTH > HEAD_DIM, False)
     if mask is None:
         tl.store(ptrs, values)

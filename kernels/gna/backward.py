@@ -208,7 +208,7 @@ def _load_chunk(P, desc, offsets, t0, t1, t2, T0: tl.constexpr, T1: tl.constexpr
     if USE_TMA:
         x = desc.load([t0 * T0, t1 * T1, t2 * T2, OFFSET]).reshape([T0 * T1 * T2, WIDTH])
     else:
-        x = load_columns(P + offsets, OFFSET, WIDTH, HEAD_DIM)
+        x = load_columns(P, offsets, OFFSET, WIDTH, HEAD_DIM)
     return x
 
 
@@ -245,9 +245,9 @@ def _store_rows(P, offsets, values_a, values_b, real, HEAD_DIM: tl.constexpr, CH
         row_ok = real
     else:
         row_ok = None
-    store_columns(P + offsets, values_a, 0, CHUNK_A, HEAD_DIM, row_ok)
+    store_columns(P, offsets, values_a, 0, CHUNK_A, HEAD_DIM, row_ok)
     if CHUNK_B > 0:
-        store_columns(P + offsets, values_b, CHUNK_A, CHUNK_B, HEAD_DIM, row_ok)
+        store_columns(P, offsets, values_b, CHUNK_A, CHUNK_B, HEAD_DIM, row_ok)
 
 
 @triton.jit

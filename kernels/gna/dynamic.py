@@ -85,8 +85,8 @@ def _load_box_chunk(key0, key1, key2, k_desc, v_desc, K_head, V_head, stride_kn,
             row_ok = inside
         else:
             row_ok = None
-        k = load_columns(K_head + position * stride_kn, OFFSET, WIDTH, HEAD_DIM, row_ok, TRANSPOSED=True)
-        v = load_columns(V_head + position * stride_vn, OFFSET, WIDTH, HEAD_DIM, row_ok)
+        k = load_columns(K_head, position * stride_kn, OFFSET, WIDTH, HEAD_DIM, row_ok, TRANSPOSED=True)
+        v = load_columns(V_head, position * stride_vn, OFFSET, WIDTH, HEAD_DIM, row_ok)
     return k, v
 
 

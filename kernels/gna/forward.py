@@ -69,7 +69,8 @@ def _load_kv_chunk(tile, k0, k1, k2, k_desc, v_desc, k_rows, v_rows, stride_kn, 
                    TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
                    OFFSET: tl.constexpr, WIDTH: tl.constexpr, USE_TMA: tl.constexpr, LAYOUT: tl.constexpr,
                    FP8: tl.constexpr):
-    """Columns `[OFFSET, OFFSET + WIDTH)` of `_load_kv`'s K and V tiles, zeros past head_dim."""
+    """Columns `[OFFSET, OFFSET + WIDTH)` of `_load_kv`'s K and V tiles, zeros past head_dim (without
+    descriptors, `k_desc` / `v_desc` are the head's bare pointers)."""
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
     if LAYOUT == 1:
         corner = [k0 * TK0, k1 * TK1, k2 * TK2, OFFSET]
@@ -83,16 +84,16 @@ def _load_kv_chunk(tile, k0, k1, k2, k_desc, v_desc, k_rows, v_rows, stride_kn, 
             v = v_desc.load([tile * BLOCK_N, OFFSET])
     else:
         offset = (tile * BLOCK_N).to(tl.int64)
-        k = load_columns(k_rows + offset * stride_kn, OFFSET, WIDTH, HEAD_DIM, TRANSPOSED=True)
+        k = load_columns(k_desc, k_rows + offset * stride_kn, OFFSET, WIDTH, HEAD_DIM, TRANSPOSED=True)
         if FP8:  # V transposed: a key's channels lie `stride_vn` apart
             channels = chunk_columns(OFFSET, WIDTH)
-            v_ptrs = v_rows[:, None] + offset + channels[None, :].to(tl.int64) * stride_vn
+            v_ptrs = v_desc + (v_rows[:, None] + offset + channels[None, :].to(tl.int64) * stride_vn)
             if OFFSET + WIDTH > HEAD_DIM:
                 v = tl.load(v_ptrs, mask=(channels < HEAD_DIM)[None, :], other=0.0)
             else:
                 v = tl.load(v_ptrs)
         else:
-            v = load_columns(v_rows + offset * stride_vn, OFFSET, WIDTH, HEAD_DIM)
+            v = load_columns(v_desc, v_rows + offset * stride_vn, OFFSET, WIDTH, HEAD_DIM)
     return k, v
 
 
@@ -104,7 +105,7 @@ def _load_kv(tile, k0, k1, k2, k_desc_a, v_desc_a, k_desc_b, v_desc_b, k_rows, v
     """K transposed (`[chunk, BLOCK_N]`) and V (`[BLOCK_N, chunk]`) of KV tile (k0, k1, k2), linear index `tile`
     in the permuted order, per column chunk (`k_a, v_a, k_b, v_b`; the second pair is the first again when
     CHUNK_B is 0): a box of the token layout through rank-4 descriptors (LAYOUT 1), a run of the sequence through
-    rank-2 descriptors, or pointer loads from the rows `k_rows` / `v_rows` of the tile's first key. With FP8, V
+    rank-2 descriptors, or pointer loads at `k_rows` / `v_rows` (element offsets of the first tile's keys). With FP8, V
     is stored transposed (`[head_dim, rows]`, kernels/common/fp8.py) and `stride_vn` is its row length."""
     k_a, v_a = _load_kv_chunk(tile, k0, k1, k2, k_desc_a, v_desc_a, k_rows, v_rows, stride_kn, stride_vn,
                               TK0, TK1, TK2, HEAD_DIM, 0, CHUNK_A, USE_TMA, LAYOUT, FP8)
@@ -174,15 +175,15 @@ def gna_forward_kernel(
         K_head, V_head, stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2, KL0, L1, L2, kv_rows,
         TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA, LAYOUT, FP8)
     cols = tl.arange(0, BLOCK_N).to(tl.int64)
-    k_rows = K_head + cols * stride_k2  # pointer loads (LAYOUT 0, no TMA): the first tile's keys
+    k_rows = cols * stride_k2  # pointer loads (LAYOUT 0, no TMA): the first tile's keys, from K_head / V_head
     if FP8:
-        v_rows = V_head + cols
+        v_rows = cols
         q_scale_rows = q_row0 + tl.arange(0, BLOCK_M)
         row_scale = qk_scale * tl.load(SQ + (b * q_rows + q_scale_rows) * heads + h, mask=q_scale_rows < q_rows,
                                        other=1.0)
         SK_head = SK + b * kv_rows * heads + h
     else:
-        v_rows = V_head + cols * stride_v2
+        v_rows = cols * stride_v2
         row_scale = qk_scale
         SK_head = SK
 

@@ -51,7 +51,7 @@ def _load_q_chunk(Q_head, stride_q0, stride_q1, stride_q2, L0, L1, L2, first0, f
         q = q_desc.load([q_row0, OFFSET])
     else:
         rows = tl.arange(0, BLOCK_M)
-        q = load_columns(Q_head + (q_row0 + rows).to(tl.int64) * stride_q2, OFFSET, WIDTH, HEAD_DIM)
+        q = load_columns(Q_head, (q_row0 + rows).to(tl.int64) * stride_q2, OFFSET, WIDTH, HEAD_DIM)
     return q
 
 
@@ -136,7 +136,7 @@ def _store_chunk(O_head, out, stride_o0, stride_o1, stride_o2, L0, L1, L2, first
         o_desc.store([q_row0, OFFSET], out)
     else:
         rows = tl.arange(0, BLOCK_M)
-        store_columns(O_head + (q_row0 + rows).to(tl.int64) * stride_o2, out, OFFSET, WIDTH, HEAD_DIM)
+        store_columns(O_head, (q_row0 + rows).to(tl.int64) * stride_o2, out, OFFSET, WIDTH, HEAD_DIM)
 
 
 @triton.jit

@@ -68,12 +68,12 @@ def _load_rows(A, tokens, base, seq_len, heads, HEAD_DIM: tl.constexpr, CHUNK_A:
                CHUNK_B: tl.constexpr):
     """Rows `tokens` of one head of a `[B, N, heads, head_dim]` tensor in head_dim's column chunks (`a_a, a_b`;
     the second is the first again when CHUNK_B is 0), zeros at and past N and past head_dim."""
-    rows = A + base + tokens.to(tl.int64) * (heads * HEAD_DIM)
+    rows = base + tokens.to(tl.int64) * (heads * HEAD_DIM)
     ok = tokens < seq_len
-    a_a = load_columns(rows, 0, CHUNK_A, HEAD_DIM, ok)
+    a_a = load_columns(A, rows, 0, CHUNK_A, HEAD_DIM, ok)
     a_b = a_a
     if CHUNK_B > 0:
-        a_b = load_columns(rows, CHUNK_A, CHUNK_B, HEAD_DIM, ok)
+        a_b = load_columns(A, rows, CHUNK_A, CHUNK_B, HEAD_DIM, ok)
     return a_a, a_b
 
 
@@ -130,11 +130,11 @@ def _store_tile(A, a_a, a_b, tokens, first, base, seq_len, heads, HEAD_DIM: tl.c
             _row_descriptor(A, base, seq_len, heads, a_b.shape[0], HEAD_DIM, CHUNK_B).store(
                 [first, CHUNK_A], a_b.to(A.dtype.element_ty))
     else:
-        rows = A + base + tokens.to(tl.int64) * (heads * HEAD_DIM)
+        rows = base + tokens.to(tl.int64) * (heads * HEAD_DIM)
         ok = tokens < seq_len
-        store_columns(rows, a_a, 0, CHUNK_A, HEAD_DIM, ok)
+        store_columns(A, rows, a_a, 0, CHUNK_A, HEAD_DIM, ok)
         if CHUNK_B > 0:
-            store_columns(rows, a_b, CHUNK_A, CHUNK_B, HEAD_DIM, ok)
+            store_columns(A, rows, a_b, CHUNK_A, CHUNK_B, HEAD_DIM, ok)
 
 
 @triton.jit

@@ -78,7 +78,7 @@ def _load_chunk(K, V, k_desc, v_desc, blk, key, ok, stride_kn, stride_vn, HEAD_D
             row_ok = ok
         else:
             row_ok = None
-        k = load_columns(K + key * stride_kn, OFFSET, WIDTH, HEAD_DIM, row_ok)
+        k = load_columns(K, key * stride_kn, OFFSET, WIDTH, HEAD_DIM, row_ok)
         if FP8:  # V transposed: a key's channels lie `stride_vn` apart
             channels = chunk_columns(OFFSET, WIDTH)
             mask = None
@@ -95,7 +95,7 @@ def _load_chunk(K, V, k_desc, v_desc, blk, key, ok, stride_kn, stride_vn, HEAD_D
             else:
                 v = tl.load(v_ptrs, mask=mask, other=0.0)
         else:
-            v = load_columns(V + key * stride_vn, OFFSET, WIDTH, HEAD_DIM, row_ok)
+            v = load_columns(V, key * stride_vn, OFFSET, WIDTH, HEAD_DIM, row_ok)
     return k, v
 
 
@@ -212,11 +212,11 @@ def _attend_item(
     token = token.to(tl.int64)
     # q, k, v and the accumulators in head_dim's column chunks (kernels/common/headdim.py): `_a`, and `_b` where
     # CHUNK_B is not 0 (else the `_a` one again, never read).
-    q_rows = Q + b * stride_qb + h * stride_qh + token * stride_qn
-    q_a = load_columns(q_rows, 0, CHUNK_A, HEAD_DIM, row_ok)
+    Q_bh = Q + b * stride_qb + h * stride_qh
+    q_a = load_columns(Q_bh, token * stride_qn, 0, CHUNK_A, HEAD_DIM, row_ok)
     q_b = q_a
     if CHUNK_B > 0:
-        q_b = load_columns(q_rows, CHUNK_A, CHUNK_B, HEAD_DIM, row_ok)
+        q_b = load_columns(Q_bh, token * stride_qn, CHUNK_A, CHUNK_B, HEAD_DIM, row_ok)
 
     cols = tl.arange(0, BLOCK_N)
     slots = cols // KVB
@@ -308,10 +308,10 @@ def _attend_item(
     # A row that attends no key (its block's row is empty) gets zeros and LSE -inf, not 0 / 0.
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    o_rows = O + b * stride_ob + h * stride_oh + token * stride_on
-    store_columns(o_rows, acc_a / l_safe[:, None], 0, CHUNK_A, HEAD_DIM, row_ok)
+    O_bh = O + b * stride_ob + h * stride_oh
+    store_columns(O_bh, token * stride_on, acc_a / l_safe[:, None], 0, CHUNK_A, HEAD_DIM, row_ok)
     if CHUNK_B > 0:
-        store_columns(o_rows, acc_b / l_safe[:, None], CHUNK_A, CHUNK_B, HEAD_DIM, row_ok)
+        store_columns(O_bh, token * stride_on, acc_b / l_safe[:, None], CHUNK_A, CHUNK_B, HEAD_DIM, row_ok)
     if WRITE_LSE:  # [B, N, heads]
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         tl.store(LSE + (b * seq_len + token) * heads + h, lse, mask=row_ok)
