@@ -114,7 +114,7 @@ def test_unsupported_widths_and_chunks_are_refused_with_sentences():
 # One data path per width (kernels/gna/tile_io.py's LAYOUT): the layout in place through rank-4 descriptors,
 # permuted tokens (dilation), a 1-D layout in place, the dynamic kernel in place and permuted (gathers).
 PATHS = {
-    "in-place": ((5, 7), (3, 4), (1, 2), 1, (False, True), (2, 8), (2, 4), "static"),
+    "in-place": ((5, 7), (3, 4), (1, 2), 1, (False, True), (2, 8), (1, 16), "static"),
     "permuted": ((6, 9), (3, 4), (2, 1), (1, 2), (True, False), (4, 4), (4, 4), "static"),
     "1-d": ((37,), 9, 2, 1, True, (16,), (16,), "static"),
     "dynamic": ((5, 7), (3, 5), (1, 3), 1, False, (2, 8), (2, 8), "dynamic"),

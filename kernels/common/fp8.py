@@ -172,7 +172,7 @@ class Fp8Tensors:
     """Q, K and V in float8 as the kernels read them, for `[B, rows, heads, head_dim]` inputs: quantized by the
     rule above, or given in float8 (`prequantized_rows`).
 
-    `q`, `k`: float8 e4m3 `[B, rows, heads, head_dim]` (contiguous); `q_scale`, `k_scale`: float32
+    `q`, `k`: float8 e4m3 `[B, rows, heads, head_dim]` (`fp8_rows`' layout: contiguous, or heads 16 bytes apart); `q_scale`, `k_scale`: float32
     `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim, rows_padded]` (V transposed, zeros past the
     rows); `v_scale`: float32 `[B, heads, head_dim]`; `k_mean`: K's mean `[B, heads, head_dim]`, None for inputs
     given in float8 (no mean removed). Dequantized, `q ~ q_fp8 * q_scale[..., None]`,
@@ -219,6 +219,7 @@ def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: tor
     else:
         q8, q_scale = _per_row(q.float())
         k8, k_scale = _per_row(k.float() - k_mean[:, None])
+        q8, k8 = aligned_rows(q8), aligned_rows(k8)
         v_t[..., :rows] = (v.float() / v_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).permute(0, 2, 3, 1).to(E4M3)
     return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean)
 
@@ -232,7 +233,24 @@ def prequantized_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale
     padded = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
     v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
     v_t[..., :rows] = v.permute(0, 2, 3, 1)
-    return Fp8Tensors(q.contiguous(), k.contiguous(), v_t, q_scale, k_scale, v_scale, None)
+    return Fp8Tensors(aligned_rows(q), aligned_rows(k), v_t, q_scale, k_scale, v_scale, None)
+
+
+def fp8_rows(shape: tuple[int, ...], device) -> torch.Tensor:
+    """Uninitialised float8 `[B, rows, heads, head_dim]` whose heads start `ROW_ALIGNMENT` bytes apart: contiguous
+    where head_dim is a multiple of 16, else a view of the first head_dim columns of heads padded to one (a head dim
+    of 8 modulo 16 would start every other head off a 16-byte boundary, which tensor descriptors refuse)."""
+    *outer, head_dim = shape
+    padded = -(-head_dim // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    return torch.empty((*outer, padded), dtype=E4M3, device=device)[..., :head_dim]
+
+
+def aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` (float8 `[B, rows, heads, head_dim]`) in `fp8_rows`' layout: itself where that is its layout, else a
+    copy."""
+    if x.stride() == fp8_rows(x.shape, "meta").stride():
+        return x
+    return fp8_rows(x.shape, x.device).copy_(x)
 
 
 def prequantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Fp8Scales) -> Fp8Tensors:
@@ -255,24 +273,25 @@ def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: 
     if mode == 2:
         out, scales = v_t, v_scale
     else:
-        out = torch.empty((batch, rows, heads, head_dim), dtype=E4M3, device=x.device)
+        out = fp8_rows((batch, rows, heads, head_dim), x.device)
         scales = torch.empty((batch, rows, heads), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, QUANTIZE_ROWS), batch * heads)
     _quantize_kernel[grid](x, out, scales, k_mean, x.stride(0), x.stride(1), x.stride(2), rows, heads,
-                           v_t.shape[-1] if mode == 2 else 0, HEAD_DIM=head_dim,
+                           v_t.shape[-1] if mode == 2 else out.stride(2), HEAD_DIM=head_dim,
                            BLOCK_D=next_power_of_two(head_dim), BLOCK_R=QUANTIZE_ROWS, MODE=mode,
                            EXACT_CAST=not x.is_cuda)
     return (None, None) if mode == 2 else (out, scales)
 
 
 @triton.jit
-def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows, heads, padded,
+def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows, heads, out_stride,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr,
                      EXACT_CAST: tl.constexpr):
     """BLOCK_R rows of one (batch, head): Q (MODE 0) and K (MODE 1, its mean subtracted) with one scale per row,
-    written `[B, rows, heads, head_dim]` with scales `[B, rows, heads]`; V (MODE 2) divided by its channel
-    scales `SCALES` `[B, heads, head_dim]` and written transposed, `[B, heads, head_dim, padded]`. Rows run
-    `BLOCK_D` (head_dim's next power of two) columns, those past head_dim masked."""
+    written `[B, rows, heads, head_dim]` with heads `out_stride` apart (`fp8_rows`) and scales `[B, rows,
+    heads]`; V (MODE 2) divided by its channel scales `SCALES` `[B, heads, head_dim]` and written transposed,
+    `[B, heads, head_dim, out_stride]`. Rows run `BLOCK_D` (head_dim's next power of two) columns, those past
+    head_dim masked."""
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
@@ -286,7 +305,7 @@ def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows,
     if MODE == 2:
         x = x / tl.load(SCALES + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=1.0)[None, :]
         x8 = cast_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0), EXACT_CAST)
-        tl.store(OUT + ((b * heads + h) * HEAD_DIM + d[None, :]) * padded + r[:, None], x8, mask=cell_ok)
+        tl.store(OUT + ((b * heads + h) * HEAD_DIM + d[None, :]) * out_stride + r[:, None], x8, mask=cell_ok)
     else:
         if MODE == 1:
             x = x - tl.load(K_MEAN + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
@@ -294,7 +313,7 @@ def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows,
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
         x8 = cast_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), EXACT_CAST)
         row = (b * rows + r) * heads + h
-        tl.store(OUT + row[:, None] * HEAD_DIM + d[None, :], x8, mask=cell_ok)
+        tl.store(OUT + row[:, None] * out_stride + d[None, :], x8, mask=cell_ok)
         tl.store(SCALES + row, scale, mask=ok)
 
 

@@ -39,7 +39,7 @@ from natsim.partition import frame_dim_tiles
 from natsim.window import group_length, window_bounds
 
 from ..common.backend import interpreting
-from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_head_split,
+from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_head_split, fp8_rows,
                           lse_with_mean, prequantized_rows, quantize_rows)
 from ..common.launch import (Overrides, descriptors_fit, has_tensor_descriptors, launch_config, split_of,
                              with_fp8)
@@ -299,16 +299,18 @@ def make_call(
     if masked and not launch.MASKED:
         raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
                          "the kernel needs MASKED=True.")
-    if layout and fp8:  # the quantized copies: contiguous
-        layout_tensors = tuple(torch.empty(t.shape, device="meta") for t in layout_tensors)
+    if layout and fp8:  # the quantized copies, in `fp8_rows`' layout
+        layout_tensors = tuple(fp8_rows(t.shape, "meta") for t in layout_tensors)
     if layout:
         strides = [(t.stride(0), *_token_strides(t, problem.ndim), t.stride(-2)) for t in layout_tensors]
         contiguous = torch.empty((batch, *q_shape, heads, head_dim), device="meta")
         strides.append((contiguous.stride(0), *_token_strides(contiguous, problem.ndim), contiguous.stride(-2)))
-    else:  # contiguous permuted [B, tokens, H, D]: only the token stride (position 2) is read
+    else:  # permuted [B, tokens, H, D], contiguous (or FP8's `fp8_rows`): only the token stride (position 2) is read
         q_tokens, kv_tokens = q_layout.num_tokens, kv_layout.num_tokens
-        strides = [(n * heads * head_dim, 0, 0, heads * head_dim, head_dim)
-                   for n in (q_tokens, kv_tokens, kv_tokens, q_tokens)]
+        per_head = fp8_rows((1, 1, 1, head_dim), "meta").stride(2) if fp8 else head_dim
+        strides = [(n * heads * width, 0, 0, heads * width, width)
+                   for n, width in ((q_tokens, per_head), (kv_tokens, per_head), (kv_tokens, head_dim),
+                                    (q_tokens, head_dim))]
     names = [f"stride_{t}{axis}" for t in "qkvo" for axis in ("b", "0", "1", "2", "h")]
     arguments = dict(zip(names, (s for group in strides for s in group)))
     scale = head_dim**-0.5 if spec.scale is None else spec.scale
