@@ -23,7 +23,7 @@ from natsim.kernels.common.headdim import HEAD_DIMS, PADDED_WIDTHS, HeadSplit, h
 from natsim.kernels.gna import launch
 from natsim.kernels.gna.backward import backward_tiles, gna_backward
 from natsim.kernels.gna.reference import fp8_reference_attention
-from natsim.kernels.gna.tiles import TILE_TOKENS, catalog_dim
+from natsim.kernels.gna.tiles import TILE_TOKENS, WIDE_TILE_TOKENS, catalog
 from natsim.kernels.sparse.backward import sparse_backward
 
 from bruteforce import attention_mask
@@ -82,9 +82,10 @@ def test_default_chunks_of_named_widths(head_dim, chunks):
 
 
 def test_catalog_of_a_width_is_that_of_its_computed_width():
-    assert [catalog_dim(d) for d in (16, 24, 40, 72, 96, 112, 136, 256)] == [32, 32, 64, 128, 128, 128, 256, 256]
-    assert catalog_dim(8) == 32 and set(TILE_TOKENS) == {32, 64, 128, 256}
-    assert all(q <= 128 and kv <= 64 for q, kv in TILE_TOKENS[256])  # 64-key tiles over 128 columns
+    entries = [TILE_TOKENS[32], TILE_TOKENS[32], TILE_TOKENS[64], *[TILE_TOKENS[128]] * 3, *[WIDE_TILE_TOKENS] * 2]
+    assert [catalog(d) for d in (16, 24, 40, 72, 96, 112, 136, 256)] == entries
+    assert catalog(8) == TILE_TOKENS[32] and set(TILE_TOKENS) == {32, 64, 128}  # the planner's widths
+    assert all(q <= 128 and kv <= 64 for q, kv in WIDE_TILE_TOKENS)  # 64-key tiles over 128 columns
     problem = natsim.Problem((30, 48, 80), (18, 24, 24), (16, 8, 8))
     assert math.prod(backward_tiles(problem, 256)[1]) == 64 and math.prod(backward_tiles(problem, 72)[1]) == 128
 

@@ -24,7 +24,7 @@ the width is in `PADDED_WIDTHS`, the widths measured faster padded (benchmarks/h
 Per-width launch rules, each where its kernel's tiles are chosen, all keyed on the computed width
 (`HeadSplit.width`) and its `wide` flag (more than `WIDE` columns, where registers run short):
 - GNA forward: the tile catalog of the computed width rounded up to a catalog key (kernels/gna/tiles.py:
-  `catalog_dim`), whose 256-column entry holds 64- and 128-query tiles against 64 keys; warps and pipeline
+  `catalog`), past 128 columns `WIDE_TILE_TOKENS`: 64- and 128-query tiles against 64 keys; warps and pipeline
   stages that fit the tiles in shared memory (kernels/common/launch.py, `launch_config`).
 - GNA backward: KV tiles of 64 keys instead of 128 at wide widths (kernels/gna/backward.py, `kv_tile_tokens`).
 - Block masks: 8 warps for the backward's 64 x 64 tiles at wide widths (kernels/common/backward.py,
