@@ -68,7 +68,7 @@ def test_every_width_runs_in_power_of_two_chunks_that_cover_it():
             assert all(c == 0 or (c >= 16 and c & (c - 1) == 0) for c in (split.a, split.b))
             assert split.b == 0 or split.a < head_dim  # a second chunk starts inside the head
             padded = 1 << (head_dim - 1).bit_length()
-            assert split.width <= padded and split.masked == (split.width > head_dim)
+            assert split.width <= padded
         assert head_split(head_dim, "pad") == HeadSplit(head_dim, 1 << (head_dim - 1).bit_length())
         # the default splits exactly where that computes fewer columns than padding
         default, pad = head_split(head_dim), head_split(head_dim, "pad")
@@ -139,10 +139,10 @@ def test_gna_forward_matches_float64_at_every_width(head_dim, path, monkeypatch)
     assert torch.allclose(lse.double(), ref_lse, atol=1e-2)
 
 
-@pytest.mark.parametrize("head_dim", [72, 96])
-def test_padded_split_and_pointer_loads_agree(head_dim):
-    """The same call padded (one 128-column chunk) and split (64 + 16 or 64 + 32), through descriptors and
-    through pointer loads, on permuted tokens: the strategies are a compile-time choice, not a different result."""
+def test_padded_split_and_pointer_loads_agree():
+    """The same call padded (one 128-column chunk) and split (64 + 16), through descriptors and through pointer
+    loads, on permuted tokens: the strategies are a compile-time choice, not a different result."""
+    head_dim = 72
     shape, window, stride, tile = (6, 8), (3, 5), (1, 2), (4, 4)
     problem = natsim.Problem(shape, window, stride)
     q, k, v = (permute(t, tile) for t in qkv(shape, head_dim, seed=3))
@@ -154,7 +154,7 @@ def test_padded_split_and_pointer_loads_agree(head_dim):
         assert rel_error(unpermute(out, shape, tile), ref) < TOLERANCE, strategy
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)  # the widths above run every data path's edges every time
 @given(kernel_problems(), st.sampled_from([40, 72]), st.sampled_from(["static", "dynamic"]), st.integers(0, 2**16))
 def test_gna_forward_at_split_widths_on_random_problems(case, head_dim, kv_tiling, seed):
     """Random 1-D to 3-D geometries (windows, strides, dilation, causal, padding at the borders) and tiles."""
@@ -191,8 +191,8 @@ def test_fp8_pads_a_split_width_and_follows_its_rule():
 # -- the GNA backward --------------------------------------------------------------------------------------------
 
 BACKWARD = [
-    # head_dim, problem, q_tile, kv_tile: masked and padded, dilation, dense (no mask code, descriptors)
-    (24, natsim.Problem((6, 7), (3, 4), (1, 2), 1, (False, True)), (2, 8), (4, 8)),
+    # head_dim, problem, q_tile, kv_tile: masked with dilation and padding (split), dense (no mask code,
+    # descriptors; split over 128 columns), masked and padded at 256
     (72, natsim.Problem((8, 6), (4, 3), 1, (2, 1), (True, False)), (4, 4), (4, 8)),
     (136, natsim.Problem((40,), 40), (16,), (32,)),
     (256, natsim.Problem((5, 6), (3, 3), (1, 3)), (4, 4), (4, 8)),
@@ -214,7 +214,7 @@ def test_gna_backward_matches_float64_gradients(head_dim, problem, q_tile, kv_ti
 # -- block masks -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("head_dim, merge", [(40, "xor"), (96, None), (136, "consecutive")])
+@pytest.mark.parametrize("head_dim, merge", [(24, None), (96, "consecutive"), (136, None)])
 def test_block_mask_forward_and_backward_match_float64(head_dim, merge):
     n, q_block, kv_block = 70, 16, 32
     generator = torch.Generator().manual_seed(head_dim)

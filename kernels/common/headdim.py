@@ -54,6 +54,7 @@ PADDED_WIDTHS: frozenset[int] = frozenset()
 
 
 def next_power_of_two(n: int) -> int:
+    """The smallest power of two of at least `n` (n >= 1)."""
     return 1 << (n - 1).bit_length()
 
 
@@ -79,11 +80,6 @@ class HeadSplit:
     def width(self) -> int:
         """Columns the tile products compute (head_dim plus masked ones)."""
         return self.a + self.b
-
-    @property
-    def masked(self) -> bool:
-        """Whether the last chunk reaches past head_dim (its loads are masked there)."""
-        return self.width > self.head_dim
 
     @property
     def wide(self) -> bool:
@@ -128,12 +124,6 @@ def head_split(head_dim: int, strategy: Optional[str] = None) -> HeadSplit:
 def chunk_columns(OFFSET: tl.constexpr, WIDTH: tl.constexpr):
     """Column indices `[OFFSET, OFFSET + WIDTH)` of one chunk."""
     return OFFSET + tl.arange(0, WIDTH)
-
-
-@triton.jit
-def columns_inside(OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Which columns of the chunk `[OFFSET, OFFSET + WIDTH)` lie before head_dim (`[WIDTH]` booleans)."""
-    return chunk_columns(OFFSET, WIDTH) < HEAD_DIM
 
 
 @triton.jit
