@@ -95,9 +95,10 @@ def launch_options(block_m: int, block_n: int, split: HeadSplit) -> LaunchOption
     else 4; three pipeline stages (H100, bf16, head_dim 128: the GNA backward 3-21% faster than with two,
     benchmarks/results/backward-tma-*.json; the sparse backward sets its own, kernels/sparse/backward.py's STAGES)
     where the stepped tiles (two `[rows, width]` of the smaller side, 16-bit) fit in shared memory beside the
-    program's own (two of the larger side), else fewer. Every head_dim counts: at 4 warps the dK/dV kernel's two `[128 keys, head_dim]` fp32
-    accumulators and its `[128, 64]` score tiles spill 368 to 1940 bytes at head_dim 32, 64 and 128 alike, at 8
-    warps 104-328 (sm_90, Triton 3.6; benchmarks/compile_backward.py --head-dim). The options carry the chunks."""
+    program's own (two of the larger side), else fewer. Every head_dim counts: at 4 warps the dK/dV kernel's two
+    `[128 keys, head_dim]` fp32 accumulators and its `[128, 64]` score tiles spill 368 to 1940 bytes at head_dim
+    32, 64 and 128 alike, at 8 warps 104-328 (sm_90, Triton 3.6; benchmarks/compile_backward.py --head-dim). The
+    options carry the chunks."""
     width = split.width
     stages = stages_that_fit(2 * 2 * max(block_m, block_n) * width, 2 * 2 * min(block_m, block_n) * width, 3)
     return LaunchOptions(num_warps=8 if max(block_m, block_n) >= 128 or split.wide else 4, num_stages=stages,

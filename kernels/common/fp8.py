@@ -172,8 +172,8 @@ class Fp8Tensors:
     """Q, K and V in float8 as the kernels read them, for `[B, rows, heads, head_dim]` inputs: quantized by the
     rule above, or given in float8 (`prequantized_rows`).
 
-    `q`, `k`: float8 e4m3 `[B, rows, heads, head_dim]` (`fp8_rows`' layout: contiguous, or heads 16 bytes apart); `q_scale`, `k_scale`: float32
-    `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim, rows_padded]` (V transposed, zeros past the
+    `q`, `k`: float8 e4m3 `[B, rows, heads, head_dim]` (`fp8_rows`' layout: contiguous, or heads 16 bytes
+    apart); `q_scale`, `k_scale`: float32 `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim, rows_padded]` (V transposed, zeros past the
     rows); `v_scale`: float32 `[B, heads, head_dim]`; `k_mean`: K's mean `[B, heads, head_dim]`, None for inputs
     given in float8 (no mean removed). Dequantized, `q ~ q_fp8 * q_scale[..., None]`,
     `k - mean ~ k_fp8 * k_scale[..., None]`, `v ~ v_t.transpose * v_scale`.

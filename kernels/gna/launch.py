@@ -268,8 +268,8 @@ def make_call(
     frames `[q0, q1)` of dimension 0 and k, v `[k0, k1)` (module docstring); static KV tiling only. `overrides`
     (checked names, `launch_overrides`) override `launch_config`'s options (tuning; `MASKED` may only be forced
     on) and may set `HEAD_MAJOR` and head_dim's column chunks `CHUNK_A` / `CHUNK_B` (kernels/common/headdim.py;
-    by default `head_split`'s, padded in FP8). `check_alignment`: check the tensors' alignment on every launch (callers that
-    pass their own permuted tensors; `forward` keys on it instead). The dynamic kernel gathers box tiles with
+    by default `head_split`'s, padded in FP8). `check_alignment`: check the tensors' alignment on every launch
+    (callers that pass their own permuted tensors; `forward` keys on it instead). The dynamic kernel gathers box tiles with
     pointer loads on the permuted path and is never warp-specialized (Triton 3.6 does not specialize its loops:
     rank-4 descriptors or pointer gathers). Precision "fp8" runs the FP8 variant of the static kernel
     (kernels/common/fp8.py) on permuted sequences or a 1-D layout in place, on q, k, v quantized inside the call
