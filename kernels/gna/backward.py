@@ -23,6 +23,10 @@ way: no permuted copies of q, k, v, out or dO (at HunyuanVideo size the backward
 reads the group's last token instead and is never stored; a padding query gets an infinite LSE, so that its p
 is 0 against every key.
 
+Every `[rows, head_dim]` tile and gradient moves and accumulates in head_dim's power-of-two column chunks
+(kernels/common/headdim.py, as the forward: scores and dP summed over chunks, one dK, dV or dQ accumulator per
+chunk); past 128 computed columns the KV tiles hold 64 keys (`kv_tile_tokens`).
+
 Both attention kernels run two loops as the forward does: the full box (every real query attends every key;
 no padding keys) without any mask code, then the rest of the visited box (five slabs around it) under the
 element mask. `MASKED=False` (the host's `needs_mask`: dense and block-sparse configurations) compiles the

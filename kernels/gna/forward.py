@@ -45,6 +45,11 @@ queries attend. Window bounds along dimension 0 are the global layout's (`frame_
 is a run of a global one, and key groups may be rotated against query groups); Q and KV tiles are cut from the
 local first frames. A whole layout has offsets 0 and `G0 == KL0 == L0`, and the kernel is what it was.
 
+head_dim runs in power-of-two column chunks (kernels/common/headdim.py: `CHUNK_A`, then `CHUNK_B` where that is
+not 0, the last masked past head_dim): Q, K and V tiles move per chunk (tile_io.py), scores sum the chunks'
+products (`chunked_dot`) and P @ V keeps one accumulator per chunk (`softmax_step`); without a second chunk its
+code is not compiled and the kernel is the one-chunk kernel it was.
+
 The softmax scale (times log2 e) is applied with one fused multiply-add per score (`qk * scale - m`), the
 running maximum is kept in scaled units, and the online-softmax recurrence is the usual flash-attention one
 in base 2 with fp32 accumulators. Kernels always see three dimensions (kernels/gna/layout.py): a 1-D or 2-D

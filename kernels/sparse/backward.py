@@ -16,7 +16,8 @@ attends every key, no key past N), which run with no mask code, as the forward's
 pairs follow, each element masked by its own block's bit (gathered from the boolean mask) and by `token < N`.
 Where the tiles cannot hold a partial pair (each tile within one mask block, N a multiple of the key tile), the
 masked loop is not built at all (fewer registers spilled). A query that attends nothing (LSE -inf) contributes
-nothing.
+nothing. Tiles and gradients move and accumulate in head_dim's power-of-two column chunks
+(kernels/common/headdim.py), columns past head_dim read as zeros and never stored.
 """
 
 from __future__ import annotations
