@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -33,6 +34,7 @@ from backward import CASES, SHAPE, TUNE
 
 import natsim
 from natsim.kernels.common.backward import launch_options
+from natsim.kernels.common.headdim import STRATEGIES, head_split
 from natsim.kernels.gna.backward import (DEFAULT_VARIANT, backward_tiles, dkdv_kernel, dq_kernel, padded,
                                          uses_descriptors)
 from natsim.kernels.gna.launch import dense_as_1d, needs_mask
@@ -102,8 +104,9 @@ def write_report(out: Path, kind: str, arch: int, head_dim: int, rows: list[dict
 
 
 def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, pad: bool, arch: int,
-                    head_dim: int = 128) -> dict:
-    options = {**launch_options(math.prod(q_tile), math.prod(kv_tile)).triton_options(), **options}
+                    head_dim: int = 128, strategy: Optional[str] = None) -> dict:
+    split = head_split(head_dim, strategy)
+    options = {**launch_options(math.prod(q_tile), math.prod(kv_tile), split).triton_options(), **options}
     dq_stages = options.pop("DQ_STAGES", None)
     if fn is dq_kernel and dq_stages is not None:
         options["num_stages"] = dq_stages
@@ -114,13 +117,13 @@ def compile_variant(fn, q_tile, kv_tile, options: dict, masked: bool, pad: bool,
     atomic = switches["ATOMIC_DQ"]
     tq, tk = (tuple(t) + (1,) * (3 - len(t)) for t in (q_tile, kv_tile))
     constexprs = dict(C0=False, C1=False, C2=False, TQ0=tq[0], TQ1=tq[1], TQ2=tq[2], TK0=tk[0], TK1=tk[1],
-                      TK2=tk[2], HEAD_DIM=head_dim, MASKED=masked, PADDED=pad, IN_TILE=bool(switches["IN_TILE"]),
-                      USE_TMA=bool(switches["USE_TMA"]))
+                      TK2=tk[2], **split.constexprs(), MASKED=masked, PADDED=pad,
+                      IN_TILE=bool(switches["IN_TILE"]), USE_TMA=bool(switches["USE_TMA"]))
     if fn is dkdv_kernel:
         constexprs.update(DEBUG=False, ATOMIC_DQ=atomic)
     launch = {"num_warps": options["num_warps"], "num_stages": options["num_stages"]}
     row = {"kernel": fn.__name__, "q_tile": list(q_tile), "kv_tile": list(kv_tile), "masked": masked,
-           "padded": pad, **switches, **launch}
+           "padded": pad, "chunks": [split.a, split.b], **switches, **launch}
     return {**row, **compile_report(fn, constexprs, atomic, launch, arch)}
 
 
@@ -142,7 +145,7 @@ SPARSE_VARIANTS = [(128, None, {}), (128, None, {"num_stages": 3}), (128, (64, 1
                    (128, (32, 128, 128, 64), {}), (64, None, {}), (16, None, {})]
 
 
-def compile_sparse(arch: int, head_dim: int, seq_len: int = 32768) -> list[dict]:
+def compile_sparse(arch: int, head_dim: int, seq_len: int = 32768, strategy: Optional[str] = None) -> list[dict]:
     """The sparse backward's kernel (kernels/sparse/backward.py: dK/dV and dQ programs in one launch) for
     `SPARSE_VARIANTS`, its masked loops built as the launcher builds them for N = `seq_len`."""
     import torch
@@ -150,15 +153,17 @@ def compile_sparse(arch: int, head_dim: int, seq_len: int = 32768) -> list[dict]
     from natsim.kernels.sparse.backward import (STAGES, BackwardTiles, _may_hold_partial_pairs, backward_tiles,
                                                 sparse_backward_kernel)
 
+    split = head_split(head_dim, strategy)
     rows = []
     for block, fields, options in SPARSE_VARIANTS:
         tiles = BackwardTiles(*fields) if fields else backward_tiles(block, block, torch.device("cuda"))
         for use_tma in (True, False):
             launch = {**launch_options(max(tiles.dkdv_queries, tiles.dq_queries),
-                                       max(tiles.dkdv_keys, tiles.dq_keys)).triton_options(), "num_stages": STAGES,
+                                       max(tiles.dkdv_keys, tiles.dq_keys), split).triton_options(),
+                      "num_stages": STAGES,
                       **options}
             constexprs = dict(QB=block, KVB=block, DKDV_M=tiles.dkdv_queries, DKDV_N=tiles.dkdv_keys,
-                              DQ_M=tiles.dq_queries, DQ_N=tiles.dq_keys, HEAD_DIM=head_dim, USE_TMA=use_tma,
+                              DQ_M=tiles.dq_queries, DQ_N=tiles.dq_keys, **split.constexprs(), USE_TMA=use_tma,
                               DKDV_PARTIAL=_may_hold_partial_pairs(tiles.dkdv_queries, tiles.dkdv_keys, block, block,
                                                                    seq_len),
                               DQ_PARTIAL=_may_hold_partial_pairs(tiles.dq_queries, tiles.dq_keys, block, block,
@@ -180,10 +185,14 @@ def main(argv=None) -> None:
     parser.add_argument("--num-warps", type=int, default=None, help="override every variant's num_warps")
     parser.add_argument("--sparse", action="store_true",
                         help="compile the sparse backward's kernels instead (SPARSE_VARIANTS)")
+    parser.add_argument("--strategy", choices=STRATEGIES, default=None,
+                        help="how a head_dim that is not a power of two runs (kernels/common/headdim.py; default: "
+                             "the width's own)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.sparse:
-        write_report(args.out, "sparse-backward", args.arch, args.head_dim, compile_sparse(args.arch, args.head_dim))
+        write_report(args.out, "sparse-backward", args.arch, args.head_dim,
+                     compile_sparse(args.arch, args.head_dim, strategy=args.strategy))
         return
     rows, seen = [], set()
     for halvings, options in TUNE:
@@ -204,7 +213,7 @@ def main(argv=None) -> None:
                     continue
                 seen.add(key)
                 row = {"case": case, "q_halvings": halvings, "head_dim": args.head_dim,
-                       **compile_variant(fn, tq, tk, options, masked, pad, args.arch, args.head_dim)}
+                       **compile_variant(fn, tq, tk, options, masked, pad, args.arch, args.head_dim, args.strategy)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     write_report(args.out, "backward", args.arch, args.head_dim, rows)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 import triton
@@ -27,6 +28,7 @@ from compile_backward import ptxas_report, write_report
 
 import natsim
 from natsim.kernels import GnaSpec
+from natsim.kernels.common.headdim import STRATEGIES, head_split
 from natsim.kernels.gna.launch import dense_as_1d, make_call
 from natsim.kernels.gna.tiles import choose_tiles
 
@@ -36,8 +38,11 @@ CASES = {"dense": ((1, 1, 1), SHAPE), "1x1x1": ((1, 1, 1), WINDOW), "1x8x8": ((1
 ELEMENT = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
 
 
-def launches(head_dim: int):
-    """(case, path, kv_tiling, return_lse, GnaCall) for every launch of the table."""
+def launches(head_dim: int, strategy: Optional[str] = None):
+    """(case, path, kv_tiling, return_lse, GnaCall) for every launch of the table, head_dim in the column chunks
+    of `strategy` (kernels/common/headdim.py; None: the width's default)."""
+    split = head_split(head_dim, strategy)
+    chunks = (("CHUNK_A", split.a), ("CHUNK_B", split.b))
     for case, (stride, window) in CASES.items():
         problem = natsim.Problem(SHAPE, window, stride)
         problem = dense_as_1d(problem) or problem
@@ -50,7 +55,7 @@ def launches(head_dim: int):
                     spec = GnaSpec.for_problem(problem, scale=head_dim**-0.5, q_tile=q_tile, kv_tile=kv_tile,
                                                kv_tiling=mode, return_lse=return_lse)
                     call = make_call(problem, problem.shape, spec, batch=1, heads=HEADS, head_dim=head_dim,
-                                     layout_tensors=views)
+                                     layout_tensors=views, overrides=chunks)
                     yield case, "in-place" if layout else "permuted", mode, return_lse, call
 
 
@@ -64,7 +69,7 @@ def source(call) -> tuple:
     signature, constants, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         value = kernel.arguments.get(name, param.default)
-        if param.is_constexpr:
+        if param.is_constexpr or value is None:  # None: an FP8 scale a bf16 launch leaves out
             signature[name] = "constexpr"
             constants[name] = value
         elif name in tensors:
@@ -92,7 +97,8 @@ def compile_call(call, arch: int) -> dict:
     signature, constants, attrs = source(call)
     options = dict(call.kernel.options)
     row = {"kernel": call.kernel.fn.__name__, "q_tile": list(call.spec.q_tile), "kv_tile": list(call.spec.kv_tile),
-           **{name: constants[name] for name in ("MASKED", "USE_TMA", "WARP_SPECIALIZE", "LAYOUT")
+           **{name: constants[name] for name in ("MASKED", "USE_TMA", "WARP_SPECIALIZE", "LAYOUT", "CHUNK_A",
+                                                 "CHUNK_B")
               if name in constants}, **options}
     try:
         compiled = triton.compile(triton.compiler.ASTSource(call.kernel.fn, signature, constants, attrs),
@@ -110,10 +116,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for Hopper")
     parser.add_argument("--head-dim", type=int, default=128, help="head_dim of the compiled kernels")
+    parser.add_argument("--strategy", choices=STRATEGIES, default=None,
+                        help="how a head_dim that is not a power of two runs (kernels/common/headdim.py; default: "
+                             "the width's own)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for case, path, mode, return_lse, call in launches(args.head_dim):
+    for case, path, mode, return_lse, call in launches(args.head_dim, args.strategy):
         row = {"case": case, "path": path, "kv_tiling": mode, "return_lse": return_lse, "head_dim": args.head_dim,
                **compile_call(call, args.arch)}
         print(json.dumps(row), flush=True)

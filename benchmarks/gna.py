@@ -182,6 +182,7 @@ def tune(out_dir: Path) -> None:
     """
     from dataclasses import asdict, replace
 
+    from natsim.kernels.common.headdim import head_split
     from natsim.kernels.common.launch import launch_config
     from natsim.kernels.gna.launch import needs_mask
 
@@ -191,7 +192,7 @@ def tune(out_dir: Path) -> None:
     for stride, win in [((1, 1, 1), shape), ((1, 1, 1), window), ((1, 8, 8), window), ((16, 8, 8), window)]:
         problem = natsim.Problem(shape, win, stride)
         masked = needs_mask(problem, tile, tile)
-        default = launch_config(128, 128, HEAD_DIM, masked, True)
+        default = launch_config(128, 128, head_split(HEAD_DIM), masked, True)
         reference = gna_attention_permuted(q, k, v, problem, tile, tile).float()
         for name, options in TUNE_VARIANTS:
             effective = replace(default, **options)

@@ -54,7 +54,8 @@ def test_natsim_picks_fa4_where_every_block_is_full(fa4_here):
 def test_natsim_keeps_partial_tiles_on_triton_unless_triton_cannot_run_the_head_dim(fa4_here):
     assert picked((3, 5, 7)) == ("triton", None)
     assert picked((3, 5, 7), q_tile=(2, 8, 8), kv_tile=(2, 8, 8)) == ("triton", None)
-    backend, tiles = picked((3, 5, 7), head_dim=96)  # natsim's kernels run 32, 64 and 128 only
+    assert picked((3, 5, 7), head_dim=96) == ("triton", None)  # natsim's kernels run 16 to 256 in steps of 8
+    backend, tiles = picked((3, 5, 7), head_dim=8)  # FlashAttention-4 runs 8 too
     assert backend == "fa4" and tiles is not None
 
 

@@ -168,7 +168,8 @@ def test_the_references_run_fp8_the_backward_and_gna_frame_ranges(reference_path
 def test_refusals_are_one_sentence_naming_the_first_mismatch():
     assert TRITON_GNA.refusal(dtype=torch.bfloat16, head_dim=64, q_block=128, kv_block=64, capability=(9, 0),
                               needs=("backward", "frame_ranges")) is None
-    assert TRITON_GNA.refusal(head_dim=256) == "the Triton GNA backend runs head_dim 32, 64 or 128, got head_dim=256."
+    assert TRITON_GNA.refusal(head_dim=260) == (
+        "the Triton GNA backend runs head_dim 16 to 256 in steps of 8, got head_dim=260.")
     assert TRITON_GNA.refusal(dtype=torch.float32) == (
         "the Triton GNA backend runs dtypes float16, bfloat16, got dtype=torch.float32.")
     assert TRITON_GNA.refusal(q_block=512) == (

@@ -253,7 +253,7 @@ def _qkv(*shape, dtype=torch.float16):
         (lambda q, k, v: (q, k[:, :-1], v, {}), ValueError, "same shape"),
         (lambda q, k, v: (q, k.float(), v, {}), ValueError, "same dtype"),
         (lambda q, k, v: (q.float(), k.float(), v.float(), {}), ValueError, "float16 and bfloat16"),
-        (lambda q, k, v: (q[..., :24], k[..., :24], v[..., :24], {}), ValueError, "head_dim in"),
+        (lambda q, k, v: (q[..., :20], k[..., :20], v[..., :20], {}), ValueError, "head_dim 16 to 256 in steps of 8"),
         (lambda q, k, v: (q, k, v, {"window": 9}), ValueError, "window \\* dilation"),
         (lambda q, k, v: (q, k, v, {"stride": 5}), ValueError, "stride cannot be larger"),
         (lambda q, k, v: (q, k, v, {"q_tile": (2, 3)}), ValueError, "power-of-two"),

@@ -10,6 +10,7 @@ import torch
 
 import natsim
 from natsim.kernels import Fp8Scales, GnaSpec, LaunchOptions, SparseSpec, gna_attention_permuted, permute
+from natsim.kernels.common.headdim import head_split
 from natsim.kernels.common.launch import launch_config, launch_overrides
 from natsim.kernels.gna.spec import FrameRange
 from natsim.kernels.sparse.backward import sparse_backward
@@ -79,14 +80,15 @@ def test_a_sparse_spec_checks_its_arguments_and_crosses_both_schemas():
 
 
 def test_launch_options_take_checked_overrides():
-    default = launch_config(64, 64, 64, masked=True, tma=False)
+    default = launch_config(64, 64, head_split(64), masked=True, tma=False)
     assert isinstance(default, LaunchOptions)
     tuned = default.overridden(launch_overrides({"num_warps": 2, "HEAD_MAJOR": True}, "config"))
     assert (tuned.num_warps, tuned.HEAD_MAJOR, tuned.num_stages) == (2, True, default.num_stages)
     assert tuned.triton_options() == {"num_warps": 2, "num_stages": default.num_stages}
     assert default.overridden(launch_overrides(None, "config")) is default
     with pytest.raises(ValueError, match="config names an unknown launch option, 'num_warp': the known options "
-                                         "are num_warps, num_stages, MASKED, USE_TMA, WARP_SPECIALIZE, HEAD_MAJOR."):
+                                         "are num_warps, num_stages, MASKED, USE_TMA, WARP_SPECIALIZE, HEAD_MAJOR, "
+                                         "CHUNK_A, CHUNK_B."):
         launch_overrides({"num_warp": 4}, "config")
 
 

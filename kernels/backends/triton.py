@@ -5,7 +5,10 @@ follows its kernel): `GNA` for the GNA kernels (kernels/gna/) and `MASKS` for th
 block mask (kernels/sparse/). Both run on CUDA GPUs; on CPU tensors they run only in Triton's interpreter
 (TRITON_INTERPRET=1, for tests), which a table does not count as a device. FP8 needs compute capability 8.9 and
 GNA's in-place layouts Hopper's tensor descriptors (`has_tensor_descriptors`; older GPUs take the permuted path);
-a table holds one capability range for all of a backend's features, so those two are not in it.
+a table holds one capability range for all of a backend's features, so those two are not in it. Both run head_dim
+16 to 256 in steps of 8 (kernels/common/headdim.py: widths that are not powers of two in power-of-two column
+chunks); FP8 pads head_dim to a power of two and so runs 24 to 256 (`fp8_head_split` refuses 16 with a sentence),
+a range the one head-dim list of a table does not hold either.
 
 Beside the tables, what the planner (natsim.planner), the mask predictors (natsim.masks) and context parallelism
 (natsim.distributed) need to know about these kernels, under the names they use, so that none of them imports a

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from .headdim import HEAD_DIMS
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 BACKENDS = ("triton", "fa4")  # what a call may name: natsim's Triton kernels, FlashAttention-4 (kernels/backends/)
-KERNEL_HEAD_DIMS = (32, 64, 128)
+KERNEL_HEAD_DIMS = HEAD_DIMS  # 16 to 256 in steps of 8, computed in power-of-two column chunks (headdim.py)
 
 
 def check_tensors(q: object, k: object, v: object) -> None:

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .headdim import HEAD_DIMS, HeadSplit, head_dim_refusal, head_split, next_power_of_two
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 LOG2_E4M3_MAX = math.log2(E4M3_MAX)
@@ -170,8 +172,8 @@ class Fp8Tensors:
     """Q, K and V in float8 as the kernels read them, for `[B, rows, heads, head_dim]` inputs: quantized by the
     rule above, or given in float8 (`prequantized_rows`).
 
-    `q`, `k`: float8 e4m3 `[B, rows, heads, head_dim]` (contiguous); `q_scale`, `k_scale`: float32
-    `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim, rows_padded]` (V transposed, zeros past the
+    `q`, `k`: float8 e4m3 `[B, rows, heads, head_dim]` (`fp8_rows`' layout: contiguous, or heads 16 bytes
+    apart); `q_scale`, `k_scale`: float32 `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim, rows_padded]` (V transposed, zeros past the
     rows); `v_scale`: float32 `[B, heads, head_dim]`; `k_mean`: K's mean `[B, heads, head_dim]`, None for inputs
     given in float8 (no mean removed). Dequantized, `q ~ q_fp8 * q_scale[..., None]`,
     `k - mean ~ k_fp8 * k_scale[..., None]`, `v ~ v_t.transpose * v_scale`.
@@ -217,6 +219,7 @@ def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: tor
     else:
         q8, q_scale = _per_row(q.float())
         k8, k_scale = _per_row(k.float() - k_mean[:, None])
+        q8, k8 = aligned_rows(q8), aligned_rows(k8)
         v_t[..., :rows] = (v.float() / v_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).permute(0, 2, 3, 1).to(E4M3)
     return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean)
 
@@ -230,7 +233,24 @@ def prequantized_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale
     padded = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
     v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
     v_t[..., :rows] = v.permute(0, 2, 3, 1)
-    return Fp8Tensors(q.contiguous(), k.contiguous(), v_t, q_scale, k_scale, v_scale, None)
+    return Fp8Tensors(aligned_rows(q), aligned_rows(k), v_t, q_scale, k_scale, v_scale, None)
+
+
+def fp8_rows(shape: tuple[int, ...], device) -> torch.Tensor:
+    """Uninitialised float8 `[B, rows, heads, head_dim]` whose heads start `ROW_ALIGNMENT` bytes apart: contiguous
+    where head_dim is a multiple of 16, else a view of the first head_dim columns of heads padded to one (a head dim
+    of 8 modulo 16 would start every other head off a 16-byte boundary, which tensor descriptors refuse)."""
+    *outer, head_dim = shape
+    padded = -(-head_dim // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    return torch.empty((*outer, padded), dtype=E4M3, device=device)[..., :head_dim]
+
+
+def aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` (float8 `[B, rows, heads, head_dim]`) in `fp8_rows`' layout: itself where that is its layout, else a
+    copy."""
+    if x.stride() == fp8_rows(x.shape, "meta").stride():
+        return x
+    return fp8_rows(x.shape, x.device).copy_(x)
 
 
 def prequantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Fp8Scales) -> Fp8Tensors:
@@ -253,41 +273,47 @@ def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: 
     if mode == 2:
         out, scales = v_t, v_scale
     else:
-        out = torch.empty((batch, rows, heads, head_dim), dtype=E4M3, device=x.device)
+        out = fp8_rows((batch, rows, heads, head_dim), x.device)
         scales = torch.empty((batch, rows, heads), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(rows, QUANTIZE_ROWS), batch * heads)
     _quantize_kernel[grid](x, out, scales, k_mean, x.stride(0), x.stride(1), x.stride(2), rows, heads,
-                           v_t.shape[-1] if mode == 2 else 0, HEAD_DIM=head_dim, BLOCK_R=QUANTIZE_ROWS, MODE=mode,
+                           v_t.shape[-1] if mode == 2 else out.stride(2), HEAD_DIM=head_dim,
+                           BLOCK_D=next_power_of_two(head_dim), BLOCK_R=QUANTIZE_ROWS, MODE=mode,
                            EXACT_CAST=not x.is_cuda)
     return (None, None) if mode == 2 else (out, scales)
 
 
 @triton.jit
-def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows, heads, padded,
-                     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr, EXACT_CAST: tl.constexpr):
+def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows, heads, out_stride,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr,
+                     EXACT_CAST: tl.constexpr):
     """BLOCK_R rows of one (batch, head): Q (MODE 0) and K (MODE 1, its mean subtracted) with one scale per row,
-    written `[B, rows, heads, head_dim]` with scales `[B, rows, heads]`; V (MODE 2) divided by its channel
-    scales `SCALES` `[B, heads, head_dim]` and written transposed, `[B, heads, head_dim, padded]`."""
+    written `[B, rows, heads, head_dim]` with heads `out_stride` apart (`fp8_rows`) and scales `[B, rows,
+    heads]`; V (MODE 2) divided by its channel scales `SCALES` `[B, heads, head_dim]` and written transposed,
+    `[B, heads, head_dim, out_stride]`. Rows run `BLOCK_D` (head_dim's next power of two) columns, those past
+    head_dim masked."""
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     ok = r < rows
+    cell_ok = ok[:, None] & d_ok[None, :]
     x = tl.load(X + b * stride_b + h * stride_h + r.to(tl.int64)[:, None] * stride_r + d[None, :],
-                mask=ok[:, None], other=0.0).to(tl.float32)
+                mask=cell_ok, other=0.0).to(tl.float32)
     if MODE == 2:
-        x = x / tl.load(SCALES + (b * heads + h) * HEAD_DIM + d)[None, :]
+        x = x / tl.load(SCALES + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=1.0)[None, :]
         x8 = cast_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0), EXACT_CAST)
-        tl.store(OUT + ((b * heads + h) * HEAD_DIM + d[None, :]) * padded + r[:, None], x8, mask=ok[:, None])
+        tl.store(OUT + ((b * heads + h) * HEAD_DIM + d[None, :]) * out_stride + r[:, None], x8, mask=cell_ok)
     else:
         if MODE == 1:
-            x = x - tl.load(K_MEAN + (b * heads + h) * HEAD_DIM + d)[None, :]
+            x = x - tl.load(K_MEAN + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
         amax = tl.max(tl.abs(x), 1)
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
         x8 = cast_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), EXACT_CAST)
         row = (b * rows + r) * heads + h
-        tl.store(OUT + row[:, None] * HEAD_DIM + d[None, :], x8, mask=ok[:, None])
+        tl.store(OUT + row[:, None] * out_stride + d[None, :], x8, mask=cell_ok)
         tl.store(SCALES + row, scale, mask=ok)
 
 
@@ -340,6 +366,19 @@ def cast_e4m3(p, EXACT_CAST: tl.constexpr):
     return p.to(tl.float8e4nv)
 
 
+@triton.jit
+def value_scales(SV_head, OFFSET: tl.constexpr, WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """V's channel scales of one column chunk `[OFFSET, OFFSET + WIDTH)` (kernels/common/headdim.py) of one batch
+    and head (`SV_head`), over P's static 448 (what the FP8 kernels multiply their accumulators by at the end);
+    zeros past head_dim."""
+    channels = OFFSET + tl.arange(0, WIDTH)
+    if OFFSET + WIDTH > HEAD_DIM:
+        scales = tl.load(SV_head + channels, mask=channels < HEAD_DIM, other=0.0)
+    else:
+        scales = tl.load(SV_head + channels)
+    return scales * (1.0 / 448.0)
+
+
 def check_fp8_device(q: torch.Tensor) -> None:
     """FP8 matrix instructions: CUDA GPUs of compute capability 8.9 (Ada) or newer; the interpreter too."""
     if q.is_cuda and torch.cuda.get_device_capability(q.device) < (8, 9):
@@ -364,14 +403,30 @@ def lse_with_mean(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, scal
     return lse + scale * (q.float() * mean).sum(-1).to(lse.dtype)
 
 
-def fp8_launch_config(block_m: int, block_n: int) -> dict:
-    """Warps and stages of the FP8 kernels, as overrides of the launch options' fields (kernels/common/launch.py,
-    `LaunchOptions`) (H100, Triton 3.6, benchmarks/results/fp8-tune-*.json): no warp
-    specialization (Triton 3.6 fails to build it for some FP8 tiles and it bought nothing where it built);
-    8 warps and 4 stages for 128x128 tiles (4 warps ran them at half speed), else 4 warps and 3 stages."""
-    if block_m * block_n >= 128 * 128:
-        return dict(num_warps=8, num_stages=4, WARP_SPECIALIZE=False)
-    return dict(num_warps=4, num_stages=3, WARP_SPECIALIZE=False)
+def fp8_launch_config(block_m: int, block_n: int, split: HeadSplit) -> dict:
+    """Warps and stages of the FP8 kernels at head dim `split` (its computed width), as overrides of the launch
+    options' fields (kernels/common/launch.py, `LaunchOptions`) (H100, Triton 3.6,
+    benchmarks/results/fp8-tune-*.json): no warp specialization (Triton 3.6 fails to build it for some FP8 tiles
+    and it bought nothing where it built); 8 warps and 4 stages for 128x128 tiles (4 warps ran them at half
+    speed), else 4 warps and 3 stages, and 8 warps at widths over 128. The launch lowers the stages where the
+    tiles (one byte an element) do not fit in shared memory (kernels/common/launch.py, `with_fp8`)."""
+    large = block_m * block_n >= 128 * 128
+    return dict(num_warps=8 if large or split.wide else 4, num_stages=4 if large else 3, WARP_SPECIALIZE=False)
+
+
+# FP8 pads head_dim to a power of two (kernels/common/headdim.py): its matrix instructions reduce over 32
+# elements, which a 16-column chunk of a split does not hold; a head dim that pads to 16 columns has none.
+FP8_HEAD_DIMS = tuple(d for d in HEAD_DIMS if next_power_of_two(d) >= 32)
+
+
+def fp8_head_split(head_dim: int) -> HeadSplit:
+    """The column chunks FP8 runs `head_dim` in: one, padded to the next power of two; a sentence for a head dim
+    outside `FP8_HEAD_DIMS`."""
+    refusal = head_dim_refusal(head_dim, "FP8 kernel (precision='fp8')", FP8_HEAD_DIMS)
+    if refusal is not None:
+        raise ValueError(refusal + " FP8 pads head_dim to a power of two of at least 32 columns; use "
+                         "precision=None (bfloat16) for smaller ones.")
+    return head_split(head_dim, "pad")
 
 
 def fp8_q_tile(q_tile: tuple[int, ...]) -> tuple[int, ...]:

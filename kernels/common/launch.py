@@ -13,6 +13,8 @@ import torch
 import triton
 
 from .backend import interpreting
+from .fp8 import fp8_launch_config
+from .headdim import HeadSplit, head_split
 
 try:  # where Triton keeps the allocator of in-kernel tensor descriptors
     from triton.runtime._allocation import NullAllocator, _allocator
@@ -27,8 +29,9 @@ class LaunchOptions:
     """How a Triton kernel launches: Triton's own `num_warps` and `num_stages`, and the launch switches that the
     kernels take as constexprs of the same names. `MASKED` compiles the masked loop (tiles that can hold
     partial pairs need it), `USE_TMA` loads through tensor descriptors, `WARP_SPECIALIZE` warp-specializes the
-    unmasked loop (Hopper), `HEAD_MAJOR` lays the GNA forward's grid over (batch * heads, Q tiles). A kernel
-    reads the switches it has; `dataclasses.replace` (or `overridden`) makes a variant."""
+    unmasked loop (Hopper), `HEAD_MAJOR` lays the GNA forward's grid over (batch * heads, Q tiles), `CHUNK_A` and
+    `CHUNK_B` are head_dim's column chunks (kernels/common/headdim.py, `HeadSplit`; 0 where a kernel does not
+    take them). A kernel reads the switches it has; `dataclasses.replace` (or `overridden`) makes a variant."""
 
     num_warps: int
     num_stages: int
@@ -36,6 +39,8 @@ class LaunchOptions:
     USE_TMA: bool = False
     WARP_SPECIALIZE: bool = False
     HEAD_MAJOR: bool = False
+    CHUNK_A: int = 0
+    CHUNK_B: int = 0
 
     def overridden(self, overrides: Overrides) -> LaunchOptions:
         """These options with a caller's checked overrides (`launch_overrides`) in place."""
@@ -68,27 +73,59 @@ def launch_overrides(overrides: Optional[Mapping[str, object]], argument: str,
 
 
 def launch_config(
-    block_m: int, block_n: int, head_dim: int, masked: bool = True, tma: bool = False, specialize: bool = True
+    block_m: int, block_n: int, split: HeadSplit, masked: bool = True, tma: bool = False, specialize: bool = True
 ) -> LaunchOptions:
-    """Launch options for a tile of `block_m` queries, `block_n` keys and `head_dim` (see kernels/gna/forward.py).
+    """Launch options for a tile of `block_m` queries and `block_n` keys at head dim `split` (its column chunks,
+    kernels/common/headdim.py; sizes below count its computed width, `split.width`), see kernels/gna/forward.py.
 
-    A 128x128 tile without masks, with tensor descriptors, runs warp-specialized: `num_warps=4` asks for one
-    consumer warpgroup per 64 query rows (Triton's Hopper pass makes two of them and adds a producer
-    warpgroup for the K/V copies, 12 warps in all) and two K/V stages fill shared memory. Otherwise 8 warps
-    (4 for smaller tiles) and three pipeline stages when they fit in shared memory (measured faster than two
-    at 128x128x128 on the H100, benchmarks/results/gna-tune-*.json).
+    A 128x128 tile without masks, with tensor descriptors, over more than 64 columns and at most 128, runs
+    warp-specialized: `num_warps=4` asks for one consumer warpgroup per 64 query rows (Triton's Hopper pass makes
+    two of them and adds a producer warpgroup for the K/V copies, 12 warps in all) and two K/V stages fill shared
+    memory. Otherwise 8 warps where a Q tile holds more than 128 x 64 elements (queries times computed width; 4
+    below) and three pipeline stages where they fit in shared memory (measured faster than two at 128x128x128 on
+    the H100, benchmarks/results/gna-tune-*.json), else two, else one. Widths between 64 and 128 columns (72 or
+    96 split) take 128's warps rather than 64's: their 128-query tiles hold too many scores and accumulators for
+    four warps' registers.
 
     `specialize=False` keeps the single-partition loop: the launcher asks for it when the kernel writes the
     LSE or debug counts. Under Triton 3.6's Hopper warp specialization the LSE came out wrong (off by more
     than 1e-2 against float64 at HunyuanVideo 16x8x8) while the output was right (H100, 2026-11-22).
     """
-    q_bytes, kv_bytes = 2 * block_m * head_dim, 2 * 2 * block_n * head_dim
-    large = block_m * head_dim >= 128 * 128
-    if specialize and tma and not masked and large and block_m == 128 and block_n == 128:
-        return LaunchOptions(num_warps=4, num_stages=2, MASKED=False, USE_TMA=True, WARP_SPECIALIZE=True)
-    stages = 3 if q_bytes + 3 * kv_bytes <= SHARED_MEMORY_BUDGET else 2
+    width = split.width
+    q_bytes, kv_bytes = 2 * block_m * width, 2 * 2 * block_n * width
+    large = block_m * width > 128 * 64
+    chunks = dict(CHUNK_A=split.a, CHUNK_B=split.b)
+    if (specialize and tma and not masked and large and not split.wide and block_m == 128 and block_n == 128):
+        return LaunchOptions(num_warps=4, num_stages=2, MASKED=False, USE_TMA=True, WARP_SPECIALIZE=True, **chunks)
+    stages = stages_that_fit(q_bytes, kv_bytes, 3)
     return LaunchOptions(num_warps=8 if large else 4, num_stages=stages, MASKED=masked, USE_TMA=tma,
-                         WARP_SPECIALIZE=False)
+                         WARP_SPECIALIZE=False, **chunks)
+
+
+def stages_that_fit(q_bytes: int, kv_bytes: int, most: int) -> int:
+    """The most pipeline stages, up to `most`, whose K/V tiles (`kv_bytes` each) fit in shared memory beside the
+    Q tile (`q_bytes`); one at least."""
+    return next((n for n in range(most, 1, -1) if q_bytes + n * kv_bytes <= SHARED_MEMORY_BUDGET), 1)
+
+
+def with_fp8(launch: LaunchOptions, block_m: int, block_n: int, split: HeadSplit) -> LaunchOptions:
+    """`launch` with the FP8 kernels' warps and stages (kernels/common/fp8.py, `fp8_launch_config`), the stages
+    lowered where the tiles, one byte an element, do not fit in shared memory."""
+    options = fp8_launch_config(block_m, block_n, split)
+    options["num_stages"] = stages_that_fit(block_m * split.width, 2 * block_n * split.width, options["num_stages"])
+    return replace(launch, **options)
+
+
+def split_of(head_dim: int, overrides: Overrides, default: Optional[HeadSplit] = None) -> HeadSplit:
+    """The column chunks a launch runs `head_dim` in: those its checked overrides name (`CHUNK_A`, and
+    `CHUNK_B`, 0 unless given; a sentence where they do not cover head_dim), else `default` (None: the width's
+    default, `head_split`)."""
+    named = dict(overrides)
+    if "CHUNK_A" not in named:
+        if "CHUNK_B" in named:
+            raise ValueError("CHUNK_B overrides a launch's second head-dim chunk only together with CHUNK_A.")
+        return head_split(head_dim) if default is None else default
+    return HeadSplit(head_dim, int(named["CHUNK_A"]), int(named.get("CHUNK_B", 0)))
 
 
 @functools.lru_cache(maxsize=16)

@@ -15,19 +15,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def softmax_step(acc, l_i, m_i, qk, v, qk_scale):
-    """One online-softmax update with raw scores `qk` (scaled here) and values `v`; `m_i` is scaled."""
+def softmax_step(acc_a, acc_b, l_i, m_i, qk, v_a, v_b, qk_scale, CHUNK_B: tl.constexpr):
+    """One online-softmax update with raw scores `qk` (scaled here) and values `v`, in head_dim's column chunks
+    (kernels/common/headdim.py: `acc_b` and `v_b` only where CHUNK_B is not 0); `m_i` is scaled."""
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
+    acc_a = acc_a * alpha[:, None]
+    acc_a = tl.dot(p.to(v_a.dtype), v_a, acc_a)
+    if CHUNK_B > 0:
+        acc_b = acc_b * alpha[:, None]
+        acc_b = tl.dot(p.to(v_b.dtype), v_b, acc_b)
+    return acc_a, acc_b, l_i, m_new
 
 
 @triton.jit
-def softmax_step_fp8(acc, l_i, m_i, qk, v, row_scale, EXACT_CAST: tl.constexpr):
+def softmax_step_fp8(acc_a, acc_b, l_i, m_i, qk, v_a, v_b, row_scale, EXACT_CAST: tl.constexpr,
+                     CHUNK_B: tl.constexpr):
     """`softmax_step` for FP8 (kernels/common/fp8.py): `qk` already carries the keys' scales, `row_scale` is the
     softmax scale times log2(e) times each query's scale, and P goes to P @ V as e4m3 `448 * exp2(s - m)`
     (the offset joins the maximum; the sum counts the same unrounded values, so the 448 cancels in acc / l)."""
@@ -35,6 +40,10 @@ def softmax_step_fp8(acc, l_i, m_i, qk, v, row_scale, EXACT_CAST: tl.constexpr):
     p = tl.math.exp2(qk * row_scale[:, None] - (m_new - P_OFFSET)[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(cast_e4m3(p, EXACT_CAST), v, acc)
-    return acc, l_i, m_new
+    p8 = cast_e4m3(p, EXACT_CAST)
+    acc_a = acc_a * alpha[:, None]
+    acc_a = tl.dot(p8, v_a, acc_a)
+    if CHUNK_B > 0:
+        acc_b = acc_b * alpha[:, None]
+        acc_b = tl.dot(p8, v_b, acc_b)
+    return acc_a, acc_b, l_i, m_new

@@ -54,8 +54,9 @@ def gna_attention_permuted(
 
     `config=(num_warps, num_stages)` overrides the launch configuration (for tuning; no warp specialization);
     a dict overrides any of the launch options (kernels/common/launch.py, `LaunchOptions`: `num_warps`,
-    `num_stages`, `USE_TMA`, `WARP_SPECIALIZE`, `MASKED`, which may only be forced on, and `HEAD_MAJOR`, a grid
-    over (batch * heads, Q tiles)); another name is refused with a sentence.
+    `num_stages`, `USE_TMA`, `WARP_SPECIALIZE`, `MASKED`, which may only be forced on, `HEAD_MAJOR`, a grid
+    over (batch * heads, Q tiles), and `CHUNK_A` / `CHUNK_B`, head_dim's column chunks, kernels/common/headdim.py:
+    `head_split(head_dim, "pad")`'s or `"split"`'s); another name is refused with a sentence.
     """
     if not isinstance(problem, Problem):
         raise TypeError(f"problem must be a natsim.Problem, got {type(problem).__name__}.")

@@ -23,6 +23,10 @@ way: no permuted copies of q, k, v, out or dO (at HunyuanVideo size the backward
 reads the group's last token instead and is never stored; a padding query gets an infinite LSE, so that its p
 is 0 against every key.
 
+Every `[rows, head_dim]` tile and gradient moves and accumulates in head_dim's power-of-two column chunks
+(kernels/common/headdim.py, as the forward: scores and dP summed over chunks, one dK, dV or dQ accumulator per
+chunk); past 128 computed columns the KV tiles hold 64 keys (`kv_tile_tokens`).
+
 Both attention kernels run two loops as the forward does: the full box (every real query attends every key;
 no padding keys) without any mask code, then the rest of the visited box (five slabs around it) under the
 element mask. `MASKED=False` (the host's `needs_mask`: dense and block-sparse configurations) compiles the
@@ -59,7 +63,8 @@ from natsim import Problem
 
 from ..common.backend import interpreting
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
-from ..common.launch import descriptors_fit, install_allocator
+from ..common.headdim import HeadSplit, head_split, load_columns, store_columns
+from ..common.launch import descriptors_fit, install_allocator, split_of
 from ..common.softmax import LOG2E
 from .geometry import (dim_setup, full_run, inner_box, is_full, next_tile, slab_tile, tile_in_group, window_bounds,
                        window_mask)
@@ -135,10 +140,10 @@ def _in_tile_tokens(L1, L2, D0, D1, D2, T0: tl.constexpr, T1: tl.constexpr, T2: 
 
 
 @triton.jit
-def _tile_rows(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, in_tile, dims, row_stride,
+def _tile_rows(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, in_tile, row_stride,
                T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, PADDED: tl.constexpr, IN_TILE: tl.constexpr):
     """Where tile (i0, i1, i2) of dilation group (gi0, gi1, gi2) lives in the caller's layout: its rows' tokens
-    (int64, for the LSE and delta), the element offsets of its `[rows, head_dim]` cells from the head's first
+    (int64, for the LSE and delta), the element offsets of its rows' first elements from the head's first
     element, and which rows are real.
 
     Without padding, a row's token is, with IN_TILE, the tile's first token plus the program's fixed in-tile
@@ -161,49 +166,68 @@ def _tile_rows(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, 
             c1 = tl.minimum(c1, len1 - 1)
             c2 = tl.minimum(c2, len2 - 1)
         token = ((gi0 + D0 * c0).to(tl.int64) * L1 + gi1 + D1 * c1) * L2 + gi2 + D2 * c2
-    return token, token[:, None] * row_stride + dims[None, :], real
+    return token, token * row_stride, real
 
 
 @triton.jit
 def _group_descriptor(HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
-                      T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, HEAD_DIM: tl.constexpr):
+                      T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      WIDTH: tl.constexpr):
     """A rank-4 tensor descriptor over one dilation group of one head (`HEAD`: the head's first element) of the
     caller's `[B, L0, L1, L2, heads, head_dim]` layout, seen as `[len0, len1, len2, head_dim]`, in boxes of one
-    tile: a tile's rows arrive in one bulk copy, and rows past the group's end (padding) read as zeros.
-    `row_stride` (int64): elements from one token to the next."""
+    tile and one column chunk of `WIDTH` columns: a tile's rows arrive in one bulk copy per chunk, and rows past
+    the group's end (padding) and columns past head_dim read as zeros. `row_stride` (int64): elements from one
+    token to the next."""
     first = ((gi0 * L1 + gi1) * L2 + gi2) * row_stride
     return tl.make_tensor_descriptor(
         HEAD + first, shape=[len0, len1, len2, HEAD_DIM],
         strides=[D0 * L1 * L2 * row_stride, D1 * L2 * row_stride, D2 * row_stride, 1],
-        block_shape=[T0, T1, T2, HEAD_DIM])
+        block_shape=[T0, T1, T2, WIDTH])
 
 
 @triton.jit
-def _pair_descriptors(A_HEAD, B_HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
-                      T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      USE_TMA: tl.constexpr):
-    """`_group_descriptor`s of two tensors' heads (the tiles a kernel steps over) with USE_TMA, else the bare
-    head pointers (`_load_tile` gathers then)."""
+def _chunk_descriptors(HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
+                       T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, USE_TMA: tl.constexpr):
+    """`_group_descriptor`s of one tensor's head (the tiles a kernel steps over), one per column chunk (the
+    second is the first again when CHUNK_B is 0), with USE_TMA; else the bare head pointer twice (`_load_tile`
+    gathers then)."""
     if USE_TMA:
-        a = _group_descriptor(A_HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
-                              T0, T1, T2, HEAD_DIM)
-        b = _group_descriptor(B_HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
-                              T0, T1, T2, HEAD_DIM)
+        a = _group_descriptor(HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
+                              T0, T1, T2, HEAD_DIM, CHUNK_A)
+        b = a
+        if CHUNK_B > 0:
+            b = _group_descriptor(HEAD, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2, row_stride,
+                                  T0, T1, T2, HEAD_DIM, CHUNK_B)
     else:
-        a = A_HEAD
-        b = B_HEAD
+        a = HEAD
+        b = HEAD
     return a, b
 
 
 @triton.jit
-def _load_tile(P, desc, offsets, t0, t1, t2, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
-               HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """Tile (t0, t1, t2)'s `[rows, head_dim]` rows: one bulk copy through `desc`, or a gather at `offsets`
+def _load_chunk(P, desc, offsets, t0, t1, t2, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+                HEAD_DIM: tl.constexpr, OFFSET: tl.constexpr, WIDTH: tl.constexpr, USE_TMA: tl.constexpr):
+    """Columns `[OFFSET, OFFSET + WIDTH)` of `_load_tile`'s rows, zeros past head_dim."""
+    if USE_TMA:
+        x = desc.load([t0 * T0, t1 * T1, t2 * T2, OFFSET]).reshape([T0 * T1 * T2, WIDTH])
+    else:
+        x = load_columns(P, offsets, OFFSET, WIDTH, HEAD_DIM)
+    return x
+
+
+@triton.jit
+def _load_tile(P, desc_a, desc_b, offsets, t0, t1, t2, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+               HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, USE_TMA: tl.constexpr):
+    """Tile (t0, t1, t2)'s `[rows, head_dim]` rows in column chunks (`x_a, x_b`; the second is the first again
+    when CHUNK_B is 0): one bulk copy per chunk through the descriptors, or a gather at the rows' `offsets`
     (padding rows clamped by `_tile_rows`; through the descriptor they read zeros instead: either way their
     contribution is cancelled by an infinite LSE or the element mask)."""
-    if USE_TMA:
-        return desc.load([t0 * T0, t1 * T1, t2 * T2, 0]).reshape([T0 * T1 * T2, HEAD_DIM])
-    return tl.load(P + offsets)
+    x_a = _load_chunk(P, desc_a, offsets, t0, t1, t2, T0, T1, T2, HEAD_DIM, 0, CHUNK_A, USE_TMA)
+    x_b = x_a
+    if CHUNK_B > 0:
+        x_b = _load_chunk(P, desc_b, offsets, t0, t1, t2, T0, T1, T2, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
+    return x_a, x_b
 
 
 @triton.jit
@@ -217,29 +241,49 @@ def _load_stats(LSE, DELTA, stat, real, PADDED: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(P, offsets, values, real, PADDED: tl.constexpr):
-    """`P[offsets] = values` on the real rows."""
+def _store_rows(P, offsets, values_a, values_b, real, HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr,
+                CHUNK_B: tl.constexpr, PADDED: tl.constexpr):
+    """Rows at `offsets` of `P` = the column chunks `values_a` (and `values_b`) on the real rows, none past
+    head_dim."""
     if PADDED:
-        tl.store(P + offsets, values.to(P.dtype.element_ty), mask=real[:, None])
+        row_ok = real
     else:
-        tl.store(P + offsets, values.to(P.dtype.element_ty))
+        row_ok = None
+    store_columns(P, offsets, values_a, 0, CHUNK_A, HEAD_DIM, row_ok)
+    if CHUNK_B > 0:
+        store_columns(P, offsets, values_b, CHUNK_A, CHUNK_B, HEAD_DIM, row_ok)
 
 
 @triton.jit
-def _add_dq(DQ, dq_desc, q_offsets, q_real, ds, k, scale, t0, t1, t2,
-            TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr, HEAD_DIM: tl.constexpr,
-            PADDED: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """Add this pair's `ds k * scale` to the fp32 dQ rows of Q tile (t0, t1, t2): ATOMIC_DQ 1 with relaxed
-    element atomics into the token-major dQ (`DQ`: this head's first element), 2 with one bulk tensor reduce of
-    the tile's box into the head-major dQ (`dq_desc`: this dilation group of this head; padding rows lie out of
-    its bounds and are dropped). Either way the summation order varies from run to run."""
+def _add_dq_chunk(DQ, dq_desc, q_offsets, q_real, ds, k, scale, t0, t1, t2,
+                  TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  OFFSET: tl.constexpr, WIDTH: tl.constexpr, PADDED: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """`_add_dq` for columns `[OFFSET, OFFSET + WIDTH)` (`k`: that chunk of the KV tile), none past head_dim."""
     part = tl.dot(tl.trans(ds), k) * scale
     if ATOMIC_DQ == 2:
-        dq_desc.atomic_add([t0 * TQ0, t1 * TQ1, t2 * TQ2, 0], part.reshape([TQ0, TQ1, TQ2, HEAD_DIM]))
-    elif PADDED:
-        tl.atomic_add(DQ + q_offsets, part, mask=q_real[:, None], sem="relaxed")
+        dq_desc.atomic_add([t0 * TQ0, t1 * TQ1, t2 * TQ2, OFFSET], part.reshape([TQ0, TQ1, TQ2, WIDTH]))
     else:
-        tl.atomic_add(DQ + q_offsets, part, sem="relaxed")
+        cols = OFFSET + tl.arange(0, WIDTH)
+        mask = (cols < HEAD_DIM)[None, :]
+        if PADDED:
+            mask = mask & q_real[:, None]
+        tl.atomic_add(DQ + q_offsets[:, None] + cols[None, :], part, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _add_dq(DQ, dq_desc_a, dq_desc_b, q_offsets, q_real, ds, k_a, k_b, scale, t0, t1, t2,
+            TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr, HEAD_DIM: tl.constexpr,
+            CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, PADDED: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """Add this pair's `ds k * scale` to the fp32 dQ rows of Q tile (t0, t1, t2), per column chunk: ATOMIC_DQ 1
+    with relaxed element atomics into the token-major dQ (`DQ`: this head's first element), 2 with one bulk
+    tensor reduce per chunk of the tile's box into the head-major dQ (`dq_desc_a` / `dq_desc_b`: this dilation
+    group of this head; padding rows lie out of its bounds and are dropped). Either way the summation order
+    varies from run to run."""
+    _add_dq_chunk(DQ, dq_desc_a, q_offsets, q_real, ds, k_a, scale, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM, 0,
+                  CHUNK_A, PADDED, ATOMIC_DQ)
+    if CHUNK_B > 0:
+        _add_dq_chunk(DQ, dq_desc_b, q_offsets, q_real, ds, k_b, scale, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM,
+                      CHUNK_A, CHUNK_B, PADDED, ATOMIC_DQ)
 
 
 @triton.jit
@@ -251,8 +295,9 @@ def dkdv_kernel(
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr, DEBUG: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr = 0, IN_TILE: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, MASKED: tl.constexpr,
+    PADDED: tl.constexpr, DEBUG: tl.constexpr, ATOMIC_DQ: tl.constexpr = 0, IN_TILE: tl.constexpr = False,
+    USE_TMA: tl.constexpr = False,
 ):
     kv_tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -272,27 +317,37 @@ def dkdv_kernel(
         f0, g0, f1, g1, f2, g2 = lo0, hi0, lo1, hi1, lo2, hi2
         num_full = num_q
 
-    dims = tl.arange(0, HEAD_DIM)
     row_stride = heads * HEAD_DIM
     base = b * tokens * row_stride + h * HEAD_DIM  # this head's first element
     stats = bh.to(tl.int64) * tokens  # this head's LSE and delta, head-major
     q_in_tile = _in_tile_tokens(L1, L2, D0, D1, D2, TQ0, TQ1, TQ2)
     kv_in_tile = _in_tile_tokens(L1, L2, D0, D1, D2, TK0, TK1, TK2)
     kv_token, kv_offsets, kv_real = _tile_rows(j0, j1, j2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                               kv_in_tile, dims, row_stride, TK0, TK1, TK2, PADDED, IN_TILE)
-    k = tl.load(K + base + kv_offsets)
-    v = tl.load(V + base + kv_offsets)
-    q_desc, do_desc = _pair_descriptors(Q + base, DO + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                        base * 0 + row_stride, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA)
+                                               kv_in_tile, row_stride, TK0, TK1, TK2, PADDED, IN_TILE)
+    # Every [rows, head_dim] tile and gradient in head_dim's column chunks (kernels/common/headdim.py): `_a`,
+    # and `_b` where CHUNK_B is not 0 (else the `_a` one again, never read).
+    k_a, k_b = _load_tile(K + base, K, K, kv_offsets, 0, 0, 0, TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B, False)
+    v_a, v_b = _load_tile(V + base, V, V, kv_offsets, 0, 0, 0, TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B, False)
+    q_desc_a, q_desc_b = _chunk_descriptors(Q + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                            base * 0 + row_stride, TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A, CHUNK_B,
+                                            USE_TMA)
+    do_desc_a, do_desc_b = _chunk_descriptors(DO + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                              base * 0 + row_stride, TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A, CHUNK_B,
+                                              USE_TMA)
     if ATOMIC_DQ == 2:  # this head's dilation group of the head-major `[B, heads, L0, L1, L2, head_dim]` dQ
-        dq_desc = tl.make_tensor_descriptor(
-            DQ + (stats + (gi0 * L1 + gi1) * L2 + gi2) * HEAD_DIM, shape=[len0, len1, len2, HEAD_DIM],
-            strides=[D0 * L1 * L2 * HEAD_DIM, D1 * L2 * HEAD_DIM, D2 * HEAD_DIM, 1],
-            block_shape=[TQ0, TQ1, TQ2, HEAD_DIM])
+        dq_desc_a, dq_desc_b = _chunk_descriptors(DQ + (stats + (gi0 * L1 + gi1) * L2 + gi2) * HEAD_DIM, 0, 0, 0,
+                                                  len0, len1, len2, L1, L2, D0, D1, D2, base * 0 + HEAD_DIM,
+                                                  TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A, CHUNK_B, True)
     else:
-        dq_desc = DQ  # unused
-    dk = tl.zeros([TK0 * TK1 * TK2, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([TK0 * TK1 * TK2, HEAD_DIM], dtype=tl.float32)
+        dq_desc_a = DQ  # unused
+        dq_desc_b = DQ
+    dk_a = tl.zeros([TK0 * TK1 * TK2, CHUNK_A], dtype=tl.float32)
+    dv_a = tl.zeros([TK0 * TK1 * TK2, CHUNK_A], dtype=tl.float32)
+    dk_b = dk_a
+    dv_b = dv_a
+    if CHUNK_B > 0:
+        dk_b = tl.zeros([TK0 * TK1 * TK2, CHUNK_B], dtype=tl.float32)
+        dv_b = tl.zeros([TK0 * TK1 * TK2, CHUNK_B], dtype=tl.float32)
     visited = num_q * 0
     full = num_q * 0
 
@@ -302,14 +357,17 @@ def dkdv_kernel(
     t2 = f2
     for _ in tl.range(0, num_full):
         q_token, q_offsets, q_real = _tile_rows(t0, t1, t2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                                q_in_tile, dims, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
-        q = _load_tile(Q + base, q_desc, q_offsets, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA)
-        do = _load_tile(DO + base, do_desc, q_offsets, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA)
+                                                q_in_tile, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
+        q_a, q_b = _load_tile(Q + base, q_desc_a, q_desc_b, q_offsets, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM,
+                              CHUNK_A, CHUNK_B, USE_TMA)
+        do_a, do_b = _load_tile(DO + base, do_desc_a, do_desc_b, q_offsets, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM,
+                                CHUNK_A, CHUNK_B, USE_TMA)
         lse2, delta = _load_stats(LSE, DELTA, stats + q_token, q_real, PADDED)
-        dk, dv, ds = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
+        dk_a, dk_b, dv_a, dv_b, ds = dkdv_step(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_a, q_b, do_a, do_b,
+                                               lse2, delta, qk_scale, 0, False, CHUNK_B)
         if ATOMIC_DQ:
-            _add_dq(DQ + base, dq_desc, q_offsets, q_real, ds, k, scale, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM,
-                    PADDED, ATOMIC_DQ)
+            _add_dq(DQ + base, dq_desc_a, dq_desc_b, q_offsets, q_real, ds, k_a, k_b, scale, t0, t1, t2,
+                    TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A, CHUNK_B, PADDED, ATOMIC_DQ)
         if DEBUG:
             visited += 1
             full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
@@ -321,24 +379,27 @@ def dkdv_kernel(
         for j in tl.range(0, num_q - num_full):
             t0, t1, t2 = slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
             q_token, q_offsets, q_real = _tile_rows(t0, t1, t2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1,
-                                                    D2, q_in_tile, dims, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
-            q = _load_tile(Q + base, q_desc, q_offsets, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA)
-            do = _load_tile(DO + base, do_desc, q_offsets, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA)
+                                                    D2, q_in_tile, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
+            q_a, q_b = _load_tile(Q + base, q_desc_a, q_desc_b, q_offsets, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM,
+                                  CHUNK_A, CHUNK_B, USE_TMA)
+            do_a, do_b = _load_tile(DO + base, do_desc_a, do_desc_b, q_offsets, t0, t1, t2, TQ0, TQ1, TQ2,
+                                    HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
             lse2, delta = _load_stats(LSE, DELTA, stats + q_token, q_real, PADDED)
             keep = window_mask(t0 * TQ0, t1 * TQ1, t2 * TQ2, j0 * TK0, j1 * TK1, j2 * TK2,
                                 len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
                                 TQ0, TQ1, TQ2, TK0, TK1, TK2, True)
-            dk, dv, ds = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
+            dk_a, dk_b, dv_a, dv_b, ds = dkdv_step(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_a, q_b, do_a,
+                                                   do_b, lse2, delta, qk_scale, keep, True, CHUNK_B)
             if ATOMIC_DQ:
-                _add_dq(DQ + base, dq_desc, q_offsets, q_real, ds, k, scale, t0, t1, t2, TQ0, TQ1, TQ2, HEAD_DIM,
-                        PADDED, ATOMIC_DQ)
+                _add_dq(DQ + base, dq_desc_a, dq_desc_b, q_offsets, q_real, ds, k_a, k_b, scale, t0, t1, t2,
+                        TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A, CHUNK_B, PADDED, ATOMIC_DQ)
             if DEBUG:
                 visited += 1
                 full += _full_pair(t0, t1, t2, j0, j1, j2, len0, len1, len2, W0, W1, W2, S0, S1, S2, C0, C1, C2,
                                    TQ0, TQ1, TQ2, TK0, TK1, TK2)
 
-    _store_rows(DK + base, kv_offsets, dk * scale, kv_real, PADDED)
-    _store_rows(DV + base, kv_offsets, dv, kv_real, PADDED)
+    _store_rows(DK + base, kv_offsets, dk_a * scale, dk_b * scale, kv_real, HEAD_DIM, CHUNK_A, CHUNK_B, PADDED)
+    _store_rows(DV + base, kv_offsets, dv_a, dv_b, kv_real, HEAD_DIM, CHUNK_A, CHUNK_B, PADDED)
     if DEBUG:
         if bh == 0:
             tl.store(COUNTS + 2 * kv_tile, visited)
@@ -354,8 +415,8 @@ def dq_kernel(
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PADDED: tl.constexpr, IN_TILE: tl.constexpr = False,
-    USE_TMA: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, MASKED: tl.constexpr,
+    PADDED: tl.constexpr, IN_TILE: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     q_tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -382,49 +443,66 @@ def dq_kernel(
         f0, g0, f1, g1, f2, g2 = lo0, hi0, lo1, hi1, lo2, hi2
         num_full = num_kv
 
-    dims = tl.arange(0, HEAD_DIM)
     row_stride = heads * HEAD_DIM
     base = b * tokens * row_stride + h * HEAD_DIM  # this head's first element
     q_in_tile = _in_tile_tokens(L1, L2, D0, D1, D2, TQ0, TQ1, TQ2)
     q_token, q_offsets, q_real = _tile_rows(i0, i1, i2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                            q_in_tile, dims, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
-    q = tl.load(Q + base + q_offsets)
-    do = tl.load(DO + base + q_offsets)
+                                            q_in_tile, row_stride, TQ0, TQ1, TQ2, PADDED, IN_TILE)
+    # Every [rows, head_dim] tile and dQ in head_dim's column chunks, as in the dK/dV kernel.
+    q_a, q_b = _load_tile(Q + base, Q, Q, q_offsets, 0, 0, 0, TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A, CHUNK_B, False)
+    do_a, do_b = _load_tile(DO + base, DO, DO, q_offsets, 0, 0, 0, TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A, CHUNK_B,
+                            False)
     lse2, delta = _load_stats(LSE, DELTA, bh.to(tl.int64) * tokens + q_token, q_real, PADDED)
-    dq = tl.zeros([TQ0 * TQ1 * TQ2, HEAD_DIM], dtype=tl.float32)
+    dq_a = tl.zeros([TQ0 * TQ1 * TQ2, CHUNK_A], dtype=tl.float32)
+    dq_b = dq_a
+    if CHUNK_B > 0:
+        dq_b = tl.zeros([TQ0 * TQ1 * TQ2, CHUNK_B], dtype=tl.float32)
     kv_in_tile = _in_tile_tokens(L1, L2, D0, D1, D2, TK0, TK1, TK2)
-    k_desc, v_desc = _pair_descriptors(K + base, V + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
-                                       base * 0 + row_stride, TK0, TK1, TK2, HEAD_DIM, USE_TMA)
+    k_desc_a, k_desc_b = _chunk_descriptors(K + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                            base * 0 + row_stride, TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B,
+                                            USE_TMA)
+    v_desc_a, v_desc_b = _chunk_descriptors(V + base, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1, D2,
+                                            base * 0 + row_stride, TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B,
+                                            USE_TMA)
 
     k0 = f0
     k1 = f1
     k2 = f2
     for _ in tl.range(0, num_full):
         kv_token, kv_offsets, kv_real = _tile_rows(k0, k1, k2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0, D1,
-                                                   D2, kv_in_tile, dims, row_stride, TK0, TK1, TK2, PADDED, IN_TILE)
-        k = _load_tile(K + base, k_desc, kv_offsets, k0, k1, k2, TK0, TK1, TK2, HEAD_DIM, USE_TMA)
-        v = _load_tile(V + base, v_desc, kv_offsets, k0, k1, k2, TK0, TK1, TK2, HEAD_DIM, USE_TMA)
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, 0, False)
+                                                   D2, kv_in_tile, row_stride, TK0, TK1, TK2, PADDED, IN_TILE)
+        k_a, k_b = _load_tile(K + base, k_desc_a, k_desc_b, kv_offsets, k0, k1, k2, TK0, TK1, TK2, HEAD_DIM,
+                              CHUNK_A, CHUNK_B, USE_TMA)
+        v_a, v_b = _load_tile(V + base, v_desc_a, v_desc_b, kv_offsets, k0, k1, k2, TK0, TK1, TK2, HEAD_DIM,
+                              CHUNK_A, CHUNK_B, USE_TMA)
+        dq_a, dq_b = dq_step(dq_a, dq_b, q_a, q_b, do_a, do_b, k_a, k_b, v_a, v_b, lse2, delta, qk_scale, 0, False,
+                             CHUNK_B)
         k0, k1, k2 = next_tile(k0, k1, k2, f1, g1, f2, g2)
 
     if MASKED:
         for j in tl.range(0, num_kv - num_full):
             k0, k1, k2 = slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
             kv_token, kv_offsets, kv_real = _tile_rows(k0, k1, k2, gi0, gi1, gi2, len0, len1, len2, L1, L2, D0,
-                                                       D1, D2, kv_in_tile, dims, row_stride, TK0, TK1, TK2, PADDED,
+                                                       D1, D2, kv_in_tile, row_stride, TK0, TK1, TK2, PADDED,
                                                        IN_TILE)
-            k = _load_tile(K + base, k_desc, kv_offsets, k0, k1, k2, TK0, TK1, TK2, HEAD_DIM, USE_TMA)
-            v = _load_tile(V + base, v_desc, kv_offsets, k0, k1, k2, TK0, TK1, TK2, HEAD_DIM, USE_TMA)
+            k_a, k_b = _load_tile(K + base, k_desc_a, k_desc_b, kv_offsets, k0, k1, k2, TK0, TK1, TK2, HEAD_DIM,
+                                  CHUNK_A, CHUNK_B, USE_TMA)
+            v_a, v_b = _load_tile(V + base, v_desc_a, v_desc_b, kv_offsets, k0, k1, k2, TK0, TK1, TK2, HEAD_DIM,
+                                  CHUNK_A, CHUNK_B, USE_TMA)
             keep = window_mask(first0, first1, first2, k0 * TK0, k1 * TK1, k2 * TK2, len0, len1, len2,
                                 W0, W1, W2, S0, S1, S2, C0, C1, C2, TQ0, TQ1, TQ2, TK0, TK1, TK2, False)
-            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
+            dq_a, dq_b = dq_step(dq_a, dq_b, q_a, q_b, do_a, do_b, k_a, k_b, v_a, v_b, lse2, delta, qk_scale, keep,
+                                 True, CHUNK_B)
 
-    _store_rows(DQ + base, q_offsets, dq * scale, q_real, PADDED)
+    _store_rows(DQ + base, q_offsets, dq_a * scale, dq_b * scale, q_real, HEAD_DIM, CHUNK_A, CHUNK_B, PADDED)
 
 
 # -- host side: tiles, launches ------------------------------------------------------------------------------------
 
 KV_TILE_TOKENS = 128  # keys per backward KV tile; its Q tile holds 1 / 2**Q_TILE_HALVINGS as many queries
+# Keys per backward KV tile over 128 columns (kernels/common/headdim.py, `WIDE`): the dK/dV program's two
+# `[keys, width]` fp32 accumulators of 128 x 256 would take 256 registers a thread at 8 warps.
+WIDE_KV_TILE_TOKENS = 64
 # 1: 64 queries per 128 keys. 2 (32 queries) keeps the dK/dV kernel's registers under 255 without spills at
 # head_dim 128 on sm_90 (benchmarks/compile_backward.py); benchmarks/backward.py --tune times both.
 Q_TILE_HALVINGS = 1
@@ -440,12 +518,18 @@ DQ_PRODUCTS = 3
 FALLBACK_TILES = {1: ((64,), (128,)), 2: ((8, 8), (16, 8)), 3: ((1, 8, 8), (2, 8, 8))}
 
 
+def kv_tile_tokens(head_dim: int) -> int:
+    """Keys per backward KV tile at `head_dim`: 128, or 64 where its column chunks compute more than 128 columns
+    (`WIDE_KV_TILE_TOKENS`)."""
+    return WIDE_KV_TILE_TOKENS if head_split(head_dim).wide else KV_TILE_TOKENS
+
+
 def backward_tiles(problem: Problem, head_dim: int,
                    q_halvings: Optional[int] = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The backward's (Q tile, KV tile): KV boxes of 128 keys and Q tiles of half of one (the mirror of the
-    forward's 128-query / 64-key pairs: the dK/dV program keeps two `[keys, head_dim]` fp32 accumulators), or
-    of a quarter with `q_halvings=2` (default: Q_TILE_HALVINGS), the one with the least predicted work by the
-    forward's relative costs (kernels/gna/tiles.py)."""
+    """The backward's (Q tile, KV tile): KV boxes of 128 keys (64 over 128 columns, `kv_tile_tokens`) and Q tiles
+    of half of one (the mirror of the forward's 128-query / 64-key pairs: the dK/dV program keeps two `[keys,
+    head_dim]` fp32 accumulators), or of a quarter with `q_halvings=2` (default: Q_TILE_HALVINGS), the one with
+    the least predicted work by the forward's relative costs (kernels/gna/tiles.py)."""
     return _backward_tiles(problem, head_dim, Q_TILE_HALVINGS if q_halvings is None else q_halvings)
 
 
@@ -460,10 +544,10 @@ def _q_shapes(kv_shape: tuple[int, ...], q_halvings: int) -> list[tuple[int, ...
 @functools.lru_cache(maxsize=512)
 def _backward_tiles(problem: Problem, head_dim: int, q_halvings: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     limits = [1 << (length - 1).bit_length() for length in problem.shape]
-    pairs = [(q_shape, kv_shape) for kv_shape in box_shapes(KV_TILE_TOKENS, limits)
+    pairs = [(q_shape, kv_shape) for kv_shape in box_shapes(kv_tile_tokens(head_dim), limits)
              for q_shape in _q_shapes(kv_shape, q_halvings)]
     if not pairs:
-        return FALLBACK_TILES[problem.ndim]
+        return FALLBACK_TILES[problem.ndim]  # 128-key tiles even over 128 columns: layouts this small are cheap
     return min(pairs, key=lambda pair: relative_cost(problem, pair[0], pair[1], head_dim))
 
 
@@ -501,6 +585,9 @@ def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, k
     (or None) `[B, tokens, H]` in fp32. `options` override `DEFAULT_VARIANT` (module docstring)."""
     batch, tokens, heads, head_dim = q.shape
     options = {**DEFAULT_VARIANT, **(options or {})}
+    split = split_of(head_dim, tuple(options.items()))
+    options.pop("CHUNK_A", None)
+    options.pop("CHUNK_B", None)
     atomic = int(options.pop("ATOMIC_DQ", 0))
     dq_stages = options.pop("DQ_STAGES", None)
     fit = descriptors_fit(q, k, v, grad_out)
@@ -512,8 +599,8 @@ def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, k
     delta = softmax_delta(out, grad_out, grad_lse)
     lse = lse.transpose(1, 2).contiguous()  # head-major, as delta
     pad = padded(problem, q_tile, kv_tile)
-    dk, dv, dq, counts = _dkdv(q, k, v, grad_out, lse, delta, problem, q_tile, kv_tile, scale, pad, debug, atomic,
-                               tma, dict(options))
+    dk, dv, dq, counts = _dkdv(q, k, v, grad_out, lse, delta, problem, q_tile, kv_tile, scale, split, pad, debug,
+                               atomic, tma, dict(options))
     if atomic == 2:
         return torch.empty_like(q).copy_(dq.transpose(1, 2)), dk, dv, counts
     if atomic:
@@ -521,18 +608,19 @@ def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, k
     if dq_stages is not None:
         options["num_stages"] = dq_stages
     # The dQ kernel on the mirrored tiles: the KV box as its Q tile, the Q tile as its KV tile.
-    return _dq(q, grad_out, k, v, lse, delta, problem, kv_tile, q_tile, scale, pad, tma, options), dk, dv, counts
+    return (_dq(q, grad_out, k, v, lse, delta, problem, kv_tile, q_tile, scale, split, pad, tma, options), dk, dv,
+            counts)
 
 
-def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, pad: bool, debug: bool,
-          atomic: int, tma: bool, options: dict):
+def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, split: HeadSplit,
+          pad: bool, debug: bool, atomic: int, tma: bool, options: dict):
     """The dK/dV kernel's launch: dk, dv, dq (fp32, summed by atomics; None without `atomic`), counts. With
     `tma`, an unmasked kernel steps over its Q tiles through tensor descriptors (`uses_descriptors`)."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     batch, tokens, heads, head_dim = q.shape
     masked = needs_mask(problem, q_tile, kv_tile)
-    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens).triton_options(), **options,
+    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, split).triton_options(), **options,
                "USE_TMA": uses_descriptors(tma, masked)}
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     shape = (batch, heads, tokens, head_dim) if atomic == 2 else q.shape  # head-major for bulk reduces
@@ -541,26 +629,26 @@ def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scal
     steps = {f"STEPS{i}": n.bit_length() + 1 for i, n in enumerate(q_layout.tiles_per_group)}
     dkdv_kernel[(kv_layout.num_tiles, batch * heads)](
         q, k, v, grad_out, lse, delta, dk, dv, dk if dq is None else dq, delta if counts is None else counts,
-        tokens=tokens, heads=heads, qk_scale=scale * LOG2E, scale=scale, HEAD_DIM=head_dim,
+        tokens=tokens, heads=heads, qk_scale=scale * LOG2E, scale=scale, **split.constexprs(),
         MASKED=masked, PADDED=pad, **_problem_arguments(problem, q_layout, kv_layout), **steps, DEBUG=debug,
         ATOMIC_DQ=atomic, **options)
     return dk, dv, dq, counts
 
 
-def _dq(q, grad_out, k, v, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, pad: bool, tma: bool,
-        options: dict):
+def _dq(q, grad_out, k, v, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, split: HeadSplit,
+        pad: bool, tma: bool, options: dict):
     """The dQ kernel's launch on its own tiles; with `tma`, an unmasked kernel steps over its KV tiles through
     tensor descriptors (`uses_descriptors`)."""
     q_layout = TileLayout(problem.shape, q_tile, problem.dilation).to_3d()
     kv_layout = TileLayout(problem.shape, kv_tile, problem.dilation).to_3d()
     batch, tokens, heads, head_dim = q.shape
     masked = needs_mask(problem, q_tile, kv_tile)
-    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens).triton_options(), **options,
+    options = {**launch_options(q_layout.tile_tokens, kv_layout.tile_tokens, split).triton_options(), **options,
                "USE_TMA": uses_descriptors(tma, masked)}
     dq = torch.empty_like(q)
     dq_kernel[(q_layout.num_tiles, batch * heads)](
         q, k, v, grad_out, lse, delta, dq, tokens=tokens, heads=heads, qk_scale=scale * LOG2E, scale=scale,
-        HEAD_DIM=head_dim, MASKED=masked, PADDED=pad, **_problem_arguments(problem, q_layout, kv_layout), **options)
+        **split.constexprs(), MASKED=masked, PADDED=pad, **_problem_arguments(problem, q_layout, kv_layout), **options)
     return dq
 
 
@@ -579,7 +667,7 @@ def gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, scale:
     `[B, *shape, H]`; `grad_lse` may be None. Tiles default to `backward_tiles` (dense attention as 1-D over the
     flattened layout, as the forward runs it). The kernels read and write the caller's layout in place;
     `options` override the launch options and tuning switches of `DEFAULT_VARIANT` (benchmarks/backward.py
-    --tune)."""
+    --tune) and may name head_dim's column chunks `CHUNK_A` / `CHUNK_B` (kernels/common/headdim.py)."""
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     scale = head_dim**-0.5 if scale is None else float(scale)
     if q_tile is None and kv_tile is None:

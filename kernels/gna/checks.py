@@ -19,6 +19,7 @@ from natsim.tiles import KV_TILINGS
 
 from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS, check_matching, check_tensors
 from ..common.fp8 import E4M3
+from ..common.headdim import head_dim_refusal
 
 MIN_TILE_TOKENS = 16
 MAX_TILE_TOKENS = 256
@@ -70,9 +71,9 @@ def check_kernel_inputs(q: torch.Tensor, float8: bool = False) -> None:
             f"the GNA kernel supports dtype float16 and bfloat16 (fp32 accumulation), got dtype={q.dtype}; "
             "use reference_attention for other dtypes."
         )
-    head_dim = q.shape[-1]
-    if head_dim not in KERNEL_HEAD_DIMS:
-        raise ValueError(f"the GNA kernel supports head_dim in {KERNEL_HEAD_DIMS}, got head_dim={head_dim}.")
+    refusal = head_dim_refusal(q.shape[-1], "GNA kernel", KERNEL_HEAD_DIMS)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def check_kv_tiling(kv_tiling: object) -> None:

@@ -31,7 +31,7 @@ from ..fa4.rules import HEAD_DIMS as FA4_HEAD_DIMS
 from ..fa4.rules import device_refusal, gna_tile_refusal
 from .launch import dense_as_1d
 from .spec import GnaSpec
-from .tiles import TILE_TOKENS, default_tiles, tile_pairs
+from .tiles import default_tiles, tile_pairs
 
 @dataclass(frozen=True)
 class Choice:
@@ -109,13 +109,12 @@ def _tile_problem(problem: Problem, q_tile, kv_tile) -> Optional[str]:
 def _default_geometry(problem: Problem, head_dim: int) -> Fa4Gna:
     """The block-sparse tiles with the fewest visited blocks among the catalog's that FlashAttention-4 runs, else
     natsim's default tiles where it runs them, else the catalog's first it runs (module docstring)."""
-    catalog_dim = head_dim if head_dim in TILE_TOKENS else max(TILE_TOKENS)
-    pairs = [(q, kv) for q, kv in tile_pairs(problem.shape, catalog_dim) if gna_tile_refusal(q, kv, head_dim) is None]
+    pairs = [(q, kv) for q, kv in tile_pairs(problem.shape, head_dim) if gna_tile_refusal(q, kv, head_dim) is None]
     sparse = [(simulate(problem, TileConfig(q, kv)).visited_tiles, i) for i, (q, kv) in enumerate(pairs)
               if _block_sparse(problem, q, kv)]
     if sparse:
         return Fa4Gna(problem, *pairs[min(sparse)[1]])
-    if head_dim in TILE_TOKENS:
+    if head_dim in KERNEL_HEAD_DIMS:
         q_tile, kv_tile = default_tiles(problem, head_dim)
         if gna_tile_refusal(q_tile, kv_tile, head_dim) is None:
             return Fa4Gna(problem, q_tile, kv_tile)

@@ -22,7 +22,8 @@ from natsim.problem import BoolOrBools, IntOrInts
 
 from ..common.backend import interpreting
 from ..common.checks import KERNEL_HEAD_DIMS
-from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_q_tile
+from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_split, fp8_q_tile
+from ..common.headdim import head_dim_refusal
 from ..fa4 import run as fa4_run
 from .backward import gna_backward
 from .checks import check_frames, check_kernel_inputs, check_qkv, kernel_tiles
@@ -95,6 +96,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
     check_kernel_inputs(q, float8=spec.out_dtype is not None)
     if fp8:
         check_fp8_device(q)
+        fp8_head_split(q.shape[-1])  # a sentence for a head dim FP8 does not run
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     kernel_problem = problem
     if spec.q_tile is None and spec.kv_tile is None:
@@ -153,9 +155,9 @@ def run_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         grads = fa4_run.backward(_flat(q), _flat(k), _flat(v), _flat(out), _flat(grad_out), rows(lse), rows(grad_lse),
                                  scale, None, None)
         return tuple(g.view(t.shape) for g, t in zip(grads, (q, k, v)))
-    if choice.backend == "fa4" and head_dim not in KERNEL_HEAD_DIMS:
-        raise ValueError(f"natsim has no backward for this call: {backward_refusal(choice, head_dim)} natsim's "
-                         f"Triton backward runs head_dim in {KERNEL_HEAD_DIMS}.")
+    refusal = head_dim_refusal(head_dim, "Triton backward", KERNEL_HEAD_DIMS)
+    if choice.backend == "fa4" and refusal is not None:
+        raise ValueError(f"natsim has no backward for this call: {backward_refusal(choice, head_dim)} {refusal}")
     return gna_backward(q, k, v, out, lse, grad_out, grad_lse, problem, spec.scale)
 
 

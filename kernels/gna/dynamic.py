@@ -29,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common.headdim import chunked_dot, load_columns
 from ..common.softmax import softmax_step
 from .geometry import (in_windows, inner_box, is_full, next_tile, row_windows, slab_tile, tile_coordinates,
                        tile_in_group, window_bounds)
@@ -64,33 +65,49 @@ def _gather_offsets(key0, key1, key2, c0, c1, c2, kv_group, len0, len1, len2, NK
 
 
 @triton.jit
-def _load_box_tile(key0, key1, key2, k_desc, v_desc, K_head, V_head, stride_kn, stride_vn,
-                   c0, c1, c2, dims, kv_group, len0, len1, len2, NK1, NK2,
-                   TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   LAYOUT: tl.constexpr, BOUNDED: tl.constexpr):
-    """K transposed (`[head_dim, BLOCK_N]`) and V (`[BLOCK_N, head_dim]`) of the box tile whose first keys are
-    (key0, key1, key2). `BOUNDED`: some key may lie past the group's end (gathers then skip it; loop 1's tiles
-    never hold one)."""
+def _load_box_chunk(key0, key1, key2, k_desc, v_desc, K_head, V_head, stride_kn, stride_vn,
+                    c0, c1, c2, kv_group, len0, len1, len2, NK1, NK2,
+                    TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    OFFSET: tl.constexpr, WIDTH: tl.constexpr, LAYOUT: tl.constexpr, BOUNDED: tl.constexpr):
+    """Columns `[OFFSET, OFFSET + WIDTH)` of `_load_box_tile`'s K and V, zeros past head_dim."""
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
     if LAYOUT == 1:
-        corner = [key0, key1, key2, 0]
-        k = k_desc.load(corner).reshape([BLOCK_N, HEAD_DIM]).T
-        v = v_desc.load(corner).reshape([BLOCK_N, HEAD_DIM])
+        corner = [key0, key1, key2, OFFSET]
+        k = k_desc.load(corner).reshape([BLOCK_N, WIDTH]).T
+        v = v_desc.load(corner).reshape([BLOCK_N, WIDTH])
     elif LAYOUT == 2:
-        k = k_desc.load([key2, 0]).T
-        v = v_desc.load([key2, 0])
+        k = k_desc.load([key2, OFFSET]).T
+        v = v_desc.load([key2, OFFSET])
     else:
         position, inside = _gather_offsets(key0, key1, key2, c0, c1, c2, kv_group, len0, len1, len2, NK1, NK2,
                                            TK0, TK1, TK2)
-        k_ptrs = K_head + position[None, :] * stride_kn + dims[:, None]
-        v_ptrs = V_head + position[:, None] * stride_vn + dims[None, :]
         if BOUNDED:
-            k = tl.load(k_ptrs, mask=inside[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)
+            row_ok = inside
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            row_ok = None
+        k = load_columns(K_head, position * stride_kn, OFFSET, WIDTH, HEAD_DIM, row_ok, TRANSPOSED=True)
+        v = load_columns(V_head, position * stride_vn, OFFSET, WIDTH, HEAD_DIM, row_ok)
     return k, v
+
+
+@triton.jit
+def _load_box_tile(key0, key1, key2, k_desc_a, v_desc_a, k_desc_b, v_desc_b, K_head, V_head, stride_kn, stride_vn,
+                   c0, c1, c2, kv_group, len0, len1, len2, NK1, NK2,
+                   TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, LAYOUT: tl.constexpr, BOUNDED: tl.constexpr):
+    """K transposed (`[chunk, BLOCK_N]`) and V (`[BLOCK_N, chunk]`) of the box tile whose first keys are
+    (key0, key1, key2), per column chunk (`k_a, v_a, k_b, v_b`; the second pair is the first again when CHUNK_B
+    is 0). `BOUNDED`: some key may lie past the group's end (gathers then skip it; loop 1's tiles never hold
+    one)."""
+    k_a, v_a = _load_box_chunk(key0, key1, key2, k_desc_a, v_desc_a, K_head, V_head, stride_kn, stride_vn,
+                               c0, c1, c2, kv_group, len0, len1, len2, NK1, NK2, TK0, TK1, TK2, HEAD_DIM, 0, CHUNK_A,
+                               LAYOUT, BOUNDED)
+    k_b, v_b = k_a, v_a
+    if CHUNK_B > 0:
+        k_b, v_b = _load_box_chunk(key0, key1, key2, k_desc_b, v_desc_b, K_head, V_head, stride_kn, stride_vn,
+                                   c0, c1, c2, kv_group, len0, len1, len2, NK1, NK2, TK0, TK1, TK2, HEAD_DIM,
+                                   CHUNK_A, CHUNK_B, LAYOUT, BOUNDED)
+    return k_a, v_a, k_b, v_b
 
 
 @triton.jit
@@ -106,9 +123,9 @@ def gna_dynamic_kernel(
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr,
-    MASKED: tl.constexpr = True, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
-    HEAD_MAJOR: tl.constexpr = False, LAYOUT: tl.constexpr = 0,
+    HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DEBUG: tl.constexpr, MASKED: tl.constexpr = True, USE_TMA: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False, LAYOUT: tl.constexpr = 0,
 ):
     """Same arguments as `gna_forward_kernel` (kernels/gna/forward.py); `USE_TMA` only matters for LAYOUT 0's Q and O
     (K and V are gathered there), and `WARP_SPECIALIZE` applies to loop 1."""
@@ -126,7 +143,6 @@ def gna_dynamic_kernel(
     o1, n1, f1, g1, sl1, ef1 = _box(first1, len1, W1, S1, C1, TQ1, TK1)
     o2, n2, f2, g2, sl2, ef2 = _box(first2, len2, W2, S2, C2, TQ2, TK2)
     num_kv = tl.where(real_tile, n0 * n1 * n2, 0)
-    dims = tl.arange(0, HEAD_DIM)
     c0, c1, c2 = tile_coordinates(TK0, TK1, TK2)
     kv_group = group * (NK0 * NK1 * NK2)
     q_row0 = q_tile * BLOCK_M
@@ -136,13 +152,18 @@ def gna_dynamic_kernel(
         q_rows = L2
     else:
         q_rows = num_q_tiles * BLOCK_M
-    q = load_q_tile(Q + b * stride_qb + h * stride_qh, stride_q0, stride_q1, stride_q2, L0, L1, L2,
-                    first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA, LAYOUT)
+    q_a, q_b = load_q_tile(Q + b * stride_qb + h * stride_qh, stride_q0, stride_q1, stride_q2, L0, L1, L2,
+                           first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A, CHUNK_B,
+                           USE_TMA, LAYOUT)
     # K and V: descriptors in place; on the permuted path box tiles are gathered through pointers.
-    k_desc, v_desc = kv_descriptors(K_head, V_head, stride_k0, stride_k1, stride_k2, stride_v0, stride_v1,
-                                    stride_v2, L0, L1, L2, L2, TK0, TK1, TK2, HEAD_DIM, False, LAYOUT)
+    k_desc_a, v_desc_a, k_desc_b, v_desc_b = kv_descriptors(
+        K_head, V_head, stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2, L0, L1, L2, L2,
+        TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B, False, LAYOUT)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_M, CHUNK_A], dtype=tl.float32)
+    acc_b = acc_a  # one accumulator per column chunk; the first again, never updated, without a second chunk
+    if CHUNK_B > 0:
+        acc_b = tl.zeros([BLOCK_M, CHUNK_B], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     unmasked = num_kv * 0
@@ -161,11 +182,11 @@ def gna_dynamic_kernel(
         key0 = o0 + m0 * TK0
         key1 = o1 + m1 * TK1
         key2 = o2 + m2 * TK2
-        k, v = _load_box_tile(key0, key1, key2, k_desc, v_desc, K_head, V_head, stride_k2, stride_v2,
-                              c0, c1, c2, dims, kv_group, len0, len1, len2, NK1, NK2,
-                              TK0, TK1, TK2, HEAD_DIM, LAYOUT, False)
-        qk = tl.dot(q, k)
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+        k_a, v_a, k_b, v_b = _load_box_tile(key0, key1, key2, k_desc_a, v_desc_a, k_desc_b, v_desc_b, K_head,
+                                            V_head, stride_k2, stride_v2, c0, c1, c2, kv_group, len0, len1, len2,
+                                            NK1, NK2, TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B, LAYOUT, False)
+        qk = chunked_dot(q_a, q_b, k_a, k_b, CHUNK_B)
+        acc_a, acc_b, l_i, m_i = softmax_step(acc_a, acc_b, l_i, m_i, qk, v_a, v_b, qk_scale, CHUNK_B)
         if DEBUG:
             unmasked += is_full(key0, key1, key2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2, TK0, TK1, TK2)
         m0, m1, m2 = next_tile(m0, m1, m2, f1, g1, f2, g2)
@@ -181,20 +202,21 @@ def gna_dynamic_kernel(
             key0 = o0 + m0 * TK0
             key1 = o1 + m1 * TK1
             key2 = o2 + m2 * TK2
-            k, v = _load_box_tile(key0, key1, key2, k_desc, v_desc, K_head, V_head, stride_k2, stride_v2,
-                                  c0, c1, c2, dims, kv_group, len0, len1, len2, NK1, NK2,
-                                  TK0, TK1, TK2, HEAD_DIM, LAYOUT, True)
-            qk = tl.dot(q, k)
+            k_a, v_a, k_b, v_b = _load_box_tile(key0, key1, key2, k_desc_a, v_desc_a, k_desc_b, v_desc_b, K_head,
+                                                V_head, stride_k2, stride_v2, c0, c1, c2, kv_group, len0, len1,
+                                                len2, NK1, NK2, TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B, LAYOUT,
+                                                True)
+            qk = chunked_dot(q_a, q_b, k_a, k_b, CHUNK_B)
             keep = in_windows(qs0, w0, qs1, w1, qs2, w2, key0 + c0, key1 + c1, key2 + c2, False)
             qk = tl.where(keep, qk, float("-inf"))
-            acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+            acc_a, acc_b, l_i, m_i = softmax_step(acc_a, acc_b, l_i, m_i, qk, v_a, v_b, qk_scale, CHUNK_B)
             if DEBUG:
                 unmasked += is_full(key0, key1, key2, sl0, ef0, sl1, ef1, sl2, ef2, len0, len1, len2,
                                     TK0, TK1, TK2)
 
-    store_output(O + b * stride_ob + h * stride_oh, LSE, acc, l_i, m_i, b, h, heads, stride_o0, stride_o1,
-                 stride_o2, L0, L1, L2, first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM,
-                 WRITE_LSE, USE_TMA, LAYOUT)
+    store_output(O + b * stride_ob + h * stride_oh, LSE, acc_a, acc_b, l_i, m_i, b, h, heads, stride_o0, stride_o1,
+                 stride_o2, L0, L1, L2, first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A,
+                 CHUNK_B, WRITE_LSE, USE_TMA, LAYOUT)
     if DEBUG:
         if bh == 0:
             tl.store(COUNTS + 2 * q_tile, num_kv)

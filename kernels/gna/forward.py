@@ -45,6 +45,11 @@ queries attend. Window bounds along dimension 0 are the global layout's (`frame_
 is a run of a global one, and key groups may be rotated against query groups); Q and KV tiles are cut from the
 local first frames. A whole layout has offsets 0 and `G0 == KL0 == L0`, and the kernel is what it was.
 
+head_dim runs in power-of-two column chunks (kernels/common/headdim.py: `CHUNK_A`, then `CHUNK_B` where that is
+not 0, the last masked past head_dim): Q, K and V tiles move per chunk (tile_io.py), scores sum the chunks'
+products (`chunked_dot`) and P @ V keeps one accumulator per chunk (`softmax_step`); without a second chunk its
+code is not compiled and the kernel is the one-chunk kernel it was.
+
 The softmax scale (times log2 e) is applied with one fused multiply-add per score (`qk * scale - m`), the
 running maximum is kept in scaled units, and the online-softmax recurrence is the usual flash-attention one
 in base 2 with fp32 accumulators. Kernels always see three dimensions (kernels/gna/layout.py): a 1-D or 2-D
@@ -56,6 +61,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common.fp8 import value_scales
+from ..common.headdim import chunk_columns, chunked_dot, load_columns
 from ..common.softmax import softmax_step, softmax_step_fp8
 from .geometry import (dim_setup, frame_groups, full_run, in_windows, inner_box, is_full, next_tile, row_windows,
                        slab_tile, tile_coordinates, tile_in_group)
@@ -63,32 +70,55 @@ from .tile_io import key_scales, kv_descriptors, load_q_tile, program_tile, stor
 
 
 @triton.jit
-def _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn,
-             TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
-             USE_TMA: tl.constexpr, LAYOUT: tl.constexpr, FP8: tl.constexpr):
-    """K transposed (`[head_dim, BLOCK_N]`) and V (`[BLOCK_N, head_dim]`) of KV tile (k0, k1, k2), linear index
-    `tile` in the permuted order: a box of the token layout through rank-4 descriptors (LAYOUT 1), a run of
-    the sequence through rank-2 descriptors, or pointer tiles `k_base` / `v_base`. With FP8, V is stored
-    transposed (`[head_dim, rows]`, kernels/common/fp8.py) and `stride_vn` is its row length."""
+def _load_kv_chunk(tile, k0, k1, k2, k_desc, v_desc, k_rows, v_rows, stride_kn, stride_vn,
+                   TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   OFFSET: tl.constexpr, WIDTH: tl.constexpr, USE_TMA: tl.constexpr, LAYOUT: tl.constexpr,
+                   FP8: tl.constexpr):
+    """Columns `[OFFSET, OFFSET + WIDTH)` of `_load_kv`'s K and V tiles, zeros past head_dim (without
+    descriptors, `k_desc` / `v_desc` are the head's bare pointers)."""
     BLOCK_N: tl.constexpr = TK0 * TK1 * TK2
     if LAYOUT == 1:
-        corner = [k0 * TK0, k1 * TK1, k2 * TK2, 0]
-        k = k_desc.load(corner).reshape([BLOCK_N, HEAD_DIM]).T
-        v = v_desc.load(corner).reshape([BLOCK_N, HEAD_DIM])
+        corner = [k0 * TK0, k1 * TK1, k2 * TK2, OFFSET]
+        k = k_desc.load(corner).reshape([BLOCK_N, WIDTH]).T
+        v = v_desc.load(corner).reshape([BLOCK_N, WIDTH])
     elif USE_TMA:
-        k = k_desc.load([tile * BLOCK_N, 0]).T
+        k = k_desc.load([tile * BLOCK_N, OFFSET]).T
         if FP8:
-            v = v_desc.load([0, tile * BLOCK_N]).T
+            v = v_desc.load([OFFSET, tile * BLOCK_N]).T
         else:
-            v = v_desc.load([tile * BLOCK_N, 0])
+            v = v_desc.load([tile * BLOCK_N, OFFSET])
     else:
         offset = (tile * BLOCK_N).to(tl.int64)
-        k = tl.load(k_base + offset * stride_kn)
-        if FP8:
-            v = tl.load(v_base + offset)
+        k = load_columns(k_desc, k_rows + offset * stride_kn, OFFSET, WIDTH, HEAD_DIM, TRANSPOSED=True)
+        if FP8:  # V transposed: a key's channels lie `stride_vn` apart
+            channels = chunk_columns(OFFSET, WIDTH)
+            v_ptrs = v_desc + (v_rows[:, None] + offset + channels[None, :].to(tl.int64) * stride_vn)
+            if OFFSET + WIDTH > HEAD_DIM:
+                v = tl.load(v_ptrs, mask=(channels < HEAD_DIM)[None, :], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         else:
-            v = tl.load(v_base + offset * stride_vn)
+            v = load_columns(v_desc, v_rows + offset * stride_vn, OFFSET, WIDTH, HEAD_DIM)
     return k, v
+
+
+@triton.jit
+def _load_kv(tile, k0, k1, k2, k_desc_a, v_desc_a, k_desc_b, v_desc_b, k_rows, v_rows, stride_kn, stride_vn,
+             TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr, HEAD_DIM: tl.constexpr,
+             CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, USE_TMA: tl.constexpr, LAYOUT: tl.constexpr,
+             FP8: tl.constexpr):
+    """K transposed (`[chunk, BLOCK_N]`) and V (`[BLOCK_N, chunk]`) of KV tile (k0, k1, k2), linear index `tile`
+    in the permuted order, per column chunk (`k_a, v_a, k_b, v_b`; the second pair is the first again when
+    CHUNK_B is 0): a box of the token layout through rank-4 descriptors (LAYOUT 1), a run of the sequence through
+    rank-2 descriptors, or pointer loads at `k_rows` / `v_rows` (element offsets of the first tile's keys). With FP8, V
+    is stored transposed (`[head_dim, rows]`, kernels/common/fp8.py) and `stride_vn` is its row length."""
+    k_a, v_a = _load_kv_chunk(tile, k0, k1, k2, k_desc_a, v_desc_a, k_rows, v_rows, stride_kn, stride_vn,
+                              TK0, TK1, TK2, HEAD_DIM, 0, CHUNK_A, USE_TMA, LAYOUT, FP8)
+    k_b, v_b = k_a, v_a
+    if CHUNK_B > 0:
+        k_b, v_b = _load_kv_chunk(tile, k0, k1, k2, k_desc_b, v_desc_b, k_rows, v_rows, stride_kn, stride_vn,
+                                  TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA, LAYOUT, FP8)
+    return k_a, v_a, k_b, v_b
 
 
 @triton.jit(do_not_specialize=["G0", "KL0", "Q0_OFF", "K0_OFF"])  # frame offsets: one compile for every rank
@@ -105,9 +135,9 @@ def gna_forward_kernel(
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr,
     TQ0: tl.constexpr, TQ1: tl.constexpr, TQ2: tl.constexpr,
     TK0: tl.constexpr, TK1: tl.constexpr, TK2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr, DEBUG: tl.constexpr,
-    MASKED: tl.constexpr = True, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
-    HEAD_MAJOR: tl.constexpr = False, LAYOUT: tl.constexpr = 0,
+    HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DEBUG: tl.constexpr, MASKED: tl.constexpr = True, USE_TMA: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False, LAYOUT: tl.constexpr = 0,
     FP8: tl.constexpr = False, EXACT_CAST: tl.constexpr = False, SQ=None, SK=None, SV=None,
 ):
     BLOCK_M: tl.constexpr = TQ0 * TQ1 * TQ2
@@ -143,25 +173,29 @@ def gna_forward_kernel(
         V_head = V + (b * heads + h) * HEAD_DIM * stride_v2
     else:
         V_head = V + b * stride_vb + h * stride_vh
-    q = load_q_tile(Q + b * stride_qb + h * stride_qh, stride_q0, stride_q1, stride_q2, L0, L1, L2,
-                    first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM, USE_TMA, LAYOUT)
-    k_desc, v_desc = kv_descriptors(K_head, V_head, stride_k0, stride_k1, stride_k2, stride_v0, stride_v1,
-                                    stride_v2, KL0, L1, L2, kv_rows, TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT, FP8)
-    cols = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    k_base = K_head + cols.to(tl.int64)[None, :] * stride_k2 + dims[:, None]  # pointer tiles (LAYOUT 0, no TMA)
+    q_a, q_b = load_q_tile(Q + b * stride_qb + h * stride_qh, stride_q0, stride_q1, stride_q2, L0, L1, L2,
+                           first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A, CHUNK_B,
+                           USE_TMA, LAYOUT)
+    k_desc_a, v_desc_a, k_desc_b, v_desc_b = kv_descriptors(
+        K_head, V_head, stride_k0, stride_k1, stride_k2, stride_v0, stride_v1, stride_v2, KL0, L1, L2, kv_rows,
+        TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA, LAYOUT, FP8)
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)
+    k_rows = cols * stride_k2  # pointer loads (LAYOUT 0, no TMA): the first tile's keys, from K_head / V_head
     if FP8:
-        v_base = V_head + cols.to(tl.int64)[:, None] + dims[None, :].to(tl.int64) * stride_v2
+        v_rows = cols
         q_scale_rows = q_row0 + tl.arange(0, BLOCK_M)
         row_scale = qk_scale * tl.load(SQ + (b * q_rows + q_scale_rows) * heads + h, mask=q_scale_rows < q_rows,
                                        other=1.0)
         SK_head = SK + b * kv_rows * heads + h
     else:
-        v_base = V_head + cols.to(tl.int64)[:, None] * stride_v2 + dims[None, :]
+        v_rows = cols * stride_v2
         row_scale = qk_scale
         SK_head = SK
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_M, CHUNK_A], dtype=tl.float32)
+    acc_b = acc_a  # one accumulator per column chunk; the first again, never updated, without a second chunk
+    if CHUNK_B > 0:
+        acc_b = tl.zeros([BLOCK_M, CHUNK_B], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     unmasked = num_kv * 0
@@ -181,14 +215,16 @@ def gna_forward_kernel(
     k2 = f2
     for _ in tl.range(0, num_full, warp_specialize=WARP_SPECIALIZE):
         tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
-        k, v = _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_k2, stride_v2,
-                        TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT, FP8)
-        qk = tl.dot(q, k)
+        k_a, v_a, k_b, v_b = _load_kv(tile, k0, k1, k2, k_desc_a, v_desc_a, k_desc_b, v_desc_b, k_rows, v_rows,
+                                      stride_k2, stride_v2, TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA,
+                                      LAYOUT, FP8)
+        qk = chunked_dot(q_a, q_b, k_a, k_b, CHUNK_B)
         if FP8:
             qk = qk * key_scales(SK_head, tile, kv_rows, heads, BLOCK_N)[None, :]
-            acc, l_i, m_i = softmax_step_fp8(acc, l_i, m_i, qk, v, row_scale, EXACT_CAST)
+            acc_a, acc_b, l_i, m_i = softmax_step_fp8(acc_a, acc_b, l_i, m_i, qk, v_a, v_b, row_scale, EXACT_CAST,
+                                                      CHUNK_B)
         else:
-            acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+            acc_a, acc_b, l_i, m_i = softmax_step(acc_a, acc_b, l_i, m_i, qk, v_a, v_b, qk_scale, CHUNK_B)
         if DEBUG:
             unmasked += is_full(k0 * TK0, k1 * TK1, k2 * TK2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2,
                                 TK0, TK1, TK2)
@@ -206,26 +242,31 @@ def gna_forward_kernel(
         for j in tl.range(0, num_kv - num_full):
             k0, k1, k2 = slab_tile(j, lo0, hi0, lo1, hi1, lo2, hi2, f0, g0, f1, g1, f2, g2)
             tile = kv_group + (k0 * NK1 + k1) * NK2 + k2
-            k, v = _load_kv(tile, k0, k1, k2, k_desc, v_desc, k_base, v_base, stride_k2, stride_v2,
-                            TK0, TK1, TK2, HEAD_DIM, USE_TMA, LAYOUT, FP8)
-            qk = tl.dot(q, k)
+            k_a, v_a, k_b, v_b = _load_kv(tile, k0, k1, k2, k_desc_a, v_desc_a, k_desc_b, v_desc_b, k_rows,
+                                          v_rows, stride_k2, stride_v2, TK0, TK1, TK2, HEAD_DIM, CHUNK_A, CHUNK_B,
+                                          USE_TMA, LAYOUT, FP8)
+            qk = chunked_dot(q_a, q_b, k_a, k_b, CHUNK_B)
             keep = in_windows(qs0, w0, qs1, w1, qs2, w2, k0 * TK0 + c0, k1 * TK1 + c1, k2 * TK2 + c2, False)
             if FP8:
                 qk = tl.where(keep, qk * key_scales(SK_head, tile, kv_rows, heads, BLOCK_N)[None, :], float("-inf"))
-                acc, l_i, m_i = softmax_step_fp8(acc, l_i, m_i, qk, v, row_scale, EXACT_CAST)
+                acc_a, acc_b, l_i, m_i = softmax_step_fp8(acc_a, acc_b, l_i, m_i, qk, v_a, v_b, row_scale,
+                                                          EXACT_CAST, CHUNK_B)
             else:
                 qk = tl.where(keep, qk, float("-inf"))
-                acc, l_i, m_i = softmax_step(acc, l_i, m_i, qk, v, qk_scale)
+                acc_a, acc_b, l_i, m_i = softmax_step(acc_a, acc_b, l_i, m_i, qk, v_a, v_b, qk_scale, CHUNK_B)
             if DEBUG:
                 unmasked += is_full(k0 * TK0, k1 * TK1, k2 * TK2, sl0, ef0, sl1, ef1, sl2, ef2, klen0, len1, len2,
                                     TK0, TK1, TK2)
 
     if FP8:  # V's channel scales, and P's static 448 out of the sum (the LSE's units)
-        acc = acc * (tl.load(SV + (b * heads + h) * HEAD_DIM + dims) * (1.0 / 448.0))[None, :]
+        SV_head = SV + (b * heads + h) * HEAD_DIM
+        acc_a = acc_a * value_scales(SV_head, 0, CHUNK_A, HEAD_DIM)[None, :]
+        if CHUNK_B > 0:
+            acc_b = acc_b * value_scales(SV_head, CHUNK_A, CHUNK_B, HEAD_DIM)[None, :]
         l_i = l_i * (1.0 / 448.0)
-    store_output(O + b * stride_ob + h * stride_oh, LSE, acc, l_i, m_i, b, h, heads, stride_o0, stride_o1,
-                 stride_o2, L0, L1, L2, first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM,
-                 WRITE_LSE, USE_TMA, LAYOUT)
+    store_output(O + b * stride_ob + h * stride_oh, LSE, acc_a, acc_b, l_i, m_i, b, h, heads, stride_o0, stride_o1,
+                 stride_o2, L0, L1, L2, first0, first1, first2, q_row0, q_rows, TQ0, TQ1, TQ2, HEAD_DIM, CHUNK_A,
+                 CHUNK_B, WRITE_LSE, USE_TMA, LAYOUT)
     if DEBUG:
         if bh == 0:
             tl.store(COUNTS + 2 * q_tile, num_kv)

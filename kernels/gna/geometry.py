@@ -10,7 +10,7 @@
   of the outer box as six slabs around it.
 - `tile_coordinates`, `row_windows`, `in_windows`, `window_mask`: the element mask of a (Q tile, KV tile) pair,
   one unsigned compare per dimension.
-- `layout_descriptor`: a rank-4 tensor descriptor over a token layout, in boxes of one tile.
+- `layout_descriptor`: a rank-4 tensor descriptor over a token layout, in boxes of one tile and column chunk.
 
 Kernels always see three dimensions (kernels/gna/layout.py): a 1-D or 2-D problem has leading dimensions of
 length 1.
@@ -217,8 +217,10 @@ def window_mask(q_first0, q_first1, q_first2, k_first0, k_first1, k_first2, len0
 
 @triton.jit
 def layout_descriptor(base, L0, L1, L2, stride0, stride1, stride2,
-                       T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A rank-4 tensor descriptor over one head of a `[L0, L1, L2, head_dim]` token layout, in boxes of one tile:
-    loads past the layout's end read zeros and stores there are dropped, so padding needs no memory."""
+                      T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      WIDTH: tl.constexpr):
+    """A rank-4 tensor descriptor over one head of a `[L0, L1, L2, head_dim]` token layout, in boxes of one tile
+    and one column chunk of `WIDTH` columns (kernels/common/headdim.py): loads past the layout's end or past
+    head_dim read zeros and stores there are dropped, so padding needs no memory."""
     return tl.make_tensor_descriptor(base, shape=[L0, L1, L2, HEAD_DIM], strides=[stride0, stride1, stride2, 1],
-                                     block_shape=[T0, T1, T2, HEAD_DIM])
+                                     block_shape=[T0, T1, T2, WIDTH])

@@ -39,9 +39,10 @@ from natsim.partition import frame_dim_tiles
 from natsim.window import group_length, window_bounds
 
 from ..common.backend import interpreting
-from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_launch_config,
+from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_head_split, fp8_rows,
                           lse_with_mean, prequantized_rows, quantize_rows)
-from ..common.launch import Overrides, descriptors_fit, has_tensor_descriptors, launch_config
+from ..common.launch import (Overrides, descriptors_fit, has_tensor_descriptors, launch_config, split_of,
+                             with_fp8)
 from ..common.softmax import LOG2E
 from .dynamic import gna_dynamic_kernel
 from .forward import gna_forward_kernel
@@ -266,8 +267,9 @@ def make_call(
     the layout path (their strides are bound), or None for the permuted path. `frames` `(q0, q1, k0, k1)`: q holds
     frames `[q0, q1)` of dimension 0 and k, v `[k0, k1)` (module docstring); static KV tiling only. `overrides`
     (checked names, `launch_overrides`) override `launch_config`'s options (tuning; `MASKED` may only be forced
-    on) and may set `HEAD_MAJOR`. `check_alignment`: check the tensors' alignment on every launch (callers that
-    pass their own permuted tensors; `forward` keys on it instead). The dynamic kernel gathers box tiles with
+    on) and may set `HEAD_MAJOR` and head_dim's column chunks `CHUNK_A` / `CHUNK_B` (kernels/common/headdim.py;
+    by default `head_split`'s, padded in FP8). `check_alignment`: check the tensors' alignment on every launch
+    (callers that pass their own permuted tensors; `forward` keys on it instead). The dynamic kernel gathers box tiles with
     pointer loads on the permuted path and is never warp-specialized (Triton 3.6 does not specialize its loops:
     rank-4 descriptors or pointer gathers). Precision "fp8" runs the FP8 variant of the static kernel
     (kernels/common/fp8.py) on permuted sequences or a 1-D layout in place, on q, k, v quantized inside the call
@@ -288,24 +290,27 @@ def make_call(
     mode = 0 if not layout else (2 if problem.ndim == 1 else 1)
     if fp8 and (kv_tiling != "static" or frames is not None or mode == 1):
         raise ValueError("FP8 runs the static kernel on permuted sequences or a 1-D layout, without frame ranges.")
-    launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, head_dim, masked, True,
+    split = split_of(head_dim, overrides, fp8_head_split(head_dim) if fp8 else None)
+    launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, split, masked, True,
                            specialize=not (spec.return_lse or debug) and mode != 1 and kv_tiling == "static")
     if fp8:
-        launch = replace(launch, **fp8_launch_config(q_layout.tile_tokens, kv_layout.tile_tokens))
+        launch = with_fp8(launch, q_layout.tile_tokens, kv_layout.tile_tokens, split)
     launch = launch.overridden(overrides)
     if masked and not launch.MASKED:
         raise ValueError(f"{problem} with tiles {q_tile} / {kv_tile} visits partial or padded KV tiles: "
                          "the kernel needs MASKED=True.")
-    if layout and fp8:  # the quantized copies: contiguous
-        layout_tensors = tuple(torch.empty(t.shape, device="meta") for t in layout_tensors)
+    if layout and fp8:  # the quantized copies, in `fp8_rows`' layout
+        layout_tensors = tuple(fp8_rows(t.shape, "meta") for t in layout_tensors)
     if layout:
         strides = [(t.stride(0), *_token_strides(t, problem.ndim), t.stride(-2)) for t in layout_tensors]
         contiguous = torch.empty((batch, *q_shape, heads, head_dim), device="meta")
         strides.append((contiguous.stride(0), *_token_strides(contiguous, problem.ndim), contiguous.stride(-2)))
-    else:  # contiguous permuted [B, tokens, H, D]: only the token stride (position 2) is read
+    else:  # permuted [B, tokens, H, D], contiguous (or FP8's `fp8_rows`): only the token stride (position 2) is read
         q_tokens, kv_tokens = q_layout.num_tokens, kv_layout.num_tokens
-        strides = [(n * heads * head_dim, 0, 0, heads * head_dim, head_dim)
-                   for n in (q_tokens, kv_tokens, kv_tokens, q_tokens)]
+        per_head = fp8_rows((1, 1, 1, head_dim), "meta").stride(2) if fp8 else head_dim
+        strides = [(n * heads * width, 0, 0, heads * width, width)
+                   for n, width in ((q_tokens, per_head), (kv_tokens, per_head), (kv_tokens, head_dim),
+                                    (q_tokens, head_dim))]
     names = [f"stride_{t}{axis}" for t in "qkvo" for axis in ("b", "0", "1", "2", "h")]
     arguments = dict(zip(names, (s for group in strides for s in group)))
     scale = head_dim**-0.5 if spec.scale is None else spec.scale
@@ -320,7 +325,8 @@ def make_call(
         **dict(zip(("C0", "C1", "C2"), as_3d(problem.causal, False))),
         **dict(zip(("TQ0", "TQ1", "TQ2"), q_layout.tile)),
         **dict(zip(("TK0", "TK1", "TK2"), kv_layout.tile)),
-        HEAD_DIM=head_dim, WRITE_LSE=spec.return_lse, DEBUG=debug, HEAD_MAJOR=launch.HEAD_MAJOR, LAYOUT=mode,
+        HEAD_DIM=head_dim, CHUNK_A=split.a, CHUNK_B=split.b, WRITE_LSE=spec.return_lse, DEBUG=debug,
+        HEAD_MAJOR=launch.HEAD_MAJOR, LAYOUT=mode,
         MASKED=launch.MASKED, USE_TMA=launch.USE_TMA, WARP_SPECIALIZE=launch.WARP_SPECIALIZE,
     )
     if fp8:  # V transposed: its token stride is the padded row count (kernels/common/fp8.py)

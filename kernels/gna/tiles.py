@@ -2,7 +2,9 @@
 
 A kernel tile holds a power-of-two number of tokens (kernels/gna/checks.py says which counts it can run). Which
 (Q tokens, KV tokens) pairs it runs *well* is measured knowledge, kept here so that both `gna_attention`'s
-defaults and the planner's catalog (natsim.planner.tile_catalog) come from one list. Tile shapes are boxes
+defaults and the planner's catalog (natsim.planner.tile_catalog) come from one list. The list is kept per
+computed head width (32, 64 and 128 columns, the planner's; one list past them); any other head dim uses the
+entry of the width its column chunks compute, rounded up (`catalog`). Tile shapes are boxes
 with power-of-two sides no longer than the next power of two of their dimension, since a longer side would
 hold only padding. A KV tile is either the Q tile's shape or, for half as many keys, the Q tile halved along
 one dimension (NATTEN's 4x8x8 / 2x8x8 pattern).
@@ -27,13 +29,20 @@ from typing import Optional, Sequence
 
 from natsim import Problem, TileConfig, simulate
 
+from ..common.headdim import HEAD_DIMS, head_split
+
 # (Q tokens, KV tokens) per tile worth running, per head_dim; KV tokens equal the Q tokens or half. 64- and
 # 128-token tiles keep the tensor cores busy at these head dims; 256-query tiles spill registers at head_dim 128.
+# These are the widths the planner's catalog and cost model cover (natsim.planner).
 TILE_TOKENS: dict[int, tuple[tuple[int, int], ...]] = {
     32: ((128, 128), (128, 64), (64, 64)),
     64: ((128, 128), (128, 64), (64, 64)),
     128: ((128, 128), (128, 64), (64, 64)),
 }
+# The pairs of head dims computed over 128 columns (kernels/common/headdim.py, `WIDE`): at most 64 keys, since
+# a 128 x 256 fp32 accumulator alone takes 128 registers a thread at 8 warps and 128-key K/V tiles of 256 columns
+# leave room for one pipeline stage; 64-query tiles beside 128-query ones for the register pressure.
+WIDE_TILE_TOKENS: tuple[tuple[int, int], ...] = ((128, 64), (64, 64))
 
 # Relative costs of the kernel's work, from its H100 calibration (planner/cost/coefficients/nvidia-h100-80gb-hbm3.json,
 # 2026-11-23: 1.78e-15 s per full-tile FLOP, 2.16e-15 s per masked-tile FLOP, 0.12e-15 s more per FLOP in tiles
@@ -66,11 +75,22 @@ def halves(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return [shape[:i] + (side // 2,) + shape[i + 1 :] for i, side in enumerate(shape) if side > 1]
 
 
+def catalog(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """The (Q tokens, KV tokens) pairs `head_dim` runs: those of the width the kernels compute it in (its column
+    chunks, kernels/common/headdim.py: 72 split as 64 + 16 computes 80 columns, padded 128), that width rounded
+    up to a key of `TILE_TOKENS` (80 to 128, 16 to 32), or `WIDE_TILE_TOKENS` past the largest key (136 split as
+    128 + 16, 256). A head dim natsim's kernels do not run (FlashAttention-4's 8) rounds itself up."""
+    width = head_split(head_dim).width if head_dim in HEAD_DIMS else head_dim
+    key = min((key for key in TILE_TOKENS if key >= width), default=None)
+    return WIDE_TILE_TOKENS if key is None else TILE_TOKENS[key]
+
+
 def tile_pairs(shape: Sequence[int], head_dim: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The (Q tile, KV tile) shapes worth running on a token layout `shape` at `head_dim` (may be empty)."""
+    """The (Q tile, KV tile) shapes worth running on a token layout `shape` at `head_dim` (may be empty): those of
+    its `catalog`."""
     limits = [1 << (length - 1).bit_length() for length in shape]
     pairs = []
-    for q_tokens, kv_tokens in TILE_TOKENS[head_dim]:
+    for q_tokens, kv_tokens in catalog(head_dim):
         for q_shape in box_shapes(q_tokens, limits):
             kv_shapes = [q_shape] if kv_tokens == q_tokens else halves(q_shape)
             pairs.extend((q_shape, kv_shape) for kv_shape in kv_shapes)

@@ -16,7 +16,8 @@ attends every key, no key past N), which run with no mask code, as the forward's
 pairs follow, each element masked by its own block's bit (gathered from the boolean mask) and by `token < N`.
 Where the tiles cannot hold a partial pair (each tile within one mask block, N a multiple of the key tile), the
 masked loop is not built at all (fewer registers spilled). A query that attends nothing (LSE -inf) contributes
-nothing.
+nothing. Tiles and gradients move and accumulate in head_dim's power-of-two column chunks
+(kernels/common/headdim.py), columns past head_dim read as zeros and never stored.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import triton.language as tl
 from ..common.backend import interpreting
 from ..common.launch import LaunchOptions, descriptors_fit, install_allocator, launch_overrides
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
+from ..common.headdim import head_split, load_columns, store_columns
 from ..common.softmax import LOG2E
 from .lists import build_tile_lists
 
@@ -63,40 +65,77 @@ def _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads):
 
 
 @triton.jit
-def _load_rows(A, B, tokens, base, seq_len, heads, HEAD_DIM: tl.constexpr):
-    """Rows `tokens` of one head of two `[B, N, heads, head_dim]` tensors, zeros at and past N."""
-    offsets = base + tokens.to(tl.int64)[:, None] * (heads * HEAD_DIM) + tl.arange(0, HEAD_DIM)[None, :]
-    ok = (tokens < seq_len)[:, None]
-    return tl.load(A + offsets, mask=ok, other=0.0), tl.load(B + offsets, mask=ok, other=0.0)
+def _load_rows(A, tokens, base, seq_len, heads, HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr,
+               CHUNK_B: tl.constexpr):
+    """Rows `tokens` of one head of a `[B, N, heads, head_dim]` tensor in head_dim's column chunks (`a_a, a_b`;
+    the second is the first again when CHUNK_B is 0), zeros at and past N and past head_dim."""
+    rows = base + tokens.to(tl.int64) * (heads * HEAD_DIM)
+    ok = tokens < seq_len
+    a_a = load_columns(A, rows, 0, CHUNK_A, HEAD_DIM, ok)
+    a_b = a_a
+    if CHUNK_B > 0:
+        a_b = load_columns(A, rows, CHUNK_A, CHUNK_B, HEAD_DIM, ok)
+    return a_a, a_b
 
 
 @triton.jit
-def _row_descriptor(A, base, seq_len, heads, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _row_descriptor(A, base, seq_len, heads, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr):
     """A tensor descriptor over one head of a `[B, N, heads, head_dim]` tensor (`base`: the head's first element),
-    `ROWS` tokens per load; rows at and past N read as zeros."""
+    `ROWS` tokens and one column chunk of `WIDTH` columns per load; rows at and past N and columns past head_dim
+    read as zeros (the descriptor's last dimension is the head's own head_dim columns)."""
     return tl.make_tensor_descriptor(A + base, shape=[seq_len, HEAD_DIM], strides=[heads * HEAD_DIM, 1],
-                                     block_shape=[ROWS, HEAD_DIM])
+                                     block_shape=[ROWS, WIDTH])
 
 
 @triton.jit
-def _load_pair(A, B, a_desc, b_desc, tokens, first, base, seq_len, heads, HEAD_DIM: tl.constexpr,
-               USE_TMA: tl.constexpr):
-    """Rows `tokens` (consecutive from `first`) of one head of two `[B, N, heads, head_dim]` tensors, zeros at
-    and past N: through tensor descriptors, or pointer loads."""
+def _row_descriptors(A, base, seq_len, heads, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr,
+                     CHUNK_B: tl.constexpr, USE_TMA: tl.constexpr):
+    """`_row_descriptor`s of one tensor, one per column chunk (the second is the first again when CHUNK_B is 0),
+    with USE_TMA; else the bare pointer twice (loads go through pointers)."""
     if USE_TMA:
-        return a_desc.load([first, 0]), b_desc.load([first, 0])
-    return _load_rows(A, B, tokens, base, seq_len, heads, HEAD_DIM)
-
-
-@triton.jit
-def _store_tile(A, a, tokens, first, base, seq_len, heads, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr):
-    """Store `a` to rows `tokens` (consecutive from `first`) of one head of a `[B, N, heads, head_dim]` tensor,
-    rows at and past N dropped: through a tensor descriptor, or a pointer store."""
-    if USE_TMA:
-        _row_descriptor(A, base, seq_len, heads, a.shape[0], HEAD_DIM).store([first, 0], a.to(A.dtype.element_ty))
+        d_a = _row_descriptor(A, base, seq_len, heads, ROWS, HEAD_DIM, CHUNK_A)
+        d_b = d_a
+        if CHUNK_B > 0:
+            d_b = _row_descriptor(A, base, seq_len, heads, ROWS, HEAD_DIM, CHUNK_B)
     else:
-        offsets = base + tokens.to(tl.int64)[:, None] * (heads * HEAD_DIM) + tl.arange(0, HEAD_DIM)[None, :]
-        tl.store(A + offsets, a.to(A.dtype.element_ty), mask=(tokens < seq_len)[:, None])
+        d_a = A
+        d_b = A
+    return d_a, d_b
+
+
+@triton.jit
+def _load_tile(A, desc_a, desc_b, tokens, first, base, seq_len, heads, HEAD_DIM: tl.constexpr,
+               CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows `tokens` (consecutive from `first`) of one head of a `[B, N, heads, head_dim]` tensor in head_dim's
+    column chunks, zeros at and past N: through tensor descriptors, or pointer loads."""
+    if USE_TMA:
+        a_a = desc_a.load([first, 0])
+        a_b = a_a
+        if CHUNK_B > 0:
+            a_b = desc_b.load([first, CHUNK_A])
+    else:
+        a_a, a_b = _load_rows(A, tokens, base, seq_len, heads, HEAD_DIM, CHUNK_A, CHUNK_B)
+    return a_a, a_b
+
+
+@triton.jit
+def _store_tile(A, a_a, a_b, tokens, first, base, seq_len, heads, HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr,
+                CHUNK_B: tl.constexpr, USE_TMA: tl.constexpr):
+    """Store the column chunks `a_a` (and `a_b`) to rows `tokens` (consecutive from `first`) of one head of a
+    `[B, N, heads, head_dim]` tensor, rows at and past N and columns past head_dim dropped: through tensor
+    descriptors, or pointer stores."""
+    if USE_TMA:
+        _row_descriptor(A, base, seq_len, heads, a_a.shape[0], HEAD_DIM, CHUNK_A).store(
+            [first, 0], a_a.to(A.dtype.element_ty))
+        if CHUNK_B > 0:
+            _row_descriptor(A, base, seq_len, heads, a_b.shape[0], HEAD_DIM, CHUNK_B).store(
+                [first, CHUNK_A], a_b.to(A.dtype.element_ty))
+    else:
+        rows = base + tokens.to(tl.int64) * (heads * HEAD_DIM)
+        ok = tokens < seq_len
+        store_columns(A, rows, a_a, 0, CHUNK_A, HEAD_DIM, ok)
+        if CHUNK_B > 0:
+            store_columns(A, rows, a_b, CHUNK_A, CHUNK_B, HEAD_DIM, ok)
 
 
 @triton.jit
@@ -116,7 +155,7 @@ def _dkdv_program(
     seq_len, heads, num_q_blocks, num_kv_blocks, num_q_tiles, num_kv_tiles, mask_b_step, mask_h_step, mask_heads,
     qk_scale, scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_TMA: tl.constexpr, PARTIAL: tl.constexpr,
+    CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, USE_TMA: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     """KV tile `kv_tile` of BLOCK_N keys: its dK and dV over the Q tiles of its column, the full ones (every
     query attends every key) first and without mask code, then (when the tiles can hold any: PARTIAL) the
@@ -126,19 +165,24 @@ def _dkdv_program(
     rows = tl.arange(0, BLOCK_M)
     k_tokens = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     base = b * seq_len * heads * HEAD_DIM + h * HEAD_DIM
-    if USE_TMA:  # the program's own tile too: no offsets held across the loop
-        k_desc = _row_descriptor(K, base, seq_len, heads, BLOCK_N, HEAD_DIM)
-        v_desc = _row_descriptor(V, base, seq_len, heads, BLOCK_N, HEAD_DIM)
-        k = k_desc.load([kv_tile * BLOCK_N, 0])
-        v = v_desc.load([kv_tile * BLOCK_N, 0])
-        q_desc = _row_descriptor(Q, base, seq_len, heads, BLOCK_M, HEAD_DIM)
-        do_desc = _row_descriptor(DO, base, seq_len, heads, BLOCK_M, HEAD_DIM)
-    else:
-        k, v = _load_rows(K, V, k_tokens, base, seq_len, heads, HEAD_DIM)
-        q_desc = Q  # unused: loads go through pointers
-        do_desc = DO
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # Every [rows, head_dim] tile and gradient in head_dim's column chunks (kernels/common/headdim.py): `_a`, and
+    # `_b` where CHUNK_B is not 0 (else the `_a` one again, never read). Through descriptors with USE_TMA, the
+    # program's own tile too: no offsets held across the loop.
+    k_desc_a, k_desc_b = _row_descriptors(K, base, seq_len, heads, BLOCK_N, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
+    v_desc_a, v_desc_b = _row_descriptors(V, base, seq_len, heads, BLOCK_N, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
+    k_a, k_b = _load_tile(K, k_desc_a, k_desc_b, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM,
+                          CHUNK_A, CHUNK_B, USE_TMA)
+    v_a, v_b = _load_tile(V, v_desc_a, v_desc_b, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM,
+                          CHUNK_A, CHUNK_B, USE_TMA)
+    q_desc_a, q_desc_b = _row_descriptors(Q, base, seq_len, heads, BLOCK_M, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
+    do_desc_a, do_desc_b = _row_descriptors(DO, base, seq_len, heads, BLOCK_M, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
+    dk_a = tl.zeros([BLOCK_N, CHUNK_A], dtype=tl.float32)
+    dv_a = tl.zeros([BLOCK_N, CHUNK_A], dtype=tl.float32)
+    dk_b = dk_a
+    dv_b = dv_a
+    if CHUNK_B > 0:
+        dk_b = tl.zeros([BLOCK_N, CHUNK_B], dtype=tl.float32)
+        dv_b = tl.zeros([BLOCK_N, CHUNK_B], dtype=tl.float32)
     column = mask_item * num_kv_tiles + kv_tile
     count = tl.load(COL_COUNT + column)
     full = tl.load(COL_FULL + column)
@@ -146,19 +190,29 @@ def _dkdv_program(
     for i in tl.range(0, full):
         first = tl.load(INDEX + i) * BLOCK_M
         q_tokens = first + rows
-        q, do = _load_pair(Q, DO, q_desc, do_desc, q_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
+        q_a, q_b = _load_tile(Q, q_desc_a, q_desc_b, q_tokens, first, base, seq_len, heads, HEAD_DIM, CHUNK_A,
+                              CHUNK_B, USE_TMA)
+        do_a, do_b = _load_tile(DO, do_desc_a, do_desc_b, q_tokens, first, base, seq_len, heads, HEAD_DIM, CHUNK_A,
+                                CHUNK_B, USE_TMA)
         lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
-        dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, 0, False)
+        dk_a, dk_b, dv_a, dv_b, _ = dkdv_step(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_a, q_b, do_a, do_b,
+                                              lse2, delta, qk_scale, 0, False, CHUNK_B)
     if PARTIAL:
         for i in tl.range(full, count):
             first = tl.load(INDEX + i) * BLOCK_M
             q_tokens = first + rows
-            q, do = _load_pair(Q, DO, q_desc, do_desc, q_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
+            q_a, q_b = _load_tile(Q, q_desc_a, q_desc_b, q_tokens, first, base, seq_len, heads, HEAD_DIM, CHUNK_A,
+                                  CHUNK_B, USE_TMA)
+            do_a, do_b = _load_tile(DO, do_desc_a, do_desc_b, q_tokens, first, base, seq_len, heads, HEAD_DIM,
+                                    CHUNK_A, CHUNK_B, USE_TMA)
             lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
             keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, True)
-            dk, dv, _ = dkdv_step(dk, dv, k, v, q, do, lse2, delta, qk_scale, keep, True)
-    _store_tile(DK, dk * scale, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM, USE_TMA)
-    _store_tile(DV, dv, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM, USE_TMA)
+            dk_a, dk_b, dv_a, dv_b, _ = dkdv_step(dk_a, dk_b, dv_a, dv_b, k_a, k_b, v_a, v_b, q_a, q_b, do_a, do_b,
+                                                  lse2, delta, qk_scale, keep, True, CHUNK_B)
+    _store_tile(DK, dk_a * scale, dk_b * scale, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM,
+                CHUNK_A, CHUNK_B, USE_TMA)
+    _store_tile(DV, dv_a, dv_b, k_tokens, kv_tile * BLOCK_N, base, seq_len, heads, HEAD_DIM, CHUNK_A, CHUNK_B,
+                USE_TMA)
 
 
 @triton.jit
@@ -167,7 +221,7 @@ def _dq_program(
     seq_len, heads, num_q_blocks, num_kv_blocks, num_q_tiles, num_kv_tiles, mask_b_step, mask_h_step, mask_heads,
     qk_scale, scale,
     QB: tl.constexpr, KVB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_TMA: tl.constexpr, PARTIAL: tl.constexpr,
+    CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr, USE_TMA: tl.constexpr, PARTIAL: tl.constexpr,
 ):
     """Q tile `q_tile` of BLOCK_M queries: its dQ over the KV tiles of its row, full ones first and without mask
     code, then (PARTIAL) the partial ones under the element mask."""
@@ -176,33 +230,45 @@ def _dq_program(
     cols = tl.arange(0, BLOCK_N)
     q_tokens = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     base = b * seq_len * heads * HEAD_DIM + h * HEAD_DIM
-    if USE_TMA:  # the program's own tile too: no offsets held across the loop
-        q = _row_descriptor(Q, base, seq_len, heads, BLOCK_M, HEAD_DIM).load([q_tile * BLOCK_M, 0])
-        do = _row_descriptor(DO, base, seq_len, heads, BLOCK_M, HEAD_DIM).load([q_tile * BLOCK_M, 0])
-        k_desc = _row_descriptor(K, base, seq_len, heads, BLOCK_N, HEAD_DIM)
-        v_desc = _row_descriptor(V, base, seq_len, heads, BLOCK_N, HEAD_DIM)
-    else:
-        q, do = _load_rows(Q, DO, q_tokens, base, seq_len, heads, HEAD_DIM)
-        k_desc = K  # unused: loads go through pointers
-        v_desc = V
+    # In head_dim's column chunks, as the dK/dV program.
+    q_desc_a, q_desc_b = _row_descriptors(Q, base, seq_len, heads, BLOCK_M, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
+    do_desc_a, do_desc_b = _row_descriptors(DO, base, seq_len, heads, BLOCK_M, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
+    q_a, q_b = _load_tile(Q, q_desc_a, q_desc_b, q_tokens, q_tile * BLOCK_M, base, seq_len, heads, HEAD_DIM,
+                          CHUNK_A, CHUNK_B, USE_TMA)
+    do_a, do_b = _load_tile(DO, do_desc_a, do_desc_b, q_tokens, q_tile * BLOCK_M, base, seq_len, heads, HEAD_DIM,
+                            CHUNK_A, CHUNK_B, USE_TMA)
+    k_desc_a, k_desc_b = _row_descriptors(K, base, seq_len, heads, BLOCK_N, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
+    v_desc_a, v_desc_b = _row_descriptors(V, base, seq_len, heads, BLOCK_N, HEAD_DIM, CHUNK_A, CHUNK_B, USE_TMA)
     lse2, delta = _row_stats(LSE, DELTA, q_tokens, seq_len, b, h, heads)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq_a = tl.zeros([BLOCK_M, CHUNK_A], dtype=tl.float32)
+    dq_b = dq_a
+    if CHUNK_B > 0:
+        dq_b = tl.zeros([BLOCK_M, CHUNK_B], dtype=tl.float32)
     row = mask_item * num_q_tiles + q_tile
     count = tl.load(ROW_COUNT + row)
     full = tl.load(ROW_FULL + row)
     INDEX = ROW_INDEX + row * num_kv_tiles
     for i in tl.range(0, full):
         first = tl.load(INDEX + i) * BLOCK_N
-        k, v = _load_pair(K, V, k_desc, v_desc, first + cols, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
-        dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, 0, False)
+        k_a, k_b = _load_tile(K, k_desc_a, k_desc_b, first + cols, first, base, seq_len, heads, HEAD_DIM, CHUNK_A,
+                              CHUNK_B, USE_TMA)
+        v_a, v_b = _load_tile(V, v_desc_a, v_desc_b, first + cols, first, base, seq_len, heads, HEAD_DIM, CHUNK_A,
+                              CHUNK_B, USE_TMA)
+        dq_a, dq_b = dq_step(dq_a, dq_b, q_a, q_b, do_a, do_b, k_a, k_b, v_a, v_b, lse2, delta, qk_scale, 0, False,
+                             CHUNK_B)
     if PARTIAL:
         for i in tl.range(full, count):
             first = tl.load(INDEX + i) * BLOCK_N
             k_tokens = first + cols
-            k, v = _load_pair(K, V, k_desc, v_desc, k_tokens, first, base, seq_len, heads, HEAD_DIM, USE_TMA)
+            k_a, k_b = _load_tile(K, k_desc_a, k_desc_b, k_tokens, first, base, seq_len, heads, HEAD_DIM, CHUNK_A,
+                                  CHUNK_B, USE_TMA)
+            v_a, v_b = _load_tile(V, v_desc_a, v_desc_b, k_tokens, first, base, seq_len, heads, HEAD_DIM, CHUNK_A,
+                                  CHUNK_B, USE_TMA)
             keep = _element_mask(MASK_BH, q_tokens, k_tokens, seq_len, num_kv_blocks, QB, KVB, False)
-            dq = dq_step(dq, q, do, k, v, lse2, delta, qk_scale, keep, True)
-    _store_tile(DQ, dq * scale, q_tokens, q_tile * BLOCK_M, base, seq_len, heads, HEAD_DIM, USE_TMA)
+            dq_a, dq_b = dq_step(dq_a, dq_b, q_a, q_b, do_a, do_b, k_a, k_b, v_a, v_b, lse2, delta, qk_scale, keep,
+                                 True, CHUNK_B)
+    _store_tile(DQ, dq_a * scale, dq_b * scale, q_tokens, q_tile * BLOCK_M, base, seq_len, heads, HEAD_DIM, CHUNK_A,
+                CHUNK_B, USE_TMA)
 
 
 @triton.jit
@@ -211,8 +277,8 @@ def sparse_backward_kernel(
     seq_len, heads, num_q_blocks, num_kv_blocks, dkdv_q_tiles, dkdv_kv_tiles, dq_q_tiles, dq_kv_tiles,
     mask_b_step, mask_h_step, mask_heads, qk_scale, scale,
     QB: tl.constexpr, KVB: tl.constexpr, DKDV_M: tl.constexpr, DKDV_N: tl.constexpr, DQ_M: tl.constexpr,
-    DQ_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, DKDV_PARTIAL: tl.constexpr,
-    DQ_PARTIAL: tl.constexpr,
+    DQ_N: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK_A: tl.constexpr, CHUNK_B: tl.constexpr,
+    USE_TMA: tl.constexpr, DKDV_PARTIAL: tl.constexpr, DQ_PARTIAL: tl.constexpr,
 ):
     """The dK/dV and the dQ programs in one launch (grid: dK/dV's KV tiles + dQ's Q tiles, x batch * heads): the
     dK/dV programs first (the longer ones), then the dQ programs, which fill the SMs that the last dK/dV
@@ -222,13 +288,13 @@ def sparse_backward_kernel(
     if pid < dkdv_kv_tiles:
         _dkdv_program(pid, Q, K, V, DO, LSE, DELTA, DK, DV, MASK, COL_COUNT, COL_FULL, COL_INDEX,
                       seq_len, heads, num_q_blocks, num_kv_blocks, dkdv_q_tiles, dkdv_kv_tiles, mask_b_step,
-                      mask_h_step, mask_heads, qk_scale, scale, QB, KVB, DKDV_M, DKDV_N, HEAD_DIM, USE_TMA,
-                      DKDV_PARTIAL)
+                      mask_h_step, mask_heads, qk_scale, scale, QB, KVB, DKDV_M, DKDV_N, HEAD_DIM, CHUNK_A, CHUNK_B,
+                      USE_TMA, DKDV_PARTIAL)
     else:
         _dq_program(pid - dkdv_kv_tiles, Q, K, V, DO, LSE, DELTA, DQ, MASK, ROW_COUNT, ROW_FULL, ROW_INDEX,
                     seq_len, heads, num_q_blocks, num_kv_blocks, dq_q_tiles, dq_kv_tiles, mask_b_step,
-                    mask_h_step, mask_heads, qk_scale, scale, QB, KVB, DQ_M, DQ_N, HEAD_DIM, USE_TMA,
-                    DQ_PARTIAL)
+                    mask_h_step, mask_heads, qk_scale, scale, QB, KVB, DQ_M, DQ_N, HEAD_DIM, CHUNK_A, CHUNK_B,
+                    USE_TMA, DQ_PARTIAL)
 
 
 # -- host side ---------------------------------------------------------------------------------------------------
@@ -340,7 +406,8 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
     batch, seq_len, heads, head_dim = q.shape
     scale = head_dim**-0.5 if scale is None else float(scale)
     tiles = backward_tiles(q_block, kv_block, q.device) if tiles is None else tiles
-    default = launch_options(max(tiles.dkdv_queries, tiles.dq_queries), max(tiles.dkdv_keys, tiles.dq_keys))
+    split = head_split(head_dim)
+    default = launch_options(max(tiles.dkdv_queries, tiles.dq_queries), max(tiles.dkdv_keys, tiles.dq_keys), split)
     launch = replace(default, num_stages=STAGES, USE_TMA=True).overridden(
         launch_overrides(options, "options", LAUNCH_OPTIONS))
     q, k, v, out, grad_out = (t.detach().contiguous() for t in (q, k, v, out, grad_out.to(q.dtype)))
@@ -360,7 +427,7 @@ def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q
         dq_q_tiles=dq_q_tiles, dq_kv_tiles=rows.index.shape[-1], mask_b_step=0 if mask.shape[0] == 1 else 1,
         mask_h_step=0 if mask.shape[1] == 1 else 1, mask_heads=mask.shape[1], qk_scale=scale * LOG2E, scale=scale,
         QB=q_block, KVB=kv_block, DKDV_M=tiles.dkdv_queries, DKDV_N=tiles.dkdv_keys, DQ_M=tiles.dq_queries,
-        DQ_N=tiles.dq_keys, HEAD_DIM=head_dim, USE_TMA=use_tma,
+        DQ_N=tiles.dq_keys, **split.constexprs(), USE_TMA=use_tma,
         DKDV_PARTIAL=_may_hold_partial_pairs(tiles.dkdv_queries, tiles.dkdv_keys, q_block, kv_block, seq_len),
         DQ_PARTIAL=_may_hold_partial_pairs(tiles.dq_queries, tiles.dq_keys, q_block, kv_block, seq_len),
         **launch.triton_options())

@@ -10,10 +10,11 @@ import torch
 
 from ..common.checks import KERNEL_DTYPES, check_matching, check_tensors
 from ..common.fp8 import E4M3
+from ..common.headdim import HEAD_DIMS, head_dim_refusal
 from .work import SparseWork
 
 SCHEDULES = ("grid", "lpt")
-SPARSE_HEAD_DIMS = (32, 64, 128)
+SPARSE_HEAD_DIMS = HEAD_DIMS  # 16 to 256 in steps of 8 (kernels/common/headdim.py)
 
 
 def check_sparse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -47,14 +48,15 @@ def check_pv_threshold(pv_threshold) -> Optional[float]:
 
 def check_sparse_kernel(q: torch.Tensor, float8: bool = False) -> None:
     """What the Triton kernel runs: fp16/bf16 (float8 e4m3 too where the call was given `float8` inputs with
-    their scales, kernels/common/fp8.py) and head_dim 32, 64 or 128."""
+    their scales, kernels/common/fp8.py) and head_dim 16 to 256 in steps of 8."""
     if q.dtype not in KERNEL_DTYPES and not (float8 and q.dtype == E4M3):
         raise ValueError(
             f"the sparse kernel supports dtype float16 and bfloat16 (fp32 accumulation), got dtype={q.dtype}; "
             "use sparse_reference for other dtypes."
         )
-    if q.shape[-1] not in SPARSE_HEAD_DIMS:
-        raise ValueError(f"the sparse kernel supports head_dim in {SPARSE_HEAD_DIMS}, got head_dim={q.shape[-1]}.")
+    refusal = head_dim_refusal(q.shape[-1], "sparse kernel", SPARSE_HEAD_DIMS)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def check_mask_batch(mask_batch: int, mask_heads: int, q: torch.Tensor) -> None:

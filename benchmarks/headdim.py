@@ -1,0 +1,197 @@
+"""Head dims that are not powers of two: natsim's Triton GNA forward padded against split, in useful TFLOP/s.
+
+    python benchmarks/headdim.py --out benchmarks/results             # H100: the table that sets PADDED_WIDTHS
+    python benchmarks/headdim.py --out DIR --widths 72,96 --cases dense
+    python benchmarks/headdim.py --out DIR --small                    # CPU interpreter, tiny shapes, seconds
+
+A head dim that is not a power of two runs in column chunks (kernels/common/headdim.py): padded to the next
+power of two ("pad") or split into two power-of-two chunks ("split", 72 = 64 + 16, 96 = 64 + 32). For each case
+(GNA in place at HunyuanVideo's layout, block-sparse and neighborhood attention, and dense attention over one
+32,768-token sequence) and each width, `gna_attention` runs on natsim's kernels (its own tiles and data path, as a
+user's call) once with every width padded and once with every width split where a split computes fewer columns
+(`PADDED_WIDTHS` set for the run, the call cache emptied between the two), and is timed with
+`triton.testing.do_bench` (median). Useful TFLOP/s count the attended (query, key) pairs at the true head dim,
+`4 * pairs * head_dim * heads`; each row also gives its throughput over head_dim 128's (the target: at least 0.85
+at 72 and 96). The two strategies' outputs are held against each other and, on a small problem, against the
+float64 reference before anything is timed. Set `PADDED_WIDTHS` to the widths whose "pad" row is faster.
+
+Writes `headdim-<device>-<date>.json` (`headdim-small.json` with --small) with the device, torch and Triton
+versions and the date, and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--small" in sys.argv[1:] and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before natsim.kernels is imported
+
+import torch
+import triton
+
+import natsim
+from natsim.kernels import gna_attention, reference_attention
+from natsim.kernels.common import headdim
+from natsim.kernels.gna import dispatch
+
+WIDTHS = (40, 64, 72, 88, 96, 112, 128)
+HEADS, DTYPE = 24, torch.bfloat16
+# case: (shape, window, stride); dense attention is its layout as the window
+CASES = {
+    "hunyuan-16x8x8": ((30, 48, 80), (18, 24, 24), (16, 8, 8)),
+    "hunyuan-1x1x1": ((30, 48, 80), (18, 24, 24), (1, 1, 1)),
+    "dense": ((32768,), (32768,), (1,)),
+}
+SMALL_CASES = {
+    "small-gna": ((4, 6, 8), (3, 3, 5), (1, 2, 2)),
+    "small-dense": ((96,), (96,), (1,)),
+}
+SMALL_WIDTHS = (40, 72)
+
+
+@contextlib.contextmanager
+def strategy(name: str):
+    """Every width padded ("pad") or split where that computes fewer columns ("split") while inside, on fresh
+    calls (the dispatcher keeps a call's chunks with it)."""
+    saved = headdim.PADDED_WIDTHS
+    headdim.PADDED_WIDTHS = frozenset(headdim.HEAD_DIMS) if name == "pad" else frozenset()
+    dispatch._calls.clear()
+    try:
+        yield
+    finally:
+        headdim.PADDED_WIDTHS = saved
+        dispatch._calls.clear()
+
+
+def strategies(head_dim: int) -> tuple[str, ...]:
+    """The strategies that differ at `head_dim`: both where a split computes fewer columns, else padding alone."""
+    return ("pad", "split") if headdim.head_split(head_dim, "split").b else ("pad",)
+
+
+def timed(fn, small: bool) -> float:
+    """Median milliseconds (one run after a warm-up one in the interpreter, which has no CUDA events)."""
+    if small:
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check_small(head_dim: int, device: str, dtype: torch.dtype) -> float:
+    """The largest relative error against the float64 reference of the strategies at `head_dim`, on a small
+    problem with partial tiles and padding."""
+    torch.manual_seed(head_dim)
+    q, k, v = (torch.randn(1, 5, 7, 9, 2, head_dim, device=device, dtype=dtype) for _ in range(3))
+    ref = reference_attention(q.double(), k.double(), v.double(), (3, 4, 5), (1, 2, 2))
+    errors = []
+    for name in strategies(head_dim):
+        with strategy(name):
+            errors.append(rel(gna_attention(q, k, v, (3, 4, 5), (1, 2, 2), backend="triton"), ref))
+    return max(errors)
+
+
+def run_case(case: str, shape, window, stride, head_dim: int, heads: int, device: str, dtype: torch.dtype,
+             small: bool) -> list[dict]:
+    """One row per strategy at `head_dim`: milliseconds, useful TFLOP/s, the chunks run."""
+    problem = natsim.Problem(shape, window, stride)
+    tile = (1,) * (len(shape) - 1) + (16,)  # any tile: the attended pairs are the mask's
+    pairs = natsim.simulate(problem, natsim.TileConfig(tile, tile)).attended_pairs
+    useful = 4.0 * pairs * head_dim * heads
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, *shape, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
+    rows, outputs = [], []
+    for name in strategies(head_dim):
+        with strategy(name), torch.no_grad():
+            split = headdim.head_split(head_dim)
+            run = lambda: gna_attention(q, k, v, window, stride, backend="triton")  # noqa: E731
+            outputs.append(run())
+            ms = timed(run, small)
+        rows.append({"case": case, "shape": list(shape), "window": list(window), "stride": list(stride),
+                     "heads": heads, "head_dim": head_dim, "strategy": name, "chunks": [split.a, split.b],
+                     "computed_width": split.width, "ms": ms, "useful_tflops": useful / ms / 1e9})
+    if len(outputs) == 2:
+        agreement = rel(outputs[0], outputs[1])
+        for row in rows:
+            row["pad_vs_split_rel_error"] = agreement
+        if agreement > 2e-2:
+            raise SystemExit(f"{case} at head_dim {head_dim}: padded and split outputs differ by {agreement:.2e}.")
+    return rows
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's useful TFLOP/s over its case's at head_dim 128 (the best strategy there), where timed."""
+    base = {r["case"]: r["useful_tflops"] for r in rows if r["head_dim"] == 128}
+    for row in rows:
+        if row["case"] in base:
+            row["of_128"] = row["useful_tflops"] / base[row["case"]]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | head_dim | strategy | chunks | ms | useful TFLOP/s | of head_dim 128 |", "|" + "---|" * 7]
+    for r in rows:
+        ratio = f"{r['of_128']:.2f}" if "of_128" in r else "-"
+        lines.append(f"| {r['case']} | {r['head_dim']} | {r['strategy']} | {r['chunks'][0]}+{r['chunks'][1]} | "
+                     f"{r['ms']:.3f} | {r['useful_tflops']:.3g} | {ratio} |")
+    return "\n".join(lines)
+
+
+def environment(small: bool) -> dict:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"
+    return {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(), "small": small}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument("--widths", default=None, help=f"head dims, comma-separated (default {WIDTHS})")
+    parser.add_argument("--cases", default=None, help=f"cases, comma-separated (default {','.join(CASES)})")
+    parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU in Triton's interpreter")
+    args = parser.parse_args(argv)
+    if args.small:
+        cases, widths, device, dtype, heads = SMALL_CASES, SMALL_WIDTHS, "cpu", torch.float16, 1
+        if torch.cuda.is_available():
+            device = "cuda"
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmarks/headdim.py needs a CUDA GPU; use --small for the CPU run.")
+        cases, widths, device, dtype, heads = CASES, WIDTHS, "cuda", DTYPE, args.heads
+    if args.widths:
+        widths = tuple(int(w) for w in args.widths.split(","))
+    if args.cases:
+        cases = {name: cases[name] for name in args.cases.split(",")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, checks = [], {}
+    for head_dim in widths:
+        checks[head_dim] = check_small(head_dim, device, dtype)
+        if checks[head_dim] > 2e-2:
+            raise SystemExit(f"head_dim {head_dim}: {checks[head_dim]:.2e} from the float64 reference.")
+    for case, (shape, window, stride) in cases.items():
+        for head_dim in widths:
+            for row in run_case(case, shape, window, stride, head_dim, heads, device, dtype, args.small):
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    record = {**environment(args.small), "reference_rel_error": checks, "rows": with_ratios(rows)}
+    name = ("headdim-small.json" if args.small
+            else f"headdim-{record['device'].replace(' ', '_')}-{record['date']}.json")
+    (args.out / name).write_text(json.dumps(record, indent=1))
+    print(table(rows))
+    return record
+
+
+if __name__ == "__main__":
+    main()
