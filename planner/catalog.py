@@ -18,6 +18,7 @@ from natsim import TileConfig
 from natsim.tiles import KV_TILINGS
 from natsim.kernels.backends import capabilities
 from natsim.kernels.backends.triton import TILE_TOKENS, tile_pairs
+from natsim.kernels.backends.triton import catalog as tile_tokens
 
 GNA_KERNEL = capabilities("triton", "gna")  # what the GNA kernel the planner plans for runs
 
@@ -57,12 +58,13 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 
 def check_head_dim(head_dim: object) -> int:
-    """Check that the GNA kernel runs `head_dim` and the catalog has tiles for it."""
+    """Check that the GNA kernel runs `head_dim` (its catalog has tiles for every width it runs)."""
     if not isinstance(head_dim, int) or isinstance(head_dim, bool):
         raise TypeError(f"head_dim must be an int, got head_dim={head_dim!r}.")
-    supported = tuple(d for d in GNA_KERNEL.head_dims if d in TILE_TOKENS)
-    if head_dim not in supported:
-        raise ValueError(f"head_dim must be one of those the GNA kernel runs {supported}, got head_dim={head_dim}.")
+    widths = GNA_KERNEL.head_dims
+    if head_dim not in widths:
+        raise ValueError(f"head_dim must be one the GNA kernel runs ({min(widths)} to {max(widths)} in steps of "
+                         f"{widths[1] - widths[0]}), got head_dim={head_dim}.")
     return head_dim
 
 
@@ -78,7 +80,7 @@ def tile_catalog(
     catalog = [TileConfig(q_shape, kv_shape, kv_tiling=mode)
                for q_shape, kv_shape in tile_pairs(shape, head_dim) for mode in modes]
     if not catalog:
-        smallest = min(q for q, _ in TILE_TOKENS[head_dim])
+        smallest = min(q for q, _ in tile_tokens(head_dim))
         raise ValueError(
             f"shape={tuple(shape)} is too small for the planner's tiles: the smallest holds {smallest} tokens, "
             "with no side longer than the next power of two of its dimension."

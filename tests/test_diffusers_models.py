@@ -386,3 +386,23 @@ def test_specs_and_registrations_refuse_what_natsim_cannot_use():
                 nd.apply(TinyDiT(), 0.5)
         finally:
             nd.unregister(TinyDiT)
+
+
+@pytest.mark.parametrize("head_dim", [72, 96])
+def test_a_model_at_a_released_head_dim_plans_and_reproduces_its_attention(head_dim, reference_path):
+    """PixArt's and Latte's 72, Allegro's 96: the planner plans the width, and a window over the whole layout
+    gives the model's own attention (a tiny Wan with heads of that width)."""
+    import diffusers
+
+    torch.manual_seed(0)
+    config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=head_dim, in_channels=4,
+                  out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1, rope_max_seq_len=32)
+    model = diffusers.WanTransformer3DModel(**config).eval()
+    inputs = diffusers_models.inputs("WanTransformer3DModel", (2, 4, 8))
+    with torch.no_grad():
+        own = model(**inputs)[0]
+    applied = nd.apply(model, window=(2, 4, 8), dtype=torch.bfloat16)
+    with torch.no_grad():
+        routed = model(**inputs)[0]
+    assert [key[2] for key in applied.plans] == [head_dim]
+    assert float((routed - own).norm() / own.norm()) < 2e-2  # bfloat16 kernels against the float32 model

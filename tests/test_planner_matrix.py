@@ -75,7 +75,7 @@ def ranking_model(cost: str, path: str, training: bool, precision=None):
 def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dtype, precision=None) -> list[str]:
     """The documented reasons (regular expressions of their sentences) to refuse a combination; none: it plans.
 
-    - the kernels run head_dim 32, 64, 128 and bf16 / fp16 only;
+    - the kernels run head_dim 16 to 256 in steps of 8 and bf16 / fp16 only;
     - a GPU named by device= must have coefficients (an H200 has none until calibrated);
     - a fixed kv_tiling needs the ranking cost model to be calibrated on it (the file covers static only);
       without a model (none, or training without backward coefficients) tile work ranks both modes;
@@ -84,8 +84,8 @@ def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dt
     - FP8: inference only (no training), static KV tiling only, one GPU (no world_size).
     """
     reasons = []
-    if head_dim not in (32, 64, 128):
-        reasons.append(r"head_dim must be one of those the GNA kernel runs \(32, 64, 128\), got head_dim=")
+    if head_dim not in range(16, 257, 8):
+        reasons.append(r"head_dim must be one the GNA kernel runs \(16 to 256 in steps of 8\), got head_dim=")
     if dtype not in ("bf16", "fp16"):
         reasons.append(r"dtype must be one of those the GNA kernel runs \(fp16, bf16\)")
     if cost == "h200" and stored_model(cost, path) is None:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from natsim.kernels import TileOrder, attention_resolved
-from natsim.kernels.backends.triton import TILE_TOKENS, tile_pairs
+from natsim.kernels.backends.triton import tile_pairs
 from natsim.planner import AutoPlan
 
 from .dense import attention_with_lse
@@ -209,7 +209,7 @@ class RouterView(Router):
 
     def attend(self, q, k, v, key_mask, scale):
         head_dim = q.shape[-1]
-        if self.layout is not None and head_dim in TILE_TOKENS and not tile_pairs(self.layout, head_dim):
+        if self.layout is not None and not tile_pairs(self.layout, head_dim):
             return None
         return super().attend(q, k, v, key_mask, scale)
 
