@@ -231,7 +231,7 @@ def test_plain_sweep_and_sim_do_not_import_torch():
         (["sim", "--shape", "0x8", "--window", "1"], "at least 1"),
         ([*SMALL, "--kernel-tiles", "--q-tile", "8x8"], "--kernel-tiles chooses the tiles itself, so it takes no --q-tile or --kv-tile, got --q-tile 8x8."),
         ([*SMALL, "--kernel-tiles", "--tiling", "1d"], "--kernel-tiles needs --tiling multi"),
-        ([*SMALL, "--kernel-tiles", "--head-dim", "48"], "head_dim must be one of those the GNA kernel runs (32, 64, 128), got head_dim=48."),
+        ([*SMALL, "--kernel-tiles", "--head-dim", "20"], "head_dim must be one the GNA kernel runs (16 to 256 in steps of 8), got head_dim=20."),
         ([*SMALL, "--tiling", "1d", "--device", "h100"], "predicted times (--device, --coefficients) need --tiling multi"),
         ([*SMALL, "--q-tile", "3x8", "--device", "h100"], "the GNA kernel needs tiles of a power-of-two number of tokens"),
         ([*SMALL, "--kernel-tiles", "--device", "h100-nvl"], "device='h100-nvl' names NVIDIA H100 NVL, which has no cost-model coefficients here"),
