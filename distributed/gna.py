@@ -1,4 +1,6 @@
-"""GNA on a token layout sharded along dimension 0 over a process group: Ulysses, halo or natsim's choice."""
+"""GNA on a token layout sharded along dimension 0 over a process group: Ulysses, halo or natsim's choice,
+differentiable wherever the single-GPU call it runs is (the halo exchange needs GNA's backward on frame ranges,
+which the Triton kernels do not have yet: `HALO_GRADIENT_REFUSAL`)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,19 @@ import torch
 
 from natsim import Problem, TileConfig
 from natsim.kernels import gna_attention as single_gpu_gna_attention
-from natsim.kernels.backends.triton import TILE_TOKENS, check_qkv, default_tiles
+from natsim.kernels.backends.triton import TILE_TOKENS, check_qkv, default_tiles, use_triton
 from natsim.partition import STRATEGIES, choose_strategy, strategy_cost
 from natsim.problem import BoolOrBools, IntOrInts
 
-from .collectives import check_heads, refuse_gradients, resolve_split, world
+from .collectives import check_heads, resolve_split, world
 from .strategies import halo, ulysses
+
+HALO_GRADIENT_REFUSAL = (
+    "the halo strategy runs GNA on frame ranges (natsim.kernels.gna_attention with frame_offsets), whose "
+    "Triton kernels have no backward yet, and q, k or v requires grad: use strategy='ulysses' (heads divisible "
+    "by the world size) or 'auto' to train, call it under torch.no_grad() for inference, or use CPU tensors "
+    "(the torch reference's gradients)."
+)
 
 
 def _tiles(problem: Problem, head_dim: int, q_tile, kv_tile) -> TileConfig:
@@ -24,13 +33,26 @@ def _tiles(problem: Problem, head_dim: int, q_tile, kv_tile) -> TileConfig:
     return TileConfig(kv_tile if q_tile is None else q_tile, q_tile if kv_tile is None else kv_tile)
 
 
+def runnable(heads: int, world_size: int, training: bool, halo_trains: bool) -> tuple[str, ...]:
+    """The strategies that can run a call: ulysses when heads divide over the ranks, halo unless the call
+    needs gradients its kernel cannot give (`halo_trains`: the torch reference's frame ranges do; the Triton
+    kernels' do not yet). A sentence error when neither can."""
+    names = tuple(s for s in STRATEGIES if (s != "ulysses" or heads % world_size == 0)
+                  and (s != "halo" or halo_trains or not training))
+    if not names:
+        raise RuntimeError(f"no strategy can train here: ulysses shards heads, and heads={heads} cannot be split "
+                           f"evenly over {world_size} ranks; {HALO_GRADIENT_REFUSAL}")
+    return names
+
+
 @functools.lru_cache(maxsize=256)
 def choose(problem: Problem, tiles: TileConfig, split: tuple[int, ...], batch: int, heads: int, head_dim: int,
-           element_bytes: int) -> str:
-    """`"ulysses"` or `"halo"`: the one natsim.partition predicts faster (ulysses only when heads divide)."""
+           element_bytes: int, training: bool = False, strategies: tuple[str, ...] = STRATEGIES) -> str:
+    """The one of `strategies` natsim.partition predicts faster: forward and, when `training`, backward
+    (its tile work and the gradients' bytes). Ulysses is left out unless heads divide over the ranks."""
     costs = [strategy_cost(problem, tiles, split, s, batch=batch, heads=heads, head_dim=head_dim,
-                           element_bytes=element_bytes)
-             for s in STRATEGIES if s != "ulysses" or heads % len(split) == 0]
+                           element_bytes=element_bytes, training=training)
+             for s in strategies if s != "ulysses" or heads % len(split) == 0]
     return choose_strategy(costs).strategy
 
 
@@ -57,19 +79,27 @@ def gna_attention(
     whole layout's (`natsim.kernels.gna_attention`). `split` (frames per rank) skips the all-gather of slab
     sizes. `strategy`: `"ulysses"`, `"halo"` or `"auto"` (module docstring). `kv_tiling` as in
     `natsim.kernels.gna_attention` for Ulysses; the halo path's frame ranges run static KV tiling only (None
-    there means static). Every rank must make the same call.
+    there means static). Every rank must make the same call, with the same `requires_grad`.
+
+    Differentiable with respect to q, k and v: the backward runs the single-GPU backward and the adjoint
+    collectives (collectives.py). On tensors that run the Triton kernels the halo strategy cannot train yet
+    (`HALO_GRADIENT_REFUSAL`); `"auto"` then prices and picks among the strategies that can, forward and
+    backward.
     """
-    refuse_gradients(q, k, v)
     shape = check_qkv(q, k, v)
     size, rank = world(group)
     split = resolve_split(q, split, group)
     problem = Problem((sum(split), *shape[1:]), window, stride, dilation, causal)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    halo_trains = not use_triton(q)
     if strategy == "auto":
         strategy = choose(problem, _tiles(problem, head_dim, q_tile, kv_tile), split, batch, heads, head_dim,
-                          q.element_size())
+                          q.element_size(), training, runnable(heads, size, training, halo_trains))
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
+    if strategy == "halo" and training and not halo_trains:
+        raise RuntimeError(HALO_GRADIENT_REFUSAL)
     kernel = functools.partial(single_gpu_gna_attention, window=problem.window, stride=problem.stride,
                                dilation=problem.dilation, causal=problem.causal, scale=scale, q_tile=q_tile,
                                kv_tile=kv_tile)
