@@ -1,6 +1,10 @@
 """GNA on a token layout sharded along dimension 0 over a process group: Ulysses, halo or natsim's choice,
-differentiable wherever the single-GPU call it runs is (the halo exchange needs GNA's backward on frame ranges,
-which the Triton kernels do not have yet: `HALO_GRADIENT_REFUSAL`)."""
+differentiable wherever the single-GPU call it runs is.
+
+Two things the halo strategy cannot do yet, each refused with a sentence (and left out by `"auto"`): train on
+tensors that run the Triton kernels (GNA on frame ranges has no backward kernel: `HALO_GRADIENT_REFUSAL`), and
+run under torch.compile (its point-to-point messages are not traced: `HALO_COMPILE_REFUSAL`).
+"""
 
 from __future__ import annotations
 
@@ -20,9 +24,14 @@ from .strategies import halo, ulysses
 
 HALO_GRADIENT_REFUSAL = (
     "the halo strategy runs GNA on frame ranges (natsim.kernels.gna_attention with frame_offsets), whose "
-    "Triton kernels have no backward yet, and q, k or v requires grad: use strategy='ulysses' (heads divisible "
-    "by the world size) or 'auto' to train, call it under torch.no_grad() for inference, or use CPU tensors "
+    "Triton kernels have no backward yet, and q, k or v requires grad: train with strategy='ulysses' (heads "
+    "divisible by the world size) or 'auto', call it under torch.no_grad() for inference, or use CPU tensors "
     "(the torch reference's gradients)."
+)
+HALO_COMPILE_REFUSAL = (
+    "the halo strategy's point-to-point messages (batch_isend_irecv) are not traced by torch.compile: under "
+    "torch.compile use strategy='ulysses' (heads divisible by the world size) or 'auto', or call "
+    "natsim.distributed.gna_attention outside the compiled region."
 )
 
 
@@ -33,27 +42,44 @@ def _tiles(problem: Problem, head_dim: int, q_tile, kv_tile) -> TileConfig:
     return TileConfig(kv_tile if q_tile is None else q_tile, q_tile if kv_tile is None else kv_tile)
 
 
-def runnable(heads: int, world_size: int, training: bool, halo_trains: bool) -> tuple[str, ...]:
-    """The strategies that can run a call: ulysses when heads divide over the ranks, halo unless the call
-    needs gradients its kernel cannot give (`halo_trains`: the torch reference's frame ranges do; the Triton
-    kernels' do not yet). A sentence error when neither can."""
-    names = tuple(s for s in STRATEGIES if (s != "ulysses" or heads % world_size == 0)
-                  and (s != "halo" or halo_trains or not training))
-    if not names:
-        raise RuntimeError(f"no strategy can train here: ulysses shards heads, and heads={heads} cannot be split "
-                           f"evenly over {world_size} ranks; {HALO_GRADIENT_REFUSAL}")
-    return names
-
-
 @functools.lru_cache(maxsize=256)
 def choose(problem: Problem, tiles: TileConfig, split: tuple[int, ...], batch: int, heads: int, head_dim: int,
            element_bytes: int, training: bool = False, strategies: tuple[str, ...] = STRATEGIES) -> str:
-    """The one of `strategies` natsim.partition predicts faster: forward and, when `training`, backward
-    (its tile work and the gradients' bytes). Ulysses is left out unless heads divide over the ranks."""
+    """The one of `strategies` natsim.partition predicts faster: the forward and, when `training`, the backward
+    too (its tile work and the gradients' bytes). Ulysses is left out unless heads divide over the ranks."""
     costs = [strategy_cost(problem, tiles, split, s, batch=batch, heads=heads, head_dim=head_dim,
                            element_bytes=element_bytes, training=training)
              for s in strategies if s != "ulysses" or heads % len(split) == 0]
     return choose_strategy(costs).strategy
+
+
+@torch.compiler.assume_constant_result
+def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[int, ...], sizes: tuple[int, ...],
+          training: bool, strategies: tuple[str, ...]) -> str:
+    """`"auto"`'s pick from plain values: host arithmetic (numpy) that torch.compile runs once while tracing, its
+    result a constant of the graph, instead of tracing it."""
+    problem = Problem(shape, *parameters)
+    return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies)
+
+
+def _halo_refusal(q: torch.Tensor, training: bool) -> Optional[str]:
+    """Why the halo strategy cannot run this call, or None when it can."""
+    if torch.compiler.is_compiling():
+        return HALO_COMPILE_REFUSAL
+    if training and use_triton(q):
+        return HALO_GRADIENT_REFUSAL
+    return None
+
+
+def _runnable(heads: int, world_size: int, halo_refusal: Optional[str]) -> tuple[str, ...]:
+    """The strategies `"auto"` chooses among: ulysses when heads divide over the ranks, halo unless refused;
+    a sentence error when neither can run."""
+    names = tuple(s for s in STRATEGIES if (s != "ulysses" or heads % world_size == 0)
+                  and (s != "halo" or halo_refusal is None))
+    if not names:
+        raise RuntimeError(f"no strategy can run this call: ulysses shards heads, and heads={heads} cannot be split "
+                           f"evenly over {world_size} ranks; and {halo_refusal}")
+    return names
 
 
 def gna_attention(
@@ -77,14 +103,15 @@ def gna_attention(
 
     q, k, v are this rank's `[B, T_r, *rest, heads, head_dim]`; window, stride, dilation and causal are the
     whole layout's (`natsim.kernels.gna_attention`). `split` (frames per rank) skips the all-gather of slab
-    sizes. `strategy`: `"ulysses"`, `"halo"` or `"auto"` (module docstring). `kv_tiling` as in
-    `natsim.kernels.gna_attention` for Ulysses; the halo path's frame ranges run static KV tiling only (None
-    there means static). Every rank must make the same call, with the same `requires_grad`.
+    sizes (give it under torch.compile). `strategy`: `"ulysses"`, `"halo"` or `"auto"` (module docstring of
+    strategies.py). `kv_tiling` as in `natsim.kernels.gna_attention` for Ulysses; the halo path's frame ranges
+    run static KV tiling only (None there means static). Every rank must make the same call, with the same
+    `requires_grad`.
 
-    Differentiable with respect to q, k and v: the backward runs the single-GPU backward and the adjoint
-    collectives (collectives.py). On tensors that run the Triton kernels the halo strategy cannot train yet
-    (`HALO_GRADIENT_REFUSAL`); `"auto"` then prices and picks among the strategies that can, forward and
-    backward.
+    Differentiable with respect to q, k and v: the single-GPU backward between the forward's collectives
+    mirrored (collectives.py). The halo strategy cannot train on tensors that run the Triton kernels nor run
+    under torch.compile (module docstring); `"auto"` then picks among the strategies that can, and prices a
+    call that needs gradients by its forward and backward.
     """
     shape = check_qkv(q, k, v)
     size, rank = world(group)
@@ -92,20 +119,21 @@ def gna_attention(
     problem = Problem((sum(split), *shape[1:]), window, stride, dilation, causal)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    halo_trains = not use_triton(q)
+    halo_refusal = _halo_refusal(q, training)
     if strategy == "auto":
-        strategy = choose(problem, _tiles(problem, head_dim, q_tile, kv_tile), split, batch, heads, head_dim,
-                          q.element_size(), training, runnable(heads, size, training, halo_trains))
+        strategy = _auto(problem.shape, (problem.window, problem.stride, problem.dilation, problem.causal),
+                         (q_tile, kv_tile), split, (batch, heads, head_dim, q.element_size()), training,
+                         _runnable(heads, size, halo_refusal))
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
-    if strategy == "halo" and training and not halo_trains:
-        raise RuntimeError(HALO_GRADIENT_REFUSAL)
     kernel = functools.partial(single_gpu_gna_attention, window=problem.window, stride=problem.stride,
                                dilation=problem.dilation, causal=problem.causal, scale=scale, q_tile=q_tile,
                                kv_tile=kv_tile)
     if strategy == "ulysses":
         check_heads(heads, size)
         return ulysses(lambda q, k, v: kernel(q, k, v, kv_tiling=kv_tiling), q, k, v, split, group)
+    if halo_refusal is not None:
+        raise RuntimeError(halo_refusal)
     if kv_tiling == "dynamic":
         raise ValueError("the halo strategy runs frame ranges with static KV tiling only, got kv_tiling='dynamic'; "
                          "use strategy='ulysses' or kv_tiling=None.")

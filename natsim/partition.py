@@ -25,6 +25,7 @@ Numpy only, like the rest of the simulator.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -79,8 +80,9 @@ def check_split(split: Sequence[int], frames: int) -> tuple[int, ...]:
 
 
 def offsets(split: Sequence[int]) -> tuple[int, ...]:
-    """First frame of every rank, and the total at the end: `(t_0, ..., t_P)`."""
-    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(split)]))
+    """First frame of every rank, and the total at the end: `(t_0, ..., t_P)`. Plain Python ints (no numpy),
+    so that torch.compile keeps them constants where natsim.distributed moves frames."""
+    return tuple(itertools.accumulate((int(n) for n in split), initial=0))
 
 
 @lru_cache(maxsize=4096)
