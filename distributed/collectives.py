@@ -1,17 +1,12 @@
 """The process group and the collectives natsim.distributed moves tokens with: world size and rank, the frames
 each rank holds, exact-size `all_to_all_single` and batched point-to-point exchanges (PyTorch's own collectives:
-NCCL on GPUs, gloo on CPUs), and the moves the strategies make, differentiable.
-
-Autograd does not track torch.distributed's collectives, so each move is a `torch.autograd.Function` whose
-backward runs the adjoint move on the gradients:
+NCCL on GPUs, gloo on CPUs), and the moves the strategies make with them, each with its adjoint (what the
+backward moves; ops.py makes the pairs differentiable operators):
 
 - `frames_to_heads` / `heads_to_frames` (Ulysses): a permutation of the data over the ranks, so each one's
-  adjoint is the other; a backward through Ulysses runs the forward's four all-to-alls mirrored (the output's
-  gradient to head-sharded sequences, the gradients of q, k and v back to frame-sharded slabs).
-- `gather_halo` (the halo exchange): a copy of frames to the ranks that read them, so its adjoint sends the
-  gradient of every halo frame back to the rank that holds that frame, which sums it into its own.
-
-Every rank must make the same calls with the same `requires_grad`, so that the backward's collectives pair up.
+  adjoint is the other.
+- `gather_halo` (the halo exchange): a copy of frames to the ranks that read them; its adjoint `return_halo`
+  sends the gradient of every halo frame back to the rank that holds that frame, which adds it to its own.
 """
 
 from __future__ import annotations
@@ -100,13 +95,18 @@ def global_rank(rank: int, group) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def group_name(group) -> str:
+    """The name torch.distributed knows `group` by (None: the default group), which operators take."""
+    return (dist.group.WORLD if group is None else group).group_name
+
+
 # -- Ulysses: frame-sharded slabs <-> head-sharded whole sequences ------------------------------------------
 
 
-def _frames_to_heads(x: torch.Tensor, split: tuple[int, ...], group) -> torch.Tensor:
+def frames_to_heads(x: torch.Tensor, split: Sequence[int], group) -> torch.Tensor:
     """`[B, T_r, *rest, H, D]` frames of this rank, all heads -> `[B, L, *rest, H / P, D]`: the whole sequence
-    of this rank's heads, the ranks' frames in rank order. With batch 1 the frames received, in rank order, are
-    the whole sequence as they land (no copy)."""
+    of this rank's heads (rank r gets heads `[r H/P, (r+1) H/P)`), the ranks' frames in rank order. With batch 1
+    the frames received, in rank order, are the whole sequence as they land (no copy)."""
     size = len(split)
     batch, rest, h, head_dim = x.shape[0], x.shape[2:-2], x.shape[-2] // size, x.shape[-1]
     shapes = [(batch, n, *rest, h, head_dim) for n in split]
@@ -114,51 +114,15 @@ def _frames_to_heads(x: torch.Tensor, split: tuple[int, ...], group) -> torch.Te
     return received.view(1, sum(split), *rest, h, head_dim) if batch == 1 else torch.cat(parts, dim=1)
 
 
-def _heads_to_frames(x: torch.Tensor, split: tuple[int, ...], group) -> torch.Tensor:
-    """The inverse of `_frames_to_heads`: `[B, L, *rest, H / P, D]` -> `[B, T_r, *rest, H, D]`. With batch 1 a
+def heads_to_frames(x: torch.Tensor, split: Sequence[int], rank: int, group) -> torch.Tensor:
+    """The inverse of `frames_to_heads`: `[B, L, *rest, H / P, D]` -> `[B, T_rank, *rest, H, D]`. With batch 1 a
     contiguous `x` is already the pieces for the ranks, in rank order (no copy)."""
-    size, rank = len(split), dist.get_rank(group)
     batch, rest, h, head_dim = x.shape[0], x.shape[2:-2], x.shape[-2], x.shape[-1]
     t = offsets(split)
-    send = [x.narrow(1, t[j], split[j]) for j in range(size)]
+    send = [x.narrow(1, t[j], split[j]) for j in range(len(split))]
     packed = x if batch == 1 and x.is_contiguous() else None
-    _, parts = exchange(send, [(batch, split[rank], *rest, h, head_dim)] * size, group, packed=packed)
+    _, parts = exchange(send, [(batch, split[rank], *rest, h, head_dim)] * len(split), group, packed=packed)
     return torch.cat(parts, dim=-2)
-
-
-class _FramesToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, split: tuple[int, ...], group) -> torch.Tensor:
-        ctx.split, ctx.group = split, group
-        return _frames_to_heads(x, split, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _heads_to_frames(grad, ctx.split, ctx.group), None, None
-
-
-class _HeadsToFrames(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, split: tuple[int, ...], group) -> torch.Tensor:
-        ctx.split, ctx.group = split, group
-        return _heads_to_frames(x, split, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _frames_to_heads(grad, ctx.split, ctx.group), None, None
-
-
-def frames_to_heads(x: torch.Tensor, split: tuple[int, ...], group) -> torch.Tensor:
-    """Ulysses' first all-to-all, differentiable: this rank's frames of every head `[B, T_r, *rest, H, D]` to
-    the whole sequence of its `H / P` heads `[B, L, *rest, H / P, D]` (rank r gets heads `[r H/P, (r+1) H/P)`).
-    Its backward is `heads_to_frames` of the gradient."""
-    return _FramesToHeads.apply(x, split, group)
-
-
-def heads_to_frames(x: torch.Tensor, split: tuple[int, ...], group) -> torch.Tensor:
-    """Ulysses' second all-to-all, differentiable: the inverse of `frames_to_heads` (its backward is
-    `frames_to_heads` of the gradient)."""
-    return _HeadsToFrames.apply(x, split, group)
 
 
 # -- the halo exchange: key/value frames to the ranks whose queries read them ------------------------------
@@ -170,17 +134,28 @@ class HaloRoutes:
     it holds; `keys`, the frames it gathers (its queries' key frames, own frames among them); `sends`,
     `(peer, lo, hi)` of its own frames that a peer's queries read; `receives`, `(peer, lo, hi)` of a peer's
     frames in `keys`. At most one entry per peer in each, in rank order (how a pair of ranks pairs its
-    messages)."""
+    messages). `as_ints` / `from_ints`: the flat int list an operator's schema carries."""
 
     own: tuple[int, int]
     keys: tuple[int, int]
     sends: tuple[tuple[int, int, int], ...]
     receives: tuple[tuple[int, int, int], ...]
 
+    def as_ints(self) -> list[int]:
+        return [*self.own, *self.keys, len(self.sends), *(n for route in self.sends for n in route),
+                *(n for route in self.receives for n in route)]
 
-def _gather_halo(k: torch.Tensor, v: torch.Tensor, routes: HaloRoutes, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """k and v of the frames `routes.keys`: own frames copied in while the peers' frames travel straight into
-    place (a frame range of a batch-1 tensor is contiguous; otherwise through a staging copy)."""
+    @classmethod
+    def from_ints(cls, values: Sequence[int]) -> "HaloRoutes":
+        values = [int(n) for n in values]
+        routes = [tuple(values[i:i + 3]) for i in range(5, len(values), 3)]
+        return cls(tuple(values[0:2]), tuple(values[2:4]), tuple(routes[:values[4]]), tuple(routes[values[4]:]))
+
+
+def gather_halo(k: torch.Tensor, v: torch.Tensor, routes: HaloRoutes, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v `[B, T_r, ...]` of this rank's frames -> k and v of the frames `routes.keys`: own frames copied
+    in while the peers' frames travel straight into place (a frame range of a batch-1 tensor is contiguous;
+    otherwise through a staging copy)."""
     (own, _), (first, last) = routes.own, routes.keys
     sends = [(x[:, lo - own:hi - own].contiguous(), peer) for peer, lo, hi in routes.sends for x in (k, v)]
     gathered = [x.new_empty((x.shape[0], last - first, *x.shape[2:])) for x in (k, v)]
@@ -201,12 +176,13 @@ def _gather_halo(k: torch.Tensor, v: torch.Tensor, routes: HaloRoutes, group) ->
     return gathered[0], gathered[1]
 
 
-def _return_halo(grad_k: torch.Tensor, grad_v: torch.Tensor, routes: HaloRoutes, group,
-                 shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-    """The adjoint of `_gather_halo`: the gradients of the gathered frames `[B, keys, ...]` sent back to the
-    ranks that hold them, and the gradients of this rank's own frames (`shape`, k's): what its own queries gave
+def return_halo(grad_k: torch.Tensor, grad_v: torch.Tensor, routes: HaloRoutes, group
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adjoint of `gather_halo`: the gradients of the gathered frames `[B, keys, ...]` sent back to the ranks
+    that hold them; returns the gradients of this rank's own frames `[B, own, ...]`: what its own queries gave
     them plus what each peer's gave them, added in rank order."""
-    (own, _), (first, _) = routes.own, routes.keys
+    (own, own_end), (first, _) = routes.own, routes.keys
+    shape = (grad_k.shape[0], own_end - own, *grad_k.shape[2:])
     sends = [(g[:, lo - first:hi - first].contiguous(), peer) for peer, lo, hi in routes.receives
              for g in (grad_k, grad_v)]
     returned = [[grad_k.new_empty((shape[0], hi - lo, *shape[2:])) for _ in range(2)] for _, lo, hi in routes.sends]
@@ -220,21 +196,3 @@ def _return_halo(grad_k: torch.Tensor, grad_v: torch.Tensor, routes: HaloRoutes,
         for grad, buffer in zip(grads, pair):
             grad[:, lo - own:hi - own] += buffer
     return grads[0], grads[1]
-
-
-class _GatherHalo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, routes: HaloRoutes, group):
-        ctx.routes, ctx.group, ctx.shape = routes, group, k.shape
-        return _gather_halo(k, v, routes, group)
-
-    @staticmethod
-    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor):
-        return (*_return_halo(grad_k, grad_v, ctx.routes, ctx.group, ctx.shape), None, None)
-
-
-def gather_halo(k: torch.Tensor, v: torch.Tensor, routes: HaloRoutes, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """The halo exchange, differentiable: k and v `[B, T_r, ...]` of this rank's frames -> k and v of the frames
-    `routes.keys`, received point-to-point from the ranks that hold them. Its backward sends the gradients of
-    the received frames back to those ranks and sums, on each rank, the gradients of its own frames."""
-    return _GatherHalo.apply(k, v, routes, group)

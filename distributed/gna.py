@@ -1,9 +1,7 @@
 """GNA on a token layout sharded along dimension 0 over a process group: Ulysses, halo or natsim's choice,
-differentiable wherever the single-GPU call it runs is.
-
-Two things the halo strategy cannot do yet, each refused with a sentence (and left out by `"auto"`): train on
-tensors that run the Triton kernels (GNA on frame ranges has no backward kernel: `HALO_GRADIENT_REFUSAL`), and
-run under torch.compile (its point-to-point messages are not traced: `HALO_COMPILE_REFUSAL`).
+differentiable wherever the single-GPU call it runs is: the halo strategy cannot train on tensors that run the
+Triton kernels yet (GNA on frame ranges has no backward kernel), which is refused with `HALO_GRADIENT_REFUSAL`
+and left out by `"auto"`.
 """
 
 from __future__ import annotations
@@ -27,11 +25,6 @@ HALO_GRADIENT_REFUSAL = (
     "Triton kernels have no backward yet, and q, k or v requires grad: train with strategy='ulysses' (heads "
     "divisible by the world size) or 'auto', call it under torch.no_grad() for inference, or use CPU tensors "
     "(the torch reference's gradients)."
-)
-HALO_COMPILE_REFUSAL = (
-    "the halo strategy's point-to-point messages (batch_isend_irecv) are not traced by torch.compile: under "
-    "torch.compile use strategy='ulysses' (heads divisible by the world size) or 'auto', or call "
-    "natsim.distributed.gna_attention outside the compiled region."
 )
 
 
@@ -62,23 +55,14 @@ def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[
     return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies)
 
 
-def _halo_refusal(q: torch.Tensor, training: bool) -> Optional[str]:
-    """Why the halo strategy cannot run this call, or None when it can."""
-    if torch.compiler.is_compiling():
-        return HALO_COMPILE_REFUSAL
-    if training and use_triton(q):
-        return HALO_GRADIENT_REFUSAL
-    return None
-
-
-def _runnable(heads: int, world_size: int, halo_refusal: Optional[str]) -> tuple[str, ...]:
-    """The strategies `"auto"` chooses among: ulysses when heads divide over the ranks, halo unless refused;
-    a sentence error when neither can run."""
+def _runnable(heads: int, world_size: int, halo_trains: bool) -> tuple[str, ...]:
+    """The strategies `"auto"` chooses among: ulysses when heads divide over the ranks, halo unless the call
+    needs gradients it cannot give here (`halo_trains`); a sentence error when neither can run."""
     names = tuple(s for s in STRATEGIES if (s != "ulysses" or heads % world_size == 0)
-                  and (s != "halo" or halo_refusal is None))
+                  and (s != "halo" or halo_trains))
     if not names:
-        raise RuntimeError(f"no strategy can run this call: ulysses shards heads, and heads={heads} cannot be split "
-                           f"evenly over {world_size} ranks; and {halo_refusal}")
+        raise RuntimeError(f"no strategy can train here: ulysses shards heads, and heads={heads} cannot be split "
+                           f"evenly over {world_size} ranks; and {HALO_GRADIENT_REFUSAL}")
     return names
 
 
@@ -109,9 +93,9 @@ def gna_attention(
     `requires_grad`.
 
     Differentiable with respect to q, k and v: the single-GPU backward between the forward's collectives
-    mirrored (collectives.py). The halo strategy cannot train on tensors that run the Triton kernels nor run
-    under torch.compile (module docstring); `"auto"` then picks among the strategies that can, and prices a
-    call that needs gradients by its forward and backward.
+    mirrored (ops.py), eager or under torch.compile(fullgraph=True). The halo strategy cannot train on tensors
+    that run the Triton kernels yet (module docstring); `"auto"` then picks among the strategies that can, and
+    prices a call that needs gradients by its forward and backward.
     """
     shape = check_qkv(q, k, v)
     size, rank = world(group)
@@ -119,11 +103,11 @@ def gna_attention(
     problem = Problem((sum(split), *shape[1:]), window, stride, dilation, causal)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    halo_refusal = _halo_refusal(q, training)
+    halo_trains = not (training and use_triton(q))
     if strategy == "auto":
         strategy = _auto(problem.shape, (problem.window, problem.stride, problem.dilation, problem.causal),
                          (q_tile, kv_tile), split, (batch, heads, head_dim, q.element_size()), training,
-                         _runnable(heads, size, halo_refusal))
+                         _runnable(heads, size, halo_trains))
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
     kernel = functools.partial(single_gpu_gna_attention, window=problem.window, stride=problem.stride,
@@ -131,9 +115,9 @@ def gna_attention(
                                kv_tile=kv_tile)
     if strategy == "ulysses":
         check_heads(heads, size)
-        return ulysses(lambda q, k, v: kernel(q, k, v, kv_tiling=kv_tiling), q, k, v, split, group)
-    if halo_refusal is not None:
-        raise RuntimeError(halo_refusal)
+        return ulysses(lambda q, k, v: kernel(q, k, v, kv_tiling=kv_tiling), q, k, v, split, rank, group)
+    if not halo_trains:
+        raise RuntimeError(HALO_GRADIENT_REFUSAL)
     if kv_tiling == "dynamic":
         raise ValueError("the halo strategy runs frame ranges with static KV tiling only, got kv_tiling='dynamic'; "
                          "use strategy='ulysses' or kv_tiling=None.")

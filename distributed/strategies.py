@@ -28,14 +28,15 @@ import torch
 from natsim import Problem
 from natsim.partition import key_frames, offsets
 
-from .collectives import HaloRoutes, frames_to_heads, gather_halo, heads_to_frames, overlap
+from .collectives import HaloRoutes, overlap
+from .ops import frames_to_heads, gather_halo, heads_to_frames
 
 
-def ulysses(attend, q, k, v, split: tuple[int, ...], group) -> torch.Tensor:
+def ulysses(attend, q, k, v, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
     """All-to-all to head-sharded full sequences, `attend`, all-to-all back (tokens along dimension 1).
-    Differentiable when `attend` is: the backward runs the all-to-alls mirrored (collectives.py)."""
-    out = attend(*(frames_to_heads(x, split, group) for x in (q, k, v)))  # [B, L, ..., H / P, D]
-    return heads_to_frames(out, split, group)
+    Differentiable when `attend` is: the backward runs the all-to-alls mirrored (ops.py)."""
+    out = attend(*(frames_to_heads(x, split, rank, group) for x in (q, k, v)))  # [B, L, ..., H / P, D]
+    return heads_to_frames(out, split, rank, group)
 
 
 def halo_routes(problem: Problem, split: tuple[int, ...], rank: int) -> HaloRoutes:
@@ -56,12 +57,21 @@ def halo_routes(problem: Problem, split: tuple[int, ...], rank: int) -> HaloRout
     return HaloRoutes(own, need[rank], tuple(sends), tuple(receives))
 
 
+@torch.compiler.assume_constant_result
+def _routes(frames: tuple[int, int, int, int, bool], split: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """`halo_routes` along dimension 0 of length, window, stride, dilation and causal `frames`, as plain ints
+    (`HaloRoutes.as_ints`): host arithmetic that torch.compile runs while tracing (a constant of the graph)
+    instead of tracing its numpy."""
+    return tuple(halo_routes(Problem(frames[:1], *frames[1:]), split, rank).as_ints())
+
+
 def halo(kernel, problem: Problem, q, k, v, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
     """Gather exactly the key/value frames this rank's queries reach, run the kernel on that frame range.
     Differentiable when the kernel on frame ranges is: the backward returns the halo frames' gradients to the
-    ranks that hold them (collectives.py)."""
-    routes = halo_routes(problem, split, rank)
+    ranks that hold them (ops.py)."""
+    routes = HaloRoutes.from_ints(_routes((problem.shape[0], problem.window[0], problem.stride[0],
+                                           problem.dilation[0], problem.causal[0]), split, rank))
     keys, values = gather_halo(k, v, routes, group)
-    if not split[rank]:  # no frames here: this rank only sends
-        return q.new_empty(q.shape)
+    if not split[rank]:  # no queries here: an empty output, tied to q, k and v for autograd as any rank's is
+        return q + (keys.sum() + values.sum())
     return kernel(q, keys, values, frame_offsets=(routes.own[0], routes.keys[0], problem.shape[0]))
