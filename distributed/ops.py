@@ -14,6 +14,12 @@ included), and the same code runs eager and compiled.
 
 A process group crosses an operator's schema as its name (`collectives.group_name`). Every rank must make the
 same calls with the same `requires_grad`, so that the backward's collectives pair up.
+
+Every rank must also run the operators in the same order. One call of natsim.distributed runs one operator per
+direction of each move (q, k and v travel in one; the gradients of q, k and v in one), each reading what the one
+before it produced, so no compiler can reorder them. Operators of calls that do not depend on each other (two
+attention calls on unrelated inputs in one compiled graph) are another matter: Inductor orders independent
+operators by their buffers' sizes, which differ from rank to rank with uneven splits or halo routes.
 """
 
 from __future__ import annotations
@@ -30,45 +36,49 @@ from .collectives import HaloRoutes, group_name
 
 
 @torch.library.custom_op("natsim::cp_frames_to_heads", mutates_args=())
-def _frames_to_heads(x: torch.Tensor, split: Sequence[int], rank: int, group: str) -> torch.Tensor:
-    return collectives.frames_to_heads(x, split, _resolve_process_group(group))
+def _frames_to_heads(xs: Sequence[torch.Tensor], split: Sequence[int], rank: int, group: str) -> list[torch.Tensor]:
+    resolved = _resolve_process_group(group)
+    return [collectives.frames_to_heads(x, split, resolved) for x in xs]
 
 
 @_frames_to_heads.register_fake
-def _frames_to_heads_fake(x, split, rank, group):
-    return x.new_empty((x.shape[0], sum(split), *x.shape[2:-2], x.shape[-2] // len(split), x.shape[-1]))
+def _frames_to_heads_fake(xs, split, rank, group):
+    return [x.new_empty((x.shape[0], sum(split), *x.shape[2:-2], x.shape[-2] // len(split), x.shape[-1]))
+            for x in xs]
 
 
 @torch.library.custom_op("natsim::cp_heads_to_frames", mutates_args=())
-def _heads_to_frames(x: torch.Tensor, split: Sequence[int], rank: int, group: str) -> torch.Tensor:
-    return collectives.heads_to_frames(x, split, rank, _resolve_process_group(group))
+def _heads_to_frames(xs: Sequence[torch.Tensor], split: Sequence[int], rank: int, group: str) -> list[torch.Tensor]:
+    resolved = _resolve_process_group(group)
+    return [collectives.heads_to_frames(x, split, rank, resolved) for x in xs]
 
 
 @_heads_to_frames.register_fake
-def _heads_to_frames_fake(x, split, rank, group):
-    return x.new_empty((x.shape[0], split[rank], *x.shape[2:-2], x.shape[-2] * len(split), x.shape[-1]))
+def _heads_to_frames_fake(xs, split, rank, group):
+    return [x.new_empty((x.shape[0], split[rank], *x.shape[2:-2], x.shape[-2] * len(split), x.shape[-1]))
+            for x in xs]
 
 
 def _keep_arguments(ctx, inputs, output) -> None:
     ctx.arguments = inputs[1:]
 
 
-_frames_to_heads.register_autograd(lambda ctx, grad: (_heads_to_frames(grad, *ctx.arguments), None, None, None),
+_frames_to_heads.register_autograd(lambda ctx, grads: (_heads_to_frames(grads, *ctx.arguments), None, None, None),
                                    setup_context=_keep_arguments)
-_heads_to_frames.register_autograd(lambda ctx, grad: (_frames_to_heads(grad, *ctx.arguments), None, None, None),
+_heads_to_frames.register_autograd(lambda ctx, grads: (_frames_to_heads(grads, *ctx.arguments), None, None, None),
                                    setup_context=_keep_arguments)
 
 
-def frames_to_heads(x: torch.Tensor, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
-    """Ulysses' first all-to-all: this rank's frames of every head `[B, T_r, *rest, H, D]` to the whole
-    sequence of its `H / P` heads `[B, L, *rest, H / P, D]`. Its backward is `heads_to_frames` of the
-    gradient."""
-    return _frames_to_heads(x, split, rank, group_name(group))
+def frames_to_heads(xs: Sequence[torch.Tensor], split: tuple[int, ...], rank: int, group) -> list[torch.Tensor]:
+    """Ulysses' first all-to-alls, one operator for all of `xs`: each `[B, T_r, *rest, H, D]` of this rank's
+    frames, every head, to the whole sequence of its `H / P` heads `[B, L, *rest, H / P, D]`. Its backward is
+    `heads_to_frames` of the gradients."""
+    return _frames_to_heads(list(xs), split, rank, group_name(group))
 
 
-def heads_to_frames(x: torch.Tensor, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
-    """Ulysses' second all-to-all, the inverse of `frames_to_heads` (and its backward)."""
-    return _heads_to_frames(x, split, rank, group_name(group))
+def heads_to_frames(xs: Sequence[torch.Tensor], split: tuple[int, ...], rank: int, group) -> list[torch.Tensor]:
+    """Ulysses' second all-to-alls, the inverse of `frames_to_heads` (and its backward)."""
+    return _heads_to_frames(list(xs), split, rank, group_name(group))
 
 
 # -- the halo exchange --------------------------------------------------------------------------------------

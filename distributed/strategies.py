@@ -35,8 +35,8 @@ from .ops import frames_to_heads, gather_halo, heads_to_frames
 def ulysses(attend, q, k, v, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
     """All-to-all to head-sharded full sequences, `attend`, all-to-all back (tokens along dimension 1).
     Differentiable when `attend` is: the backward runs the all-to-alls mirrored (ops.py)."""
-    out = attend(*(frames_to_heads(x, split, rank, group) for x in (q, k, v)))  # [B, L, ..., H / P, D]
-    return heads_to_frames(out, split, rank, group)
+    out = attend(*frames_to_heads((q, k, v), split, rank, group))  # [B, L, ..., H / P, D]
+    return heads_to_frames((out,), split, rank, group)[0]
 
 
 def halo_routes(problem: Problem, split: tuple[int, ...], rank: int) -> HaloRoutes:

@@ -296,8 +296,8 @@ def test_collective_operators(one_rank_group):
     group = group_name(None)
     x = torch.randn(2, 3, 4, 2, 8, dtype=torch.float64)
     halo = HaloRoutes((0, 3), (0, 3), (), ()).as_ints()
-    for op, args in ((torch.ops.natsim.cp_frames_to_heads, (x, [3], 0, group)),
-                     (torch.ops.natsim.cp_heads_to_frames, (x, [3], 0, group)),
+    for op, args in ((torch.ops.natsim.cp_frames_to_heads, ([x, x.flip(1)], [3], 0, group)),
+                     (torch.ops.natsim.cp_heads_to_frames, ([x, x.flip(1)], [3], 0, group)),
                      (torch.ops.natsim.cp_gather_halo, (x, x.flip(1), halo, group)),
                      (torch.ops.natsim.cp_return_halo, (x, x.flip(1), halo, group))):
         torch.library.opcheck(op, args)
@@ -600,10 +600,10 @@ def _worker(rank: int, world: int, port: int, gna_cases, mask_cases) -> None:
 
 def _check_compiled(rank: int, gna_case, mask_case) -> None:
     """torch.compile(fullgraph=True) of one loss through natsim.distributed's GNA under each strategy ("auto"
-    decides while tracing) and its block-mask attention: one graph, and the eager gradients through it. The
-    "eager" backend runs what Dynamo captures as it is: AOTAutograd took 11 s more here, mostly tracing the CPU
-    path's backward (the torch reference); test_collective_operators holds the operators' fake implementations
-    and backward formulas against AOTAutograd instead."""
+    decides while tracing) and its block-mask attention, one after the other: one graph, and the eager gradients
+    through it. The "eager" backend runs what Dynamo captures as it is: AOTAutograd took 11 s more here, mostly
+    tracing the CPU path's backward (the torch reference); test_collective_operators holds the operators' fake
+    implementations and backward formulas against AOTAutograd instead."""
     import natsim.distributed as nd
 
     world, heads = 2, 2 * HEADS_PER_RANK
@@ -620,9 +620,15 @@ def _check_compiled(rank: int, gna_case, mask_case) -> None:
         inputs += [torch.randn(*shape, heads, GRADIENT_HEAD_DIM, generator=generator)[:, mine] for _ in range(3)]
         grads.append(torch.randn(*shape, heads, GRADIENT_HEAD_DIM, generator=generator)[:, mine])
 
-    def loss(*x):
-        outputs = [nd.gna_attention(*x[:3], strategy=strategy, **gna) for strategy in ("ulysses", "halo", "auto")]
-        return sum((out * grads[0]).sum() for out in outputs) + (nd.sparse_attention(*x[3:], **masked) * grads[1]).sum()
+    def loss(*x):  # each call's q, k and v depend on the call before, as a model's layers do (ops.py says why)
+        q, k, v = x[:3]
+        total = 0
+        for strategy in ("ulysses", "halo", "auto"):
+            out = nd.gna_attention(q, k, v, strategy=strategy, **gna)
+            total = total + (out * grads[0]).sum()
+            q, k, v = q + out, k + out, v + out
+        masked_out = nd.sparse_attention(*(y + out.mean() for y in x[3:]), **masked)
+        return total + (masked_out * grads[1]).sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(loss, fullgraph=True, backend="eager")
