@@ -17,6 +17,7 @@ natsim.kernels.gna_attention): the relative error is printed.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import torch
@@ -61,10 +62,12 @@ def check_against_one_process(model: Block, x0, x1, t, split, tokens: int, autoc
     running the same loss on the whole sequence, the frames gathered from the ranks; the gradients are left as
     they were."""
     whole = []
-    for x in (x0, x1):
-        parts = [x.new_empty((x.shape[0], n, *x.shape[2:])) for n in split]
-        dist.all_gather(parts, x.contiguous())
-        whole.append(torch.cat(parts, dim=1))
+    for x in (x0, x1):  # all_gather takes equal sizes: each rank's frames padded to the most any rank holds
+        padded = x.new_zeros((x.shape[0], max(split), *x.shape[2:]))
+        padded[:, :x.shape[1]] = x
+        parts = [torch.empty_like(padded) for _ in split]
+        dist.all_gather(parts, padded)
+        whole.append(torch.cat([part[:, :n] for part, n in zip(parts, split)], dim=1))
     sharded = [p.grad for p in model.parameters()]
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         loss = flow_matching_loss(model, *whole, t, gna_attention, tokens)
@@ -76,7 +79,7 @@ def parse(text: str) -> tuple[int, ...]:
     return tuple(int(n) for n in text.split("x"))
 
 
-def main(argv=None) -> float:
+def arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", type=parse, default=(8, 6, 6), help="token layout, frames first (8x6x6)")
@@ -87,26 +90,29 @@ def main(argv=None) -> float:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--strategy", choices=("auto", "ulysses", "halo"), default="auto")
-    args = parser.parse_args(argv)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the block (fullgraph)")
+    return parser.parse_args(argv)
 
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+
+def train(args: argparse.Namespace) -> float:
+    """The training loop on an initialised process group; returns the first step's gradient check (relative
+    error against one process)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = args.device == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
     split = even_split(args.shape[0], world)
     frames = (split[rank], *args.shape[1:])  # this rank's part of the layout
     dim, tokens = args.heads * args.head_dim, args.batch * torch.Size(args.shape).numel()
-    gna = dict(window=args.window, stride=args.stride)
 
     torch.manual_seed(0)  # the same parameters on every rank
-    model = Block(dim, args.heads, gna).to(device)
+    model = Block(dim, args.heads, dict(window=args.window, stride=args.stride)).to(device)
+    if args.compile:
+        model.compile(fullgraph=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    attention = lambda q, k, v, **gna: nd.gna_attention(q, k, v, **gna, strategy=args.strategy, split=split)  # noqa: E731
-    noise = torch.Generator(device).manual_seed(1 + rank)  # each rank draws its own frames
+    attention = functools.partial(nd.gna_attention, strategy=args.strategy, split=split)
+    noise = torch.Generator(device).manual_seed(1 + rank)  # each rank draws its own frames ...
     shared = torch.Generator(device).manual_seed(0)  # ... and all ranks the same times
-    error = float("nan")
+    error, losses = float("nan"), []
     for step in range(args.steps):
         x0, x1 = (torch.randn(args.batch, *frames, dim, device=device, generator=noise) for _ in range(2))
         t = torch.rand(args.batch, device=device, generator=shared)
@@ -119,14 +125,26 @@ def main(argv=None) -> float:
             error = check_against_one_process(model, x0, x1, t, split, tokens, cuda)
             print(f"rank {rank}/{world}: frames {sum(split[:rank])}-{sum(split[:rank + 1])} of {args.shape[0]}; "
                   f"gradients against one process: relative error {error:.1e}")
-        loss = loss.detach()
-        dist.all_reduce(loss)
         optimizer.step()
         optimizer.zero_grad()
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step}: flow-matching loss {loss.item():.4f}")
-    dist.destroy_process_group()
+        losses.append(loss.detach())
+        if (step + 1) % 5 == 0:
+            recent = torch.stack(losses[-5:]).mean()
+            dist.all_reduce(recent)  # the ranks' parts of the loss add up to the batch's
+            if rank == 0:
+                print(f"steps {step - 3}-{step + 1}: flow-matching loss {recent.item():.3f}")
     return error
+
+
+def main(argv=None) -> None:
+    args = arguments(argv)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    try:
+        train(args)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

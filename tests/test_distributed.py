@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import io
 import os
 import socket
 import time
 import warnings
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,6 +39,7 @@ from interpreter_options import skip_discarded_overflow_checks
 FAST = settings(max_examples=25, deadline=None)
 KERNEL = settings(max_examples=6, deadline=None)
 WORLD_DEADLINE_S = 240
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 # -- the simulator's side: numpy against brute force -------------------------------------------------------
@@ -126,6 +130,29 @@ def test_strategy_bytes_by_hand():
     with pytest.raises(ValueError, match="add up to the 30 frames"):
         check_split((10, 10), 30)
     assert even_split(10, 3) == (4, 3, 3) and offsets((4, 3, 3)) == (0, 4, 7, 10)
+
+
+def test_training_bytes_and_seconds_by_hand():
+    # The backward moves the forward's bytes with the directions swapped: the halo's gradients of the key and
+    # value frames a rank received go back to their owners; Ulysses' output gradient goes out to head-sharded
+    # sequences (P - 1 of P head slices of own frames) and the gradients of q, k and v come back.
+    problem = Problem((30, 48, 80), (18, 24, 24), (16, 8, 8))
+    tiles = TileConfig((4, 8, 8), (2, 8, 8))
+    frame = 48 * 80 * 24 * 128 * 2
+    options = dict(batch=1, heads=24, head_dim=128, element_bytes=2, tile_seconds=1e-6, bytes_per_second=1e11)
+    for strategy in ("halo", "ulysses"):
+        forward = strategy_cost(problem, tiles, (16, 14), strategy, **options)
+        training = strategy_cost(problem, tiles, (16, 14), strategy, training=True, **options)
+        for f, r in zip(forward.ranks, training.ranks):
+            assert (f.backward_bytes_sent, f.backward_bytes_received) == (0, 0)
+            assert (r.backward_bytes_sent, r.backward_bytes_received) == (f.bytes_received, f.bytes_sent)
+            wire = max(f.bytes_sent, f.bytes_received) / 1e11
+            assert r.seconds == pytest.approx(f.seconds + r.visited_tiles * 3.5e-6 + wire, rel=1e-12)
+        assert training.bytes_moved == 2 * forward.bytes_moved
+    ulysses = strategy_cost(problem, tiles, (16, 14), "ulysses", training=True, **options)
+    assert ulysses.ranks[0].backward_bytes_sent == (16 + 3 * 14) * frame // 2
+    assert ulysses.ranks[0].backward_bytes_received == (14 + 3 * 16) * frame // 2
+    assert ulysses.to_dict()["ranks"][0]["backward_bytes_sent"] == (16 + 3 * 14) * frame // 2
 
 
 # -- the kernel on a frame range ---------------------------------------------------------------------------
@@ -576,6 +603,17 @@ def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
         _check_compiled(rank, gna_cases[0], mask_cases[0])
 
 
+def _check_training_example() -> None:
+    """examples/distributed_training.py's loop, two steps, in this world (its `main` adds only the process group
+    torchrun sets up): its first step's gradients equal one process's."""
+    spec = importlib.util.spec_from_file_location("distributed_training", EXAMPLES / "distributed_training.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with contextlib.redirect_stdout(io.StringIO()):
+        error = example.train(example.arguments(["--device", "cpu", "--steps", "2"]))
+    assert error < 1e-5, error
+
+
 def _worker(rank: int, world: int, port: int, gna_cases, mask_cases) -> None:
     """One rank of a gloo world: outputs with the kernels in the interpreter, then gradients on the torch
     reference path (float64 there, and differentiable on frame ranges)."""
@@ -591,6 +629,7 @@ def _worker(rank: int, world: int, port: int, gna_cases, mask_cases) -> None:
         os.environ["TRITON_INTERPRET"] = "0"  # read per call (kernels/common/backend.py): the reference from here
         warnings.simplefilter("ignore")  # its one-time CPU warnings
         _check_gradients(rank, world, gna_cases, mask_cases)
+        _check_training_example()
         # Every rank's last messages are through before any rank tears gloo down: a rank that destroyed its group
         # while a peer still sent to it aborted now and then ("terminate called without an active exception").
         dist.barrier()
@@ -690,9 +729,8 @@ def test_example_runs_under_torchrun(tmp_path):
     """examples/distributed.py as the README runs it: two gloo processes under torchrun (the reference path)."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    example = Path(__file__).resolve().parent.parent / "examples" / "distributed.py"
+    example = EXAMPLES / "distributed.py"
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-port", str(_free_port()), str(example)], capture_output=True, text=True,
