@@ -23,6 +23,8 @@ block mask, so each rank runs its heads of the mask over the whole sequence.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from natsim import Problem
@@ -57,11 +59,12 @@ def halo_routes(problem: Problem, split: tuple[int, ...], rank: int) -> HaloRout
     return HaloRoutes(own, need[rank], tuple(sends), tuple(receives))
 
 
+@functools.lru_cache(maxsize=256)
 @torch.compiler.assume_constant_result
 def _routes(frames: tuple[int, int, int, int, bool], split: tuple[int, ...], rank: int) -> tuple[int, ...]:
     """`halo_routes` along dimension 0 of length, window, stride, dilation and causal `frames`, as plain ints
-    (`HaloRoutes.as_ints`): host arithmetic that torch.compile runs while tracing (a constant of the graph)
-    instead of tracing its numpy."""
+    (`HaloRoutes.as_ints`), kept per distinct call: host arithmetic that torch.compile runs while tracing (a
+    constant of the graph) instead of tracing its numpy."""
     return tuple(halo_routes(Problem(frames[:1], *frames[1:]), split, rank).as_ints())
 
 

@@ -448,9 +448,10 @@ def _bytes_sent(rank: int):
         collectives.exchange, collectives.send_receive = exchange, send_receive
 
 
-def _run_world(world: int, *args) -> None:
-    """Spawn `_worker(rank, world, port, *args)` in `world` processes; fail past the deadline."""
-    context = mp.spawn(_worker, args=(world, _free_port(), *args), nprocs=world, join=False)
+def _run_world(world: int, *args, worker=None) -> None:
+    """Spawn `worker(rank, world, port, *args)` (default `_worker`) in `world` processes; fail past the
+    deadline."""
+    context = mp.spawn(worker or _worker, args=(world, _free_port(), *args), nprocs=world, join=False)
     deadline = time.monotonic() + WORLD_DEADLINE_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
@@ -686,6 +687,101 @@ def test_gloo_world(world, data):
     gna += data.draw(st.lists(sharded_problems(world), min_size=3, max_size=3), label="drawn GNA cases")
     masks = data.draw(st.lists(sharded_masks(world), min_size=2, max_size=2), label="block mask cases")
     _run_world(world, gna, masks)
+
+
+# -- gradients on GPUs (NCCL) --------------------------------------------------------------------------------
+
+# (problem, split): uneven splits, a window wider than a slab, stride, dilation and causal along the frames.
+NCCL_CASES = [
+    (Problem((16, 16, 16), (7, 7, 7), (2, 2, 2)), (9, 7)),
+    (Problem((18, 12, 20), (6, 5, 8), (3, 1, 4), (2, 1, 1), (True, False, False)), (10, 8)),
+]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _nccl_worker(rank: int, world: int, port: int) -> None:
+    """One GPU of a world of 2: bf16 gradients of GNA ("ulysses" and "auto") and of a block mask through
+    natsim.distributed against natsim.kernels on the whole tensors (this GPU) and the float64 reference; the
+    halo strategy's refusal; the same calls one after the other under torch.compile(fullgraph=True)."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast on shared machines
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120), device_id=device)
+    import natsim.distributed as nd
+    from natsim.kernels import sparse_attention, sparse_reference
+
+    heads = 2 * world
+    try:
+        for index, (problem, split) in enumerate(NCCL_CASES):
+            mine = slice(*offsets(split)[rank:rank + 2])
+            args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation,
+                        causal=problem.causal)
+            generator = torch.Generator(device).manual_seed(index)
+            q, k, v, grad = (torch.randn(1, *problem.shape, heads, 64, device=device, dtype=torch.bfloat16,
+                                         generator=generator) for _ in range(4))
+            single = _gradients(lambda *x: gna_attention(*x, **args), (q, k, v), grad)
+            exact = _gradients(lambda *x: reference_attention(*x, **args), (q.double(), k.double(), v.double()),
+                               grad.double())
+            for strategy in ("ulysses", "auto"):
+                call = functools.partial(nd.gna_attention, strategy=strategy, split=split, **args)
+                got = _gradients(call, [x[:, mine] for x in (q, k, v)], grad[:, mine])
+                for name, a, b, c in zip("qkv", got, single, exact):
+                    errors = (_relative(a, b[:, mine]), _relative(a, c[:, mine]))
+                    assert max(errors) < 2e-2, f"d{name}, case {index}, {strategy}, rank {rank}: {errors}"
+            local = [x[:, mine].detach().requires_grad_() for x in (q, k, v)]
+            try:
+                nd.gna_attention(*local, strategy="halo", split=split, **args)
+                raise AssertionError("the halo strategy trained on the GPU")
+            except RuntimeError as error:
+                assert "have no backward yet" in str(error), error
+        tokens, token_split = 4096, (2176, 1920)
+        mine = slice(*offsets(token_split)[rank:rank + 2])
+        generator = torch.Generator(device).manual_seed(99)
+        q, k, v, grad = (torch.randn(1, tokens, heads, 64, device=device, dtype=torch.bfloat16,
+                                     generator=generator) for _ in range(4))
+        mask = torch.rand(1, heads, tokens // 64, tokens // 64, device=device, generator=generator) < 0.5
+        single = _gradients(lambda *x: sparse_attention(*x, mask, 64, 64), (q, k, v), grad)
+        exact = _gradients(lambda *x: sparse_reference(*x, mask, 64, 64), (q.double(), k.double(), v.double()),
+                           grad.double())
+        call = functools.partial(nd.sparse_attention, mask=mask, q_block=64, kv_block=64, split=token_split)
+        got = _gradients(call, [x[:, mine] for x in (q, k, v)], grad[:, mine])
+        for name, a, b, c in zip("qkv", got, single, exact):
+            errors = (_relative(a, b[:, mine]), _relative(a, c[:, mine]))
+            assert max(errors) < 2e-2, f"d{name}, block mask, rank {rank}: {errors}"
+
+        inputs = [x[:, mine] for x in (q, k, v)]
+        problem, split = NCCL_CASES[0]
+        mine = slice(*offsets(split)[rank:rank + 2])
+        gna = dict(window=problem.window, stride=problem.stride, split=split)
+        inputs = [torch.randn(1, *problem.shape, heads, 64, device=device, dtype=torch.bfloat16,
+                              generator=generator)[:, mine] for _ in range(3)] + inputs
+
+        def loss(*x):  # each call's inputs depend on the call before, as a model's layers do
+            out = nd.gna_attention(*x[:3], strategy="ulysses", **gna)
+            out = nd.gna_attention(*(y + out for y in x[:3]), **gna)
+            masked = nd.sparse_attention(*(y + out.float().mean().to(y.dtype) for y in x[3:]), mask, 64, 64,
+                                         split=token_split)
+            return out.float().square().mean() + masked.float().square().mean()
+
+        eager = _gradients(loss, inputs, None)
+        compiled = _gradients(torch.compile(loss, fullgraph=True), inputs, None)
+        for a, b in zip(compiled, eager):
+            assert _relative(a, b) < 2e-2, f"compiled, rank {rank}: {_relative(a, b)}"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_world_gradients():
+    """natsim.distributed's gradients on two GPUs of one host (NCCL), eager and compiled (Inductor)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    _run_world(2, worker=_nccl_worker)
 
 
 # -- planner and CLI ---------------------------------------------------------------------------------------
