@@ -30,7 +30,7 @@ import natsim
 import natsim.distributed as nd
 from natsim import Problem
 from natsim.distributed import gna as distributed_gna
-from natsim.distributed import strategies
+from natsim.distributed import collectives
 from natsim.kernels import gna_attention
 from natsim.partition import STRATEGIES, aligned_split, even_split, offsets, strategy_cost
 
@@ -79,8 +79,8 @@ class ByteCounter:
 
     def __init__(self, rank: int):
         self.rank, self.bytes = rank, 0
-        self.exchange, self.send_receive = strategies.exchange, strategies.send_receive
-        strategies.exchange, strategies.send_receive = self.counted_exchange, self.counted_send_receive
+        self.exchange, self.send_receive = collectives.exchange, collectives.send_receive
+        collectives.exchange, collectives.send_receive = self.counted_exchange, self.counted_send_receive
 
     def counted_exchange(self, send, shapes, group, **options):
         self.bytes += sum(t.numel() * t.element_size() for j, t in enumerate(send) if j != self.rank)

@@ -1,16 +1,24 @@
 """The process group and the collectives natsim.distributed moves tokens with: world size and rank, the frames
-each rank holds, refusals, and exact-size `all_to_all_single` and batched point-to-point exchanges (PyTorch's
-own collectives: NCCL on GPUs, gloo on CPUs)."""
+each rank holds, exact-size `all_to_all_single` and batched point-to-point exchanges (PyTorch's own collectives:
+NCCL on GPUs, gloo on CPUs), and the moves the strategies make with them, each with its adjoint (what the
+backward moves; ops.py makes the pairs differentiable operators):
+
+- `frames_to_heads` / `heads_to_frames` (Ulysses): a permutation of the data over the ranks, so each one's
+  adjoint is the other.
+- `gather_halo` (the halo exchange): a copy of frames to the ranks that read them; its adjoint `return_halo`
+  sends the gradient of every halo frame back to the rank that holds that frame, which adds it to its own.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from natsim.partition import check_split
+from natsim.partition import check_split, offsets
 
 
 def world(group) -> tuple[int, int]:
@@ -42,20 +50,6 @@ def resolve_split(q: torch.Tensor, split: Optional[Sequence[int]], group) -> tup
         raise ValueError(f"rank {rank} holds {q.shape[1]} frames (q.shape[1]) but split gives it {split[rank]}, "
                          f"got split={tuple(split)}.")
     return tuple(split)
-
-
-GRADIENT_REFUSAL = (
-    "natsim.distributed moves tensors with torch.distributed collectives, which autograd does not track, and "
-    "q, k or v requires grad: the gradients would silently stop here. Call it under torch.no_grad() (or "
-    "torch.inference_mode()) for inference; for training, gather the sequence and call "
-    "natsim.kernels.gna_attention / sparse_attention on one device."
-)
-
-
-def refuse_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise when autograd would want gradients of q, k or v (no distributed backward yet)."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
-        raise RuntimeError(GRADIENT_REFUSAL)
 
 
 def check_heads(heads: int, world_size: int) -> None:
@@ -99,3 +93,106 @@ def send_receive(sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[t
 
 def global_rank(rank: int, group) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def group_name(group) -> str:
+    """The name torch.distributed knows `group` by (None: the default group), which operators take."""
+    return (dist.group.WORLD if group is None else group).group_name
+
+
+# -- Ulysses: frame-sharded slabs <-> head-sharded whole sequences ------------------------------------------
+
+
+def frames_to_heads(x: torch.Tensor, split: Sequence[int], group) -> torch.Tensor:
+    """`[B, T_r, *rest, H, D]` frames of this rank, all heads -> `[B, L, *rest, H / P, D]`: the whole sequence
+    of this rank's heads (rank r gets heads `[r H/P, (r+1) H/P)`), the ranks' frames in rank order. With batch 1
+    the frames received, in rank order, are the whole sequence as they land (no copy)."""
+    size = len(split)
+    batch, rest, h, head_dim = x.shape[0], x.shape[2:-2], x.shape[-2] // size, x.shape[-1]
+    shapes = [(batch, n, *rest, h, head_dim) for n in split]
+    received, parts = exchange([x[..., j * h:(j + 1) * h, :] for j in range(size)], shapes, group)
+    return received.view(1, sum(split), *rest, h, head_dim) if batch == 1 else torch.cat(parts, dim=1)
+
+
+def heads_to_frames(x: torch.Tensor, split: Sequence[int], rank: int, group) -> torch.Tensor:
+    """The inverse of `frames_to_heads`: `[B, L, *rest, H / P, D]` -> `[B, T_rank, *rest, H, D]`. With batch 1 a
+    contiguous `x` is already the pieces for the ranks, in rank order (no copy)."""
+    batch, rest, h, head_dim = x.shape[0], x.shape[2:-2], x.shape[-2], x.shape[-1]
+    t = offsets(split)
+    send = [x.narrow(1, t[j], split[j]) for j in range(len(split))]
+    packed = x if batch == 1 and x.is_contiguous() else None
+    _, parts = exchange(send, [(batch, split[rank], *rest, h, head_dim)] * len(split), group, packed=packed)
+    return torch.cat(parts, dim=-2)
+
+
+# -- the halo exchange: key/value frames to the ranks whose queries read them ------------------------------
+
+
+@dataclass(frozen=True)
+class HaloRoutes:
+    """The frames one rank's halo exchange moves, as global frames `[lo, hi)` of dimension 0: `own`, the frames
+    it holds; `keys`, the frames it gathers (its queries' key frames, own frames among them); `sends`,
+    `(peer, lo, hi)` of its own frames that a peer's queries read; `receives`, `(peer, lo, hi)` of a peer's
+    frames in `keys`. At most one entry per peer in each, in rank order (how a pair of ranks pairs its
+    messages). `as_ints` / `from_ints`: the flat int list an operator's schema carries."""
+
+    own: tuple[int, int]
+    keys: tuple[int, int]
+    sends: tuple[tuple[int, int, int], ...]
+    receives: tuple[tuple[int, int, int], ...]
+
+    def as_ints(self) -> list[int]:
+        return [*self.own, *self.keys, len(self.sends), *(n for route in self.sends for n in route),
+                *(n for route in self.receives for n in route)]
+
+    @classmethod
+    def from_ints(cls, values: Sequence[int]) -> "HaloRoutes":
+        values = [int(n) for n in values]
+        routes = [tuple(values[i:i + 3]) for i in range(5, len(values), 3)]
+        return cls(tuple(values[0:2]), tuple(values[2:4]), tuple(routes[:values[4]]), tuple(routes[values[4]:]))
+
+
+def gather_halo(k: torch.Tensor, v: torch.Tensor, routes: HaloRoutes, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v `[B, T_r, ...]` of this rank's frames -> k and v of the frames `routes.keys`: own frames copied
+    in while the peers' frames travel straight into place (a frame range of a batch-1 tensor is contiguous;
+    otherwise through a staging copy)."""
+    (own, _), (first, last) = routes.own, routes.keys
+    sends = [(x[:, lo - own:hi - own].contiguous(), peer) for peer, lo, hi in routes.sends for x in (k, v)]
+    gathered = [x.new_empty((x.shape[0], last - first, *x.shape[2:])) for x in (k, v)]
+    receives, staged = [], []
+    for peer, lo, hi in routes.receives:
+        for keys in gathered:
+            view = keys[:, lo - first:hi - first]
+            buffer = view if view.is_contiguous() else torch.empty_like(view)
+            receives.append((buffer, peer))
+            staged.append((view, buffer))
+    lo, hi = overlap(routes.keys, routes.own)
+    for keys, x in zip(gathered, (k, v)):
+        keys[:, lo - first:hi - first] = x[:, lo - own:hi - own]
+    send_receive(sends, receives, group)
+    for view, buffer in staged:
+        if buffer is not view:
+            view.copy_(buffer)
+    return gathered[0], gathered[1]
+
+
+def return_halo(grad_k: torch.Tensor, grad_v: torch.Tensor, routes: HaloRoutes, group
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adjoint of `gather_halo`: the gradients of the gathered frames `[B, keys, ...]` sent back to the ranks
+    that hold them; returns the gradients of this rank's own frames `[B, own, ...]`: what its own queries gave
+    them plus what each peer's gave them, added in rank order."""
+    (own, own_end), (first, _) = routes.own, routes.keys
+    shape = (grad_k.shape[0], own_end - own, *grad_k.shape[2:])
+    sends = [(g[:, lo - first:hi - first].contiguous(), peer) for peer, lo, hi in routes.receives
+             for g in (grad_k, grad_v)]
+    returned = [[grad_k.new_empty((shape[0], hi - lo, *shape[2:])) for _ in range(2)] for _, lo, hi in routes.sends]
+    send_receive(sends, [(buffer, peer) for (peer, _, _), pair in zip(routes.sends, returned) for buffer in pair],
+                 group)
+    grads = [grad_k.new_zeros(shape), grad_v.new_zeros(shape)]
+    lo, hi = overlap(routes.keys, routes.own)
+    for grad, g in zip(grads, (grad_k, grad_v)):
+        grad[:, lo - own:hi - own] = g[:, lo - first:hi - first]
+    for (_, lo, hi), pair in zip(routes.sends, returned):
+        for grad, buffer in zip(grads, pair):
+            grad[:, lo - own:hi - own] += buffer
+    return grads[0], grads[1]

@@ -1,4 +1,8 @@
-"""GNA on a token layout sharded along dimension 0 over a process group: Ulysses, halo or natsim's choice."""
+"""GNA on a token layout sharded along dimension 0 over a process group: Ulysses, halo or natsim's choice,
+differentiable wherever the single-GPU call it runs is: the halo strategy cannot train on tensors that run the
+Triton kernels yet (GNA on frame ranges has no backward kernel), which is refused with `HALO_GRADIENT_REFUSAL`
+and left out by `"auto"`.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,19 @@ import torch
 
 from natsim import Problem, TileConfig
 from natsim.kernels import gna_attention as single_gpu_gna_attention
-from natsim.kernels.backends.triton import TILE_TOKENS, check_qkv, default_tiles
+from natsim.kernels.backends.triton import TILE_TOKENS, check_qkv, default_tiles, use_triton
 from natsim.partition import STRATEGIES, choose_strategy, strategy_cost
 from natsim.problem import BoolOrBools, IntOrInts
 
-from .collectives import check_heads, refuse_gradients, resolve_split, world
+from .collectives import check_heads, resolve_split, world
 from .strategies import halo, ulysses
+
+HALO_GRADIENT_REFUSAL = (
+    "the halo strategy runs GNA on frame ranges (natsim.kernels.gna_attention with frame_offsets), whose "
+    "Triton kernels have no backward yet, and q, k or v requires grad: train with strategy='ulysses' (heads "
+    "divisible by the world size) or 'auto', call it under torch.no_grad() for inference, or use CPU tensors "
+    "(the torch reference's gradients)."
+)
 
 
 def _tiles(problem: Problem, head_dim: int, q_tile, kv_tile) -> TileConfig:
@@ -26,12 +37,33 @@ def _tiles(problem: Problem, head_dim: int, q_tile, kv_tile) -> TileConfig:
 
 @functools.lru_cache(maxsize=256)
 def choose(problem: Problem, tiles: TileConfig, split: tuple[int, ...], batch: int, heads: int, head_dim: int,
-           element_bytes: int) -> str:
-    """`"ulysses"` or `"halo"`: the one natsim.partition predicts faster (ulysses only when heads divide)."""
+           element_bytes: int, training: bool = False, strategies: tuple[str, ...] = STRATEGIES) -> str:
+    """The one of `strategies` natsim.partition predicts faster: the forward and, when `training`, the backward
+    too (its tile work and the gradients' bytes). Ulysses is left out unless heads divide over the ranks."""
     costs = [strategy_cost(problem, tiles, split, s, batch=batch, heads=heads, head_dim=head_dim,
-                           element_bytes=element_bytes)
-             for s in STRATEGIES if s != "ulysses" or heads % len(split) == 0]
+                           element_bytes=element_bytes, training=training)
+             for s in strategies if s != "ulysses" or heads % len(split) == 0]
     return choose_strategy(costs).strategy
+
+
+@torch.compiler.assume_constant_result
+def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[int, ...], sizes: tuple[int, ...],
+          training: bool, strategies: tuple[str, ...]) -> str:
+    """`"auto"`'s pick from plain values: host arithmetic (numpy) that torch.compile runs once while tracing, its
+    result a constant of the graph, instead of tracing it."""
+    problem = Problem(shape, *parameters)
+    return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies)
+
+
+def _runnable(heads: int, world_size: int, halo_trains: bool) -> tuple[str, ...]:
+    """The strategies `"auto"` chooses among: ulysses when heads divide over the ranks, halo unless the call
+    needs gradients it cannot give here (`halo_trains`); a sentence error when neither can run."""
+    names = tuple(s for s in STRATEGIES if (s != "ulysses" or heads % world_size == 0)
+                  and (s != "halo" or halo_trains))
+    if not names:
+        raise RuntimeError(f"no strategy can train here: ulysses shards heads, and heads={heads} cannot be split "
+                           f"evenly over {world_size} ranks; and {HALO_GRADIENT_REFUSAL}")
+    return names
 
 
 def gna_attention(
@@ -55,19 +87,27 @@ def gna_attention(
 
     q, k, v are this rank's `[B, T_r, *rest, heads, head_dim]`; window, stride, dilation and causal are the
     whole layout's (`natsim.kernels.gna_attention`). `split` (frames per rank) skips the all-gather of slab
-    sizes. `strategy`: `"ulysses"`, `"halo"` or `"auto"` (module docstring). `kv_tiling` as in
-    `natsim.kernels.gna_attention` for Ulysses; the halo path's frame ranges run static KV tiling only (None
-    there means static). Every rank must make the same call.
+    sizes (give it under torch.compile). `strategy`: `"ulysses"`, `"halo"` or `"auto"` (module docstring of
+    strategies.py). `kv_tiling` as in `natsim.kernels.gna_attention` for Ulysses; the halo path's frame ranges
+    run static KV tiling only (None there means static). Every rank must make the same call, with the same
+    `requires_grad`.
+
+    Differentiable with respect to q, k and v: the single-GPU backward between the forward's collectives
+    mirrored (ops.py), eager or under torch.compile(fullgraph=True). The halo strategy cannot train on tensors
+    that run the Triton kernels yet (module docstring); `"auto"` then picks among the strategies that can, and
+    prices a call that needs gradients by its forward and backward.
     """
-    refuse_gradients(q, k, v)
     shape = check_qkv(q, k, v)
     size, rank = world(group)
     split = resolve_split(q, split, group)
     problem = Problem((sum(split), *shape[1:]), window, stride, dilation, causal)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    halo_trains = not (training and use_triton(q))
     if strategy == "auto":
-        strategy = choose(problem, _tiles(problem, head_dim, q_tile, kv_tile), split, batch, heads, head_dim,
-                          q.element_size())
+        strategy = _auto(problem.shape, (problem.window, problem.stride, problem.dilation, problem.causal),
+                         (q_tile, kv_tile), split, (batch, heads, head_dim, q.element_size()), training,
+                         _runnable(heads, size, halo_trains))
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
     kernel = functools.partial(single_gpu_gna_attention, window=problem.window, stride=problem.stride,
@@ -75,7 +115,9 @@ def gna_attention(
                                kv_tile=kv_tile)
     if strategy == "ulysses":
         check_heads(heads, size)
-        return ulysses(lambda q, k, v: kernel(q, k, v, kv_tiling=kv_tiling), q, k, v, split, group)
+        return ulysses(lambda q, k, v: kernel(q, k, v, kv_tiling=kv_tiling), q, k, v, split, rank, group)
+    if not halo_trains:
+        raise RuntimeError(HALO_GRADIENT_REFUSAL)
     if kv_tiling == "dynamic":
         raise ValueError("the halo strategy runs frame ranges with static KV tiling only, got kv_tiling='dynamic'; "
                          "use strategy='ulysses' or kv_tiling=None.")

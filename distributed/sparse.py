@@ -11,7 +11,7 @@ import torch
 from natsim.kernels import SparseMask
 from natsim.kernels import sparse_attention as single_gpu_sparse_attention
 
-from .collectives import check_heads, refuse_gradients, resolve_split, world
+from .collectives import check_heads, resolve_split, world
 from .strategies import ulysses
 
 
@@ -50,8 +50,10 @@ def sparse_attention(
 
     `mask` is the whole sequence's block mask (`[B or 1, heads or 1, nQ, nKV]` booleans or a `SparseMask`),
     the same on every rank; each rank runs its `heads / P` heads of it. Returns this rank's output tokens.
+    Differentiable with respect to q, k and v as the single-GPU call is: its backward on this rank's heads,
+    between the all-to-alls mirrored (ops.py). Every rank must make the same call, with the same
+    `requires_grad`.
     """
-    refuse_gradients(q, k, v)
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError("q must be a [batch, tokens, heads, head_dim] tensor, got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
@@ -66,4 +68,4 @@ def sparse_attention(
         return single_gpu_sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, scale=scale,
                                            schedule=schedule)
 
-    return ulysses(attend, q, k, v, split, group)
+    return ulysses(attend, q, k, v, split, rank, group)

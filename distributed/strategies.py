@@ -23,67 +23,58 @@ block mask, so each rank runs its heads of the mask over the whole sequence.
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.distributed as dist
 
 from natsim import Problem
 from natsim.partition import key_frames, offsets
 
-from .collectives import exchange, overlap, send_receive
+from .collectives import HaloRoutes, overlap
+from .ops import frames_to_heads, gather_halo, heads_to_frames
 
 
-def ulysses(attend, q, k, v, split: tuple[int, ...], group) -> torch.Tensor:
+def ulysses(attend, q, k, v, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
     """All-to-all to head-sharded full sequences, `attend`, all-to-all back (tokens along dimension 1).
-
-    With batch 1 the frames received from the ranks, in rank order, are the whole sequence as they land, and
-    the output's frames for the ranks, in rank order, are the output itself: no copies but the head slices."""
-    size, rank = len(split), dist.get_rank(group)
-    batch, rest, h, head_dim = q.shape[0], q.shape[2:-2], q.shape[-2] // size, q.shape[-1]
-    shapes = [(batch, n, *rest, h, head_dim) for n in split]
-    whole = []
-    for x in (q, k, v):
-        received, parts = exchange([x[..., j * h:(j + 1) * h, :] for j in range(size)], shapes, group)
-        whole.append(received.view(1, sum(split), *rest, h, head_dim) if batch == 1 else torch.cat(parts, dim=1))
-    out = attend(*whole)  # [B, L, ..., h, D]
-    t = offsets(split)
-    send = [out.narrow(1, t[j], split[j]) for j in range(size)]
-    packed = out if batch == 1 and out.is_contiguous() else None
-    _, parts = exchange(send, [(batch, split[rank], *rest, h, head_dim)] * size, group, packed=packed)
-    return torch.cat(parts, dim=-2)
+    Differentiable when `attend` is: the backward runs the all-to-alls mirrored (ops.py)."""
+    out = attend(*frames_to_heads((q, k, v), split, rank, group))  # [B, L, ..., H / P, D]
+    return heads_to_frames((out,), split, rank, group)[0]
 
 
-def halo(kernel, problem: Problem, q, k, v, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
-    """Receive exactly the key/value frames this rank's queries reach, run the kernel on that frame range.
-
-    The frames land in one `[2, B, frames, ...]` buffer (k, v): halo frames straight from the peers (for batch
-    1 a frame range is contiguous; otherwise through a staging copy), this rank's own frames copied in while
-    they travel."""
+def halo_routes(problem: Problem, split: tuple[int, ...], rank: int) -> HaloRoutes:
+    """The frames `rank` gathers (the key frames its queries reach) and those it sends to and receives from each
+    peer (natsim.partition.key_frames: GNA window bounds with stride, dilation and causal)."""
     t = offsets(split)
     own = (t[rank], t[rank + 1])
     need = [key_frames(problem, t[j], t[j + 1]) for j in range(len(split))]
-    first, last = need[rank]
-    keys = k.new_empty((2, k.shape[0], last - first, *k.shape[2:])) if split[rank] else None
-    sends, receives, staged = [], [], []
+    sends, receives = [], []
     for j in range(len(split)):
         if j == rank:
             continue
-        give = overlap(need[j], own)
+        give, take = overlap(need[j], own), overlap(need[rank], (t[j], t[j + 1]))
         if give[1] > give[0]:
-            sends += [(x[:, give[0] - own[0]:give[1] - own[0]].contiguous(), j) for x in (k, v)]
-        take = overlap(need[rank], (t[j], t[j + 1]))
-        if take[1] > take[0] and keys is not None:
-            for view in keys[:, :, take[0] - first:take[1] - first]:
-                buffer = view if view.is_contiguous() else torch.empty_like(view)
-                receives.append((buffer, j))
-                staged.append((view, buffer))
-    if keys is None:  # no frames here: only send
-        send_receive(sends, receives, group)
-        return q.new_empty(q.shape)
-    mine = overlap(need[rank], own)
-    keys[0, :, mine[0] - first:mine[1] - first] = k[:, mine[0] - own[0]:mine[1] - own[0]]
-    keys[1, :, mine[0] - first:mine[1] - first] = v[:, mine[0] - own[0]:mine[1] - own[0]]
-    send_receive(sends, receives, group)
-    for view, buffer in staged:
-        if buffer is not view:
-            view.copy_(buffer)
-    return kernel(q, keys[0], keys[1], frame_offsets=(own[0], first, problem.shape[0]))
+            sends.append((j, *give))
+        if take[1] > take[0]:
+            receives.append((j, *take))
+    return HaloRoutes(own, need[rank], tuple(sends), tuple(receives))
+
+
+@functools.lru_cache(maxsize=256)
+@torch.compiler.assume_constant_result
+def _routes(frames: tuple[int, int, int, int, bool], split: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """`halo_routes` along dimension 0 of length, window, stride, dilation and causal `frames`, as plain ints
+    (`HaloRoutes.as_ints`), kept per distinct call: host arithmetic that torch.compile runs while tracing (a
+    constant of the graph) instead of tracing its numpy."""
+    return tuple(halo_routes(Problem(frames[:1], *frames[1:]), split, rank).as_ints())
+
+
+def halo(kernel, problem: Problem, q, k, v, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
+    """Gather exactly the key/value frames this rank's queries reach, run the kernel on that frame range.
+    Differentiable when the kernel on frame ranges is: the backward returns the halo frames' gradients to the
+    ranks that hold them (ops.py)."""
+    routes = HaloRoutes.from_ints(_routes((problem.shape[0], problem.window[0], problem.stride[0],
+                                           problem.dilation[0], problem.causal[0]), split, rank))
+    keys, values = gather_halo(k, v, routes, group)
+    if not split[rank]:  # no queries here: an empty output, tied to q, k and v for autograd as any rank's is
+        return q + (keys.sum() + values.sum())
+    return kernel(q, keys, values, frame_offsets=(routes.own[0], routes.keys[0], problem.shape[0]))

@@ -10,6 +10,12 @@ behind it). Two ways to attend across ranks (natsim.distributed runs them):
   cut from the rank's own first query frame and first key frame (`frame_dim_tiles`), so the per-rank counts
   are not a slice of the single-process counts; they are what the kernel's debug counters report.
 
+Training adds each strategy's backward: its tile work, and the gradients moving back along the forward's routes
+mirrored (natsim.distributed's adjoint collectives). Ulysses' backward moves the output's gradient to
+head-sharded sequences and the gradients of q, k and v back: the forward's bytes with sent and received
+swapped. The halo's sends the gradients of the key and value frames a rank received back to their owners: the
+forward's bytes, swapped too.
+
 Under dilation along dimension 0 a rank's frames fall into several dilation groups; each is a contiguous
 run of its global group, and the key frames a rank receives are the hull over its groups (a few frames of
 other groups may ride along; the kernel never reads them).
@@ -19,6 +25,7 @@ Numpy only, like the rest of the simulator.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -39,6 +46,9 @@ STRATEGIES = ("ulysses", "halo")
 # bytes per second a rank sends or receives (NVLink between two GPUs of one host, order of magnitude).
 TILE_FLOP_SECONDS = 1.78e-15
 LINK_BYTES_PER_SECOND = 150e9
+# The backward's time per visited tile pair over the forward's, for the same default rates: its dK/dV and dQ
+# kernels run seven tile products per pair against the forward's two (docs/training.md).
+BACKWARD_TILE_WORK = 3.5
 
 
 def even_split(frames: int, world_size: int) -> tuple[int, ...]:
@@ -70,8 +80,9 @@ def check_split(split: Sequence[int], frames: int) -> tuple[int, ...]:
 
 
 def offsets(split: Sequence[int]) -> tuple[int, ...]:
-    """First frame of every rank, and the total at the end: `(t_0, ..., t_P)`."""
-    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(split)]))
+    """First frame of every rank, and the total at the end: `(t_0, ..., t_P)`. Plain Python ints (no numpy),
+    so that torch.compile keeps them constants where natsim.distributed moves frames."""
+    return tuple(itertools.accumulate((int(n) for n in split), initial=0))
 
 
 @lru_cache(maxsize=4096)
@@ -156,7 +167,9 @@ def rank_tiles(problem: Problem, tiles: TileConfig, q_frames: tuple[int, int],
 
 @dataclass(frozen=True)
 class RankCost:
-    """One rank under one strategy: heads it runs, tile work (all its heads), frames received, bytes."""
+    """One rank under one strategy: heads it runs, tile work (all its heads, the forward's), frames received,
+    the forward's bytes and, for a training step, the backward's (zero otherwise); `seconds` covers the
+    forward and, when training, the backward."""
 
     rank: int
     frames: tuple[int, int]
@@ -167,12 +180,15 @@ class RankCost:
     bytes_sent: int
     bytes_received: int
     seconds: float
+    backward_bytes_sent: int = 0
+    backward_bytes_received: int = 0
 
     def to_dict(self) -> dict:
         return {"rank": self.rank, "frames": list(self.frames), "heads": self.heads,
                 "visited_tiles": self.visited_tiles, "full_tiles": self.full_tiles,
                 "key_frames": list(self.key_frames), "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received, "predicted_s": self.seconds}
+                "bytes_received": self.bytes_received, "backward_bytes_sent": self.backward_bytes_sent,
+                "backward_bytes_received": self.backward_bytes_received, "predicted_s": self.seconds}
 
 
 @dataclass(frozen=True)
@@ -188,8 +204,8 @@ class StrategyCost:
 
     @property
     def bytes_moved(self) -> int:
-        """Bytes sent by all ranks together."""
-        return sum(r.bytes_sent for r in self.ranks)
+        """Bytes sent by all ranks together, forward and (when priced for training) backward."""
+        return sum(r.bytes_sent + r.backward_bytes_sent for r in self.ranks)
 
     @property
     def max_visited_tiles(self) -> int:
@@ -213,12 +229,15 @@ def _tile_flops(tiles: TileConfig, problem: Problem, head_dim: int) -> float:
 
 def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], strategy: str, *, batch: int,
                   heads: int, head_dim: int, element_bytes: int, tile_seconds: Optional[float] = None,
-                  bytes_per_second: float = LINK_BYTES_PER_SECOND) -> StrategyCost:
+                  bytes_per_second: float = LINK_BYTES_PER_SECOND, training: bool = False,
+                  backward_tile_seconds: Optional[float] = None) -> StrategyCost:
     """Per-rank tile work and bytes of `strategy` with frames split `split` over the ranks.
 
     Seconds per rank = visited tiles (all its heads, batch included) x `tile_seconds` + the larger of bytes
     sent and received / `bytes_per_second`. `tile_seconds` defaults to one tile pair's FLOPs at
-    `TILE_FLOP_SECONDS`. Ulysses needs `heads` divisible by the world size.
+    `TILE_FLOP_SECONDS`. Ulysses needs `heads` divisible by the world size. `training` adds the backward the
+    same way: its bytes (module docstring) and visited tiles x `backward_tile_seconds` (default
+    `BACKWARD_TILE_WORK` x `tile_seconds`); the gradients have the inputs' `element_bytes`.
     """
     split = check_split(split, problem.shape[0])
     P = len(split)
@@ -226,6 +245,17 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
     frame_bytes = math.prod(problem.shape[1:]) * heads * head_dim * element_bytes * batch  # one frame, all heads
     if tile_seconds is None:
         tile_seconds = _tile_flops(tiles, problem, head_dim) * TILE_FLOP_SECONDS
+    if backward_tile_seconds is None:
+        backward_tile_seconds = BACKWARD_TILE_WORK * tile_seconds
+
+    def priced(r: int, heads_here: int, visited: int, full: int, frames: tuple[int, int], sent: int,
+               received: int) -> RankCost:
+        seconds = visited * tile_seconds + max(sent, received) / bytes_per_second
+        if training:  # the backward's bytes are the forward's with the directions swapped
+            seconds += visited * backward_tile_seconds + max(sent, received) / bytes_per_second
+        return RankCost(r, (t[r], t[r + 1]), heads_here, visited, full, frames, sent, received, seconds,
+                        received if training else 0, sent if training else 0)
+
     ranks = []
     if strategy == "ulysses":
         if heads % P:
@@ -239,10 +269,8 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
             # q, k, v out: (P - 1) of P head slices of own frames; back: own heads of everyone else's frames.
             sent = (3 * split[r] * (P - 1) + (problem.shape[0] - split[r])) * frame_bytes // P
             received = (3 * (problem.shape[0] - split[r]) + split[r] * (P - 1)) * frame_bytes // P
-            work = whole.visited_tiles * local * batch
-            ranks.append(RankCost(r, (t[r], t[r + 1]), local, work, whole.full_tiles * local * batch,
-                                  (0, problem.shape[0]), sent, received,
-                                  work * tile_seconds + max(sent, received) / bytes_per_second))
+            ranks.append(priced(r, local, whole.visited_tiles * local * batch, whole.full_tiles * local * batch,
+                                (0, problem.shape[0]), sent, received))
     elif strategy == "halo":
         needs = [key_frames(problem, t[r], t[r + 1]) for r in range(P)]
         for r in range(P):
@@ -252,8 +280,7 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
             work = rank_tiles(problem, tiles, own, needs[r]) if split[r] else None
             visited = work.visited * heads * batch if work else 0
             full = work.full * heads * batch if work else 0
-            ranks.append(RankCost(r, own, heads, visited, full, needs[r], sent, received,
-                                  visited * tile_seconds + max(sent, received) / bytes_per_second))
+            ranks.append(priced(r, heads, visited, full, needs[r], sent, received))
     else:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got strategy={strategy!r}.")
     return StrategyCost(strategy, tuple(ranks))

@@ -1,17 +1,24 @@
 """Context parallelism: natsim.partition against brute force, the GNA kernel on frame ranges against the
 float64 reference and its debug counters against the simulator, and natsim.distributed in gloo process groups
-of 2 and 3 processes against single-process reference_attention / sparse_reference.
+of 2 and 3 processes against single-process reference_attention / sparse_reference: outputs, gradients (eager
+and compiled) and the bytes every collective moves, forward and backward.
 
 Spawned processes cost seconds each (importing torch), so each world runs many cases in one spawn, with a
-deadline that fails the test instead of hanging.
+deadline that fails the test instead of hanging; hypothesis draws a world's cases in the parent, one example.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+import io
 import os
 import socket
 import time
+import warnings
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hypothesis import assume, given, settings
+from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from natsim import Problem, TileConfig
@@ -32,6 +39,7 @@ from interpreter_options import skip_discarded_overflow_checks
 FAST = settings(max_examples=25, deadline=None)
 KERNEL = settings(max_examples=6, deadline=None)
 WORLD_DEADLINE_S = 240
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 # -- the simulator's side: numpy against brute force -------------------------------------------------------
@@ -122,6 +130,29 @@ def test_strategy_bytes_by_hand():
     with pytest.raises(ValueError, match="add up to the 30 frames"):
         check_split((10, 10), 30)
     assert even_split(10, 3) == (4, 3, 3) and offsets((4, 3, 3)) == (0, 4, 7, 10)
+
+
+def test_training_bytes_and_seconds_by_hand():
+    # The backward moves the forward's bytes with the directions swapped: the halo's gradients of the key and
+    # value frames a rank received go back to their owners; Ulysses' output gradient goes out to head-sharded
+    # sequences (P - 1 of P head slices of own frames) and the gradients of q, k and v come back.
+    problem = Problem((30, 48, 80), (18, 24, 24), (16, 8, 8))
+    tiles = TileConfig((4, 8, 8), (2, 8, 8))
+    frame = 48 * 80 * 24 * 128 * 2
+    options = dict(batch=1, heads=24, head_dim=128, element_bytes=2, tile_seconds=1e-6, bytes_per_second=1e11)
+    for strategy in ("halo", "ulysses"):
+        forward = strategy_cost(problem, tiles, (16, 14), strategy, **options)
+        training = strategy_cost(problem, tiles, (16, 14), strategy, training=True, **options)
+        for f, r in zip(forward.ranks, training.ranks):
+            assert (f.backward_bytes_sent, f.backward_bytes_received) == (0, 0)
+            assert (r.backward_bytes_sent, r.backward_bytes_received) == (f.bytes_received, f.bytes_sent)
+            wire = max(f.bytes_sent, f.bytes_received) / 1e11
+            assert r.seconds == pytest.approx(f.seconds + r.visited_tiles * 3.5e-6 + wire, rel=1e-12)
+        assert training.bytes_moved == 2 * forward.bytes_moved
+    ulysses = strategy_cost(problem, tiles, (16, 14), "ulysses", training=True, **options)
+    assert ulysses.ranks[0].backward_bytes_sent == (16 + 3 * 14) * frame // 2
+    assert ulysses.ranks[0].backward_bytes_received == (14 + 3 * 16) * frame // 2
+    assert ulysses.to_dict()["ranks"][0]["backward_bytes_sent"] == (16 + 3 * 14) * frame // 2
 
 
 # -- the kernel on a frame range ---------------------------------------------------------------------------
@@ -264,15 +295,50 @@ def test_not_initialised():
         nd.gna_attention(q, q, q, 3)
 
 
-def test_distributed_entry_points_refuse_gradients():
+def test_what_auto_chooses_among():
+    from natsim.distributed import gna as distributed_gna
+
+    assert distributed_gna._runnable(4, 2, halo_trains=False) == ("ulysses",)
+    assert distributed_gna._runnable(5, 2, halo_trains=True) == ("halo",)
+    with pytest.raises(RuntimeError, match="heads=5 cannot be split evenly over 2 ranks; and the halo strategy"):
+        distributed_gna._runnable(5, 2, halo_trains=False)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone (no spawn), for refusals that need an initialised group."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collective_operators(one_rank_group):
+    """natsim.distributed's operators against torch.library.opcheck in a group of one: fake implementations
+    against the real outputs, the schemas, and the backward formulas (each move's adjoint, itself an operator)
+    under autograd and AOTAutograd."""
+    from natsim.distributed.collectives import HaloRoutes, group_name
+
+    group = group_name(None)
+    x = torch.randn(2, 3, 4, 2, 8, dtype=torch.float64)
+    halo = HaloRoutes((0, 3), (0, 3), (), ()).as_ints()
+    several = [x, x[:1].flip(1)]  # batch 2, and batch 1 (whose received buffer is the output, no copy)
+    for op, args in ((torch.ops.natsim.cp_frames_to_heads, (several, [3], 0, group)),
+                     (torch.ops.natsim.cp_heads_to_frames, (several, [3], 0, group)),
+                     (torch.ops.natsim.cp_gather_halo, (x, x.flip(1), halo, group)),
+                     (torch.ops.natsim.cp_return_halo, (x, x.flip(1), halo, group))):
+        torch.library.opcheck(op, args)
+    routes = HaloRoutes((4, 9), (2, 11), ((0, 4, 6), (2, 7, 9)), ((0, 2, 4), (2, 9, 11)))
+    assert HaloRoutes.from_ints(routes.as_ints()) == routes
+
+
+def test_halo_refuses_gradients_on_the_triton_path(one_rank_group):
     import natsim.distributed as nd
 
-    q = torch.randn(1, 4, 6, 2, 32, requires_grad=True)
-    with pytest.raises(RuntimeError, match="collectives, which autograd does not track"):
-        nd.gna_attention(q, q.detach(), q.detach(), 3)
-    t = torch.randn(1, 64, 2, 32)
-    with pytest.raises(RuntimeError, match="collectives, which autograd does not track"):
-        nd.sparse_attention(t, t.requires_grad_(), t, torch.ones(1, 1, 4, 4, dtype=torch.bool), 16, 16)
+    q = torch.randn(1, 4, 6, 2, 32, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"frame ranges .* have no backward yet, and q, k or v requires grad"):
+        nd.gna_attention(q, q.detach(), q.detach(), 3, strategy="halo", split=(4,))
 
 
 # -- process groups ----------------------------------------------------------------------------------------
@@ -300,31 +366,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    """One rank: every case, every strategy, against the single-process reference (fresh inputs, one seed
-    for all ranks); bytes moved against natsim.partition; sparse attention under a per-head mask."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    skip_discarded_overflow_checks()  # as tests/conftest.py does in pytest's processes
+def _check_outputs(rank: int, world: int) -> None:
+    """Every case, every strategy, against the single-process reference (fresh inputs, one seed for all ranks),
+    the kernels in the interpreter; bytes moved against natsim.partition; sparse attention under a per-head
+    mask."""
     heads = HEADS_PER_RANK * world
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
     import natsim.distributed as nd
-    from natsim.distributed import strategies
     from natsim.kernels import SparseMask, sparse_reference
 
-    sent = []
-    exchange, send_receive = strategies.exchange, strategies.send_receive
-
-    def counting_exchange(send, shapes, group, **options):
-        sent.append(sum(t.numel() * t.element_size() for j, t in enumerate(send) if j != rank))
-        return exchange(send, shapes, group, **options)
-
-    def counting_send_receive(sends, receives, group):
-        sent.append(sum(t.numel() * t.element_size() for t, _ in sends))
-        return send_receive(sends, receives, group)
-
-    strategies.exchange, strategies.send_receive = counting_exchange, counting_send_receive
-    try:
+    with _bytes_sent(rank) as sent:
         for index, (shape, window, stride, dilation, causal, splits) in enumerate(GNA_CASES):
             if world not in splits:
                 continue
@@ -350,37 +400,58 @@ def _worker(rank: int, world: int, port: int) -> None:
                     cost = strategy_cost(problem, TileConfig(1, 1), split, strategy, batch=batch, heads=heads,
                                          head_dim=HEAD_DIM, element_bytes=2)
                     assert sum(sent) == cost.ranks[rank].bytes_sent, (index, strategy, sent, cost.ranks[rank])
-        # Ulysses needs heads divisible by the world size.
-        q = torch.randn(1, 3, 4, 4, 5, 32, dtype=torch.float16)
-        try:
-            nd.gna_attention(q, q, q, 3, strategy="ulysses", split=(3,) * world)
-            raise AssertionError("heads=5 was not refused")
-        except ValueError as error:
-            assert "divisible by the world size" in str(error)
-        # Sparse attention, head-parallel: a random block mask per head over the whole sequence.
-        split = {2: (40, 24), 3: (16, 32, 16)}[world]
-        t = offsets(split)
-        generator = torch.Generator().manual_seed(99)
-        n = sum(split)
-        q, k, v = (torch.randn(1, n, heads, HEAD_DIM, generator=generator, dtype=torch.float16) for _ in range(3))
-        mask = torch.rand(1, heads, n // 16, n // 16, generator=generator) < 0.5
-        mask[..., 0] = True
-        expected = sparse_reference(q.double(), k.double(), v.double(), mask, 16, 16)[:, t[rank]:t[rank + 1]]
-        mine = slice(t[rank], t[rank + 1])
-        for given in (mask,) if world == 2 else (SparseMask.from_dense(mask, 16, 16, n),):
-            out = nd.sparse_attention(q[:, mine], k[:, mine], v[:, mine], given, 16, 16)
-            error = ((out.double() - expected).norm() / expected.norm()).item()
-            assert error < 5e-3, f"sparse ({type(given).__name__}) rank {rank}/{world}: error {error}"
-        # Every rank's last messages are through before any rank tears gloo down: a rank that destroyed its group
-        # while a peer still sent to it aborted now and then ("terminate called without an active exception").
-        dist.barrier()
+    # Ulysses needs heads divisible by the world size.
+    q = torch.randn(1, 3, 4, 4, 5, 32, dtype=torch.float16)
+    try:
+        nd.gna_attention(q, q, q, 3, strategy="ulysses", split=(3,) * world)
+        raise AssertionError("heads=5 was not refused")
+    except ValueError as error:
+        assert "divisible by the world size" in str(error)
+    # Sparse attention, head-parallel: a random block mask per head over the whole sequence.
+    split = {2: (40, 24), 3: (16, 32, 16)}[world]
+    t = offsets(split)
+    generator = torch.Generator().manual_seed(99)
+    n = sum(split)
+    q, k, v = (torch.randn(1, n, heads, HEAD_DIM, generator=generator, dtype=torch.float16) for _ in range(3))
+    mask = torch.rand(1, heads, n // 16, n // 16, generator=generator) < 0.5
+    mask[..., 0] = True
+    expected = sparse_reference(q.double(), k.double(), v.double(), mask, 16, 16)[:, t[rank]:t[rank + 1]]
+    mine = slice(t[rank], t[rank + 1])
+    for given in (mask,) if world == 2 else (SparseMask.from_dense(mask, 16, 16, n),):
+        out = nd.sparse_attention(q[:, mine], k[:, mine], v[:, mine], given, 16, 16)
+        error = ((out.double() - expected).norm() / expected.norm()).item()
+        assert error < 5e-3, f"sparse ({type(given).__name__}) rank {rank}/{world}: error {error}"
+
+
+@contextlib.contextmanager
+def _bytes_sent(rank: int):
+    """Count what this rank's collectives send to other ranks (natsim.distributed.collectives' exchanges,
+    wrapped while the block runs; torch.compile would refuse the wrappers' side effect): yields the list every
+    exchange appends its bytes to."""
+    from natsim.distributed import collectives
+
+    sent = []
+    exchange, send_receive = collectives.exchange, collectives.send_receive
+
+    def counting_exchange(send, shapes, group, **options):
+        sent.append(sum(t.numel() * t.element_size() for j, t in enumerate(send) if j != rank))
+        return exchange(send, shapes, group, **options)
+
+    def counting_send_receive(sends, receives, group):
+        sent.append(sum(t.numel() * t.element_size() for t, _ in sends))
+        return send_receive(sends, receives, group)
+
+    collectives.exchange, collectives.send_receive = counting_exchange, counting_send_receive
+    try:
+        yield sent
     finally:
-        strategies.exchange, strategies.send_receive = exchange, send_receive
-        dist.destroy_process_group()
+        collectives.exchange, collectives.send_receive = exchange, send_receive
 
 
-def _run_world(world: int) -> None:
-    context = mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=False)
+def _run_world(world: int, *args, worker=None) -> None:
+    """Spawn `worker(rank, world, port, *args)` (default `_worker`) in `world` processes; fail past the
+    deadline."""
+    context = mp.spawn(worker or _worker, args=(world, _free_port(), *args), nprocs=world, join=False)
     deadline = time.monotonic() + WORLD_DEADLINE_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
@@ -392,9 +463,325 @@ def _run_world(world: int) -> None:
                 process.terminate()
 
 
+
+
+# -- gradients in process groups ---------------------------------------------------------------------------
+
+# (problem, split per world size, batch), beside the drawn cases: windows wider than a slab with stride, dilation
+# and causal along the sharded frames, an even window, a rank with one frame and one with none.
+GRADIENT_CASES = [
+    (Problem((9, 4, 4), (7, 3, 3), (3, 1, 1)), {2: (6, 3), 3: (1, 6, 2)}, 1),
+    (Problem((10, 4, 4), (4, 4, 3), (3, 2, 1), (2, 1, 1), (True, False, False)), {2: (5, 5), 3: (2, 5, 3)}, 2),
+    (Problem((11, 16), (6, 5), (2, 1), 1, (True, False)), {2: (4, 7), 3: (6, 0, 5)}, 1),
+]
+GRADIENT_HEAD_DIM = 16
+GRADIENT_WORLD = settings(max_examples=1, deadline=None, phases=(Phase.explicit, Phase.generate))
+
+
+def _frames_split(draw, frames: int, world: int) -> tuple[int, ...]:
+    """Frames per rank: `world` non-negative counts adding up to `frames` (uneven, now and then zero)."""
+    cuts = sorted(draw(st.lists(st.integers(0, frames), min_size=world - 1, max_size=world - 1)))
+    return tuple(b - a for a, b in zip((0, *cuts), (*cuts, frames)))
+
+
+@st.composite
+def sharded_problems(draw, world: int):
+    """A GNA problem of at most 96 tokens with at least `world` frames, its frames split over the ranks, a
+    batch."""
+    problem = draw(problems(max_tokens=96).filter(lambda p: p.shape[0] >= world))
+    return problem, {world: _frames_split(draw, problem.shape[0], world)}, draw(st.sampled_from([1, 2]))
+
+
+@st.composite
+def sharded_masks(draw, world: int):
+    """A sequence split over the ranks with a random block mask: `(tokens, split, q_block, kv_block, one mask
+    per head, density, as a SparseMask, seed)`."""
+    tokens = draw(st.integers(world, 80))
+    return (tokens, _frames_split(draw, tokens, world), draw(st.sampled_from([8, 16])),
+            draw(st.sampled_from([8, 16])), draw(st.booleans()), draw(st.sampled_from([0.3, 0.6, 1.0])),
+            draw(st.booleans()), draw(st.integers(0, 2**16)))
+
+
+def _gradients(fn, inputs, grad):
+    """dq, dk, dv of `fn(q, k, v)` against the output gradient `grad`, at fresh leaves of `inputs`."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    return torch.autograd.grad(fn(*leaves), leaves, grad)
+
+
+def _assert_gradients(got, want, tolerance: float, what: str) -> None:
+    for name, a, b in zip("qkvqkv", got, want):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance, msg=lambda m: f"d{name} of {what}: {m}")
+
+
+def _local_gradients(rank: int, sent: list[int], call, inputs, grad, split, byte_model):
+    """Gradients of `call` on this rank's part of `inputs`; with `byte_model` (float64 runs) the bytes `sent`
+    forward and backward are checked against it."""
+    mine = slice(*offsets(split)[rank:rank + 2])
+    sent.clear()
+    leaves = [x[:, mine].detach().requires_grad_() for x in inputs]
+    out = call(*leaves)
+    forward = sum(sent)
+    sent.clear()
+    grads = torch.autograd.grad(out, leaves, grad[:, mine])
+    if byte_model is not None:
+        cost = byte_model.ranks[rank]
+        assert (forward, sum(sent)) == (cost.bytes_sent, cost.backward_bytes_sent), (forward, sum(sent), cost)
+    return grads
+
+
+def _single_process(rank: int, split, reference, single, inputs) -> list:
+    """The single-process gradients on this rank's frames of the whole `inputs` (q, k, v and the output's
+    gradient, float64): `(tensors, gradients, tolerance)` of the float64 `reference` and of `single` in float32."""
+    mine = slice(*offsets(split)[rank:rank + 2])
+    runs = []
+    for fn, tensors, tolerance in ((reference, inputs, 1e-10), (single, [x.float() for x in inputs], 1e-5)):
+        runs.append((tensors, [g[:, mine] for g in _gradients(fn, tensors[:3], tensors[3])], tolerance))
+    return runs
+
+
+def _check_against(rank: int, sent: list[int], call, expected: list, split, byte_model, what: str) -> None:
+    """`call`'s gradients on this rank equal the `expected` single-process ones, in both precisions; the bytes
+    of the float64 run equal `byte_model`'s."""
+    for (tensors, want, tolerance), model in zip(expected, (byte_model, None)):
+        got = _local_gradients(rank, sent, call, tensors[:3], tensors[3], split, model)
+        _assert_gradients(got, want, tolerance, f"{what}, {tensors[0].dtype}")
+
+
+def _check_gna_gradients(rank: int, world: int, sent: list[int], index: int, case) -> None:
+    """One GNA case under each strategy ("auto" too for the first case)."""
+    import natsim.distributed as nd
+
+    problem, splits, batch = case
+    split, heads = splits[world], HEADS_PER_RANK * world
+    args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation, causal=problem.causal)
+    generator = torch.Generator().manual_seed(index)
+    inputs = [torch.randn(batch, *problem.shape, heads, GRADIENT_HEAD_DIM, generator=generator, dtype=torch.float64)
+              for _ in range(4)]
+    expected = _single_process(rank, split, lambda *x: reference_attention(*x, **args),
+                               lambda *x: gna_attention(*x, **args), inputs)
+    for strategy in ("ulysses", "halo", "auto") if index == 0 else ("ulysses", "halo"):
+        model = None if strategy == "auto" else strategy_cost(
+            problem, TileConfig(1, 1), split, strategy, batch=batch, heads=heads, head_dim=GRADIENT_HEAD_DIM,
+            element_bytes=8, training=True)
+        _check_against(rank, sent, functools.partial(nd.gna_attention, strategy=strategy, split=split, **args),
+                       expected, split, model,
+                       f"GNA case {index} ({problem}, split {split}, batch {batch}), {strategy}, rank {rank}")
+
+
+def _check_mask_gradients(rank: int, world: int, sent: list[int], index: int, case) -> None:
+    """One block mask case (Ulysses)."""
+    import natsim.distributed as nd
+    from natsim.kernels import SparseMask, sparse_attention, sparse_reference
+
+    tokens, split, q_block, kv_block, per_head, density, as_csr, seed = case
+    heads = HEADS_PER_RANK * world
+    generator = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(1, tokens, heads, GRADIENT_HEAD_DIM, generator=generator, dtype=torch.float64)
+              for _ in range(4)]
+    dense = torch.rand(1, heads if per_head else 1, -(-tokens // q_block), -(-tokens // kv_block),
+                       generator=generator) < density
+    mask = SparseMask.from_dense(dense, q_block, kv_block, tokens) if as_csr else dense
+    expected = _single_process(rank, split, lambda *x: sparse_reference(*x, dense, q_block, kv_block),
+                               lambda *x: sparse_attention(*x, mask, q_block, kv_block), inputs)
+    model = strategy_cost(Problem((tokens,), 1), TileConfig(1, 1), split, "ulysses", batch=1, heads=heads,
+                          head_dim=GRADIENT_HEAD_DIM, element_bytes=8, training=True)
+    _check_against(rank, sent, functools.partial(nd.sparse_attention, mask=mask, q_block=q_block, kv_block=kv_block,
+                                                 split=split),
+                   expected, split, model, f"mask case {index} ({tokens} tokens, split {split}, blocks "
+                                           f"{q_block}x{kv_block}, {type(mask).__name__}), rank {rank}")
+
+
+def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
+    """dq, dk, dv of every GNA case under each strategy and of every block mask (Ulysses) against the
+    single-process gradients on the whole tensors: float64 against the torch reference, float32 against
+    natsim.kernels' entry points; the bytes each collective sends, forward and backward, against
+    natsim.partition; in the world of 2, under torch.compile(fullgraph=True) too."""
+    with _bytes_sent(rank) as sent:
+        for index, case in enumerate(gna_cases):
+            _check_gna_gradients(rank, world, sent, index, case)
+        for index, case in enumerate(mask_cases):
+            _check_mask_gradients(rank, world, sent, index, case)
+    if world == 2:
+        _check_compiled(rank, gna_cases[0], mask_cases[0])
+
+
+def _check_training_example() -> None:
+    """examples/distributed_training.py's loop, two steps, in this world (its `main` adds only the process group
+    torchrun sets up): its first step's gradients equal one process's."""
+    spec = importlib.util.spec_from_file_location("distributed_training", EXAMPLES / "distributed_training.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with contextlib.redirect_stdout(io.StringIO()):
+        error = example.train(example.arguments(["--device", "cpu", "--steps", "2"]))
+    assert error < 1e-5, error
+
+
+def _worker(rank: int, world: int, port: int, gna_cases, mask_cases) -> None:
+    """One rank of a gloo world: outputs with the kernels in the interpreter, then gradients on the torch
+    reference path (float64 there, and differentiable on frame ranges)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    skip_discarded_overflow_checks()  # as tests/conftest.py does in pytest's processes
+    # One thread per rank: the ranks share the machine's cores, and torch's pools at full size each made every
+    # small operator wait on the others' threads (the gradient checks ran 9x slower on 2 cores).
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        _check_outputs(rank, world)
+        os.environ["TRITON_INTERPRET"] = "0"  # read per call (kernels/common/backend.py): the reference from here
+        warnings.simplefilter("ignore")  # its one-time CPU warnings
+        _check_gradients(rank, world, gna_cases, mask_cases)
+        _check_training_example()
+        # Every rank's last messages are through before any rank tears gloo down: a rank that destroyed its group
+        # while a peer still sent to it aborted now and then ("terminate called without an active exception").
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_compiled(rank: int, gna_case, mask_case) -> None:
+    """torch.compile(fullgraph=True) of one loss through natsim.distributed's GNA under each strategy ("auto"
+    decides while tracing) and its block-mask attention, one after the other: one graph, and the eager gradients
+    through it. The "eager" backend runs what Dynamo captures as it is: AOTAutograd took 11 s more here, mostly
+    tracing the CPU path's backward (the torch reference); test_collective_operators holds the operators' fake
+    implementations and backward formulas against AOTAutograd instead."""
+    import natsim.distributed as nd
+
+    world, heads = 2, 2 * HEADS_PER_RANK
+    problem, splits, batch = gna_case
+    gna = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation, causal=problem.causal,
+               split=splits[world])
+    tokens, split, q_block, kv_block, *_ = mask_case
+    generator = torch.Generator().manual_seed(7)
+    mask = torch.rand(1, heads, -(-tokens // q_block), -(-tokens // kv_block), generator=generator) < 0.5
+    masked = dict(mask=mask, q_block=q_block, kv_block=kv_block, split=split)
+    inputs, grads = [], []
+    for shape, frames in (((batch, *problem.shape), splits[world]), ((1, tokens), split)):
+        mine = slice(*offsets(frames)[rank:rank + 2])
+        inputs += [torch.randn(*shape, heads, GRADIENT_HEAD_DIM, generator=generator)[:, mine] for _ in range(3)]
+        grads.append(torch.randn(*shape, heads, GRADIENT_HEAD_DIM, generator=generator)[:, mine])
+
+    def loss(*x):  # each call's q, k and v depend on the call before, as a model's layers do (ops.py says why)
+        q, k, v = x[:3]
+        total = 0
+        for strategy in ("ulysses", "halo", "auto"):
+            out = nd.gna_attention(q, k, v, strategy=strategy, **gna)
+            total = total + (out * grads[0]).sum()
+            q, k, v = q + out, k + out, v + out
+        masked_out = nd.sparse_attention(*(y + out.mean() for y in x[3:]), **masked)
+        return total + (masked_out * grads[1]).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True, backend="eager")
+    _assert_gradients(_gradients(compiled, inputs, None), _gradients(loss, inputs, None), 1e-6,
+                      f"compiled GNA and block mask, rank {rank}")
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_gloo_world(world):
-    _run_world(world)
+@GRADIENT_WORLD
+@given(data=st.data())
+def test_gloo_world(world, data):
+    """natsim.distributed in a spawned gloo world: outputs, then gradients of the fixed cases and a few drawn
+    ones (one spawn for all: a world of 3 took 20 s to start and stop here)."""
+    gna = [case for case in GRADIENT_CASES if world in case[1]]
+    gna += data.draw(st.lists(sharded_problems(world), min_size=3, max_size=3), label="drawn GNA cases")
+    masks = data.draw(st.lists(sharded_masks(world), min_size=2, max_size=2), label="block mask cases")
+    _run_world(world, gna, masks)
+
+
+# -- gradients on GPUs (NCCL) --------------------------------------------------------------------------------
+
+# (problem, split): uneven splits, a window wider than a slab, stride, dilation and causal along the frames.
+NCCL_CASES = [
+    (Problem((16, 16, 16), (7, 7, 7), (2, 2, 2)), (9, 7)),
+    (Problem((18, 12, 20), (6, 5, 8), (3, 1, 4), (2, 1, 1), (True, False, False)), (10, 8)),
+]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _nccl_worker(rank: int, world: int, port: int) -> None:
+    """One GPU of a world of 2: bf16 gradients of GNA ("ulysses" and "auto") and of a block mask through
+    natsim.distributed against natsim.kernels on the whole tensors (this GPU) and the float64 reference; the
+    halo strategy's refusal; the same calls one after the other under torch.compile(fullgraph=True)."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast on shared machines
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120), device_id=device)
+    import natsim.distributed as nd
+    from natsim.kernels import sparse_attention, sparse_reference
+
+    heads = 2 * world
+    try:
+        for index, (problem, split) in enumerate(NCCL_CASES):
+            mine = slice(*offsets(split)[rank:rank + 2])
+            args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation,
+                        causal=problem.causal)
+            generator = torch.Generator(device).manual_seed(index)
+            q, k, v, grad = (torch.randn(1, *problem.shape, heads, 64, device=device, dtype=torch.bfloat16,
+                                         generator=generator) for _ in range(4))
+            single = _gradients(lambda *x: gna_attention(*x, **args), (q, k, v), grad)
+            exact = _gradients(lambda *x: reference_attention(*x, **args), (q.double(), k.double(), v.double()),
+                               grad.double())
+            for strategy in ("ulysses", "auto"):
+                call = functools.partial(nd.gna_attention, strategy=strategy, split=split, **args)
+                got = _gradients(call, [x[:, mine] for x in (q, k, v)], grad[:, mine])
+                for name, a, b, c in zip("qkv", got, single, exact):
+                    errors = (_relative(a, b[:, mine]), _relative(a, c[:, mine]))
+                    assert max(errors) < 2e-2, f"d{name}, case {index}, {strategy}, rank {rank}: {errors}"
+            local = [x[:, mine].detach().requires_grad_() for x in (q, k, v)]
+            try:
+                nd.gna_attention(*local, strategy="halo", split=split, **args)
+                raise AssertionError("the halo strategy trained on the GPU")
+            except RuntimeError as error:
+                assert "have no backward yet" in str(error), error
+        tokens, token_split = 4096, (2176, 1920)
+        mine = slice(*offsets(token_split)[rank:rank + 2])
+        generator = torch.Generator(device).manual_seed(99)
+        q, k, v, grad = (torch.randn(1, tokens, heads, 64, device=device, dtype=torch.bfloat16,
+                                     generator=generator) for _ in range(4))
+        mask = torch.rand(1, heads, tokens // 64, tokens // 64, device=device, generator=generator) < 0.5
+        single = _gradients(lambda *x: sparse_attention(*x, mask, 64, 64), (q, k, v), grad)
+        exact = _gradients(lambda *x: sparse_reference(*x, mask, 64, 64), (q.double(), k.double(), v.double()),
+                           grad.double())
+        call = functools.partial(nd.sparse_attention, mask=mask, q_block=64, kv_block=64, split=token_split)
+        got = _gradients(call, [x[:, mine] for x in (q, k, v)], grad[:, mine])
+        for name, a, b, c in zip("qkv", got, single, exact):
+            errors = (_relative(a, b[:, mine]), _relative(a, c[:, mine]))
+            assert max(errors) < 2e-2, f"d{name}, block mask, rank {rank}: {errors}"
+
+        inputs = [x[:, mine] for x in (q, k, v)]
+        problem, split = NCCL_CASES[0]
+        mine = slice(*offsets(split)[rank:rank + 2])
+        gna = dict(window=problem.window, stride=problem.stride, split=split)
+        inputs = [torch.randn(1, *problem.shape, heads, 64, device=device, dtype=torch.bfloat16,
+                              generator=generator)[:, mine] for _ in range(3)] + inputs
+
+        def loss(*x):  # each call's inputs depend on the call before, as a model's layers do
+            out = nd.gna_attention(*x[:3], strategy="ulysses", **gna)
+            out = nd.gna_attention(*(y + out for y in x[:3]), **gna)
+            masked = nd.sparse_attention(*(y + out.float().mean().to(y.dtype) for y in x[3:]), mask, 64, 64,
+                                         split=token_split)
+            return out.float().square().mean() + masked.float().square().mean()
+
+        eager = _gradients(loss, inputs, None)
+        compiled = _gradients(torch.compile(loss, fullgraph=True), inputs, None)
+        for a, b in zip(compiled, eager):
+            assert _relative(a, b) < 2e-2, f"compiled, rank {rank}: {_relative(a, b)}"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nccl_world_gradients():
+    """natsim.distributed's gradients on two GPUs of one host (NCCL), eager and compiled (Inductor)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    _run_world(2, worker=_nccl_worker)
 
 
 # -- planner and CLI ---------------------------------------------------------------------------------------
@@ -439,9 +826,8 @@ def test_example_runs_under_torchrun(tmp_path):
     """examples/distributed.py as the README runs it: two gloo processes under torchrun (the reference path)."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    example = Path(__file__).resolve().parent.parent / "examples" / "distributed.py"
+    example = EXAMPLES / "distributed.py"
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-port", str(_free_port()), str(example)], capture_output=True, text=True,
