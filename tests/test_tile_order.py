@@ -78,3 +78,20 @@ def test_gna_in_tile_order_equals_gna_on_the_layout_forward_and_backward(shape, 
         grads = torch.autograd.grad(out, ordered_leaves, ordered(g))
         for got, expected in zip(grads, want_grads):
             assert torch.equal(got, ordered(expected))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3).flatmap(lambda n: st.tuples(st.lists(st.integers(1, 6), min_size=n, max_size=n),
+                                                      st.lists(st.integers(1, 6), min_size=n, max_size=n),
+                                                      st.lists(st.integers(1, 2), min_size=n, max_size=n))))
+def test_a_tile_order_is_known_to_be_row_major_exactly_when_permuting_moves_nothing(sizes):
+    """FlashAttention-4's calls and a model's tile order skip the permutation where it is the identity (a 1-D tile
+    of a sequence, tiles of whole rows): `row_major` against the permutation itself."""
+    from natsim.kernels.gna.layout import TileLayout
+
+    shape, tile, dilation = (tuple(v) for v in sizes)
+    tokens = math.prod(shape)
+    x = torch.arange(tokens, dtype=torch.float32).reshape(1, *shape, 1, 1)
+    permuted = permute_reference(x, tile, dilation).reshape(-1)
+    moves_nothing = permuted.numel() == tokens and torch.equal(permuted, torch.arange(tokens, dtype=torch.float32))
+    assert TileLayout(shape, tile, dilation).row_major == moves_nothing

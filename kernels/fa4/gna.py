@@ -8,6 +8,7 @@ lists of `gna_lists` and, where any visited block is partial, `gna_mask_mod`; `f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -15,6 +16,7 @@ import torch
 
 from natsim import Problem
 
+from ..gna.layout import TileLayout
 from ..gna.permute import permute, unpermute
 from . import run
 from .gna_mask import GnaMask
@@ -37,12 +39,21 @@ class Fa4Gna:
         """GNA's mask_mod where a visited block is partial; None for block-sparse geometries."""
         return gna_mask_mod(GnaMask(self.problem, self.q_tile)) if lists.masked else None
 
+    @functools.cached_property
+    def _row_major(self) -> bool:
+        return TileLayout(self.problem.shape, self.q_tile, self.problem.dilation).row_major
+
     def to_order(self, x: torch.Tensor) -> torch.Tensor:
-        """`[B, *shape, H, D]` -> `[B, tokens, H, D]` in the Q tile's order (zeros at padding)."""
+        """`[B, *shape, H, D]` -> `[B, tokens, H, D]` in the Q tile's order (zeros at padding); a reshape where that
+        order is the layout's own (a 1-D tile of a sequence)."""
+        if self._row_major:
+            return x.reshape(x.shape[0], -1, *x.shape[-2:])
         return permute(x, self.q_tile, self.problem.dilation)
 
     def from_order(self, y: torch.Tensor) -> torch.Tensor:
         """`[B, tokens, H, D]` in the Q tile's order -> `[B, *shape, H, D]` (padding dropped)."""
+        if self._row_major:
+            return y.reshape(y.shape[0], *self.problem.shape, *y.shape[2:])
         return unpermute(y, self.problem.shape, self.q_tile, self.problem.dilation)
 
     def _lse_from_order(self, lse: torch.Tensor) -> torch.Tensor:

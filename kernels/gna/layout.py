@@ -56,5 +56,15 @@ class TileLayout:
         """Length of the permuted sequence, padding included."""
         return self.num_tiles * self.tile_tokens
 
+    @property
+    def row_major(self) -> bool:
+        """Whether the permuted order is the layout's own row-major order: no dilation, no padding, tiles of one
+        token along the leading dimensions, then one dimension cut into runs, then whole dimensions (a 1-D tile
+        of a sequence; tiles of whole rows). Permuting is then a reshape."""
+        if any(d != 1 for d in self.dilation) or any(L % t for L, t in zip(self.shape, self.tile)):
+            return False
+        cut = next((i for i, t in enumerate(self.tile) if t != 1), len(self.tile))
+        return all(t == L for L, t in zip(self.shape[cut + 1:], self.tile[cut + 1:]))
+
     def to_3d(self) -> "TileLayout":
         return TileLayout(as_3d(self.shape), as_3d(self.tile), as_3d(self.dilation))

@@ -21,6 +21,7 @@ from natsim.problem import as_sizes
 
 from .choice import backward_refusal, choose
 from .dispatch import Output, run_spec
+from .layout import TileLayout
 from .spec import GnaSpec
 
 
@@ -77,15 +78,24 @@ class TileOrder:
                              f"{self.tokens} tokens ({'x'.join(map(str, self.shape))}).")
         return math.prod(x.shape[:dim]), dim, math.prod(x.shape[dim + 1:])
 
+    @property
+    def row_major(self) -> bool:
+        """Whether the tile order is the layout's own row-major order (then moving tokens changes nothing)."""
+        return TileLayout(self.shape, self.tile, self.dilation).row_major
+
     def to_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """`x` with its row-major tokens along `dim` put into tile order."""
         before, dim, after = self._split(x, dim)
+        if self.row_major:
+            return x
         axes = [0, *(a + 1 for a in self._axes()), 3 * len(self.shape) + 1]
         return x.reshape(before, *self._grid(), after).permute(axes).reshape(x.shape)
 
     def from_order(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """`x` with its tokens along `dim` in tile order put back into row-major order."""
         before, dim, after = self._split(x, dim)
+        if self.row_major:
+            return x
         grid = self._grid()
         axes = self._axes()
         ordered = [before, *(grid[a] for a in axes), after]
