@@ -104,7 +104,7 @@ def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dt
         if world_size > shape[0]:
             reasons.append(rf"world_size cannot exceed the {shape[0]} frames of dimension 0")
         if training:
-            reasons.append(r"training=True plans one GPU: natsim.distributed runs the forward only")
+            reasons.append(r"training=True plans one GPU: the planner does not price natsim.distributed's backward")
         if kv_tiling == "dynamic" and HEADS % world_size:
             reasons.append(r"kv_tiling='dynamic' over \d ranks runs only under the ulysses strategy")
     return reasons

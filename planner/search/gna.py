@@ -351,8 +351,9 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
             raise ValueError(f"precision={precision!r} plans one GPU: natsim.distributed runs bfloat16 / float16 only, "
                              f"so world_size must be None, got {world_size=}.")
         if training:
-            raise ValueError(f"training=True plans one GPU: natsim.distributed runs the forward only (it refuses "
-                             f"inputs that require grad), so world_size must be None, got {world_size=}.")
+            raise ValueError(f"training=True plans one GPU: the planner does not price natsim.distributed's "
+                             f"backward yet (it trains with strategy='ulysses' on the GPU; pick that strategy by hand), "
+                             f"so world_size must be None, got {world_size=}.")
         if kv_tiling == "dynamic" and (heads or 1) % world_size:
             raise ValueError(
                 f"kv_tiling='dynamic' over {world_size} ranks runs only under the ulysses strategy (the halo "
