@@ -237,9 +237,10 @@ def _gna_resolved_backward_fake(q, k, v, out, lse, grad_out, grad_lse, resolver,
 
 
 def _resolved_setup_context(ctx, inputs, output) -> None:
-    q, k, v, resolver, scale, _ = inputs
+    """Both resolved operators: q, k, v and the output saved, the arguments between v and `return_lse` kept."""
+    q, k, v, *arguments, _ = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.arguments = (resolver, scale)
+    ctx.arguments = tuple(arguments)
     ctx.set_materialize_grads(False)
 
 
@@ -324,13 +325,6 @@ def _gna_resolved_ordered_backward_fake(q, k, v, out, lse, grad_out, grad_lse, s
     return like(q), like(k), like(v)
 
 
-def _resolved_ordered_setup_context(ctx, inputs, output) -> None:
-    q, k, v, shape, tile, dilation, resolver, scale, _ = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.arguments = (shape, tile, dilation, resolver, scale)
-    ctx.set_materialize_grads(False)
-
-
 def _resolved_ordered_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     q, k, v, out, lse = ctx.saved_tensors
     grads = incoming_gradients(out, grad_out, grad_lse)
@@ -343,4 +337,4 @@ def _resolved_ordered_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tens
     return (dq, dk, dv) + (None,) * 6
 
 
-gna_resolved_ordered.register_autograd(_resolved_ordered_backward, setup_context=_resolved_ordered_setup_context)
+gna_resolved_ordered.register_autograd(_resolved_ordered_backward, setup_context=_resolved_setup_context)
