@@ -25,3 +25,67 @@ def skip_discarded_overflow_checks() -> None:
     if options is None or getattr(options, "debug", True) or not getattr(options, "sanitize_overflow", False):
         return
     builder.options = replace(options, sanitize_overflow=False)
+
+
+def patch_the_language_once_per_launch() -> None:
+    """Skip the interpreter's re-patching of triton.language on every call of a `@triton.jit` helper inside a
+    kernel, where the launch has already patched it.
+
+    A launch (`GridExecutor.__call__`) replaces triton.language's builtins with interpreted ones for the duration
+    of the run, then restores them. A helper called from the kernel (`InterpretedFunction.__call__`) calls
+    `_patch_lang` again, each time: it walks every member of tl, tl.core, tl.math, tl.tensor and
+    tl.core.tensor_descriptor_base (`inspect.getmembers`) to wrap the builtins, finds them wrapped already, and
+    sets a dozen other attributes to new functions that do what the launch's do; its scope is thrown away.
+    That walk was about half of the interpreter's time in the kernel tests (a few helper calls per tile).
+
+    Skipped only where it changes nothing: the call comes from a helper, and every part it would patch (each
+    triton.language module among the helper's globals, tl.tensor, tl.math where tl is there, the descriptors)
+    already holds interpreted builtins. Otherwise (a helper called outside a launch, or one seeing a module the
+    launch did not patch) the interpreter's own `_patch_lang` runs as before. tests/test_interpreter_options.py
+    checks that a kernel calling helpers computes the same with and without this, and that the launch still
+    restores triton.language.
+    """
+    import inspect
+    import sys
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang
+    if getattr(original, "skips_patched_helpers", False):
+        return
+    helper_call = getattr(getattr(interpreter, "InterpretedFunction", None), "__call__", None)
+    if helper_call is None or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    helper_code = helper_call.__code__
+    is_builtin = tl.core.is_builtin
+
+    def interpreted(lang) -> bool:
+        """Every part `_patch_lang` patches for `lang` holds interpreted builtins (one probe per part: a scope
+        patches all of a part's builtins or none)."""
+        probes = [(lang, "load"), (lang.tensor, "__add__"), (tl.core.tensor_descriptor_base, "load")]
+        if lang is tl:
+            probes.append((tl.math, "exp"))
+        return not any(is_builtin(getattr(part, name)) for part, name in probes)
+
+    found: dict = {}  # helper -> (its globals' size when looked at, the triton.language modules among them)
+
+    def languages(fn) -> list:
+        size = len(fn.__globals__)  # the interpreter adds names to a helper's globals when it rewrites it
+        if found.get(fn, (None,))[0] != size:
+            found[fn] = size, [value for value in fn.__globals__.values()
+                               if inspect.ismodule(value) and (value is tl or value is tl.core)]
+        return found[fn][1]
+
+    def patch_lang(fn):
+        if sys._getframe(1).f_code is helper_code:
+            langs = languages(fn)
+            if langs and all(interpreted(lang) for lang in langs):
+                patch_lang.skipped += 1
+                return interpreter._LangPatchScope()
+        return original(fn)
+
+    patch_lang.skips_patched_helpers = True
+    patch_lang.skipped = 0
+    patch_lang.original = original
+    interpreter._patch_lang = patch_lang

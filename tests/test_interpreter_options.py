@@ -1,6 +1,9 @@
 """What tests/interpreter_options.py relies on: in Triton's interpreter, the integer-overflow checks report
 nothing, so turning them off (tests/conftest.py) changes no result and hides no error. If an interpreter starts
-reporting overflows, the first test fails: drop skip_discarded_overflow_checks then."""
+reporting overflows, the first test fails: drop skip_discarded_overflow_checks then. And a kernel calling
+`@triton.jit` helpers computes the same whether each helper call patches triton.language again or not, the launch
+still restores it afterwards; if the interpreter stops re-patching on helper calls, the last test fails: drop
+patch_the_language_once_per_launch then."""
 
 from __future__ import annotations
 
@@ -56,3 +59,73 @@ def test_the_conftest_turned_the_discarded_checks_off():
 
     options = interpreter.interpreter_builder.options
     assert not options.debug and not options.sanitize_overflow
+
+
+@triton.jit
+def _scaled(x, factor):
+    return x * factor + tl.exp(x * 0.0)
+
+
+@triton.jit
+def _row_sum(X, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows, cols = tl.arange(0, ROWS), tl.arange(0, COLS)
+    block = tl.load(X + rows[:, None] * COLS + cols[None, :])
+    return tl.sum(_scaled(block, 2.0), axis=1)
+
+
+@triton.jit
+def _helpers(X, OUT, ROWS: tl.constexpr, COLS: tl.constexpr):
+    pid = tl.program_id(0)
+    total = tl.zeros((ROWS,), tl.float32)
+    for step in tl.range(0, 3):
+        total += _row_sum(X + (pid * 3 + step) * ROWS * COLS, ROWS, COLS)
+    tl.store(OUT + pid * ROWS + tl.arange(0, ROWS), tl.cumsum(total, 0))
+
+
+def _language_state() -> list[bool]:
+    """Which of the parts `_patch_lang` patches hold Triton's builtins (True) rather than interpreted ones."""
+    from triton.language.core import is_builtin
+
+    return [is_builtin(member) for member in (tl.load, tl.core.load, tl.tensor.__add__, tl.math.exp,
+                                              tl.core.tensor_descriptor_base.load)]
+
+
+def _run_helpers(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(2, 16)
+    _helpers[(2,)](x, out, ROWS=16, COLS=8)
+    return out
+
+
+def test_helper_calls_compute_the_same_without_patching_the_language_again(monkeypatch):
+    """Bit for bit, and the launch leaves triton.language as the interpreter's own patching does: tl and the
+    tensor methods restored (tl.core's builtins stay interpreted after a launch either way: the helpers of
+    triton.language.standard see tl.core, which the launch did not patch, and their scopes are dropped)."""
+    from triton.runtime import interpreter
+
+    shortcut = interpreter._patch_lang
+    assert getattr(shortcut, "skips_patched_helpers", False)  # the conftest installed it
+    x = torch.randn(2, 3, 16, 8, generator=torch.Generator().manual_seed(0))
+    got = _run_helpers(x)
+    after_shortcut = _language_state()
+    monkeypatch.setattr(interpreter, "_patch_lang", shortcut.original)
+    want = _run_helpers(x)
+    assert _language_state() == after_shortcut and after_shortcut[0] and after_shortcut[2]
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, (2 * x + 1).sum(-1).sum(1).cumsum(-1))
+
+
+def test_the_interpreter_patches_the_language_again_on_every_helper_call(monkeypatch):
+    """The interpreter's own patching runs once for the launch and once per helper call (_row_sum, _scaled and
+    triton.language's own: sum, cumsum and their combine functions); the shortcut skips all but the launch's."""
+    from triton.runtime import interpreter
+
+    shortcut = interpreter._patch_lang
+    x = torch.randn(2, 3, 16, 8)
+    skipped = shortcut.skipped
+    _run_helpers(x)
+    skipped = shortcut.skipped - skipped
+    calls = []
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: calls.append(fn) or shortcut.original(fn))
+    _run_helpers(x)
+    helper_calls = len(calls) - 1
+    assert helper_calls >= 2 * 3 * 2 and skipped == helper_calls
