@@ -272,18 +272,19 @@ def test_chunked_reference_gradients_equal_autograd_through_the_reference():
 # `uses_descriptors` allows); a masked kernel keeps gathering. Problems: block-sparse 3-D (both kernels unmasked),
 # dilation 2 with 2-D tiles (unmasked, each group its own descriptor), and a window whose dK/dV kernel is masked
 # while the mirrored dQ kernel is not and has padding rows (read as zeros through the descriptor, clamped by
-# the gathers).
+# the gathers). A descriptor's batch and head coordinates: two heads of one batch on the first problem, two batches
+# of one head on the second, both on the third (each pair doubles the interpreter's work).
 DESCRIPTOR_PROBLEMS = [
-    (Problem((4, 8, 8), (2, 8, 8), (2, 4, 4)), (1, 4, 4), (2, 4, 4)),
-    (Problem((8, 16), (4, 8), (4, 8), (1, 2)), (2, 4), (4, 4)),
-    (Problem((6, 16), (6, 8), (1, 8)), (2, 8), (4, 8)),
+    (Problem((4, 8, 8), (2, 8, 8), (2, 4, 4)), (1, 4, 4), (2, 4, 4), 1, 2),
+    (Problem((8, 16), (4, 8), (4, 8), (1, 2)), (2, 4), (4, 4), 2, 1),
+    (Problem((6, 16), (6, 8), (1, 8)), (2, 8), (4, 8), 2, 2),
 ]
 
 
-@pytest.mark.parametrize("problem, q_tile, kv_tile", DESCRIPTOR_PROBLEMS)
-def test_descriptor_loads_give_the_gathers_gradients_bit_for_bit(problem, q_tile, kv_tile):
+@pytest.mark.parametrize("problem, q_tile, kv_tile, batch, heads", DESCRIPTOR_PROBLEMS)
+def test_descriptor_loads_give_the_gathers_gradients_bit_for_bit(problem, q_tile, kv_tile, batch, heads):
     torch.manual_seed(0)
-    q, k, v, g = (torch.randn(2, *problem.shape, 2, 16) for _ in range(4))
+    q, k, v, g = (torch.randn(batch, *problem.shape, heads, 16) for _ in range(4))
     want, out, lse = reference_grads(problem, q, k, v, g)
     args = (q, k, v, out.float(), lse.float(), g, None, problem, 16**-0.5, q_tile, kv_tile)
     gathered = gna_backward(*args, options=dict(USE_TMA=False))

@@ -62,7 +62,9 @@ def assert_block_mask_matches(problem: Problem, tiles: TileConfig) -> None:
     assert np.array_equal(np.asarray(bm.full_kv_num_blocks), res.per_q_tile_full)
 
 
-@settings(max_examples=300, **SETTINGS)
+# 150 random problems a run, not 300: the strategies draw the special sizes most of the time, and the edge cases
+# below run every time.
+@settings(max_examples=150, **SETTINGS)
 @given(st.data())
 def test_multi_d_block_mask_matches_bruteforce(data):
     problem = data.draw(bf.problems())
@@ -70,7 +72,7 @@ def test_multi_d_block_mask_matches_bruteforce(data):
     assert_block_mask_matches(problem, tiles)
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(st.data())
 def test_1d_block_mask_matches_bruteforce(data):
     problem = data.draw(bf.problems())

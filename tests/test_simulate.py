@@ -60,8 +60,11 @@ def assert_matches(problem: Problem, tiles: TileConfig) -> bf.Reference:
 # ----------------------------------------------------------------------------------------------------------
 # Property tests
 
+# 150 random problems a run, not 400: the strategies draw the special sizes, windows, strides and tiles most of the
+# time, and EDGE_CASES below run the named edge cases in all three tilings every time.
 
-@settings(max_examples=400, **SETTINGS)
+
+@settings(max_examples=150, **SETTINGS)
 @given(st.data())
 def test_multi_d_static_matches_bruteforce(data):
     problem = data.draw(bf.problems())
@@ -69,7 +72,7 @@ def test_multi_d_static_matches_bruteforce(data):
     assert_matches(problem, tiles)
 
 
-@settings(max_examples=400, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(st.data())
 def test_multi_d_dynamic_matches_bruteforce(data):
     problem = data.draw(bf.problems())
@@ -77,7 +80,7 @@ def test_multi_d_dynamic_matches_bruteforce(data):
     assert_matches(problem, tiles)
 
 
-@settings(max_examples=400, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(st.data())
 def test_1d_tiling_matches_bruteforce(data):
     problem = data.draw(bf.problems())
