@@ -89,3 +89,35 @@ def patch_the_language_once_per_launch() -> None:
     patch_lang.skipped = 0
     patch_lang.original = original
     interpreter._patch_lang = patch_lang
+
+
+def remember_numpy_dtypes() -> None:
+    """Look up the numpy dtype of a Triton dtype once, not build the interpreter's table again on every lookup.
+
+    `_get_np_dtype` (the numpy dtype that holds a Triton tensor's values) builds a dict of nineteen Triton dtypes,
+    hashing each, on every call: about 11 us, paid on nearly every interpreted operation (some 5% of the kernel
+    tests' time). Its answer depends only on the scalar dtype (a block's is its element's, a pointer's is
+    uint64), so it is asked once per scalar dtype and remembered; pointers (unhashable) go to it every time.
+    tests/test_interpreter_options.py checks the remembered answers against the interpreter's own for every dtype.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._get_np_dtype
+    if getattr(original, "remembers", False):
+        return
+    known: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return original(scalar)
+        try:
+            return known[scalar]
+        except KeyError:
+            known[scalar] = found = original(scalar)
+            return found
+
+    get_np_dtype.remembers = True
+    get_np_dtype.original = original
+    interpreter._get_np_dtype = get_np_dtype
