@@ -21,10 +21,9 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from interpreter_options import patch_the_language_once_per_launch, skip_discarded_overflow_checks
+    from interpreter_options import prepare_the_interpreter
 
-    skip_discarded_overflow_checks()
-    patch_the_language_once_per_launch()
+    prepare_the_interpreter()
 
 
 @pytest.fixture(autouse=True)

@@ -1,19 +1,32 @@
-"""Triton's CPU interpreter without the integer-overflow checks it computes and then throws away.
+"""Triton's CPU interpreter without the work it does and then throws away or does again.
 
-For every `+`, `-` and `*` on integer tensors narrower than 64 bits the interpreter redoes the operation in
-int64 and compares it with the type's range (`sanitize_overflow`, on by default), then hands the comparison to
-`device_assert`, which does nothing unless the options' `debug` is on; the interpreter's options never turn it
-on. That dead arithmetic was close to half of the interpreter's time in the kernel tests. Turned off only
-while `debug` is off, nothing that was checked stops being checked; tests/test_interpreter_options.py fails if
-an interpreter ever starts reporting those overflows with the checks on, so that this can be dropped then.
+- `skip_discarded_overflow_checks`: for every `+`, `-` and `*` on integer tensors narrower than 64 bits the
+  interpreter redoes the operation in int64 and compares it with the type's range (`sanitize_overflow`, on by
+  default), then hands the comparison to `device_assert`, which does nothing unless the options' `debug` is on;
+  the interpreter's options never turn it on. That dead arithmetic was close to half of the interpreter's time
+  in the kernel tests. Turned off only while `debug` is off, nothing that was checked stops being checked.
+- `patch_the_language_once_per_launch`: a `@triton.jit` helper called from a kernel patches triton.language
+  again, which the launch already did (about half of what was left).
+- `remember_numpy_dtypes`: the numpy dtype of a Triton dtype, looked up on nearly every operation through a table
+  built anew each time (a fifth of what was left).
 
-Called by tests/conftest.py, and by the processes tests spawn that run kernels in the interpreter (they do
-not load the conftest).
+tests/test_interpreter_options.py checks that each changes no result, and fails where the interpreter stops doing
+what it skips, so that the function can be dropped then.
+
+`prepare_the_interpreter` applies all three: tests/conftest.py calls it, and so should the processes tests spawn
+that run kernels in the interpreter (they do not load the conftest).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+
+
+def prepare_the_interpreter() -> None:
+    """Everything this module skips, as tests/conftest.py has it in pytest's processes."""
+    skip_discarded_overflow_checks()
+    patch_the_language_once_per_launch()
+    remember_numpy_dtypes()
 
 
 def skip_discarded_overflow_checks() -> None:
@@ -89,3 +102,35 @@ def patch_the_language_once_per_launch() -> None:
     patch_lang.skipped = 0
     patch_lang.original = original
     interpreter._patch_lang = patch_lang
+
+
+def remember_numpy_dtypes() -> None:
+    """Look up the numpy dtype of a Triton dtype once, not build the interpreter's table again on every lookup.
+
+    `_get_np_dtype` (the numpy dtype that holds a Triton tensor's values) builds a dict of nineteen Triton dtypes,
+    hashing each, on every call: about 11 us, paid on nearly every interpreted operation (a fifth of the kernel
+    tests' time once the two above are skipped). Its answer depends only on the scalar dtype (a block's is its element's, a pointer's is
+    uint64), so it is asked once per scalar dtype and remembered; pointers (unhashable) go to it every time.
+    tests/test_interpreter_options.py checks the remembered answers against the interpreter's own for every dtype.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._get_np_dtype
+    if getattr(original, "remembers", False):
+        return
+    known: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return original(scalar)
+        try:
+            return known[scalar]
+        except KeyError:
+            known[scalar] = found = original(scalar)
+            return found
+
+    get_np_dtype.remembers = True
+    get_np_dtype.original = original
+    interpreter._get_np_dtype = get_np_dtype

@@ -14,9 +14,9 @@ def relative_error(out, ref) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def qkv(shape, heads=2, head_dim=32, seed=0, requires_grad=False):
+def qkv(shape, heads=2, head_dim=32, seed=0, requires_grad=False, batch=2):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, *shape, heads, head_dim, generator=gen).half().requires_grad_(requires_grad)
+    return [torch.randn(batch, *shape, heads, head_dim, generator=gen).half().requires_grad_(requires_grad)
             for _ in range(3)]
 
 
@@ -54,8 +54,10 @@ def test_compiled_calls_resolve_the_plan_when_the_operator_runs():
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gradients_flow_through_the_resolved_operator(compiled):
+    """One batch (two heads): the backward kernels over several batches are tests/test_backward.py's, and a plan
+    does not depend on the batch."""
     auto = AutoPlan(0.5)
-    q, k, v = qkv((4, 4, 4), requires_grad=True)
+    q, k, v = qkv((4, 4, 4), requires_grad=True, batch=1)
     grad = torch.randn_like(q)
     plan = auto.plan_for((4, 4, 4), heads=2, head_dim=32, dtype=torch.float16, device="cpu")
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]

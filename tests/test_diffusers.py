@@ -99,7 +99,9 @@ def test_a_window_over_the_whole_layout_reproduces_the_models_attention(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_a_sparse_plan_changes_attention_and_is_made_once_per_layout(name):
+def test_a_sparse_plan_changes_attention_and_is_made_once_per_layout(name, reference_path):
+    """The plan and its cache, through the torch reference: the test above runs each model's attention through the
+    kernel in the interpreter."""
     model = diffusers_models.build(name)
     inputs = diffusers_models.inputs(name, LAYOUTS[name], batch=2)
     with torch.no_grad():

@@ -2,8 +2,8 @@
 nothing, so turning them off (tests/conftest.py) changes no result and hides no error. If an interpreter starts
 reporting overflows, the first test fails: drop skip_discarded_overflow_checks then. And a kernel calling
 `@triton.jit` helpers computes the same whether each helper call patches triton.language again or not, the launch
-still restores it afterwards; if the interpreter stops re-patching on helper calls, the last test fails: drop
-patch_the_language_once_per_launch then."""
+still restores it afterwards; if the interpreter stops re-patching on helper calls, the test saying so fails: drop
+patch_the_language_once_per_launch then. The numpy dtypes remembered per Triton dtype are the interpreter's own."""
 
 from __future__ import annotations
 
@@ -129,3 +129,18 @@ def test_the_interpreter_patches_the_language_again_on_every_helper_call(monkeyp
     _run_helpers(x)
     helper_calls = len(calls) - 1
     assert helper_calls >= 2 * 3 * 2 and skipped == helper_calls
+
+
+def test_the_remembered_numpy_dtypes_are_the_interpreters_own():
+    from triton.runtime import interpreter
+
+    remembered = interpreter._get_np_dtype
+    assert getattr(remembered, "remembers", False)  # the conftest installed it
+    original = remembered.original
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float16,
+               tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv, tl.float8e4b15]
+    dtypes = scalars + [tl.pointer_type(t) for t in scalars]
+    dtypes += [tl.block_type(t, [16, 4]) for t in dtypes]
+    for _ in range(2):  # asked, then remembered
+        for dtype in dtypes:
+            assert remembered(dtype) == original(dtype), dtype

@@ -104,8 +104,10 @@ def test_permute_places_tokens_as_the_brute_force_layout(layout):
 
 
 def test_permute_round_trip_is_exact_for_every_dtype():
+    """Padded tiles and three dilation groups, every value's bits kept (one batch of one head: the placement of
+    batches and heads is the test above's)."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        x = torch.randn(2, 5, 6, 7, 2, 8, device=DEVICE).to(dtype)
+        x = torch.randn(1, 5, 6, 7, 1, 8, device=DEVICE).to(dtype)
         y = permute(x, (2, 4, 2), (1, 2, 3))
         assert torch.equal(unpermute(y, (5, 6, 7), (2, 4, 2), (1, 2, 3)), x)
 
