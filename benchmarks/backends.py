@@ -16,7 +16,8 @@ Triton kernel (relative error under 1e-2), the timers that pass timed together i
 - `cudnn`: SDPA's cuDNN backend, dense (the speedups' reference).
 
 Rows: HunyuanVideo 30x48x80 (24 heads of 128) at stride 16x8x8 and 1x1x1 (window 18x24x24); a Wan 720p layout
-21x45x80 (40 heads) planned at sparsity 0.9; dense attention over 32,768 tokens (24 heads); random 128x128 masks
+21x45x80 (40 heads) planned at sparsity 0.9, at head_dim 128, 96 and 72 (`wan720-0.9-d96`); dense attention over 32,768 tokens (24 heads), at head_dim 128 and
+at the widths of DENSE_HEAD_DIMS (`dense-32768-d72`: the head dims diffusers models use); random 128x128 masks
 at 50/70/90% sparsity over 32,768 tokens, forward and forward + backward; a 16x16 clustered mask; a GNA layout
 at head_dim 64 (Cosmos 16x44x80, 32 heads) planned at 0.9. The table's last columns: natsim's pick over the
 fastest timer of the row (target >= 0.97), and which timer that was.
@@ -51,6 +52,7 @@ from natsim.kernels import chosen_backend, gna_attention, prepare_sparse, sparse
 DTYPE = torch.bfloat16
 CHECK_TOLERANCE = 1e-2
 ROUNDS = 5  # interleaved rounds per row
+DENSE_HEAD_DIMS = (40, 72, 88, 96, 112)  # CogView4, PixArt, Latte, Allegro, Sana-Video
 MIN_MS = 200.0  # each timer's calls in a round last at least this long
 
 
@@ -188,10 +190,11 @@ def gna_row(name: str, shape, heads: int, head_dim: int, *, sparsity: Optional[f
     return row
 
 
-def dense_row(n: int, heads: int) -> dict:
+def dense_row(n: int, heads: int, head_dim: int = 128) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, n, heads, 128, device="cuda", generator=gen, dtype=DTYPE) for _ in range(3))
-    row = dict(row=f"dense-{n}", tokens=n, heads=heads, head_dim=128, picked=chosen_backend(q, k, v, (n,)))
+    q, k, v = (torch.randn(1, n, heads, head_dim, device="cuda", generator=gen, dtype=DTYPE) for _ in range(3))
+    name = f"dense-{n}" if head_dim == 128 else f"dense-{n}-d{head_dim}"
+    row = dict(row=name, tokens=n, heads=heads, head_dim=head_dim, picked=chosen_backend(q, k, v, (n,)))
     reference = gna_attention(q, k, v, n, backend="triton")
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -266,7 +269,10 @@ def rows(small: bool) -> dict[str, Callable[[], dict]]:
                                           stride=(16 if not small else 8, 8, 8)),
         "hunyuan-1x1x1": lambda: gna_row("hunyuan-1x1x1", hunyuan, 24, 128, window=window, stride=(1, 1, 1)),
         "wan720-0.9": lambda: gna_row("wan720-0.9", (21, 45, 80 // scale), 40, 128, sparsity=0.9),
+        **{f"wan720-0.9-d{d}": (lambda d=d: gna_row(f"wan720-0.9-d{d}", (21, 45, 80 // scale), 40, d, sparsity=0.9))
+           for d in (72, 96)},
         "dense-32768": lambda: dense_row(n, 24),
+        **{f"dense-32768-d{d}": (lambda d=d: dense_row(n, 24, d)) for d in DENSE_HEAD_DIMS},
         "cosmos-d64-0.9": lambda: gna_row("cosmos-d64-0.9", (16, 44, 80 // scale), 32, 64, sparsity=0.9),
     }
     for sparsity in (0.5, 0.7, 0.9):
