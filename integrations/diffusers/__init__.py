@@ -14,6 +14,7 @@ from torch import nn
 from natsim.planner import AutoPlan, CostModel
 from natsim.problem import BoolOrBools, IntOrInts
 
+from . import parallel
 from .attention import Router
 from .masks import MaskedAttention, Masks
 from .order import ModelOrder, check_tile_order
@@ -86,6 +87,11 @@ def apply(
     its last (natsim.integrations.diffusers.order: no permutation per attention call): None where the plan runs
     on FlashAttention-4 and its tile divides the layout, True wherever the tile divides the layout (refused with
     a sentence for models natsim does not know the blocks of), False never.
+
+    Under diffusers' context parallelism (`transformer.enable_parallelism(config=ContextParallelConfig(
+    ulysses_degree=P))`, before or after `apply`), each rank runs natsim's attention on its `heads / P` heads over
+    the whole layout (natsim.integrations.diffusers.parallel); what natsim cannot run there (ring attention,
+    uneven shares, split attention, `tile_order=True`) is refused with a sentence at whichever call comes second.
     """
     spec = spec_of(transformer)
     if hasattr(transformer, "_natsim"):
@@ -109,6 +115,7 @@ def apply(
     router = Router(auto, spec.text_first, dtype, masked)
     originals = {}
     routes = spec.routes(transformer, router)
+    parallel.enable(transformer, router, tile_order)  # refuses what it cannot run before the model changes
     for attention, attention_router in routes:
         originals[attention] = attention.processor
         set_processor(attention, routed_processor(attention.processor, attention_router))
@@ -133,8 +140,12 @@ def remove(transformer: nn.Module) -> None:
     if applied is None:
         raise ValueError("natsim is not applied to this transformer (apply(transformer, ...) was not called).")
     for attention, processor in applied.originals.items():
-        release(attention.processor)
+        routed = attention.processor
+        release(routed)
+        if hasattr(routed, "_parallel_config"):  # set by enable_parallelism while natsim was applied
+            processor._parallel_config = routed._parallel_config
         set_processor(attention, processor)
+    parallel.disable(transformer)
     applied.hook.remove()
     if applied.order is not None:
         applied.order.remove()

@@ -130,7 +130,7 @@ class ModelOrder:
         key = (self.router.layout, self.router.trailing, dtype, parameter.device)
         if key not in self.decided and not torch.compiler.is_compiling():
             order = None
-            if self.router.trailing == 0:
+            if self.router.trailing == 0 and self.router.ulysses is None:  # row-major under context parallelism
                 order = self.router.auto.tile_order(self.router.layout, heads=self.heads, head_dim=self.head_dim,
                                                     dtype=dtype, device=parameter.device, force=self.force)
             self.decided[key] = order

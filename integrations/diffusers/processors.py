@@ -21,7 +21,9 @@ from typing import Callable, Optional
 
 import torch.nn.functional as F
 
+from . import parallel
 from .attention import Router
+from .parallel import context_parallel
 
 _active: Optional[Router] = None
 _installed: dict[str, tuple[str, object, int]] = {}  # module -> (name replaced, what it was, routed processors)
@@ -29,13 +31,15 @@ _installed: dict[str, tuple[str, object, int]] = {}  # module -> (name replaced,
 
 def _dispatch_stand_in(model_attention: Callable) -> Callable:
     """diffusers' `dispatch_attention_fn` call convention (`[B, N, heads, head_dim]`), routed when a router is
-    active."""
+    active; under diffusers' context parallelism (`parallel_config`) through parallel.py."""
     def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
         router = _active
-        if router is not None and not (dropout_p or is_causal or enable_gqa or attention_kwargs
-                                       or parallel_config is not None):
-            out = router.attend(query, key, value, attn_mask, scale)
+        if router is not None and not (dropout_p or is_causal or enable_gqa or attention_kwargs):
+            if context_parallel(parallel_config) is None:
+                out = router.attend(query, key, value, attn_mask, scale)
+            else:
+                out = parallel.attend(router, query, key, value, attn_mask, scale)
             if out is not None:
                 return out
         return model_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,

@@ -1,0 +1,251 @@
+"""natsim inside diffusers' context parallelism (integrations/diffusers/parallel.py).
+
+In the main process: how the ranks' shares of a joint sequence are put into one process's order and back
+(against a brute-force gather), and the refusals. In one spawned gloo world of 2 processes, on tiny random models:
+with `apply` before or after `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` the model computes what
+the same model computes in one process with natsim (and not the dense model's output: natsim is not bypassed),
+for Wan (video self-attention), FLUX (joint attention, text first, split over the ranks) and QwenImage (joint
+attention with a text key mask), and with content-adaptive masks; a training step's parameter gradients, summed over the ranks, equal one
+process's; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at whichever
+call comes second; `remove` gives the model diffusers' own context-parallel attention back.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import diffusers_models  # noqa: E402
+from natsim.integrations.diffusers import parallel  # noqa: E402
+from natsim.integrations.diffusers.attention import Router  # noqa: E402
+
+WORLD = 2
+WORLD_DEADLINE_S = 240
+WAN, WAN_LAYOUT, WAN_WINDOW = "WanTransformer3DModel", (2, 4, 8), (1, 3, 3)
+JOINT = {"FluxTransformer2DModel": ((8, 8), (3, 3)), "QwenImageTransformer2DModel": ((8, 8), (3, 3))}
+
+
+# -- the shares of a joint sequence ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text_first", [True, False])
+@pytest.mark.parametrize("size, other, image", [(2, 3, 5), (3, 0, 4), (4, 2, 1)])
+def test_shares_put_the_gathered_sequence_in_one_process_order(size, other, image, text_first):
+    """Each rank's share is its part of the text then its part of the image (or the reverse), as a processor
+    concatenates them; gathered in rank order and put in order, the text and the image are whole again."""
+    text = torch.arange(size * other).float() + 1000
+    img = torch.arange(size * image).float()
+    parts = [(text[r * other:(r + 1) * other], img[r * image:(r + 1) * image]) for r in range(size)]
+    gathered = torch.cat([torch.cat(p if text_first else p[::-1]) for p in parts])[None, :, None]
+    shares = parallel.Shares(size, other + image, other, text_first)
+    expected = torch.cat([text, img] if text_first else [img, text])[None, :, None]
+    assert torch.equal(shares.to_sequence(gathered), expected)
+    assert torch.equal(shares.to_shares(expected), gathered)
+    assert torch.equal(shares.to_sequence(gathered.transpose(1, 2), dim=2), expected.transpose(1, 2))
+
+
+def _config(**options):
+    values = dict(ring_degree=1, ulysses_degree=2, ulysses_anything=False)
+    values.update(options)
+    return SimpleNamespace(**values)
+
+
+def test_refusals_name_what_natsim_cannot_run():
+    router = Router(None, text_first=True)
+    assert parallel.refusal(_config(), router, None) is None
+    assert "ring_degree=2" in parallel.refusal(_config(ring_degree=2), router, None)
+    assert "ulysses_anything" in parallel.refusal(_config(ulysses_anything=True), router, None)
+    assert "tile_order=True" in parallel.refusal(_config(), router, True)
+    assert parallel.refusal(_config(), router, False) is None
+    router.views.append(object())
+    assert "splits its attention" in parallel.refusal(_config(), router, None)
+
+
+def test_a_parallel_call_natsim_was_not_told_of_raises():
+    router = Router(None, text_first=True)
+    router.set_layout((4,))
+    q = torch.randn(1, 2, 2, 8)
+    with pytest.raises(RuntimeError, match="not told of"):
+        parallel.attend(router, q, q, q, None, None)
+
+
+def test_uneven_image_shares_are_refused():
+    router = Router(None, text_first=False)
+    router.set_layout((3, 3))
+    with pytest.raises(ValueError, match="same share of the image tokens"):
+        parallel.shares(router, parallel.Ulysses(None, 0, 2), 6)
+    assert parallel.shares(router, parallel.Ulysses(None, 0, 2), 4) is None  # 8 tokens: not a call natsim serves
+
+
+# -- a gloo world ------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_gloo_world_of_two():
+    context = torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port()), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + WORLD_DEADLINE_S
+    try:
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                pytest.fail(f"a gloo world of {WORLD} processes did not finish within {WORLD_DEADLINE_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+
+
+def _cp_config(**options):
+    from diffusers import ContextParallelConfig
+
+    return ContextParallelConfig(**{"ulysses_degree": WORLD, **options})
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, tolerance: float = 1e-5) -> None:
+    error = float((got - want).abs().max() / want.abs().max())
+    assert error <= tolerance, f"{what}: relative difference {error:.3g}"
+
+
+def _differs(got: torch.Tensor, dense: torch.Tensor, what: str) -> None:
+    assert float((got - dense).abs().max() / dense.abs().max()) > 1e-3, f"{what}: natsim's window changed nothing"
+
+
+def _outputs(name: str, layout, window, batch: int, enable_first: bool) -> None:
+    """One model with natsim, in one process and under Ulysses (apply and enable in the order asked), against
+    natsim in one process and the dense model."""
+    from natsim.integrations import diffusers as nd
+
+    inputs = diffusers_models.inputs(name, layout, batch=batch)
+    model = diffusers_models.build(name)
+    with torch.no_grad():
+        dense = model(**inputs)[0]
+        nd.apply(model, window=window)
+        single = model(**inputs)[0]
+        nd.remove(model)
+        if enable_first:
+            model.enable_parallelism(config=_cp_config())
+            nd.apply(model, window=window)
+        else:
+            nd.apply(model, window=window)
+            model.enable_parallelism(config=_cp_config())
+        out = model(**inputs)[0]
+    what = f"{name}, {'enable then apply' if enable_first else 'apply then enable'}"
+    _close(out, single, what)
+    _differs(out, dense, what)
+
+
+def _training_and_compile(rank: int) -> None:
+    """A training step of Wan under Ulysses: the output, and the parameter gradients summed over the ranks (each
+    rank's share of the tokens contributes its part), equal one process's; then its blocks compiled with
+    fullgraph=True (Dynamo's capture, run as captured) compute the same."""
+    from natsim.integrations import diffusers as nd
+
+    inputs = diffusers_models.inputs(WAN, WAN_LAYOUT)
+    model = diffusers_models.build(WAN).train()
+    nd.apply(model, window=WAN_WINDOW, training=True)
+    single = model(**inputs)[0]
+    single.square().mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.enable_parallelism(config=_cp_config())
+    out = model(**inputs)[0]
+    out.square().mean().backward()
+    _close(out, single, "training forward")
+    for name, p in model.named_parameters():
+        if name in grads:
+            summed = p.grad.clone()
+            torch.distributed.all_reduce(summed)
+            _close(summed, grads[name], f"gradient of {name}", 1e-4)
+    model.eval()
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.compile(fullgraph=True, backend="eager")
+    with torch.no_grad():
+        compiled = model(**inputs)[0]
+    _close(compiled, single.detach(), "compiled blocks")
+
+
+def _masks() -> None:
+    """Content-adaptive masks under Ulysses (each rank predicts and runs the masks of its heads over every token):
+    a dense warm-up step and a predicted-mask step equal one process's."""
+    from natsim.integrations import diffusers as nd
+
+    layout, masks = (4, 8, 16), nd.Masks(steps=4, block=16, sub_block=4)
+    model = diffusers_models.build(WAN)
+    inputs = diffusers_models.inputs(WAN, layout)
+    outputs = []
+    for enable in (False, True):
+        if enable:
+            model.enable_parallelism(config=_cp_config())
+        applied = nd.apply(model, masks=masks)
+        with torch.no_grad():
+            outputs.append([model(**{**inputs, "timestep": torch.full((1,), t)})[0] for t in (900.0, 700.0)])
+        assert applied.masked.stats.dense_calls == 2 and applied.masked.stats.predictions == 2, applied.masked.stats
+        nd.remove(model)
+    for step, (out, single) in enumerate(zip(outputs[1], outputs[0])):
+        _close(out, single, f"masks, step {step}")
+
+
+def _refusals_and_remove() -> None:
+    """Ring attention and tile_order=True refused at whichever call comes second, the model untouched; after
+    `remove`, diffusers' own context-parallel attention (the dense model's output)."""
+    from natsim.integrations import diffusers as nd
+
+    model = diffusers_models.build(WAN)
+    inputs = diffusers_models.inputs(WAN, WAN_LAYOUT)
+    with torch.no_grad():
+        dense = model(**inputs)[0]
+    nd.apply(model, window=WAN_WINDOW)
+    with pytest.raises(ValueError, match="ring_degree=2"):
+        model.enable_parallelism(config=_cp_config(ring_degree=2, ulysses_degree=1))
+    assert model._parallel_config is None
+    nd.remove(model)
+    model.enable_parallelism(config=_cp_config(ring_degree=2, ulysses_degree=1))
+    with pytest.raises(ValueError, match="ring_degree=2"):
+        nd.apply(model, window=WAN_WINDOW)
+    assert not hasattr(model, "_natsim")
+
+    model = diffusers_models.build(WAN)
+    model.enable_parallelism(config=_cp_config())
+    with pytest.raises(ValueError, match="tile_order=True"):
+        nd.apply(model, window=WAN_WINDOW, tile_order=True)
+    nd.apply(model, window=WAN_WINDOW)
+    nd.remove(model)
+    with torch.no_grad():
+        _close(model(**inputs)[0], dense, "diffusers' own attention after remove")
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    # diffusers 0.42.1 on a machine without a GPU: its mesh's device index is `rank % device_count()` (0 here), and
+    # it warns through `Logger.warning_once`, which only transformers defines (users' pipelines import it).
+    torch.accelerator.device_count = lambda: 1
+    logging.Logger.warning_once = functools.lru_cache(None)(logging.Logger.warning)
+    os.environ["TRITON_INTERPRET"] = "0"  # the torch reference path (kernels/common/backend.py): routing is tested
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                         timeout=timedelta(seconds=60))
+    try:
+        for enable_first in (False, True):
+            _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first)
+        for name, (layout, window) in JOINT.items():
+            _outputs(name, layout, window, 2, enable_first=False)
+        _training_and_compile(rank)
+        _masks()
+        _refusals_and_remove()
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
