@@ -7,17 +7,21 @@ the same model computes in one process with natsim (and not the dense model's ou
 for Wan (video self-attention), FLUX (joint attention, text first, split over the ranks) and QwenImage (joint
 attention with a text key mask), and with content-adaptive masks; a training step's parameter gradients, summed over the ranks, equal one
 process's; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at whichever
-call comes second; `remove` gives the model diffusers' own context-parallel attention back.
+call comes second; `remove` gives the model diffusers' own context-parallel attention back; examples/diffusers_parallel.py runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
+import io
 import logging
 import os
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +35,7 @@ from natsim.integrations.diffusers.attention import Router  # noqa: E402
 
 WORLD = 2
 WORLD_DEADLINE_S = 240
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 WAN, WAN_LAYOUT, WAN_WINDOW = "WanTransformer3DModel", (2, 4, 8), (1, 3, 3)
 JOINT = {"FluxTransformer2DModel": ((8, 8), (3, 3)), "QwenImageTransformer2DModel": ((8, 8), (3, 3))}
 
@@ -229,6 +234,19 @@ def _refusals_and_remove() -> None:
         _close(model(**inputs)[0], dense, "diffusers' own attention after remove")
 
 
+def _example() -> None:
+    """examples/diffusers_parallel.py at a tiny size in this world (its `main` adds only the process group torchrun
+    sets up): its first step equals one process's."""
+    spec = importlib.util.spec_from_file_location("diffusers_parallel", EXAMPLES / "diffusers_parallel.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    arguments = example.arguments(["--device", "cpu", "--layers", "1", "--heads", "2", "--head-dim", "32",
+                                   "--latent", "2x8x16", "--window", "1x3x3", "--text", "8", "--steps", "2",
+                                   "--train-steps", "1"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert example.run(arguments) < 1e-5
+
+
 def _worker(rank: int, world: int, port: int) -> None:
     # diffusers 0.42.1 on a machine without a GPU: its mesh's device index is `rank % device_count()` (0 here), and
     # it warns through `Logger.warning_once`, which only transformers defines (users' pipelines import it).
@@ -246,6 +264,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         _training_and_compile(rank)
         _masks()
         _refusals_and_remove()
+        _example()
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
