@@ -69,7 +69,8 @@ def test_fp8_refuses_training_and_unknown_precisions():
         nd.apply(model, 0.5, precision="int8")
     with pytest.raises(ValueError, match=r"precision must be None"):
         nd.apply(model, masks=nd.Masks(steps=4, block=16), precision="int8")
-    with pytest.raises(ValueError, match=r"masks=\.\.\. is for inference .* training must be False"):
+    with pytest.raises(ValueError, match=r"masks=\.\.\. with precision='fp8' is for inference .* training must be "
+                                         r"False"):
         nd.apply(model, masks=nd.Masks(steps=4, block=16), training=True, precision="fp8")
     assert not hasattr(model, "_natsim")  # refused before anything was routed
 

@@ -68,8 +68,8 @@ def apply(
     tile_order: Optional[bool] = None,
 ) -> Applied:
     """Route `transformer`'s video attention through GNA at `sparsity` (default 0.9, or any that `window`
-    reaches when a window is given), or through content-adaptive `masks` (masks.py: inference, eager or
-    regional compilation); returns an `Applied`.
+    reaches when a window is given), or through content-adaptive `masks` (masks.py: eager or regional
+    compilation); returns an `Applied`.
 
     The token layout of every call comes from the latent and the model's patch sizes (`layout` fixes it: FLUX
     under a whole-model `torch.compile`, which cannot read its img_ids). Each new layout is planned on its
@@ -81,8 +81,12 @@ def apply(
     GNA window and every text key; text queries attend every key (natsim.integrations.diffusers.attention).
     `precision="fp8"` runs the video self-attention in FP8 (GNA plans made with `precision="fp8"`, mask plans
     likewise; inference only), while text attention, dense warm-up steps and joint attention's text part stay
-    in the model's dtype. Refused with a sentence: `training=True` with FP8 (its kernels have no backward
-    pass: train in bfloat16) or with `masks` (inference only), and a precision other than None or "fp8".
+    in the model's dtype. `training=True` with `masks` trains through the masks: each call's backward
+    recomputes the attention its forward decided on (same mask, dense or sparse choice and token order) and
+    differentiates it; the masks are predicted under no_grad (not differentiated), and every forward pass is a
+    fresh sample: one step of the masks' schedule (cycling), its masks predicted for it, the timestep not read
+    (masks.py). Refused with a sentence: `training=True` with FP8 (its kernels have no backward pass: train in
+    bfloat16), and a precision other than None or "fp8".
     `tile_order`: whether the model keeps its video tokens in the GNA plan's tile order from its first block to
     its last (natsim.integrations.diffusers.order: no permutation per attention call): None where the plan runs
     on FlashAttention-4 and its tile divides the layout, True wherever the tile divides the layout (refused with
@@ -102,10 +106,7 @@ def apply(
     if masks is not None:
         if sparsity is not None or window is not None:
             raise ValueError("masks replaces GNA: pass masks=... or sparsity / window, not both.")
-        if training:
-            raise ValueError("masks=... is for inference (natsim::attention_resolved has no backward pass), so "
-                             "training must be False; train with GNA instead (sparsity=..., training=True).")
-        auto, masked = None, MaskedAttention(masks, dtype, precision)
+        auto, masked = None, MaskedAttention(masks, dtype, precision, training)
     else:
         if sparsity is None:
             sparsity = 0.9 if window is None else 0.0

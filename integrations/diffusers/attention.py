@@ -118,7 +118,7 @@ class Router:
         """The video tokens' own attention of `[B, N_video, heads, head_dim]` tokens: GNA over the layout (or the
         content-adaptive mask): the output (and LSE) per token."""
         if self.masked is not None:
-            out, lse = attention_resolved(q, k, v, self.masked.id, scale, return_lse)
+            out, lse, _ = attention_resolved(q, k, v, self.masked.id, scale, return_lse)  # _: its decision
             return (out, lse) if return_lse else out
         batch, tokens, heads, head_dim = q.shape
         dtype = self._kernel_dtype(q)

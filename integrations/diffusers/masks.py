@@ -14,9 +14,19 @@ Per routed attention call (one layer of one forward pass), at run time, inside t
    (`MaskPlan.with_mask`), then reused at the steps the cache keeps it;
 4. sparse attention of the ordered tokens under the mask, and the output back in row-major order.
 
-The masks path is for inference under eager execution or regional compilation (`compile_repeated_blocks`):
-reading the timestep is a host read that a whole-model compiled graph cannot hold, and a CUDA graph would
-freeze the per-step decisions, so both are refused with a sentence.
+The masks path runs under eager execution or regional compilation (`compile_repeated_blocks`): reading the
+timestep is a host read that a whole-model compiled graph cannot hold, and a CUDA graph would freeze the
+per-step decisions, so both are refused with a sentence.
+
+Training (`training=True`): the operator's backward recomputes the attention each call decided on (the same
+mask, the same dense or sparse choice, the same token order; kernels/common/resolved.py) and differentiates it
+(the sparse kernels' backward, or torch's through dense attention), so gradients reach q, k and v, and through
+the LSE where joint attention merges by it. The masks themselves are predicted from q and k under no_grad: the
+prediction is a discrete choice, not differentiated. Each forward pass of training is a fresh sample, never one
+denoising step's second pass, so the timestep is not read: every forward pass is one step of the cache's
+schedule (the steps cycle through `steps`: dense warm-up passes, then sparse ones with the shrinking budget),
+and on every sparse pass each layer's mask is predicted from that sample's q and k (no mask is reused for another
+sample; `cache.refreshes` stays empty).
 """
 
 from __future__ import annotations
@@ -83,12 +93,17 @@ class MaskStats:
 class MaskedAttention:
     """The run-time side of `Masks` for one model (module docstring); registered as a natsim operator."""
 
-    def __init__(self, masks: Masks, dtype: Optional[torch.dtype] = None, precision: Optional[str] = None):
+    def __init__(self, masks: Masks, dtype: Optional[torch.dtype] = None, precision: Optional[str] = None,
+                 training: bool = False):
         if not isinstance(masks, Masks):
             raise TypeError(f"masks must be a natsim.integrations.diffusers.Masks, got {type(masks).__name__}.")
         self.masks = masks
         self.dtype = dtype
         self.precision = check_precision(precision)
+        if training and self.precision is not None:
+            raise ValueError("masks=... with precision='fp8' is for inference (its kernels have no backward pass), so "
+                             "training must be False; train in bfloat16 (precision=None).")
+        self.training = training
         self.cache = masks.cache()
         self.stats = MaskStats()
         self.plans: dict[tuple, MaskPlan] = {}
@@ -103,17 +118,21 @@ class MaskedAttention:
     # -- told by the forward pre-hook ------------------------------------------------------------------------
 
     def begin_forward(self, layout: tuple[int, ...], timestep: torch.Tensor) -> None:
-        """A forward pass begins: its layout, and its timestep (a new value is a new denoising step)."""
+        """A forward pass begins: its layout, and its timestep (a new value is a new denoising step; in training,
+        every forward pass is the next step, cycling through the schedule, and the timestep is not read)."""
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 "natsim's content-adaptive masks read each forward pass's timestep on the host, which a compiled "
                 "graph of the whole transformer cannot do: compile its blocks instead "
                 "(transformer.compile_repeated_blocks(fullgraph=True)), or run it eagerly."
             )
-        value = float(timestep.flatten()[0])
-        if value != self._timestep:
-            self._step += 1
-            self._timestep = value
+        if self.training:
+            self._step = (self._step + 1) % self.masks.steps
+        else:
+            value = float(timestep.flatten()[0])
+            if value != self._timestep:
+                self._step += 1
+                self._timestep = value
         if self.layout is not None and tuple(layout) != self.layout:
             self._running.clear()
         self.layout = tuple(layout)
@@ -133,6 +152,8 @@ class MaskedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
                  return_lse: bool):
+        """One routed call (module docstring): the output, the LSE (or None) and the attention decided on as a
+        function of q, k and v, which the operator's backward recomputes."""
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "natsim's content-adaptive masks decide on the host at every step, which a CUDA graph would freeze: "
@@ -146,29 +167,34 @@ class MaskedAttention:
 
         def in_order(name: str, t: torch.Tensor) -> torch.Tensor:  # each tensor reordered once per call
             if name not in ordered:
-                ordered[name] = (t if order is None else to_order(t, order)).to(dtype)
+                ordered[name] = _in_order(t, order, dtype)
             return ordered[name]
 
         def predict(budget: float) -> torch.Tensor:
             self.stats.predictions += 1
-            return hierarchical(in_order("q", q), in_order("k", k), self.masks.block, self.masks.block, keep=budget,
-                                sub_block=self.masks.sub_block, scale=scale)
+            with torch.no_grad():  # a discrete choice: never differentiated
+                return hierarchical(in_order("q", q), in_order("k", k), self.masks.block, self.masks.block,
+                                    keep=budget, sub_block=self.masks.sub_block, scale=scale)
 
-        mask = self.cache.mask(layer, self.step, predict)
+        mask = self._mask(layer, predict)
         plan = None if mask is None else self._plan(mask, q, dtype)
         if plan is None or plan.predicted_speedup <= self.masks.min_speedup:
             self.stats.dense_calls += 1
-            return _dense(q, k, v, scale, return_lse)
+            dense = _Dense(scale, return_lse)
+            return (*dense(q, k, v), dense)
         running = self._running.get(layer)
         if running is None or running[0] is not mask:  # a new mask: pooled and prepared once, then reused
             running = (mask, plan.with_mask(mask))
             self._running[layer] = running
-        result = running[1](in_order("q", q), in_order("k", k), in_order("v", v), scale=scale, return_lse=return_lse)
-        out, lse = result if return_lse else (result, None)
-        if inverse is not None:
-            out = to_order(out, inverse)
-            lse = None if lse is None else to_order(lse[..., None], inverse)[..., 0]
-        return out.to(q.dtype), lse
+        sparse = _Sparse(running[1], order, inverse, dtype, scale, return_lse)
+        return (*sparse.on_ordered(in_order("q", q), in_order("k", k), in_order("v", v), q.dtype), sparse)
+
+    def _mask(self, layer: int, predict) -> Optional[torch.Tensor]:
+        """The layer's mask at this step, None at a dense step: the cache's (reused across steps) in inference,
+        predicted for this forward pass's sample on every sparse step in training (module docstring)."""
+        if not self.training:
+            return self.cache.mask(layer, self.step, predict)
+        return None if self.cache.is_dense(self.step) else predict(self.cache.budget(self.step))
 
     def _plan(self, mask: torch.Tensor, q: torch.Tensor, dtype: torch.dtype) -> MaskPlan:
         """The plan of this layout, made from its first mask (module docstring)."""
@@ -196,12 +222,47 @@ class MaskedAttention:
         return self._orders[key]
 
 
-def _dense(q, k, v, scale, return_lse: bool):
-    """Dense attention as the model runs it (SDPA); with the LSE through `attention_with_lse`."""
-    if not return_lse:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-        return out.transpose(1, 2), None
-    out, lse = attention_with_lse(q, k, v, None, q.shape[-1] ** -0.5 if scale is None else scale)
-    return out.to(q.dtype), lse
+def _in_order(t: torch.Tensor, order: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """`t`'s tokens in `order` (as they are for None), in the kernel's `dtype`."""
+    return (t if order is None else to_order(t, order)).to(dtype)
 
 
+@dataclass(frozen=True)
+class _Dense:
+    """A dense call's attention as the model runs it (SDPA); with the LSE through `attention_with_lse`."""
+
+    scale: Optional[float]
+    return_lse: bool
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if not self.return_lse:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 scale=self.scale)
+            return out.transpose(1, 2), None
+        out, lse = attention_with_lse(q, k, v, None, q.shape[-1] ** -0.5 if self.scale is None else self.scale)
+        return out.to(q.dtype), lse
+
+
+@dataclass(frozen=True)
+class _Sparse:
+    """A sparse call's attention: its prepared plan (the mask pooled at the plan's blocks) on the tokens in
+    `order` in the kernel's `dtype`, the output (and LSE) back in row-major order and the model's dtype."""
+
+    plan: MaskPlan
+    order: Optional[torch.Tensor]
+    inverse: Optional[torch.Tensor]
+    dtype: torch.dtype
+    scale: Optional[float]
+    return_lse: bool
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        return self.on_ordered(*(_in_order(t, self.order, self.dtype) for t in (q, k, v)), q.dtype)
+
+    def on_ordered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype):
+        """The same on q, k, v already in the order and dtype (the forward reuses the predictor's)."""
+        result = self.plan(q, k, v, scale=self.scale, return_lse=self.return_lse)
+        out, lse = result if self.return_lse else (result, None)
+        if self.inverse is not None:
+            out = to_order(out, self.inverse)
+            lse = None if lse is None else to_order(lse[..., None], self.inverse)[..., 0]
+        return out.to(out_dtype), lse
