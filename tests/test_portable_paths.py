@@ -56,12 +56,21 @@ def no_descriptors():
     set_tensor_descriptors(before)
 
 
+@pytest.fixture
+def descriptors():
+    """Tensor descriptors on at the start of the test (whatever NATSIM_NO_TMA says); the setting back after."""
+    before = tensor_descriptors_enabled()
+    set_tensor_descriptors(True)
+    yield
+    set_tensor_descriptors(before)
+
+
 def _pointer_launches_only(launches) -> None:
     assert launches, "no kernel launch was seen"
     assert all(launch["USE_TMA"] is False for launch in launches), launches
 
 
-def test_the_switch_turns_descriptors_off_and_on_in_the_interpreter():
+def test_the_switch_turns_descriptors_off_and_on_in_the_interpreter(descriptors):
     cpu = torch.device("cpu")
     t = torch.zeros(2, 16, 2, 32)
     assert tensor_descriptors_enabled() and has_tensor_descriptors(cpu) and descriptors_fit(t)
@@ -118,7 +127,7 @@ def test_gna_forward_without_descriptors_runs_permuted_pointer_loads_and_equals_
     assert (lse.double() - ref_lse).abs().max().item() < 1e-2
 
 
-def test_a_call_made_with_descriptors_is_made_again_without_them(spies):
+def test_a_call_made_with_descriptors_is_made_again_without_them(spies, descriptors):
     """The dispatcher keys its calls on the switch: the same call runs in place, then permuted, then in place."""
     q, k, v = (torch.randn(1, 8, 8, 1, 16).half() for _ in range(3))
     arguments = dict(q_tile=(2, 8), kv_tile=(2, 8), kv_tiling="static")

@@ -90,12 +90,14 @@ def test_this_gpu_takes_descriptors_unless_they_are_turned_off(spies):
     """What makes the spies' evidence count: the same call runs in place through descriptors, then, with them
     off, on permuted tokens through pointers."""
     q, k, v = _qkv((12, 20, 24), 128, torch.bfloat16)
-    gna_attention(q, k, v, (5, 7, 9), kv_tiling="static", backend="triton")
-    set_tensor_descriptors(False)
+    before = tensor_descriptors_enabled()
     try:
+        set_tensor_descriptors(True)
+        gna_attention(q, k, v, (5, 7, 9), kv_tiling="static", backend="triton")
+        set_tensor_descriptors(False)
         gna_attention(q, k, v, (5, 7, 9), kv_tiling="static", backend="triton")
     finally:
-        set_tensor_descriptors(True)
+        set_tensor_descriptors(before)
     assert [(launch["LAYOUT"], launch["USE_TMA"]) for launch in spies.launches("gna_static")] == [
         (1, True), (0, False)]
 
