@@ -11,7 +11,9 @@ The face that rooms above the kernels import: the entry points, the operators th
 (`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`), the sentences the operators refuse gradients
 with, and what an entry point of their own (natsim.planner's AutoPlan, a model integration) checks at its
 boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`,
-`check_precision`, `refuse_gradients`).
+`check_precision`, `refuse_gradients`); and the process-wide switch of Hopper's tensor descriptors
+(`set_tensor_descriptors`, `tensor_descriptors_enabled`; NATSIM_NO_TMA=1 in the environment turns them off at
+import): off, every kernel runs the path a GPU without them (Ampere, Ada) runs.
 """
 
 # This folder is natsim.kernels (pyproject.toml's package-dir mapping). Where the repository's root is on sys.path
@@ -24,7 +26,7 @@ if __name__ == "natsim.kernels":
     from .common.backend import autocast_inputs, runs_eagerly
     from .common.checks import check_tensors
     from .common.fp8 import Fp8Scales, check_precision, refuse_gradients
-    from .common.launch import LaunchOptions
+    from .common.launch import LaunchOptions, set_tensor_descriptors, tensor_descriptors_enabled
     from .common.resolved import attention_resolved, register_attention
     from .gna import (
         GnaSpec,
@@ -56,6 +58,8 @@ if __name__ == "natsim.kernels":
     __all__ = [
         "Fp8Scales",
         "LaunchOptions",
+        "set_tensor_descriptors",
+        "tensor_descriptors_enabled",
         "GnaSpec",
         "SparseSpec",
         "gna_resolved",

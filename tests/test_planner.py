@@ -214,6 +214,26 @@ def test_a_gpu_without_coefficients_does_not_borrow_another_gpus_and_the_report_
     assert best((30, 48, 80), 0.9, heads=24, device="h100").calibrated
 
 
+def test_on_an_uncalibrated_gpu_best_autoplan_and_explain_say_so_and_give_the_command(monkeypatch):
+    """An A100 (no coefficients) met by `best`, by `AutoPlan` on a CUDA device and for training: each plan ranks
+    by simulated tile work and its report says the GPU is uncalibrated, how it was ranked, and what to run."""
+    from natsim.planner import AutoPlan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: A100)
+    where = f"writes {gpu_file_name(A100)} to {user_coefficients_dir()}"
+    shape = (8, 16, 24)
+    auto = AutoPlan(0.8).plan_for(shape, heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda:0")
+    for plan, kernels in ((best(shape, 0.8, heads=4), "gna,sparse"), (auto, "gna,sparse"),
+                          (best(shape, 0.8, heads=4, training=True), "gna,backward")):
+        assert plan.gpu == A100 and not plan.calibrated and plan.predicted_time_s is None
+        text = " ".join(render(plan.explain()).split())
+        assert "ranked by simulated tile work" in text or "ranked for training by simulated tile work" in text
+        assert f"{A100} is uncalibrated for this plan: run `natsim calibrate --kernels {kernels}` on it" in text
+        assert where in text
+
+
 def test_the_user_coefficient_folder_follows_natsim_data_dir_then_xdg_then_home(monkeypatch, tmp_path):
     monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))

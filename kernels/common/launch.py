@@ -1,11 +1,17 @@
 """Launching the Triton kernels: launch options (`LaunchOptions`) that fit in shared memory and a caller's checked
 overrides of them, whether a device and a tensor can use tensor descriptors (Hopper's bulk tensor copies), and the
 scratch allocator that in-kernel descriptors need.
+
+Tensor descriptors can be turned off for the whole process: `NATSIM_NO_TMA=1` in the environment when natsim is
+imported, or `set_tensor_descriptors(False)` at run time. Every kernel then takes the path a GPU without them
+(Ampere, Ada) takes: GNA on permuted tokens, pointer loads everywhere. That is how a Hopper GPU runs those paths
+(tests/test_portable_paths_gpu.py), and how a user rules descriptors out when debugging.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, fields, replace
 from typing import Mapping, Optional
 
@@ -128,8 +134,34 @@ def split_of(head_dim: int, overrides: Overrides, default: Optional[HeadSplit] =
     return HeadSplit(head_dim, int(named["CHUNK_A"]), int(named.get("CHUNK_B", 0)))
 
 
-@functools.lru_cache(maxsize=16)
+NO_TMA_VARIABLE = "NATSIM_NO_TMA"  # "1" turns tensor descriptors off for the process (module docstring)
+_descriptors_enabled = os.environ.get(NO_TMA_VARIABLE, "0") != "1"
+
+
+def set_tensor_descriptors(enabled: bool) -> None:
+    """Allow tensor descriptors (`enabled=True`, the default unless NATSIM_NO_TMA=1) or rule them out for every
+    later call in this process, on any device. A call's launch decisions are kept per distinct call, keyed on this
+    setting (kernels/gna/dispatch.py, kernels/gna/api.py); the other launchers ask `has_tensor_descriptors` on
+    every call."""
+    global _descriptors_enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_tensor_descriptors takes True or False, got {enabled!r}.")
+    _descriptors_enabled = enabled
+
+
+def tensor_descriptors_enabled() -> bool:
+    """Whether tensor descriptors are allowed in this process (`set_tensor_descriptors`, NATSIM_NO_TMA)."""
+    return _descriptors_enabled
+
+
 def has_tensor_descriptors(device: torch.device) -> bool:
+    """Whether launches on `device` move tiles through tensor descriptors: the device has them (Hopper or newer,
+    or the interpreter) and they are not turned off (`set_tensor_descriptors`, NATSIM_NO_TMA=1)."""
+    return _descriptors_enabled and _device_has_descriptors(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_has_descriptors(device: torch.device) -> bool:
     """Tensor descriptors (the bulk tensor copy engine) need Hopper or newer; the interpreter has them too."""
     return interpreting() or torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -149,8 +181,8 @@ def aligned(*tensors: torch.Tensor) -> bool:
 
 
 def descriptors_fit(*tensors: torch.Tensor) -> bool:
-    """Whether `tensors` (on one device) can move through tensor descriptors: the device has them, their strides
-    suit a descriptor and their starts are 16-byte aligned."""
+    """Whether `tensors` (on one device) can move through tensor descriptors: the device has them and they are not
+    turned off (`has_tensor_descriptors`), their strides suit a descriptor and their starts are 16-byte aligned."""
     return (has_tensor_descriptors(tensors[0].device) and all(descriptor_strides_ok(t) for t in tensors)
             and aligned(*tensors))
 

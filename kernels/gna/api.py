@@ -28,7 +28,7 @@ from natsim.problem import BoolOrBools, IntOrInts
 from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
 from ..common.checks import check_matching, check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
-from ..common.launch import Overrides, launch_overrides
+from ..common.launch import Overrides, has_tensor_descriptors, launch_overrides
 from .checks import check_kernel_inputs, check_qkv, kernel_tiles
 from .choice import choose
 from .dispatch import run_spec
@@ -76,7 +76,7 @@ def gna_attention_permuted(
         config = dict(num_warps=config[0], num_stages=config[1], WARP_SPECIALIZE=False)
     spec = GnaSpec.for_problem(problem, scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
                                q_tile=q_dims, kv_tile=kv_dims, kv_tiling="static", return_lse=bool(return_lse))
-    call = _permuted_call(problem, spec, q.shape[0], q.shape[2], q.shape[3],
+    call = _permuted_call(problem, spec, q.shape[0], q.shape[2], q.shape[3], has_tensor_descriptors(q.device),
                           launch_overrides(config, "config"))  # tensors checked for alignment per launch
     _check_permuted(call, q, k, v)
     out, lse, _ = call.run_permuted(*(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)))
@@ -84,12 +84,13 @@ def gna_attention_permuted(
 
 
 @functools.lru_cache(maxsize=256)
-def _permuted_call(problem: Problem, spec: GnaSpec, batch: int, heads: int, head_dim: int,
+def _permuted_call(problem: Problem, spec: GnaSpec, batch: int, heads: int, head_dim: int, descriptors: bool,
                    overrides: Overrides = (), debug: bool = False,
                    frames: Optional[tuple[int, int, int, int]] = None) -> GnaCall:
-    """The call that runs `spec` on permuted tensors of `problem` (kept per distinct arguments)."""
+    """The call that runs `spec` on permuted tensors of `problem` (kept per distinct arguments; `descriptors`:
+    the device's `has_tensor_descriptors`, so that turning them off makes another call)."""
     return make_call(problem, problem.shape, spec, batch=batch, heads=heads, head_dim=head_dim, layout_tensors=None,
-                     frames=frames, overrides=overrides, debug=debug, check_alignment=True)
+                     frames=frames, overrides=overrides, debug=debug, check_alignment=True, descriptors=descriptors)
 
 
 def _check_permuted(call: GnaCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -242,7 +243,7 @@ def gna_tile_counts(
     v = torch.randn((1, kv_tokens, 1, head_dim), device=device, dtype=dtype)
     check_kernel_inputs(q)
     spec = GnaSpec.for_problem(problem, scale=head_dim**-0.5, q_tile=q_dims, kv_tile=kv_dims, kv_tiling=kv_tiling)
-    call = _permuted_call(problem, spec, 1, 1, head_dim, debug=True, frames=frames)
+    call = _permuted_call(problem, spec, 1, 1, head_dim, has_tensor_descriptors(q.device), debug=True, frames=frames)
     _, _, counts = call.run_permuted(q, k, v)
     counts = counts.cpu().numpy().astype(np.int64)
     return counts[:, 0], counts[:, 1]

@@ -24,6 +24,7 @@ from ..common.backend import interpreting
 from ..common.checks import KERNEL_HEAD_DIMS
 from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_split, fp8_q_tile
 from ..common.headdim import head_dim_refusal
+from ..common.launch import has_tensor_descriptors, tensor_descriptors_enabled
 from ..fa4 import run as fa4_run
 from .backward import gna_backward
 from .checks import check_frames, check_kernel_inputs, check_qkv, kernel_tiles
@@ -65,14 +66,15 @@ def run_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec,
     (kernels/gna/tiles.py, `choose_tiles`). The first call with a spec and given tensor metadata validates what
     needs the tensors and works the call out (`_prepare`); later ones look it up. Tensor metadata (shapes,
     dtypes, devices, strides, 16-byte alignment; for CPU tensors whether the interpreter is on) is part of the
-    key, so a call with other tensors is checked afresh. `spec.precision` "fp8" quantizes inside the call
+    key, so a call with other tensors is checked afresh, and so is whether tensor descriptors are allowed
+    (kernels/common/launch.py, `set_tensor_descriptors`). `spec.precision` "fp8" quantizes inside the call
     (kernels/common/fp8.py; static KV tiling, no frame ranges), or with float8 inputs takes them as given, with
     their full-size `scales` (`check_fp8_call`, which the public boundary ran) and the output in
     `spec.out_dtype`.
     """
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
            q.stride(), k.stride(), v.stride(), q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
-           and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(), spec)
+           and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(), tensor_descriptors_enabled(), spec)
     run = _calls.get(key)
     if run is None:
         run = _prepare(q, k, v, spec) if spec.frames is None else _prepare_frames(q, k, v, spec)
@@ -115,7 +117,8 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
             q_dims = fp8_q_tile(q_dims)
         check_fp8_tiles(q, math.prod(q_dims), math.prod(kv_dims))
     call = make_call(kernel_problem, shape, replace(spec, q_tile=q_dims, kv_tile=kv_dims, kv_tiling=mode),
-                     batch=batch, heads=heads, head_dim=head_dim, layout_tensors=views if layout else None)
+                     batch=batch, heads=heads, head_dim=head_dim, layout_tensors=views if layout else None,
+                     descriptors=has_tensor_descriptors(q.device))
     return call.run
 
 
@@ -178,7 +181,8 @@ def _prepare_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Gna
     layout = takes_layout_path(problem, *views)
     call = make_call(problem, tuple(views[0].shape[1:-2]),
                      replace(spec, q_tile=q_dims, kv_tile=kv_dims, kv_tiling="static"), batch=batch, heads=heads,
-                     head_dim=head_dim, layout_tensors=views if layout else None, frames=bounds)
+                     head_dim=head_dim, layout_tensors=views if layout else None, frames=bounds,
+                     descriptors=has_tensor_descriptors(q.device))
 
     def run(q, k, v):
         out, lse = call.run(*(t.reshape(t.shape[0], t.shape[1], *problem.shape[1:], *t.shape[-2:])

@@ -13,7 +13,8 @@ Two data paths (kernels/gna/forward.py, `LAYOUT`):
   tensor descriptors (Hopper's bulk tensor copies; padding lies out of bounds and reads as zeros): no
   permutation, one launch. Taken when every dilation is 1 and the tensors meet the descriptors' rules.
 - permuted: permute q, k, v into tiles (kernels/gna/permute.py), run the kernel on the permuted sequences,
-  unpermute o and the LSE: dilation groups, GPUs before Hopper, unaligned tensors.
+  unpermute o and the LSE: dilation groups, GPUs before Hopper, unaligned tensors. Its tiles move through
+  rank-2 descriptors where the device has them (`has_tensor_descriptors`), else through pointer loads.
 Dense attention (window = shape, non-causal, default tiles) runs as 1-D attention over the flattened layout:
 every query attends every key either way, and only the last tile holds padding instead of every dimension's.
 Two kernels share the arguments and both paths: static KV tiling (kernels/gna/forward.py) and dynamic KV tiling
@@ -260,6 +261,7 @@ def make_call(
     overrides: Overrides = (),
     debug: bool = False,
     check_alignment: bool = False,
+    descriptors: bool = True,
 ) -> GnaCall:
     """Work out one call of `problem` (what the kernel runs; `shape` is the caller's layout) from `spec`, the call
     with every choice made: its tiles and KV tiling ("static" or "dynamic", never None here), scale (None:
@@ -273,7 +275,9 @@ def make_call(
     pointer loads on the permuted path and is never warp-specialized (Triton 3.6 does not specialize its loops:
     rank-4 descriptors or pointer gathers). Precision "fp8" runs the FP8 variant of the static kernel
     (kernels/common/fp8.py) on permuted sequences or a 1-D layout in place, on q, k, v quantized inside the call
-    or, with `spec.out_dtype` (the output's dtype), given in float8 with their scales."""
+    or, with `spec.out_dtype` (the output's dtype), given in float8 with their scales. `descriptors`: the device
+    has tensor descriptors and they are allowed (`has_tensor_descriptors`); without them the permuted path loads
+    and stores through pointers (`USE_TMA` off), and the layout path, which needs them, is refused."""
     q_tile, kv_tile, kv_tiling = spec.q_tile, spec.kv_tile, spec.kv_tiling
     fp8 = spec.precision == "fp8"
     q0, q1, k0, k1 = (0, problem.shape[0], 0, problem.shape[0]) if frames is None else frames
@@ -291,7 +295,7 @@ def make_call(
     if fp8 and (kv_tiling != "static" or frames is not None or mode == 1):
         raise ValueError("FP8 runs the static kernel on permuted sequences or a 1-D layout, without frame ranges.")
     split = split_of(head_dim, overrides, fp8_head_split(head_dim) if fp8 else None)
-    launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, split, masked, True,
+    launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, split, masked, descriptors,
                            specialize=not (spec.return_lse or debug) and mode != 1 and kv_tiling == "static")
     if fp8:
         launch = with_fp8(launch, q_layout.tile_tokens, kv_layout.tile_tokens, split)

@@ -19,7 +19,7 @@ from natsim import Problem, SimResult, TileConfig
 
 from ..backends import NAMES
 from ..cost.backward_features import FORWARD_TILE_PRODUCTS
-from ..cost.files import known_gpus
+from ..cost.files import gpu_file_name, known_gpus, user_coefficients_dir
 from ..cost.gpus import describe_gpus
 from .candidates import Candidate, Search
 
@@ -129,6 +129,16 @@ def _choice_table(plan: ExplainedPlan) -> Table:
     return table
 
 
+def calibration_advice(gpu: Optional[str], kernels: str) -> str:
+    """What to run for coefficients of `kernels` (`natsim calibrate --kernels`): on `gpu`, the GPU at hand that
+    has none (an uncalibrated GPU, said so), or with no GPU here, on the one that will run the plan."""
+    command = f"`natsim calibrate --kernels {kernels}`"
+    if gpu is None:
+        return f"Run {command} on the GPU that will run the plan to fit its coefficients."
+    return (f"{gpu} is uncalibrated for this plan: run {command} on it (a few minutes), which writes "
+            f"{gpu_file_name(gpu)} to {user_coefficients_dir()}, then plan again to rank by predicted time.")
+
+
 def _training_basis(plan: ExplainedPlan) -> Text:
     if plan.calibrated:
         return Text(f"Ranked for training by forward + backward time: the cost model fitted on {plan.gpu}, its "
@@ -138,8 +148,7 @@ def _training_basis(plan: ExplainedPlan) -> Text:
         f"No backward coefficients for {where} (no cost model, or one fitted without them): configurations were ranked "
         "for training by simulated tile work, forward + backward (Q x KV tokens over visited tiles, each backward "
         f"kernel's pair counted by its tile products over the forward's {FORWARD_TILE_PRODUCTS}), and no "
-        "time is predicted. Run "
-        "`natsim calibrate --kernels gna,backward` on the GPU to fit them.",
+        f"time is predicted. {calibration_advice(plan.gpu, 'gna,backward')}",
         style="yellow",
     )
 
@@ -162,7 +171,7 @@ def _fp8_basis(plan: ExplainedPlan) -> Text:
     return Text(
         f"No FP8 coefficients for {where} (no cost model, or one fitted without them): configurations were ranked "
         "by simulated tile work alone (static KV tiling, KV tiles of 32 tokens or more: what FP8 runs), and no time "
-        "is predicted. Run `natsim calibrate --kernels gna,gna-fp8` on the GPU to fit them.",
+        f"is predicted. {calibration_advice(plan.gpu, 'gna,gna-fp8')}",
         style="yellow",
     )
 
@@ -193,8 +202,7 @@ def _basis(plan: ExplainedPlan) -> Text:
     return Text(
         f"No cost-model coefficients for {where}: configurations were ranked by simulated tile work alone "
         f"(Q x KV tokens summed over visited tiles, {fixed or 'static and dynamic KV tiling alike'}), and no time is "
-        f"predicted.{others} Run `natsim calibrate` "
-        "on the GPU to fit its own.",
+        f"predicted.{others} {calibration_advice(plan.gpu, 'gna,sparse')}",
         style="yellow",
     )
 
