@@ -1,6 +1,13 @@
 """Dense attention with its log-sum-exp, for the parts of routed attention that natsim does not make sparse (video
 queries against text keys; the dense steps of content-adaptive masks), so that they merge exactly with a sparse
-part through their LSEs."""
+part through their LSEs.
+
+Its backward takes the LSE's gradient as well as the output's: the merge weights the two parts by their LSEs, so
+training joint attention needs both. On the GPU the forward is PyTorch's memory-efficient attention kernel, whose
+LSE output autograd does not differentiate; the backward (`_DenseWithLse`) is written out instead, over chunks of
+queries: with P recomputed from the saved LSE, dS = P * (dO V^T - rowsum(dO * O) + dLSE), dQ = scale dS K,
+dK = scale dS^T Q, dV = P^T dO. The keys here are few (text), so a chunk's scores are small.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +16,20 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+CHUNK_SCORES = 1 << 25  # scores per chunk of queries in the backward (128 MiB in float32)
+
 
 def attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
     """Dense attention of `[B, Nq, heads, D]` queries over `[B, Nk, heads, D]` keys (`keep`: `[B, Nk]` or None):
     the output (float32) and the natural-log LSE `[B, Nq, heads]` (-inf, with output 0, where every key is
-    masked). On the GPU, PyTorch's memory-efficient attention kernel, which returns its LSE; elsewhere in
-    float32 torch ops."""
+    masked), both differentiable. On the GPU, PyTorch's memory-efficient attention kernel, which returns its LSE,
+    with the backward of the module docstring; elsewhere in float32 torch ops, differentiated by autograd."""
     if q.is_cuda:
-        return _efficient_attention_with_lse(q, k, v, keep, scale)
+        return _DenseWithLse.apply(q, k, v, keep, scale)
+    return _torch_attention_with_lse(q, k, v, keep, scale)
+
+
+def _torch_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
     if keep is not None:
         scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
@@ -44,3 +57,48 @@ def _efficient_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: 
     lse = lse[..., :queries].transpose(1, 2)
     out = torch.where(torch.isinf(lse)[..., None], 0.0, out.transpose(1, 2).float())
     return out, lse
+
+
+def _probabilities(q, k, lse, keep: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """`[B, heads, Nq, Nk]` float32 softmax probabilities recomputed from the forward's LSE (0 at masked keys, and
+    on rows whose every key is masked)."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    lse = lse.transpose(1, 2)[..., None]
+    return torch.exp(scores - torch.where(torch.isinf(lse), float("inf"), lse))
+
+
+class _DenseWithLse(torch.autograd.Function):
+    """`attention_with_lse` with the backward of the module docstring (the LSE's gradient included)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep: Optional[torch.Tensor], scale: float):
+        kernel = _efficient_attention_with_lse if q.is_cuda else _torch_attention_with_lse  # CPU: for tests
+        out, lse = kernel(q, k, v, keep, scale)
+        ctx.save_for_backward(q, k, v, out, lse, keep)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, keep = ctx.saved_tensors
+        scale = ctx.scale
+        batch, queries, heads, _ = q.shape
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.float()
+        grad_lse = torch.zeros_like(lse) if grad_lse is None else torch.where(torch.isinf(lse), 0.0, grad_lse)
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        chunk = max(1, CHUNK_SCORES // max(1, batch * heads * k.shape[1]))
+        for start in range(0, queries, chunk):
+            rows = slice(start, min(queries, start + chunk))
+            p = _probabilities(q[:, rows], k, lse[:, rows], keep, scale)
+            d_o = grad_out[:, rows]
+            delta = (d_o * out[:, rows]).sum(-1) - grad_lse[:, rows]  # [B, rows, heads]
+            dp = torch.einsum("bqhd,bkhd->bhqk", d_o, v.float())
+            ds = p * (dp - delta.transpose(1, 2)[..., None])
+            dq[:, rows] = torch.einsum("bhqk,bkhd->bqhd", ds, k.float()) * scale
+            dk += torch.einsum("bhqk,bqhd->bkhd", ds, q[:, rows].float()) * scale
+            dv += torch.einsum("bhqk,bqhd->bkhd", p, d_o)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
