@@ -135,6 +135,16 @@ def run_mode(mode: str, args: argparse.Namespace, config: dict, device: torch.de
     return record
 
 
+def _warn_once() -> None:
+    """diffusers 0.42.1's context-parallel hooks warn through `Logger.warning_once`, which only transformers
+    (imported by every pipeline, not by a bare transformer) defines."""
+    import functools
+    import logging
+
+    if not hasattr(logging.Logger, "warning_once"):
+        logging.Logger.warning_once = functools.lru_cache(None)(logging.Logger.warning)
+
+
 def main(argv=None) -> None:
     args = arguments(argv)
     cuda = not args.small and torch.cuda.is_available()
@@ -142,13 +152,10 @@ def main(argv=None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        import functools
-        import logging
-
         torch.accelerator.device_count = lambda: 1  # diffusers 0.42.1 without a GPU (examples/diffusers_parallel.py)
-        logging.Logger.warning_once = functools.lru_cache(None)(logging.Logger.warning)
         device = torch.device("cpu")
         args.latent, args.steps = (2, 8, 16), 2
+    _warn_once()
     dist.init_process_group("nccl" if cuda else "gloo")
     config = dict(WAN_1_3B if cuda else SMALL, num_layers=args.layers if cuda else 1)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -17,6 +17,8 @@ printed.
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 import os
 import time
 
@@ -140,12 +142,10 @@ def main(argv=None) -> None:
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
-        # diffusers 0.42.1 without a GPU: its mesh's device index is `rank % device_count()`, and it warns through
-        # `Logger.warning_once`, which only transformers (imported by every pipeline) defines.
-        import functools
-        import logging
-
-        torch.accelerator.device_count = lambda: 1
+        torch.accelerator.device_count = lambda: 1  # diffusers 0.42.1 without a GPU: its mesh's device index
+    # diffusers 0.42.1's context-parallel hooks warn through `Logger.warning_once`, which only transformers (imported
+    # by every pipeline, not by a bare transformer) defines.
+    if not hasattr(logging.Logger, "warning_once"):
         logging.Logger.warning_once = functools.lru_cache(None)(logging.Logger.warning)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:

@@ -268,3 +268,22 @@ def _worker(rank: int, world: int, port: int) -> None:
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_the_example_on_two_gpus_equals_one():
+    """examples/diffusers_parallel.py under torchrun on two GPUs (NCCL, bf16): its first step against one GPU."""
+    import re
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               str(EXAMPLES / "diffusers_parallel.py"), "--layers", "2", "--latent", "5x32x64", "--window", "3x7x7",
+               "--steps", "2", "--train-steps", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=WORLD_DEADLINE_S,
+                          env={**os.environ, "NCCL_NVLS_ENABLE": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    difference = float(re.search(r"relative difference ([0-9.e+-]+)", done.stdout).group(1))
+    assert difference < 2e-2, done.stdout
