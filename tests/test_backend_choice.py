@@ -51,6 +51,17 @@ def test_natsim_picks_fa4_where_every_block_is_full(fa4_here):
     assert picked((4, 8, 8), (4, 8, 8), q_tile=(4, 8, 8), kv_tile=(2, 8, 8)) == ("fa4", ((4, 8, 8), (2, 8, 8)))
 
 
+def test_dense_attention_over_one_dimension_is_fa4s_dense_call(fa4_here):
+    """A 1-D layout whose window covers it (`gna_attention(q, k, v, N)`, dense attention) runs FlashAttention-4
+    without block lists, as dense layouts of more dimensions do; a window short of the sequence gets lists."""
+    spec = GnaSpec.of(1, 4096)
+    with FakeTensorMode():
+        q = torch.empty(1, 4096, 2, 72, dtype=torch.bfloat16, device="cuda")
+        assert choice.choose(spec, spec.problem((4096,)), q) == choice.Choice("fa4", None)
+        sparse = GnaSpec.of(1, 1024, 1024)
+        assert choice.choose(sparse, sparse.problem((4096,)), q).fa4 is not None
+
+
 def test_natsim_keeps_partial_tiles_on_triton_unless_triton_cannot_run_the_head_dim(fa4_here):
     assert picked((3, 5, 7)) == ("triton", None)
     assert picked((3, 5, 7), q_tile=(2, 8, 8), kv_tile=(2, 8, 8)) == ("triton", None)
