@@ -84,6 +84,18 @@ def test_a_parallel_call_natsim_was_not_told_of_raises():
         parallel.attend(router, q, q, q, None, None)
 
 
+def test_joint_attention_under_a_plan_of_the_users_own_is_refused():
+    """Self-attention over the video tokens alone needs no plan's word; a joint sequence under a cp_plan natsim
+    has not checked does."""
+    router = Router(None, text_first=True)
+    router.set_layout((2, 2))
+    theirs = parallel.Ulysses(None, 0, 2, own_plan=False)
+    assert parallel.shares(router, theirs, 2).other == 0
+    with pytest.raises(ValueError, match="cp_plan of its own"):
+        parallel.shares(router, theirs, 5)
+    assert parallel.shares(router, parallel.Ulysses(None, 0, 2), 5).other == 3
+
+
 def test_uneven_image_shares_are_refused():
     router = Router(None, text_first=False)
     router.set_layout((3, 3))

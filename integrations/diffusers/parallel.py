@@ -22,7 +22,9 @@ already on and at `enable_parallelism` when natsim is already applied (natsim wr
 while applied): ring attention (`ring_degree > 1`: GNA's halo exchange lives in natsim.distributed), uneven
 shares (`ulysses_anything`), split attention over the latent (Latte), and `tile_order=True` (diffusers splits
 the rotary tables before a block could put them in tile order). A call that reaches natsim's attention under a
-parallel configuration natsim was not told of raises rather than attend on this rank's tokens alone.
+parallel configuration natsim was not told of raises rather than attend on this rank's tokens alone, and so does
+joint attention under a `cp_plan` other than the class's own (HunyuanVideo and CogVideoX declare none), where
+natsim cannot know which of a rank's tokens are text.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Ulysses:
     group: Any  # torch.distributed.ProcessGroup
     rank: int
     size: int
+    own_plan: bool = True  # the shares follow diffusers' own context-parallel plan of the class
 
 
 def context_parallel(config: Any) -> Optional[Any]:
@@ -75,9 +78,11 @@ def refusal(config: Any, router, tile_order: Optional[bool]) -> Optional[str]:
     return None
 
 
-def ulysses_of(config: Any) -> Ulysses:
-    """The Ulysses group of a set-up `ContextParallelConfig` (diffusers made its mesh)."""
-    return Ulysses(config._ulysses_mesh.get_group(), int(config._ulysses_local_rank), int(config.ulysses_degree))
+def ulysses_of(config: Any, own_plan: bool) -> Ulysses:
+    """The Ulysses group of a set-up `ContextParallelConfig` (diffusers made its mesh); `own_plan`: whether the
+    model was split by its class's own `_cp_plan`."""
+    return Ulysses(config._ulysses_mesh.get_group(), int(config._ulysses_local_rank), int(config.ulysses_degree),
+                   own_plan)
 
 
 def enable(model: nn.Module, router, tile_order: Optional[bool]) -> None:
@@ -88,7 +93,7 @@ def enable(model: nn.Module, router, tile_order: Optional[bool]) -> None:
         reason = refusal(config, router, tile_order)
         if reason is not None:
             raise ValueError(f"natsim cannot run inside this model's context parallelism: {reason}")
-        router.ulysses = ulysses_of(config)
+        router.ulysses = ulysses_of(config, getattr(type(model), "_cp_plan", None) is not None)
     if hasattr(type(model), "enable_parallelism"):
         model.enable_parallelism = functools.partial(_enable_parallelism, model, router, tile_order)
 
@@ -98,7 +103,8 @@ def disable(model: nn.Module) -> None:
     model.__dict__.pop("enable_parallelism", None)
 
 
-def _enable_parallelism(model: nn.Module, router, tile_order: Optional[bool], *, config: Any, **kwargs) -> None:
+def _enable_parallelism(model: nn.Module, router, tile_order: Optional[bool], *, config: Any,
+                        cp_plan: Optional[dict] = None) -> None:
     """diffusers' `enable_parallelism`, refused before anything changes where natsim cannot run under `config`."""
     cp = context_parallel(config)
     if cp is not None:
@@ -107,10 +113,10 @@ def _enable_parallelism(model: nn.Module, router, tile_order: Optional[bool], *,
             raise ValueError(f"natsim is applied to this model and cannot run inside this context parallelism: "
                              f"{reason} Call natsim.integrations.diffusers.remove(transformer) first to run the "
                              "model's own attention.")
-    type(model).enable_parallelism(model, config=config, **kwargs)
+    type(model).enable_parallelism(model, config=config, cp_plan=cp_plan)
     cp = context_parallel(model._parallel_config)
     if cp is not None:
-        router.ulysses = ulysses_of(cp)
+        router.ulysses = ulysses_of(cp, cp_plan is None and getattr(type(model), "_cp_plan", None) is not None)
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,13 @@ def shares(router, ulysses: Ulysses, local_tokens: int) -> Optional[Shares]:
         raise ValueError(f"natsim's attention under context parallelism needs each of the {ulysses.size} ranks to hold "
                          f"the same share of the image tokens, but the layout {router.layout} holds {image} image "
                          "tokens: choose a latent size whose token count divides by ulysses_degree.")
-    return Shares(ulysses.size, local_tokens, local_tokens - image // ulysses.size, router.text_first)
+    other = local_tokens - image // ulysses.size
+    if other and not ulysses.own_plan:
+        raise ValueError("natsim's joint attention under context parallelism puts the ranks' shares together as "
+                         "diffusers' own context-parallel plans cut them (each rank: its part of the text, then of "
+                         "the image); this model runs a cp_plan of its own, so natsim cannot know where its text "
+                         "tokens lie. Use the class's own plan, or remove natsim.")
+    return Shares(ulysses.size, local_tokens, other, router.text_first)
 
 
 def attend(router, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
