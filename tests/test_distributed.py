@@ -34,7 +34,7 @@ from natsim.partition import (check_split, even_split, key_frames, offsets, rank
 from natsim.kernels import gna_attention, gna_tile_counts, reference_attention
 
 from bruteforce import attention_mask, coordinates, dim_mask, multi_d_layout, problems, static_counts
-from interpreter_options import skip_discarded_overflow_checks
+from interpreter_options import prepare_the_interpreter
 
 FAST = settings(max_examples=25, deadline=None)
 KERNEL = settings(max_examples=6, deadline=None)
@@ -620,7 +620,7 @@ def _worker(rank: int, world: int, port: int, gna_cases, mask_cases) -> None:
     """One rank of a gloo world: outputs with the kernels in the interpreter, then gradients on the torch
     reference path (float64 there, and differentiable on frame ranges)."""
     os.environ["TRITON_INTERPRET"] = "1"
-    skip_discarded_overflow_checks()  # as tests/conftest.py does in pytest's processes
+    prepare_the_interpreter()  # as tests/conftest.py does in pytest's processes
     # One thread per rank: the ranks share the machine's cores, and torch's pools at full size each made every
     # small operator wait on the others' threads (the gradient checks ran 9x slower on 2 cores).
     torch.set_num_threads(1)
