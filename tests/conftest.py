@@ -49,7 +49,7 @@ def reference_path(monkeypatch):
 
 
 # Tests that start other processes or torch.compile's Inductor (names as they are today).
-_FRONT = ("compile", "test_gloo_world", "test_example_runs_under_torchrun")
+_FRONT = ("compile", "test_gloo_world")
 
 
 def pytest_collection_modifyitems(config, items):
