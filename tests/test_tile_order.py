@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from natsim.kernels import TileOrder, gna_attention, permute_reference, tile_order_refusal
@@ -81,6 +81,8 @@ def test_gna_in_tile_order_equals_gna_on_the_layout_forward_and_backward(shape, 
 
 
 @settings(max_examples=40, deadline=None)
+@example(([2], [1], [2]))  # each dilation group one token: the identity
+@example(([1, 3], [2, 1], [1, 1]))  # a dimension of one token in tiles of two: padding
 @given(st.integers(1, 3).flatmap(lambda n: st.tuples(st.lists(st.integers(1, 6), min_size=n, max_size=n),
                                                       st.lists(st.integers(1, 6), min_size=n, max_size=n),
                                                       st.lists(st.integers(1, 2), min_size=n, max_size=n))))

@@ -58,13 +58,21 @@ class TileLayout:
 
     @property
     def row_major(self) -> bool:
-        """Whether the permuted order is the layout's own row-major order: no dilation, no padding, tiles of one
-        token along the leading dimensions, then one dimension cut into runs, then whole dimensions (a 1-D tile
-        of a sequence; tiles of whole rows). Permuting is then a reshape."""
-        if any(d != 1 for d in self.dilation) or any(L % t for L, t in zip(self.shape, self.tile)):
+        """Whether the permuted order is the layout's own row-major order: no padding, tiles of one token along
+        the leading dimensions, then one dimension cut into runs, then whole dimensions (a 1-D tile of a
+        sequence; tiles of whole rows). Permuting is then a reshape. Dimensions of length 1 (tile 1, no
+        dilation) play no part; a dilated dimension is row-major only where it leads and each of its groups
+        holds one token (`L == d`, tile 1): the groups come first in the permuted order, each one a single index
+        of that dimension."""
+        dims = [(L, t, d) for L, t, d in zip(self.shape, self.tile, self.dilation) if (L, t, d) != (1, 1, 1)]
+        lead = 0
+        while lead < len(dims) and dims[lead][0] == dims[lead][2] and dims[lead][1] == 1:
+            lead += 1
+        rest = dims[lead:]
+        if any(d != 1 for _, _, d in rest) or any(L % t for L, t, _ in rest):
             return False
-        cut = next((i for i, t in enumerate(self.tile) if t != 1), len(self.tile))
-        return all(t == L for L, t in zip(self.shape[cut + 1:], self.tile[cut + 1:]))
+        cut = next((i for i, (_, t, _) in enumerate(rest) if t != 1), len(rest))
+        return all(t == L for L, t, _ in rest[cut + 1:])
 
     def to_3d(self) -> "TileLayout":
         return TileLayout(as_3d(self.shape), as_3d(self.tile), as_3d(self.dilation))
