@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import calibrate, mask, plan, sim, sweep
+from . import calibrate, link, mask, plan, sim, sweep
 
 app = typer.Typer(
     name="natsim",
@@ -24,6 +24,7 @@ sweep.register(app)
 sim.register(app)
 plan.register(app)
 calibrate.register(app)
+link.register(app)
 mask.register(app)
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ moved by Ulysses all-to-alls or halo exchanges (strategies.py); natsim.partition
 
 from natsim.partition import STRATEGIES
 
+from .calibrate import calibrate_link
 from .collectives import frame_split
 from .gna import choose, gna_attention
 from .sparse import sparse_attention
 
-__all__ = ["gna_attention", "sparse_attention", "choose", "frame_split", "STRATEGIES"]
+__all__ = ["gna_attention", "sparse_attention", "choose", "frame_split", "calibrate_link", "STRATEGIES"]

@@ -46,6 +46,60 @@ STRATEGIES = ("ulysses", "halo")
 # bytes per second a rank sends or receives (NVLink between two GPUs of one host, order of magnitude).
 TILE_FLOP_SECONDS = 1.78e-15
 LINK_BYTES_PER_SECOND = 150e9
+
+
+@dataclass(frozen=True)
+class Rate:
+    """One kind of move between ranks: `seconds(bytes) = latency_seconds + bytes / bytes_per_second` for a rank
+    moving `bytes` (the larger of what it sends and receives), nothing for no bytes."""
+
+    bytes_per_second: float
+    latency_seconds: float = 0.0
+
+    def __post_init__(self):
+        if not self.bytes_per_second > 0 or not self.latency_seconds >= 0:
+            raise ValueError("a Rate needs bytes_per_second > 0 and latency_seconds >= 0, got "
+                             f"bytes_per_second={self.bytes_per_second!r}, latency_seconds={self.latency_seconds!r}.")
+
+    def seconds(self, moved: int) -> float:
+        return 0.0 if moved <= 0 else self.latency_seconds + moved / self.bytes_per_second
+
+
+@dataclass(frozen=True)
+class Link:
+    """The interconnect as the strategies use it: Ulysses moves its tokens with all-to-alls, the halo exchange
+    with point-to-point sends. `source` says where the rates come from: natsim's default (one rate for both,
+    `LINK_BYTES_PER_SECOND`, no latency) or the calibration that measured them on a machine
+    (natsim.distributed.calibrate_link, `natsim calibrate --link`)."""
+
+    all_to_all: Rate = Rate(LINK_BYTES_PER_SECOND)
+    point_to_point: Rate = Rate(LINK_BYTES_PER_SECOND)
+    source: str = "default"
+
+    @classmethod
+    def uniform(cls, bytes_per_second: float) -> "Link":
+        """Both moves at one rate, without latency (a rate given by hand)."""
+        return cls(Rate(bytes_per_second), Rate(bytes_per_second), f"{bytes_per_second / 1e9:g} GB/s given")
+
+    def rate(self, strategy: str) -> Rate:
+        return self.all_to_all if strategy == "ulysses" else self.point_to_point
+
+    def describe(self) -> str:
+        def one(rate: Rate) -> str:
+            return f"{rate.bytes_per_second / 1e9:.3g} GB/s + {rate.latency_seconds * 1e6:.3g} us"
+        return f"all-to-all {one(self.all_to_all)}, point-to-point {one(self.point_to_point)} ({self.source})"
+
+    def to_dict(self) -> dict:
+        return {"all_to_all": [self.all_to_all.bytes_per_second, self.all_to_all.latency_seconds],
+                "point_to_point": [self.point_to_point.bytes_per_second, self.point_to_point.latency_seconds],
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Link":
+        return cls(Rate(*data["all_to_all"]), Rate(*data["point_to_point"]), str(data.get("source", "")))
+
+
+DEFAULT_LINK = Link()
 # The backward's time per visited tile pair over the forward's, for the same default rates: its dK/dV and dQ
 # kernels run seven tile products per pair against the forward's two (docs/training.md).
 BACKWARD_TILE_WORK = 3.5
@@ -229,12 +283,12 @@ def _tile_flops(tiles: TileConfig, problem: Problem, head_dim: int) -> float:
 
 def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], strategy: str, *, batch: int,
                   heads: int, head_dim: int, element_bytes: int, tile_seconds: Optional[float] = None,
-                  bytes_per_second: float = LINK_BYTES_PER_SECOND, training: bool = False,
+                  link: Link = DEFAULT_LINK, training: bool = False,
                   backward_tile_seconds: Optional[float] = None) -> StrategyCost:
     """Per-rank tile work and bytes of `strategy` with frames split `split` over the ranks.
 
     Seconds per rank = visited tiles (all its heads, batch included) x `tile_seconds` + the larger of bytes
-    sent and received / `bytes_per_second`. `tile_seconds` defaults to one tile pair's FLOPs at
+    sent and received at `link`'s rate for the strategy's move. `tile_seconds` defaults to one tile pair's FLOPs at
     `TILE_FLOP_SECONDS`. Ulysses needs `heads` divisible by the world size. `training` adds the backward the
     same way: its bytes (module docstring) and visited tiles x `backward_tile_seconds` (default
     `BACKWARD_TILE_WORK` x `tile_seconds`); the gradients have the inputs' `element_bytes`.
@@ -250,9 +304,10 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
 
     def priced(r: int, heads_here: int, visited: int, full: int, frames: tuple[int, int], sent: int,
                received: int) -> RankCost:
-        seconds = visited * tile_seconds + max(sent, received) / bytes_per_second
+        moving = link.rate(strategy).seconds(max(sent, received))
+        seconds = visited * tile_seconds + moving
         if training:  # the backward's bytes are the forward's with the directions swapped
-            seconds += visited * backward_tile_seconds + max(sent, received) / bytes_per_second
+            seconds += visited * backward_tile_seconds + moving
         return RankCost(r, (t[r], t[r + 1]), heads_here, visited, full, frames, sent, received, seconds,
                         received if training else 0, sent if training else 0)
 

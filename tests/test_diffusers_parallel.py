@@ -7,7 +7,8 @@ the same model computes in one process with natsim (and not the dense model's ou
 for Wan (video self-attention), FLUX (joint attention, text first, split over the ranks) and QwenImage (joint
 attention with a text key mask), and with content-adaptive masks; a training step's parameter gradients, summed over the ranks, equal one
 process's; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at whichever
-call comes second; `remove` gives the model diffusers' own context-parallel attention back; examples/diffusers_parallel.py runs.
+call comes second; `remove` gives the model diffusers' own context-parallel attention back; examples/diffusers_parallel.py runs; the
+interconnect calibration (natsim.distributed.calibrate_link) gives every rank the same link.
 """
 
 from __future__ import annotations
@@ -259,6 +260,17 @@ def _example() -> None:
         assert example.run(arguments) < 1e-5
 
 
+def _link() -> None:
+    """natsim.distributed.calibrate_link over gloo: every rank gets the same link, with positive rates."""
+    from natsim.distributed import calibrate_link
+
+    link = calibrate_link(sizes_mb=(0.25, 1.0), repeats=2)
+    assert link.all_to_all.bytes_per_second > 0 and link.point_to_point.bytes_per_second > 0
+    gathered = [None] * WORLD
+    torch.distributed.all_gather_object(gathered, link)
+    assert all(other == link for other in gathered), gathered
+
+
 def _worker(rank: int, world: int, port: int) -> None:
     # diffusers 0.42.1 on a machine without a GPU: its mesh's device index is `rank % device_count()` (0 here), and
     # it warns through `Logger.warning_once`, which only transformers defines (users' pipelines import it).
@@ -277,6 +289,7 @@ def _worker(rank: int, world: int, port: int) -> None:
         _masks()
         _refusals_and_remove()
         _example()
+        _link()
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()

@@ -34,7 +34,7 @@ from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from natsim import Problem, TileConfig
-from natsim.partition import (check_split, even_split, key_frames, offsets, rank_tiles, strategy_cost)
+from natsim.partition import (Link, check_split, even_split, key_frames, offsets, rank_tiles, strategy_cost)
 from natsim.kernels import gna_attention, gna_tile_counts, reference_attention
 
 from bruteforce import attention_mask, coordinates, dim_mask, multi_d_layout, problems, static_counts
@@ -143,7 +143,7 @@ def test_training_bytes_and_seconds_by_hand():
     problem = Problem((30, 48, 80), (18, 24, 24), (16, 8, 8))
     tiles = TileConfig((4, 8, 8), (2, 8, 8))
     frame = 48 * 80 * 24 * 128 * 2
-    options = dict(batch=1, heads=24, head_dim=128, element_bytes=2, tile_seconds=1e-6, bytes_per_second=1e11)
+    options = dict(batch=1, heads=24, head_dim=128, element_bytes=2, tile_seconds=1e-6, link=Link.uniform(1e11))
     for strategy in ("halo", "ulysses"):
         forward = strategy_cost(problem, tiles, (16, 14), strategy, **options)
         training = strategy_cost(problem, tiles, (16, 14), strategy, training=True, **options)
@@ -832,7 +832,8 @@ def test_best_with_world_size_knows_its_strategy():
     assert all(chosen.seconds <= other.seconds for other in parallel.costs.values())
     # compute priced from the plan's own prediction: ulysses halves the heads, so half the single-GPU time
     ulysses = parallel.costs["ulysses"]
-    assert ulysses.ranks[0].seconds - ulysses.ranks[0].bytes_sent / parallel.bytes_per_second == pytest.approx(
+    moving = parallel.link.all_to_all.seconds(max(ulysses.ranks[0].bytes_sent, ulysses.ranks[0].bytes_received))
+    assert ulysses.ranks[0].seconds - moving == pytest.approx(
         single.score / 2, rel=1e-9)
     record = parallel.to_dict()
     assert record["strategy"] == parallel.strategy and len(record["strategies"][parallel.strategy]["ranks"]) == 2

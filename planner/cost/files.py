@@ -88,3 +88,26 @@ def cost_model_for(gpu: Optional[str], directory: Optional[Path] = None) -> Opti
         if path.is_file():
             return load_stored(path)
     return None
+
+
+def link_file_name(gpu: str, world_size: int) -> str:
+    """The interconnect file of `world_size` GPUs of a kind on one host (`natsim calibrate --link`)."""
+    return f"link-{gpu_slug(gpu)}-x{world_size}.json"
+
+
+def link_for(gpu: Optional[str], world_size: int, directory: Optional[Path] = None):
+    """The calibrated interconnect (natsim.partition.Link) of `world_size` GPUs named `gpu` from the user's folder
+    (or `directory`), or natsim.partition's default link where none was measured."""
+    import json
+
+    from natsim.partition import DEFAULT_LINK, Link
+
+    if gpu is None:
+        return DEFAULT_LINK
+    path = (directory or user_coefficients_dir()) / link_file_name(gpu, world_size)
+    if not path.is_file():
+        return DEFAULT_LINK
+    try:
+        return Link.from_dict(json.loads(path.read_text()))
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path} is not a readable interconnect calibration: {error}") from None

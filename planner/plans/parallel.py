@@ -18,7 +18,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from natsim.partition import StrategyCost
+from natsim.partition import Link, StrategyCost
 
 from .plan import Plan
 
@@ -28,7 +28,8 @@ class ParallelPlan:
     """A single-GPU `plan` run over `world_size` ranks with `strategy` and frames `split` along dimension 0.
 
     `costs` holds every runnable strategy's per-rank costs for the chosen split (what `rows()` and
-    `--world-size` show); `seconds` is the slowest rank's predicted time of the choice; `notes` say what was left
+    `--world-size` show); `seconds` is the slowest rank's predicted time of the choice; `link` the interconnect its
+bytes were priced at (calibrated, or natsim.partition's default); `notes` say what was left
     out and why (module docstring). Attributes not defined here are the single-GPU plan's (window, tiles,
     figures).
     """
@@ -38,7 +39,7 @@ class ParallelPlan:
     strategy: str
     split: tuple[int, ...]
     costs: Mapping[str, StrategyCost]
-    bytes_per_second: float
+    link: Link
     notes: tuple[str, ...] = ()
 
     def __getattr__(self, name: str):
@@ -92,7 +93,7 @@ class ParallelPlan:
         parts = [self.plan.explain(), Text(
             f"Over {self.world_size} ranks: {self.strategy}, frames split {'/'.join(map(str, self.split))}, "
             f"chosen by the slowest rank's predicted time (tile work priced at {rate}, plus bytes moved at "
-            f"{self.bytes_per_second / 1e9:g} GB/s).")]
+            f"{self.link.describe()}).")]
         parts += [Text(f"  - {note}") for note in self.notes]
         parts.append(self.rank_table())
         return Group(*parts)
@@ -100,5 +101,5 @@ class ParallelPlan:
     def to_dict(self) -> dict:
         return {**self.plan.to_dict(), "world_size": self.world_size, "strategy": self.strategy,
                 "split": list(self.split), "parallel_predicted_s": self.seconds,
-                "bytes_per_second": self.bytes_per_second, "notes": list(self.notes),
+                "link": self.link.to_dict(), "notes": list(self.notes),
                 "strategies": {name: cost.to_dict() for name, cost in self.costs.items()}}

@@ -49,6 +49,7 @@ from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, a
 from ..backends import NAMES, Backends, BackendsLike, backend_choice, fa4_gna_refusal
 from ..catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
 from ..cost.features import feature_matrix, sweep_features, tile_arrays
+from ..cost.files import link_for
 from ..cost.model import CostModel
 from ..cost.predict import backward_breakdown, backward_score, backward_scores
 from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
@@ -576,4 +577,4 @@ def best(
     static = None
     if plan.tiles.kv_tiling == "dynamic" and "static" in request.kv_tilings:
         static = _search(replace(request, kv_tilings=("static",), kv_tiling_fixed="halo"))  # what halo runs
-    return parallel_plan(plan, world_size, static_plan=static)
+    return parallel_plan(plan, world_size, static_plan=static, link=link_for(request.gpu, world_size))

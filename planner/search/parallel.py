@@ -4,7 +4,8 @@
 (strategy, split) pair that can run it by its slowest rank (natsim.partition.strategy_cost): the rank's tile
 work, priced per visited tile from the plan's own prediction when a cost model ranked it (its predicted seconds
 spread evenly over its visited tiles, every head), else at natsim.partition's default rate, plus the bytes it
-sends or receives at `bytes_per_second`. Splits tried: even, and aligned to stride groups along frames.
+sends or receives at the interconnect's rate for the strategy's move (`link`: calibrated on the machine by
+`natsim calibrate --link`, else natsim.partition's default). Splits tried: even, and aligned to stride groups along frames.
 
 Not every strategy runs every plan: ulysses shards heads, so the heads must divide by the world size, and the
 halo strategy runs its frame ranges with static KV tiling only (natsim.distributed). A plan that tiles KV
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from natsim.partition import LINK_BYTES_PER_SECOND, STRATEGIES, aligned_split, even_split, strategy_cost
+from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, aligned_split, even_split, strategy_cost
 
 from ..catalog import element_bytes
 from ..plans.parallel import ParallelPlan
@@ -56,7 +57,7 @@ def strategies_for(plan: Plan, world_size: int) -> tuple[list[str], list[str]]:
     return runnable, notes
 
 
-def _priced(plan: Plan, world_size: int, strategies: list[str], bytes_per_second: float, batch: int):
+def _priced(plan: Plan, world_size: int, strategies: list[str], link: Link, batch: int):
     """`(split, costs, strategy)`: every runnable strategy's per-rank costs for the split whose best strategy is
     fastest, and that strategy."""
     problem, heads = plan.problem, plan.heads or 1
@@ -67,7 +68,7 @@ def _priced(plan: Plan, world_size: int, strategies: list[str], bytes_per_second
     for split in dict.fromkeys((even_split(problem.shape[0], world_size), aligned_split(problem, world_size))):
         costs = {s: strategy_cost(problem, plan.tiles, split, s, batch=batch, heads=heads, head_dim=plan.head_dim,
                                   element_bytes=element_bytes(plan.torch_dtype), tile_seconds=tile_seconds,
-                                  bytes_per_second=bytes_per_second)
+                                  link=link)
                  for s in strategies}
         options.append((split, costs))
     return min(((split, costs, name) for split, costs in options for name in costs),
@@ -75,7 +76,7 @@ def _priced(plan: Plan, world_size: int, strategies: list[str], bytes_per_second
 
 
 def parallel_plan(plan: Plan, world_size: int, *, static_plan: Optional[Plan] = None,
-                  bytes_per_second: float = LINK_BYTES_PER_SECOND, batch: int = 1) -> ParallelPlan:
+                  link: Link = DEFAULT_LINK, batch: int = 1) -> ParallelPlan:
     """The fastest (strategy, split) for `plan` on `world_size` ranks, or for `static_plan` (the best
     configuration with static KV tiling, for a `plan` that tiles KV dynamically) when that is faster
     (module docstring)."""
@@ -85,13 +86,13 @@ def parallel_plan(plan: Plan, world_size: int, *, static_plan: Optional[Plan] = 
         runnable, notes = strategies_for(candidate, world_size)
         refusals += notes
         if runnable:
-            priced.append((candidate, *_priced(candidate, world_size, runnable, bytes_per_second, batch)))
+            priced.append((candidate, *_priced(candidate, world_size, runnable, link, batch)))
     if not priced:
         raise ValueError(f"no context-parallel strategy can run this plan over {world_size} ranks: "
                          + " ".join(refusals))
     chosen, split, costs, strategy = min(priced, key=lambda option: option[2][option[3]].seconds)
     notes = refusals if static_plan is None else [*refusals, _comparison(plan, static_plan, chosen, priced, world_size)]
-    return ParallelPlan(chosen, world_size, strategy, split, costs, bytes_per_second, tuple(notes))
+    return ParallelPlan(chosen, world_size, strategy, split, costs, link, tuple(notes))
 
 
 def _comparison(plan: Plan, static_plan: Plan, chosen: Plan, priced: list, world_size: int) -> str:

@@ -1,0 +1,76 @@
+"""The interconnect model (natsim.partition.Link): its fit from measured moves, how strategies are priced with
+it, and how a measured link reaches the planner (`best(..., world_size=P)` reads the file `natsim
+calibrate-link` writes). calibrate_link itself runs in the gloo world of tests/test_diffusers_parallel.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from natsim import Problem, TileConfig
+from natsim.distributed.calibrate import fit_rate
+from natsim.partition import DEFAULT_LINK, Link, Rate, strategy_cost
+
+
+@settings(max_examples=30, deadline=None)
+@given(rate=st.floats(1e8, 1e12), latency=st.floats(0, 1e-3), sizes=st.lists(st.integers(1, 2**30), min_size=2,
+                                                                              max_size=5, unique=True))
+def test_the_fit_recovers_a_line_it_was_given(rate, latency, sizes):
+    fitted = fit_rate([(b, latency + b / rate) for b in sizes])
+    assert fitted.bytes_per_second == pytest.approx(rate, rel=1e-6)
+    assert fitted.latency_seconds == pytest.approx(latency, rel=1e-6, abs=1e-12)
+
+
+def test_the_fit_keeps_latency_non_negative_and_refuses_flat_times():
+    fitted = fit_rate([(100, 0.5e-6), (200, 2.5e-6)])  # a line with a negative intercept: through the origin
+    assert fitted.latency_seconds == 0 and fitted.bytes_per_second == pytest.approx((100**2 + 200**2) / 550e-6)
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_rate([(100, 2e-6), (200, 1e-6)])
+    assert fit_rate([(1000, 1e-6)]).bytes_per_second == pytest.approx(1e9)  # one size: a rate through the origin
+
+
+def test_strategies_are_priced_at_their_moves_rate():
+    problem, tiles = Problem((30, 48, 80), (18, 24, 24), (16, 8, 8)), TileConfig((4, 8, 8), (2, 8, 8))
+    link = Link(Rate(1e11, 1e-4), Rate(2e11, 3e-5), "by hand")
+    options = dict(batch=1, heads=24, head_dim=128, element_bytes=2, tile_seconds=1e-6)
+    for strategy, rate in (("ulysses", link.all_to_all), ("halo", link.point_to_point)):
+        priced = strategy_cost(problem, tiles, (16, 14), strategy, link=link, **options)
+        for r in priced.ranks:
+            moved = max(r.bytes_sent, r.bytes_received)
+            wire = rate.latency_seconds + moved / rate.bytes_per_second if moved else 0.0
+            assert r.seconds == pytest.approx(r.visited_tiles * 1e-6 + wire, rel=1e-12)
+    assert Link.from_dict(json.loads(json.dumps(link.to_dict()))) == link
+    assert Rate(1e9, 1.0).seconds(0) == 0  # nothing to move, no latency
+    with pytest.raises(ValueError, match="bytes_per_second > 0"):
+        Rate(0.0)
+
+
+def test_best_prices_bytes_with_the_link_measured_here(monkeypatch, tmp_path):
+    from natsim.planner import best
+    from natsim.planner.cost.files import link_file_name
+
+    monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path))
+    arguments = dict(heads=24, window=(18, 24, 24), device="h100", world_size=2)
+    default = best((30, 48, 80), 0.9, **arguments)
+    assert default.link == DEFAULT_LINK and "(default)" in default.link.describe()
+    slow = Link(Rate(1e9, 1e-3), Rate(2e9, 1e-3), "2 x NVIDIA H100 80GB HBM3, natsim calibrate-link")
+    (tmp_path / "coefficients").mkdir()
+    (tmp_path / "coefficients" / link_file_name("NVIDIA H100 80GB HBM3", 2)).write_text(json.dumps(slow.to_dict()))
+    measured = best((30, 48, 80), 0.9, **arguments)
+    assert measured.link == slow and measured.to_dict()["link"] == slow.to_dict()
+    assert measured.seconds > default.seconds  # a link 150x slower costs more
+    chosen = measured.costs[measured.strategy]
+    assert all(chosen.seconds <= other.seconds for other in measured.costs.values())
+
+
+def test_the_command_outside_torchrun_says_how_to_launch_it(monkeypatch):
+    from typer.testing import CliRunner
+
+    from natsim.cli.main import app
+
+    monkeypatch.delenv("RANK", raising=False)
+    result = CliRunner().invoke(app, ["calibrate-link"])
+    assert result.exit_code != 0 and "launch it under torchrun" in result.output
