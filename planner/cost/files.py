@@ -91,21 +91,23 @@ def cost_model_for(gpu: Optional[str], directory: Optional[Path] = None) -> Opti
 
 
 def link_file_name(gpu: str, world_size: int) -> str:
-    """The interconnect file of `world_size` GPUs of a kind on one host (`natsim calibrate --link`)."""
+    """The interconnect file of `world_size` GPUs of a kind on one host (`natsim calibrate-link`)."""
     return f"link-{gpu_slug(gpu)}-x{world_size}.json"
 
 
 def link_for(gpu: Optional[str], world_size: int, directory: Optional[Path] = None):
-    """The calibrated interconnect (natsim.partition.Link) of `world_size` GPUs named `gpu` from the user's folder
-    (or `directory`), or natsim.partition's default link where none was measured."""
+    """The calibrated interconnect (natsim.partition.Link) of `world_size` GPUs named `gpu`: from `directory`, else
+    the user's folder, else those shipped with natsim; natsim.partition's default link where none was measured."""
     import json
 
     from natsim.partition import DEFAULT_LINK, Link
 
     if gpu is None:
         return DEFAULT_LINK
-    path = (directory or user_coefficients_dir()) / link_file_name(gpu, world_size)
-    if not path.is_file():
+    folders = (directory,) if directory is not None else coefficient_dirs()
+    path = next((folder / link_file_name(gpu, world_size) for folder in folders
+                 if (folder / link_file_name(gpu, world_size)).is_file()), None)
+    if path is None:
         return DEFAULT_LINK
     try:
         return Link.from_dict(json.loads(path.read_text()))
