@@ -115,9 +115,7 @@ def _free_port() -> int:
 
 
 def test_gloo_world_of_two():
-    """The world's processes fork from this one (torch, diffusers and natsim already loaded; they use no GPU)."""
-    context = torch.multiprocessing.start_processes(_worker, args=(WORLD, _free_port()), nprocs=WORLD, join=False,
-                                                    start_method="fork")
+    context = torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port()), nprocs=WORLD, join=False)
     deadline = time.monotonic() + WORLD_DEADLINE_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):

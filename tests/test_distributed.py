@@ -452,12 +452,9 @@ def _bytes_sent(rank: int):
         collectives.exchange, collectives.send_receive = exchange, send_receive
 
 
-def _run_world(processes: int, worker, *args, start_method: str = "fork") -> None:
-    """Start `worker(rank, processes, *args)` in `processes` processes; fail past the deadline. CPU worlds fork
-    (each process starts with torch, natsim and the interpreter's set-up already loaded: a spawned process spent
-    seconds importing them); worlds that use CUDA must spawn."""
-    context = mp.start_processes(worker, args=(processes, *args), nprocs=processes, join=False,
-                                 start_method=start_method)
+def _run_world(processes: int, worker, *args) -> None:
+    """Spawn `worker(rank, processes, *args)` in `processes` processes; fail past the deadline."""
+    context = mp.spawn(worker, args=(processes, *args), nprocs=processes, join=False)
     deadline = time.monotonic() + WORLD_DEADLINE_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
@@ -817,7 +814,7 @@ def test_nccl_world_gradients():
     """natsim.distributed's gradients on two GPUs of one host (NCCL), eager and compiled (Inductor)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    _run_world(2, _nccl_worker, _free_port(), start_method="spawn")
+    _run_world(2, _nccl_worker, _free_port())
 
 
 # -- planner and CLI ---------------------------------------------------------------------------------------
