@@ -520,12 +520,28 @@ def test_shipped_coefficient_files_load():
     """Every coefficients file natsim ships names exactly the current features (a format drift fails here)."""
     from natsim.planner.cost import COEFFICIENTS_DIR
 
-    files = sorted(COEFFICIENTS_DIR.glob("*.json"))
+    files = sorted(path for path in COEFFICIENTS_DIR.glob("*.json") if not path.name.startswith("link-"))
     assert files, "natsim ships at least the H100 coefficients"
     for path in files:
         model = CostModel.load(path)
         assert path.name == gpu_file_name(model.gpu)
         assert all(value >= 0 for value in model.coefficients.values())
+
+
+def test_shipped_links_load_under_their_file_names():
+    """The interconnect measurements natsim ships (link-<gpu>-x<P>.json) are Links of the GPUs they are named for,
+    and the planner finds them by GPU and world size."""
+    import json
+
+    from natsim.partition import Link
+    from natsim.planner.cost import COEFFICIENTS_DIR
+    from natsim.planner.cost.files import link_file_name, link_for
+
+    for world in (2, 4):
+        path = COEFFICIENTS_DIR / link_file_name("NVIDIA H200", world)
+        link = Link.from_dict(json.loads(path.read_text()))
+        assert f"{world} x NVIDIA H200" in link.source and link.all_to_all.bytes_per_second > 1e11
+        assert link_for("NVIDIA H200", world, COEFFICIENTS_DIR) == link
 
 
 # -- KV tiling modes ------------------------------------------------------------------------------------------
