@@ -1,7 +1,8 @@
 """natsim inside diffusers' context parallelism (integrations/diffusers/parallel.py).
 
 In the main process: how the ranks' shares of a joint sequence are put into one process's order and back
-(against a brute-force gather), and the refusals. In one spawned gloo world of 2 processes, on tiny random models:
+(against a brute-force gather), and the refusals. In a gloo world of 2 processes (`run_world`, run by
+tests/test_distributed.py::test_gloo_worlds in the processes it spawns), on tiny random models:
 with `apply` before or after `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` the model computes what
 the same model computes in one process with natsim (and not the dense model's output: natsim is not bypassed),
 for Wan (video self-attention), FLUX (joint attention, text first, split over the ranks) and QwenImage (joint
@@ -19,7 +20,6 @@ import importlib.util
 import io
 import logging
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -106,25 +106,6 @@ def test_uneven_image_shares_are_refused():
 
 
 # -- a gloo world ------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_gloo_world_of_two():
-    context = torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port()), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + WORLD_DEADLINE_S
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"a gloo world of {WORLD} processes did not finish within {WORLD_DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
 
 
 def _cp_config(**options):
@@ -271,7 +252,10 @@ def _link() -> None:
     assert all(other == link for other in gathered), gathered
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def run_world(rank: int, world: int, port: int) -> None:
+    """One rank of the gloo world of this file's docstring. tests/test_distributed.py runs it in the processes it
+    spawns for natsim.distributed's own worlds (each spawned process spends seconds importing torch and diffusers:
+    one spawn for both saves that)."""
     # diffusers 0.42.1 on a machine without a GPU: its mesh's device index is `rank % device_count()` (0 here), and
     # it warns through `Logger.warning_once`, which only transformers defines (users' pipelines import it).
     torch.accelerator.device_count = lambda: 1

@@ -633,6 +633,10 @@ def _worker(rank: int, processes: int, ports: tuple[int, int, int], cases: dict)
             _check_world(rank, world, port, *cases[world])
     if rank < 2:
         _run_distributed_example(rank, ports[2])
+        if importlib.util.find_spec("diffusers") is not None:
+            from test_diffusers_parallel import run_world as diffusers_world
+
+            diffusers_world(rank, 2, ports[3])
 
 
 def _check_world(rank: int, world: int, port: int, gna_cases, mask_cases) -> None:
@@ -709,9 +713,10 @@ def _run_distributed_example(rank: int, port: int) -> None:
 @given(data=st.data())
 def test_gloo_worlds(data):
     """natsim.distributed in spawned gloo worlds of 3 and of 2 processes: outputs, then gradients of the fixed
-    cases and a few drawn ones; then examples/distributed.py under torchrun's environment. One spawn for all: the
-    two worlds and torchrun apart (eight processes, each importing torch) took 85 s of CPU time here, this 56 s.
-    GPUs are hidden from it, as on the README's CPU run."""
+    cases and a few drawn ones; then examples/distributed.py under torchrun's environment; then, in a world of 2,
+    natsim inside diffusers' context parallelism (tests/test_diffusers_parallel.py's `run_world`). One spawn for
+    all: the two worlds and torchrun apart (eight processes, each importing torch) took 85 s of CPU time here,
+    this 56 s. GPUs are hidden from it, as on the README's CPU run."""
     cases = {}
     for world in (3, 2):
         gna = [case for case in GRADIENT_CASES if world in case[1]]
@@ -719,7 +724,7 @@ def test_gloo_worlds(data):
         masks = data.draw(st.lists(sharded_masks(world), min_size=2, max_size=2), label=f"mask cases, {world}")
         cases[world] = gna, masks
     with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1"):
-        _run_world(3, _worker, (_free_port(), _free_port(), _free_port()), cases)
+        _run_world(3, _worker, tuple(_free_port() for _ in range(4)), cases)
 
 
 # -- gradients on GPUs (NCCL) --------------------------------------------------------------------------------
