@@ -242,10 +242,11 @@ def _example() -> None:
 
 
 def _link() -> None:
-    """natsim.distributed.calibrate_link over gloo: every rank gets the same link, with positive rates."""
+    """natsim.distributed.calibrate_link over gloo: every rank gets the same link, with positive rates (sizes 16x
+    apart, so that a loaded machine's noise does not hide the growth of the times with the bytes)."""
     from natsim.distributed import calibrate_link
 
-    link = calibrate_link(sizes_mb=(0.25, 1.0), repeats=2)
+    link = calibrate_link(sizes_mb=(1.0, 16.0), repeats=3)
     assert link.all_to_all.bytes_per_second > 0 and link.point_to_point.bytes_per_second > 0
     gathered = [None] * WORLD
     torch.distributed.all_gather_object(gathered, link)
