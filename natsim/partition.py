@@ -348,3 +348,32 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
 def choose_strategy(costs: Sequence[StrategyCost]) -> StrategyCost:
     """The strategy whose slowest rank is fastest (first listed on ties)."""
     return min(costs, key=lambda c: c.seconds)
+
+
+# -- a model's step under Ulysses ----------------------------------------------------------------------------
+
+
+def ulysses_layer_bytes(tokens: int, channels: int, element_bytes: int, world_size: int) -> tuple[int, int]:
+    """Bytes the busiest rank moves in one attention layer of a model under Ulysses (diffusers' context
+    parallelism with natsim, or natsim.distributed): `(q, k and v to head-sharded sequences, the output back)`.
+    Each of the four tensors is a rank's share of `tokens` (the largest, `ceil(tokens / P)`) of `channels`
+    values (heads x head_dim), of which it keeps `1 / P` and sends (and receives) the rest."""
+    if world_size < 2:
+        return 0, 0
+    share = -(-tokens // world_size) * channels * element_bytes
+    moved = share * (world_size - 1) // world_size
+    return 3 * moved, moved
+
+
+def ulysses_step_seconds(one_gpu_seconds: float, layers: int, tokens: int, channels: int, element_bytes: int,
+                         world_size: int, link: Link = DEFAULT_LINK) -> float:
+    """A model step over `world_size` GPUs under Ulysses, from the same step on one GPU: every rank computes `1 / P`
+    of it (its tokens outside attention, its heads inside), and each of the `layers` attention layers adds its two
+    all-to-alls at `link`'s rate (`ulysses_layer_bytes`), not overlapped with compute (what natsim's operators do
+    under compilation). Checked against measured steps in docs/performance.md."""
+    if world_size < 1 or layers < 0 or one_gpu_seconds < 0:
+        raise ValueError(f"world_size must be >= 1, layers and one_gpu_seconds >= 0, got world_size={world_size}, "
+                         f"layers={layers}, one_gpu_seconds={one_gpu_seconds}.")
+    exchange = sum(link.all_to_all.seconds(moved)
+                   for moved in ulysses_layer_bytes(tokens, channels, element_bytes, world_size))
+    return one_gpu_seconds / world_size + layers * exchange

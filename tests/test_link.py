@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from natsim import Problem, TileConfig
 from natsim.distributed.calibrate import fit_rate
-from natsim.partition import DEFAULT_LINK, Link, Rate, strategy_cost
+from natsim.partition import DEFAULT_LINK, Link, Rate, strategy_cost, ulysses_layer_bytes, ulysses_step_seconds
 
 
 @settings(max_examples=30, deadline=None)
@@ -74,3 +74,19 @@ def test_the_command_outside_torchrun_says_how_to_launch_it(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     result = CliRunner().invoke(app, ["calibrate-link"])
     assert result.exit_code != 0 and "launch it under torchrun" in result.output
+
+
+def test_a_models_step_under_ulysses_by_hand():
+    """Wan 1.3B at 720p on 4 GPUs: each rank holds 18,900 of 75,600 tokens x 1,536 bf16 values per tensor and sends
+    three quarters of q, k and v in one all-to-all and of the output in another; the step is a quarter of one
+    GPU's plus 30 layers of those two moves."""
+    share = 18900 * 1536 * 2
+    assert ulysses_layer_bytes(75600, 1536, 2, 4) == (3 * share * 3 // 4, share * 3 // 4)
+    assert ulysses_layer_bytes(75601, 1536, 2, 4)[1] == 18901 * 1536 * 2 * 3 // 4  # the largest share
+    assert ulysses_layer_bytes(75600, 1536, 2, 1) == (0, 0)
+    link = Link(Rate(2.5e11, 2e-4), Rate(4e11), "by hand")
+    layer = 2 * 2e-4 + (3 * share * 3 // 4 + share * 3 // 4) / 2.5e11
+    assert ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 4, link) == pytest.approx(0.15 + 30 * layer, rel=1e-12)
+    assert ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 1, link) == 0.6
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 0, link)

@@ -1,0 +1,65 @@
+"""natsim.partition's model of a step under Ulysses against the steps benchmarks/diffusers_parallel.py measured:
+
+    python benchmarks/predict_parallel.py --out DIR [--results benchmarks/results] [--gpu NVIDIA_H200] [--date D]
+
+From the one-GPU launch's compiled step (each attention: natsim's and the model's own) and the interconnect
+measured on the same machine (planner/cost/coefficients/link-<gpu>-x<P>.json, natsim.distributed.calibrate_link),
+`ulysses_step_seconds` predicts the step on P GPUs: one GPU's step over P plus two all-to-alls per attention layer.
+Prints predicted against measured at every P with a measurement and a link, and predicted beyond (8 GPUs with the
+largest measured link, said so); writes `predict-parallel-<gpu>-<date>.json`. Runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from natsim.partition import ulysses_step_seconds
+from natsim.planner.cost.files import COEFFICIENTS_DIR, link_for
+
+WAN_1_3B = dict(layers=30, channels=12 * 128, element_bytes=2)  # benchmarks/diffusers_parallel.py's model, bf16
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--gpu", default="NVIDIA_H200", help="the device part of the results' file names")
+    parser.add_argument("--date", default="2026-11-27")
+    parser.add_argument("--beyond", type=int, nargs="*", default=[8], help="GPU counts to predict without a measurement")
+    args = parser.parse_args(argv)
+    measured = {}
+    for path in sorted(args.results.glob(f"diffusers-parallel-{args.gpu}-P*-{args.date}.json")):
+        record = json.loads(path.read_text())
+        measured[record["ranks"]] = {r["mode"]: r["compiled_step_ms"] / 1e3 for r in record["records"]}
+        latent = record["latent"]
+    if 1 not in measured:
+        raise SystemExit(f"no one-GPU launch among {args.results}/diffusers-parallel-{args.gpu}-P*-{args.date}.json")
+    tokens = latent[0] * (latent[1] // 2) * (latent[2] // 2)  # Wan's 1x2x2 patches
+    gpu = args.gpu.replace("_", " ")
+    linked = {p: link_for(gpu, p, COEFFICIENTS_DIR) for p in (*sorted(measured), *args.beyond)}
+    largest = max((p for p in linked if linked[p].source != "default"), default=None)
+    rows = []
+    for ranks in (*sorted(measured), *args.beyond):
+        link = linked[ranks] if ranks == 1 or linked[ranks].source != "default" else linked[largest]
+        for mode, one_gpu in measured[1].items():
+            predicted = ulysses_step_seconds(one_gpu, tokens=tokens, world_size=ranks, link=link, **WAN_1_3B)
+            seen = measured.get(ranks, {}).get(mode)
+            rows.append(dict(ranks=ranks, mode=mode, predicted_ms=predicted * 1e3,
+                             link=link.source if ranks > 1 else "none (one GPU)",
+                             measured_ms=None if seen is None else seen * 1e3,
+                             error=None if seen is None else predicted / seen - 1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"predict-parallel-{args.gpu}-{args.date}.json"
+    path.write_text(json.dumps(dict(gpu=gpu, latent=latent, tokens=tokens, model=WAN_1_3B, rows=rows), indent=1))
+    print("| GPUs | attention | predicted ms | measured ms | error | link |\n|---|---|---|---|---|---|")
+    for r in rows:
+        seen = "-" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}"
+        error = "-" if r["error"] is None else f"{r['error']:+.1%}"
+        print(f"| {r['ranks']} | {r['mode']} | {r['predicted_ms']:.1f} | {seen} | {error} | {r['link']} |")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
