@@ -6,7 +6,7 @@ tests/test_distributed.py::test_gloo_worlds in the processes it spawns), on tiny
 with `apply` before or after `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` the model computes what
 the same model computes in one process with natsim (and not the dense model's output: natsim is not bypassed),
 for Wan (video self-attention), FLUX (joint attention, text first, split over the ranks) and QwenImage (joint
-attention with a text key mask), and with content-adaptive masks; a training step's parameter gradients, summed over the ranks, equal one
+attention with a text key mask), in FP8, and with content-adaptive masks; a training step's parameter gradients, summed over the ranks, equal one
 process's; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at whichever
 call comes second; `remove` gives the model diffusers' own context-parallel attention back; examples/diffusers_parallel.py runs; the
 interconnect calibration (natsim.distributed.calibrate_link) gives every rank the same link.
@@ -123,26 +123,26 @@ def _differs(got: torch.Tensor, dense: torch.Tensor, what: str) -> None:
     assert float((got - dense).abs().max() / dense.abs().max()) > 1e-3, f"{what}: natsim's window changed nothing"
 
 
-def _outputs(name: str, layout, window, batch: int, enable_first: bool) -> None:
-    """One model with natsim, in one process and under Ulysses (apply and enable in the order asked), against
-    natsim in one process and the dense model."""
+def _outputs(name: str, layout, window, batch: int, enable_first: bool, **options) -> None:
+    """One model with natsim (`apply`'s `options`), in one process and under Ulysses (apply and enable in the order
+    asked), against natsim in one process and the dense model."""
     from natsim.integrations import diffusers as nd
 
     inputs = diffusers_models.inputs(name, layout, batch=batch)
     model = diffusers_models.build(name)
     with torch.no_grad():
         dense = model(**inputs)[0]
-        nd.apply(model, window=window)
+        nd.apply(model, window=window, **options)
         single = model(**inputs)[0]
         nd.remove(model)
         if enable_first:
             model.enable_parallelism(config=_cp_config())
-            nd.apply(model, window=window)
+            nd.apply(model, window=window, **options)
         else:
-            nd.apply(model, window=window)
+            nd.apply(model, window=window, **options)
             model.enable_parallelism(config=_cp_config())
         out = model(**inputs)[0]
-    what = f"{name}, {'enable then apply' if enable_first else 'apply then enable'}"
+    what = f"{name} {options}, {'enable then apply' if enable_first else 'apply then enable'}"
     _close(out, single, what)
     _differs(out, dense, what)
 
@@ -270,6 +270,7 @@ def run_world(rank: int, world: int, port: int) -> None:
             _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first)
         for name, (layout, window) in JOINT.items():
             _outputs(name, layout, window, 2, enable_first=False)
+        _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first=False, precision="fp8")
         _training_and_compile(rank)
         _masks()
         _refusals_and_remove()
