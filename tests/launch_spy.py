@@ -9,9 +9,10 @@ seen: `spy_on_kernels` empties the GNA call caches.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import pytest
+import torch
 
 from natsim.kernels.gna import api as gna_api
 from natsim.kernels.gna import backward as gna_backward
@@ -19,6 +20,7 @@ from natsim.kernels.gna import dispatch as gna_dispatch
 from natsim.kernels.gna import launch as gna_launch
 from natsim.kernels.sparse import backward as sparse_backward
 from natsim.kernels.sparse import forward as sparse_forward
+from natsim.kernels import set_tensor_descriptors, tensor_descriptors_enabled
 
 
 class LaunchSpy:
@@ -71,3 +73,22 @@ def spy_on_kernels(monkeypatch: pytest.MonkeyPatch) -> Spies:
     monkeypatch.setattr(gna_dispatch, "_calls", {})
     gna_api._permuted_call.cache_clear()
     return spies
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """The kernels' launch spies, fresh call caches."""
+    return spy_on_kernels(monkeypatch)
+
+
+@pytest.fixture
+def no_descriptors() -> Iterator[None]:
+    """Tensor descriptors off for the test, as they are on a GPU without them; the setting back after."""
+    before = tensor_descriptors_enabled()
+    set_tensor_descriptors(False)
+    yield
+    set_tensor_descriptors(before)

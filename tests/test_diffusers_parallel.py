@@ -20,7 +20,6 @@ import importlib.util
 import io
 import logging
 import os
-import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace

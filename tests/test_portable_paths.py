@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from launch_spy import spy_on_kernels  # noqa: E402
+from launch_spy import no_descriptors, relative_error as rel, spies  # noqa: E402,F401
 
 from natsim import Problem  # noqa: E402
 from natsim.kernels import (gna_attention, gna_attention_permuted, permute, prepare_sparse,  # noqa: E402
@@ -35,25 +35,6 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
 GRADIENT_TOLERANCE = 2e-2
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-@pytest.fixture
-def spies(monkeypatch):
-    """The kernels' launch spies (tests/launch_spy.py), fresh call caches."""
-    return spy_on_kernels(monkeypatch)
-
-
-@pytest.fixture
-def no_descriptors():
-    """Tensor descriptors off for the test, as they are on a GPU without them; the setting back after."""
-    before = tensor_descriptors_enabled()
-    set_tensor_descriptors(False)
-    yield
-    set_tensor_descriptors(before)
 
 
 @pytest.fixture

@@ -23,12 +23,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from launch_spy import spy_on_kernels  # noqa: E402
+from launch_spy import no_descriptors, relative_error as rel, spies  # noqa: E402,F401
 
 from natsim import Problem  # noqa: E402
 from natsim.kernels import (gna_attention, prepare_sparse, reference_attention, set_tensor_descriptors,  # noqa: E402
                             sparse_attention, sparse_reference, tensor_descriptors_enabled)
-from natsim.kernels.common.launch import has_tensor_descriptors  # noqa: E402
 from natsim.kernels.gna.backward import backward_tiles  # noqa: E402
 from natsim.kernels.gna.launch import dense_as_1d, needs_mask  # noqa: E402
 from natsim.kernels.gna.reference import fp8_reference_attention, reference_gradients  # noqa: E402
@@ -52,26 +51,6 @@ LAYOUTS = {
     "3d-dynamic-dilated": ((10, 18, 20), (4, 5, 6), 1, (2, 1, 2), (False, True, False), "dynamic"),
 }
 BACKWARD_LAYOUTS = ("1d-causal-padded", "2d-dilated-padded", "3d-causal-padded", "3d-block-sparse", "3d-dense")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-@pytest.fixture
-def spies(monkeypatch):
-    """The kernels' launch spies (tests/launch_spy.py), fresh call caches."""
-    return spy_on_kernels(monkeypatch)
-
-
-@pytest.fixture
-def no_descriptors():
-    """Tensor descriptors off for the test, as on a GPU without them; the setting back after."""
-    before = tensor_descriptors_enabled()
-    set_tensor_descriptors(False)
-    assert not has_tensor_descriptors(torch.device("cuda"))
-    yield
-    set_tensor_descriptors(before)
 
 
 def _pointer_launches_only(launches) -> None:
