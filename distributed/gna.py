@@ -14,7 +14,7 @@ import torch
 from natsim import Problem, TileConfig
 from natsim.kernels import gna_attention as single_gpu_gna_attention
 from natsim.kernels.backends.triton import TILE_TOKENS, check_qkv, default_tiles, use_triton
-from natsim.partition import STRATEGIES, choose_strategy, strategy_cost
+from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, Rate, choose_strategy, strategy_cost
 from natsim.problem import BoolOrBools, IntOrInts
 
 from .collectives import check_heads, resolve_split, world
@@ -37,22 +37,26 @@ def _tiles(problem: Problem, head_dim: int, q_tile, kv_tile) -> TileConfig:
 
 @functools.lru_cache(maxsize=256)
 def choose(problem: Problem, tiles: TileConfig, split: tuple[int, ...], batch: int, heads: int, head_dim: int,
-           element_bytes: int, training: bool = False, strategies: tuple[str, ...] = STRATEGIES) -> str:
-    """The one of `strategies` natsim.partition predicts faster: the forward and, when `training`, the backward
-    too (its tile work and the gradients' bytes). Ulysses is left out unless heads divide over the ranks."""
+           element_bytes: int, training: bool = False, strategies: tuple[str, ...] = STRATEGIES,
+           link: Link = DEFAULT_LINK) -> str:
+    """The one of `strategies` natsim.partition predicts faster, its bytes at `link`'s rates: the forward and,
+    when `training`, the backward too (its tile work and the gradients' bytes). Ulysses is left out unless heads
+    divide over the ranks."""
     costs = [strategy_cost(problem, tiles, split, s, batch=batch, heads=heads, head_dim=head_dim,
-                           element_bytes=element_bytes, training=training)
+                           element_bytes=element_bytes, training=training, link=link)
              for s in strategies if s != "ulysses" or heads % len(split) == 0]
     return choose_strategy(costs).strategy
 
 
 @torch.compiler.assume_constant_result
 def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[int, ...], sizes: tuple[int, ...],
-          training: bool, strategies: tuple[str, ...]) -> str:
-    """`"auto"`'s pick from plain values: host arithmetic (numpy) that torch.compile runs once while tracing, its
-    result a constant of the graph, instead of tracing it."""
+          training: bool, strategies: tuple[str, ...], rates: tuple[float, float, float, float]) -> str:
+    """`"auto"`'s pick from plain values (`rates`: the link's all-to-all and point-to-point bytes per second and
+    latencies): host arithmetic (numpy) that torch.compile runs once while tracing, its result a constant of the
+    graph, instead of tracing it."""
     problem = Problem(shape, *parameters)
-    return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies)
+    link = Link(Rate(rates[0], rates[1]), Rate(rates[2], rates[3]))
+    return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link)
 
 
 def _runnable(heads: int, world_size: int, halo_trains: bool) -> tuple[str, ...]:
@@ -82,6 +86,7 @@ def gna_attention(
     q_tile: Optional[IntOrInts] = None,
     kv_tile: Optional[IntOrInts] = None,
     kv_tiling: Optional[str] = None,
+    link: Link = DEFAULT_LINK,
 ) -> torch.Tensor:
     """GNA on a layout sharded along dimension 0 over `group` (default: the world): this rank's output frames.
 
@@ -89,7 +94,9 @@ def gna_attention(
     whole layout's (`natsim.kernels.gna_attention`). `split` (frames per rank) skips the all-gather of slab
     sizes (give it under torch.compile). `strategy`: `"ulysses"`, `"halo"` or `"auto"` (module docstring of
     strategies.py). `kv_tiling` as in `natsim.kernels.gna_attention` for Ulysses; the halo path's frame ranges
-    run static KV tiling only (None there means static). Every rank must make the same call, with the same
+    run static KV tiling only (None there means static). `link`: the interconnect `"auto"` prices bytes with
+    (natsim.partition.Link: the one `natsim calibrate-link` measured, `natsim.planner.cost.files.link_for(gpu,
+    world_size)`, or natsim.partition's default rate). Every rank must make the same call, with the same
     `requires_grad`.
 
     Differentiable with respect to q, k and v: the single-GPU backward between the forward's collectives
@@ -107,7 +114,9 @@ def gna_attention(
     if strategy == "auto":
         strategy = _auto(problem.shape, (problem.window, problem.stride, problem.dilation, problem.causal),
                          (q_tile, kv_tile), split, (batch, heads, head_dim, q.element_size()), training,
-                         _runnable(heads, size, halo_trains))
+                         _runnable(heads, size, halo_trains),
+                         (link.all_to_all.bytes_per_second, link.all_to_all.latency_seconds,
+                          link.point_to_point.bytes_per_second, link.point_to_point.latency_seconds))
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
     kernel = functools.partial(single_gpu_gna_attention, window=problem.window, stride=problem.stride,

@@ -90,3 +90,15 @@ def test_a_models_step_under_ulysses_by_hand():
     assert ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 1, link) == 0.6
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 0, link)
+
+
+def test_auto_in_natsim_distributed_prices_bytes_with_the_link_given():
+    """A 7-frame window over 30 frames split 20 / 10: the halo exchange moves a few frames where Ulysses moves
+    every token, but leaves its first rank two thirds of the work. Over a slow link the bytes decide (halo),
+    over a fast one the work does (Ulysses)."""
+    from natsim.distributed import choose
+
+    problem, tiles = Problem((30, 48, 80), (7, 24, 24), (1, 8, 8)), TileConfig((4, 8, 8), (2, 8, 8))
+    arguments = (problem, tiles, (20, 10), 1, 24, 128, 2, False)
+    assert choose(*arguments, link=Link.uniform(1e9)) == "halo"
+    assert choose(*arguments, link=Link.uniform(1e15)) == "ulysses"
