@@ -3,6 +3,7 @@ where `natsim.planner.best(..., world_size=P)` prices the strategies' bytes with
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -56,8 +57,6 @@ def calibrate_link_command(
         return
     path = output if output is not None else user_coefficients_dir() / link_file_name(gpu, world)
     path.parent.mkdir(parents=True, exist_ok=True)
-    import json
-
     path.write_text(json.dumps(link.to_dict(), indent=1))
     if as_json:
         print_json(out, {"link": link.to_dict(), "written_to": str(path)})

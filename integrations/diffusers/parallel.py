@@ -30,6 +30,7 @@ natsim cannot know which of a rank's tokens are text.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -158,9 +159,7 @@ def shares(router, ulysses: Ulysses, local_tokens: int) -> Optional[Shares]:
     if router.layout is None:
         return None
     tokens = local_tokens * ulysses.size
-    video = 1
-    for n in router.layout:
-        video *= n
+    video = math.prod(router.layout)
     if tokens < video:
         return None
     image = video + (router.trailing if router.text_first else 0)

@@ -9,9 +9,10 @@ fa4-probe-*.json), and where natsim's kernels do not run the head dim; elsewhere
 (partial tiles: FlashAttention-4 evaluates the GNA mask element by element, about 8x slower there). The planner
 (natsim.planner) chooses with calibrated costs instead, and names the backend it picked.
 
-Without tiles, FlashAttention-4 takes dense attention over the flattened layout as one sequence (no permutation),
-and a GNA configuration on the block-sparse tiles with the fewest blocks among those it runs (the catalog's, in
-the Q tile's token order), else natsim's default tiles.
+Without tiles, FlashAttention-4 takes dense attention over the flattened layout as one sequence (no permutation, no
+block lists: lists would hold its kernel to their 128 x 128 blocks, 1.3-1.4x slower at head_dim 40 and 72 on an
+H100, benchmarks/results/probe-fa4-dense-*.json), and a GNA configuration on the block-sparse tiles with the
+fewest blocks among those it runs (the catalog's, in the Q tile's token order), else natsim's default tiles.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from ..fa4.gna import Fa4Gna
 from ..fa4.rules import HEAD_DIMS as FA4_HEAD_DIMS
 from ..fa4.rules import device_refusal, gna_tile_refusal
+from .launch import is_dense
 from .spec import GnaSpec
 from .tiles import default_tiles, tile_pairs
 
@@ -89,20 +91,13 @@ def _fa4_geometry(spec: GnaSpec, problem: Problem, device: torch.device, dtype: 
     if head_dim not in FA4_HEAD_DIMS:
         return f"FlashAttention-4 runs head_dim 8 to 256 in steps of 8, got head_dim={head_dim}.", None
     if spec.q_tile is None and spec.kv_tile is None:
-        if _dense(problem):
+        if is_dense(problem):  # FlashAttention-4's dense call with its own tiles (module docstring)
             return None, None
         return None, _default_geometry(problem, head_dim)
     q_tile = spec.q_tile if spec.q_tile is not None else spec.kv_tile
     kv_tile = spec.kv_tile if spec.kv_tile is not None else spec.q_tile
     refusal = _tile_problem(problem, q_tile, kv_tile) or gna_tile_refusal(q_tile, kv_tile, head_dim)
     return refusal, None if refusal else Fa4Gna(problem, tuple(q_tile), tuple(kv_tile))
-
-
-def _dense(problem: Problem) -> bool:
-    """Every query attends every key, in a layout of any number of dimensions: FlashAttention-4's dense call over
-    the flattened sequence, with its own tile sizes (block-sparse lists would hold it to their 128 x 128 blocks:
-    1.3-1.4x slower at head_dim 40 and 72 on an H100, benchmarks/results/probe-fa4-dense-*.json)."""
-    return problem.window == problem.shape and not any(problem.causal)
 
 
 def _tile_problem(problem: Problem, q_tile, kv_tile) -> Optional[str]:

@@ -113,9 +113,15 @@ def permutes(problem: Problem, descriptors: bool = True, fp8: bool = False) -> b
     return not descriptors or any(d > 1 for d in problem.dilation) or (fp8 and problem.ndim > 1)
 
 
+def is_dense(problem: Problem) -> bool:
+    """Every query attends every key: the window covers the layout, nothing causal (any number of dims)."""
+    return problem.window == problem.shape and not any(problem.causal)
+
+
 def dense_as_1d(problem: Problem) -> Optional[Problem]:
-    """The 1-D problem over the flattened layout when `problem` is dense self attention, else None."""
-    if problem.ndim == 1 or problem.window != problem.shape or any(problem.causal):
+    """The 1-D problem over the flattened layout when `problem` is dense self attention in several dims, else
+    None."""
+    if problem.ndim == 1 or not is_dense(problem):
         return None
     return Problem((problem.num_tokens,), (problem.num_tokens,))
 

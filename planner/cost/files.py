@@ -9,6 +9,7 @@ planner ranks by simulated tiles alone.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from pathlib import Path
@@ -98,8 +99,6 @@ def link_file_name(gpu: str, world_size: int) -> str:
 def link_for(gpu: Optional[str], world_size: int, directory: Optional[Path] = None):
     """The calibrated interconnect (natsim.partition.Link) of `world_size` GPUs named `gpu`: from `directory`, else
     the user's folder, else those shipped with natsim; natsim.partition's default link where none was measured."""
-    import json
-
     from natsim.partition import DEFAULT_LINK, Link
 
     if gpu is None:
