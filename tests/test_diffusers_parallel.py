@@ -149,7 +149,7 @@ def _outputs(name: str, layout, window, batch: int, enable_first: bool, **option
 def _training_and_compile(rank: int) -> None:
     """A training step of Wan under Ulysses: the output, and the parameter gradients summed over the ranks (each
     rank's share of the tokens contributes its part), equal one process's; then its blocks compiled with
-    fullgraph=True (Dynamo's capture, run as captured) compute the same."""
+    fullgraph=True (Dynamo's capture, run as captured) compute the same, and a second step recompiles nothing."""
     from natsim.integrations import diffusers as nd
 
     inputs = diffusers_models.inputs(WAN, WAN_LAYOUT)
@@ -174,7 +174,10 @@ def _training_and_compile(rank: int) -> None:
         block.compile(fullgraph=True, backend="eager")
     with torch.no_grad():
         compiled = model(**inputs)[0]
+        with torch._dynamo.config.patch(error_on_recompile=True):  # the next step compiles nothing again
+            again = model(**inputs)[0]
     _close(compiled, single.detach(), "compiled blocks")
+    assert torch.equal(again, compiled)
 
 
 def _masks() -> None:
