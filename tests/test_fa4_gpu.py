@@ -57,6 +57,8 @@ def test_gna_forward_matches_float64(geometry, head_dim, dtype):
     (((6, 16, 16), (3, 5, 7), 1, 1, False, (2, 8, 8), (2, 8, 8)), 128),
     (((6, 16, 16), (3, 5, 7), (1, 2, 1), 1, (True, False, False), (2, 8, 8), (2, 8, 8)), 64),
     (((1024,), (257,), (1,), (1,), (False,), (256,), (128,)), 128),
+    (((1000,), (1000,), (1,), (1,), (False,), (128,), (128,)), 128),  # dense 1-D: FA4's plain dense call
+    (((4, 10, 12), (4, 10, 12), 1, 1, False, (2, 8, 8), (2, 8, 8)), 64),  # dense 3-D, padded
 ])
 def test_gna_gradients_match_float64(geometry, head_dim):
     shape, window, stride, dilation, causal, q_tile, kv_tile = geometry
