@@ -8,7 +8,11 @@ The rule (float8 e4m3, largest finite value 448; the scores and the output accum
 - K: its mean over the real tokens (per batch and head) is subtracted first, as SageAttention does: that adds
   `q . mean` to every score of a query row, which the softmax removes exactly, and it shrinks the values that
   the 3-bit mantissa must carry where the keys share a large common component (real models' keys do). Then one
-  scale per token and head, applied to each score's column (one multiply per score).
+  scale per token and head, applied to each score's column (one multiply per score); or, for kernels that visit
+  whole key blocks (`k_block`), one scale per block of `k_block` consecutive keys and head, which joins the
+  row's scale (no multiply per score, and no vector of key scales held beside the scores). A floating-point
+  format rounds each value relative to itself, so a block's shared scale loses nothing but range: only keys
+  more than 2^15 times smaller than their block's largest would fall to e4m3's subnormals.
 - V: one scale per channel (per batch and head, over the real tokens), applied to the output once at the end.
   The kernels read V transposed, `[B, heads, head_dim, rows]` with `rows` padded to 16: Hopper's FP8 matrix
   instructions take their second operand with the reduced dimension (the keys, for P @ V) contiguous.
@@ -205,20 +209,21 @@ def column_statistics(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
-                  v_scale: torch.Tensor) -> Fp8Tensors:
+                  v_scale: torch.Tensor, k_block: int = 1) -> Fp8Tensors:
     """Quantize `[B, rows, heads, head_dim]` q, k, v by the rule, with K's mean and V's scales given (taken over
-    the real tokens: rows here may include padding). One Triton pass per tensor on CUDA tensors and in the
-    interpreter (`_quantize_kernel`), torch otherwise; both round alike (tests/test_fp8.py)."""
+    the real tokens: rows here may include padding); K's scales shared by blocks of `k_block` rows (1: one per
+    row; still stored one per row). One Triton pass per tensor on CUDA tensors and in the interpreter
+    (`_quantize_kernel`), torch otherwise; both round alike (tests/test_fp8.py)."""
     batch, rows, heads, head_dim = k.shape
     padded = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
     v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
     if q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
         q8, q_scale = _quantize_triton(q, 0, k_mean, v_scale)
-        k8, k_scale = _quantize_triton(k, 1, k_mean, v_scale)
+        k8, k_scale = _quantize_triton(k, 1, k_mean, v_scale, block=k_block)
         _quantize_triton(v, 2, k_mean, v_scale, v_t)
     else:
         q8, q_scale = _per_row(q.float())
-        k8, k_scale = _per_row(k.float() - k_mean[:, None])
+        k8, k_scale = _per_row(k.float() - k_mean[:, None], k_block)
         q8, k8 = aligned_rows(q8), aligned_rows(k8)
         v_t[..., :rows] = (v.float() / v_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).permute(0, 2, 3, 1).to(E4M3)
     return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean)
@@ -266,8 +271,9 @@ QUANTIZE_ROWS = 64  # rows per program of the quantization kernel
 
 
 def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: torch.Tensor,
-                     v_t: Optional[torch.Tensor] = None):
-    """Mode 0 (Q) and 1 (K, mean removed): `(x_fp8, row_scales)`; mode 2 (V): writes V transposed into `v_t`."""
+                     v_t: Optional[torch.Tensor] = None, block: int = 1):
+    """Mode 0 (Q) and 1 (K, mean removed): `(x_fp8, row_scales)`, K's scale shared by blocks of `block` rows
+    (a power of two); mode 2 (V): writes V transposed into `v_t`."""
     batch, rows, heads, head_dim = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     if mode == 2:
@@ -275,22 +281,23 @@ def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: 
     else:
         out = fp8_rows((batch, rows, heads, head_dim), x.device)
         scales = torch.empty((batch, rows, heads), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(rows, QUANTIZE_ROWS), batch * heads)
+    block_rows = max(block, QUANTIZE_ROWS)
+    grid = (triton.cdiv(rows, block_rows), batch * heads)
     _quantize_kernel[grid](x, out, scales, k_mean, x.stride(0), x.stride(1), x.stride(2), rows, heads,
                            v_t.shape[-1] if mode == 2 else out.stride(2), HEAD_DIM=head_dim,
-                           BLOCK_D=next_power_of_two(head_dim), BLOCK_R=QUANTIZE_ROWS, MODE=mode,
+                           BLOCK_D=next_power_of_two(head_dim), BLOCK_R=block_rows, SHARED=block, MODE=mode,
                            EXACT_CAST=not x.is_cuda)
     return (None, None) if mode == 2 else (out, scales)
 
 
 @triton.jit
 def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows, heads, out_stride,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr,
-                     EXACT_CAST: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, SHARED: tl.constexpr,
+                     MODE: tl.constexpr, EXACT_CAST: tl.constexpr):
     """BLOCK_R rows of one (batch, head): Q (MODE 0) and K (MODE 1, its mean subtracted) with one scale per row,
     written `[B, rows, heads, head_dim]` with heads `out_stride` apart (`fp8_rows`) and scales `[B, rows,
-    heads]`; V (MODE 2) divided by its channel scales `SCALES` `[B, heads, head_dim]` and written transposed,
-    `[B, heads, head_dim, out_stride]`. Rows run `BLOCK_D` (head_dim's next power of two) columns, those past
+    heads]` (K's shared by groups of SHARED rows where SHARED > 1); V (MODE 2) divided by its channel scales
+    `SCALES` `[B, heads, head_dim]` and written transposed, `[B, heads, head_dim, out_stride]`. Rows run `BLOCK_D` (head_dim's next power of two) columns, those past
     head_dim masked."""
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
@@ -310,6 +317,9 @@ def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows,
         if MODE == 1:
             x = x - tl.load(K_MEAN + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
         amax = tl.max(tl.abs(x), 1)
+        if SHARED > 1:  # each group of SHARED rows takes its largest row's amax
+            amax = tl.reshape(tl.broadcast_to(tl.max(tl.reshape(amax, (BLOCK_R // SHARED, SHARED)), 1)[:, None],
+                                              (BLOCK_R // SHARED, SHARED)), (BLOCK_R,))
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
         x8 = cast_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), EXACT_CAST)
         row = (b * rows + r) * heads + h
@@ -317,11 +327,12 @@ def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows,
         tl.store(SCALES + row, scale, mask=ok)
 
 
-def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fp8Tensors:
-    """Quantize `[B, *tokens, heads, head_dim]` q, k, v by the rule; the result's rows are the flattened tokens."""
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_block: int = 1) -> Fp8Tensors:
+    """Quantize `[B, *tokens, heads, head_dim]` q, k, v by the rule (K's scales shared by blocks of `k_block`
+    tokens); the result's rows are the flattened tokens."""
     k_mean, v_scale = column_statistics(k, v)
     flat = tuple(t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]) for t in (q, k, v))
-    return quantize_rows(*flat, k_mean, v_scale)
+    return quantize_rows(*flat, k_mean, v_scale, k_block)
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
@@ -329,9 +340,16 @@ def _scale_of(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
 
 
-def _per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x` (float32, last dimension the channels) quantized with one scale per row."""
-    scale = _scale_of(x.abs().amax(-1))
+def _per_row(x: torch.Tensor, block: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` (float32 `[B, rows, heads, channels]`) quantized with one scale per row and head, shared by blocks of
+    `block` rows."""
+    amax = x.abs().amax(-1)
+    if block > 1:
+        batch, rows, heads = amax.shape
+        padded = torch.zeros(batch, -(-rows // block) * block, heads, dtype=amax.dtype, device=amax.device)
+        padded[:, :rows] = amax
+        amax = padded.unflatten(1, (-1, block)).amax(2, keepdim=True).expand(-1, -1, block, -1).flatten(1, 2)[:, :rows]
+    scale = _scale_of(amax)
     return (x / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 

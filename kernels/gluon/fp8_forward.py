@@ -1,0 +1,402 @@
+"""A warp-specialized FP8 attention forward for Hopper, written in Gluon, over block-sparse lists of whole tiles.
+
+One program computes one query block of 128 rows of one (batch, head) against the key blocks its list names
+(every key block where there is no list). Three partitions share the program's shared memory:
+
+- a loader warp issues TMA copies: the query block once, then each listed key block's K and V (transposed) into
+  a ring of `STAGES` buffers, guarded by ready / empty mbarriers;
+- two consumer warpgroups each own 64 of the query rows and run the same loop over the ring, ping-pong: in its
+  turn a warpgroup issues its two asynchronous products (Q K^T of the next block, P V of this one) and hands
+  the turn over (an mbarrier each way), then exponentiates the next block's scores while the other
+  warpgroup's products run. P goes to P V through a shared buffer of the warpgroup's.
+
+The arithmetic is natsim's FP8 rule (kernels/common/fp8.py), with K's scales shared by its blocks of 128 keys:
+Q in e4m3 with one scale per token and head, K (mean removed) with one scale per key block and head, which
+joins the row's scale so that each score costs one multiply-add before its exponential; V transposed with
+one scale per channel; P cast to e4m3 as `448 * exp2(s - m)` against each row's running maximum; fp32
+accumulators; V's scales applied to the output once. Keys past the sequence (the last block's padding) are
+masked; a block list names whole tiles (no element mask inside a visited tile).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..common.fp8 import Fp8Tensors, lse_with_mean, quantize, refuse_gradients
+from ..sparse.reference import sparse_reference
+
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+BLOCK_N = 128  # keys per block
+HALF_M = BLOCK_M // 2
+HEAD_DIMS = (64, 128)
+LOG2E = 1.4426950408889634
+P_OFFSET = math.log2(448.0)
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """Per (batch, head, query block of `BLOCK_M`), the key blocks (of `BLOCK_N`) to visit: `counts` int32
+    `[B|1, H|1, q_blocks]` and ascending `indices` int32 `[B|1, H|1, q_blocks, kv_blocks]` (entries past a row's
+    count are never read); a dimension of 1 is shared by every batch or head. Every visited block is attended
+    whole (keys past the sequence aside): the lists hold no element mask."""
+
+    counts: torch.Tensor
+    indices: torch.Tensor
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor) -> "BlockLists":
+        """The lists of a boolean block mask `[B|1, H|1, q_blocks, kv_blocks]` of 128 x 128 blocks."""
+        if blocks.dtype != torch.bool or blocks.dim() != 4:
+            raise ValueError(f"a block mask is a boolean [B|1, H|1, q_blocks, kv_blocks] tensor, got "
+                             f"{blocks.dtype} {tuple(blocks.shape)}")
+        counts = blocks.sum(-1, dtype=torch.int32)
+        order = torch.sort((~blocks).to(torch.uint8), dim=-1, stable=True).indices
+        return cls(counts.contiguous(), order.to(torch.int32).contiguous())
+
+    def check(self, batch: int, heads: int, q_blocks: int, kv_blocks: int, device: torch.device) -> None:
+        """That these lists fit a call of `batch` x `heads` with that many blocks, on its device."""
+        lead_ok = all(n in (1, want) for n, want in zip(self.counts.shape[:2], (batch, heads)))
+        if (self.counts.dim() != 3 or self.indices.dim() != 4 or not lead_ok
+                or self.counts.shape != self.indices.shape[:3]
+                or tuple(self.indices.shape[2:]) != (q_blocks, kv_blocks)):
+            raise ValueError(f"block lists {tuple(self.counts.shape)} / {tuple(self.indices.shape)} do not fit a "
+                             f"call of batch {batch}, {heads} heads and {q_blocks} x {kv_blocks} blocks of "
+                             f"{BLOCK_M} x {BLOCK_N} tokens")
+        if self.counts.dtype != torch.int32 or self.indices.dtype != torch.int32:
+            raise ValueError("block lists are int32 tensors")
+        if self.counts.device != device or self.indices.device != device:
+            raise ValueError(f"block lists on {self.counts.device}, the call's tensors on {device}")
+        if not (self.counts.is_contiguous() and self.indices.is_contiguous()):
+            raise ValueError("block lists must be contiguous")
+
+    def mask(self) -> torch.Tensor:
+        """The boolean block mask `[B|1, H|1, q_blocks, kv_blocks]` these lists name."""
+        columns = torch.arange(self.indices.shape[-1], device=self.indices.device)
+        listed = columns < self.counts[..., None].long()
+        mask = torch.zeros(self.indices.shape, dtype=torch.bool, device=self.indices.device)
+        return mask.scatter_(-1, self.indices.long(), listed)
+
+    @staticmethod
+    def strides(t: torch.Tensor) -> tuple[int, int]:
+        """Batch and head strides of a list tensor, 0 where that dimension is shared."""
+        return tuple(t.stride(i) if t.shape[i] > 1 else 0 for i in (0, 1))
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+            IDX, idx_row, count, q_row, q_col, k_row, v_row,
+            HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DENSE: gl.constexpr):
+    """The loader warp: the query block, then K and V of each listed key block into the ring."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_bar, q_smem.index(1))
+    for i in range(count):
+        if DENSE:
+            block = i
+        else:
+            block = gl.load(IDX + idx_row + i)
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + block * BLOCK_N, q_col], k_ready.index(stage),
+                                        k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row, block * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _softmax(s, row_scale, m_i, l_i, block, n_kv, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
+             P_OFFSET: gl.constexpr):
+    """The online-softmax update of one block's raw scores `s` with `row_scale` (log2 units: the softmax scale,
+    the queries' scales and the block's key scale, folded into the exponent's one multiply-add), keys past the
+    sequence at -inf: P in e4m3 as 448 * exp2(s - m), the running maximum and sum, and the factor the
+    accumulator is rescaled by."""
+    if (block + 1) * BLOCK_N > n_kv:  # the sequence's last block: mask its padding keys
+        cols = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        s = gl.where(gl.expand_dims(cols < n_kv, 0), s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * row_scale)  # row scales are positive
+    p = gl.exp2(s * gl.expand_dims(row_scale, 1) - gl.expand_dims(m_new - P_OFFSET, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p.to(gl.float8e4nv), m_new, l_i, alpha
+
+
+@gluon.jit
+def _pv(p, p_smem, v_tile, acc):
+    """Issue acc += P V (asynchronous), P through this warpgroup's shared buffer: the wgmma reads it from there
+    in the layout the instruction wants (measured faster than shuffling P's registers into the operand layout:
+    16.9 against 18.3 ms, dense 32k, H100). The previous product that read the buffer is complete here."""
+    p_smem.store(p)
+    fence_async_shared()
+    return warpgroup_mma(p_smem, v_tile.permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, k_empty, v_ready,
+              v_empty, IDX, idx_row, count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale,
+              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
+              DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr):
+    """One consumer warpgroup: 64 query rows against every listed key block, then the output (and LSE)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    rows = q_start + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_layout)
+    q_scale = gl.load(QS + ((b * n_q + rows.to(gl.int64)) * heads + h), mask=rows < n_q, other=1.0)
+    row_scale = q_scale * qk_scale
+    ks_row = b.to(gl.int64) * n_kv * heads + h  # key block j's scale: KS[ks_row + j * BLOCK_N * heads]
+    m_i = gl.full([HALF], -float("inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([HALF], gl.float32, layout=row_layout)
+    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
+    q = q_smem.index(HALF_INDEX)
+    p_tile = p_smem.index(HALF_INDEX)
+    mbarrier.wait(q_bar, 0)
+
+    # Ping-pong: a warpgroup issues its two products for a block (Q K^T of the next block, P V of this one)
+    # only in its turn, then hands the turn to the other, and exponentiates while the other's products run.
+    my_turn = turns.index(HALF_INDEX)
+    other_turn = turns.index(1 - HALF_INDEX)
+    if count > 0:
+        # the first block's scores and P
+        if DENSE:
+            block = gl.to_tensor(0)
+        else:
+            block = gl.load(IDX + idx_row)
+        k_scale = gl.load(KS + ks_row + block * (BLOCK_N * heads))
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = _softmax(s, row_scale * k_scale, m_i, l_i, block, n_kv, BLOCK_N, col_layout,
+                                      P_OFFSET)
+        for i in range(count - 1):
+            if DENSE:
+                block = i + 1
+            else:
+                block = gl.load(IDX + idx_row + i + 1)
+            k_scale = gl.load(KS + ks_row + block * (BLOCK_N * heads))
+            stage = i % STAGES
+            nxt = (i + 1) % STAGES
+            mbarrier.wait(my_turn, (i & 1) ^ (1 - HALF_INDEX))
+            mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+            mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
+            acc = _pv(p, p_tile, v_smem.index(stage), acc)
+            mbarrier.arrive(other_turn, count=1)
+            s = warpgroup_mma_wait(1, deps=(s,))  # groups complete in order: P V may still run
+            mbarrier.arrive(k_empty.index(nxt), count=1)
+            p, m_i, l_i, alpha = _softmax(s, row_scale * k_scale, m_i, l_i, block, n_kv, BLOCK_N, col_layout,
+                                          P_OFFSET)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(stage), count=1)
+        # the last block's P V
+        last = count - 1
+        stage = last % STAGES
+        mbarrier.wait(my_turn, (last & 1) ^ (1 - HALF_INDEX))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+        mbarrier.wait(v_ready.index(stage), (last // STAGES) & 1)
+        acc = _pv(p, p_tile, v_smem.index(stage), acc)
+        mbarrier.arrive(other_turn, count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(stage), count=1)
+
+    # out = acc * v_scale / l; rows with no key get zeros
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    v_scale = gl.load(SV + (b * heads + h) * HEAD_DIM + d)  # the 448 of P cancels between acc and l
+    l_o = gl.convert_layout(l_i, o_row_layout)
+    inv = gl.where(l_o > 0, 1.0 / l_o, 0.0)
+    out = acc * gl.expand_dims(inv, 1) * gl.expand_dims(v_scale, 0)
+    o_rows = q_start + HALF_INDEX * HALF + gl.arange(0, HALF, layout=o_row_layout)
+    o_offsets = gl.expand_dims((b * n_q + o_rows.to(gl.int64)) * heads + h, 1) * HEAD_DIM + gl.expand_dims(d, 0)
+    gl.store(OUT + o_offsets, out.to(OUT.dtype.element_ty), mask=gl.expand_dims(o_rows < n_q, 1))
+    if RETURN_LSE:
+        lse = gl.where(l_i > 0, (m_i + gl.log2(l_i) - P_OFFSET) * (1.0 / 1.4426950408889634), -float("inf"))
+        gl.store(LSE + (b * n_q + rows.to(gl.int64)) * heads + h, lse, mask=rows < n_q)
+
+
+@gluon.jit
+def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, IDX,
+                        heads, n_q, n_kv, qk_scale, cnt_b, cnt_h, idx_b, idx_h, kv_blocks,
+                        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    HALF: gl.constexpr = q_desc.block_type.shape[0]
+    q_block = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    if DENSE:
+        count = kv_blocks
+        idx_row = 0
+    else:
+        count = gl.load(COUNTS + b * cnt_b + h * cnt_h + q_block)
+        idx_row = (b * idx_b + h * idx_h + q_block * kv_blocks).to(gl.int64)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, HALF, BLOCK_N],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a buffer
+        mbarrier.init(v_empty.index(i), count=2)
+
+    q_start = q_block * (2 * HALF)
+    q_row = b * n_q + q_start
+    q_col = h * HEAD_DIM
+    k_row = b * n_kv
+    v_row = (b * heads + h) * HEAD_DIM
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, k_empty, v_ready, v_empty, IDX, idx_row, count,
+                     QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
+                     STAGES, DENSE, RETURN_LSE, P_OFFSET)),
+        (_consumer, (1, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, k_empty, v_ready, v_empty, IDX, idx_row, count,
+                     QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
+                     STAGES, DENSE, RETURN_LSE, P_OFFSET)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                   IDX, idx_row, count, q_row, q_col, k_row, v_row, HALF, BLOCK_N, STAGES, DENSE)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+STAGES = 4  # K and V buffers in the ring (16.8 ms against 17.0 with two, dense 32k at head_dim 128, H100)
+CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (232 spilled before the key scales were shared)
+LOADER_REGS = 24
+MAX_REGS = 168  # the kernel's budget per thread over its 12 warps: 3 x 168 = 2 x 240 + 24
+
+
+def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """What the kernel runs, refused with a sentence otherwise: Hopper GPUs (its wgmma and TMA; CPU tensors run
+    the reference), bf16 or fp16 `[B, rows, heads, head_dim]` q, k, v on one device with k and v alike,
+    head_dim 64 or 128."""
+    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError(f"the Gluon FP8 kernel runs on Hopper GPUs (compute capability 9.x), got "
+                         f"{torch.cuda.get_device_name(q.device)}; use precision='fp8' through natsim's Triton "
+                         f"kernels elsewhere.")
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"q, k, v must be [B, rows, heads, head_dim] with k and v alike, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"the Gluon FP8 kernel quantizes bf16 or fp16 inputs of one dtype, got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"the Gluon FP8 kernel runs head_dim in {HEAD_DIMS}, got {q.shape[-1]}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError("q, k and v must be on one device")
+
+
+def fp8_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        blocks: Union[None, torch.Tensor, BlockLists] = None, scale: Optional[float] = None,
+                        return_lse: bool = False):
+    """Attention of bf16 / fp16 `[B, rows, heads, head_dim]` q, k, v in FP8 over the 128 x 128 blocks `blocks`
+    keeps (a boolean `[B|1, H|1, q_blocks, kv_blocks]` mask or its `BlockLists`; every block where None):
+    quantized by natsim's FP8 rule with K's scales shared by its blocks of 128 keys (kernels/common/fp8.py),
+    then the warp-specialized kernel on a Hopper GPU, or the rule's torch reference on CPU tensors. A registered
+    operator (`natsim::gluon_fp8_forward`): it compiles with `torch.compile(fullgraph=True)` and replays in CUDA
+    graphs. Returns the output in q's dtype, and with `return_lse` the LSE `[B, rows, heads]` (float32,
+    natural log) of the unquantized scores' definition."""
+    refuse_gradients("the Gluon FP8 kernel", q, k, v)  # the operator has no backward: train in bf16
+    lists = BlockLists.from_blocks(blocks) if isinstance(blocks, torch.Tensor) else blocks
+    counts, indices = (None, None) if lists is None else (lists.counts, lists.indices)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, lse = gluon_fp8_forward(q, k, v, counts, indices, scale, return_lse)
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("natsim::gluon_fp8_forward", mutates_args=())
+def gluon_fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: Optional[torch.Tensor],
+                      indices: Optional[torch.Tensor], scale: float,
+                      return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_block_attention`'s operator: the kernel on CUDA tensors, the rule's reference on CPU tensors; the LSE
+    is empty without `return_lse`."""
+    lists = None if counts is None else BlockLists(counts, indices)
+    check_call(q, k, v)
+    if not q.is_cuda:
+        return _cpu_reference(q, k, v, lists, scale, return_lse)
+    x = quantize(q, k, v, k_block=BLOCK_N)
+    out, lse = launch(x, lists, scale, q.dtype, return_lse)
+    return out, (lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse)
+
+
+@gluon_fp8_forward.register_fake
+def _(q, k, v, counts, indices, scale, return_lse):
+    lse_shape = q.shape[:-1] if return_lse else (0,)
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Optional[BlockLists], scale: float,
+                   return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule's reference (K's scales shared by blocks of 128 keys, P rounded against the row's final maximum)
+    in float32 under the lists' block mask."""
+    batch, rows, heads, _ = q.shape
+    q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(k.shape[1], BLOCK_N)
+    mask = torch.ones(1, 1, q_blocks, kv_blocks, dtype=torch.bool)
+    if lists is not None:
+        lists.check(batch, heads, q_blocks, kv_blocks, q.device)
+        mask = lists.mask()
+    x = quantize(q, k, v, k_block=BLOCK_N)
+    out, lse = sparse_reference(*x.dequantized(), mask, BLOCK_M, BLOCK_N, scale, return_lse=True,
+                                quantized_probs=True)
+    lse = lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse.new_empty(0)
+    return out.to(q.dtype), lse
+
+
+def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: torch.dtype,
+           return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on quantized tensors whose K scales are shared by blocks of `BLOCK_N` keys (`quantize(...,
+    k_block=BLOCK_N)`): the output and the LSE of the scores it saw (K's mean removed; an empty tensor without
+    `return_lse`)."""
+    batch, rows, heads, head_dim = x.q.shape
+    n_kv = x.k.shape[1]
+    fp8 = gl.float8e4nv
+    q_desc = TensorDescriptor.from_tensor(x.q.view(batch * rows, heads * head_dim), [HALF_M, head_dim],
+                                          gl.NVMMASharedLayout.get_default_for([HALF_M, head_dim], fp8))
+    k_desc = TensorDescriptor.from_tensor(x.k.view(batch * n_kv, heads * head_dim), [BLOCK_N, head_dim],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], fp8))
+    v_desc = TensorDescriptor.from_tensor(x.v_t.view(batch * heads * head_dim, x.v_t.shape[-1]), [head_dim, BLOCK_N],
+                                          gl.NVMMASharedLayout.get_default_for([head_dim, BLOCK_N], fp8))
+    device = x.q.device
+    out = torch.empty((batch, rows, heads, head_dim), dtype=out_dtype, device=device)
+    lse = torch.empty((batch, rows, heads) if return_lse else (0,), dtype=torch.float32, device=device)
+    q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(n_kv, BLOCK_N)
+    if lists is None:
+        counts = indices = torch.zeros(1, dtype=torch.int32, device=device)
+        strides = (0, 0, 0, 0)
+    else:
+        lists.check(batch, heads, q_blocks, kv_blocks, device)
+        counts, indices = lists.counts, lists.indices
+        strides = (*lists.strides(counts), *lists.strides(indices))
+    _fp8_forward_kernel[(q_blocks, batch * heads)](
+        q_desc, k_desc, v_desc, x.q_scale, x.k_scale, x.v_scale.contiguous(), out, lse, counts, indices,
+        heads, rows, n_kv, scale * LOG2E, *strides, kv_blocks,
+        HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, DENSE=lists is None, RETURN_LSE=return_lse,
+        P_OFFSET=P_OFFSET, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
+    return out, lse

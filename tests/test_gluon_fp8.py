@@ -1,0 +1,96 @@
+"""The Gluon FP8 kernel's host side on the CPU (kernels/gluon/fp8_forward.py): K's scales shared by key blocks in
+the quantization rule (Triton's interpreter against torch), block lists from a block mask and back, the CPU
+path (the rule's reference) against float32 attention, and the refusals. The kernel itself runs on Hopper only:
+tests/test_gluon_fp8_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from natsim.kernels.common import fp8
+from natsim.kernels.gluon.fp8_forward import BLOCK_N, BlockLists, fp8_block_attention
+from natsim.kernels.sparse.reference import sparse_reference
+
+
+@pytest.mark.parametrize("rows, block", [(300, 128), (128, 128), (77, 64), (200, 1)])
+def test_block_scales_are_shared_and_the_interpreter_rounds_like_torch(rows, block, monkeypatch):
+    gen = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(2, rows, 3, 64, generator=gen) * 3 for _ in range(3))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpreted = fp8.quantize(q, k, v, k_block=block)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    eager = fp8.quantize(q, k, v, k_block=block)
+    assert torch.equal(interpreted.k_scale, eager.k_scale)
+    assert torch.equal(interpreted.k.float(), eager.k.float())
+    centred = k - k.mean(1, keepdim=True)
+    for first in range(0, rows, block):
+        scales = eager.k_scale[:, first:first + block]
+        assert torch.equal(scales, scales[:, :1].expand_as(scales))  # one scale per block and head
+        amax = centred[:, first:first + block].abs().amax((1, 3))
+        torch.testing.assert_close(scales[:, 0], amax / 448.0)
+    _, dequantized, _ = eager.dequantized()
+    assert float((dequantized - centred).norm() / centred.norm()) < 3e-2
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.sampled_from([1, 2]), heads=st.sampled_from([1, 3]), q_blocks=st.integers(1, 5),
+       kv_blocks=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_block_lists_name_exactly_the_mask(batch, heads, q_blocks, kv_blocks, seed):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(batch, heads, q_blocks, kv_blocks, generator=gen) < 0.4
+    lists = BlockLists.from_blocks(mask)
+    assert torch.equal(lists.counts, mask.sum(-1).int())
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in mask.shape[:3])).tolist():
+        row = lists.indices[tuple(index)][:lists.counts[tuple(index)]]
+        assert torch.equal(row, torch.nonzero(mask[tuple(index)]).flatten().int())  # ascending, visited only
+    assert torch.equal(lists.mask(), mask)
+
+
+@pytest.mark.parametrize("rows, density", [(256, 1.0), (300, 0.5), (130, 0.3)])
+def test_cpu_path_is_the_rule_against_float32_attention(rows, density):
+    gen = torch.Generator().manual_seed(rows)
+    q, k, v = (torch.randn(2, rows, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    blocks = -(-rows // BLOCK_N)
+    mask = torch.rand(2, 2, blocks, blocks, generator=gen) < density
+    mask |= torch.eye(blocks, dtype=torch.bool)
+    out, lse = fp8_block_attention(q, k, v, None if density == 1.0 else mask, return_lse=True)
+    ref, ref_lse = sparse_reference(q.float(), k.float(), v.float(), torch.ones_like(mask) if density == 1.0 else mask,
+                                    128, 128, return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == q.shape[:-1]
+    assert float((out.float() - ref).norm() / ref.norm()) < 6e-2
+    assert float((lse - ref_lse).abs().max()) < 5e-2
+    compiled = torch.compile(fp8_block_attention, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, None if density == 1.0 else mask), out)
+
+
+def test_empty_rows_give_zeros_and_an_lse_of_minus_infinity():
+    q, k, v = (torch.randn(1, 256, 1, 64).to(torch.bfloat16) for _ in range(3))
+    mask = torch.tensor([[[[True, False], [False, False]]]])
+    out, lse = fp8_block_attention(q, k, v, mask, return_lse=True)
+    assert torch.all(out[:, 128:] == 0) and torch.all(lse[:, 128:] == float("-inf"))
+    assert torch.all(torch.isfinite(lse[:, :128]))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q, k, v: (q, k, v[..., :32]), "k and v alike"),
+    (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), "head_dim in"),
+    (lambda q, k, v: (q.float(), k.float(), v.float()), "bf16 or fp16"),
+])
+def test_refusals_are_sentences(change, message):
+    q, k, v = (torch.randn(1, 128, 1, 64).to(torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match=message):
+        fp8_block_attention(*change(q, k, v))
+    with pytest.raises(RuntimeError, match="for inference and has no backward pass"):
+        fp8_block_attention(q.requires_grad_(), k, v)
+
+
+def test_lists_that_do_not_fit_the_call_are_refused():
+    q, k, v = (torch.randn(1, 256, 2, 64).to(torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_block_attention(q, k, v, torch.ones(1, 2, 3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="boolean"):
+        BlockLists.from_blocks(torch.ones(1, 2, 2, 2))
