@@ -93,7 +93,7 @@ class BlockLists:
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
             IDX, idx_row, count, q_row, q_col, k_row, v_row,
             HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DENSE: gl.constexpr):
     """The loader warp: the query block, then K and V of each listed key block into the ring."""
@@ -107,11 +107,10 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_em
             block = gl.load(IDX + idx_row + i)
         stage = i % STAGES
         phase = (i // STAGES) & 1
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.wait(empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + block * BLOCK_N, q_col], k_ready.index(stage),
                                         k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [v_row, block * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
 
@@ -144,8 +143,8 @@ def _pv(p, p_smem, v_tile, acc):
 
 
 @gluon.jit
-def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, k_empty, v_ready,
-              v_empty, IDX, idx_row, count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale,
+def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, v_ready, empty,
+              IDX, idx_row, count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
               DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr):
     """One consumer warpgroup: 64 query rows against every listed key block, then the output (and LSE)."""
@@ -183,7 +182,6 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, t
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
         p, m_i, l_i, alpha = _softmax(s, row_scale * k_scale, m_i, l_i, block, n_kv, BLOCK_N, col_layout,
                                       P_OFFSET)
         for i in range(count - 1):
@@ -202,11 +200,10 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, t
             acc = _pv(p, p_tile, v_smem.index(stage), acc)
             mbarrier.arrive(other_turn, count=1)
             s = warpgroup_mma_wait(1, deps=(s,))  # groups complete in order: P V may still run
-            mbarrier.arrive(k_empty.index(nxt), count=1)
             p, m_i, l_i, alpha = _softmax(s, row_scale * k_scale, m_i, l_i, block, n_kv, BLOCK_N, col_layout,
                                           P_OFFSET)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(stage), count=1)
+            mbarrier.arrive(empty.index(stage), count=1)  # this block's K and V are consumed
         # the last block's P V
         last = count - 1
         stage = last % STAGES
@@ -216,7 +213,7 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, t
         acc = _pv(p, p_tile, v_smem.index(stage), acc)
         mbarrier.arrive(other_turn, count=1)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(stage), count=1)
+        mbarrier.arrive(empty.index(stage), count=1)
 
     # out = acc * v_scale / l; rows with no key get zeros
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -257,9 +254,8 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(turns.index(0), count=1)
@@ -267,8 +263,7 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a buffer
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
 
     q_start = q_block * (2 * HALF)
     q_row = b * n_q + q_start
@@ -276,13 +271,13 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
     k_row = b * n_kv
     v_row = (b * heads + h) * HEAD_DIM
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, k_empty, v_ready, v_empty, IDX, idx_row, count,
-                     QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
+        (_consumer, (0, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
+                     count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
                      STAGES, DENSE, RETURN_LSE, P_OFFSET)),
-        (_consumer, (1, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, k_empty, v_ready, v_empty, IDX, idx_row, count,
-                     QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
+        (_consumer, (1, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
+                     count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
                      STAGES, DENSE, RETURN_LSE, P_OFFSET)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
                    IDX, idx_row, count, q_row, q_col, k_row, v_row, HALF, BLOCK_N, STAGES, DENSE)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -398,5 +393,6 @@ def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: 
         q_desc, k_desc, v_desc, x.q_scale, x.k_scale, x.v_scale.contiguous(), out, lse, counts, indices,
         heads, rows, n_kv, scale * LOG2E, *strides, kv_blocks,
         HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, DENSE=lists is None, RETURN_LSE=return_lse,
-        P_OFFSET=P_OFFSET, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
+        P_OFFSET=P_OFFSET, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
+        maxnreg=MAX_REGS)
     return out, lse
