@@ -31,7 +31,7 @@ RANKS = {
 # Modules that may call into a torch reference: each family's operators (their CPU path) and the dispatchers that
 # pick the kernel or the reference for one call. Kernel modules never do.
 REFERENCE_CALLERS = ("natsim.kernels.gna.ops", "natsim.kernels.sparse.ops", "natsim.kernels.gna.dispatch",
-                     "natsim.kernels.sparse.dispatch")
+                     "natsim.kernels.sparse.dispatch", "natsim.kernels.gluon.ops")
 # What the rooms above the kernels may import of them: the package face (natsim.kernels, its __init__) and the
 # backends' seam (natsim.kernels.backends and its modules: capability tables, the Triton kernels' public face), so
 # that a new backend plugs in without the rooms above importing its internals.

@@ -70,7 +70,40 @@ def test_natsim_keeps_partial_tiles_on_triton_unless_triton_cannot_run_the_head_
     assert backend == "fa4" and tiles is not None
 
 
-def test_calls_fa4_does_not_take_stay_on_triton(fa4_here):
+@pytest.fixture
+def hopper(monkeypatch):
+    """Fake CUDA tensors on a Hopper GPU, as far as the FP8 choice asks."""
+    monkeypatch.setattr(choice, "gpu_capability", lambda device: (9, 0))
+
+
+def picked_fp8(window, stride=1, head_dim=128, **options):
+    """(backend, the Gluon kernel's tile or None) that natsim picks for an FP8 GNA call on fake CUDA tensors."""
+    spec = GnaSpec.of(3, window, stride, precision="fp8", **options)
+    with FakeTensorMode():
+        q = torch.empty(1, *SHAPE, 2, head_dim, dtype=torch.bfloat16, device="cuda")
+        result = choice.choose(spec, spec.problem(SHAPE), q)
+    return result.backend, None if result.gluon is None else (result.gluon.q_tile, result.gluon.kv_tile)
+
+
+def test_fp8_calls_of_whole_128_token_tiles_run_on_the_gluon_kernel(hopper):
+    assert picked_fp8(SHAPE) == ("gluon", None)  # dense: one sequence
+    assert picked_fp8((4, 8, 8), (4, 8, 8)) == ("gluon", ((2, 8, 8), (2, 8, 8)))  # the catalog's 128-token tile
+    assert picked_fp8((4, 8, 8), (4, 8, 8), head_dim=64) == ("gluon", ((2, 8, 8), (2, 8, 8)))
+    assert picked_fp8((4, 8, 8), (4, 8, 8), q_tile=(2, 8, 8), kv_tile=(2, 8, 8)) == ("gluon", ((2, 8, 8),) * 2)
+
+
+def test_fp8_calls_the_gluon_kernel_does_not_take_stay_on_triton(hopper, monkeypatch):
+    assert picked_fp8((3, 5, 7)) == ("triton", None)  # partial tiles
+    assert picked_fp8((4, 8, 8), (4, 8, 8), q_tile=(4, 8, 8), kv_tile=(4, 8, 8)) == ("triton", None)  # 256 tokens
+    assert picked_fp8((4, 8, 8), (4, 8, 8), head_dim=96) == ("triton", None)
+    assert picked_fp8((4, 8, 8), (4, 8, 8), backend="triton") == ("triton", None)
+    monkeypatch.setattr(choice, "gpu_capability", lambda device: (8, 9))  # Ada: FP8 without wgmma
+    choice._choose.cache_clear()
+    assert picked_fp8(SHAPE) == ("triton", None)
+
+
+def test_calls_fa4_does_not_take_stay_on_triton(fa4_here, monkeypatch):
+    monkeypatch.setattr(choice, "gpu_capability", lambda device: (8, 9))
     assert picked((4, 8, 8), (4, 8, 8), precision="fp8") == ("triton", None)
     assert picked((4, 8, 8), (4, 8, 8), kv_tiling="dynamic") == ("triton", None)
     assert picked((4, 8, 8), (4, 8, 8), dtype=torch.float32) == ("triton", None)

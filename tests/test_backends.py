@@ -197,7 +197,7 @@ def test_runs_on_a_gpu_or_the_cpu(capability):
 
 
 def test_the_registry_has_every_family_of_every_backend():
-    assert BACKENDS == ("triton", "fa4", "reference") and FAMILIES == ("gna", "masks")
+    assert BACKENDS == ("triton", "fa4", "gluon", "reference") and FAMILIES == ("gna", "masks")
     for backend in BACKENDS:
         for family in FAMILIES:
             assert isinstance(capabilities(backend, family), Capabilities)
@@ -205,7 +205,7 @@ def test_the_registry_has_every_family_of_every_backend():
 
 
 @pytest.mark.parametrize("backend, family, message", [
-    ("flex", "gna", r"backend must be one of \('triton', 'fa4', 'reference'\), got backend='flex'\."),
+    ("flex", "gna", r"backend must be one of \('triton', 'fa4', 'gluon', 'reference'\), got backend='flex'\."),
     ("Triton", "gna", "got backend='Triton'"),
     (None, "gna", "got backend=None"),
     ("triton", "sparse", r"family must be one of \('gna', 'masks'\), got family='sparse'\."),

@@ -63,9 +63,11 @@ def _assert_compiled_and_captured_equal_eager(fn, *args):
 
 @pytest.mark.parametrize("shape, window, stride, dilation, causal, head_dim", GNA)
 def test_gna_fp8_follows_the_rule_at_real_sizes(shape, window, stride, dilation, causal, head_dim):
+    """natsim's Triton FP8 kernel against its rule (one K scale per token); the Gluon kernel, which shares K's
+    scales over key blocks, against its own in tests/test_gluon_fp8_gpu.py."""
     q, k, v = _qkv(*shape, head_dim=head_dim)
     args = (window, stride, dilation, causal)
-    out, lse = gna_attention(q, k, v, *args, return_lse=True, precision="fp8")
+    out, lse = gna_attention(q, k, v, *args, return_lse=True, precision="fp8", backend="triton")
     rule, rule_lse = fp8_reference_attention(q, k, v, *args, return_lse=True)
     exact = reference_attention(q.float(), k.float(), v.float(), *args)
     assert _error(out, rule) < 3e-2  # P rounded against running maxima (kernel) or final ones (rule)
@@ -79,7 +81,8 @@ def test_sparse_fp8_follows_the_rule_at_real_sizes(n, q_block, kv_block, merge):
     q, k, v = _qkv(n, heads=4)
     generator = torch.Generator(device="cuda").manual_seed(1)
     mask = torch.rand(1, 4, -(-n // q_block), -(-n // kv_block), device="cuda", generator=generator) < 0.3
-    out, lse = sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, return_lse=True, precision="fp8")
+    out, lse = sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, return_lse=True, precision="fp8",
+                                backend="triton")
     rule, rule_lse = fp8_sparse_reference(q, k, v, mask, q_block, kv_block, return_lse=True)
     exact = sparse_reference(q.float(), k.float(), v.float(), mask, q_block, kv_block)
     assert _error(out, rule) < 3e-2 and _error(out, exact) < 6e-2

@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from natsim.kernels.common import fp8
-from natsim.kernels.gluon.fp8_forward import BLOCK_N, BlockLists, fp8_block_attention
+from natsim.kernels.gluon.fp8_forward import BLOCK_N, BlockLists
+from natsim.kernels.gluon.ops import fp8_block_attention
 from natsim.kernels.sparse.reference import sparse_reference
 
 
@@ -94,3 +95,23 @@ def test_lists_that_do_not_fit_the_call_are_refused():
         fp8_block_attention(q, k, v, torch.ones(1, 2, 3, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="boolean"):
         BlockLists.from_blocks(torch.ones(1, 2, 2, 2))
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(head_dim=96), "runs head_dim 64 or 128, got head_dim=96"),
+    (dict(q_block=64), "runs Q tiles of 128 tokens, got 64"),
+    (dict(kv_block=64), "runs KV tiles of 128 tokens, got 64"),
+    (dict(capability=(8, 0)), "does not run on a GPU of compute capability 8.0"),
+    (dict(capability=(10, 0)), "does not run on a GPU of compute capability 10.0"),
+    (dict(dtype=torch.float32), "runs dtypes"),
+    (dict(needs=("backward",)), "has no backward"),
+    (dict(needs=("partial_tiles",)), "has no partial tiles"),
+])
+def test_the_backend_table_says_what_the_kernel_does_not_run(call, message):
+    from natsim.kernels.backends import capabilities
+
+    table = capabilities("gluon", "masks")
+    assert table.refusal(dtype=torch.bfloat16, head_dim=128, q_block=128, kv_block=128, capability=(9, 0),
+                         needs=("fp8",)) is None
+    assert message in table.refusal(**{**dict(dtype=torch.bfloat16, head_dim=128, q_block=128, kv_block=128,
+                                              capability=(9, 0)), **call})

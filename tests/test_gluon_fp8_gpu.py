@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from natsim.kernels.gluon.fp8_forward import BLOCK_N, fp8_block_attention
+from natsim.kernels.gluon.fp8_forward import BLOCK_N
+from natsim.kernels.gluon.ops import fp8_block_attention
 from natsim.kernels.sparse.reference import sparse_reference
 
 pytestmark = [
@@ -70,3 +71,35 @@ def test_compiled_fullgraph_and_cuda_graph_replay():
         t.copy_(new)
     graph.replay()
     torch.testing.assert_close(replayed, fp8_block_attention(*static, mask), rtol=0, atol=0)
+
+
+def test_sparse_attention_in_fp8_runs_the_gluon_kernel_unless_told_otherwise():
+    from natsim.kernels import prepare_sparse, sparse_attention
+
+    q, k, v = (torch.randn(2, 1024, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = block_mask(2, 2, 1024, 0.5, 11).cuda()
+    gluon = fp8_block_attention(q, k, v, mask)
+    assert torch.equal(sparse_attention(q, k, v, mask, 128, 128, precision="fp8"), gluon)
+    work = prepare_sparse(mask, 128, 128, 1024, backward=False)
+    assert torch.equal(sparse_attention(q, k, v, work, precision="fp8"), gluon)
+    triton_fp8 = sparse_attention(q, k, v, mask, 128, 128, precision="fp8", backend="triton")
+    assert not torch.equal(triton_fp8, gluon)  # per-key scales and another kernel: the Triton FP8 path ran
+    ref = sparse_reference(q.float(), k.float(), v.float(), mask, 128, 128)
+    for out in (gluon, triton_fp8):
+        assert float((out.float() - ref).norm() / ref.norm()) < 6e-2
+
+
+@pytest.mark.parametrize("shape, window, stride", [((8, 16, 32), (4, 8, 8), (4, 8, 8)), ((4096,), (4096,), (1,))])
+def test_gna_in_fp8_on_whole_tiles_runs_the_gluon_kernel(shape, window, stride):
+    from natsim.kernels import chosen_backend, gna_attention, reference_attention
+
+    q, k, v = (torch.randn(1, *shape, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert chosen_backend(q, k, v, window, stride, precision="fp8") == "gluon"
+    out, lse = gna_attention(q, k, v, window, stride, precision="fp8", return_lse=True)
+    ref, ref_lse = reference_attention(q.float(), k.float(), v.float(), window, stride, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    assert float((out.float() - ref).norm() / ref.norm()) < 6e-2
+    assert float((lse - ref_lse).abs().max()) < 5e-2
+    compiled = torch.compile(lambda q, k, v: gna_attention(q, k, v, window, stride, precision="fp8"), fullgraph=True,
+                             dynamic=False)
+    torch.testing.assert_close(compiled(q, k, v), out, rtol=0, atol=0)

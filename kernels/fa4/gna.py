@@ -56,7 +56,8 @@ class Fa4Gna:
             return y.reshape(y.shape[0], *self.problem.shape, *y.shape[2:])
         return unpermute(y, self.problem.shape, self.q_tile, self.problem.dilation)
 
-    def _lse_from_order(self, lse: torch.Tensor) -> torch.Tensor:
+    def lse_from_order(self, lse: torch.Tensor) -> torch.Tensor:
+        """`[B, tokens, H]` in the Q tile's order -> `[B, *shape, H]`."""
         return self.from_order(lse[..., None])[..., 0]
 
     def forward_ordered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -74,7 +75,7 @@ class Fa4Gna:
                 return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """`(out, lse or None)` of `[B, *shape, H, D]` tensors, in that layout."""
         out, lse = self.forward_ordered(self.to_order(q), self.to_order(k), self.to_order(v), scale, return_lse)
-        return self.from_order(out), None if lse is None else self._lse_from_order(lse)
+        return self.from_order(out), None if lse is None else self.lse_from_order(lse)
 
     def backward(self, q, k, v, out, lse, grad_out, grad_lse, scale):
         """dq, dk, dv of `[B, *shape, H, D]` tensors from the forward's output and LSE `[B, *shape, H]`."""

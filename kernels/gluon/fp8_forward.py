@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import triton
@@ -32,8 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..common.fp8 import Fp8Tensors, lse_with_mean, quantize, refuse_gradients
-from ..sparse.reference import sparse_reference
+from ..common.fp8 import Fp8Tensors
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per block
@@ -288,14 +287,29 @@ LOADER_REGS = 24
 MAX_REGS = 168  # the kernel's budget per thread over its 12 warps: 3 x 168 = 2 x 240 + 24
 
 
+def refusal(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], q_block: int = BLOCK_M,
+            kv_block: int = BLOCK_N) -> Optional[str]:
+    """None where the kernel runs an FP8 call of bf16 / fp16 inputs of `dtype` and `head_dim` with these blocks
+    on a GPU of compute `capability`, else one sentence why not (what kernels/backends/gluon.py tabulates)."""
+    if capability[0] != 9:
+        major, minor = capability
+        return f"the Gluon FP8 kernel runs on Hopper GPUs (compute capability 9.x), got {major}.{minor}."
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon FP8 kernel quantizes bfloat16 or float16 inputs, got dtype={dtype}."
+    if head_dim not in HEAD_DIMS:
+        return f"the Gluon FP8 kernel runs head_dim 64 or 128, got head_dim={head_dim}."
+    if (q_block, kv_block) != (BLOCK_M, BLOCK_N):
+        return f"the Gluon FP8 kernel runs blocks of {BLOCK_M} x {BLOCK_N} tokens, got {q_block} x {kv_block}."
+    return None
+
+
 def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """What the kernel runs, refused with a sentence otherwise: Hopper GPUs (its wgmma and TMA; CPU tensors run
     the reference), bf16 or fp16 `[B, rows, heads, head_dim]` q, k, v on one device with k and v alike,
     head_dim 64 or 128."""
     if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise ValueError(f"the Gluon FP8 kernel runs on Hopper GPUs (compute capability 9.x), got "
-                         f"{torch.cuda.get_device_name(q.device)}; use precision='fp8' through natsim's Triton "
-                         f"kernels elsewhere.")
+        raise ValueError(refusal(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device))
+                         + " natsim's Triton kernels run precision='fp8' elsewhere.")
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q, k, v must be [B, rows, heads, head_dim] with k and v alike, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -306,62 +320,6 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"the Gluon FP8 kernel runs head_dim in {HEAD_DIMS}, got {q.shape[-1]}")
     if k.device != q.device or v.device != q.device:
         raise ValueError("q, k and v must be on one device")
-
-
-def fp8_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        blocks: Union[None, torch.Tensor, BlockLists] = None, scale: Optional[float] = None,
-                        return_lse: bool = False):
-    """Attention of bf16 / fp16 `[B, rows, heads, head_dim]` q, k, v in FP8 over the 128 x 128 blocks `blocks`
-    keeps (a boolean `[B|1, H|1, q_blocks, kv_blocks]` mask or its `BlockLists`; every block where None):
-    quantized by natsim's FP8 rule with K's scales shared by its blocks of 128 keys (kernels/common/fp8.py),
-    then the warp-specialized kernel on a Hopper GPU, or the rule's torch reference on CPU tensors. A registered
-    operator (`natsim::gluon_fp8_forward`): it compiles with `torch.compile(fullgraph=True)` and replays in CUDA
-    graphs. Returns the output in q's dtype, and with `return_lse` the LSE `[B, rows, heads]` (float32,
-    natural log) of the unquantized scores' definition."""
-    refuse_gradients("the Gluon FP8 kernel", q, k, v)  # the operator has no backward: train in bf16
-    lists = BlockLists.from_blocks(blocks) if isinstance(blocks, torch.Tensor) else blocks
-    counts, indices = (None, None) if lists is None else (lists.counts, lists.indices)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, lse = gluon_fp8_forward(q, k, v, counts, indices, scale, return_lse)
-    return (out, lse) if return_lse else out
-
-
-@torch.library.custom_op("natsim::gluon_fp8_forward", mutates_args=())
-def gluon_fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: Optional[torch.Tensor],
-                      indices: Optional[torch.Tensor], scale: float,
-                      return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_block_attention`'s operator: the kernel on CUDA tensors, the rule's reference on CPU tensors; the LSE
-    is empty without `return_lse`."""
-    lists = None if counts is None else BlockLists(counts, indices)
-    check_call(q, k, v)
-    if not q.is_cuda:
-        return _cpu_reference(q, k, v, lists, scale, return_lse)
-    x = quantize(q, k, v, k_block=BLOCK_N)
-    out, lse = launch(x, lists, scale, q.dtype, return_lse)
-    return out, (lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse)
-
-
-@gluon_fp8_forward.register_fake
-def _(q, k, v, counts, indices, scale, return_lse):
-    lse_shape = q.shape[:-1] if return_lse else (0,)
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
-
-
-def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Optional[BlockLists], scale: float,
-                   return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule's reference (K's scales shared by blocks of 128 keys, P rounded against the row's final maximum)
-    in float32 under the lists' block mask."""
-    batch, rows, heads, _ = q.shape
-    q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(k.shape[1], BLOCK_N)
-    mask = torch.ones(1, 1, q_blocks, kv_blocks, dtype=torch.bool)
-    if lists is not None:
-        lists.check(batch, heads, q_blocks, kv_blocks, q.device)
-        mask = lists.mask()
-    x = quantize(q, k, v, k_block=BLOCK_N)
-    out, lse = sparse_reference(*x.dequantized(), mask, BLOCK_M, BLOCK_N, scale, return_lse=True,
-                                quantized_probs=True)
-    lse = lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse.new_empty(0)
-    return out.to(q.dtype), lse
 
 
 def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: torch.dtype,

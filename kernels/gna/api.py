@@ -182,12 +182,12 @@ def gna_attention(
 def chosen_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntOrInts, stride: IntOrInts = 1,
                    dilation: IntOrInts = 1, causal: BoolOrBools = False, q_tile: Optional[IntOrInts] = None,
                    kv_tile: Optional[IntOrInts] = None, kv_tiling: Optional[str] = None,
-                   backend: Optional[str] = None) -> str:
-    """The backend `gna_attention` runs these arguments on: "triton", "fa4" or "reference" (CPU tensors), or the
-    sentence error it would raise (kernels/gna/choice.py)."""
+                   backend: Optional[str] = None, precision: Optional[str] = None) -> str:
+    """The backend `gna_attention` runs these arguments on: "triton", "fa4", "gluon" (FP8) or "reference" (CPU
+    tensors), or the sentence error it would raise (kernels/gna/choice.py)."""
     check_tensors(q, k, v)
     spec = GnaSpec.of(q.dim() - 3, window, stride, dilation, causal, q_tile=q_tile, kv_tile=kv_tile,
-                      kv_tiling=kv_tiling, backend=backend)
+                      kv_tiling=kv_tiling, backend=backend, precision=precision)
     return choose(spec, spec.problem(check_qkv(q, k, v)), q).backend
 
 

@@ -18,6 +18,7 @@ fewest blocks among those it runs (the catalog's, in the Q tile's token order), 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,17 +31,20 @@ from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from ..fa4.gna import Fa4Gna
 from ..fa4.rules import HEAD_DIMS as FA4_HEAD_DIMS
 from ..fa4.rules import device_refusal, gna_tile_refusal
+from ..gluon.fp8_forward import BLOCK_N as GLUON_BLOCK
+from ..gluon.fp8_forward import refusal as gluon_refusal
 from .launch import is_dense
 from .spec import GnaSpec
 from .tiles import default_tiles, tile_pairs
 
 @dataclass(frozen=True)
 class Choice:
-    """The backend of one call: "triton", "fa4" or "reference"; with FlashAttention-4 the geometry it runs (None:
-    dense attention over the flattened layout)."""
+    """The backend of one call: "triton", "fa4", "gluon" or "reference"; with FlashAttention-4 or the Gluon FP8
+    kernel the geometry it runs in the Q tile's token order (None: dense attention over the flattened layout)."""
 
     backend: str
     fa4: Optional[Fa4Gna] = None
+    gluon: Optional[Fa4Gna] = None
 
 
 def choose(spec: GnaSpec, problem: Problem, q: torch.Tensor) -> Choice:
@@ -58,6 +62,8 @@ def _choose(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.
         return Choice("triton" if interpreter else "reference")
     if spec.backend == "triton":
         return Choice("triton")
+    if spec.precision == "fp8" and spec.backend is None:
+        return _fp8_choice(spec, problem, device, dtype, head_dim)
     refusal, geometry = _fa4_geometry(spec, problem, device, dtype, head_dim)
     if spec.backend == "fa4":
         if refusal is not None:
@@ -67,6 +73,42 @@ def _choose(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.
                             or head_dim not in KERNEL_HEAD_DIMS):
         return Choice("fa4", geometry)
     return Choice("triton")
+
+
+def _fp8_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int) -> Choice:
+    """An FP8 call: the Gluon FP8 kernel (kernels/backends/gluon.py) where it runs the call and every block it
+    visits is a whole 128-token tile (dense attention over the flattened layout, or GNA on 128-token tiles in the
+    Q tile's order: measured faster than the Triton FP8 kernel on every such case, benchmarks/results/
+    fp8-gluon-*.json), natsim's Triton FP8 kernel elsewhere (partial tiles, inputs given in float8, frame ranges,
+    dynamic KV tiling, other head dims or GPUs)."""
+    capability = gpu_capability(device)
+    if (spec.out_dtype is not None or spec.frames is not None or spec.kv_tiling == "dynamic"
+            or gluon_refusal(dtype, head_dim, capability) is not None):
+        return Choice("triton")
+    if spec.q_tile is None and spec.kv_tile is None:
+        if is_dense(problem):
+            return Choice("gluon")
+        pairs = [(q, kv) for q, kv in tile_pairs(problem.shape, head_dim) if _gluon_tiles(problem, q, kv)]
+        if not pairs:
+            return Choice("triton")
+        fewest = min(pairs, key=lambda pair: simulate(problem, TileConfig(*pair)).visited_tiles)
+        return Choice("gluon", gluon=Fa4Gna(problem, *fewest))
+    q_tile = spec.q_tile if spec.q_tile is not None else spec.kv_tile
+    kv_tile = spec.kv_tile if spec.kv_tile is not None else spec.q_tile
+    if _tile_problem(problem, q_tile, kv_tile) is None and _gluon_tiles(problem, tuple(q_tile), tuple(kv_tile)):
+        return Choice("gluon", gluon=Fa4Gna(problem, tuple(q_tile), tuple(kv_tile)))
+    return Choice("triton")
+
+
+def gpu_capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device (a seam tests replace on machines without one)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def _gluon_tiles(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> bool:
+    """Tiles the Gluon FP8 kernel runs GNA on: one 128-token tile for queries and keys, every visited block full."""
+    return (tuple(q_tile) == tuple(kv_tile) and math.prod(q_tile) == GLUON_BLOCK
+            and _block_sparse(problem, tuple(q_tile), tuple(kv_tile)))
 
 
 def backward_refusal(choice: Choice, head_dim: int) -> Optional[str]:

@@ -26,6 +26,7 @@ from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_
 from ..common.headdim import head_dim_refusal
 from ..common.launch import has_tensor_descriptors, tensor_descriptors_enabled
 from ..fa4 import run as fa4_run
+from ..gluon.ops import gluon_fp8_forward
 from .backward import gna_backward
 from .checks import check_frames, check_kernel_inputs, check_qkv, kernel_tiles
 from .choice import Choice, backward_refusal, choose
@@ -94,6 +95,8 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
         return functools.partial(_run_reference, problem=problem, spec=spec)
     if choice.backend == "fa4":
         return functools.partial(_run_fa4, choice=choice, spec=spec)
+    if choice.backend == "gluon":
+        return functools.partial(_run_gluon, choice=choice, spec=spec)
     fp8 = spec.precision == "fp8"
     check_kernel_inputs(q, float8=spec.out_dtype is not None)
     if fp8:
@@ -129,6 +132,19 @@ def _scale(spec: GnaSpec, q: torch.Tensor) -> float:
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """`[B, *shape, H, D]` as one sequence `[B, N, H, D]`."""
     return t.reshape(t.shape[0], -1, *t.shape[-2:])
+
+
+def _run_gluon(q, k, v, *, choice: Choice, spec: GnaSpec) -> Output:
+    """The Gluon FP8 kernel: GNA of the chosen geometry on tokens in its Q tile's order (the simulator's full
+    blocks as its lists), or dense attention over the flattened layout."""
+    geometry, scale = choice.gluon, _scale(spec, q)
+    if geometry is None:
+        out, lse = gluon_fp8_forward(_flat(q), _flat(k), _flat(v), None, None, scale, spec.return_lse)
+        return out.view(q.shape), lse.view(q.shape[:-1]) if spec.return_lse else None
+    lists = geometry.lists(q.device)
+    out, lse = gluon_fp8_forward(geometry.to_order(q), geometry.to_order(k), geometry.to_order(v),
+                                 lists.forward[2], lists.forward[3], scale, spec.return_lse)
+    return geometry.from_order(out), geometry.lse_from_order(lse) if spec.return_lse else None
 
 
 def _run_fa4(q, k, v, *, choice: Choice, spec: GnaSpec) -> Output:

@@ -21,6 +21,9 @@ from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tens
 from ..fa4 import run as fa4_run
 from ..fa4.ops import fa4_blocks, lists_schema
 from ..fa4.rules import tile_refusal
+from ..gluon.fp8_forward import BlockLists
+from ..gluon.fp8_forward import refusal as gluon_refusal
+from ..gluon.ops import gluon_fp8_forward
 from .checks import check_work
 from .dispatch import sparse_forward_impl
 from .forward import run_sparse
@@ -110,6 +113,11 @@ def sparse_attention(
     if spec.pv_threshold is not None and tracked:
         raise ValueError(PV_SKIP_GRADIENT_REFUSAL)
     check_backend(backend)
+    gluon_blocks = _gluon_blocks(q, mask, spec, scales, backend)
+    if gluon_blocks is not None:
+        out, lse = gluon_fp8_forward(q, k, v, gluon_blocks.counts, gluon_blocks.indices, _scale(q, spec),
+                                     spec.return_lse)
+        return (out, lse) if return_lse else out
     if not prepared and backend == "fa4":
         if torch.compiler.is_compiling():
             raise ValueError("sparse_attention(..., backend='fa4') on a boolean mask prepares FlashAttention-4's lists "
@@ -154,6 +162,23 @@ def _attend_prepared(q, k, v, work: SparseWork, spec: SparseSpec, scales: Option
 
 def _scale(q: torch.Tensor, spec: SparseSpec) -> float:
     return q.shape[-1] ** -0.5 if spec.scale is None else spec.scale
+
+
+def _gluon_blocks(q: torch.Tensor, mask: Union[torch.Tensor, SparseWork], spec: SparseSpec,
+                  scales: Optional[Fp8Scales], backend: Optional[str]) -> Optional[BlockLists]:
+    """The block lists of an FP8 call that runs on the Gluon kernel (kernels/backends/gluon.py): CUDA bf16 /
+    fp16 inputs it quantizes, on a GPU it runs on, 128 x 128 blocks, no PV skip, and neither the call nor a
+    prepared work naming another backend; None for every other call (CPU tensors keep the FP8 rule's
+    reference, the interpreter natsim's Triton kernel)."""
+    requested = mask.requested if isinstance(mask, SparseWork) else None
+    if (not q.is_cuda or spec.precision != "fp8" or scales is not None or spec.pv_threshold is not None
+            or backend is not None or requested is not None):
+        return None
+    work = mask if isinstance(mask, SparseWork) else None
+    q_block, kv_block = (work.q_block, work.kv_block) if work is not None else (spec.q_block, spec.kv_block)
+    if gluon_refusal(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device), q_block, kv_block):
+        return None
+    return BlockLists.from_blocks((work.mask if work is not None else mask).to(q.device))
 
 
 def _on_fa4(work: SparseWork, q: torch.Tensor, spec: SparseSpec, scales: Optional[Fp8Scales], tracked: bool) -> bool:

@@ -1,0 +1,57 @@
+"""natsim's Gluon FP8 kernel (kernels/gluon/fp8_forward.py) as a backend: what it runs.
+
+A warp-specialized FP8 forward for Hopper over block-sparse lists of whole 128 x 128 tiles: attention under a
+block mask of 128-token blocks in `precision="fp8"`, from bf16 or fp16 inputs it quantizes itself (K's scales
+shared by key blocks). No element mask inside a tile, no backward, no PV skip, no inputs given in float8.
+`sparse_attention(..., precision="fp8")` and `gna_attention(..., precision="fp8")` take it wherever a call fits
+(kernels/gluon/fp8_forward.py, `refusal`; for GNA every visited block a whole tile), and natsim's Triton FP8
+kernel elsewhere, or where the call or its prepared work names a backend.
+
+Measured on an H100 beside the Triton FP8 kernel and FlashAttention-4's bf16 one, quantization included
+(benchmarks/results/fp8-gluon-*.json): dense 32,768 tokens 18.7 ms (Triton FP8 20.4, FlashAttention-4 19.5);
+random 128 x 128 masks at 70 % and 90 % sparsity 6.3 and 2.7 ms (8.0 and 3.5; 6.1 and 2.2).
+"""
+
+from __future__ import annotations
+
+from ..common.checks import KERNEL_DTYPES
+from ..gluon.fp8_forward import BLOCK_M, BLOCK_N, HEAD_DIMS
+from .capabilities import Capabilities
+
+__all__ = ["MASKS", "GNA"]
+
+MASKS = Capabilities(
+    name="Gluon FP8 block-mask",
+    devices=("cuda", "cpu"),  # CPU tensors run the FP8 rule's torch reference
+    dtypes=KERNEL_DTYPES,
+    head_dims=HEAD_DIMS,
+    q_blocks=(BLOCK_M,),
+    kv_blocks=(BLOCK_N,),
+    partial_tiles=False,
+    backward=False,
+    fp8=True,
+    dynamic_kv_tiling=False,
+    in_place_layouts=False,
+    frame_ranges=False,
+    min_capability=(9, 0),
+    max_capability=(9, 0),  # wgmma and TMA as Hopper has them
+)
+
+# GNA in FP8 on whole 128-token tiles in the Q tile's token order, or dense over the flattened layout
+# (kernels/gna/choice.py).
+GNA = Capabilities(
+    name="Gluon FP8 GNA",
+    devices=("cuda",),
+    dtypes=KERNEL_DTYPES,
+    head_dims=HEAD_DIMS,
+    q_blocks=(BLOCK_M,),
+    kv_blocks=(BLOCK_N,),
+    partial_tiles=False,
+    backward=False,
+    fp8=True,
+    dynamic_kv_tiling=False,
+    in_place_layouts=False,
+    frame_ranges=False,
+    min_capability=(9, 0),
+    max_capability=(9, 0),
+)

@@ -1,0 +1,71 @@
+"""The Gluon FP8 kernel's front: `fp8_block_attention` and its registered operator `natsim::gluon_fp8_forward`,
+which quantizes bf16 / fp16 inputs by natsim's FP8 rule (K's scales shared by key blocks) and runs the kernel
+(kernels/gluon/fp8_forward.py) on a Hopper GPU, or the rule's torch reference on CPU tensors. `sparse_attention`
+and `gna_attention` with `precision="fp8"` reach the operator where the kernel takes the call."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+
+from ..common.fp8 import lse_with_mean, quantize, refuse_gradients
+from .fp8_forward import BLOCK_M, BLOCK_N, BlockLists, check_call, launch
+
+
+def fp8_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        blocks: Union[None, torch.Tensor, BlockLists] = None, scale: Optional[float] = None,
+                        return_lse: bool = False):
+    """Attention of bf16 / fp16 `[B, rows, heads, head_dim]` q, k, v in FP8 over the 128 x 128 blocks `blocks`
+    keeps (a boolean `[B|1, H|1, q_blocks, kv_blocks]` mask or its `BlockLists`; every block where None):
+    quantized by natsim's FP8 rule with K's scales shared by its blocks of 128 keys (kernels/common/fp8.py),
+    then the warp-specialized kernel on a Hopper GPU, or the rule's torch reference on CPU tensors. A registered
+    operator (`natsim::gluon_fp8_forward`): it compiles with `torch.compile(fullgraph=True)` and replays in CUDA
+    graphs. Returns the output in q's dtype, and with `return_lse` the LSE `[B, rows, heads]` (float32,
+    natural log) of the unquantized scores' definition."""
+    refuse_gradients("the Gluon FP8 kernel", q, k, v)  # the operator has no backward: train in bf16
+    lists = BlockLists.from_blocks(blocks) if isinstance(blocks, torch.Tensor) else blocks
+    counts, indices = (None, None) if lists is None else (lists.counts, lists.indices)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, lse = gluon_fp8_forward(q, k, v, counts, indices, scale, return_lse)
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("natsim::gluon_fp8_forward", mutates_args=())
+def gluon_fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: Optional[torch.Tensor],
+                      indices: Optional[torch.Tensor], scale: float,
+                      return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_block_attention`'s operator: the kernel on CUDA tensors, the rule's reference on CPU tensors; the LSE
+    is empty without `return_lse`."""
+    lists = None if counts is None else BlockLists(counts, indices)
+    check_call(q, k, v)
+    if not q.is_cuda:
+        return _cpu_reference(q, k, v, lists, scale, return_lse)
+    x = quantize(q, k, v, k_block=BLOCK_N)
+    out, lse = launch(x, lists, scale, q.dtype, return_lse)
+    return out, (lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse)
+
+
+@gluon_fp8_forward.register_fake
+def _(q, k, v, counts, indices, scale, return_lse):
+    lse_shape = q.shape[:-1] if return_lse else (0,)
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Optional[BlockLists], scale: float,
+                   return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule's reference (K's scales shared by blocks of 128 keys, P rounded against the row's final maximum)
+    in float32 under the lists' block mask."""
+    from ..sparse.reference import sparse_reference  # the sparse room routes FP8 calls here: import on use
+    batch, rows, heads, _ = q.shape
+    q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(k.shape[1], BLOCK_N)
+    mask = torch.ones(1, 1, q_blocks, kv_blocks, dtype=torch.bool)
+    if lists is not None:
+        lists.check(batch, heads, q_blocks, kv_blocks, q.device)
+        mask = lists.mask()
+    x = quantize(q, k, v, k_block=BLOCK_N)
+    out, lse = sparse_reference(*x.dequantized(), mask, BLOCK_M, BLOCK_N, scale, return_lse=True,
+                                quantized_probs=True)
+    lse = lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse.new_empty(0)
+    return out.to(q.dtype), lse
