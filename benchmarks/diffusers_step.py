@@ -9,29 +9,35 @@ with fewer layers, which leaves each layer's share of the step as it is), on the
 random latent, timestep and text states. Per case, side by side in one process:
 - the step (one forward pass) with the model's own attention (diffusers' default: torch's SDPA), eager and
   under `compile_repeated_blocks(fullgraph=True)` (the whole model under `torch.compile(fullgraph=True)` for
-  CogVideoX, which declares no repeated blocks);
+  the classes that declare no repeated blocks: CogVideoX); where Dynamo cannot trace a step whole (a graph
+  break, a data-dependent shape), it is compiled again with graph breaks allowed and the JSON says why
+  (`own_graph_break`, `natsim_graph_break`);
 - the same with `natsim.integrations.diffusers.apply(model, ...)`: eager and compiled;
-- the attention alone at the case's layout: the model's own (SDPA over the routed q, k, v, captured from the
-  step) against natsim's (the router's call on them), its speedup `s`;
+- the attention alone at the case's layout: the model's own (SDPA over the q, k, v and mask of the first call
+  natsim serves over a whole layout, captured from the step) against natsim's (the call of the router, or split
+  view, that served it), its speedup `s`;
 - the attention share of the step, `a = calls x the model's own attention / the model's own step` (calls: the
-  routed attention modules, each called once a step), and Amdahl's ceiling for the step,
-  `1 / ((1 - a) + a / s)`, and the fraction of it the step reaches;
+  attention calls natsim serves in a step), and Amdahl's ceiling for the step, `1 / ((1 - a) + a / s)`, and the
+  fraction of it the step reaches;
 - the relative difference of natsim's step output to the model's own, and the plan natsim made (its backend);
 - where the model keeps the plan's tile order (integrations/diffusers/order.py: FlashAttention-4 plans), the
   compiled step again with `tile_order=False` (every attention call permuting its tokens), beside it.
-Medians of `--steps` timed steps after warm-up (synchronised wall clock). Writes
-`diffusers-step-<device>-<date>.json`; the table comes last.
+Medians of `--steps` timed steps after warm-up (synchronised wall clock). Each case starts from a reset Dynamo
+(it compiles as in a fresh process). Writes `diffusers-step-<device>-<date>.json`; the table comes last.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +74,8 @@ CASES = {
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+SMALL_TEXT = 6
 SMALL = {
     "WanTransformer3DModel": dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=32, text_dim=32, freq_dim=32,
                                   ffn_dim=64, num_layers=2, rope_max_seq_len=32),
@@ -91,54 +99,110 @@ def small_case(name: str) -> tuple:
     small_layout = (8, 8) if len(layout) == 2 else (2, 4, 8)
     if "window" in options:
         options = dict(window=tuple(max(1, n // 2) for n in small_layout))
-    return cls_name, SMALL[cls_name], small_layout, 6, dict(options, dtype=torch.float16)
+    return cls_name, SMALL[cls_name], small_layout, SMALL_TEXT, dict(options, dtype=torch.float16)
 
 
 def build(cls_name: str, config: dict):
+    """A model of class `cls_name` from `config` with random weights, on DEVICE in DTYPE, in eval mode."""
     import diffusers
 
     with torch.device(DEVICE):
         model = getattr(diffusers, cls_name)(**config)
-    return model.to(torch.bfloat16 if DEVICE == "cuda" else torch.float32).eval()
+    return model.to(DTYPE).eval()
+
+
+@dataclass(frozen=True)
+class Draw:
+    """Random forward arguments for a model of `config` whose latent patches into the token `layout`, with
+    `text` prompt tokens: batch 1, on DEVICE, in the model's dtype (bf16 on the GPU)."""
+
+    config: dict
+    layout: tuple
+    text: int
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(shape, device=DEVICE, dtype=DTYPE)
+
+    def ones(self, *shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.ones(shape, device=DEVICE, dtype=dtype)
+
+    def full(self, value: float) -> torch.Tensor:
+        """A batch of one timestep (or guidance): int64 for an int `value`, float32 for a float."""
+        return torch.full((1,), value, device=DEVICE)
+
+    def sizes(self) -> tuple:
+        """The latent's sizes before patching: the layout times the config's patch sizes (`patch_size`, a
+        number or a (t, h, w) tuple, and `patch_size_t` for video)."""
+        patch = self.config.get("patch_size", 1)
+        if not isinstance(patch, (tuple, list)):
+            patch = (patch, patch) if len(self.layout) == 2 else (self.config.get("patch_size_t") or 1, patch, patch)
+        return tuple(n * p for n, p in zip(self.layout, patch))
+
+    def latent(self, channels: int) -> torch.Tensor:
+        """A `[1, channels, (F,) H, W]` latent."""
+        return self.randn(1, channels, *self.sizes())
+
+    def prompt(self, dim: int) -> torch.Tensor:
+        """`[1, text, dim]` text encoder states."""
+        return self.randn(1, self.text, dim)
+
+
+def _wan(d: Draw) -> dict:
+    c = d.config
+    return dict(hidden_states=d.latent(c["in_channels"]), timestep=d.full(500),
+                encoder_hidden_states=d.prompt(c["text_dim"]), return_dict=False)
+
+
+def _hunyuan(d: Draw) -> dict:
+    c = d.config
+    return dict(hidden_states=d.latent(c["in_channels"]), timestep=d.full(500),
+                encoder_hidden_states=d.prompt(c["text_embed_dim"]), encoder_attention_mask=d.ones(1, d.text),
+                pooled_projections=d.randn(1, c["pooled_projection_dim"]), guidance=d.full(6000.0), return_dict=False)
+
+
+def _cogvideox(d: Draw) -> dict:
+    frames, height, width = d.sizes()  # CogVideoX's latent is [B, F, C, H, W]
+    return dict(hidden_states=d.randn(1, frames, d.config["in_channels"], height, width), timestep=d.full(500),
+                encoder_hidden_states=d.prompt(d.config["text_embed_dim"]), return_dict=False)
+
+
+def _ltx(d: Draw) -> dict:
+    frames, height, width = d.sizes()  # LTX-Video's latent comes as tokens, its sizes as arguments
+    return dict(hidden_states=d.randn(1, math.prod(d.layout), d.config["in_channels"]), timestep=d.full(500),
+                encoder_hidden_states=d.prompt(d.config["caption_channels"]), encoder_attention_mask=d.ones(1, d.text),
+                num_frames=frames, height=height, width=width, return_dict=False)
+
+
+def _image_ids(layout: tuple) -> torch.Tensor:
+    """FLUX's (index, row, column) position ids of an image's tokens, row-major, the index zero."""
+    rows, cols = torch.meshgrid(*(torch.arange(n, device=DEVICE) for n in layout), indexing="ij")
+    return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+
+
+def _flux(d: Draw) -> dict:
+    c = d.config
+    return dict(hidden_states=d.randn(1, math.prod(d.layout), c["in_channels"]),
+                encoder_hidden_states=d.prompt(c["joint_attention_dim"]),
+                pooled_projections=d.randn(1, c["pooled_projection_dim"]), timestep=d.full(0.5),
+                img_ids=_image_ids(d.layout), txt_ids=torch.zeros(d.text, 3, device=DEVICE),
+                guidance=d.full(3.5), return_dict=False)
+
+
+INPUTS = {
+    "WanTransformer3DModel": _wan,
+    "HunyuanVideoTransformer3DModel": _hunyuan,
+    "CogVideoXTransformer3DModel": _cogvideox,
+    "LTXVideoTransformer3DModel": _ltx,
+    "FluxTransformer2DModel": _flux,
+}
 
 
 def inputs(cls_name: str, config: dict, layout: tuple, text: int) -> dict:
-    """Random forward arguments whose latent patches into `layout` (batch 1, bf16 on the GPU)."""
-    def randn(*shape):
-        return torch.randn(shape, device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32)
-
-    timestep = torch.full((1,), 500, device=DEVICE)
-    if cls_name == "WanTransformer3DModel":
-        frames, height, width = layout[0], layout[1] * 2, layout[2] * 2
-        return dict(hidden_states=randn(1, config["in_channels"], frames, height, width), timestep=timestep,
-                    encoder_hidden_states=randn(1, text, config["text_dim"]), return_dict=False)
-    if cls_name == "HunyuanVideoTransformer3DModel":
-        frames, height, width = layout[0], layout[1] * 2, layout[2] * 2
-        return dict(hidden_states=randn(1, config["in_channels"], frames, height, width), timestep=timestep,
-                    encoder_hidden_states=randn(1, text, config["text_embed_dim"]),
-                    encoder_attention_mask=torch.ones(1, text, device=DEVICE, dtype=torch.long),
-                    pooled_projections=randn(1, config["pooled_projection_dim"]),
-                    guidance=torch.full((1,), 6000.0, device=DEVICE), return_dict=False)
-    if cls_name == "CogVideoXTransformer3DModel":
-        frames, height, width = layout[0], layout[1] * 2, layout[2] * 2
-        return dict(hidden_states=randn(1, frames, config["in_channels"], height, width), timestep=timestep,
-                    encoder_hidden_states=randn(1, text, config["text_embed_dim"]), return_dict=False)
-    if cls_name == "LTXVideoTransformer3DModel":
-        frames, height, width = layout
-        return dict(hidden_states=randn(1, frames * height * width, config["in_channels"]), timestep=timestep,
-                    encoder_hidden_states=randn(1, text, config["caption_channels"]),
-                    encoder_attention_mask=torch.ones(1, text, device=DEVICE, dtype=torch.long),
-                    num_frames=frames, height=height, width=width, return_dict=False)
-    if cls_name == "FluxTransformer2DModel":
-        h, w = layout
-        rows, cols = torch.meshgrid(torch.arange(h, device=DEVICE), torch.arange(w, device=DEVICE), indexing="ij")
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
-        return dict(hidden_states=randn(1, h * w, config["in_channels"]),
-                    encoder_hidden_states=randn(1, text, config["joint_attention_dim"]),
-                    pooled_projections=randn(1, config["pooled_projection_dim"]), timestep=timestep / 1000,
-                    img_ids=img_ids, txt_ids=torch.zeros(text, 3, device=DEVICE),
-                    guidance=torch.full((1,), 3.5, device=DEVICE), return_dict=False)
-    raise ValueError(f"no inputs for {cls_name}")
+    """Random forward arguments for a model of class `cls_name` built from `config`, whose latent patches into
+    `layout`, with `text` prompt tokens (batch 1, on DEVICE, bf16 on the GPU), as its pipeline passes them."""
+    if cls_name not in INPUTS:
+        raise ValueError(f"no inputs for {cls_name}")
+    return INPUTS[cls_name](Draw(config, tuple(layout), text))
 
 
 def synchronize() -> None:
@@ -166,22 +230,76 @@ def step_ms(model, args: dict, steps: int) -> tuple[float, torch.Tensor]:
         return median_ms(lambda: model(**args), steps), model(**args)[0]
 
 
-def captured_qkv(model, args: dict, applied) -> tuple:
-    """q, k, v of the first routed attention call of a forward pass (what natsim replaces)."""
-    router = applied.router
-    seen = []
-    attend = router.attend
+@dataclass
+class Captured:
+    """The first attention call of a forward pass that natsim served over its router's whole layout (q, k, v and
+    the mask as the model's processor hands them over), the router or split view that served it, and how many
+    calls natsim served in the pass (the model's calls that natsim leaves to the model not counted)."""
 
-    def capture(q, k, v, mask, scale):
-        if not seen and q.shape[1] == k.shape[1] and q.shape[1] >= math.prod(router.layout):
-            seen.append((q.clone(), k.clone(), v.clone(), mask))
-        return attend(q, k, v, mask, scale)
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    router: object
+    calls: int
 
-    router.attend = capture
-    with torch.no_grad():
-        model(**args)
-    router.attend = attend
-    return seen[0]
+
+def captured_qkv(model, args: dict, applied) -> Captured:
+    """What natsim replaces in a forward pass: its first call over a whole layout (Latte's: over a frame's
+    (height, width), its temporal split being the model's), and the number of calls it serves."""
+    routers = [applied.router, *applied.router.views]
+    seen, calls = [], []
+
+    def capturing(router):
+        attend = router.attend
+
+        def attend_and_capture(q, k, v, mask, scale):
+            out = attend(q, k, v, mask, scale)
+            if out is not None:
+                calls.append(q.shape)
+                if not seen and q.shape[1] >= math.prod(router.layout):
+                    seen.append((q.clone(), k.clone(), v.clone(), mask, router))
+            return out
+        return attend_and_capture
+
+    for router in routers:
+        router.attend = capturing(router)
+    try:
+        with torch.no_grad():
+            model(**args)
+    finally:
+        for router in routers:
+            del router.attend  # the class's method again
+    if not seen:
+        raise ValueError(f"natsim served no attention call of {type(model).__name__} over its layout.")
+    return Captured(*seen[0], calls=len(calls))
+
+
+def compile_step(model, fullgraph: bool = True):
+    """The model compiled as the step is measured: `compile_repeated_blocks` where the class declares repeated
+    blocks, else the whole model under `torch.compile` (aot_eager on the CPU)."""
+    backend = {} if DEVICE == "cuda" else {"backend": "aot_eager"}
+    if model._repeated_blocks:
+        model.compile_repeated_blocks(fullgraph=fullgraph, **backend)
+        return model
+    return torch.compile(model, fullgraph=fullgraph, **backend)
+
+
+def compiled_step_ms(model, args: dict, steps: int) -> tuple[float, torch.Tensor, Optional[str]]:
+    """`step_ms` of the compiled model under `fullgraph=True`, or, where Dynamo cannot trace the step whole (a
+    graph break, a data-dependent shape), compiled again with graph breaks allowed; then with the reason."""
+    try:
+        return (*step_ms(compile_step(model), args, steps), None)
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as error:
+        torch._dynamo.reset()
+        return (*step_ms(compile_step(model, fullgraph=False), args, steps), break_reason(error))
+
+
+def break_reason(error: Exception) -> str:
+    """Dynamo's error in a line: its first, and the user code line it stopped at."""
+    lines = str(error).splitlines()
+    where = [line.strip() for line in lines if line.strip().startswith('File "')]
+    return lines[0] + (f" ({where[-1]})" if where else "")
 
 
 def run_case(name: str, steps: int, small: bool = False) -> dict:
@@ -212,29 +330,25 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
                                                  / own_out.float().norm())
 
     # The attention alone: the model's own over the routed q, k, v, against natsim's; its share of the steps.
-    q, k, v, mask = captured_qkv(model, args, applied)
+    captured = captured_qkv(model, args, applied)
+    q, k, v, mask = captured.q, captured.k, captured.v, captured.mask
     with torch.no_grad():
         own_attention = median_ms(lambda: F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask), 5)
-        natsim_attention = median_ms(lambda: applied.router.attend(q, k, v, mask, None), 5)
+        natsim_attention = median_ms(lambda: captured.router.attend(q, k, v, mask, None), 5)
     speedup = own_attention / natsim_attention
-    calls = len(applied.originals)
+    calls = record["attention_calls"] = captured.calls
+    del captured, q, k, v, mask
 
     nd.remove(model)
-    backend = {} if DEVICE == "cuda" else {"backend": "aot_eager"}
-    if model._repeated_blocks:
-        model.compile_repeated_blocks(fullgraph=True, **backend)
-        compiled = model
-    else:  # CogVideoX declares no repeated blocks: the whole model
-        compiled = torch.compile(model, fullgraph=True, **backend)
     record["compiled"] = "repeated blocks" if model._repeated_blocks else "whole model"
-    own_compiled_ms, _ = step_ms(compiled, args, steps)
+    own_compiled_ms, _, record["own_graph_break"] = compiled_step_ms(model, args, steps)
     nd.apply(model, **options)
-    natsim_compiled_ms, compiled_out = step_ms(compiled, args, steps)
+    natsim_compiled_ms, compiled_out, record["natsim_graph_break"] = compiled_step_ms(model, args, steps)
     if record["tile_order"] is not None:  # the same plan with every call permuting its tokens (no model order)
         nd.remove(model)
         nd.apply(model, **options, tile_order=False)
-        record["natsim_compiled_row_major_step_ms"], _ = step_ms(compiled, args, steps)
+        record["natsim_compiled_row_major_step_ms"], _, _ = compiled_step_ms(model, args, steps)
     share = min(1.0, calls * own_attention / own_ms)
     share_compiled = min(1.0, calls * own_attention / own_compiled_ms)
 
@@ -253,9 +367,16 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
     )
     record["fraction_of_ceiling"] = record["step_speedup"] / record["ceiling"]
     record["fraction_of_ceiling_compiled"] = record["compiled_step_speedup"] / record["ceiling_compiled"]
-    del model
-    torch.cuda.empty_cache()
     return record
+
+
+def fresh() -> None:
+    """Forget the previous case: Dynamo's compiled code (each case compiles as in a fresh process, static
+    shapes) and the GPU memory it held."""
+    torch._dynamo.reset()
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run_header(kind: str, out: Path) -> tuple[dict, Path]:
@@ -280,6 +401,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result, path = run_header("step", args.out)
     for name in args.cases.split(","):
+        fresh()
         record = run_case(name, args.steps, args.small)
         print(json.dumps(record), flush=True)
         result["records"].append(record)
