@@ -1,6 +1,7 @@
 """A denoising step of diffusers video and image transformers with natsim, against the model's own attention,
 eager and compiled, one run, one JSON:
 
+    python benchmarks/diffusers_step.py --out DIR --group wan-14b           # a group of cases: GROUPS below
     python benchmarks/diffusers_step.py --out DIR [--cases wan-480p,sd3-1024,...] [--steps 5]
     python benchmarks/diffusers_step.py --out /tmp/x --small      # CPU smoke test: tiny models, every case
 
@@ -15,7 +16,7 @@ Per case, side by side in one process:
   under `compile_repeated_blocks(fullgraph=True)` (the whole model under `torch.compile(fullgraph=True)` for the
   classes that declare no repeated blocks: CogVideoX, Mochi, Allegro, Cosmos, Latte, SD3, PixArt, CogView4);
   where Dynamo cannot trace a step whole (a graph break, a data-dependent shape), it is compiled again with graph
-  breaks allowed and the JSON says why (`own_graph_break`, `natsim_graph_break`);
+  breaks allowed and the JSON says why (`own_graph_break`, `natsim_graph_break`; the table's "graph");
 - the same with `natsim.integrations.diffusers.apply(model, ...)`: eager and compiled;
 - the attention alone at the case's layout: the model's own (SDPA over the q, k, v and mask of the first call
   natsim serves over a whole layout, captured from the step: Latte's over a frame) against natsim's (the router's
@@ -28,7 +29,7 @@ Per case, side by side in one process:
 - where the model keeps the plan's tile order (integrations/diffusers/order.py: FlashAttention-4 plans), the
   compiled step again with `tile_order=False` (every attention call permuting its tokens), beside it.
 Medians of `--steps` timed steps after warm-up (synchronised wall clock). Each case starts from a reset Dynamo
-(it compiles as in a fresh process). Writes `diffusers-step-<device>-<date>.json` after each case; the
+(it compiles as in a fresh process). Writes `diffusers-step[-GROUP]-<device>-<date>.json` after each case; the
 table comes last.
 """
 
@@ -257,6 +258,23 @@ SMALL = {
 }
 # Latte's split attention over a frame's (height, width) needs a frame of at least one tile (64 tokens) to route
 SMALL_LAYOUTS = {"LatteTransformer3DModel": (2, 8, 8)}
+
+
+# Cases run in one process (--group), each group estimated at 8 minutes or less on one H100: per case the model's
+# build, 4 configurations x (2 warm-up + 5 timed steps), the natsim kernels' first compile, and two compiles of
+# the step (whole-model compiles take longest; a natsim step that breaks the graph compiles a third time).
+GROUPS = {
+    "wan": ("wan-480p", "wan-720p"),
+    "hunyuan-flux": ("hunyuan-720p", "flux-2048"),
+    "cogvideox-ltx": ("cogvideox-5b", "ltx-video"),
+    "wan-14b": ("wan-vace-720p", "wan-animate-720p"),
+    "video-wan-ltx2": ("chronoedit-480p", "skyreels-v2-540p", "ltx2-512p"),
+    "video-joint": ("hunyuanvideo15-720p", "motif-video-736p"),
+    "video-whole-a": ("mochi-480p", "latte-512"),
+    "video-whole-b": ("allegro-720p", "cosmos-704p"),
+    "image-a": ("flux2-1024", "qwenimage-1024", "sd3-1024"),
+    "image-b": ("pixart-sigma-1024", "cogview4-1024"),
+}
 
 
 def small_case(name: str) -> tuple:
@@ -705,31 +723,50 @@ def run_header(kind: str, out: Path) -> tuple[dict, Path]:
     return result, out / f"diffusers-{kind}-{device.replace(' ', '_')}-{result['date']}.json"
 
 
+def graph(record: dict) -> str:
+    """How the compiled steps traced: "full" (fullgraph), else whose step broke the graph."""
+    broken = [who for who in ("own", "natsim") if record[f"{who}_graph_break"]]
+    return "full" if not broken else "+".join(broken) + " breaks"
+
+
+def print_table(records: list) -> None:
+    print(f"\n{'case':20s} {'share e/c':>10s} {'attn x':>7s} {'eager x':>8s} {'ceil':>6s} {'own c ms':>9s} "
+          f"{'compiled x':>10s} {'ceil':>6s} {'of ceil':>8s} {'diff':>8s} {'backend':>8s} {'graph':>13s} "
+          f"{'order ms / row-major ms':>24s}")
+    for r in records:
+        ordered = (f"{r['natsim_compiled_step_ms']:.1f} / {r['natsim_compiled_row_major_step_ms']:.1f}"
+                   if r["tile_order"] is not None else "-")
+        print(f"{r['case']:20s} {r['attention_share']:.2f}/{r['attention_share_compiled']:.2f} "
+              f"{r['attention_speedup']:7.2f} {r['step_speedup']:8.2f} {r['ceiling']:6.2f} "
+              f"{r['own_compiled_step_ms']:9.1f} {r['compiled_step_speedup']:10.2f} {r['ceiling_compiled']:6.2f} "
+              f"{r['fraction_of_ceiling_compiled']:8.2f} {r['output_relative_difference']:8.1e} "
+              f"{r['plan']['backend']:>8s} {graph(r):>13s} {ordered:>24s}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
+    parser.add_argument("--cases", help=f"comma-separated, from {', '.join(CASES)} (default: all)")
+    parser.add_argument("--group", choices=GROUPS, help="a group of cases that runs in about 8 minutes on one H100: "
+                        + "; ".join(f"{name}: {', '.join(cases)}" for name, cases in GROUPS.items()))
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     parser.add_argument("--small", action="store_true", help="tiny models on the CPU (a smoke test of the script)")
     args = parser.parse_args(argv)
+    if args.cases and args.group:
+        parser.error("give --cases or --group, not both")
+    names = GROUPS[args.group] if args.group else args.cases.split(",") if args.cases else list(CASES)
+    unknown = [name for name in names if name not in CASES]
+    if unknown:
+        parser.error(f"no case {', '.join(unknown)}; the cases: {', '.join(CASES)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    result, path = run_header("step", args.out)
-    for name in args.cases.split(","):
+    result, path = run_header(f"step-{args.group}" if args.group else "step", args.out)
+    for name in names:
         fresh()
         record = run_case(name, args.steps, args.small)
         print(json.dumps(record), flush=True)
         result["records"].append(record)
         path.write_text(json.dumps(result, indent=1))
-    print(f"\n{'case':14s} {'share e/c':>10s} {'attn x':>7s} {'eager x':>8s} {'ceil':>6s} {'compiled x':>10s} {'ceil':>6s}"
-          f" {'of ceil':>8s} {'diff':>8s} {'backend':>8s} {'order ms / row-major ms':>24s}")
-    for r in result["records"]:
-        ordered = (f"{r['natsim_compiled_step_ms']:.1f} / {r['natsim_compiled_row_major_step_ms']:.1f}"
-                   if r["tile_order"] is not None else "-")
-        print(f"{r['case']:14s} {r['attention_share']:.2f}/{r['attention_share_compiled']:.2f} "
-              f"{r['attention_speedup']:7.2f} {r['step_speedup']:8.2f} {r['ceiling']:6.2f} "
-              f"{r['compiled_step_speedup']:10.2f} {r['ceiling_compiled']:6.2f} "
-              f"{r['fraction_of_ceiling_compiled']:8.2f} {r['output_relative_difference']:8.1e} "
-              f"{r['plan']['backend']:>8s} {ordered:>24s}")
+    print_table(result["records"])
 
 
 if __name__ == "__main__":
