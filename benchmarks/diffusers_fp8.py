@@ -83,14 +83,15 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
                 {"window": list(p.problem.window), "stride": list(p.problem.stride), "q_tile": list(p.tiles.q_tile),
                  "kv_tile": list(p.tiles.kv_tile), "kv_tiling": p.tiles.kv_tiling, "precision": p.precision}
                 for p in applied.plans.values()]
-            q, k, v, mask = captured_qkv(model, args, applied)
+            captured = captured_qkv(model, args, applied)
+            q, k, v, mask = captured.q, captured.k, captured.v, captured.mask
             with torch.no_grad():
                 if "own" not in attention_ms:
                     attention_ms["own"] = median_ms(lambda: F.scaled_dot_product_attention(
                         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask), 5)
-                attention_ms[run] = median_ms(lambda: applied.router.attend(q, k, v, mask, None), 5)
-            record["attention_calls"] = len(applied.originals)
-            del q, k, v, mask
+                attention_ms[run] = median_ms(lambda: captured.router.attend(q, k, v, mask, None), 5)
+            record["attention_calls"] = captured.calls
+            del captured, q, k, v, mask
             nd.remove(model)
     record["step_ms"] = step_ms
     record["attention_ms"] = attention_ms
