@@ -406,3 +406,25 @@ def test_a_model_at_a_released_head_dim_plans_and_reproduces_its_attention(head_
         routed = model(**inputs)[0]
     assert [key[2] for key in applied.plans] == [head_dim]
     assert float((routed - own).norm() / own.norm()) < 2e-2  # bfloat16 kernels against the float32 model
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_each_class_compiles_with_natsim_without_graph_breaks_or_recompiles(case, reference_path):
+    """natsim adds no graph break: each class's repeated blocks (the whole model where it declares none) compile
+    with fullgraph=True and natsim's sparse attention in them, and a second step recompiles nothing (Dynamo's
+    guards and graph breaks do not depend on the backend: "eager" keeps the test short)."""
+    torch._dynamo.reset()
+    model = diffusers_models.build(case.name, layers=1, frames=case.layout[0])
+    inputs = diffusers_models.inputs(case.name, case.layout, batch=2, reference=case.reference)
+    nd.apply(model, window=sparse_window(case.layout), dtype=torch.float16)
+    with torch.no_grad():
+        eager = model(**inputs)[0]
+        if model._repeated_blocks:
+            model.compile_repeated_blocks(fullgraph=True, backend="eager")
+            run = model
+        else:
+            run = torch.compile(model, fullgraph=True, backend="eager")
+        run(**inputs)  # compiles
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            assert torch.equal(run(**inputs)[0], eager)
+    torch._dynamo.reset()

@@ -33,6 +33,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 import torch.nn.functional as F
 
 from natsim.kernels import TileOrder, attention_resolved
@@ -103,9 +104,11 @@ class Router:
         if self.layout is None or q.dim() != 4 or q.shape[1] != k.shape[1] or k.shape != v.shape:
             return None
         video = math.prod(self.layout)
-        if q.shape[1] == video and key_mask is None:
+        # A class that drops a sample's padding text tokens (Mochi) gives a token count that is data-dependent
+        # under torch.compile: undecidable comparisons take the joint route, which serves any count past video.
+        if guard_or_false(q.shape[1] == video) and key_mask is None:
             return self._video(q, k, v, scale)
-        if q.shape[1] > video:
+        if guard_or_true(q.shape[1] > video):
             return self._joint(q, k, v, video, key_mask, scale)
         return None
 
@@ -160,16 +163,30 @@ class Router:
             mask = _other(other_rows[:, :, :before], other_rows[:, :, before + video:], dim=2)
         else:
             mask = None if keep is None else keep[:, None, None, :]
-        other_out = F.scaled_dot_product_attention(qo.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                   attn_mask=mask, scale=scale).transpose(1, 2)
+        other_out = _every_key(qo, k, v, mask, scale)
         return torch.cat([other_out[:, :before], video_out, other_out[:, before:]], dim=1)
+
+
+def _every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+               scale: float) -> torch.Tensor:
+    """`[B, Nq, heads, D]` queries attending every key as the model does (SDPA). A query count that is
+    data-dependent under torch.compile (padding text dropped, Mochi) may be 0, which SDPA cannot take: one
+    query row more (and its mask row, masked) is attended and dropped."""
+    rows = q.shape[1]
+    if not guard_or_false(rows > 0):
+        q = F.pad(q, (0, 0, 0, 0, 0, 1))
+        if mask is not None and mask.shape[2] != 1:
+            mask = F.pad(mask, (0, 0, 0, 1), value=False if mask.dtype == torch.bool else float("-inf"))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         scale=scale).transpose(1, 2)
+    return out[:, :rows]
 
 
 def _other(before: torch.Tensor, after: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """The tokens outside the layout, those before the video tokens then those after them."""
-    if after.shape[dim] == 0:
+    if guard_or_false(after.shape[dim] == 0):
         return before
-    return after if before.shape[dim] == 0 else torch.cat([before, after], dim=dim)
+    return after if guard_or_false(before.shape[dim] == 0) else torch.cat([before, after], dim=dim)
 
 
 def _masks(mask: Optional[torch.Tensor], batch: int, tokens: int, first_video: int):

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 CHUNK_SCORES = 1 << 25  # scores per chunk of queries in the backward (128 MiB in float32)
 
@@ -33,7 +34,12 @@ def _torch_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: floa
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
     if keep is not None:
         scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+    # The LSE over the keys and one masked key more: a reduction over at least one key, which torch.compile
+    # can trace where the key count is data-dependent and may be 0 (a class that drops padding text, Mochi).
+    padded = F.pad(scores, (0, 1), value=float("-inf"))
+    top = padded.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), 0.0, top)
+    lse = torch.log(torch.exp(padded - top).sum(-1)) + top[..., 0]
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float())
     return out, lse.transpose(1, 2)
@@ -44,9 +50,12 @@ def _efficient_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: 
     16 (its bias rows must be 16-element aligned), masked keys and padding through an additive bias."""
     batch, queries, heads, _ = q.shape
     keys = k.shape[1]
-    pad = -keys % 16
+    # A data-dependent key count (under torch.compile, a class that drops padding text) pads 1 to 16 keys: a
+    # multiple of 16 that is never 0 keys, without a branch on the count.
+    aligned = guard_or_false(keys % 16 == 0)
+    pad = 0 if aligned else 16 - keys % 16
     bias = None
-    if keep is not None or pad:
+    if keep is not None or not aligned:
         keep = torch.ones(batch, keys, dtype=torch.bool, device=q.device) if keep is None else keep
         keep = F.pad(keep, (0, pad), value=False)
         bias = torch.zeros(batch, 1, 1, keys + pad, dtype=q.dtype, device=q.device)

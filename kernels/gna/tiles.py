@@ -81,8 +81,8 @@ def catalog(head_dim: int) -> tuple[tuple[int, int], ...]:
     up to a key of `TILE_TOKENS` (80 to 128, 16 to 32), or `WIDE_TILE_TOKENS` past the largest key (136 split as
     128 + 16, 256). A head dim natsim's kernels do not run (FlashAttention-4's 8) rounds itself up."""
     width = head_split(head_dim).width if head_dim in HEAD_DIMS else head_dim
-    key = min((key for key in TILE_TOKENS if key >= width), default=None)
-    return WIDE_TILE_TOKENS if key is None else TILE_TOKENS[key]
+    keys = [key for key in TILE_TOKENS if key >= width]  # (no min(..., default=): Dynamo traces this at compile time)
+    return TILE_TOKENS[min(keys)] if keys else WIDE_TILE_TOKENS
 
 
 def tile_pairs(shape: Sequence[int], head_dim: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
