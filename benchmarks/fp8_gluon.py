@@ -67,7 +67,7 @@ def timers(q, k, v, blocks):
     }
     tokens = q.shape[1]
     if dense:
-        out["natsim triton fp8"] = lambda: gna_attention(q, k, v, (tokens,), precision="fp8")
+        out["natsim triton fp8"] = lambda: gna_attention(q, k, v, (tokens,), precision="fp8", backend="triton")
         out["natsim triton bf16"] = lambda: gna_attention(q, k, v, (tokens,), backend="triton")
     else:
         work = prepare_sparse(blocks, 128, 128, tokens, backend="triton", backward=False)
