@@ -47,7 +47,8 @@ class BlockLists:
     """Per (batch, head, query block of `BLOCK_M`), the key blocks (of `BLOCK_N`) to visit: `counts` int32
     `[B|1, H|1, q_blocks]` and ascending `indices` int32 `[B|1, H|1, q_blocks, kv_blocks]` (entries past a row's
     count are never read); a dimension of 1 is shared by every batch or head. Every visited block is attended
-    whole (keys past the sequence aside): the lists hold no element mask."""
+    whole (keys past the sequence aside): the lists hold no element mask. Indices are key blocks of the call
+    (under `kv_blocks`); `check` does not read them, which would wait on the GPU."""
 
     counts: torch.Tensor
     indices: torch.Tensor
@@ -81,9 +82,9 @@ class BlockLists:
     def mask(self) -> torch.Tensor:
         """The boolean block mask `[B|1, H|1, q_blocks, kv_blocks]` these lists name."""
         columns = torch.arange(self.indices.shape[-1], device=self.indices.device)
-        listed = columns < self.counts[..., None].long()
-        mask = torch.zeros(self.indices.shape, dtype=torch.bool, device=self.indices.device)
-        return mask.scatter_(-1, self.indices.long(), listed)
+        listed = (columns < self.counts[..., None].long()).to(torch.uint8)
+        mask = torch.zeros(self.indices.shape, dtype=torch.uint8, device=self.indices.device)
+        return mask.scatter_reduce_(-1, self.indices.long(), listed, "amax").bool()  # any listed entry counts
 
     @staticmethod
     def strides(t: torch.Tensor) -> tuple[int, int]:
