@@ -9,11 +9,13 @@
   again, which the launch already did (about half of what was left).
 - `remember_numpy_dtypes`: the numpy dtype of a Triton dtype, looked up on nearly every operation through a table
   built anew each time (a fifth of what was left).
+- `remember_block_types`: a block type's shape, element count and name, and the shape of constexprs a tensor of it
+  holds, made anew for every operand and result of every operation (a quarter of what was left).
 
 tests/test_interpreter_options.py checks that each changes no result, and fails where the interpreter stops doing
 what it skips, so that the function can be dropped then.
 
-`prepare_the_interpreter` applies all three: tests/conftest.py calls it, and so should the processes tests spawn
+`prepare_the_interpreter` applies all four: tests/conftest.py calls it, and so should the processes tests spawn
 that run kernels in the interpreter (they do not load the conftest).
 """
 
@@ -27,6 +29,7 @@ def prepare_the_interpreter() -> None:
     skip_discarded_overflow_checks()
     patch_the_language_once_per_launch()
     remember_numpy_dtypes()
+    remember_block_types()
 
 
 def skip_discarded_overflow_checks() -> None:
@@ -134,3 +137,80 @@ def remember_numpy_dtypes() -> None:
     get_np_dtype.remembers = True
     get_np_dtype.original = original
     interpreter._get_np_dtype = get_np_dtype
+
+
+def remember_block_types() -> None:
+    """Make a block type's shape, element count and name once per element type and shape, and the shape of
+    constexprs a tensor of that type holds once too, not anew on every operation.
+
+    Every interpreted operation makes the types of its operands and result again (`block_type(...)`; `to_ir`,
+    `with_element_ty` and broadcasting make more): each turns its shape into a triton.language tuple, whose type
+    holds a constexpr type per dimension, checks it and formats its name; each tensor made of one turns that shape
+    into constexprs and another tuple. Both depend only on what they are made from, and nothing changes them after
+    (block types are compared by element type and shape, not by identity). A type of anything but a plain dtype or
+    a pointer to one, or a shape of anything but integers, is made as before. That was about a quarter of the
+    interpreter's time in the kernel tests once the shortcuts above were in. tests/test_interpreter_options.py
+    checks the remembered types and tensor shapes against freshly made ones, and a kernel's results bit for bit.
+    """
+    from triton.language import core
+
+    block_type, tensor, constexpr, pointer_type, dtype = (core.block_type, core.tensor, core.constexpr,
+                                                          core.pointer_type, core.dtype)
+    make_block, make_tensor = block_type.__init__, tensor.__init__
+    if getattr(make_block, "remembers", False):
+        return
+    # What is remembered is all they hold: where Triton's types or tensors come to hold more, nothing is skipped.
+    probe = core.block_type(core.float32, [2, 4])
+    if set(vars(probe)) != {"element_ty", "shape", "numel", "name"} or set(
+            vars(core.tensor(None, probe))) != {"handle", "shape", "numel", "type", "dtype"}:
+        return
+
+    def key_of(element_ty):
+        if type(element_ty) is dtype:
+            return element_ty.name
+        if type(element_ty) is pointer_type:
+            inner = key_of(element_ty.element_ty)
+            return None if inner is None else ("pointer", inner, element_ty.address_space, element_ty.const)
+        return None
+
+    blocks: dict = {}  # (element, *dims) -> [shape, numel, name, a tensor's (shape, numel) or None]
+
+    def block_init(self, element_ty, shape):
+        element = key_of(element_ty)
+        if element is None or not isinstance(shape, (list, core.tuple)):  # what the interpreter's own takes
+            return make_block(self, element_ty, shape)
+        dims = []
+        for size in shape:
+            if type(size) is constexpr:
+                size = size.value
+            if type(size) is not int:
+                return make_block(self, element_ty, shape)
+            dims.append(size)
+        key = (element, *dims)
+        made = blocks.get(key)
+        if made is None:
+            make_block(self, element_ty, shape)
+            made = blocks[key] = [self.shape, self.numel, self.name, None]
+        else:
+            self.element_ty = element_ty
+            self.shape, self.numel, self.name = made[:3]
+        self._remembered = made
+
+    def tensor_init(self, handle, type):
+        made = type.__dict__.get("_remembered")
+        if made is None:  # a scalar type: remembered on its object
+            made = type.__dict__["_remembered"] = [None] * 4
+        if made[3] is None:
+            make_tensor(self, handle, type)
+            made[3] = self.shape, self.numel
+            return
+        self.handle = handle
+        self.shape, self.numel = made[3]
+        self.type = type
+        self.dtype = type.scalar
+
+    block_init.remembers = True
+    block_init.original = make_block
+    tensor_init.original = make_tensor
+    block_type.__init__ = block_init
+    tensor.__init__ = tensor_init

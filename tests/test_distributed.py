@@ -3,10 +3,10 @@ float64 reference and its debug counters against the simulator, and natsim.distr
 of 2 and 3 processes against single-process reference_attention / sparse_reference: outputs, gradients (eager
 and compiled) and the bytes every collective moves, forward and backward.
 
-Spawned processes cost seconds each (importing torch), so one spawn of three processes runs every world: many
+Starting processes costs seconds each (importing torch), so one start of three processes runs every world: many
 cases in a world of 3, then in a world of 2 of two of them, then examples/distributed.py as torchrun runs it,
-with a deadline that fails the test instead of hanging; hypothesis draws the worlds' cases in the parent, one
-example.
+with a deadline that fails the test instead of hanging; the three fork from a server that imported torch, natsim
+and these modules once; hypothesis draws the worlds' cases in the parent, one example.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import socket
 import time
 import warnings
 from datetime import timedelta
+from multiprocessing import forkserver
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -452,9 +453,22 @@ def _bytes_sent(rank: int):
         collectives.exchange, collectives.send_receive = exchange, send_receive
 
 
-def _run_world(processes: int, worker, *args) -> None:
-    """Spawn `worker(rank, processes, *args)` in `processes` processes; fail past the deadline."""
-    context = mp.spawn(worker, args=(processes, *args), nprocs=processes, join=False)
+def _run_world(processes: int, worker, *args, preload: tuple[str, ...] = ()) -> None:
+    """Start `worker(rank, processes, *args)` in `processes` fresh processes; fail past the deadline.
+
+    Without `preload` they are spawned. With it they fork from multiprocessing's forkserver, a fresh process that
+    imports the `preload` modules once (the tests' folder on its path) and runs nothing else: each spawned process
+    imported torch, natsim, diffusers and the tests' modules again (about 6 s of CPU time each on 2 cores), a fork
+    starts with what they would have imported. The server starts with this process's environment at its first
+    use. Worlds on GPUs spawn."""
+    if preload:
+        forkserver.set_forkserver_preload(list(preload))
+        path = os.pathsep.join(filter(None, (str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH"))))
+        with mock.patch.dict(os.environ, PYTHONPATH=path):
+            context = mp.start_processes(worker, args=(processes, *args), nprocs=processes, join=False,
+                                         start_method="forkserver")
+    else:
+        context = mp.spawn(worker, args=(processes, *args), nprocs=processes, join=False)
     deadline = time.monotonic() + WORLD_DEADLINE_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):
@@ -619,6 +633,10 @@ def _check_training_example() -> None:
     assert error < 1e-5, error
 
 
+# What the gloo world's processes import, once, in the forkserver they fork from (`_run_world`).
+GLOO_PRELOAD = ("torch", "natsim.kernels", "natsim.distributed", "test_distributed", "test_diffusers_parallel")
+
+
 def _worker(rank: int, processes: int, ports: tuple[int, int, int], cases: dict) -> None:
     """One process of the spawn of three: rank `rank` of a gloo world of 3, then (processes 0 and 1) of a world
     of 2, then of examples/distributed.py's world of 2; `cases[world]`: that world's GNA and block mask cases
@@ -712,11 +730,12 @@ def _run_distributed_example(rank: int, port: int) -> None:
 @GRADIENT_WORLD
 @given(data=st.data())
 def test_gloo_worlds(data):
-    """natsim.distributed in spawned gloo worlds of 3 and of 2 processes: outputs, then gradients of the fixed
-    cases and a few drawn ones; then examples/distributed.py under torchrun's environment; then, in a world of 2,
-    natsim inside diffusers' context parallelism (tests/test_diffusers_parallel.py's `run_world`). One spawn for
-    all: the two worlds and torchrun apart (eight processes, each importing torch) took 85 s of CPU time here,
-    this 56 s. GPUs are hidden from it, as on the README's CPU run."""
+    """natsim.distributed in gloo worlds of 3 and of 2 processes: outputs, then gradients of the fixed cases and a
+    few drawn ones; then examples/distributed.py under torchrun's environment; then, in a world of 2, natsim inside
+    diffusers' context parallelism (tests/test_diffusers_parallel.py's `run_world`). One start of three processes
+    for all: the two worlds and torchrun apart (eight processes, each importing torch) took 85 s of CPU time here,
+    one spawn of three 56 s, and the three forked from a server that imported everything once 45 s. GPUs are
+    hidden from it, as on the README's CPU run."""
     cases = {}
     for world in (3, 2):
         gna = [case for case in GRADIENT_CASES if world in case[1]]
@@ -724,7 +743,7 @@ def test_gloo_worlds(data):
         masks = data.draw(st.lists(sharded_masks(world), min_size=2, max_size=2), label=f"mask cases, {world}")
         cases[world] = gna, masks
     with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1"):
-        _run_world(3, _worker, tuple(_free_port() for _ in range(4)), cases)
+        _run_world(3, _worker, tuple(_free_port() for _ in range(4)), cases, preload=GLOO_PRELOAD)
 
 
 # -- gradients on GPUs (NCCL) --------------------------------------------------------------------------------

@@ -3,11 +3,14 @@ nothing, so turning them off (tests/conftest.py) changes no result and hides no 
 reporting overflows, the first test fails: drop skip_discarded_overflow_checks then. And a kernel calling
 `@triton.jit` helpers computes the same whether each helper call patches triton.language again or not, the launch
 still restores it afterwards; if the interpreter stops re-patching on helper calls, the test saying so fails: drop
-patch_the_language_once_per_launch then. The numpy dtypes remembered per Triton dtype are the interpreter's own."""
+patch_the_language_once_per_launch then. The numpy dtypes remembered per Triton dtype are the interpreter's own, and
+the block types and tensor shapes remembered per element type and shape are those made afresh; natsim's kernels
+compute the same bit for bit with them and without."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -144,3 +147,68 @@ def test_the_remembered_numpy_dtypes_are_the_interpreters_own():
     for _ in range(2):  # asked, then remembered
         for dtype in dtypes:
             assert remembered(dtype) == original(dtype), dtype
+
+
+def _fields(value) -> dict:
+    """What a type or a tensor holds, shapes as plain values (a triton.language tuple compares by identity inside)."""
+    from triton.language import core
+
+    return {name: [getattr(v, "value", v) for v in field] if isinstance(field, core.tuple)
+            else getattr(field, "value", field) for name, field in vars(value).items() if name != "_remembered"}
+
+
+def test_the_remembered_block_types_and_tensor_shapes_are_made_as_fresh_ones():
+    from triton.language import core
+
+    remembered, make_tensor = core.block_type.__init__, core.tensor.__init__
+    assert getattr(remembered, "remembers", False)  # the conftest installed it
+    original = remembered.original
+
+    def fresh(cls, init, *args):
+        value = cls.__new__(cls)
+        init(value, *args)
+        return value
+
+    scalars = [tl.int1, tl.int8, tl.int32, tl.uint32, tl.int64, tl.float16, tl.bfloat16, tl.float32, tl.float8e4nv]
+    elements = scalars + [tl.pointer_type(t) for t in scalars] + [tl.pointer_type(tl.float16, const=True),
+                                                                  tl.pointer_type(tl.pointer_type(tl.int32))]
+    shapes = [[16], [4, 8], [1, 32], [tl.constexpr(2), tl.constexpr(64)], core.tuple([8, 1, 4])]
+    for _ in range(2):  # made, then remembered
+        for element in elements:
+            for shape in shapes:
+                got = core.block_type(element, shape)
+                want = fresh(core.block_type, original, element, shape)
+                assert _fields(got) == _fields(want) and got == want and str(got) == str(want), (element, shape)
+                assert got.with_element_ty(tl.int32) == want.with_element_ty(tl.int32)
+                for type_ in (got, element):
+                    tensor = core.tensor(None, type_)
+                    assert _fields(tensor) == _fields(fresh(core.tensor, make_tensor.original, None, type_))
+    for element, shape in ((tl.float32, [3, 4]), (tl.float32, [4.0]), (tl.float32, []), (tl.float32, [2**20, 2**20]),
+                           (tl.float32, (4, 8))):  # a Python tuple: triton.language's own tuple only
+        with pytest.raises((TypeError, ValueError, AssertionError)) as refused:  # as the interpreter's own refuses it
+            core.block_type(element, shape)
+        with pytest.raises(refused.type, match=f"^{re.escape(str(refused.value))}$"):
+            fresh(core.block_type, original, element, shape)
+
+
+def test_kernels_compute_the_same_with_the_remembered_types_and_without(monkeypatch):
+    """natsim's GNA forward (static and dynamic KV tiling, pointer loads and descriptors) and its block-sparse
+    kernel, bit for bit."""
+    from triton.language import core
+
+    from natsim.kernels import gna_attention, sparse_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 6, 5, 2, 16, generator=generator).half() for _ in range(3))
+    flat = [t.reshape(1, 120, 2, 16) for t in (q, k, v)]
+    mask = torch.rand(1, 2, 8, 8, generator=generator) < 0.5
+
+    def run():
+        return [gna_attention(q, k, v, (3, 4, 2), (1, 2, 2), (1, 1, 2), (True, False, False), kv_tiling=tiling)
+                for tiling in ("static", "dynamic")] + [sparse_attention(*flat, mask, 16, 16)]
+
+    got = run()
+    monkeypatch.setattr(core.block_type, "__init__", core.block_type.__init__.original)
+    monkeypatch.setattr(core.tensor, "__init__", core.tensor.__init__.original)
+    for a, b in zip(got, run()):
+        assert torch.equal(a, b)
