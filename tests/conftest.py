@@ -28,11 +28,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 # A fresh clone's venv holds no bytecode (scripts/setup.sh compiles none), and every pytest-xdist worker imports
 # the same modules while collecting: both compiled torch, sympy, numba and the rest at the same time, each for
-# itself. Each worker first imports its share instead (the first torch, which imports none of the second's), so
-# that each module is compiled once and the other worker finds its bytecode when it gets there: collection took
-# 19 s per worker on 2 cores from a fresh clone, 14 s so.
-_SHARES = (("torch",),
-           ("numba", "sympy", "hypothesis", "rich", "typer", "huggingface_hub", "pygments", "requests", "yaml"))
+# itself. Each worker first imports its share instead (the first torch and Dynamo, which the test modules import
+# through natsim; the second what those do not import before they get to sympy), so that each module is compiled
+# once and the other worker finds its bytecode when it gets there: collection took 19-25 s per worker on 2 cores
+# from a fresh clone, 12-16 s so.
+_SHARES = (("torch", "torch._dynamo"),
+           ("sympy", "numba", "hypothesis", "rich", "typer", "huggingface_hub", "pygments", "requests", "yaml"))
 if _WORKERS > 1:
     for _module in _SHARES[int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % len(_SHARES)]:
         try:
