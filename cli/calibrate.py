@@ -94,6 +94,11 @@ def _set_tables(calibration) -> list[Table]:
             tables.append(_measurements_table(f"{label} calibration on {model.gpu}", FA4_COLUMNS,
                                               [case.describe() for case in m.cases], m.times,
                                               model.predict_fa4(m.features, backward), m.errors, m.fitted))
+    if calibration.gluon_fp8:
+        m = calibration.gluon_fp8
+        tables.append(_measurements_table(f"Gluon FP8 calibration on {model.gpu}", FA4_COLUMNS,
+                                          [case.describe() for case in m.cases], m.times,
+                                          model.predict_gluon(m.features), m.errors, m.fitted))
     return tables
 
 
@@ -116,6 +121,8 @@ def _coefficients_table(model) -> Table:
         table.add_row("fa4", name, f"{value:.4e}")
     for name, value in (model.fa4_backward_coefficients or {}).items():
         table.add_row("fa4-backward", name, f"{value:.4e}")
+    for name, value in (model.gluon_fp8_coefficients or {}).items():
+        table.add_row("gluon-fp8", name, f"{value:.4e}")
     return table
 
 
@@ -128,7 +135,8 @@ def _summary(calibration, path) -> str:
             ("FP8 sparse", "sparse_fp8_", calibration.fp8_sparse.cases if calibration.fp8_sparse else ()),
             ("FlashAttention-4", "fa4_", calibration.fa4.cases if calibration.fa4 else ()),
             ("FlashAttention-4 backward", "fa4_backward_",
-             calibration.fa4_backward.cases if calibration.fa4_backward else ()))
+             calibration.fa4_backward.cases if calibration.fa4_backward else ()),
+            ("Gluon FP8", "gluon_fp8_", calibration.gluon_fp8.cases if calibration.gluon_fp8 else ()))
     for label, prefix, cases in sets:
         if cases:
             parts.append(
@@ -141,15 +149,18 @@ def _summary(calibration, path) -> str:
     return "; ".join(parts) + f"; written to {path}"
 
 
-def _fa4_records(calibration) -> dict:
-    """FlashAttention-4's measurements as JSON records, per kernel ('fa4', 'fa4-backward'; those calibrated)."""
-    records = {}
-    for kernel, m, backward in (("fa4", calibration.fa4, False), ("fa4-backward", calibration.fa4_backward, True)):
+def _backend_records(calibration) -> dict:
+    """FlashAttention-4's and the Gluon FP8 kernel's measurements as JSON records, per kernel ('fa4',
+    'fa4-backward', 'gluon-fp8'; those calibrated)."""
+    records, model = {}, calibration.model
+    for kernel, m, predict in (("fa4", calibration.fa4, model.predict_fa4),
+                               ("fa4-backward", calibration.fa4_backward,
+                                lambda features: model.predict_fa4(features, backward=True)),
+                               ("gluon-fp8", calibration.gluon_fp8, model.predict_gluon)):
         if m:
             records[kernel] = [
                 {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
-                for case, t, g, f in zip(m.cases, m.times, calibration.model.predict_fa4(m.features, backward),
-                                         m.fitted)
+                for case, t, g, f in zip(m.cases, m.times, predict(m.features), m.fitted)
             ]
     return records
 
@@ -182,7 +193,7 @@ def parse_kernels(text: str) -> tuple[str, ...]:
         return check_kernels(names)
     except ValueError:
         raise CliInputError(
-            f"--kernels takes one or more of gna, sparse, backward, gna-fp8, sparse-fp8, fa4, fa4-backward joined by "
+            f"--kernels takes one or more of gna, sparse, backward, gna-fp8, sparse-fp8, fa4, fa4-backward, gluon-fp8 joined by "
             f"',' (without gna, this GPU's stored cost model is extended), got --kernels {text!r}."
         ) from None
 
@@ -198,7 +209,7 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
     kernels: str = typer.Option(
         "gna,sparse", "--kernels",
-        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim\\[fa4]'). Without gna, this GPU's stored cost model is extended.",
+        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim\\[fa4]'), gluon-fp8 (natsim's Gluon FP8 kernel, so that FP8 plans can pick it; Hopper). Without gna, this GPU's stored cost model is extended.",
     ),
 ) -> None:
     """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
@@ -222,6 +233,7 @@ def calibrate_command(
                             if calibration.sparse_cases else [])
         backward_predicted = (calibration.model.predict_backward(calibration.backward_features)
                               if calibration.backward_cases else [])
+        backend_records = _backend_records(calibration)
         print_json(
             out,
             {
@@ -250,7 +262,9 @@ def calibrate_command(
                                              backward_predicted, calibration.backward_fitted)
                 ],
                 "fp8_measurements": _fp8_records(calibration),
-                "fa4_measurements": _fa4_records(calibration),
+                "fa4_measurements": {kernel: rows for kernel, rows in backend_records.items()
+                                     if kernel.startswith("fa4")},
+                "gluon_measurements": backend_records.get("gluon-fp8", []),
             },
         )
         return

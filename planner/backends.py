@@ -1,42 +1,47 @@
 """Which kernel backends a search ranks: those that run here, and those its cost model can price.
 
-natsim plans for two backends (`PLANNED`): its own Triton kernels ("triton", wherever natsim runs) and
-FlashAttention-4 ("fa4": installed in natsim's version, on a GPU it runs on; natsim.kernels.backends.fa4). A
-search ranks (configuration, backend) pairs by predicted time, so FlashAttention-4 can be picked only where the
-cost model prices it (`CostModel.fa4_coefficients`, and for training `fa4_backward_coefficients`); ranked by tile
-work, without a cost model, the backends cannot be told apart and a search plans the Triton kernels.
+natsim plans for three backends (`PLANNED`): its own Triton kernels ("triton", wherever natsim runs),
+FlashAttention-4 ("fa4": installed in natsim's version, on a GPU it runs on; natsim.kernels.backends.fa4) and, in
+FP8, its Gluon kernel ("gluon": Hopper; natsim.kernels.backends.gluon). A search ranks (configuration, backend)
+pairs by predicted time, so a backend other than Triton can be picked only where the cost model prices it (its
+coefficient set: `CostModel.fa4_coefficients`, for training `fa4_backward_coefficients`;
+`gluon_fp8_coefficients`); ranked by tile work, without a cost model, the backends cannot be told apart and a
+search plans the Triton kernels.
 
-Where FlashAttention-4 does not run here but its coefficients exist, a search still prices it (`Backends.priced`),
-so that the plan can say what it would have gained. `backend_choice` makes that decision once per search, as a
-value; `fa4_gna_refusal` and `fa4_mask_refusal` say which configurations FlashAttention-4 runs.
+Where a backend does not run here but its coefficients exist, a search still prices it (`Backends.priced`), so
+that the plan can say what it would have gained. `backend_choice` makes that decision once per search, as a
+value; `fa4_gna_refusal`, `fa4_mask_refusal` and `gluon_tiles_refusal` say which configurations a backend runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
 from natsim import TileConfig
 from natsim.kernels.backends import capabilities
 from natsim.kernels.backends import fa4 as fa4_backend
+from natsim.kernels.backends import gluon as gluon_backend
 
 from .cost.gpus import names_a_gpu
 from .cost.model import CostModel
 from .cost.resolve import DeviceLike
 
-PLANNED = ("triton", "fa4")
-NAMES = {"triton": "natsim's Triton kernels", "fa4": "FlashAttention-4"}
+PLANNED = ("triton", "fa4", "gluon")
+NAMES = {"triton": "natsim's Triton kernels", "fa4": "FlashAttention-4", "gluon": "natsim's Gluon FP8 kernel"}
 FA4_INSTALL = "pip install 'natsim[fa4]'"
 BackendsLike = Union[None, str, Sequence[str]]
+# What `natsim calibrate --kernels` fits for a backend other than Triton (forward, and for training the backward).
+_KERNELS = {"fa4": ("fa4", "fa4-backward"), "gluon": ("gluon-fp8", None)}
 
 
 @dataclass(frozen=True)
 class Backends:
-    """The backends of one search: `allowed` may be picked, `priced` are scored (the allowed ones, and
-    FlashAttention-4 where it has coefficients but does not run here), both in PLANNED order; `notes` holds, per
-    backend a report should mention, why it may not be picked (a sentence)."""
+    """The backends of one search: `allowed` may be picked, `priced` are scored (the allowed ones, and those with
+    coefficients that do not run here), both in PLANNED order; `notes` holds, per backend a report should
+    mention, why it may not be picked (a sentence)."""
 
     allowed: tuple[str, ...] = ("triton",)
     priced: tuple[str, ...] = ("triton",)
@@ -74,49 +79,63 @@ def fa4_refusal(device: torch.device) -> Optional[str]:
     return fa4_backend.installed() or fa4_backend.device_refusal(device)
 
 
-def _price_refusal(model: Optional[CostModel], training: bool, where: str) -> Optional[str]:
-    """None when `model` prices FlashAttention-4 calls (forward, and with `training` backward), else why not."""
+def run_refusal(backend: str, device: torch.device) -> Optional[str]:
+    """None when `backend` (other than Triton) runs on `device` here, else why not (its room's sentence)."""
+    return fa4_refusal(device) if backend == "fa4" else gluon_backend.device_refusal(device)
+
+
+def _price_refusal(backend: str, model: Optional[CostModel], training: bool, where: str) -> Optional[str]:
+    """None when `model` prices `backend`'s calls (forward, and with `training` backward), else why not."""
     if model is None:
         return f"there is no cost model for {where} (plans rank by tile work), which cannot tell the backends apart"
-    if not model.has("fa4"):
-        return f"the cost model of {model.gpu} has no FlashAttention-4 coefficients"
-    if training and not model.has("fa4-backward"):
-        return f"the cost model of {model.gpu} has no FlashAttention-4 backward coefficients"
+    forward, backward = _KERNELS[backend]
+    if not model.has(forward):
+        return f"the cost model of {model.gpu} has no {NAMES[backend]} coefficients"
+    if training and (backward is None or not model.has(backward)):
+        return f"the cost model of {model.gpu} has no {NAMES[backend]} backward coefficients"
     return None
 
 
 def backend_choice(backends: BackendsLike, *, device: DeviceLike, model: Optional[CostModel], training: bool,
-                   gpu: Optional[str], excluded: Optional[str] = None) -> Backends:
+                   gpu: Optional[str], excluded: Optional[Mapping[str, str]] = None) -> Backends:
     """The backends a search of `backends` ranks with cost model `model` (None: tile work) on `device`, or a
     sentence error for a backend asked for that cannot run here or cannot be priced.
 
-    None means every backend available here: the Triton kernels, and FlashAttention-4 where it runs on the device
-    (`device_here`) and `model` prices it; where only the first fails it is priced all the same, and the note
-    says why it was not picked. `excluded` is why FlashAttention-4 has no place in this search at all (a
-    precision or several ranks it does not run): then it is neither priced nor noted."""
+    None means every backend available here: the Triton kernels, and each other backend where it runs on the
+    device (`device_here`) and `model` prices it; where only the first fails it is priced all the same, and the
+    note says why it was not picked. `excluded` holds, per backend, why it has no place in this search at all (a
+    precision it does not run, several ranks): such a backend is neither priced nor noted."""
     asked = check_backends(backends)
-    if excluded is not None:
-        if asked is not None and "fa4" in asked:
-            raise ValueError(f"backends={asked!r} asks for FlashAttention-4, but {excluded}.")
-        return Backends()
-    run = fa4_refusal(device_here(device))
-    price = _price_refusal(model, training, gpu or "this machine (no CUDA GPU)")
-    kernels = "fa4,fa4-backward" if training else "fa4"
+    excluded = dict(excluded or {})
+    for name in asked or ():
+        if name in excluded:
+            raise ValueError(f"backends={asked!r} asks for {NAMES[name]}, but {excluded[name]}.")
+    here, where = device_here(device), gpu or "this machine (no CUDA GPU)"
+    allowed, priced, notes = ["triton"], ["triton"], []
+    for name in PLANNED[1:]:
+        if name in excluded or (asked is not None and name not in asked):
+            continue
+        run, price = run_refusal(name, here), _price_refusal(name, model, training, where)
+        kernels = ",".join(kernel for kernel in _KERNELS[name][:2 if training else 1] if kernel)
+        if asked is not None:
+            if run is not None:
+                raise ValueError(f"backends={asked!r} asks for {NAMES[name]}, which does not run here: {run}")
+            if price is not None:
+                raise ValueError(f"backends={asked!r} asks for {NAMES[name]}, but {price}; run `natsim calibrate "
+                                 f"--kernels {kernels}` on the GPU to fit them, or leave backends out.")
+        if price is None:
+            priced.append(name)
+            if run is None:
+                allowed.append(name)
+            else:
+                notes.append((name, run))
+        elif run is None:
+            notes.append((name, f"{NAMES[name]} runs here, but {price}: plans run natsim's Triton kernels "
+                                f"(`natsim calibrate --kernels {kernels}` on this GPU fits them)."))
     if asked is not None:
-        if "fa4" in asked and run is not None:
-            raise ValueError(f"backends={asked!r} asks for FlashAttention-4, which does not run here: {run}")
-        if "fa4" in asked and price is not None:
-            raise ValueError(f"backends={asked!r} asks for FlashAttention-4, but {price}; run `natsim calibrate "
-                             f"--kernels {kernels}` on the GPU to fit them, or leave backends out.")
-        return Backends(allowed=asked, priced=asked)
-    if price is None and run is None:
-        return Backends(allowed=PLANNED, priced=PLANNED)
-    if price is None:
-        return Backends(priced=PLANNED, notes=(("fa4", run),))
-    if run is None:
-        return Backends(notes=(("fa4", f"FlashAttention-4 runs here, but {price}: plans run natsim's Triton "
-                                       f"kernels (`natsim calibrate --kernels {kernels}` on this GPU fits them)."),))
-    return Backends()
+        allowed = [name for name in allowed if name in asked]
+        priced = [name for name in priced if name in asked]
+    return Backends(allowed=tuple(allowed), priced=tuple(priced), notes=tuple(notes))
 
 
 def fa4_gna_refusal(tiles: TileConfig, head_dim: int, dtype: torch.dtype, training: bool) -> Optional[str]:
@@ -139,3 +158,11 @@ def fa4_mask_refusal(q_block: int, kv_block: int, head_dim: int, dtype: torch.dt
     refusal = capabilities("fa4", "masks").refusal(dtype=dtype, head_dim=head_dim, q_block=q_block,
                                                     kv_block=kv_block, needs=("backward",) if backward else ())
     return refusal or fa4_backend.tile_refusal(q_block, kv_block, head_dim, backward=backward)
+
+
+def gluon_tiles_refusal(q_tokens: int, kv_tokens: int, head_dim: int, dtype: torch.dtype) -> Optional[str]:
+    """None when natsim's Gluon FP8 kernel runs blocks of `q_tokens` x `kv_tokens` at `head_dim` from `dtype`
+    inputs (its capability table: whole 128 x 128 tiles, head_dim 64 or 128), else why not; GNA also needs every
+    visited block full, which the search checks per row."""
+    return capabilities("gluon", "masks").refusal(dtype=dtype, head_dim=head_dim, q_block=q_tokens,
+                                                   kv_block=kv_tokens)

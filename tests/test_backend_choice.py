@@ -152,7 +152,7 @@ def test_the_backend_is_part_of_a_calls_spec():
     spec = GnaSpec.of(3, (4, 8, 8), (4, 8, 8), backend="fa4")
     assert spec.backend == "fa4" and spec != GnaSpec.of(3, (4, 8, 8), (4, 8, 8))
     assert GnaSpec.from_operator(*spec.operator_arguments()[:11], backend=spec.operator_arguments()[-1]) == spec
-    with pytest.raises(ValueError, match=r"backend must be 'triton', 'fa4' or None \(natsim chooses\), "
+    with pytest.raises(ValueError, match=r"backend must be 'triton', 'fa4', 'gluon' or None \(natsim chooses\), "
                                          r"got backend='flash'\."):
         GnaSpec.of(3, 4, backend="flash")
 

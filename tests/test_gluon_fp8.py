@@ -115,3 +115,61 @@ def test_the_backend_table_says_what_the_kernel_does_not_run(call, message):
                          needs=("fp8",)) is None
     assert message in table.refusal(**{**dict(dtype=torch.bfloat16, head_dim=128, q_block=128, kv_block=128,
                                               capability=(9, 0)), **call})
+
+
+# -- calls that name the backend ------------------------------------------------------------------------------
+
+GNA_LAYOUTS = [  # (shape, window, stride, tile): every visited block a whole 128-token tile
+    ((4, 16, 16), (2, 8, 16), (2, 8, 16), (1, 8, 16)),
+    ((1024,), (512,), (256,), (128,)),
+    ((2, 16, 16), (2, 16, 16), (1, 1, 1), (1, 8, 16)),  # dense, in tile order
+]
+
+
+@settings(max_examples=6, deadline=None)
+@given(layout=st.sampled_from(GNA_LAYOUTS), heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([64, 128]),
+       seed=st.integers(0, 2**16))
+def test_gna_naming_gluon_runs_the_rule_on_cpu_tensors_against_float64(layout, heads, head_dim, seed):
+    from natsim.kernels import gna_attention
+    from natsim.kernels.gna.reference import reference_attention
+
+    shape, window, stride, tile = layout
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, *shape, heads, head_dim, generator=gen).to(torch.bfloat16) for _ in range(3))
+    reference = reference_attention(q.double(), k.double(), v.double(), window, stride)
+    for tiles in ({"q_tile": tile, "kv_tile": tile}, {}):  # named tiles, and the kernel's own choice
+        out = gna_attention(q, k, v, window, stride, precision="fp8", backend="gluon", **tiles)
+        error = float((out.double() - reference).norm() / reference.norm())
+        cosine = torch.nn.functional.cosine_similarity(out.double().flatten(), reference.flatten(), dim=0)
+        assert error < 6e-2 and cosine > 0.998, (layout, error, float(cosine))
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(precision=None), r"backend='gluon' is natsim's FP8 kernel: it runs precision='fp8' only"),
+    (dict(q_tile=(1, 4, 16), kv_tile=(1, 4, 16)), r"runs GNA on one tile of 128 tokens .* got q_tile=\(1, 4, 16\)"),
+    (dict(window=(3, 5, 5), stride=(1, 1, 1)), r"none of natsim's tiles of the layout \(4, 16, 16\) holds 128 tokens"),
+])
+def test_gna_naming_gluon_refuses_what_it_cannot_run_in_a_sentence(arguments, message):
+    from natsim.kernels import gna_attention
+
+    q = torch.randn(1, 4, 16, 16, 2, 64, dtype=torch.bfloat16)
+    call = {"window": (2, 8, 16), "stride": (2, 8, 16), "precision": "fp8", "backend": "gluon", **arguments}
+    with pytest.raises(ValueError, match=message):
+        gna_attention(q, q, q, **call)
+
+
+def test_sparse_naming_gluon_runs_its_cpu_path_and_refuses_other_blocks():
+    from natsim.kernels import prepare_sparse, sparse_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 300, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    mask = torch.rand(1, 2, 3, 3, generator=gen) < 0.6
+    mask |= torch.eye(3, dtype=torch.bool)
+    expected = fp8_block_attention(q, k, v, mask)
+    assert torch.equal(sparse_attention(q, k, v, mask, 128, 128, precision="fp8", backend="gluon"), expected)
+    work = prepare_sparse(mask, 128, 128, 300, backward=False, backend="gluon")
+    assert torch.equal(sparse_attention(q, k, v, work, precision="fp8"), expected)  # the work names it
+    with pytest.raises(ValueError, match=r"runs blocks of 128 x 128 tokens, got 64 x 128"):
+        sparse_attention(q, k, v, mask.repeat_interleave(2, 2)[:, :, :5], 64, 128, precision="fp8", backend="gluon")
+    with pytest.raises(ValueError, match=r"it runs precision='fp8' only, got precision=None"):
+        sparse_attention(q, k, v, mask, 128, 128, backend="gluon")

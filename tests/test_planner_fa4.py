@@ -176,7 +176,7 @@ def test_flashattention4_is_left_out_where_it_has_no_place(fa4_here, monkeypatch
 
 
 def test_backends_asked_for_are_checked_with_sentences(fa4_here, monkeypatch):
-    with pytest.raises(ValueError, match=r"backends must name one or more of \('triton', 'fa4'\).*'cuda'"):
+    with pytest.raises(ValueError, match=r"backends must name one or more of \('triton', 'fa4', 'gluon'\).*'cuda'"):
         best((16, 32, 48), 0.85, backends=("cuda",))
     with pytest.raises(ValueError, match=r"backends must name one or more"):
         best((16, 32, 48), 0.85, backends=())
@@ -232,7 +232,7 @@ def test_plans_written_before_backends_read_as_triton():
     assert plan.backend == "triton" and plan.search.backends == ("triton",) and plan.search.best_by_backend == ()
     assert all(c.backend == "triton" for c in plan.runners_up)
     record["backend"] = "cuda"
-    with pytest.raises(ValueError, match=r"backend must be one of \('triton', 'fa4'\), got backend='cuda'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('triton', 'fa4', 'gluon'\), got backend='cuda'"):
         Plan.from_dict(record)
 
 
@@ -391,6 +391,6 @@ def test_natsim_plan_takes_backends_and_shows_them(fa4_here, tmp_path):
     result = runner.invoke(app, [*common, "--backend", "triton,fa4", "--backend", "fa4"])
     assert result.exit_code == 0 and "fa4 (FlashAttention-4)" in result.output
     result = runner.invoke(app, [*common, "--backend", "cuda"])
-    assert result.exit_code == 2 and "backends must name one or more of ('triton', 'fa4')" in result.output
+    assert result.exit_code == 2 and "backends must name one or more of ('triton', 'fa4', 'gluon')" in result.output
     result = runner.invoke(app, [*common, "--backend", "triton,"])
     assert result.exit_code == 2 and "--backend takes backend names" in result.output

@@ -14,11 +14,15 @@ random 128 x 128 masks at 70 % and 90 % sparsity 6.3 and 2.7 ms (8.0 and 3.5; 6.
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
+
 from ..common.checks import KERNEL_DTYPES
 from ..gluon.fp8_forward import BLOCK_M, BLOCK_N, HEAD_DIMS
 from .capabilities import Capabilities
 
-__all__ = ["MASKS", "GNA"]
+__all__ = ["MASKS", "GNA", "device_refusal"]
 
 MASKS = Capabilities(
     name="Gluon FP8 block-mask",
@@ -55,3 +59,11 @@ GNA = Capabilities(
     min_capability=(9, 0),
     max_capability=(9, 0),
 )
+
+
+def device_refusal(device: torch.device) -> Optional[str]:
+    """None when the Gluon FP8 kernel runs on `device` (a Hopper GPU), else one sentence why not (what the
+    planner notes before pricing it)."""
+    if device.type != "cuda":
+        return f"natsim's Gluon FP8 kernel runs on Hopper GPUs, and device={str(device)!r} is not a CUDA GPU."
+    return GNA.refusal(capability=torch.cuda.get_device_capability(device))

@@ -8,7 +8,8 @@ import torch
 from .headdim import HEAD_DIMS
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-BACKENDS = ("triton", "fa4")  # what a call may name: natsim's Triton kernels, FlashAttention-4 (kernels/backends/)
+BACKENDS = ("triton", "fa4", "gluon")  # what a call may name: natsim's Triton kernels, FlashAttention-4, natsim's
+# Gluon FP8 kernel (kernels/backends/)
 KERNEL_HEAD_DIMS = HEAD_DIMS  # 16 to 256 in steps of 8, computed in power-of-two column chunks (headdim.py)
 
 
@@ -31,4 +32,4 @@ def check_matching(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def check_backend(backend: object) -> None:
     """`backend` is one of BACKENDS or None (natsim chooses)."""
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'triton', 'fa4' or None (natsim chooses), got backend={backend!r}.")
+        raise ValueError(f"backend must be 'triton', 'fa4', 'gluon' or None (natsim chooses), got backend={backend!r}.")

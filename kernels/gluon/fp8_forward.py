@@ -288,11 +288,12 @@ LOADER_REGS = 24
 MAX_REGS = 168  # the kernel's budget per thread over its 12 warps: 3 x 168 = 2 x 240 + 24
 
 
-def refusal(dtype: torch.dtype, head_dim: int, capability: tuple[int, int], q_block: int = BLOCK_M,
+def refusal(dtype: torch.dtype, head_dim: int, capability: Optional[tuple[int, int]], q_block: int = BLOCK_M,
             kv_block: int = BLOCK_N) -> Optional[str]:
     """None where the kernel runs an FP8 call of bf16 / fp16 inputs of `dtype` and `head_dim` with these blocks
-    on a GPU of compute `capability`, else one sentence why not (what kernels/backends/gluon.py tabulates)."""
-    if capability[0] != 9:
+    on a GPU of compute `capability` (None: CPU tensors, which run the rule's reference), else one sentence why
+    not (what kernels/backends/gluon.py tabulates)."""
+    if capability is not None and capability[0] != 9:
         major, minor = capability
         return f"the Gluon FP8 kernel runs on Hopper GPUs (compute capability 9.x), got {major}.{minor}."
     if dtype not in (torch.bfloat16, torch.float16):

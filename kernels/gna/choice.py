@@ -1,5 +1,5 @@
-"""Which backend runs one GNA call: natsim's Triton kernels or FlashAttention-4 (kernels/backends/fa4.py), or the
-torch reference for CPU tensors.
+"""Which backend runs one GNA call: natsim's Triton kernels, FlashAttention-4 (kernels/backends/fa4.py) or, in FP8,
+natsim's Gluon kernel (kernels/backends/gluon.py); or the torch reference for CPU tensors.
 
 `choose` decides once per distinct call (the dispatcher keeps the answer): a call that names its backend gets it
 or a sentence saying why it cannot run there; a call that leaves it to natsim (`backend=None`) goes to
@@ -56,6 +56,8 @@ def choose(spec: GnaSpec, problem: Problem, q: torch.Tensor) -> Choice:
 @functools.lru_cache(maxsize=1024)
 def _choose(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int,
             interpreter: bool) -> Choice:
+    if spec.backend == "gluon":
+        return _gluon_choice(spec, problem, device, dtype, head_dim)
     if device.type != "cuda":
         if spec.backend == "fa4":
             raise ValueError(f"backend='fa4' cannot run this call: {device_refusal(device)}")
@@ -81,23 +83,50 @@ def _fp8_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: to
     Q tile's order: measured faster than the Triton FP8 kernel on every such case, benchmarks/results/
     fp8-gluon-*.json), natsim's Triton FP8 kernel elsewhere (partial tiles, inputs given in float8, frame ranges,
     dynamic KV tiling, other head dims or GPUs)."""
-    capability = gpu_capability(device)
-    if (spec.out_dtype is not None or spec.frames is not None or spec.kv_tiling == "dynamic"
-            or gluon_refusal(dtype, head_dim, capability) is not None):
+    if gluon_refusal(dtype, head_dim, gpu_capability(device)) is not None:
         return Choice("triton")
+    refusal, geometry = _gluon_geometry(spec, problem, head_dim)
+    return Choice("triton") if refusal is not None else Choice("gluon", gluon=geometry)
+
+
+def _gluon_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int) -> Choice:
+    """A call that names the Gluon FP8 kernel: its geometry, or a sentence saying why it cannot run the call (CPU
+    tensors run the kernel's rule, its operator's torch reference, on the same blocks)."""
+    if spec.precision != "fp8":
+        raise ValueError("backend='gluon' is natsim's FP8 kernel: it runs precision='fp8' only, got "
+                         f"precision={spec.precision!r}.")
+    refusal = gluon_refusal(dtype, head_dim, gpu_capability(device) if device.type == "cuda" else None)
+    if refusal is None:
+        refusal, geometry = _gluon_geometry(spec, problem, head_dim)
+    if refusal is not None:
+        raise ValueError(f"backend='gluon' cannot run this call: {refusal}")
+    return Choice("gluon", gluon=geometry)
+
+
+def _gluon_geometry(spec: GnaSpec, problem: Problem, head_dim: int) -> tuple[Optional[str], Optional[Fa4Gna]]:
+    """(why the Gluon FP8 kernel cannot run this call's geometry, or None; the geometry it runs in the Q tile's
+    token order, None for dense attention over the flattened layout). Without tiles: the 128-token tiles with
+    every visited block full that visit the fewest blocks."""
+    if spec.out_dtype is not None or spec.frames is not None or spec.kv_tiling == "dynamic":
+        return ("the Gluon FP8 kernel quantizes bfloat16 / float16 inputs itself over a whole layout with static KV "
+                "tiling: not inputs given in float8, frame_offsets or kv_tiling='dynamic'."), None
     if spec.q_tile is None and spec.kv_tile is None:
         if is_dense(problem):
-            return Choice("gluon")
+            return None, None
         pairs = [(q, kv) for q, kv in tile_pairs(problem.shape, head_dim) if _gluon_tiles(problem, q, kv)]
         if not pairs:
-            return Choice("triton")
+            return (f"none of natsim's tiles of the layout {problem.shape} holds {GLUON_BLOCK} tokens with every "
+                    "visited block full, as the Gluon FP8 kernel needs (natsim's Triton FP8 kernel runs partial "
+                    "tiles)."), None
         fewest = min(pairs, key=lambda pair: simulate(problem, TileConfig(*pair)).visited_tiles)
-        return Choice("gluon", gluon=Fa4Gna(problem, *fewest))
-    q_tile = spec.q_tile if spec.q_tile is not None else spec.kv_tile
-    kv_tile = spec.kv_tile if spec.kv_tile is not None else spec.q_tile
-    if _tile_problem(problem, q_tile, kv_tile) is None and _gluon_tiles(problem, tuple(q_tile), tuple(kv_tile)):
-        return Choice("gluon", gluon=Fa4Gna(problem, tuple(q_tile), tuple(kv_tile)))
-    return Choice("triton")
+        return None, Fa4Gna(problem, *fewest)
+    q_tile = tuple(spec.q_tile if spec.q_tile is not None else spec.kv_tile)
+    kv_tile = tuple(spec.kv_tile if spec.kv_tile is not None else spec.q_tile)
+    refusal = _tile_problem(problem, q_tile, kv_tile)
+    if refusal is None and not _gluon_tiles(problem, q_tile, kv_tile):
+        refusal = (f"the Gluon FP8 kernel runs GNA on one tile of {GLUON_BLOCK} tokens for queries and keys whose "
+                   f"every visited block is full, got q_tile={q_tile}, kv_tile={kv_tile} on {problem}.")
+    return (refusal, None) if refusal is not None else (None, Fa4Gna(problem, q_tile, kv_tile))
 
 
 def gpu_capability(device: torch.device) -> tuple[int, int]:

@@ -166,19 +166,38 @@ def _scale(q: torch.Tensor, spec: SparseSpec) -> float:
 
 def _gluon_blocks(q: torch.Tensor, mask: Union[torch.Tensor, SparseWork], spec: SparseSpec,
                   scales: Optional[Fp8Scales], backend: Optional[str]) -> Optional[BlockLists]:
-    """The block lists of an FP8 call that runs on the Gluon kernel (kernels/backends/gluon.py): CUDA bf16 /
-    fp16 inputs it quantizes, on a GPU it runs on, 128 x 128 blocks, no PV skip, and neither the call nor a
-    prepared work naming another backend; None for every other call (CPU tensors keep the FP8 rule's
-    reference, the interpreter natsim's Triton kernel)."""
-    requested = mask.requested if isinstance(mask, SparseWork) else None
-    if (not q.is_cuda or spec.precision != "fp8" or scales is not None or spec.pv_threshold is not None
-            or backend is not None or requested is not None):
+    """The block lists of an FP8 call that runs on the Gluon kernel (kernels/backends/gluon.py), None for a call
+    that runs elsewhere. A call (or its prepared work) naming backend 'gluon' runs there or is refused with a
+    sentence (CPU tensors run the FP8 rule's reference on the same blocks); a call naming no backend runs there
+    where it fits: CUDA bf16 / fp16 inputs it quantizes, on a GPU it runs on, 128 x 128 blocks, no PV skip (CPU
+    tensors keep the FP8 rule's reference, the interpreter natsim's Triton kernel)."""
+    wanted = backend if backend is not None else (mask.requested if isinstance(mask, SparseWork) else None)
+    if wanted not in (None, "gluon"):
         return None
     work = mask if isinstance(mask, SparseWork) else None
     q_block, kv_block = (work.q_block, work.kv_block) if work is not None else (spec.q_block, spec.kv_block)
-    if gluon_refusal(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device), q_block, kv_block):
-        return None
+    if wanted is None:
+        if not q.is_cuda or spec.precision != "fp8" or scales is not None or spec.pv_threshold is not None:
+            return None
+        if gluon_refusal(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device), q_block, kv_block):
+            return None
+    else:
+        refusal = _gluon_refusal(q, spec, scales, q_block, kv_block)
+        if refusal is not None:
+            raise ValueError(f"backend='gluon' cannot run this call: {refusal}")
     return BlockLists.from_blocks((work.mask if work is not None else mask).to(q.device))
+
+
+def _gluon_refusal(q: torch.Tensor, spec: SparseSpec, scales: Optional[Fp8Scales], q_block: int,
+                   kv_block: int) -> Optional[str]:
+    """Why the Gluon FP8 kernel cannot run a call that names it, or None."""
+    if spec.precision != "fp8":
+        return f"it is natsim's FP8 kernel: it runs precision='fp8' only, got precision={spec.precision!r}."
+    if scales is not None or spec.pv_threshold is not None:
+        return ("it quantizes bfloat16 / float16 inputs itself and skips no P @ V: not inputs given in float8 or "
+                "pv_threshold.")
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    return gluon_refusal(q.dtype, q.shape[-1], capability, q_block, kv_block)
 
 
 def _on_fa4(work: SparseWork, q: torch.Tensor, spec: SparseSpec, scales: Optional[Fp8Scales], tracked: bool) -> bool:

@@ -29,7 +29,9 @@ model instead of refitting the forward: the quick way to add backward coefficien
 FlashAttention-4 (`backend="fa4"`, where it runs: a Hopper GPU with it installed) gets two sets of its own, 'fa4'
 and 'fa4-backward' (planner.cost.fa4_calibrate: GNA calls, block-sparse and masked, and random block masks,
 through natsim's entry points), fitted over planner.cost.fa4_features' FA4_FEATURES; elsewhere they are refused
-with the sentence saying why it does not run.
+with the sentence saying why it does not run. natsim's Gluon FP8 kernel (`backend="gluon"`, Hopper) gets one,
+'gluon-fp8' (planner.cost.gluon_calibrate: GNA on whole 128-token tiles and random 128 x 128 masks), fitted over
+planner.cost.gluon_features' GLUON_FEATURES.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from natsim.tiles import KV_TILINGS
 
 from natsim.kernels import prepare_sparse
 from natsim.kernels.backends import fa4 as fa4_backend
+from natsim.kernels.backends import gluon as gluon_backend
 from natsim.kernels.backends.triton import (default_blocks, gna_backward_for_timing, gna_forward_for_timing,
                                            has_tensor_descriptors, permutes)
 
@@ -57,6 +60,8 @@ from .fa4_calibrate import (fa4_backward_calibration_cases, fa4_calibration_case
                             time_fa4_backward_case, time_fa4_case)
 from .fa4_features import FA4_FEATURES
 from .features import FEATURES, features_of
+from .gluon_calibrate import gluon_calibration_cases, gluon_case_features, time_gluon_case
+from .gluon_features import GLUON_FEATURES
 from .files import cost_model_for, gpu_file_name, user_coefficients_dir
 from .fit import fit_coefficients, relative_errors
 from .gpus import gpu_of
@@ -65,7 +70,7 @@ from .sparse_features import SPARSE_FEATURES
 from .timing import MIN_REPEATS, median_seconds
 from .sparse_features import sparse_features as work_features
 
-KERNELS = ("gna", "sparse", "backward", "gna-fp8", "sparse-fp8", "fa4", "fa4-backward")
+KERNELS = ("gna", "sparse", "backward", "gna-fp8", "sparse-fp8", "fa4", "fa4-backward", "gluon-fp8")
 DEFAULT_KERNELS = ("gna", "sparse")  # what `calibrate` times unless told: the backward is asked for by name
 
 # Tile shapes per number of dimensions, one per (Q tokens, KV tokens) pair of the catalog.
@@ -474,7 +479,7 @@ def time_backward_case(case: BackwardCase, dtype: torch.dtype, device: torch.dev
 
 def check_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
     """The kernels to calibrate, in KERNELS order: any of 'gna', 'sparse', 'backward', 'gna-fp8', 'sparse-fp8',
-    'fa4', 'fa4-backward', at least one. Without 'gna', `calibrate` extends the GPU's stored cost model (which carries the GNA kernel's
+    'fa4', 'fa4-backward', 'gluon-fp8', at least one. Without 'gna', `calibrate` extends the GPU's stored cost model (which carries the GNA kernel's
     coefficients)."""
     names = tuple(kernels)
     unknown = [name for name in names if name not in KERNELS]
@@ -520,6 +525,7 @@ class Calibration:
     fp8_sparse: Optional["Measurements"] = None
     fa4: Optional["Measurements"] = None
     fa4_backward: Optional["Measurements"] = None
+    gluon_fp8: Optional["Measurements"] = None
 
 
 @dataclass(frozen=True)
@@ -565,10 +571,12 @@ def calibrate(
     """Time the calibration cases of `kernels` ('gna': `calibration_cases()`, 'sparse':
     `sparse_calibration_cases()`, 'backward': `backward_calibration_cases()`, 'gna-fp8': `fp8_calibration_cases()`
     in FP8, 'sparse-fp8': `fp8_sparse_calibration_cases()` in FP8, 'fa4': `fa4_calibration_cases()` on
-    FlashAttention-4, 'fa4-backward': `fa4_backward_calibration_cases()`, their backward) with natsim.kernels on a
+    FlashAttention-4, 'fa4-backward': `fa4_backward_calibration_cases()`, their backward, 'gluon-fp8':
+    `gluon_calibration_cases()` on natsim's Gluon FP8 kernel) with natsim.kernels on a
     CUDA GPU and fit the cost model to them. Without 'gna' the GPU's stored cost model (`cost_model_for`) is
     extended: its other coefficients are kept, those of the kernels calibrated replaced. FlashAttention-4's sets
-    are refused where it does not run (natsim.kernels.backends.fa4.device_refusal's sentence)."""
+    are refused where it does not run (natsim.kernels.backends.fa4.device_refusal's sentence), the Gluon kernel's
+    off Hopper."""
     kernels = check_kernels(kernels)
     dtype = as_dtype(dtype)
     gpu = gpu_of(device)
@@ -597,12 +605,17 @@ def calibrate(
     refusal = fa4_backend.device_refusal(device) if fa4_cases or fa4_backward_cases else None
     if refusal is not None:
         raise ValueError(f"kernels={kernels!r} asks for FlashAttention-4, which does not run on {gpu}: {refusal}")
+    gluon_cases = gluon_calibration_cases() if "gluon-fp8" in kernels else []
+    refusal = gluon_backend.device_refusal(device) if gluon_cases else None
+    if refusal is not None:
+        raise ValueError(f"kernels={kernels!r} asks for natsim's Gluon FP8 kernel, which does not run on {gpu}: "
+                         f"{refusal}")
     features = case_features(cases, dtype, has_tensor_descriptors(device)) if cases else _empty(len(FEATURES))
     sparse_matrix = sparse_case_features(sparse_cases) if sparse_cases else _empty(len(SPARSE_FEATURES))
     backward_matrix = (backward_case_features(backward_cases, dtype) if backward_cases
                        else _empty(len(BACKWARD_FEATURES)))
     total = (len(cases) + len(sparse_cases) + len(backward_cases) + len(fp8_cases) + len(fp8_sparse_cases)
-             + len(fa4_cases) + len(fa4_backward_cases))
+             + len(fa4_cases) + len(fa4_backward_cases) + len(gluon_cases))
     timed: list[float] = []
 
     def time_all(items, timer, **options) -> np.ndarray:
@@ -620,6 +633,7 @@ def calibrate(
     fp8_sparse_times = time_all(fp8_sparse_cases, time_sparse_case, precision="fp8")
     fa4_times = time_all(fa4_cases, time_fa4_case)
     fa4_backward_times = time_all(fa4_backward_cases, time_fa4_backward_case)
+    gluon_times = time_all(gluon_cases, time_gluon_case)
     info = dict(base.info) if base is not None else {}
     coefficients, errors, fitted = (base.coefficients, np.zeros(0), np.zeros(0, dtype=bool)) if base else \
         _fit(features, times, FEATURES, "GNA")
@@ -650,6 +664,8 @@ def calibrate(
         ("fa4_coefficients", "fa4", fa4_cases, fa4_case_features(fa4_cases, dtype), fa4_times, FA4_FEATURES),
         ("fa4_backward_coefficients", "fa4-backward", fa4_backward_cases,
          fa4_case_features(fa4_backward_cases, dtype), fa4_backward_times, FA4_FEATURES),
+        ("gluon_fp8_coefficients", "gluon-fp8", gluon_cases, gluon_case_features(gluon_cases, dtype), gluon_times,
+         GLUON_FEATURES),
     ):
         sets[attribute] = getattr(base, attribute) if base is not None else None
         if items:
@@ -670,11 +686,12 @@ def calibrate(
     model = CostModel(gpu=gpu, coefficients=coefficients, sparse_coefficients=sparse,
                       backward_coefficients=backward, fp8_coefficients=sets["fp8_coefficients"],
                       fp8_sparse_coefficients=sets["fp8_sparse_coefficients"], fa4_coefficients=sets["fa4_coefficients"],
-                      fa4_backward_coefficients=sets["fa4_backward_coefficients"], info=info)
+                      fa4_backward_coefficients=sets["fa4_backward_coefficients"],
+                      gluon_fp8_coefficients=sets["gluon_fp8_coefficients"], info=info)
     return Calibration(model, tuple(cases), features, times, errors, fitted, tuple(sparse_cases), sparse_matrix,
                        sparse_times, sparse_errors, sparse_fitted, tuple(backward_cases), backward_matrix,
                        backward_times, backward_errors, backward_fitted, sets.get("gna-fp8"), sets.get("sparse-fp8"),
-                       sets.get("fa4"), sets.get("fa4-backward"))
+                       sets.get("fa4"), sets.get("fa4-backward"), sets.get("gluon-fp8"))
 
 
 def default_path(gpu: str) -> Path:

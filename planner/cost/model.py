@@ -6,9 +6,9 @@ over planner.cost.sparse_features' SPARSE_FEATURES), one for the GNA backward pa
 planner.cost.backward_features' BACKWARD_FEATURES) and, for `precision="fp8"`, the FP8 variants of the GNA and
 sparse kernels (`fp8_coefficients` over FEATURES, `fp8_sparse_coefficients` over SPARSE_FEATURES: the same
 work counted, a different cost per unit), and FlashAttention-4's forward and backward (`fa4_coefficients`,
-`fa4_backward_coefficients`, over planner.cost.fa4_features' FA4_FEATURES); files without a set load with None
-there. Coefficients differ per GPU
-and are data: one JSON file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a
+`fa4_backward_coefficients`, over planner.cost.fa4_features' FA4_FEATURES), and natsim's Gluon FP8 kernel's
+(`gluon_fp8_coefficients`, over planner.cost.gluon_features' GLUON_FEATURES); files without a set load with None
+there. Coefficients differ per GPU and are data: one JSON file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a
 device names).
 """
 
@@ -26,6 +26,7 @@ from natsim.kernels.backends.triton import check_precision
 from .backward_features import BACKWARD_FEATURES
 from .fa4_features import FA4_FEATURES
 from .features import FEATURES
+from .gluon_features import GLUON_FEATURES
 from .sparse_features import SPARSE_FEATURES
 
 FORMAT = "natsim-cost-model/1"
@@ -67,6 +68,7 @@ _SET_FEATURES = {
     "fp8_sparse_coefficients": SPARSE_FEATURES,
     "fa4_coefficients": FA4_FEATURES,
     "fa4_backward_coefficients": FA4_FEATURES,
+    "gluon_fp8_coefficients": GLUON_FEATURES,
 }
 OPTIONAL_SETS = tuple(name for name in _SET_FEATURES if name != "coefficients")
 _KERNEL_SETS = {
@@ -76,6 +78,7 @@ _KERNEL_SETS = {
     "sparse-fp8": ("fp8_sparse_coefficients", "FP8 sparse-kernel"),
     "fa4": ("fa4_coefficients", "FlashAttention-4"),
     "fa4-backward": ("fa4_backward_coefficients", "FlashAttention-4 backward"),
+    "gluon-fp8": ("gluon_fp8_coefficients", "Gluon FP8"),
 }
 
 
@@ -99,7 +102,8 @@ class CostModel:
     (SPARSE_FEATURES), `backward_coefficients` the GNA backward pass's (BACKWARD_FEATURES), `fp8_coefficients`
     and `fp8_sparse_coefficients` the GNA and sparse kernels' with `precision="fp8"`, `fa4_coefficients` and
     `fa4_backward_coefficients` FlashAttention-4's forward and backward calls (FA4_FEATURES, GNA and block masks
-    alike); each None for a model calibrated without it.
+    alike), `gluon_fp8_coefficients` natsim's Gluon FP8 kernel's calls (GLUON_FEATURES); each None for a model
+    calibrated without it.
     """
 
     gpu: str
@@ -111,6 +115,7 @@ class CostModel:
     fp8_sparse_coefficients: Optional[Mapping[str, float]] = None
     fa4_coefficients: Optional[Mapping[str, float]] = None
     fa4_backward_coefficients: Optional[Mapping[str, float]] = None
+    gluon_fp8_coefficients: Optional[Mapping[str, float]] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coefficients", _checked(self.coefficients, FEATURES, "coefficients"))
@@ -133,7 +138,7 @@ class CostModel:
 
     def has(self, kernel: str) -> bool:
         """Whether this model has coefficients for `kernel`: "gna", "sparse", "backward", "gna-fp8", "sparse-fp8",
-        "fa4", "fa4-backward"."""
+        "fa4", "fa4-backward", "gluon-fp8"."""
         return kernel == "gna" or getattr(self, _KERNEL_SETS[kernel][0]) is not None
 
     def predict(self, features: np.ndarray, precision: Optional[str] = None) -> np.ndarray:
@@ -174,6 +179,14 @@ class CostModel:
     def fa4_breakdown(self, features: np.ndarray, backward: bool = False) -> dict[str, float]:
         """Predicted seconds of one FlashAttention-4 feature row, per feature (the backward's with `backward`)."""
         return _per_feature(features, *self._fitted(_fa4_kernel(backward)))
+
+    def predict_gluon(self, features: np.ndarray) -> np.ndarray:
+        """Predicted seconds of Gluon FP8 calls for feature rows `(n, len(GLUON_FEATURES))` (or one row)."""
+        return np.asarray(features, np.float64) @ _in_order(*self._fitted("gluon-fp8"))
+
+    def gluon_breakdown(self, features: np.ndarray) -> dict[str, float]:
+        """Predicted seconds of one Gluon FP8 feature row, per feature."""
+        return _per_feature(features, *self._fitted("gluon-fp8"))
 
     def _fitted(self, kernel: str) -> tuple[Mapping[str, float], tuple[str, ...]]:
         """The coefficients of `kernel` (a key of _KERNEL_SETS) and their features, or a sentence error saying

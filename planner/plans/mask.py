@@ -114,8 +114,9 @@ class MaskCandidate:
     (basis "simulated tiles"). `merge_s`: host seconds the XOR grouping took while planning (the greedy and
     the group counts, every head: natsim.merging.merged_counts), not part of the score; a call's
     `prepare_sparse` runs natsim.merge head by head and builds its lists, which takes longer
-    (`SparseWork.merge_seconds`). `backend` is the kernel backend it was scored on: "triton", or "fa4"
-    (FlashAttention-4, unmerged, on its own blocks: `block_m` x `block_n` are the mask's blocks there).
+    (`SparseWork.merge_seconds`). `backend` is the kernel backend it was scored on: "triton", "fa4"
+    (FlashAttention-4, unmerged, on its own blocks: `block_m` x `block_n` are the mask's blocks there) or "gluon"
+    (natsim's Gluon FP8 kernel, unmerged 128 x 128 blocks).
     """
 
     q_block: int
@@ -172,7 +173,7 @@ class MaskPlan:
     - `mask`: the pooled mask `plan(q, k, v)` runs when no mask is passed (None after `from_json`; not stored
       in JSON and not compared).
     - `precision`: "fp8" for a plan of the FP8 inference kernel (`best_mask(..., precision="fp8")`), else None.
-    - `backend`: the kernel backend it runs on ("triton", "fa4"); `backends` those it could be picked from;
+    - `backend`: the kernel backend it runs on ("triton", "fa4", "gluon"); `backends` those it could be picked from;
       `would_pick` the pick had every priced backend run here (None when each did); `backend_notes` why a
       backend a report mentions could not be picked, per backend (planner.backends).
     """

@@ -42,7 +42,8 @@ class Plan:
     are sums, `backward_score` / `dense_backward_score` their backward parts (the backward runs its own tiles,
     `backward_tiles`); otherwise those are None. `precision` is "fp8" for a plan of the FP8 inference kernel
     (`best(..., precision="fp8")`: it runs quantized, without gradients), else None. `backend` is the kernel
-    backend it runs on: "triton" (natsim's kernels) or "fa4" (FlashAttention-4; planner.backends).
+    backend it runs on: "triton" (natsim's kernels), "fa4" (FlashAttention-4) or "gluon" (natsim's Gluon FP8
+    kernel; planner.backends).
     """
 
     problem: Problem

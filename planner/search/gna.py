@@ -13,15 +13,16 @@ The search:
    wins: a larger stride gives up translational equivariance, so it must buy more than noise.
 
 Each configuration is scored on every kernel backend the search ranks (planner.backends): natsim's Triton
-kernels, and FlashAttention-4 where it runs the configuration's tiles (planner.search.fa4_scores), priced by its
-own coefficients; a configuration's score is its best backend's, so the search ranks (configuration, backend)
-pairs under the same tie rule. FlashAttention-4 is priced where its coefficients exist even when it does not run
-here: the plan records its best candidate, and what the search would have picked with it.
+kernels, FlashAttention-4 where it runs the configuration's tiles (planner.search.fa4_scores) and, in FP8,
+natsim's Gluon kernel where it does (planner.search.gluon_scores), each priced by its own coefficients; a
+configuration's score is its best backend's, so the search ranks (configuration, backend) pairs under the same
+tie rule. A backend is priced where its coefficients exist even when it does not run here: the plan records its
+best candidate, and what the search would have picked with it.
 
-`precision="fp8"` plans natsim's FP8 inference kernel: the same simulated tile counts, FP8's coefficients
-(`CostModel.fp8_coefficients`; without them the plan ranks by tile work and says so), static KV tiling and tiles
-of at least 32 keys (what FP8 runs), and FP8's own memory passes (quantization, and the permutation of 2-D and
-3-D layouts).
+`precision="fp8"` plans natsim's FP8 inference kernels: the same simulated tile counts, FP8's coefficients
+(`CostModel.fp8_coefficients` for the Triton kernel, `gluon_fp8_coefficients` for the Gluon one; without the
+first the plan ranks by tile work and says so), static KV tiling and tiles of at least 32 keys (what FP8 runs),
+and FP8's own memory passes (quantization, and the permutation of 2-D and 3-D layouts).
 
 A search depends only on its normalised arguments (and the cost model's coefficients), so the last plans are
 kept (`_search`): a model calls `best` once per layer, mostly with the same layout. `world_size=P` prices the
@@ -58,6 +59,7 @@ from ..plans.parallel import ParallelPlan
 from ..plans.plan import Plan
 from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
 from .fa4_scores import Fa4Scorer
+from .gluon_scores import GluonScorer
 from .parallel import check_world_size, parallel_plan
 from .windows import candidate_windows, window_sparsity
 
@@ -310,17 +312,20 @@ def ranking(device: DeviceLike, cost_model: Optional[CostModelLike], training: b
     return gpu, model, (kv_tiling,)
 
 
-def _fa4_excluded(world_size: Optional[int], kv_tiling: Optional[str], precision: Optional[str]) -> Optional[str]:
-    """Why FlashAttention-4 has no place in a search with these arguments (planner.backends.backend_choice), or
-    None."""
+def _excluded(world_size: Optional[int], kv_tiling: Optional[str], precision: Optional[str]) -> dict[str, str]:
+    """Why a backend has no place in a search with these arguments, per backend (planner.backends.backend_choice)."""
+    why = {}
     if precision is not None:
-        return f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's Triton kernels"
+        why["fa4"] = (f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's FP8 "
+                      "kernels")
+    else:
+        why["gluon"] = "it runs precision='fp8' only"
     if world_size is not None:
-        return (f"natsim.distributed runs natsim's Triton kernels, so a plan over world_size={world_size} ranks "
-                "runs them")
-    if kv_tiling == "dynamic":
-        return "it runs static KV tiling only, so kv_tiling='dynamic' plans natsim's Triton kernels"
-    return None
+        why["fa4"] = (f"natsim.distributed runs natsim's Triton kernels, so a plan over world_size={world_size} ranks "
+                      "runs them")
+    elif kv_tiling == "dynamic":
+        why["fa4"] = "it runs static KV tiling only, so kv_tiling='dynamic' plans natsim's Triton kernels"
+    return why
 
 
 def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device, cost_model,
@@ -345,7 +350,7 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
     dtype = as_dtype(dtype)
     gpu, model, kv_tilings = ranking(device, cost_model, training, kv_tiling, precision)
     choice = backend_choice(backends, device=device, model=model, training=training, gpu=gpu,
-                            excluded=_fa4_excluded(world_size, kv_tiling, precision))
+                            excluded=_excluded(world_size, kv_tiling, precision))
     if world_size is not None:
         check_world_size(world_size, shape[0])
         if precision is not None:
@@ -428,6 +433,11 @@ def _search(r: _Request) -> Plan:
     if "fa4" in r.backends.priced:
         fa4 = Fa4Scorer(r.shape, r.causal, windows, catalog, r.cost_model, dtype=r.dtype, training=r.training, **call)
         priced["fa4"] = fa4.scores(rows)
+    gluon = None
+    if "gluon" in r.backends.priced:
+        gluon = GluonScorer(r.shape, r.causal, windows, catalog, r.cost_model, dtype=r.dtype,
+                            batch_heads=call["batch_heads"], head_dim=r.head_dim, element_bytes=call["element_bytes"])
+        priced["gluon"] = gluon.scores(rows)
     products = rows["stride"].prod(axis=1)
     allowed = r.backends.allowed
     scores, backend_of = _best_backend(priced, allowed)
@@ -464,6 +474,8 @@ def _search(r: _Request) -> Plan:
     breakdown = {}
     if winner.backend == "fa4":
         breakdown = fa4.breakdown(rows, chosen)
+    elif winner.backend == "gluon":
+        breakdown = gluon.breakdown(rows, chosen)
     elif r.cost_model is not None:
         picked = [chosen]
         breakdown = r.cost_model.breakdown(
@@ -560,11 +572,12 @@ def best(
     backward tile work). `world_size=P`: a `ParallelPlan` for P ranks sharding frames
     (planner.search.parallel), which knows its strategy and split; training plans are for one GPU.
     `precision="fp8"` plans the FP8 inference kernel (module docstring); the plan runs in FP8.
-    `backends` names the kernel backends the plan may run on ("triton", "fa4"; planner.backends): None means every
-    one available here, natsim's Triton kernels and FlashAttention-4 where it is installed, runs on the device (a
-    torch device, or the current CUDA device) and the cost model has its coefficients (with `training`, its
-    backward's too); a backend asked for that cannot run here or cannot be priced is refused with a sentence.
-    The plan records its backend and runs on it.
+    `backends` names the kernel backends the plan may run on ("triton", "fa4", "gluon"; planner.backends): None
+    means every one available here, natsim's Triton kernels, FlashAttention-4 where it is installed, runs on the
+    device (a torch device, or the current CUDA device) and the cost model has its coefficients (with `training`,
+    its backward's too), and with `precision="fp8"` natsim's Gluon FP8 kernel on Hopper where it is priced; a
+    backend asked for that cannot run here or cannot be priced is refused with a sentence. The plan records its
+    backend and runs on it.
 
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP

@@ -21,7 +21,8 @@ Where FlashAttention-4 is a backend the search ranks (planner.backends: installe
 coefficients), every granularity it runs unmerged is a candidate too, scored by its own coefficients on the
 blocks the pooled mask visits (planner.cost.fa4_features; every visited block is full, nothing is permuted).
 Where it has coefficients but does not run here it is priced all the same, and the plan records what it would
-have picked.
+have picked. In FP8 natsim's Gluon kernel takes FlashAttention-4's place: a candidate at 128 x 128 blocks,
+unmerged (planner.cost.gluon_features), where its coefficients exist.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from natsim.kernels import SparseMask
 from natsim.kernels.backends import capabilities
 from natsim.kernels.backends.triton import check_precision, default_blocks
 
-from ..backends import BackendsLike, backend_choice, fa4_mask_refusal
+from ..backends import BackendsLike, backend_choice, fa4_mask_refusal, gluon_tiles_refusal
 from ..catalog import as_dtype, dtype_name
 from ..cost.fa4_features import FA4_FEATURES, mask_fa4_features
+from ..cost.gluon_features import GLUON_FEATURES, mask_gluon_features
 from ..cost.model import CostModel
 from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..cost.sparse_features import SPARSE_FEATURES
@@ -124,6 +126,24 @@ def _fa4_candidate(rows: PackedMask, q_block: int, kv_block: int, batch: int, he
     ), row
 
 
+def _gluon_candidate(rows: PackedMask, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
+                     cost_model: CostModel) -> tuple[MaskCandidate, np.ndarray]:
+    """The Gluon FP8 kernel's candidate at its 128 x 128 blocks (unmerged): the blocks the pooled mask visits,
+    every one full, scored by the cost model's Gluon coefficients, and its feature row."""
+    block = DENSE_BLOCK
+    copies = (batch // rows.batch) * (heads // rows.heads)  # a mask of batch or heads 1 serves each
+    visited = int(rows.row_counts(block, block).sum()) * copies
+    row = mask_gluon_features(visited, seq_len=rows.seq_len, batch_heads=batch * heads, head_dim=head_dim,
+                              element_bytes=dtype.itemsize)
+    seq_len = rows.seq_len
+    return MaskCandidate(
+        q_block=block, kv_block=block, merge="none", block_m=block, block_n=block,
+        density=rows.density(block, block), work=visited * block * block / (batch * heads * seq_len ** 2),
+        tiles=visited, programs=math.ceil(row[GLUON_FEATURES.index("programs")]),
+        score=float(cost_model.predict_gluon(row)), merge_s=0.0, backend="gluon",
+    ), row
+
+
 def _grouping(q_block: int, kv_block: int, merge: str) -> tuple[int, int, int, str]:
     """`(q_block, kv_block, group, method)`: how `prepare_sparse` groups a candidate's query blocks, with the GPU's
     program tiles (XOR's greedy only where a group holds several blocks)."""
@@ -188,9 +208,10 @@ def best_mask(
     - `keep_mask`: keep the pooled mask in the plan, so that `plan(q, k, v)` runs it.
     - `precision`: None (the inputs' dtype) or "fp8": plan and run the FP8 inference kernel, scored by the FP8
       sparse coefficients (by token pairs without them).
-    - `backends`: the kernel backends the plan may run on ("triton", "fa4"), as for `best`: None means every one
-      available here (FlashAttention-4 where it is installed, runs on the device and the cost model has its
-      coefficients; it runs unmerged blocks, in the inputs' dtype).
+    - `backends`: the kernel backends the plan may run on ("triton", "fa4", "gluon"), as for `best`: None means
+      every one available here (FlashAttention-4 where it is installed, runs on the device and the cost model has
+      its coefficients; it runs unmerged blocks, in the inputs' dtype; in FP8 natsim's Gluon kernel, on Hopper
+      with its coefficients, at 128 x 128 blocks unmerged).
 
     >>> plan = best_mask(topp(q, k, 16, 16, 0.9), 16, 16, q.shape[1], device="h100")   # doctest: +SKIP
     >>> out = plan(q, k, v)                                                             # doctest: +SKIP
@@ -218,11 +239,14 @@ def best_mask(
     gpu, model = resolve_cost_model(device, cost_model)
     if model is not None and not model.has("sparse" if precision is None else "sparse-fp8"):
         model = None
-    excluded = None
+    excluded = {}
     if precision is not None:
-        excluded = f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's kernels"
-    elif "none" not in merges:
-        excluded = f"it runs unmerged blocks only, and merges={merges!r} leaves out 'none'"
+        excluded["fa4"] = f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's kernels"
+    else:
+        excluded["gluon"] = "it runs precision='fp8' only"
+    if "none" not in merges:
+        for name in ("fa4", "gluon"):
+            excluded.setdefault(name, f"it runs unmerged blocks only, and merges={merges!r} leaves out 'none'")
     choice = backend_choice(backends, device=device, model=model, training=False, gpu=gpu, excluded=excluded)
 
     rows = PackedMask(dense, q_block, kv_block, seq_len)
@@ -243,6 +267,11 @@ def best_mask(
                 candidate, row = _fa4_candidate(rows, qb, kb, batch, heads, head_dim, model)
                 scored.append(candidate)
                 features[candidate.key] = row
+    if ("gluon" in choice.priced and (DENSE_BLOCK, DENSE_BLOCK, "none") in options
+            and gluon_tiles_refusal(DENSE_BLOCK, DENSE_BLOCK, head_dim, dtype) is None):
+        candidate, row = _gluon_candidate(rows, batch, heads, head_dim, dtype, model)
+        scored.append(candidate)
+        features[candidate.key] = row
     scored.sort(key=lambda c: (c.score, _preference(c)))
     runnable = [c for c in scored if c.backend in choice.allowed]
     if not options:
@@ -258,6 +287,8 @@ def best_mask(
     breakdown = {}
     if winner.backend == "fa4":
         breakdown = model.fa4_breakdown(features[winner.key])
+    elif winner.backend == "gluon":
+        breakdown = model.gluon_breakdown(features[winner.key])
     elif model is not None:
         breakdown = model.sparse_breakdown(features[winner.key], precision)
     kept = None

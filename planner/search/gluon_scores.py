@@ -1,0 +1,82 @@
+"""natsim's Gluon FP8 kernel's scores of a GNA search's rows: predicted seconds of each (window, stride, tiles) as
+one of its calls, for the rows it runs, infinite elsewhere.
+
+The kernel runs GNA on one tile of 128 tokens for queries and keys (static KV tiling) whose every visited block is
+full and holds no padding key (every dimension a whole number of tiles; natsim.kernels.backends.gluon): on such a
+row it visits the simulator's tiles, every one unmasked. Features are planner.cost.gluon_features', prices the
+cost model's Gluon FP8 coefficients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from natsim import Problem, TileConfig
+
+from ..backends import gluon_tiles_refusal
+from ..cost.features import padded_tokens, permutation_bytes
+from ..cost.fa4_features import unpadded_full_blocks
+from ..cost.gluon_features import gluon_feature_matrix
+from ..cost.model import CostModel
+
+
+class GluonScorer:
+    """Scores a search's rows as Gluon FP8 calls of `batch_heads` heads (batch 1) under `cost_model`."""
+
+    def __init__(self, shape: tuple[int, ...], causal: tuple[bool, ...], windows: Sequence[tuple[int, ...]],
+                 catalog: Sequence[TileConfig], cost_model: CostModel, *, batch_heads: int, head_dim: int,
+                 dtype: torch.dtype, element_bytes: int):
+        self.problems = [Problem(shape, window, causal=causal) for window in windows]
+        self.runs = np.array([_runs(shape, tiles, head_dim, dtype) for tiles in catalog])
+        self.tiles = np.array([tiles.q_tile for tiles in catalog], np.int64)
+        ones = (1,) * len(shape)
+        self.padded = np.array([padded_tokens(shape, tiles.q_tile, ones) for tiles in catalog], np.int64)
+        self.tokens = math.prod(shape)
+        self.cost_model = cost_model
+        self.batch_heads, self.head_dim, self.element_bytes = batch_heads, head_dim, element_bytes
+
+    def _members(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+        """The rows the kernel runs: its tiles, and every visited block full without padding keys."""
+        candidates = np.nonzero(self.runs[rows["tile_index"]])[0]
+        full = np.zeros(len(candidates), np.int64)
+        windows = rows["window_index"][candidates]
+        tiles = self.tiles[rows["tile_index"][candidates]]
+        for w in np.unique(windows):
+            part = np.nonzero(windows == w)[0]
+            full[part] = unpadded_full_blocks(self.problems[int(w)], rows["stride"][candidates[part]], tiles[part],
+                                              tiles[part])
+        return candidates[full == rows["visited_tiles"][candidates]]
+
+    def features(self, rows: dict[str, np.ndarray], members: np.ndarray) -> np.ndarray:
+        """GLUON_FEATURES rows of the search's rows `members` (rows the kernel runs)."""
+        padded = self.padded[rows["tile_index"][members]]
+        moved = permutation_bytes(self.tokens, padded, padded, batch_heads=self.batch_heads,
+                                  head_dim=self.head_dim, element_bytes=self.element_bytes)
+        return gluon_feature_matrix(visited_blocks=rows["visited_tiles"][members], q_padded=padded,
+                                    batch_heads=self.batch_heads, head_dim=self.head_dim,
+                                    element_bytes=self.element_bytes, permute_bytes=moved)
+
+    def scores(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, None]:
+        """(score, None) of every row: predicted seconds where the kernel runs the row, infinite elsewhere (it has
+        no backward: FP8 plans are for inference)."""
+        members = self._members(rows)
+        total = np.full(len(rows["tile_index"]), np.inf)
+        if len(members):
+            total[members] = self.cost_model.predict_gluon(self.features(rows, members))
+        return total, None
+
+    def breakdown(self, rows: dict[str, np.ndarray], row: int) -> dict[str, float]:
+        """Predicted seconds of one row (one the kernel runs) per feature."""
+        return self.cost_model.gluon_breakdown(self.features(rows, np.array([row]))[0])
+
+
+def _runs(shape: tuple[int, ...], tiles: TileConfig, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs a layout of `shape` on these tiles: one 128-token tile for queries and keys, static
+    KV tiling, dividing every dimension (no padding key), at this head dim and dtype."""
+    return (tiles.kv_tiling == "static" and tiles.q_tile == tiles.kv_tile
+            and all(length % side == 0 for length, side in zip(shape, tiles.q_tile))
+            and gluon_tiles_refusal(tiles.q_tokens, tiles.kv_tokens, head_dim, dtype) is None)
