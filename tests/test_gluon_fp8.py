@@ -173,3 +173,22 @@ def test_sparse_naming_gluon_runs_its_cpu_path_and_refuses_other_blocks():
         sparse_attention(q, k, v, mask.repeat_interleave(2, 2)[:, :, :5], 64, 128, precision="fp8", backend="gluon")
     with pytest.raises(ValueError, match=r"it runs precision='fp8' only, got precision=None"):
         sparse_attention(q, k, v, mask, 128, 128, backend="gluon")
+
+
+def test_gna_naming_gluon_on_tokens_in_tile_order_equals_the_row_major_call():
+    from natsim.kernels import TileOrder, gna_attention
+    from natsim.kernels.gna.ordered import run_ordered
+    from natsim.kernels.gna.spec import GnaSpec
+
+    shape, window, stride, tile = GNA_LAYOUTS[0]
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, *shape, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    order = TileOrder(shape, tile, (1,) * len(shape))
+    ordered = [order.to_order(t.reshape(1, -1, 2, 64)) for t in (q, k, v)]
+    spec = GnaSpec.of(len(shape), window, stride, q_tile=tile, kv_tile=tile, precision="fp8", backend="gluon",
+                      return_lse=True)
+    out, lse = run_ordered(*ordered, order, spec)
+    expected, expected_lse = gna_attention(q, k, v, window, stride, q_tile=tile, kv_tile=tile, precision="fp8",
+                                           backend="gluon", return_lse=True)
+    assert torch.equal(order.from_order(out).reshape(q.shape), expected)
+    assert torch.equal(order.from_order(lse[..., None])[..., 0].reshape(expected_lse.shape), expected_lse)

@@ -89,8 +89,8 @@ def apply(
     bfloat16), and a precision other than None or "fp8".
     `tile_order`: whether the model keeps its video tokens in the GNA plan's tile order from its first block to
     its last (natsim.integrations.diffusers.order: no permutation per attention call): None where the plan runs
-    on FlashAttention-4 and its tile divides the layout, True wherever the tile divides the layout (refused with
-    a sentence for models natsim does not know the blocks of), False never.
+    on FlashAttention-4 or the Gluon FP8 kernel and its tile divides the layout, True wherever the tile divides
+    the layout (refused with a sentence for models natsim does not know the blocks of), False never.
 
     Under diffusers' context parallelism (`transformer.enable_parallelism(config=ContextParallelConfig(
     ulysses_degree=P))`, before or after `apply`), each rank runs natsim's attention on its `heads / P` heads over

@@ -10,7 +10,7 @@ it, the video hidden states as the first block receives them, every block's per-
 block returns them; the routed attention then runs on the tokens as they come (`Router.order`).
 
 `ORDER_POINTS` says where each model's tokens enter and leave its blocks. The order is taken where the plan runs
-on FlashAttention-4 and its Q tile divides the layout (`tile_order=None`, the default), always where the tile
+on FlashAttention-4 or the Gluon FP8 kernel (which read tokens in that order too) and its Q tile divides the layout (`tile_order=None`, the default), always where the tile
 divides the layout (`True`: on any backend, for testing or where the permutations pay for other reasons), or never
 (`False`). A layout's decision is made on its first forward call outside a compiled graph (a whole-model
 `torch.compile` traces the decision made before it; its first trace of a new layout runs without the order).

@@ -19,6 +19,7 @@ import torch
 
 from natsim.problem import as_sizes
 
+from ..gluon.ops import gluon_fp8_forward
 from .choice import backward_refusal, choose
 from .dispatch import Output, run_spec
 from .layout import TileLayout
@@ -119,8 +120,8 @@ def ordered_like(order: TileOrder, x: Optional[torch.Tensor]) -> Optional[torch.
     return order.to_order(x.reshape(x.shape[0], order.tokens, *x.shape[1 + len(order.shape):]))
 
 
-def _fa4(q: torch.Tensor, order: TileOrder, spec: GnaSpec):
-    """FlashAttention-4's geometry where natsim's choice runs the call on it, else None."""
+def _choice(q: torch.Tensor, order: TileOrder, spec: GnaSpec):
+    """natsim's choice of backend for a call on tokens in `order` (kernels/gna/choice.py)."""
     if spec.q_tile is None or tuple(spec.q_tile) != order.tile:
         raise ValueError(f"tokens in the order of the tile {order.tile} need a GNA call with that Q tile, got "
                          f"q_tile={spec.q_tile}.")
@@ -132,11 +133,16 @@ def _fa4(q: torch.Tensor, order: TileOrder, spec: GnaSpec):
 
 def run_ordered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: TileOrder, spec: GnaSpec) -> Output:
     """GNA of `spec` on `[B, N, heads, head_dim]` q, k, v whose tokens are in `order` (the spec's Q tile):
-    `(out, lse)` in that order, `lse` None unless `spec.return_lse`. FlashAttention-4 runs them as they are; any
-    other backend runs the call on the row-major layout, between one permutation out of the order and one back."""
-    choice = _fa4(q, order, spec)
+    `(out, lse)` in that order, `lse` None unless `spec.return_lse`. FlashAttention-4 and the Gluon FP8 kernel run
+    them as they are; any other backend runs the call on the row-major layout, between one permutation out of the
+    order and one back."""
+    choice = _choice(q, order, spec)
     if choice.fa4 is not None:
         return choice.fa4.forward_ordered(q, k, v, _scale(q, spec), spec.return_lse)
+    if choice.gluon is not None:
+        lists = choice.gluon.lists(q.device)
+        out, lse = gluon_fp8_forward(q, k, v, lists.forward[2], lists.forward[3], _scale(q, spec), spec.return_lse)
+        return out, lse if spec.return_lse else None
     out, lse = run_spec(*layout_views(order, q, k, v), spec)
     return ordered_like(order, out), ordered_like(order, lse)
 
@@ -145,7 +151,7 @@ def fa4_backward_ordered(q, k, v, out, lse, grad_out, grad_lse, order: TileOrder
                          spec: GnaSpec) -> Optional[tuple[torch.Tensor, ...]]:
     """dq, dk, dv of `run_ordered` on FlashAttention-4, on tensors in `order` as they are, where it ran the
     forward and its backward runs the tiles; None otherwise (the caller differentiates the row-major call)."""
-    choice = _fa4(q, order, spec)
+    choice = _choice(q, order, spec)
     if choice.fa4 is None or backward_refusal(choice, q.shape[-1]) is not None:
         return None
     scale = _scale(q, spec)

@@ -85,10 +85,11 @@ class AutoPlan:
     def tile_order(self, shape: tuple[int, ...], *, heads: int, head_dim: int, dtype: torch.dtype,
                    device: Union[str, torch.device], force: bool = False) -> Optional[TileOrder]:
         """The token order a model can keep its hidden states in for the plan of a layout (its Q tile's order):
-        where the plan runs on FlashAttention-4, which then needs no permutation per call, or with `force` on any
-        backend; None where the tile does not divide the layout (or, without `force`, the plan runs elsewhere)."""
+        where the plan runs on FlashAttention-4 or the Gluon FP8 kernel, which then need no permutation per call,
+        or with `force` on any backend; None where the tile does not divide the layout (or, without `force`, the
+        plan runs elsewhere)."""
         plan = self.plan_for(shape, heads=heads, head_dim=head_dim, dtype=dtype, device=device)
-        if not force and plan.backend != "fa4":
+        if not force and plan.backend not in ("fa4", "gluon"):
             return None
         if tile_order_refusal(plan.problem.shape, plan.tiles.q_tile, plan.problem.dilation) is not None:
             return None

@@ -1,0 +1,188 @@
+"""The planner pricing natsim's Gluon FP8 kernel, on the CPU: its features against the simulator counted the slow
+way, which rows of a search it runs against a brute-force restatement of its rules, FP8 plans picking it where a
+synthetic cost model makes it cheaper (and not where it is dearer, or not priced, or in bf16), refusals, JSON,
+plans and mask plans running on its CPU path, and the calibration cases."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from natsim import Problem, TileConfig, simulate
+from natsim.kernels.backends import gluon as gluon_backend
+from natsim.kernels.gluon.ops import fp8_block_attention
+from natsim.kernels.gna.reference import reference_attention
+from natsim.planner import Plan, best, best_mask, cost_model_for, tile_catalog
+from natsim.planner.backends import backend_choice
+from natsim.planner.cost.gluon_calibrate import gluon_calibration_cases
+from natsim.planner.cost.gluon_features import GLUON_FEATURES, dense_gluon_features, gna_gluon_features
+from natsim.planner.cost.model import CostModel
+from natsim.planner.search.gluon_scores import GluonScorer
+
+H100 = cost_model_for("NVIDIA H100 80GB HBM3")
+TRITON_ONLY = replace(H100, gluon_fp8_coefficients=None)
+# Cheaper per FLOP than the Triton FP8 kernel (whose full_flops coefficient is about 1e-15 s), dearer per call.
+GLUON = {"flops": 6e-16, "narrow_head_flops": 2e-16, "blocks": 1e-10, "programs": 1e-8, "moved_bytes": 4e-13,
+         "launch": 6e-5}
+CHEAP = replace(H100, gluon_fp8_coefficients=GLUON)
+DEAR = replace(H100, gluon_fp8_coefficients={name: 50 * value for name, value in GLUON.items()})
+HUNYUAN = dict(heads=24, window=(18, 24, 24), precision="fp8")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """The Gluon kernel runs on the device at hand."""
+    monkeypatch.setattr(gluon_backend, "device_refusal", lambda device: None)
+
+
+def gluon_runs(shape, tiles: TileConfig, problem: Problem, head_dim: int = 128) -> bool:
+    """The kernel's rules restated: one tile of 128 tokens for queries and keys, static KV tiling, dividing every
+    dimension, every visited block full; head_dim 64 or 128."""
+    return (tiles.kv_tiling == "static" and tiles.q_tile == tiles.kv_tile and math.prod(tiles.q_tile) == 128
+            and all(n % t == 0 for n, t in zip(shape, tiles.q_tile)) and head_dim in (64, 128)
+            and simulate(problem, tiles).block_sparse)
+
+
+@pytest.mark.parametrize("shape, window, stride, tile, head_dim", [
+    ((30, 48, 80), (18, 24, 24), (16, 8, 8), (2, 8, 8), 128),
+    ((32768,), (2048,), (256,), (128,), 64),
+    ((16, 32, 64), (16, 32, 64), (1, 1, 1), (2, 8, 8), 128),
+])
+def test_gna_features_count_blocks_bytes_and_flops_the_slow_way(shape, window, stride, tile, head_dim):
+    problem = Problem(shape, window, stride)
+    row = gna_gluon_features(problem, tile, batch_heads=24, head_dim=head_dim, element_bytes=2)
+    features = dict(zip(GLUON_FEATURES, row))
+    visited = simulate(problem, TileConfig(tile, tile)).visited_tiles
+    tokens = math.prod(shape)  # every tile divides: nothing padded
+    assert features["blocks"] == visited * 24
+    assert features["flops"] == 4 * 128 * 128 * head_dim * visited * 24
+    assert features["narrow_head_flops"] == (features["flops"] if head_dim < 128 else 0)
+    assert features["programs"] == tokens / 128 * 24
+    permuted = (2 * tokens + 2 * 2 * tokens + 2 * tokens) * 24 * head_dim * 2  # q, k, v in; out back
+    quantized = 3 * tokens * 24 * head_dim * (2 + 1)  # read bf16, write one byte
+    assert features["moved_bytes"] == permuted + quantized and features["launch"] == 1
+    dense = dict(zip(GLUON_FEATURES, dense_gluon_features(tokens, batch_heads=24, head_dim=head_dim,
+                                                          element_bytes=2)))
+    assert dense["blocks"] == (tokens // 128) ** 2 * 24 and dense["moved_bytes"] == quantized
+
+
+@pytest.mark.parametrize("shape, window", [((30, 48, 80), (18, 24, 24)), ((64, 64), (32, 32)), ((4096,), (1024,))])
+def test_the_scorer_prices_exactly_the_rows_the_kernel_runs(shape, window):
+    catalog = [t for t in tile_catalog(shape, 128, ("static",))]
+    problems = [Problem(shape, window, stride) for stride in ((1,) * len(shape), window,
+                                                              tuple(max(1, w // 2) for w in window))]
+    scorer = GluonScorer(shape, (False,) * len(shape), [window], catalog, CHEAP, batch_heads=2, head_dim=128,
+                         dtype=torch.bfloat16, element_bytes=2)
+    rows = {name: [] for name in ("tile_index", "window_index", "stride", "visited_tiles")}
+    for problem in problems:
+        for index, tiles in enumerate(catalog):
+            rows["tile_index"].append(index)
+            rows["window_index"].append(0)
+            rows["stride"].append(problem.stride)
+            rows["visited_tiles"].append(simulate(problem, tiles).visited_tiles)
+    rows = {name: np.array(values) for name, values in rows.items()}
+    scores, backward = scorer.scores(rows)
+    expected = [gluon_runs(shape, tiles, problem) for problem in problems for tiles in catalog]
+    assert backward is None and list(np.isfinite(scores)) == expected and any(expected)
+    for row in np.nonzero(expected)[0][:3]:
+        problem, tiles = problems[row // len(catalog)], catalog[row % len(catalog)]
+        alone = gna_gluon_features(problem, tiles.q_tile, batch_heads=2, head_dim=128, element_bytes=2)
+        assert scores[row] == pytest.approx(float(CHEAP.predict_gluon(alone)))
+
+
+def test_fp8_plans_pick_gluon_where_it_is_cheaper_and_say_so(hopper):
+    plan = best((30, 48, 80), 0.9, cost_model=CHEAP, **HUNYUAN)
+    assert plan.backend == "gluon" and plan.search.backends == ("triton", "gluon")
+    tiles = plan.tiles
+    assert gluon_runs((30, 48, 80), tiles, plan.problem)
+    assert set(plan.breakdown) == set(GLUON_FEATURES)
+    assert plan.kernel_arguments()["backend"] == "gluon" and plan.kernel_arguments()["precision"] == "fp8"
+    assert {c.backend for c in plan.search.best_by_backend} == {"triton", "gluon"}
+    again = Plan.from_dict(plan.to_dict())
+    assert again.backend == "gluon" and again.tiles == plan.tiles
+    dear = best((30, 48, 80), 0.9, cost_model=DEAR, **HUNYUAN)
+    assert dear.backend == "triton" and "gluon" in dear.search.backends
+    bf16 = best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), cost_model=CHEAP)
+    assert "gluon" not in bf16.search.backends and bf16.backend != "gluon"
+
+
+def test_gluon_is_priced_but_not_picked_off_hopper_and_refused_when_asked(monkeypatch):
+    monkeypatch.setattr(gluon_backend, "device_refusal", lambda device: "not a Hopper GPU.")
+    plan = best((30, 48, 80), 0.9, cost_model=CHEAP, **HUNYUAN)
+    assert plan.backend == "triton" and plan.search.would_pick.backend == "gluon"
+    assert dict(plan.search.backend_notes)["gluon"] == "not a Hopper GPU."
+    with pytest.raises(ValueError, match=r"asks for natsim's Gluon FP8 kernel, which does not run here: not a Hopper"):
+        best((30, 48, 80), 0.9, cost_model=CHEAP, backends="gluon", **HUNYUAN)
+
+
+def test_backend_choice_for_gluon_says_why_in_sentences(hopper):
+    fp8 = dict(device=None, training=False, gpu="NVIDIA H100 80GB HBM3", excluded={"fa4": "FP8"})
+    assert backend_choice(None, model=CHEAP, **fp8).allowed == ("triton", "gluon")
+    unpriced = backend_choice(None, model=TRITON_ONLY, **fp8)
+    assert unpriced.allowed == ("triton",) and "has no natsim's Gluon FP8 kernel coefficients" in dict(unpriced.notes)["gluon"]
+    with pytest.raises(ValueError, match=r"calibrate --kernels gluon-fp8"):
+        backend_choice(("gluon",), model=TRITON_ONLY, **fp8)
+    with pytest.raises(ValueError, match=r"asks for natsim's Gluon FP8 kernel, but it runs precision='fp8' only"):
+        best((30, 48, 80), 0.9, heads=24, cost_model=CHEAP, backends=("triton", "gluon"))
+    assert backend_choice(("gluon",), model=CHEAP, **fp8).allowed == ("gluon",)
+
+
+def test_a_gluon_plan_runs_on_its_cpu_path_like_float64_attention(hopper):
+    shape = (4, 16, 32)
+    plan = best(shape, 0.5, heads=2, head_dim=64, window=(2, 8, 16), precision="fp8", cost_model=CHEAP)
+    assert plan.backend == "gluon"
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, *shape, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    out = plan(q, k, v)
+    p = plan.problem
+    reference = reference_attention(q.double(), k.double(), v.double(), p.window, p.stride)
+    assert float((out.double() - reference).norm() / reference.norm()) < 6e-2
+
+
+def test_fp8_mask_plans_price_gluon_at_128_blocks_and_run_it(hopper):
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(1, 2, 8, 8, generator=gen) < 0.4
+    mask |= torch.eye(8, dtype=torch.bool)
+    plan = best_mask(mask, 64, 64, 512, head_dim=64, precision="fp8", cost_model=CHEAP)
+    gluon = [c for c in plan.candidates if c.backend == "gluon"]
+    assert len(gluon) == 1 and (gluon[0].q_block, gluon[0].kv_block, gluon[0].merge) == (128, 128, "none")
+    pooled = mask.reshape(1, 2, 4, 2, 4, 2).any(5).any(3)
+    assert gluon[0].tiles == int(pooled.sum())
+    on_gluon = best_mask(mask, 64, 64, 512, head_dim=64, precision="fp8", cost_model=CHEAP, backends="gluon")
+    assert on_gluon.backend == "gluon" and (on_gluon.q_block, on_gluon.kv_block) == (128, 128)
+    q, k, v = (torch.randn(1, 512, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    assert torch.equal(on_gluon(q, k, v), fp8_block_attention(q, k, v, pooled))
+    bf16 = best_mask(mask, 64, 64, 512, head_dim=64, cost_model=CHEAP)
+    assert all(c.backend != "gluon" for c in bf16.candidates)
+
+
+def test_mask_plans_pick_gluon_when_cheapest(hopper):
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.rand(1, 4, 64, 64, generator=gen) < 0.3
+    plan = best_mask(mask, 128, 128, 8192, head_dim=128, precision="fp8", cost_model=CHEAP)
+    assert plan.backend == "gluon" and set(plan.breakdown) == set(GLUON_FEATURES)
+    assert best_mask(mask, 128, 128, 8192, head_dim=128, precision="fp8", cost_model=DEAR).backend == "triton"
+
+
+def test_the_cost_model_keeps_and_names_its_gluon_set(tmp_path):
+    path = CHEAP.save(tmp_path / "h100.json")
+    loaded = CostModel.load(path)
+    assert loaded.has("gluon-fp8") and loaded.gluon_fp8_coefficients == GLUON
+    assert not TRITON_ONLY.has("gluon-fp8")
+    with pytest.raises(ValueError, match=r"has no Gluon FP8 coefficients; run `natsim calibrate --kernels gna,gluon-fp8`"):
+        TRITON_ONLY.predict_gluon(np.zeros(len(GLUON_FEATURES)))
+
+
+def test_every_calibration_case_runs_on_the_kernel_and_its_features_are_finite():
+    cases = gluon_calibration_cases()
+    assert len(cases) > 2 * len(GLUON_FEATURES)
+    for case in cases:
+        assert case.refusal() is None, case.describe()
+        row = case.features(torch.bfloat16)
+        assert row.shape == (len(GLUON_FEATURES),) and np.isfinite(row).all() and row[0] > 0
+    heads = {case.head_dim for case in cases}
+    assert heads == {64, 128}  # narrow_head_flops is separable from flops
