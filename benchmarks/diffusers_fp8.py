@@ -12,7 +12,10 @@ latents, (c) against (b) (what FP8 costs), (b) against (a) (what sparsity costs)
 step time of each run after its first step (which plans and compiles), synchronised wall clock, eager; the
 attention alone (median of 5 calls on the q, k, v of a routed call, captured from a step: the model's own SDPA,
 natsim's bf16 and FP8 plans) and its share of each run's step, `calls x attention / step` (calls: the routed
-attention modules), which says how much of a step-time difference is the attention's. Writes
+attention modules), which says how much of a step-time difference is the attention's; then each run's step
+compiled as benchmarks/diffusers_step.py compiles it (`compile_step`, fullgraph), median of 5 after warm-up, and
+the backend each plan runs on (FP8: the Gluon kernel where the plan's tiles are whole 128-token tiles on Hopper
+and the cost model prices it, natsim's Triton FP8 kernel elsewhere). Writes
 `diffusers-fp8-<device>-<date>.json`; the table comes last.
 
 The GPU run (one H100, both default cases; by the H100 step times in docs/fp8.md the 48 steps take about 85 s,
@@ -34,7 +37,8 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from diffusers_step import CASES, build, captured_qkv, inputs, median_ms, run_header, small_case, synchronize
+from diffusers_step import (CASES, build, captured_qkv, compiled_step_ms, inputs, median_ms, run_header, small_case,
+                            synchronize)
 from natsim.integrations import diffusers as nd
 
 DEFAULT_CASES = "wan-480p,hunyuan-720p"
@@ -81,7 +85,8 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
         if applied is not None:
             record[f"{run}_plans"] = [
                 {"window": list(p.problem.window), "stride": list(p.problem.stride), "q_tile": list(p.tiles.q_tile),
-                 "kv_tile": list(p.tiles.kv_tile), "kv_tiling": p.tiles.kv_tiling, "precision": p.precision}
+                 "kv_tile": list(p.tiles.kv_tile), "kv_tiling": p.tiles.kv_tiling, "precision": p.precision,
+                 "backend": p.backend}
                 for p in applied.plans.values()]
             captured = captured_qkv(model, args, applied)
             q, k, v, mask = captured.q, captured.k, captured.v, captured.mask
@@ -94,6 +99,15 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
             del captured, q, k, v, mask
             nd.remove(model)
     record["step_ms"] = step_ms
+    compiled_ms = {}
+    for run, precision in (("own", None), ("natsim_bf16", None), ("natsim_fp8", "fp8")):
+        torch._dynamo.reset()
+        if run != "own":
+            nd.apply(model, **options, precision=precision)
+        compiled_ms[run], _, record[f"{run}_graph_break"] = compiled_step_ms(model, args, 5)
+        if run != "own":
+            nd.remove(model)
+    record["compiled_step_ms"] = compiled_ms
     record["attention_ms"] = attention_ms
     record["attention_share"] = {run: min(1.0, record["attention_calls"] * attention_ms[run] / step_ms[run])
                                  for run in step_ms}
@@ -126,7 +140,7 @@ def table(result: dict, path: Path) -> Table:
     out = Table(title=f"final latent after {result['records'][0]['steps']} steps on {result['device']} "
                       f"(written to {path})")
     for name in ("case", "fp8 vs bf16", "cosine", "bf16 vs own", "cosine", "fp8 vs own", "cosine",
-                 "step ms own/bf16/fp8", "attention ms own/bf16/fp8", "share own/bf16/fp8"):
+                 "step ms own/bf16/fp8", "compiled", "attention ms own/bf16/fp8", "share own/bf16/fp8"):
         out.add_column(name, justify="right")
     runs = ("own", "natsim_bf16", "natsim_fp8")
     for r in result["records"]:
@@ -134,6 +148,7 @@ def table(result: dict, path: Path) -> Table:
                    for field, spec in (("relative_difference", ".2e"), ("cosine", ".6f"))]
         out.add_row(r["case"], *latents,
                     " / ".join(f"{r['step_ms'][run]:.1f}" for run in runs),
+                    " / ".join(f"{r['compiled_step_ms'][run]:.1f}" for run in runs),
                     " / ".join(f"{r['attention_ms'][run]:.2f}" for run in runs),
                     " / ".join(f"{r['attention_share'][run]:.2f}" for run in runs))
     return out

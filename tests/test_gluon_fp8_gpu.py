@@ -103,3 +103,42 @@ def test_gna_in_fp8_on_whole_tiles_runs_the_gluon_kernel(shape, window, stride):
     compiled = torch.compile(lambda q, k, v: gna_attention(q, k, v, window, stride, precision="fp8"), fullgraph=True,
                              dynamic=False)
     torch.testing.assert_close(compiled(q, k, v), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape, window, stride, tile", [((8, 16, 32), (4, 8, 16), (4, 8, 16), (1, 8, 16)),
+                                                         ((2048,), (1024,), (256,), (128,))])
+def test_gna_naming_gluon_on_the_gpu_equals_its_cpu_rule_and_runs_in_tile_order(shape, window, stride, tile):
+    from natsim.kernels import TileOrder, gna_attention
+    from natsim.kernels.gna.ordered import run_ordered
+    from natsim.kernels.gna.spec import GnaSpec
+
+    gen = torch.Generator(device="cuda").manual_seed(len(shape))
+    q, k, v = (torch.randn(1, *shape, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    call = dict(q_tile=tile, kv_tile=tile, precision="fp8", backend="gluon")
+    out, lse = gna_attention(q, k, v, window, stride, return_lse=True, **call)
+    rule, rule_lse = gna_attention(q.cpu(), k.cpu(), v.cpu(), window, stride, return_lse=True, **call)
+    assert float((out.cpu().float() - rule.float()).norm() / rule.float().norm()) < 3e-2
+    assert float((lse.cpu() - rule_lse).abs().max()) < 2.5e-2
+    order = TileOrder(shape, tile, (1,) * len(shape))
+    ordered = [order.to_order(t.reshape(1, -1, 2, 64)) for t in (q, k, v)]
+    spec = GnaSpec.of(len(shape), window, stride, q_tile=tile, kv_tile=tile, precision="fp8", backend="gluon")
+    in_order, _ = run_ordered(*ordered, order, spec)
+    torch.testing.assert_close(order.from_order(in_order).reshape(q.shape), out, rtol=0, atol=0)
+
+
+def test_an_fp8_plan_priced_for_gluon_runs_on_it():
+    from dataclasses import replace
+
+    from natsim.kernels import reference_attention
+    from natsim.planner import best, cost_model_for
+
+    model = cost_model_for(torch.cuda.get_device_name())
+    gluon = model.gluon_fp8_coefficients or {"flops": 6e-16, "narrow_head_flops": 2e-16, "blocks": 1e-10,
+                                             "programs": 1e-8, "moved_bytes": 4e-13, "launch": 6e-5}
+    plan = best((8, 32, 64), 0.8, heads=4, window=(4, 16, 16), precision="fp8",
+                cost_model=replace(model, gluon_fp8_coefficients=gluon), backends="gluon")
+    assert plan.backend == "gluon"
+    q, k, v = (torch.randn(1, 8, 32, 64, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    p = plan.problem
+    ref = reference_attention(q.float(), k.float(), v.float(), p.window, p.stride)
+    assert float((plan(q, k, v).float() - ref).norm() / ref.norm()) < 6e-2
