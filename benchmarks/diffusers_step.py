@@ -398,7 +398,8 @@ def _hunyuan15(d: Draw) -> dict:
     """Text-to-video as its pipeline calls it: the prompt's tokens, ByT5's 256 glyph tokens masked out (a prompt
     without quoted text) and SigLIP's 729 image tokens zero, which the model masks out."""
     c = d.config
-    return dict(hidden_states=d.latent(c["in_channels"]), timestep=d.full(500.0),
+    # the pipeline passes the timestep in the latent's dtype, which the time embedding's projection takes
+    return dict(hidden_states=d.latent(c["in_channels"]), timestep=d.full(500.0).to(DTYPE),
                 encoder_hidden_states=d.prompt(c["text_embed_dim"]), encoder_attention_mask=d.ones(1, d.text),
                 encoder_hidden_states_2=d.randn(1, BYT5_TOKENS, c["text_embed_2_dim"]),
                 encoder_attention_mask_2=torch.zeros(1, BYT5_TOKENS, dtype=torch.long, device=DEVICE),

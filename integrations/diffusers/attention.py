@@ -171,15 +171,26 @@ def _every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
                scale: float) -> torch.Tensor:
     """`[B, Nq, heads, D]` queries attending every key as the model does (SDPA). A query count that is
     data-dependent under torch.compile (padding text dropped, Mochi) may be 0, which SDPA cannot take: one
-    query row more (and its mask row, masked) is attended and dropped."""
+    query row more (and its mask row, masked) is attended and dropped; and since SDPA's choice of kernel for
+    CUDA tensors guards on the query count, such queries under a key mask (or none) go to the memory-efficient
+    kernel directly (dense.py), which takes any count."""
     rows = q.shape[1]
     if not guard_or_false(rows > 0):
         q = F.pad(q, (0, 0, 0, 0, 0, 1))
         if mask is not None and mask.shape[2] != 1:
             mask = F.pad(mask, (0, 0, 0, 1), value=False if mask.dtype == torch.bool else float("-inf"))
+        if mask is None or mask.shape[2] == 1:
+            keep = None if mask is None else _key_mask(mask)
+            return attention_with_lse(q, k, v, keep, scale)[0][:, :rows].to(q.dtype)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale).transpose(1, 2)
     return out[:, :rows]
+
+
+def _key_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A `[B, 1, 1, N]` key mask (boolean, or additive with -inf at masked keys) as the `[B, N]` boolean one."""
+    keys = mask[:, 0, 0, :]
+    return keys if keys.dtype == torch.bool else torch.isfinite(keys)
 
 
 def _other(before: torch.Tensor, after: torch.Tensor, dim: int = 1) -> torch.Tensor:
