@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from natsim import Problem, TileConfig, simulate
+from natsim.kernels import TileOrder
 from natsim.kernels.backends import gluon as gluon_backend
 from natsim.kernels.gluon.ops import fp8_block_attention
 from natsim.kernels.gna.reference import reference_attention
@@ -62,7 +63,11 @@ def test_gna_features_count_blocks_bytes_and_flops_the_slow_way(shape, window, s
     assert features["flops"] == 4 * 128 * 128 * head_dim * visited * 24
     assert features["narrow_head_flops"] == (features["flops"] if head_dim < 128 else 0)
     assert features["programs"] == tokens / 128 * 24
-    permuted = (2 * tokens + 2 * 2 * tokens + 2 * tokens) * 24 * head_dim * 2  # q, k, v in; out back
+    order = TileOrder(shape, tile, (1,) * len(shape))  # moved only where the order is not the layout's own
+    index = torch.arange(tokens, dtype=torch.float32).reshape(1, tokens, 1, 1)
+    moves = not torch.equal(order.to_order(index), index)
+    assert moves == (len(shape) > 1)
+    permuted = moves * (2 * tokens + 2 * 2 * tokens + 2 * tokens) * 24 * head_dim * 2  # q, k, v in; out back
     quantized = 3 * tokens * 24 * head_dim * (2 + 1)  # read bf16, write one byte
     assert features["moved_bytes"] == permuted + quantized and features["launch"] == 1
     dense = dict(zip(GLUON_FEATURES, dense_gluon_features(tokens, batch_heads=24, head_dim=head_dim,

@@ -20,9 +20,10 @@ import torch
 
 from ..common.checks import KERNEL_DTYPES
 from ..gluon.fp8_forward import BLOCK_M, BLOCK_N, HEAD_DIMS
+from ..gna.layout import TileLayout
 from .capabilities import Capabilities
 
-__all__ = ["MASKS", "GNA", "device_refusal"]
+__all__ = ["MASKS", "GNA", "device_refusal", "permutes_tokens"]
 
 MASKS = Capabilities(
     name="Gluon FP8 block-mask",
@@ -67,3 +68,10 @@ def device_refusal(device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return f"natsim's Gluon FP8 kernel runs on Hopper GPUs, and device={str(device)!r} is not a CUDA GPU."
     return GNA.refusal(capability=torch.cuda.get_device_capability(device))
+
+
+def permutes_tokens(shape: tuple[int, ...], tile: tuple[int, ...]) -> bool:
+    """Whether a GNA call on this tile moves q, k, v into the tile's token order and back (a copy each), or the
+    order is the layout's own and moving is a reshape (a 1-D tile of a sequence, tiles of whole rows): what the
+    planner counts as permutation bytes."""
+    return not TileLayout(tuple(shape), tuple(tile), (1,) * len(shape)).row_major

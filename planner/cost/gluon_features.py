@@ -14,7 +14,7 @@ One row per call, one column per feature (batch and heads multiply everything bu
 | `narrow_head_flops` | FLOP | the same again when head_dim is under 128 (their extra cost) |
 | `blocks` | block | visited (query block, key block) pairs: the per-iteration overhead |
 | `programs` | tile | query blocks launched: loading Q, the epilogue, storing O |
-| `moved_bytes` | byte | quantizing q, k, v (read and write) and, for GNA in tile order, permuting them and the output |
+| `moved_bytes` | byte | quantizing q, k, v (read and write) and, for GNA whose tile order is not the layout's own, permuting them and the output |
 | `launch` | call | 1: launch and host overhead per call |
 """
 
@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from natsim import Problem, TileConfig, simulate
+from natsim.kernels.backends.gluon import permutes_tokens
 
 from .features import padded_tokens, permutation_bytes
 
@@ -61,11 +62,13 @@ def gna_gluon_features(problem: Problem, tile: tuple[int, ...], *, batch_heads: 
                        element_bytes: int) -> np.ndarray:
     """The feature row of one Gluon GNA call of `problem` on the 128-token `tile` (queries and keys), every
     visited block full: the simulator's visited tiles, and q, k, v permuted into the tile's order and the output
-    back, then quantized."""
+    back (where that order is not the layout's own: `permutes_tokens`), then quantized."""
     visited = simulate(problem, TileConfig(tile, tile)).visited_tiles
     padded = padded_tokens(problem.shape, tile, problem.dilation)
-    moved = permutation_bytes(problem.num_tokens, padded, padded, batch_heads=batch_heads, head_dim=head_dim,
-                              element_bytes=element_bytes)
+    moved = 0.0
+    if permutes_tokens(problem.shape, tuple(tile)):
+        moved = permutation_bytes(problem.num_tokens, padded, padded, batch_heads=batch_heads, head_dim=head_dim,
+                                  element_bytes=element_bytes)
     return gluon_feature_matrix(visited_blocks=visited, q_padded=padded, batch_heads=batch_heads,
                                 head_dim=head_dim, element_bytes=element_bytes, permute_bytes=moved)
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from natsim import Problem, TileConfig
+from natsim.kernels.backends.gluon import permutes_tokens
 
 from ..backends import gluon_tiles_refusal
 from ..cost.features import padded_tokens, permutation_bytes
@@ -35,6 +36,7 @@ class GluonScorer:
         self.tiles = np.array([tiles.q_tile for tiles in catalog], np.int64)
         ones = (1,) * len(shape)
         self.padded = np.array([padded_tokens(shape, tiles.q_tile, ones) for tiles in catalog], np.int64)
+        self.permutes = np.array([permutes_tokens(shape, tiles.q_tile) for tiles in catalog])
         self.tokens = math.prod(shape)
         self.cost_model = cost_model
         self.batch_heads, self.head_dim, self.element_bytes = batch_heads, head_dim, element_bytes
@@ -53,9 +55,10 @@ class GluonScorer:
 
     def features(self, rows: dict[str, np.ndarray], members: np.ndarray) -> np.ndarray:
         """GLUON_FEATURES rows of the search's rows `members` (rows the kernel runs)."""
-        padded = self.padded[rows["tile_index"][members]]
-        moved = permutation_bytes(self.tokens, padded, padded, batch_heads=self.batch_heads,
-                                  head_dim=self.head_dim, element_bytes=self.element_bytes)
+        tiles = rows["tile_index"][members]
+        padded = self.padded[tiles]
+        moved = self.permutes[tiles] * permutation_bytes(self.tokens, padded, padded, batch_heads=self.batch_heads,
+                                                          head_dim=self.head_dim, element_bytes=self.element_bytes)
         return gluon_feature_matrix(visited_blocks=rows["visited_tiles"][members], q_padded=padded,
                                     batch_heads=self.batch_heads, head_dim=self.head_dim,
                                     element_bytes=self.element_bytes, permute_bytes=moved)
