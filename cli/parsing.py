@@ -72,10 +72,14 @@ def parse_backends(values: Optional[Sequence[str]]) -> Optional[tuple[str, ...]]
     return names
 
 
-def parse_precision(text: Optional[str]) -> Optional[str]:
-    """--precision: None (compute in --dtype) or 'fp8' (natsim's FP8 inference kernels)."""
+def parse_precision(text: Optional[str], auto: bool = False) -> Optional[str]:
+    """--precision: None (compute in --dtype), 'fp8' (natsim's FP8 inference kernels) or, where the command takes
+    it (`auto`), 'auto' (FP8 where it is predicted faster)."""
     if text is None:
         return None
-    if text.strip().lower() != "fp8":
-        raise CliInputError(f"--precision takes fp8 (leave it out to compute in --dtype), got --precision {text!r}.")
-    return "fp8"
+    value = text.strip().lower()
+    allowed = ("fp8", "auto") if auto else ("fp8",)
+    if value not in allowed:
+        raise CliInputError(f"--precision takes {' or '.join(allowed)} (leave it out to compute in --dtype), got "
+                            f"--precision {text!r}.")
+    return value

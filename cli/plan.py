@@ -54,7 +54,7 @@ def plan_command(
     training: bool = typer.Option(False, "--training", help="Rank by forward + backward time (training, one GPU), the backward by its own coefficients (`natsim calibrate --kernels gna,backward`), else by tile work."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON document instead of a report."),
     world_size: Optional[int] = typer.Option(None, "--world-size", help="Ranks sharing the layout's frames (context parallelism; inference plans, not with --training): also choose the strategy (ulysses or halo; halo runs static KV tiling only) and the frame split, and show the per-rank table."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="fp8: plan the FP8 inference kernel (inputs in --dtype, quantized inside the call; static KV tiling, KV tiles of 32+ tokens; ranked by the GPU's FP8 coefficients from `natsim calibrate --kernels gna,gna-fp8`, else by tile work). Not with --training or --world-size. Default: compute in --dtype."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp8: plan the FP8 inference kernel (inputs in --dtype, quantized inside the call; static KV tiling, KV tiles of 32+ tokens; ranked by the GPU's FP8 coefficients from `natsim calibrate --kernels gna,gna-fp8`, else by tile work). auto: plan both and run FP8 only where it is predicted faster than --dtype by more than 2% (the report shows both). Not with --training or --world-size. Default: compute in --dtype."),
     backend: Optional[list[str]] = typer.Option(None, "--backend", help="Kernel backends the plan may run on, repeated or joined by ',': triton (natsim's kernels), fa4 (FlashAttention-4: installed, on this GPU, with coefficients from `natsim calibrate --kernels fa4`, for --training fa4-backward too), gluon (natsim's Gluon FP8 kernel, with --precision fp8: Hopper, coefficients from `natsim calibrate --kernels gluon-fp8`). Default: every one available here; the report shows each backend's best plan."),
 ) -> None:
     """Choose the fastest GNA configuration of a layout that is at least as sparse as asked.
@@ -81,7 +81,7 @@ def plan_command(
         "training": training,
         "world_size": world_size,
         "kv_tiling": kv_tiling,
-        "precision": parse_precision(precision),
+        "precision": parse_precision(precision, auto=True),
         "backends": parse_backends(backend),
     }
     plan = best(dims, sparsity, **options)

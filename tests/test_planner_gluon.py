@@ -191,3 +191,51 @@ def test_every_calibration_case_runs_on_the_kernel_and_its_features_are_finite()
         assert row.shape == (len(GLUON_FEATURES),) and np.isfinite(row).all() and row[0] > 0
     heads = {case.head_dim for case in cases}
     assert heads == {64, 128}  # narrow_head_flops is separable from flops
+
+
+# -- precision="auto" -------------------------------------------------------------------------------------------
+
+
+def test_auto_precision_runs_fp8_only_where_it_is_predicted_faster_by_more_than_the_tolerance(hopper):
+    from natsim.planner.plans.ranking import TIE_TOLERANCE
+
+    cheap = best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), precision="auto", cost_model=CHEAP)
+    bf16 = best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), cost_model=CHEAP)
+    fp8 = best((30, 48, 80), 0.9, cost_model=CHEAP, **HUNYUAN)
+    expected = fp8 if fp8.score < bf16.score * (1 - TIE_TOLERANCE) else bf16
+    assert (cheap.precision, cheap.backend, cheap.score) == (expected.precision, expected.backend, expected.score)
+    assert cheap.search.precisions == (("bf16", bf16.backend, bf16.score), ("fp8", fp8.backend, fp8.score))
+    assert cheap.precision == "fp8" and cheap.backend == "gluon"  # this model makes the Gluon kernel cheap
+    dear = best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), precision="auto", cost_model=DEAR)
+    assert dear.precision is None and "keeps bf16" in dear.search.precision_note
+    text = " ".join(str(line) for line in dear.explain().renderables)
+    assert "precision='auto': bf16" in text and "fp8" in text
+    again = Plan.from_dict(cheap.to_dict())
+    assert again.search.precisions == cheap.search.precisions and again.precision == "fp8"
+
+
+def test_auto_precision_keeps_bf16_where_fp8_cannot_be_compared_or_run():
+    no_model = best((30, 48, 80), 0.9, heads=24, precision="auto")  # this machine has no GPU: tile work
+    assert no_model.precision is None and "cannot be compared" in no_model.search.precision_note
+    dynamic = best((30, 48, 80), 0.9, heads=24, precision="auto", kv_tiling="dynamic", cost_model=CHEAP)
+    assert dynamic.precision is None and dynamic.search.precision_note.startswith("FP8 was not planned:")
+    assert [p[0] for p in dynamic.search.precisions] == ["bf16"]
+    for options in (dict(training=True), dict(world_size=2)):
+        with pytest.raises(ValueError, match=r"precision='auto' chooses between bf16 and FP8 for inference"):
+            best((30, 48, 80), 0.9, heads=24, precision="auto", cost_model=CHEAP, **options)
+
+
+def test_an_autoplan_with_auto_precision_plans_each_layout_and_refuses_training(hopper):
+    from natsim.planner import AutoPlan
+
+    auto = AutoPlan(0.5, window=(2, 8, 16), precision="auto", cost_model=CHEAP)
+    plan = auto.plan_for((4, 16, 32), heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu")
+    assert plan.search.precisions and plan.precision in (None, "fp8")
+    gen = torch.Generator().manual_seed(4)
+    dtype = torch.bfloat16 if plan.backend == "gluon" else torch.float16  # the interpreter computes bf16 wrongly
+    q, k, v = (torch.randn(1, 4, 16, 32, 2, 64, generator=gen).to(dtype) for _ in range(3))
+    p = plan.problem
+    reference = reference_attention(q.double(), k.double(), v.double(), p.window, p.stride)
+    assert float((auto(q, k, v).double() - reference).norm() / reference.norm()) < 6e-2
+    with pytest.raises(ValueError, match=r"precision='auto' .* training must be False"):
+        AutoPlan(0.5, precision="auto", training=True)

@@ -20,6 +20,18 @@ def check_tensors(q: object, k: object, v: object) -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
 
 
+def check_interpretable(q: torch.Tensor) -> None:
+    """Triton's CPU interpreter (TRITON_INTERPRET=1, the only way natsim's kernels take CPU tensors) loads, stores
+    and multiplies bfloat16 wrongly (Triton 3.9: a stored value comes back as another, a 16 x 16 product off by
+    1e10), so bfloat16 CPU tensors are refused there rather than answered wrongly."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        raise ValueError(
+            "Triton's CPU interpreter (TRITON_INTERPRET=1) computes bfloat16 wrongly, so natsim's kernels do not "
+            "take bfloat16 CPU tensors there: run bfloat16 on a GPU, pass float16 tensors to the interpreter, or "
+            "unset TRITON_INTERPRET to run the torch reference."
+        )
+
+
 def check_matching(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """q, k and v share one dtype and one device."""
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):

@@ -17,7 +17,7 @@ from natsim.partition import key_frames
 from natsim.problem import BoolOrBools, IntOrInts
 from natsim.tiles import KV_TILINGS
 
-from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS, check_matching, check_tensors
+from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS, check_interpretable, check_matching, check_tensors
 from ..common.fp8 import E4M3
 from ..common.headdim import head_dim_refusal
 
@@ -71,6 +71,7 @@ def check_kernel_inputs(q: torch.Tensor, float8: bool = False) -> None:
             f"the GNA kernel supports dtype float16 and bfloat16 (fp32 accumulation), got dtype={q.dtype}; "
             "use reference_attention for other dtypes."
         )
+    check_interpretable(q)
     refusal = head_dim_refusal(q.shape[-1], "GNA kernel", KERNEL_HEAD_DIMS)
     if refusal is not None:
         raise ValueError(refusal)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..common.checks import KERNEL_DTYPES, check_matching, check_tensors
+from ..common.checks import KERNEL_DTYPES, check_interpretable, check_matching, check_tensors
 from ..common.fp8 import E4M3
 from ..common.headdim import HEAD_DIMS, head_dim_refusal
 from .work import SparseWork
@@ -54,6 +54,7 @@ def check_sparse_kernel(q: torch.Tensor, float8: bool = False) -> None:
             f"the sparse kernel supports dtype float16 and bfloat16 (fp32 accumulation), got dtype={q.dtype}; "
             "use sparse_reference for other dtypes."
         )
+    check_interpretable(q)
     refusal = head_dim_refusal(q.shape[-1], "sparse kernel", SPARSE_HEAD_DIMS)
     if refusal is not None:
         raise ValueError(refusal)

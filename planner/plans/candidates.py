@@ -92,7 +92,9 @@ class Search:
     `backends` are the backends the plan could be picked from (planner.backends); `best_by_backend` holds the
     best candidate (by the tie rule) of every backend priced, those that could not be picked here included;
     `would_pick` is the pick had every priced backend run here (None when each did), and `backend_notes` says, per
-    backend a report mentions, why it could not be picked (a sentence)."""
+    backend a report mentions, why it could not be picked (a sentence). `precisions` holds, for a plan made with
+    `precision="auto"`, each precision's best plan as (precision, backend, predicted seconds), or why FP8 was not
+    priced as ("fp8", "", nan) with the reason in `backend_notes`' place: `precision_note`."""
 
     windows: tuple[tuple[int, ...], ...]
     window_given: bool
@@ -106,6 +108,8 @@ class Search:
     best_by_backend: tuple[Candidate, ...] = ()
     would_pick: Optional[Candidate] = None
     backend_notes: tuple[tuple[str, str], ...] = ()
+    precisions: tuple[tuple[str, str, float], ...] = ()
+    precision_note: Optional[str] = None
 
     @property
     def fastest(self) -> Candidate:
@@ -125,6 +129,8 @@ class Search:
             "best_by_backend": [c.to_dict() for c in self.best_by_backend],
             "would_pick": None if self.would_pick is None else self.would_pick.to_dict(),
             "backend_notes": dict(self.backend_notes),
+            "precisions": [list(p) for p in self.precisions],
+            "precision_note": self.precision_note,
         }
 
     @classmethod
@@ -143,4 +149,6 @@ class Search:
             best_by_backend=tuple(Candidate.from_dict(c) for c in data.get("best_by_backend", ())),
             would_pick=None if data.get("would_pick") is None else Candidate.from_dict(data["would_pick"]),
             backend_notes=tuple((check_backend(b), str(note)) for b, note in data.get("backend_notes", {}).items()),
+            precisions=tuple((str(p), str(b), float(s)) for p, b, s in data.get("precisions", ())),
+            precision_note=data.get("precision_note"),
         )

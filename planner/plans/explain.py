@@ -359,9 +359,18 @@ def _breakdown(plan: ExplainedPlan) -> Table:
     return table
 
 
+def _precisions(plan: ExplainedPlan) -> list[Text]:
+    """The line of a plan made with precision="auto": each precision's best plan and why this one runs."""
+    search = plan.search
+    if not search.precisions:
+        return []
+    priced = ", ".join(f"{name} {_score(plan, seconds)} on {backend}" for name, backend, seconds in search.precisions)
+    return [Text(f"precision='auto': {priced}. {search.precision_note}.")]
+
+
 def explain_plan(plan: ExplainedPlan) -> Group:
     """The report of `plan.explain()`."""
-    parts = [_choice_table(plan), _basis(plan), Text("Why:")]
+    parts = [_choice_table(plan), _basis(plan), *_precisions(plan), Text("Why:")]
     parts += [Text(f"  - {reason}") for reason in _reasons(plan)]
     parts += _backends(plan)
     if plan.breakdown:

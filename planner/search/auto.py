@@ -23,15 +23,15 @@ from natsim.problem import BoolOrBools, IntOrInts
 from ..cost.gpus import names_a_gpu
 from ..cost.resolve import CostModelLike, DeviceLike
 from ..plans.plan import Plan
-from .gna import best, ranking
+from .gna import AUTO, best, ranking
 
 PlanKey = tuple[tuple[int, ...], int, int, torch.dtype, str]
 
 
 class AutoPlan:
     """Plans GNA for each token layout it is called on, with `natsim.planner.best`'s options (one GPU: no
-    `world_size`); with `precision="fp8"` it runs the FP8 inference kernel (inputs that require grad are
-    refused).
+    `world_size`); with `precision="fp8"` it runs the FP8 inference kernel, with `precision="auto"` FP8 on the
+    layouts where it is predicted faster and bf16 elsewhere (inputs that require grad are refused with either).
 
     >>> auto = AutoPlan(0.9)              # doctest: +SKIP
     >>> out = auto(q, k, v)               # q: [B, *shape, heads, head_dim]; plans `shape` once   # doctest: +SKIP
@@ -50,9 +50,12 @@ class AutoPlan:
         kv_tiling: Optional[str] = None,
         precision: Optional[str] = None,
     ):
+        if precision == AUTO and training:
+            raise ValueError("precision='auto' chooses between bf16 and FP8 for inference, so training must be False; "
+                             "pass precision=None to train.")
         if cost_model is not None or names_a_gpu(device) or precision is not None:
             # refuse what no layout can plan now, not at a call
-            ranking(device, cost_model, training, kv_tiling, precision)
+            ranking(device, cost_model, training, kv_tiling, None if precision == AUTO else precision)
         self.options = dict(causal=causal, window=window, max_stride=max_stride, device=device,
                             cost_model=cost_model, training=training, kv_tiling=kv_tiling, precision=precision)
         self.target_sparsity = target_sparsity

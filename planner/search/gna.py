@@ -24,6 +24,10 @@ best candidate, and what the search would have picked with it.
 first the plan ranks by tile work and says so), static KV tiling and tiles of at least 32 keys (what FP8 runs),
 and FP8's own memory passes (quantization, and the permutation of 2-D and 3-D layouts).
 
+`precision="auto"` searches both precisions and keeps FP8's plan only where both are priced by a cost model and
+FP8's is predicted faster than bf16's by more than TIE_TOLERANCE (FP8 costs accuracy: a tie goes to bf16); the
+plan records both predictions (`plan.search.precisions`).
+
 A search depends only on its normalised arguments (and the cost model's coefficients), so the last plans are
 kept (`_search`): a model calls `best` once per layer, mostly with the same layout. `world_size=P` prices the
 plan over P ranks (planner.search.parallel).
@@ -47,7 +51,7 @@ from natsim.kernels.backends.triton import DEFAULT_VARIANT, check_precision, ker
 from natsim.tiles import KV_TILINGS
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 
-from ..backends import NAMES, Backends, BackendsLike, backend_choice, fa4_gna_refusal
+from ..backends import NAMES, Backends, BackendsLike, backend_choice, check_backends, fa4_gna_refusal
 from ..catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
 from ..cost.features import feature_matrix, sweep_features, tile_arrays
 from ..cost.files import link_for
@@ -63,6 +67,7 @@ from .gluon_scores import GluonScorer
 from .parallel import check_world_size, parallel_plan
 from .windows import candidate_windows, window_sparsity
 
+AUTO = "auto"  # precision: bf16 or FP8, whichever is predicted faster
 DENSE_TILE = 128
 FP8_MIN_KV_TOKENS = 32  # FP8's P @ V reduces over the KV tile: fewer keys do not compile (kernels/common/fp8.py)
 RUNNERS_UP = 4
@@ -529,6 +534,46 @@ def _search(r: _Request) -> Plan:
     )
 
 
+def _auto_precision(shape, target_sparsity, *, training: bool, world_size: Optional[int], kv_tiling: Optional[str],
+                    backends: BackendsLike, **options) -> Plan:
+    """`best(..., precision="auto")`: the bf16 plan, or the FP8 plan where both are priced and FP8's is predicted
+    faster by more than TIE_TOLERANCE (module docstring); the plan's search records both, or why FP8 was not
+    priced."""
+    if training or world_size is not None:
+        raise ValueError(f"precision='auto' chooses between bf16 and FP8 for inference on one GPU, so training must "
+                         f"be False and world_size None, got {training=}, {world_size=}; pass precision=None.")
+    names = check_backends(backends)
+    bf16 = best(shape, target_sparsity, kv_tiling=kv_tiling, backends=_of(names, ("triton", "fa4")), **options)
+    try:
+        fp8 = best(shape, target_sparsity, kv_tiling=kv_tiling, precision="fp8",
+                   backends=_of(names, ("triton", "gluon")), **options)
+    except ValueError as error:  # kv_tiling="dynamic", a layout too small for FP8's tiles, backends without one
+        return _with_precisions(bf16, bf16, None, f"FP8 was not planned: {error}")
+    if not (bf16.calibrated and fp8.calibrated):
+        return _with_precisions(bf16, bf16, fp8, "FP8 was not picked: without a cost model for both precisions "
+                                                 "their times cannot be compared, and bf16 is the more accurate")
+    faster = fp8.score < bf16.score * (1.0 - TIE_TOLERANCE)
+    note = (f"FP8 is predicted {bf16.score / fp8.score:.2f}x faster than bf16 (more than the {TIE_TOLERANCE:.0%} "
+            "tie tolerance), so the plan runs in FP8" if faster else
+            f"FP8 is not predicted faster than bf16 by more than {TIE_TOLERANCE:.0%} ({bf16.score / fp8.score:.2f}x), "
+            "so the plan keeps bf16, the more accurate")
+    return _with_precisions(fp8 if faster else bf16, bf16, fp8, note)
+
+
+def _of(names: Optional[tuple[str, ...]], usable: tuple[str, ...]) -> Optional[tuple[str, ...]]:
+    """The backends asked for (None: every one) that a precision's search may use; a sentence error by `best`
+    where none is left."""
+    return None if names is None else tuple(name for name in names if name in usable) or names
+
+
+def _with_precisions(plan: Plan, bf16: Plan, fp8: Optional[Plan], note: str) -> Plan:
+    """`plan` with each precision's best (precision, backend, predicted seconds) and the reason in its search."""
+    scores = [("bf16", bf16.backend, float(bf16.score))]
+    if fp8 is not None:
+        scores.append(("fp8", fp8.backend, float(fp8.score)))
+    return replace(plan, search=replace(plan.search, precisions=tuple(scores), precision_note=note))
+
+
 def _best_backend(priced: dict[str, tuple[np.ndarray, Optional[np.ndarray]]],
                   backends: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Each row's best score among `backends` and the index in `backends` of the backend that has it (the first on
@@ -571,7 +616,8 @@ def best(
     `training` ranks by forward + backward time (the backward's own coefficients; without them, forward +
     backward tile work). `world_size=P`: a `ParallelPlan` for P ranks sharding frames
     (planner.search.parallel), which knows its strategy and split; training plans are for one GPU.
-    `precision="fp8"` plans the FP8 inference kernel (module docstring); the plan runs in FP8.
+    `precision="fp8"` plans the FP8 inference kernel (module docstring); the plan runs in FP8. `precision="auto"`
+    plans both and keeps FP8 only where it is predicted faster by more than the tie tolerance (inference, one GPU).
     `backends` names the kernel backends the plan may run on ("triton", "fa4", "gluon"; planner.backends): None
     means every one available here, natsim's Triton kernels, FlashAttention-4 where it is installed, runs on the
     device (a torch device, or the current CUDA device) and the cost model has its coefficients (with `training`,
@@ -582,6 +628,10 @@ def best(
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
     """
+    if precision == AUTO:
+        return _auto_precision(shape, target_sparsity, heads=heads, head_dim=head_dim, dtype=dtype, causal=causal,
+                               window=window, max_stride=max_stride, device=device, cost_model=cost_model,
+                               training=training, world_size=world_size, kv_tiling=kv_tiling, backends=backends)
     request = _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, max_stride, device,
                          cost_model, training, world_size, kv_tiling, precision, backends)
     plan = _search(request)
