@@ -251,7 +251,7 @@ def _resolved_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
         dq, dk, dv = gna_resolved_backward(q, k, v, out, lse, *grads, *ctx.arguments)
     else:  # the reference's gradients recompute under autograd, which an operator's body runs without
         resolver, scale = ctx.arguments
-        dq, dk, dv = _gradients(_resolved(resolver, q, scale, True), q, k, v, out, lse, *grads)
+        dq, dk, dv = _gradients(_resolved(int(resolver), q, scale, True), q, k, v, out, lse, *grads)
     return dq, dk, dv, None, None, None
 
 
@@ -332,7 +332,9 @@ def _resolved_ordered_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tens
         dq, dk, dv = gna_resolved_ordered_backward(q, k, v, out, lse, *grads, *ctx.arguments)
     else:  # the reference's gradients recompute under autograd, which an operator's body runs without
         shape, tile, dilation, resolver, scale = ctx.arguments
-        order, spec = _resolved_ordered(resolver, q, shape, tile, dilation, scale, True)
+        # a dynamic-shape trace hands the layout over as symbols: the reference needs (and guards on) its values
+        shape, tile, dilation = ([int(n) for n in values] for values in (shape, tile, dilation))
+        order, spec = _resolved_ordered(int(resolver), q, shape, tile, dilation, scale, True)
         dq, dk, dv = _ordered_gradients(order, spec, q, k, v, out, lse, *grads)
     return (dq, dk, dv) + (None,) * 6
 
