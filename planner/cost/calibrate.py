@@ -31,7 +31,8 @@ and 'fa4-backward' (planner.cost.fa4_calibrate: GNA calls, block-sparse and mask
 through natsim's entry points), fitted over planner.cost.fa4_features' FA4_FEATURES; elsewhere they are refused
 with the sentence saying why it does not run. natsim's Gluon FP8 kernel (`backend="gluon"`, Hopper) gets one,
 'gluon-fp8' (planner.cost.gluon_calibrate: GNA on whole 128-token tiles and random 128 x 128 masks), fitted over
-planner.cost.gluon_features' GLUON_FEATURES.
+planner.cost.gluon_features' GLUON_FEATURES. 'host' measures, for every backend that runs here, the host's time to
+issue one call (planner.cost.host), which searches price a call at least at.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ from .fa4_features import FA4_FEATURES
 from .features import FEATURES, features_of
 from .gluon_calibrate import gluon_calibration_cases, gluon_case_features, time_gluon_case
 from .gluon_features import GLUON_FEATURES
+from .host import host_refusal, host_seconds
+from .model import HOST_BACKENDS
 from .files import cost_model_for, gpu_file_name, user_coefficients_dir
 from .fit import fit_coefficients, relative_errors
 from .gpus import gpu_of
@@ -70,7 +73,7 @@ from .sparse_features import SPARSE_FEATURES
 from .timing import MIN_REPEATS, median_seconds
 from .sparse_features import sparse_features as work_features
 
-KERNELS = ("gna", "sparse", "backward", "gna-fp8", "sparse-fp8", "fa4", "fa4-backward", "gluon-fp8")
+KERNELS = ("gna", "sparse", "backward", "gna-fp8", "sparse-fp8", "fa4", "fa4-backward", "gluon-fp8", "host")
 DEFAULT_KERNELS = ("gna", "sparse")  # what `calibrate` times unless told: the backward is asked for by name
 
 # Tile shapes per number of dimensions, one per (Q tokens, KV tokens) pair of the catalog.
@@ -479,8 +482,8 @@ def time_backward_case(case: BackwardCase, dtype: torch.dtype, device: torch.dev
 
 def check_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
     """The kernels to calibrate, in KERNELS order: any of 'gna', 'sparse', 'backward', 'gna-fp8', 'sparse-fp8',
-    'fa4', 'fa4-backward', 'gluon-fp8', at least one. Without 'gna', `calibrate` extends the GPU's stored cost model (which carries the GNA kernel's
-    coefficients)."""
+    'fa4', 'fa4-backward', 'gluon-fp8', 'host', at least one. Without 'gna', `calibrate` extends the GPU's stored
+    cost model (which carries the GNA kernel's coefficients)."""
     names = tuple(kernels)
     unknown = [name for name in names if name not in KERNELS]
     if unknown or not names:
@@ -634,6 +637,10 @@ def calibrate(
     fa4_times = time_all(fa4_cases, time_fa4_case)
     fa4_backward_times = time_all(fa4_backward_cases, time_fa4_backward_case)
     gluon_times = time_all(gluon_cases, time_gluon_case)
+    host = dict(base.host_seconds or {}) if base is not None else {}
+    if "host" in kernels:
+        host.update({backend: host_seconds(backend, dtype, device) for backend in HOST_BACKENDS
+                     if host_refusal(backend, device) is None})
     info = dict(base.info) if base is not None else {}
     coefficients, errors, fitted = (base.coefficients, np.zeros(0), np.zeros(0, dtype=bool)) if base else \
         _fit(features, times, FEATURES, "GNA")
@@ -687,7 +694,7 @@ def calibrate(
                       backward_coefficients=backward, fp8_coefficients=sets["fp8_coefficients"],
                       fp8_sparse_coefficients=sets["fp8_sparse_coefficients"], fa4_coefficients=sets["fa4_coefficients"],
                       fa4_backward_coefficients=sets["fa4_backward_coefficients"],
-                      gluon_fp8_coefficients=sets["gluon_fp8_coefficients"], info=info)
+                      gluon_fp8_coefficients=sets["gluon_fp8_coefficients"], host_seconds=host or None, info=info)
     return Calibration(model, tuple(cases), features, times, errors, fitted, tuple(sparse_cases), sparse_matrix,
                        sparse_times, sparse_errors, sparse_fitted, tuple(backward_cases), backward_matrix,
                        backward_times, backward_errors, backward_fitted, sets.get("gna-fp8"), sets.get("sparse-fp8"),

@@ -8,7 +8,8 @@ sparse kernels (`fp8_coefficients` over FEATURES, `fp8_sparse_coefficients` over
 work counted, a different cost per unit), and FlashAttention-4's forward and backward (`fa4_coefficients`,
 `fa4_backward_coefficients`, over planner.cost.fa4_features' FA4_FEATURES), and natsim's Gluon FP8 kernel's
 (`gluon_fp8_coefficients`, over planner.cost.gluon_features' GLUON_FEATURES); files without a set load with None
-there. Coefficients differ per GPU and are data: one JSON file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a
+there. `host_seconds` holds, per backend, the host's time to issue one call (planner.cost.host): a call never
+takes less, so searches price each call at max(host, predicted kernel time). Coefficients differ per GPU and are data: one JSON file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a
 device names).
 """
 
@@ -44,6 +45,18 @@ def _checked(coefficients: Mapping[str, float], features: Sequence[str], label: 
     values = {name: float(coefficients.get(name, 0.0)) for name in features}
     if any(not np.isfinite(v) or v < 0 for v in values.values()):
         raise ValueError(f"{label} must be finite and non-negative, got {label}={values}.")
+    return values
+
+
+HOST_BACKENDS = ("triton", "fa4", "gluon")  # planner.backends.PLANNED: the backends a host time is kept for
+
+
+def _checked_host(host_seconds: Mapping[str, float]) -> dict[str, float]:
+    """`host_seconds` as floats, or a sentence error: backends among HOST_BACKENDS, each finite and non-negative."""
+    values = {str(name): float(value) for name, value in host_seconds.items()}
+    if not set(values) <= set(HOST_BACKENDS) or any(not np.isfinite(v) or v < 0 for v in values.values()):
+        raise ValueError(f"host_seconds must map backends among {HOST_BACKENDS} to finite non-negative seconds, got "
+                         f"host_seconds={host_seconds!r}.")
     return values
 
 
@@ -116,6 +129,7 @@ class CostModel:
     fa4_coefficients: Optional[Mapping[str, float]] = None
     fa4_backward_coefficients: Optional[Mapping[str, float]] = None
     gluon_fp8_coefficients: Optional[Mapping[str, float]] = None
+    host_seconds: Optional[Mapping[str, float]] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coefficients", _checked(self.coefficients, FEATURES, "coefficients"))
@@ -123,6 +137,17 @@ class CostModel:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _checked(getattr(self, name), _SET_FEATURES[name], name))
         object.__setattr__(self, "info", dict(self.info))
+        if self.host_seconds is not None:
+            object.__setattr__(self, "host_seconds", _checked_host(self.host_seconds))
+
+    def host(self, backend: str) -> float:
+        """Seconds the host takes to issue one call on `backend` (0 where this model was calibrated without it)."""
+        return float((self.host_seconds or {}).get(backend, 0.0))
+
+    def at_least_host(self, seconds, backend: str):
+        """Predicted seconds of calls on `backend` (a number or an array), each at least the host's time to issue
+        it: a call shorter than that takes the host's time."""
+        return np.maximum(seconds, self.host(backend))
 
     @property
     def vector(self) -> np.ndarray:
@@ -205,6 +230,8 @@ class CostModel:
         for name in OPTIONAL_SETS:
             if getattr(self, name) is not None:
                 data[name] = dict(getattr(self, name))
+        if self.host_seconds is not None:
+            data["host_seconds"] = dict(self.host_seconds)
         data["info"] = dict(self.info)
         return data
 
@@ -213,7 +240,7 @@ class CostModel:
         if data.get("format") != FORMAT:
             raise ValueError(f"a cost model must have format {FORMAT!r}, got format={data.get('format')!r}.")
         return cls(gpu=str(data["gpu"]), coefficients=data["coefficients"], info=data.get("info", {}),
-                   **{name: data.get(name) for name in OPTIONAL_SETS})
+                   host_seconds=data.get("host_seconds"), **{name: data.get(name) for name in OPTIONAL_SETS})
 
     def save(self, path: Union[str, Path]) -> Path:
         path = Path(path)

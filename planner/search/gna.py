@@ -443,6 +443,8 @@ def _search(r: _Request) -> Plan:
         gluon = GluonScorer(r.shape, r.causal, windows, catalog, r.cost_model, dtype=r.dtype,
                             batch_heads=call["batch_heads"], head_dim=r.head_dim, element_bytes=call["element_bytes"])
         priced["gluon"] = gluon.scores(rows)
+    if r.cost_model is not None:  # a call takes at least its backend's host time (planner.cost.host)
+        priced = {b: (r.cost_model.at_least_host(s, b), backward) for b, (s, backward) in priced.items()}
     products = rows["stride"].prod(axis=1)
     allowed = r.backends.allowed
     scores, backend_of = _best_backend(priced, allowed)
@@ -509,7 +511,8 @@ def _search(r: _Request) -> Plan:
         gpu=r.gpu,
         basis=BASIS_COST_MODEL if r.cost_model is not None else BASIS_TILES,
         score=winner.score,
-        dense_score=scorer.dense_score() + (dense_backward or 0.0),
+        dense_score=(scorer.dense_score() if r.cost_model is None
+                     else float(r.cost_model.at_least_host(scorer.dense_score(), "triton"))) + (dense_backward or 0.0),
         breakdown=breakdown,
         runners_up=tuple(ranked(row) for row in _runner_up_rows(rows, scores, chosen)),
         search=Search(

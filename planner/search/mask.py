@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -272,6 +273,8 @@ def best_mask(
         candidate, row = _gluon_candidate(rows, batch, heads, head_dim, dtype, model)
         scored.append(candidate)
         features[candidate.key] = row
+    if model is not None:  # a call takes at least its backend's host time (planner.cost.host)
+        scored = [replace(c, score=float(model.at_least_host(c.score, c.backend))) for c in scored]
     scored.sort(key=lambda c: (c.score, _preference(c)))
     runnable = [c for c in scored if c.backend in choice.allowed]
     if not options:
@@ -299,7 +302,9 @@ def best_mask(
         seq_len=seq_len, fine_q_block=q_block, fine_kv_block=kv_block, q_block=winner.q_block,
         kv_block=winner.kv_block, merge=winner.merge, batch=batch, heads=heads, head_dim=head_dim,
         dtype=dtype_name(dtype), gpu=gpu, basis=BASIS_COST_MODEL if model is not None else BASIS_TILES,
-        score=winner.score, dense_score=dense_candidate.score, breakdown=breakdown, candidates=tuple(scored),
+        score=winner.score,
+        dense_score=dense_candidate.score if model is None else float(model.at_least_host(dense_candidate.score,
+                                                                                          "triton")), breakdown=breakdown, candidates=tuple(scored),
         mask=kept, precision=precision, backend=winner.backend, backends=choice.allowed, would_pick=would_pick,
         backend_notes=choice.notes,
     )

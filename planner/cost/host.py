@@ -1,0 +1,63 @@
+"""The host's time to issue one call, per kernel backend (`natsim calibrate --kernels host`).
+
+A kernel call costs the host Python, argument checks and the launch before the GPU sees it: about 0.05 ms through
+natsim's prebound Triton path, and measured at about 1 ms through FlashAttention-4's CuTe DSL call (a compiled
+PixArt-Sigma step at 1024 px: 25.6 ms with plans on FlashAttention-4 against 10.05 ms on natsim's Triton kernels,
+docs/performance.md). Where the kernel's own time is shorter, the call takes the host's time, and in a model step
+of many such calls the host bounds the step. The kernel features cannot see this (calibration leaves host-bound
+cases out of the fits), so the cost model keeps it per backend (`CostModel.host_seconds`) and the searches price a
+call at max(host, kernel).
+
+Measured as the wall time of issuing `CALLS` back-to-back calls of a tiny problem (a few microseconds of GPU work
+each, fewer than the launch queue holds) through natsim's public entry points, divided by their number.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from natsim.kernels.backends import fa4 as fa4_backend
+from natsim.kernels.backends import gluon as gluon_backend
+
+CALLS = 200
+WARMUP = 10
+TOKENS = 256  # a tiny sequence: two 128-token blocks
+HEADS, HEAD_DIM = 2, 64
+
+
+def host_refusal(backend: str, device: torch.device) -> Optional[str]:
+    """None when `backend` runs on `device` here, else why not (the backend's own sentence)."""
+    if backend == "fa4":
+        return fa4_backend.installed() or fa4_backend.device_refusal(device)
+    if backend == "gluon":
+        return gluon_backend.device_refusal(device)
+    return None if device.type == "cuda" else f"host times are measured on a CUDA GPU, got device={str(device)!r}."
+
+
+def tiny_call(backend: str, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
+    """A dense call over `TOKENS` tokens on `backend` (the Gluon kernel's in FP8, the one precision it runs)."""
+    from natsim.kernels import gna_attention
+
+    q, k, v = (torch.randn(1, TOKENS, HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))
+    precision = "fp8" if backend == "gluon" else None
+    return lambda: gna_attention(q, k, v, (TOKENS,), precision=precision, backend=backend)
+
+
+def host_seconds(backend: str, dtype: torch.dtype, device: torch.device) -> float:
+    """Seconds the host takes to issue one call on `backend` (module docstring), on a CUDA `device`."""
+    refusal = host_refusal(backend, device)
+    if refusal is not None:
+        raise ValueError(f"the host time of {backend!r} cannot be measured here: {refusal}")
+    run = tiny_call(backend, dtype, device)
+    for _ in range(WARMUP):
+        run()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        run()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    return issued / CALLS
