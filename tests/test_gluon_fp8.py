@@ -5,8 +5,6 @@ tests/test_gluon_fp8_gpu.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st

@@ -9,8 +9,8 @@ work counted, a different cost per unit), and FlashAttention-4's forward and bac
 `fa4_backward_coefficients`, over planner.cost.fa4_features' FA4_FEATURES), and natsim's Gluon FP8 kernel's
 (`gluon_fp8_coefficients`, over planner.cost.gluon_features' GLUON_FEATURES); files without a set load with None
 there. `host_seconds` holds, per backend, the host's time to issue one call (planner.cost.host): a call never
-takes less, so searches price each call at max(host, predicted kernel time). Coefficients differ per GPU and are data: one JSON file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a
-device names).
+takes less, so searches price each call at max(host, predicted kernel time). Coefficients differ per GPU and are
+data: one JSON file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a device names).
 """
 
 from __future__ import annotations

@@ -242,7 +242,8 @@ def best_mask(
         model = None
     excluded = {}
     if precision is not None:
-        excluded["fa4"] = f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's kernels"
+        excluded["fa4"] = (f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's "
+                           "kernels")
     else:
         excluded["gluon"] = "it runs precision='fp8' only"
     if "none" not in merges:
@@ -298,13 +299,13 @@ def best_mask(
     if keep_mask:
         fine = (winner.q_block, winner.kv_block) == (q_block, kv_block)
         kept = dense if fine else rows.mask(winner.q_block, winner.kv_block)
+    dense_score = dense_candidate.score if model is None else float(model.at_least_host(dense_candidate.score,
+                                                                                        "triton"))
     return MaskPlan(
         seq_len=seq_len, fine_q_block=q_block, fine_kv_block=kv_block, q_block=winner.q_block,
         kv_block=winner.kv_block, merge=winner.merge, batch=batch, heads=heads, head_dim=head_dim,
         dtype=dtype_name(dtype), gpu=gpu, basis=BASIS_COST_MODEL if model is not None else BASIS_TILES,
-        score=winner.score,
-        dense_score=dense_candidate.score if model is None else float(model.at_least_host(dense_candidate.score,
-                                                                                          "triton")), breakdown=breakdown, candidates=tuple(scored),
+        score=winner.score, dense_score=dense_score, breakdown=breakdown, candidates=tuple(scored),
         mask=kept, precision=precision, backend=winner.backend, backends=choice.allowed, would_pick=would_pick,
         backend_notes=choice.notes,
     )
