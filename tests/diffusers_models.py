@@ -86,15 +86,16 @@ def _configs(layers: int, frames: int) -> dict:
     }
 
 
-def build(name: str, seed: int = 0, layers: int = 2, frames: int = 2):
-    """A tiny model of class `name` in eval mode (`layers`: Wan's block count; `frames`: Latte's frame count)."""
+def build(name: str, seed: int = 0, layers: int = 2, frames: int = 2, **config):
+    """A tiny model of class `name` in eval mode (`layers`: Wan's block count; `frames`: Latte's frame count;
+    `config`: entries of the class's config to change, such as another class's `num_layers`)."""
     import diffusers
 
     configs = _configs(layers, frames)
     if name not in configs:
         raise ValueError(f"no tiny model for {name}")
     torch.manual_seed(seed)
-    return getattr(diffusers, name)(**configs[name]).eval()
+    return getattr(diffusers, name)(**{**configs[name], **config}).eval()
 
 
 def inputs(name: str, layout: tuple[int, ...], batch: int = 1, seed: int = 1,
