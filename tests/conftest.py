@@ -21,14 +21,6 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
-# Without a GPU, Inductor (the few tests that compile with torch.compile's default backend, all on one worker:
-# see pytest_collection_modifyitems) compiles in the test's process: with more than one compile thread it first
-# starts a sidecar process and a pool of compile workers, each importing torch, for Triton kernels the CPU's C++
-# kernels do not need (the Inductor tests took 3-6 CPU-s more so). Set before anything imports torch; the code
-# generated and the C++ compiler's work are the same. A GPU's Triton kernels keep the pool.
-if not os.path.exists("/dev/nvidia0"):
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
 if os.environ.get("TRITON_INTERPRET") == "1":
     from interpreter_options import prepare_the_interpreter
 
