@@ -65,7 +65,8 @@ def test_fp8_refuses_training_and_unknown_precisions():
     model = diffusers_models.build("WanTransformer3DModel")
     with pytest.raises(ValueError, match=r"precision='fp8' is for inference"):
         nd.apply(model, 0.5, training=True, precision="fp8")
-    with pytest.raises(ValueError, match=r"precision must be None \(the inputs' dtype\) or 'fp8', got precision='int8'"):
+    with pytest.raises(ValueError, match=r"precision must be None \(the inputs' dtype\), 'fp8' or 'auto' .* got "
+                                         r"precision='int8'"):
         nd.apply(model, 0.5, precision="int8")
     with pytest.raises(ValueError, match=r"precision must be None"):
         nd.apply(model, masks=nd.Masks(steps=4, block=16), precision="int8")

@@ -239,3 +239,11 @@ def test_an_autoplan_with_auto_precision_plans_each_layout_and_refuses_training(
     assert float((auto(q, k, v).double() - reference).norm() / reference.norm()) < 6e-2
     with pytest.raises(ValueError, match=r"precision='auto' .* training must be False"):
         AutoPlan(0.5, precision="auto", training=True)
+
+
+def test_an_unknown_precision_is_refused_naming_auto():
+    from natsim.planner import AutoPlan
+
+    for make in (lambda: best((30, 48, 80), 0.9, precision="bf8"), lambda: AutoPlan(0.9, precision="bf8")):
+        with pytest.raises(ValueError, match=r"precision must be None \(the inputs' dtype\), 'fp8' or 'auto'"):
+            make()

@@ -154,7 +154,7 @@ def test_fp8_and_bf16_plans_of_one_layout_are_kept_apart():
     (dict(training=True), r"precision='fp8' is for inference"),
     (dict(kv_tiling="dynamic"), r"precision='fp8' runs static KV tiling only"),
     (dict(world_size=2), r"precision='fp8' plans one GPU"),
-    (dict(precision="fp16"), r"precision must be None \(the inputs' dtype\) or 'fp8'"),
+    (dict(precision="fp16"), r"precision must be None \(the inputs' dtype\), 'fp8' or 'auto'"),
 ])
 def test_what_fp8_plans_cannot_be_is_refused_up_front(options, match):
     options = {"precision": "fp8", **options}

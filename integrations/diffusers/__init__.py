@@ -86,7 +86,8 @@ def apply(
     differentiates it; the masks are predicted under no_grad (not differentiated), and every forward pass is a
     fresh sample: one step of the masks' schedule (cycling), its masks predicted for it, the timestep not read
     (masks.py). Refused with a sentence: `training=True` with FP8 (its kernels have no backward pass: train in
-    bfloat16), and a precision other than None or "fp8".
+    bfloat16), and a precision other than None or "fp8" ("auto" too for GNA: FP8 on the layouts where its plan is
+    predicted faster, natsim.planner.best).
     `tile_order`: whether the model keeps its video tokens in the GNA plan's tile order from its first block to
     its last (natsim.integrations.diffusers.order: no permutation per attention call): None where the plan runs
     on FlashAttention-4 or the Gluon FP8 kernel and its tile divides the layout, True wherever the tile divides

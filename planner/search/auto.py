@@ -50,6 +50,9 @@ class AutoPlan:
         kv_tiling: Optional[str] = None,
         precision: Optional[str] = None,
     ):
+        if precision not in (None, "fp8", AUTO):
+            raise ValueError(f"precision must be None (the inputs' dtype), 'fp8' or 'auto' (FP8 where it is "
+                             f"predicted faster), got precision={precision!r}.")
         if precision == AUTO and training:
             raise ValueError("precision='auto' chooses between bf16 and FP8 for inference, so training must be False; "
                              "pass precision=None to train.")

@@ -631,6 +631,9 @@ def best(
     >>> plan = best((30, 48, 80), 0.9, heads=24)   # doctest: +SKIP
     >>> out = plan(q, k, v)                        # doctest: +SKIP
     """
+    if precision not in (None, "fp8", AUTO):
+        raise ValueError(f"precision must be None (the inputs' dtype), 'fp8' or 'auto' (FP8 where it is predicted "
+                         f"faster), got precision={precision!r}.")
     if precision == AUTO:
         return _auto_precision(shape, target_sparsity, heads=heads, head_dim=head_dim, dtype=dtype, causal=causal,
                                window=window, max_stride=max_stride, device=device, cost_model=cost_model,
