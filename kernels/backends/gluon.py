@@ -14,6 +14,7 @@ random 128 x 128 masks at 70 % and 90 % sparsity 6.3 and 2.7 ms (8.0 and 3.5; 6.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -43,23 +44,8 @@ MASKS = Capabilities(
 )
 
 # GNA in FP8 on whole 128-token tiles in the Q tile's token order, or dense over the flattened layout
-# (kernels/gna/choice.py).
-GNA = Capabilities(
-    name="Gluon FP8 GNA",
-    devices=("cuda",),
-    dtypes=KERNEL_DTYPES,
-    head_dims=HEAD_DIMS,
-    q_blocks=(BLOCK_M,),
-    kv_blocks=(BLOCK_N,),
-    partial_tiles=False,
-    backward=False,
-    fp8=True,
-    dynamic_kv_tiling=False,
-    in_place_layouts=False,
-    frame_ranges=False,
-    min_capability=(9, 0),
-    max_capability=(9, 0),
-)
+# (kernels/gna/choice.py): the same kernel, on the same devices (CPU tensors of a call naming it run the rule).
+GNA = replace(MASKS, name="Gluon FP8 GNA")
 
 
 def device_refusal(device: torch.device) -> Optional[str]:
