@@ -4,7 +4,8 @@ NCCL on GPUs, gloo on CPUs), and the moves the strategies make with them, each w
 backward moves; ops.py makes the pairs differentiable operators):
 
 - `frames_to_heads` / `heads_to_frames` (Ulysses): a permutation of the data over the ranks, so each one's
-  adjoint is the other.
+  adjoint is the other; `start_heads_chunk` / `start_frames_chunk` the same moves for part of the heads, left in
+  flight (`Pending`) so that attention on the heads already here overlaps the rest (pipeline.py).
 - `gather_halo` (the halo exchange): a copy of frames to the ranks that read them; its adjoint `return_halo`
   sends the gradient of every halo frame back to the rank that holds that frame, which adds it to its own.
 """
@@ -58,12 +59,30 @@ def check_heads(heads: int, world_size: int) -> None:
                          f"by the world size, got heads={heads}, world_size={world_size}.")
 
 
-def exchange(send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]], group,
-              packed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Rank j gets `send[j]`; returns what every rank sent here: one flat buffer and its pieces shaped
-    `recv_shapes[j]` (views, in rank order). One `all_to_all_single` with exact per-peer sizes (gloo's list
-    all_to_all needs equal shapes; this takes any). `packed`: the send pieces already laid out one after the
-    other in rank order in this contiguous tensor (no copy)."""
+@dataclass
+class Pending:
+    """An exchange in flight (`start_exchange`). `wait()` returns what every rank sent here, one piece per rank
+    shaped as asked (views of the flat buffer `received`), in rank order; on a GPU it orders the current stream
+    after the exchange without blocking the host, so that work enqueued before it overlaps the transfer."""
+
+    received: torch.Tensor
+    shapes: tuple[tuple[int, ...], ...]
+    work: Optional[dist.Work]
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        sizes = [math.prod(shape) for shape in self.shapes]
+        return [piece.view(shape) for piece, shape in zip(self.received.split(sizes), self.shapes)]
+
+
+def start_exchange(send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]], group,
+                   packed: Optional[torch.Tensor] = None) -> Pending:
+    """Start sending `send[j]` to rank j and receiving pieces shaped `recv_shapes[j]` from it: one
+    `all_to_all_single` with exact per-peer sizes (gloo's list all_to_all needs equal shapes; this takes any).
+    `packed`: the send pieces already laid out one after the other in rank order in this contiguous tensor (no
+    copy)."""
     sizes_out = [t.numel() for t in send]
     sizes_in = [math.prod(shape) for shape in recv_shapes]
     if packed is None:
@@ -71,8 +90,15 @@ def exchange(send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]
         for piece, t in zip(packed.split(sizes_out), send):
             piece.view(t.shape).copy_(t)
     received = send[0].new_empty(sum(sizes_in))
-    dist.all_to_all_single(received, packed.reshape(-1), sizes_in, sizes_out, group=group)
-    return received, [piece.view(shape) for piece, shape in zip(received.split(sizes_in), recv_shapes)]
+    work = dist.all_to_all_single(received, packed.reshape(-1), sizes_in, sizes_out, group=group, async_op=True)
+    return Pending(received, tuple(tuple(shape) for shape in recv_shapes), work)
+
+
+def exchange(send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]], group,
+             packed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`start_exchange` waited for: one flat buffer and its pieces (views, in rank order)."""
+    pending = start_exchange(send, recv_shapes, group, packed=packed)
+    return pending.received, pending.wait()
 
 
 def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
@@ -123,6 +149,48 @@ def heads_to_frames(x: torch.Tensor, split: Sequence[int], rank: int, group) -> 
     packed = x if batch == 1 and x.is_contiguous() else None
     _, parts = exchange(send, [(batch, split[rank], *rest, h, head_dim)] * len(split), group, packed=packed)
     return torch.cat(parts, dim=-2)
+
+
+def start_heads_chunk(xs: Sequence[torch.Tensor], span: tuple[int, int], split: Sequence[int], group) -> Pending:
+    """Ulysses' first move for part of the heads: every `[B, T_r, *rest, H, D]` of `xs` (this rank's frames,
+    every head) sends rank j its heads `[j h + lo, j h + hi)` (`span = (lo, hi)`, `h = H / P`), all of `xs`
+    packed per peer in one exchange; `whole_sequences` waits and unpacks."""
+    size, x = len(split), xs[0]
+    h, (lo, hi) = x.shape[-2] // size, span
+    packed = torch.stack([t.unflatten(-2, (size, h))[..., lo:hi, :] for t in xs]).movedim(-3, 0).contiguous()
+    shapes = [(len(xs), x.shape[0], n, *x.shape[2:-2], hi - lo, x.shape[-1]) for n in split]
+    return start_exchange(list(packed.unbind(0)), shapes, group, packed=packed)
+
+
+def whole_sequences(pending: Pending) -> list[torch.Tensor]:
+    """The tensors a `start_heads_chunk` exchange brings: each `[B, L, *rest, hi - lo, D]`, every rank's frames
+    in rank order."""
+    return list(torch.cat(pending.wait(), dim=2).unbind(0))
+
+
+def start_frames_chunk(xs: Sequence[torch.Tensor], split: Sequence[int], rank: int, group) -> Pending:
+    """Ulysses' second move for part of the heads: every `[B, L, *rest, c, D]` of `xs` (this rank's `c` heads of
+    the whole sequence) sends rank j its frames, all of `xs` in one exchange; `place_heads` waits and puts what
+    comes back into the heads it belongs to."""
+    t, x = offsets(split), xs[0]
+    if len(xs) == 1 and x.shape[0] == 1 and x.is_contiguous():
+        send, packed = [x.narrow(1, t[j], split[j]) for j in range(len(split))], x  # already in rank order
+    else:
+        stacked = torch.stack(list(xs))
+        send, packed = [stacked.narrow(2, t[j], split[j]) for j in range(len(split))], None
+    shape = (len(xs), x.shape[0], split[rank], *x.shape[2:])
+    return start_exchange(send, [shape] * len(split), group, packed=packed)
+
+
+def place_heads(pending: Pending, outs: Sequence[torch.Tensor], span: tuple[int, int]) -> None:
+    """Wait for a `start_frames_chunk` exchange and copy what rank j sent into heads `[j h + lo, j h + hi)` of
+    each `[B, T_r, *rest, H, D]` of `outs` (this rank's frames, every head)."""
+    pending.wait()
+    size, (lo, hi) = len(pending.shapes), span
+    count, *shape = pending.shapes[0]
+    received = pending.received.view(size, count, *shape).movedim(0, -3)  # [X, B, T_r, *rest, P, c, D]
+    for out, piece in zip(outs, received.unbind(0)):
+        out.unflatten(-2, (size, out.shape[-2] // size))[..., lo:hi, :].copy_(piece)
 
 
 # -- the halo exchange: key/value frames to the ranks whose queries read them ------------------------------

@@ -18,7 +18,8 @@ from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, Rate, choose_strate
 from natsim.problem import BoolOrBools, IntOrInts
 
 from .collectives import check_heads, resolve_split, world
-from .strategies import halo, ulysses
+from .pipeline import register_attend, ulysses_attention
+from .strategies import halo
 
 HALO_GRADIENT_REFUSAL = (
     "the halo strategy runs GNA on frame ranges (natsim.kernels.gna_attention with frame_offsets), whose "
@@ -59,6 +60,25 @@ def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[
     return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link)
 
 
+_attends: dict[tuple, int] = {}
+
+
+@torch.compiler.assume_constant_result
+def _attend(window: tuple, stride: tuple, dilation: tuple, causal: tuple, q_tile, kv_tile,
+            kv_tiling: Optional[str]) -> int:
+    """The id of the single-GPU GNA call with these arguments as Ulysses' attention (pipeline.py), registered
+    once per distinct arguments: host work torch.compile runs while tracing (not traces), its result a constant
+    of the graph."""
+    key = (window, stride, dilation, causal, q_tile, kv_tile, kv_tiling)
+    if key not in _attends:
+        def attend(q, k, v, key_mask, scale):
+            return single_gpu_gna_attention(q, k, v, window, stride, dilation, causal, scale=scale, q_tile=q_tile,
+                                            kv_tile=kv_tile, kv_tiling=kv_tiling)
+
+        _attends[key] = register_attend(attend)
+    return _attends[key]
+
+
 def _runnable(heads: int, world_size: int, halo_trains: bool) -> tuple[str, ...]:
     """The strategies `"auto"` chooses among: ulysses when heads divide over the ranks, halo unless the call
     needs gradients it cannot give here (`halo_trains`); a sentence error when neither can run."""
@@ -87,6 +107,7 @@ def gna_attention(
     kv_tile: Optional[IntOrInts] = None,
     kv_tiling: Optional[str] = None,
     link: Link = DEFAULT_LINK,
+    chunks: Optional[int] = None,
 ) -> torch.Tensor:
     """GNA on a layout sharded along dimension 0 over `group` (default: the world): this rank's output frames.
 
@@ -96,8 +117,9 @@ def gna_attention(
     strategies.py). `kv_tiling` as in `natsim.kernels.gna_attention` for Ulysses; the halo path's frame ranges
     run static KV tiling only (None there means static). `link`: the interconnect `"auto"` prices bytes with
     (natsim.partition.Link: the one `natsim calibrate-link` measured, `natsim.planner.cost.files.link_for(gpu,
-    world_size)`, or natsim.partition's default rate). Every rank must make the same call, with the same
-    `requires_grad`.
+    world_size)`, or natsim.partition's default rate). `chunks`: Ulysses attends each rank's heads in this many
+    groups, each group's transfers overlapped with the attention of another (pipeline.py; default up to three).
+    Every rank must make the same call, with the same `requires_grad`.
 
     Differentiable with respect to q, k and v: the single-GPU backward between the forward's collectives
     mirrored (ops.py), eager or under torch.compile(fullgraph=True). The halo strategy cannot train on tensors
@@ -119,12 +141,14 @@ def gna_attention(
                           link.point_to_point.bytes_per_second, link.point_to_point.latency_seconds))
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
+    arguments = (problem.window, problem.stride, problem.dilation, problem.causal, q_tile, kv_tile)
+    if strategy == "ulysses":
+        check_heads(heads, size)
+        return ulysses_attention(_attend(*arguments, kv_tiling), q, k, v, split, rank, group, scale=scale,
+                                 chunks=chunks)
     kernel = functools.partial(single_gpu_gna_attention, window=problem.window, stride=problem.stride,
                                dilation=problem.dilation, causal=problem.causal, scale=scale, q_tile=q_tile,
                                kv_tile=kv_tile)
-    if strategy == "ulysses":
-        check_heads(heads, size)
-        return ulysses(lambda q, k, v: kernel(q, k, v, kv_tiling=kv_tiling), q, k, v, split, rank, group)
     if not halo_trains:
         raise RuntimeError(HALO_GRADIENT_REFUSAL)
     if kv_tiling == "dynamic":

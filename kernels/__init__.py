@@ -7,7 +7,8 @@ runs); kernels/common/ holds what the families share, among it `natsim::attentio
 
 The face that rooms above the kernels import: the entry points, the operators they run through at run time
 (`gna_resolved` with `register_resolver`, and `gna_resolved_ordered` on tokens kept in a `TileOrder`;
-`attention_resolved` with `register_attention`), a call's spec
+`attention_resolved` with `register_attention`; `hold` / `held` for what an operator hands its backward by
+handle, `autograd_inside_an_operator`), a call's spec
 (`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`), the sentences the operators refuse gradients
 with, and what an entry point of their own (natsim.planner's AutoPlan, a model integration) checks at its
 boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`,
@@ -27,6 +28,7 @@ if __name__ == "natsim.kernels":
     from .common.checks import check_tensors
     from .common.fp8 import Fp8Scales, check_precision, refuse_gradients
     from .common.launch import LaunchOptions, set_tensor_descriptors, tensor_descriptors_enabled
+    from .common.handles import autograd_inside_an_operator, fake_handle, held, hold
     from .common.resolved import attention_resolved, register_attention
     from .gna import (
         GnaSpec,
@@ -69,6 +71,10 @@ if __name__ == "natsim.kernels":
         "register_resolver",
         "attention_resolved",
         "register_attention",
+        "hold",
+        "held",
+        "fake_handle",
+        "autograd_inside_an_operator",
         "FRAMES_GRADIENT_REFUSAL",
         "PV_SKIP_GRADIENT_REFUSAL",
         "check_tensors",

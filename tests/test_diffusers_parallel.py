@@ -147,13 +147,14 @@ def _outputs(name: str, layout, window, batch: int, enable_first: bool, **option
 
 
 def _training_and_compile(rank: int) -> None:
-    """A training step of Wan under Ulysses: the output, and the parameter gradients summed over the ranks (each
-    rank's share of the tokens contributes its part), equal one process's; then its blocks compiled with
+    """A training step of Wan under Ulysses (each rank's three heads attended in three groups, natsim.distributed's
+    pipeline): the output, and the parameter gradients summed over the ranks (each rank's share of the tokens
+    contributes its part), equal one process's; then its blocks compiled with
     fullgraph=True (Dynamo's capture, run as captured) compute the same, and a second step recompiles nothing."""
     from natsim.integrations import diffusers as nd
 
     inputs = diffusers_models.inputs(WAN, WAN_LAYOUT)
-    model = diffusers_models.build(WAN).train()
+    model = diffusers_models.build(WAN, num_attention_heads=6).train()  # three heads a rank: three groups
     nd.apply(model, window=WAN_WINDOW, training=True)
     single = model(**inputs)[0]
     single.square().mean().backward()

@@ -64,6 +64,7 @@ class Router:
         self.order: Optional[TileOrder] = None  # the video tokens' order when the model keeps a tile order
         self.views: list[RouterView] = []
         self.ulysses = None  # diffusers' context parallelism where it is on (parallel.py: Ulysses)
+        self.sequence_attend: Optional[int] = None  # its attention under Ulysses, registered by parallel.py
 
     def set_layout(self, layout: tuple[int, ...], trailing: int = 0) -> None:
         """The token layout of the forward call beginning, and the tokens outside it that follow the video

@@ -6,8 +6,10 @@ splits its inputs), and every attention call gets `parallel_config`: diffusers' 
 (all-to-all to all tokens of `heads / P` heads, attention, all-to-all back) or ring attention. natsim takes the
 calls it serves (the video tokens' self-attention and joint attention, attention.py) itself:
 
-1. q, k and v go from this rank's tokens of every head to every token of its `heads / P` heads: one all-to-all
-   of natsim.distributed (a differentiable operator, opaque to torch.compile);
+1. q, k and v go from this rank's tokens of every head to every token of its `heads / P` heads through
+   natsim.distributed's Ulysses pipeline (`natsim::cp_ulysses`: one differentiable operator, opaque to
+   torch.compile, which attends the heads in groups while the other groups travel; one group under a
+   content-adaptive mask, which decides once per call);
 2. the ranks' shares arrive in rank order, each holding its share of the tokens outside the layout (text) and of
    the image tokens, in the order the processor concatenated them; they are put into the order one process
    sees (`Shares`), so that the video tokens form the layout again;
@@ -29,6 +31,7 @@ natsim cannot know which of a rank's tokens are text.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -37,7 +40,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from natsim.distributed.ops import frames_to_heads, heads_to_frames
+from natsim.distributed.pipeline import register_attend, ulysses_attention
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def enable(model: nn.Module, router, tile_order: Optional[bool]) -> None:
         reason = refusal(config, router, tile_order)
         if reason is not None:
             raise ValueError(f"natsim cannot run inside this model's context parallelism: {reason}")
-        router.ulysses = ulysses_of(config, getattr(type(model), "_cp_plan", None) is not None)
+        _serve(router, ulysses_of(config, getattr(type(model), "_cp_plan", None) is not None))
     if hasattr(type(model), "enable_parallelism"):
         model.enable_parallelism = functools.partial(_enable_parallelism, model, router, tile_order)
 
@@ -117,7 +120,7 @@ def _enable_parallelism(model: nn.Module, router, tile_order: Optional[bool], *,
     type(model).enable_parallelism(model, config=config, cp_plan=cp_plan)
     cp = context_parallel(model._parallel_config)
     if cp is not None:
-        router.ulysses = ulysses_of(cp, cp_plan is None and getattr(type(model), "_cp_plan", None) is not None)
+        _serve(router, ulysses_of(cp, cp_plan is None and getattr(type(model), "_cp_plan", None) is not None))
 
 
 @dataclass(frozen=True)
@@ -197,11 +200,32 @@ def attend(router, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
         raise ValueError(f"Ulysses shards the {heads} heads over ulysses_degree={ulysses.size} ranks: heads must divide "
                          "by it.")
     split = (q.shape[1],) * ulysses.size
-    q, k, v = (layout.to_sequence(t) for t in frames_to_heads((q, k, v), split, ulysses.rank, ulysses.group))
-    out = router.attend(q, k, v, _gathered_key_mask(key_mask, layout, ulysses), scale)
-    if out is None:
-        raise RuntimeError(f"natsim's router declined a call of {q.shape[1]} tokens it serves under context parallelism.")
-    return heads_to_frames((layout.to_shares(out),), split, ulysses.rank, ulysses.group)[0]
+    chunks = 1 if router.masked is not None else None  # a content-adaptive mask is one decision per call
+    return ulysses_attention(router.sequence_attend, q, k, v, split, ulysses.rank, ulysses.group,
+                             key_mask=_gathered_key_mask(key_mask, layout, ulysses), scale=scale, chunks=chunks)
+
+
+def _serve(router, ulysses: Ulysses) -> None:
+    """Tell `router` of its Ulysses group, and register (once per router, before any trace) its attention on
+    head-sharded whole sequences in the ranks' shares for natsim.distributed's pipeline: the shares into one
+    process's order, the router, and back; each group of heads planned as the whole call is
+    (`AutoPlan.planning_heads`)."""
+    router.ulysses = ulysses
+    if router.sequence_attend is not None:
+        return
+
+    def run(q, k, v, key_mask, scale):
+        layout = shares(router, router.ulysses, q.shape[1] // router.ulysses.size)
+        out = router.attend(*(layout.to_sequence(t) for t in (q, k, v)), key_mask, scale)
+        if out is None:
+            raise RuntimeError(f"natsim's router declined a call of {q.shape[1]} tokens it serves under context "
+                               "parallelism.")
+        return layout.to_shares(out)
+
+    def planning(heads: int):
+        return router.auto.planning_heads(heads) if router.auto is not None else contextlib.nullcontext()
+
+    router.sequence_attend = register_attend(run, planning)
 
 
 def _gathered_key_mask(mask: Optional[torch.Tensor], layout: Shares, ulysses: Ulysses) -> Optional[torch.Tensor]:

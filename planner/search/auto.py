@@ -12,7 +12,8 @@ dispatcher and run the plan directly. Gradients flow as through `gna_attention`.
 from __future__ import annotations
 
 import threading
-from typing import Mapping, Optional, Union
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -64,13 +65,28 @@ class AutoPlan:
         self.target_sparsity = target_sparsity
         self.plans: dict[PlanKey, Plan] = {}
         self._lock = threading.Lock()
+        self._planning = threading.local()
         self._resolver = register_resolver(self._kernel_arguments)
+
+    @contextmanager
+    def planning_heads(self, heads: int) -> Iterator[None]:
+        """Inside, every layout is planned as for a call of `heads` heads, whatever the heads of the call: a caller
+        that runs a call's heads in groups (natsim.distributed's Ulysses pipeline) runs the plan of the whole
+        call on each group, the plan one process runs (a plan's window and stride may depend on the heads it is
+        priced for). Per thread."""
+        previous = getattr(self._planning, "heads", None)
+        self._planning.heads = int(heads)
+        try:
+            yield
+        finally:
+            self._planning.heads = previous
 
     def plan_for(self, shape: tuple[int, ...], *, heads: int, head_dim: int, dtype: torch.dtype,
                  device: Union[str, torch.device]) -> Plan:
         """The plan for a layout (made on first use, then kept): `best(shape, target_sparsity, ...)` with this
         object's options; `device` names the GPU whose cost model ranks (unless the options name one)."""
         device = torch.device(device)
+        heads = getattr(self._planning, "heads", None) or heads
         key = (tuple(shape), int(heads), int(head_dim), dtype, str(device))
         plan = self.plans.get(key)
         if plan is None:

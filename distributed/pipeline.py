@@ -1,0 +1,172 @@
+"""Ulysses with its all-to-alls overlapped with attention: `natsim::cp_ulysses`, one operator for the whole
+strategy, forward and backward.
+
+Ulysses moves q, k and v to head-sharded whole sequences, attends, and moves the output back. Done in one piece,
+every transfer waits for the one before it and for the attention (the moves cost 1-1.5 ms a layer of Wan 720p on
+2-4 H200s, the whole gap between its measured and ideal scaling). This operator splits each rank's `H / P` heads
+into `chunks` groups and keeps the transfers in flight: every group's q, k and v leave at once, attention runs on
+a group as soon as it has arrived (while the next travels), and its output leaves while the next group attends.
+Only the first group's arrival and the last group's return stay exposed. On a GPU the transfers run on NCCL's
+stream, ordered after the work enqueued before them; waiting orders the compute stream, not the host.
+
+What attends is a Python callable registered with `register_attend` (the operator's schema carries its id):
+`attend(q, k, v, key_mask, scale)` on `[B, L, *rest, c, D]` head-sharded whole sequences of any `c` heads, which
+must treat heads independently (any attention does) and return q's dtype and shape. With `keep`, the forward
+runs each group's attention under autograd and hands the graphs to the backward by handle
+(`natsim.kernels.hold`); `natsim::cp_ulysses_backward` then pipelines the mirror image: the output gradient's
+groups travel in, each group's graph is differentiated as it arrives, and dq, dk, dv travel back while the next
+group runs. Nothing is recomputed.
+
+`planning(heads)` (optional, registered with `attend`): a context the forward and backward run each group
+under, given the heads of the whole call on this rank's frames (`H`): a planner that plans per head count plans
+for the whole call, not for a group of it, so that the groups run the plan one process would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Optional, Sequence
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from natsim.kernels import autograd_inside_an_operator, fake_handle, held, hold
+
+from .collectives import group_name, place_heads, start_frames_chunk, start_heads_chunk, whole_sequences
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[float]], torch.Tensor]
+Planning = Callable[[int], ContextManager]
+_attends: dict[int, tuple[Attend, Optional[Planning]]] = {}
+
+MAX_DEFAULT_CHUNKS = 3
+
+
+def register_attend(attend: Attend, planning: Optional[Planning] = None) -> int:
+    """Register `attend` (module docstring) and the optional `planning(heads)` context; return the id
+    `natsim::cp_ulysses` takes."""
+    key = len(_attends)
+    _attends[key] = (attend, planning)
+    return key
+
+
+def _registered(attend: int) -> tuple[Attend, Planning]:
+    if attend not in _attends:
+        raise ValueError(f"attend must be an id from register_attend, got attend={attend!r}.")
+    run, planning = _attends[attend]
+    return run, planning or (lambda heads: contextlib.nullcontext())
+
+
+def head_spans(heads: int, chunks: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` of `chunks` groups of `heads` heads, as even as they divide (the first ones one larger)."""
+    if not 1 <= chunks <= heads:
+        raise ValueError(f"chunks must be between 1 and the {heads} heads each rank attends, got chunks={chunks}.")
+    base, extra = divmod(heads, chunks)
+    bounds = [0]
+    for index in range(chunks):
+        bounds.append(bounds[-1] + base + (index < extra))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def default_chunks(heads_per_rank: int) -> int:
+    """Groups a rank's heads are attended in unless told: up to three (the first group's arrival and the last
+    one's return stay exposed, a third of the transfers each; past three, each group's fixed costs, an exchange's
+    latency and a kernel launch's tail, eat what a smaller exposed part saves)."""
+    return min(heads_per_rank, MAX_DEFAULT_CHUNKS)
+
+
+@torch.library.custom_op("natsim::cp_ulysses", mutates_args=())
+def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor], attend: int,
+             scale: Optional[float], chunks: int, split: Sequence[int], rank: int, group: str, keep: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    run, planning = _registered(attend)
+    resolved, heads = _resolve_process_group(group), q.shape[-2]
+    spans = head_spans(heads // len(split), chunks)
+    inbound = [start_heads_chunk((q, k, v), span, split, resolved) for span in spans]
+    outbound, graphs = [], []
+    with planning(heads):
+        for pending in inbound:
+            qc, kc, vc = whole_sequences(pending)
+            if keep:
+                leaves = [t.detach().requires_grad_() for t in (qc, kc, vc)]
+                with autograd_inside_an_operator():
+                    out = run(*leaves, key_mask, scale)
+                graphs.append((leaves, out))
+                out = out.detach()
+            else:
+                out = run(qc, kc, vc, key_mask, scale)
+            outbound.append(start_frames_chunk((out.to(q.dtype),), split, rank, resolved))
+    result = torch.empty_like(q)
+    for span, pending in zip(spans, outbound):
+        place_heads(pending, (result,), span)
+    return result, (hold(graphs) if keep else fake_handle())
+
+
+@_ulysses.register_fake
+def _ulysses_fake(q, k, v, key_mask, attend, scale, chunks, split, rank, group, keep):
+    _registered(attend)
+    if isinstance(q.shape[-2], int):  # not symbolic under a dynamic-shape trace: refuse now what the run would
+        head_spans(q.shape[-2] // len(split), chunks)
+    return torch.empty_like(q), fake_handle()
+
+
+@torch.library.custom_op("natsim::cp_ulysses_backward", mutates_args=())
+def _ulysses_backward(grad_out: torch.Tensor, graphs: torch.Tensor, attend: int, chunks: int, split: Sequence[int],
+                      rank: int, group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `natsim::cp_ulysses` (this rank's frames): the forward's graphs differentiated group by
+    group as the output gradient's groups arrive, the gradients sent back while the next group runs."""
+    _, planning = _registered(attend)
+    kept = held(graphs, "natsim::cp_ulysses_backward")
+    resolved, heads = _resolve_process_group(group), grad_out.shape[-2]
+    spans = head_spans(heads // len(split), chunks)
+    inbound = [start_heads_chunk((grad_out,), span, split, resolved) for span in spans]
+    outbound = []
+    with planning(heads), autograd_inside_an_operator():
+        for pending, (leaves, out) in zip(inbound, kept):
+            (grad,) = whole_sequences(pending)
+            grads = torch.autograd.grad(out, leaves, grad.to(out.dtype), allow_unused=True)
+            grads = [torch.zeros_like(x) if g is None else g.to(grad_out.dtype) for x, g in zip(leaves, grads)]
+            outbound.append(start_frames_chunk(grads, split, rank, resolved))
+    kept.clear()  # the graphs' saved tensors go now, not when the handle does
+    result = [torch.empty_like(grad_out) for _ in range(3)]
+    for span, pending in zip(spans, outbound):
+        place_heads(pending, result, span)
+    return tuple(result)
+
+
+@_ulysses_backward.register_fake
+def _ulysses_backward_fake(grad_out, graphs, attend, chunks, split, rank, group):
+    return tuple(torch.empty_like(grad_out) for _ in range(3))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.attend, ctx.chunks, ctx.split, ctx.rank, ctx.group = inputs[4], inputs[6], inputs[7], inputs[8], inputs[9]
+    ctx.keep = inputs[10]
+    ctx.save_for_backward(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out: Optional[torch.Tensor], _grad_handle):
+    if not ctx.keep:
+        raise RuntimeError("natsim::cp_ulysses ran with keep=False, so it kept no graphs to differentiate: call it "
+                           "with keep=True where its output needs gradients.")
+    (graphs,) = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 11
+    grads = _ulysses_backward(grad_out.contiguous(), graphs, ctx.attend, ctx.chunks, ctx.split, ctx.rank, ctx.group)
+    return (*grads, *(None,) * 8)
+
+
+_ulysses.register_autograd(_backward, setup_context=_setup_context)
+
+
+def ulysses_attention(attend: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[int, ...],
+                      rank: int, group, *, key_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                      chunks: Optional[int] = None) -> torch.Tensor:
+    """Ulysses on `[B, T_r, *rest, H, D]` (this rank's frames, every head) with the registered `attend`, its
+    heads in `chunks` groups overlapped with the transfers (`default_chunks` unless given): this rank's frames
+    of the output. Differentiable with respect to q, k and v when they require grad (the graphs are kept then)."""
+    heads = q.shape[-2]
+    chunks = default_chunks(heads // len(split)) if chunks is None else int(chunks)
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    out, _ = _ulysses(q, k, v, key_mask, attend, scale, chunks, list(split), rank, group_name(group), keep)
+    return out
