@@ -6,11 +6,17 @@ natsim's GNA and with the model's own (dense) attention, compiled, one JSON per 
     torchrun --nproc_per_node 2 benchmarks/diffusers_parallel.py --out /tmp/x --small   # CPUs (gloo), tiny
 
 Wan 1.3B's published configuration with random weights (nothing is downloaded), bf16, batch 1, 512 text tokens,
-at 720p (latent 21x90x160, token layout 21x45x80) by default. For each attention ("natsim": `apply(model,
-sparsity=0.9)`, then `enable_parallelism`; "dense": the model's own attention, diffusers' Ulysses when P > 1) the
-model's blocks are compiled (`compile_repeated_blocks(fullgraph=True)`) and the median of `--steps` synchronised
-steps after warm-up is taken (every rank times the step; the slowest rank's median is recorded). natsim's step
-output under parallelism is held against the same model's output on one GPU before anything is timed.
+at 720p (latent 21x90x160, token layout 21x45x80) by default. For each mode ("natsim": `apply(model,
+sparsity=0.9)`, then `enable_parallelism`, each rank's heads attended in natsim.distributed's default groups;
+"natsim-serial": the same with its heads in one group, the all-to-alls not overlapped; "dense": the model's own
+attention, diffusers' Ulysses when P > 1) the model's blocks are compiled (`compile_repeated_blocks(
+fullgraph=True)`) and the median of `--steps` synchronised steps after warm-up is taken (every rank times the
+step; the slowest rank's median is recorded). natsim's step output under parallelism is held against the same
+model's output on one GPU before anything is timed. "natsim" also times one attention call of its plan on one GPU
+(`attention_ms`, what benchmarks/predict_parallel.py needs). "train": a training step (forward, a loss on the
+output, backward) of the model with `--train-layers` blocks and `apply(..., training=True)`, eager and compiled;
+under parallelism the parameter gradients summed over the ranks are held against one GPU's (largest relative
+difference over the parameters).
 Writes `diffusers-parallel-<device>-P<ranks>-<date>.json`; compare launches of different P run on the same
 machine (the one-GPU launch on one of its GPUs).
 """
@@ -45,7 +51,9 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--sparsity", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
-    parser.add_argument("--modes", default="natsim,dense", help="comma-separated: natsim, dense")
+    parser.add_argument("--modes", default="natsim,natsim-serial,dense",
+                        help="comma-separated: natsim, natsim-serial, dense, train")
+    parser.add_argument("--train-layers", type=int, default=4, help="blocks of the model the train mode steps")
     parser.add_argument("--small", action="store_true", help="a tiny model on CPUs (gloo): a smoke test")
     return parser.parse_args(argv)
 
@@ -94,22 +102,106 @@ def slowest(value: float, device: torch.device) -> float:
     return float(tensor.item())
 
 
-def run_mode(mode: str, args: argparse.Namespace, config: dict, device: torch.device, world: int) -> dict:
+def attention_ms(plan, config: dict, device: torch.device, steps: int) -> float:
+    """One GPU's median time of one attention call of `plan` (every head of the model)."""
+    generator = torch.Generator(device).manual_seed(2)
+    q, k, v = (torch.randn(1, *plan.problem.shape, config["num_attention_heads"], config["attention_head_dim"],
+                           device=device, dtype=torch.bfloat16, generator=generator) for _ in range(3))
+    times = []
+    for index in range(steps + 2):
+        synchronize(device)
+        start = time.perf_counter()
+        plan(q, k, v)
+        synchronize(device)
+        if index >= 2:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def train_step_ms(model, args: dict, steps: int, device: torch.device) -> float:
+    """This rank's median synchronised training step (forward, mean square of the output, backward)."""
+    times = []
+    for index in range(steps + 2):
+        dist.barrier()
+        synchronize(device)
+        start = time.perf_counter()
+        model(**args)[0].float().square().mean().backward()
+        synchronize(device)
+        model.zero_grad(set_to_none=True)
+        if index >= 2:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_training(args: argparse.Namespace, config: dict, device: torch.device, world: int) -> dict:
+    """The train mode (module docstring)."""
     from diffusers import ContextParallelConfig
 
+    from natsim.integrations import diffusers as nd
+
+    config = dict(config, num_layers=args.train_layers)
+    model = build(config, device).train()
+    step_args = inputs(config, args.latent, device)
+    nd.apply(model, sparsity=args.sparsity, training=True)
+    record = dict(mode="train", ranks=world, layers=args.train_layers)
+    if world > 1:
+        model(**step_args)[0].float().square().mean().backward()
+        one_gpu = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        model(**step_args)[0].float().square().mean().backward()
+        worst = 0.0
+        for name, p in model.named_parameters():
+            if name in one_gpu:
+                summed = p.grad.float()
+                dist.all_reduce(summed)
+                worst = max(worst, float((summed - one_gpu[name]).norm() / one_gpu[name].norm().clamp_min(1e-30)))
+        record["max_relative_gradient_difference_to_one_gpu"] = worst
+        model.zero_grad(set_to_none=True)
+        del one_gpu
+    record["eager_train_step_ms"] = slowest(train_step_ms(model, step_args, args.steps, device), device)
+    model.compile_repeated_blocks(fullgraph=True)
+    try:
+        record["compiled_train_step_ms"] = slowest(train_step_ms(model, step_args, args.steps, device), device)
+    except Exception as error:  # recorded, not hidden: the table says the compiled step failed and why
+        record["compiled_train_step_error"] = f"{type(error).__name__}: {str(error)[:500]}"
+    del model
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+def run_mode(mode: str, args: argparse.Namespace, config: dict, device: torch.device, world: int) -> dict:
+    from natsim import partition
+
+    if mode == "train":
+        return run_training(args, config, device, world)
+    grouping = partition.MAX_DEFAULT_CHUNKS
+    partition.MAX_DEFAULT_CHUNKS = 1 if mode == "natsim-serial" else grouping  # read when a call is traced
+    try:
+        return _run_step(mode, args, config, device, world)
+    finally:
+        partition.MAX_DEFAULT_CHUNKS = grouping
+
+
+def _run_step(mode: str, args: argparse.Namespace, config: dict, device: torch.device, world: int) -> dict:
+    from diffusers import ContextParallelConfig
+
+    from natsim import partition
     from natsim.integrations import diffusers as nd
 
     model = build(config, device)
     step_args = inputs(config, args.latent, device)
     record = dict(mode=mode, ranks=world)
     applied = None
-    if mode == "natsim":
+    if mode.startswith("natsim"):
         applied = nd.apply(model, sparsity=args.sparsity)
         with torch.no_grad():
             one_gpu = model(**step_args)[0]
     if world > 1:
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
-    if mode == "natsim":
+    if mode.startswith("natsim"):
         with torch.no_grad():
             out = model(**step_args)[0]
         record["relative_difference_to_one_gpu"] = float((out.float() - one_gpu.float()).norm()
@@ -118,7 +210,10 @@ def run_mode(mode: str, args: argparse.Namespace, config: dict, device: torch.de
         record["plan"] = dict(window=list(plan.problem.window), stride=list(plan.problem.stride),
                               q_tile=list(plan.tiles.q_tile), kv_tile=list(plan.tiles.kv_tile),
                               kv_tiling=plan.tiles.kv_tiling, backend=plan.backend,
-                              heads_per_rank=config["num_attention_heads"] // world)
+                              heads_per_rank=config["num_attention_heads"] // world,
+                              groups=partition.default_chunks(config["num_attention_heads"] // world))
+        if mode == "natsim":
+            record["attention_ms"] = attention_ms(plan, config, device, args.steps)
     with torch.no_grad():  # diffusers' split hooks look their arguments up by signature on their first call, which
         model(**step_args)  # Dynamo cannot trace: an eager step first
     start = time.perf_counter()
@@ -176,8 +271,13 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"diffusers-parallel-{name.replace(' ', '_')}-P{world}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=1))
-    print(f"| ranks | attention | compiled step ms | first step s | vs one GPU |\n|---|---|---|---|---|")
+    print(f"| ranks | mode | compiled step ms | first step s | vs one GPU |\n|---|---|---|---|---|")
     for record in records:
+        if record["mode"] == "train":
+            print(f"| {world} | train ({record['layers']} blocks) | {record.get('compiled_train_step_ms', float('nan')):.1f} "
+                  f"(eager {record['eager_train_step_ms']:.1f}) | - | gradients "
+                  f"{record.get('max_relative_gradient_difference_to_one_gpu', float('nan')):.1e} |")
+            continue
         print(f"| {world} | {record['mode']} | {record['compiled_step_ms']:.1f} | {record['first_compiled_step_s']:.1f} "
               f"| {record.get('relative_difference_to_one_gpu', float('nan')):.1e} |")
     print(f"wrote {path}")

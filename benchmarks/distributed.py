@@ -1,10 +1,13 @@
 """Context-parallel GNA on several GPUs of one host: natsim.distributed's strategies against one GPU, one run.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/distributed.py --out DIR     # GPUs (NCCL)
-    torchrun --nproc-per-node 2 benchmarks/distributed.py --small --out DIR                # CPU (gloo)
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 benchmarks/distributed.py --setup wan --out DIR
+    torchrun --nproc-per-node 2 benchmarks/distributed.py --setup small --out DIR          # CPU (gloo)
 
 Every rank builds the same full q, k, v (one seed), keeps its frames and runs `natsim.distributed.gna_attention`
-with each strategy ("ulysses", "halo", "auto"); every rank also runs the single-GPU kernel on the whole layout
+with each strategy ("ulysses", "halo", "auto"), and Ulysses again with its heads in each number of groups of
+`--chunks` ("ulysses/c1": the all-to-alls not overlapped; the plain "ulysses" is natsim's default grouping);
+every rank also runs the single-GPU kernel on the whole layout
 on its own GPU, which is the baseline time and the output each rank's frames are checked against. A call's time
 is the slowest rank's median wall time (ranks start together after a barrier, CUDA synchronised). Bytes moved
 are counted at the collective (everything a rank sends to others) and set beside natsim.partition's prediction.
@@ -39,6 +42,12 @@ FULL = dict(shape=(30, 48, 80), heads=24, head_dim=128, dtype=torch.bfloat16, re
     ("dense", (30, 48, 80), (1, 1, 1)),
     ("w18x24x24 s1x1x1", (18, 24, 24), (1, 1, 1)),
     ("w18x24x24 s16x8x8", (18, 24, 24), (16, 8, 8)),
+])
+# the layout of Wan 720p with 40 heads of 128 (the context-parallel table of docs/performance.md)
+WAN = dict(shape=(21, 45, 80), heads=40, head_dim=128, dtype=torch.bfloat16, repeats=10, configs=[
+    ("w7x21x35 s1x1x1", (7, 21, 35), (1, 1, 1)),
+    ("w7x21x35 s1x7x7", (7, 21, 35), (1, 7, 7)),
+    ("w9x15x40 s3x15x8", (9, 15, 40), (3, 15, 8)),
 ])
 # float32 runs the torch reference on CPUs; on GPUs the small layout runs the kernel in bf16
 SMALL = dict(shape=(8, 8, 16), heads=4, head_dim=32, dtype=torch.float32, repeats=3, configs=[
@@ -75,16 +84,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 class ByteCounter:
     """Counts the bytes this rank hands to torch.distributed for other ranks (natsim.distributed's all-to-all
-    `exchange` and point-to-point `send_receive`)."""
+    `start_exchange` and point-to-point `send_receive`)."""
 
     def __init__(self, rank: int):
         self.rank, self.bytes = rank, 0
-        self.exchange, self.send_receive = collectives.exchange, collectives.send_receive
-        collectives.exchange, collectives.send_receive = self.counted_exchange, self.counted_send_receive
+        self.start_exchange, self.send_receive = collectives.start_exchange, collectives.send_receive
+        collectives.start_exchange, collectives.send_receive = self.counted_exchange, self.counted_send_receive
 
     def counted_exchange(self, send, shapes, group, **options):
         self.bytes += sum(t.numel() * t.element_size() for j, t in enumerate(send) if j != self.rank)
-        return self.exchange(send, shapes, group, **options)
+        return self.start_exchange(send, shapes, group, **options)
 
     def counted_send_receive(self, sends, receives, group):
         self.bytes += sum(t.numel() * t.element_size() for t, _ in sends)
@@ -92,7 +101,7 @@ class ByteCounter:
 
 
 def run_case(name, window, stride, split_name, setup, q, k, v, single_out, single_ms, rank, world, device,
-             counter) -> dict:
+             counter, chunk_counts: tuple[int, ...]) -> dict:
     shape, heads, head_dim = setup["shape"], setup["heads"], setup["head_dim"]
     problem = Problem(shape, window, stride)
     split = even_split(shape[0], world) if split_name == "even" else aligned_split(problem, world)
@@ -104,9 +113,13 @@ def run_case(name, window, stride, split_name, setup, q, k, v, single_out, singl
     record = dict(config=name, window=list(window), stride=list(stride), split=list(split), auto_choice=auto,
                   single_gpu_ms=single_ms, strategies={})
     runnable = [s for s in STRATEGIES if s != "ulysses" or heads % world == 0]  # ulysses: heads divide
-    for strategy in (*runnable, "auto"):
+    grouped = [f"ulysses/c{c}" for c in chunk_counts if "ulysses" in runnable and c <= heads // world]
+    for label in (*runnable, "auto", *grouped):
+        strategy, _, chunks = label.partition("/c")
+
         def call():
-            return nd.gna_attention(ql, kl, vl, window, stride, strategy=strategy, split=split)
+            return nd.gna_attention(ql, kl, vl, window, stride, strategy=strategy, split=split,
+                                    chunks=int(chunks) if chunks else None)
 
         out = call()
         error = torch.tensor([rel(out, single_out[:, mine])], dtype=torch.float64, device=device)
@@ -120,11 +133,11 @@ def run_case(name, window, stride, split_name, setup, q, k, v, single_out, singl
                      bytes_moved=int(sent.item()))
         if strategy != "auto":
             cost = strategy_cost(problem, tiles, split, strategy, batch=1, heads=heads, head_dim=head_dim,
-                                 element_bytes=q.element_size())
+                                 element_bytes=q.element_size(), chunks=int(chunks) if chunks else None)
             entry.update(predicted_bytes_moved=cost.bytes_moved, predicted_s=cost.seconds,
                          predicted_imbalance=cost.imbalance,
                          ranks=[r.to_dict() for r in cost.ranks])
-        record["strategies"][strategy] = entry
+        record["strategies"][label] = entry
     measured = {s: record["strategies"][s]["ms"] for s in runnable}
     record["faster_measured"] = min(measured, key=measured.get)
     record["auto_picked_faster"] = auto == record["faster_measured"]
@@ -149,8 +162,12 @@ def targets(records: list) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON (rank 0 writes it)")
-    parser.add_argument("--small", action="store_true", help="a tiny layout (CPU with gloo, or a quick GPU check)")
+    parser.add_argument("--setup", choices=("hunyuan", "wan", "small"), default="hunyuan",
+                        help="hunyuan: 30x48x80, 24 heads; wan: 21x45x80, 40 heads; small: a tiny layout (CPU with "
+                             "gloo, or a quick GPU check)")
     parser.add_argument("--splits", default="even,aligned", help="comma-separated: even, aligned")
+    parser.add_argument("--chunks", default="1,2,3,5",
+                        help="comma-separated group counts Ulysses is also timed with (each at most heads / ranks)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -158,7 +175,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    setup = SMALL if args.small else FULL
+    setup = dict(hunyuan=FULL, wan=WAN, small=SMALL)[args.setup]
     if cuda:
         setup = {**setup, "dtype": torch.bfloat16}
     counter = ByteCounter(rank)
@@ -176,12 +193,12 @@ def main() -> None:
                 continue
             seen.add(split)
             records.append(run_case(name, window, stride, split_name, setup, q, k, v, single_out, single_ms, rank,
-                                    world, device, counter))
+                                    world, device, counter, tuple(int(c) for c in args.chunks.split(","))))
             if rank == 0:
                 print(json.dumps({key: records[-1][key] for key in ("config", "split", "auto_choice",
                                                                      "faster_measured")}), flush=True)
     if rank == 0:
-        write(args.out, records, setup, world, device, cuda, args.small)
+        write(args.out, records, setup, world, device, cuda, args.setup)
     dist.destroy_process_group()
 
 
@@ -189,7 +206,7 @@ def _ratio(value) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
-def write(out: Path, records: list, setup: dict, world: int, device: torch.device, cuda: bool, small: bool) -> None:
+def write(out: Path, records: list, setup: dict, world: int, device: torch.device, cuda: bool, name_of: str) -> None:
     import triton
 
     name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu"
@@ -200,7 +217,8 @@ def write(out: Path, records: list, setup: dict, world: int, device: torch.devic
                   dtype=str(setup["dtype"]).replace("torch.", ""), targets=targets(records), records=records)
     out.mkdir(parents=True, exist_ok=True)
     slug = name.replace(" ", "_").replace("/", "_")
-    path = out / f"distributed-{'small-' if small else ''}{slug}-x{world}-{result['date'][:10]}.json"
+    prefix = "" if name_of == "hunyuan" else f"{name_of}-"
+    path = out / f"distributed-{prefix}{slug}-x{world}-{result['date'][:10]}.json"
     path.write_text(json.dumps(result, indent=2))
     header = (f"{'config':<20} {'split':<8} {'1 GPU ms':>9} {'strategy':<14} {'ms':>9} {'speedup':>8} "
               f"{'MB moved':>9} {'pred MB':>9} {'rel err':>8}")

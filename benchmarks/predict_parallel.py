@@ -2,9 +2,11 @@
 
     python benchmarks/predict_parallel.py --out DIR [--results benchmarks/results] [--gpu NVIDIA_H200] [--date D]
 
-From the one-GPU launch's compiled step (each attention: natsim's and the model's own) and the interconnect
-measured on the same machine (planner/cost/coefficients/link-<gpu>-x<P>.json, natsim.distributed.calibrate_link),
-`ulysses_step_seconds` predicts the step on P GPUs: one GPU's step over P plus two all-to-alls per attention layer.
+From the one-GPU launch's compiled step (each attention: natsim's and the model's own), its one attention call
+(`attention_ms`) and the interconnect measured on the same machine (planner/cost/coefficients/
+link-<gpu>-x<P>.json, natsim.distributed.calibrate_link), `ulysses_step_seconds` predicts the step on P GPUs: one
+GPU's step over P plus, per attention layer, the two all-to-alls, overlapped with a rank's share of the attention
+where natsim attends its heads in groups ("natsim"; "natsim-serial" and diffusers' own "dense" in one piece).
 Prints predicted against measured at every P with a measurement and a link, and predicted beyond (8 GPUs with the
 largest measured link, said so); writes `predict-parallel-<gpu>-<date>.json`. Runs on the CPU.
 """
@@ -15,10 +17,11 @@ import argparse
 import json
 from pathlib import Path
 
-from natsim.partition import ulysses_step_seconds
+from natsim.partition import default_chunks, ulysses_step_seconds
 from natsim.planner.cost.files import COEFFICIENTS_DIR, link_for
 
-WAN_1_3B = dict(layers=30, channels=12 * 128, element_bytes=2)  # benchmarks/diffusers_parallel.py's model, bf16
+HEADS = 12
+WAN_1_3B = dict(layers=30, channels=HEADS * 128, element_bytes=2)  # benchmarks/diffusers_parallel.py's model, bf16
 
 
 def main(argv=None) -> None:
@@ -29,10 +32,13 @@ def main(argv=None) -> None:
     parser.add_argument("--date", default="2026-11-27")
     parser.add_argument("--beyond", type=int, nargs="*", default=[8], help="GPU counts to predict without a measurement")
     args = parser.parse_args(argv)
-    measured = {}
+    measured, attention = {}, 0.0
     for path in sorted(args.results.glob(f"diffusers-parallel-{args.gpu}-P*-{args.date}.json")):
         record = json.loads(path.read_text())
-        measured[record["ranks"]] = {r["mode"]: r["compiled_step_ms"] / 1e3 for r in record["records"]}
+        measured[record["ranks"]] = {r["mode"]: r["compiled_step_ms"] / 1e3 for r in record["records"]
+                                     if "compiled_step_ms" in r}
+        attention = next((r["attention_ms"] / 1e3 for r in record["records"] if record["ranks"] == 1
+                          and "attention_ms" in r), attention)
         latent = record["latent"]
     if 1 not in measured:
         raise SystemExit(f"no one-GPU launch among {args.results}/diffusers-parallel-{args.gpu}-P*-{args.date}.json")
@@ -44,15 +50,20 @@ def main(argv=None) -> None:
     for ranks in (*sorted(measured), *args.beyond):
         link = linked[ranks] if ranks == 1 or linked[ranks].source != "default" else linked[largest]
         for mode, one_gpu in measured[1].items():
-            predicted = ulysses_step_seconds(one_gpu, tokens=tokens, world_size=ranks, link=link, **WAN_1_3B)
+            grouped = mode == "natsim" and attention > 0
+            chunks = default_chunks(HEADS // ranks) if grouped else 1
+            predicted = ulysses_step_seconds(one_gpu, tokens=tokens, world_size=ranks, link=link,
+                                             attention_seconds=attention if grouped else 0.0, chunks=chunks,
+                                             **WAN_1_3B)
             seen = measured.get(ranks, {}).get(mode)
-            rows.append(dict(ranks=ranks, mode=mode, predicted_ms=predicted * 1e3,
+            rows.append(dict(ranks=ranks, mode=mode, predicted_ms=predicted * 1e3, groups=chunks,
                              link=link.source if ranks > 1 else "none (one GPU)",
                              measured_ms=None if seen is None else seen * 1e3,
                              error=None if seen is None else predicted / seen - 1))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"predict-parallel-{args.gpu}-{args.date}.json"
-    path.write_text(json.dumps(dict(gpu=gpu, latent=latent, tokens=tokens, model=WAN_1_3B, rows=rows), indent=1))
+    path.write_text(json.dumps(dict(gpu=gpu, latent=latent, tokens=tokens, model=WAN_1_3B, attention_ms=attention * 1e3,
+                                    rows=rows), indent=1))
     print("| GPUs | attention | predicted ms | measured ms | error | link |\n|---|---|---|---|---|---|")
     for r in rows:
         seen = "-" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}"

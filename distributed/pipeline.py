@@ -31,15 +31,13 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from natsim.kernels import autograd_inside_an_operator, fake_handle, held, hold
+from natsim.partition import default_chunks
 
 from .collectives import group_name, place_heads, start_frames_chunk, start_heads_chunk, whole_sequences
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[float]], torch.Tensor]
 Planning = Callable[[int], ContextManager]
 _attends: dict[int, tuple[Attend, Optional[Planning]]] = {}
-
-MAX_DEFAULT_CHUNKS = 3
-
 
 def register_attend(attend: Attend, planning: Optional[Planning] = None) -> int:
     """Register `attend` (module docstring) and the optional `planning(heads)` context; return the id
@@ -65,13 +63,6 @@ def head_spans(heads: int, chunks: int) -> list[tuple[int, int]]:
     for index in range(chunks):
         bounds.append(bounds[-1] + base + (index < extra))
     return list(zip(bounds[:-1], bounds[1:]))
-
-
-def default_chunks(heads_per_rank: int) -> int:
-    """Groups a rank's heads are attended in unless told: up to three (the first group's arrival and the last
-    one's return stay exposed, a third of the transfers each; past three, each group's fixed costs, an exchange's
-    latency and a kernel launch's tail, eat what a smaller exposed part saves)."""
-    return min(heads_per_rank, MAX_DEFAULT_CHUNKS)
 
 
 @torch.library.custom_op("natsim::cp_ulysses", mutates_args=())

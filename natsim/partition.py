@@ -4,7 +4,10 @@ Rank r holds frames `[t_r, t_{r+1})` of dimension 0 (a "frame" is one index of d
 behind it). Two ways to attend across ranks (natsim.distributed runs them):
 
 - **ulysses**: all-to-all from frame-sharded to head-sharded tensors, every rank runs the whole layout for
-  `heads / P` heads, all-to-all back. Per rank: the full problem's tiles times its heads.
+  `heads / P` heads, all-to-all back. Per rank: the full problem's tiles times its heads. natsim.distributed
+  attends a rank's heads in `chunks` groups, each group's transfers overlapping another group's attention
+  (`pipeline_seconds`): only the first group's arrival and the last group's return are exposed when attention
+  is the longer stage.
 - **halo**: every rank keeps its heads and queries and receives the key/value frames its queries' windows
   reach (`key_frames`), then runs the kernel on its queries against that frame range. The kernel's tiles are
   cut from the rank's own first query frame and first key frame (`frame_dim_tiles`), so the per-rank counts
@@ -284,14 +287,16 @@ def _tile_flops(tiles: TileConfig, problem: Problem, head_dim: int) -> float:
 def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], strategy: str, *, batch: int,
                   heads: int, head_dim: int, element_bytes: int, tile_seconds: Optional[float] = None,
                   link: Link = DEFAULT_LINK, training: bool = False,
-                  backward_tile_seconds: Optional[float] = None) -> StrategyCost:
+                  backward_tile_seconds: Optional[float] = None, chunks: Optional[int] = None) -> StrategyCost:
     """Per-rank tile work and bytes of `strategy` with frames split `split` over the ranks.
 
     Seconds per rank = visited tiles (all its heads, batch included) x `tile_seconds` + the larger of bytes
     sent and received at `link`'s rate for the strategy's move. `tile_seconds` defaults to one tile pair's FLOPs at
     `TILE_FLOP_SECONDS`. Ulysses needs `heads` divisible by the world size. `training` adds the backward the
     same way: its bytes (module docstring) and visited tiles x `backward_tile_seconds` (default
-    `BACKWARD_TILE_WORK` x `tile_seconds`); the gradients have the inputs' `element_bytes`.
+    `BACKWARD_TILE_WORK` x `tile_seconds`); the gradients have the inputs' `element_bytes`. Ulysses attends
+    each rank's heads in `chunks` groups overlapped with the transfers (`pipeline_seconds`, forward and
+    backward; `default_chunks` unless given); the halo exchange moves before the kernel runs.
     """
     split = check_split(split, problem.shape[0])
     P = len(split)
@@ -320,12 +325,22 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
 
         whole = simulate(problem, tiles)
         local = heads // P
+        rate = link.all_to_all
+        chunks = default_chunks(local) if chunks is None else chunks
         for r in range(P):
             # q, k, v out: (P - 1) of P head slices of own frames; back: own heads of everyone else's frames.
-            sent = (3 * split[r] * (P - 1) + (problem.shape[0] - split[r])) * frame_bytes // P
-            received = (3 * (problem.shape[0] - split[r]) + split[r] * (P - 1)) * frame_bytes // P
-            ranks.append(priced(r, local, whole.visited_tiles * local * batch, whole.full_tiles * local * batch,
-                                (0, problem.shape[0]), sent, received))
+            qkv_sent, out_received = 3 * split[r] * (P - 1) * frame_bytes // P, split[r] * (P - 1) * frame_bytes // P
+            qkv_received, out_sent = 3 * (problem.shape[0] - split[r]) * frame_bytes // P, \
+                (problem.shape[0] - split[r]) * frame_bytes // P
+            inbound, outbound = max(qkv_sent, qkv_received), max(out_sent, out_received)
+            visited = whole.visited_tiles * local * batch
+            seconds = pipeline_seconds(visited * tile_seconds, rate, inbound, outbound, chunks)
+            if training:  # the output's gradient in, the gradients of q, k and v back
+                seconds += pipeline_seconds(visited * backward_tile_seconds, rate, outbound, inbound, chunks)
+            sent, received = qkv_sent + out_sent, qkv_received + out_received
+            ranks.append(RankCost(r, (t[r], t[r + 1]), local, visited, whole.full_tiles * local * batch,
+                                  (0, problem.shape[0]), sent, received, seconds, received if training else 0,
+                                  sent if training else 0))
     elif strategy == "halo":
         needs = [key_frames(problem, t[r], t[r + 1]) for r in range(P)]
         for r in range(P):
@@ -339,6 +354,36 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
     else:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got strategy={strategy!r}.")
     return StrategyCost(strategy, tuple(ranks))
+
+
+MAX_DEFAULT_CHUNKS = 3
+
+
+def default_chunks(heads_per_rank: int) -> int:
+    """The groups natsim.distributed's Ulysses attends a rank's heads in unless told: up to three. The first
+    group's arrival and the last one's return stay exposed, a third of the transfers each; past three, each
+    group's fixed costs (an exchange's latency, a kernel's launch and tail) eat what a smaller exposed part
+    saves."""
+    return max(1, min(heads_per_rank, MAX_DEFAULT_CHUNKS))
+
+
+def pipeline_seconds(compute: float, rate: Rate, inbound: int, outbound: int, chunks: int = 1) -> float:
+    """One rank's Ulysses call with its heads in `chunks` groups (natsim.distributed's pipeline): `compute`
+    seconds of attention and `inbound` / `outbound` bytes (the larger of sent and received) split evenly over the
+    groups; every group's inbound transfer starts at once, one after the other on the link, a group attends once
+    it has arrived and the one before it is done, and its outbound transfer follows on the link. The last
+    outbound transfer's end. One group: the transfers and the attention one after the other."""
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got chunks={chunks}.")
+    arrive, link_free = [], 0.0
+    for _ in range(chunks):
+        link_free += rate.seconds(inbound / chunks)
+        arrive.append(link_free)
+    attended = 0.0
+    for arrived in arrive:
+        attended = max(attended, arrived) + compute / chunks
+        link_free = max(link_free, attended) + rate.seconds(outbound / chunks)
+    return link_free
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
@@ -366,14 +411,21 @@ def ulysses_layer_bytes(tokens: int, channels: int, element_bytes: int, world_si
 
 
 def ulysses_step_seconds(one_gpu_seconds: float, layers: int, tokens: int, channels: int, element_bytes: int,
-                         world_size: int, link: Link = DEFAULT_LINK) -> float:
+                         world_size: int, link: Link = DEFAULT_LINK, attention_seconds: float = 0.0,
+                         chunks: int = 1) -> float:
     """A model step over `world_size` GPUs under Ulysses, from the same step on one GPU: every rank computes `1 / P`
     of it (its tokens outside attention, its heads inside), and each of the `layers` attention layers adds its two
-    all-to-alls at `link`'s rate (`ulysses_layer_bytes`), not overlapped with compute (what natsim's operators do
-    under compilation). Checked against measured steps in docs/performance.md."""
-    if world_size < 1 or layers < 0 or one_gpu_seconds < 0:
-        raise ValueError(f"world_size must be >= 1, layers and one_gpu_seconds >= 0, got world_size={world_size}, "
-                         f"layers={layers}, one_gpu_seconds={one_gpu_seconds}.")
-    exchange = sum(link.all_to_all.seconds(moved)
-                   for moved in ulysses_layer_bytes(tokens, channels, element_bytes, world_size))
-    return one_gpu_seconds / world_size + layers * exchange
+    all-to-alls at `link`'s rate (`ulysses_layer_bytes`). With its heads in `chunks` groups (natsim.distributed's
+    pipeline) the transfers overlap a rank's share of the layer's attention, `attention_seconds` on one GPU
+    (`pipeline_seconds`); with one group they follow each other. Checked against measured steps in
+    docs/performance.md."""
+    if world_size < 1 or layers < 0 or one_gpu_seconds < 0 or attention_seconds < 0:
+        raise ValueError(f"world_size must be >= 1, layers, one_gpu_seconds and attention_seconds >= 0, got "
+                         f"world_size={world_size}, layers={layers}, one_gpu_seconds={one_gpu_seconds}, "
+                         f"attention_seconds={attention_seconds}.")
+    if world_size == 1:
+        return one_gpu_seconds
+    attention = attention_seconds / world_size
+    inbound, outbound = ulysses_layer_bytes(tokens, channels, element_bytes, world_size)
+    layer = pipeline_seconds(attention, link.all_to_all, inbound, outbound, chunks)
+    return one_gpu_seconds / world_size + layers * (layer - attention)

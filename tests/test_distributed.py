@@ -35,7 +35,8 @@ from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from natsim import Problem, TileConfig
-from natsim.partition import (Link, check_split, even_split, key_frames, offsets, rank_tiles, strategy_cost)
+from natsim.partition import (Link, check_split, even_split, key_frames, offsets, pipeline_seconds, rank_tiles,
+                              strategy_cost)
 from natsim.kernels import gna_attention, gna_tile_counts, reference_attention
 
 from bruteforce import attention_mask, coordinates, dim_mask, multi_d_layout, problems, static_counts
@@ -145,13 +146,14 @@ def test_training_bytes_and_seconds_by_hand():
     tiles = TileConfig((4, 8, 8), (2, 8, 8))
     frame = 48 * 80 * 24 * 128 * 2
     options = dict(batch=1, heads=24, head_dim=128, element_bytes=2, tile_seconds=1e-6, link=Link.uniform(1e11))
-    for strategy in ("halo", "ulysses"):
-        forward = strategy_cost(problem, tiles, (16, 14), strategy, **options)
-        training = strategy_cost(problem, tiles, (16, 14), strategy, training=True, **options)
+    for strategy in ("halo", "ulysses"):  # Ulysses with its heads in one group: its moves one after the other
+        forward = strategy_cost(problem, tiles, (16, 14), strategy, chunks=1, **options)
+        training = strategy_cost(problem, tiles, (16, 14), strategy, chunks=1, training=True, **options)
         for f, r in zip(forward.ranks, training.ranks):
             assert (f.backward_bytes_sent, f.backward_bytes_received) == (0, 0)
             assert (r.backward_bytes_sent, r.backward_bytes_received) == (f.bytes_received, f.bytes_sent)
-            wire = max(f.bytes_sent, f.bytes_received) / 1e11
+            # the halo's one move; Ulysses' two, each the larger way (24 and 8 half-frames, test_link.py)
+            wire = max(f.bytes_sent, f.bytes_received) / 1e11 if strategy == "halo" else 32 * frame / 1e11
             assert r.seconds == pytest.approx(f.seconds + r.visited_tiles * 3.5e-6 + wire, rel=1e-12)
         assert training.bytes_moved == 2 * forward.bytes_moved
     ulysses = strategy_cost(problem, tiles, (16, 14), "ulysses", training=True, **options)
@@ -904,11 +906,13 @@ def test_best_with_world_size_knows_its_strategy():
     assert parallel.strategy in ("ulysses", "halo") and sum(parallel.split) == 30
     chosen = parallel.costs[parallel.strategy]
     assert all(chosen.seconds <= other.seconds for other in parallel.costs.values())
-    # compute priced from the plan's own prediction: ulysses halves the heads, so half the single-GPU time
-    ulysses = parallel.costs["ulysses"]
-    moving = parallel.link.all_to_all.seconds(max(ulysses.ranks[0].bytes_sent, ulysses.ranks[0].bytes_received))
-    assert ulysses.ranks[0].seconds - moving == pytest.approx(
-        single.score / 2, rel=1e-9)
+    # compute priced from the plan's own prediction: ulysses halves the heads, so half the single-GPU time, its
+    # 12 heads a rank attended in three groups between the moves (q, k and v in, the output back)
+    ulysses, (first, _) = parallel.costs["ulysses"], parallel.split
+    frame = 48 * 80 * 24 * 128 * 2 // 2  # a frame of a rank's half of the heads
+    inbound, outbound = 3 * max(first, 30 - first) * frame, max(first, 30 - first) * frame
+    assert ulysses.ranks[0].seconds == pytest.approx(
+        pipeline_seconds(single.score / 2, parallel.link.all_to_all, inbound, outbound, chunks=3), rel=1e-9)
     record = parallel.to_dict()
     assert record["strategy"] == parallel.strategy and len(record["strategies"][parallel.strategy]["ranks"]) == 2
     with pytest.raises(ValueError, match="cannot exceed the 30 frames"):

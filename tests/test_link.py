@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from natsim import Problem, TileConfig
 from natsim.distributed.calibrate import fit_rate
-from natsim.partition import DEFAULT_LINK, Link, Rate, strategy_cost, ulysses_layer_bytes, ulysses_step_seconds
+from natsim.partition import (DEFAULT_LINK, Link, Rate, pipeline_seconds, strategy_cost, ulysses_layer_bytes,
+                              ulysses_step_seconds)
 
 
 @settings(max_examples=30, deadline=None)
@@ -33,19 +34,45 @@ def test_the_fit_keeps_latency_non_negative_and_refuses_flat_times():
 
 
 def test_strategies_are_priced_at_their_moves_rate():
+    """The halo exchange: its larger direction at the point-to-point rate, then the kernel. Ulysses (one group of
+    heads): q, k and v in (rank 0 sends 3 x 16 half-frames, rank 1 receives as many), the kernel, the output
+    back (8 frames' worth the larger way on both ranks), each move at the all-to-all rate."""
     problem, tiles = Problem((30, 48, 80), (18, 24, 24), (16, 8, 8)), TileConfig((4, 8, 8), (2, 8, 8))
     link = Link(Rate(1e11, 1e-4), Rate(2e11, 3e-5), "by hand")
     options = dict(batch=1, heads=24, head_dim=128, element_bytes=2, tile_seconds=1e-6)
-    for strategy, rate in (("ulysses", link.all_to_all), ("halo", link.point_to_point)):
-        priced = strategy_cost(problem, tiles, (16, 14), strategy, link=link, **options)
-        for r in priced.ranks:
-            moved = max(r.bytes_sent, r.bytes_received)
-            wire = rate.latency_seconds + moved / rate.bytes_per_second if moved else 0.0
-            assert r.seconds == pytest.approx(r.visited_tiles * 1e-6 + wire, rel=1e-12)
+    priced = strategy_cost(problem, tiles, (16, 14), "halo", link=link, **options)
+    for r in priced.ranks:
+        moved = max(r.bytes_sent, r.bytes_received)
+        wire = link.point_to_point.seconds(moved)
+        assert r.seconds == pytest.approx(r.visited_tiles * 1e-6 + wire, rel=1e-12)
+    frame = 48 * 80 * 24 * 128 * 2
+    priced = strategy_cost(problem, tiles, (16, 14), "ulysses", link=link, chunks=1, **options)
+    for r in priced.ranks:
+        wire = link.all_to_all.seconds(24 * frame) + link.all_to_all.seconds(8 * frame)
+        assert r.seconds == pytest.approx(r.visited_tiles * 1e-6 + wire, rel=1e-12)
     assert Link.from_dict(json.loads(json.dumps(link.to_dict()))) == link
     assert Rate(1e9, 1.0).seconds(0) == 0  # nothing to move, no latency
     with pytest.raises(ValueError, match="bytes_per_second > 0"):
         Rate(0.0)
+
+
+def test_the_pipeline_by_hand():
+    """Three groups, 1 s a group's transfer each way, 2 s its attention: arrivals at 1, 2, 3 s; attention 1-3,
+    3-5, 5-7; returns (after the arrivals on the link) 3-4, 5-6, 7-8: 8 s against 12 in one piece. With little
+    attention the link bounds it: the six transfers, 6 s. Ulysses priced with groups is never slower than
+    without, and training adds the mirrored pipeline."""
+    rate = Rate(1.0)
+    assert pipeline_seconds(6.0, rate, 3, 3, chunks=3) == pytest.approx(8.0)
+    assert pipeline_seconds(6.0, rate, 3, 3, chunks=1) == pytest.approx(12.0)
+    assert pipeline_seconds(0.3, rate, 3, 3, chunks=3) == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        pipeline_seconds(1.0, rate, 1, 1, chunks=0)
+    problem, tiles = Problem((30, 48, 80), (18, 24, 24), (16, 8, 8)), TileConfig((4, 8, 8), (2, 8, 8))
+    options = dict(batch=1, heads=24, head_dim=128, element_bytes=2, link=Link(Rate(1e11, 1e-5), Rate(1e11)))
+    serial, grouped = (strategy_cost(problem, tiles, (15, 15), "ulysses", chunks=c, **options).seconds for c in (1, 3))
+    assert grouped < serial
+    trained = strategy_cost(problem, tiles, (15, 15), "ulysses", chunks=3, training=True, **options)
+    assert trained.ranks[0].backward_bytes_sent == trained.ranks[0].bytes_received
 
 
 def test_best_prices_bytes_with_the_link_measured_here(monkeypatch, tmp_path):
@@ -88,6 +115,11 @@ def test_a_models_step_under_ulysses_by_hand():
     layer = 2 * 2e-4 + (3 * share * 3 // 4 + share * 3 // 4) / 2.5e11
     assert ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 4, link) == pytest.approx(0.15 + 30 * layer, rel=1e-12)
     assert ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 1, link) == 0.6
+    # Heads in three groups, 10 ms of attention a layer on one GPU (2.5 ms a rank, 0.83 ms a group, longer than
+    # a group's transfers): only the first group's arrival and the last group's return are exposed.
+    inbound, outbound = (2e-4 + b / 3 / 2.5e11 for b in ulysses_layer_bytes(75600, 1536, 2, 4))
+    grouped = ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 4, link, attention_seconds=0.01, chunks=3)
+    assert grouped == pytest.approx(0.15 + 30 * (inbound + outbound), rel=1e-9)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 0, link)
 
