@@ -151,46 +151,44 @@ def heads_to_frames(x: torch.Tensor, split: Sequence[int], rank: int, group) -> 
     return torch.cat(parts, dim=-2)
 
 
-def start_heads_chunk(xs: Sequence[torch.Tensor], span: tuple[int, int], split: Sequence[int], group) -> Pending:
-    """Ulysses' first move for part of the heads: every `[B, T_r, *rest, H, D]` of `xs` (this rank's frames,
-    every head) sends rank j its heads `[j h + lo, j h + hi)` (`span = (lo, hi)`, `h = H / P`), all of `xs`
-    packed per peer in one exchange; `whole_sequences` waits and unpacks."""
-    size, x = len(split), xs[0]
-    h, (lo, hi) = x.shape[-2] // size, span
-    packed = torch.stack([t.unflatten(-2, (size, h))[..., lo:hi, :] for t in xs]).movedim(-3, 0).contiguous()
-    shapes = [(len(xs), x.shape[0], n, *x.shape[2:-2], hi - lo, x.shape[-1]) for n in split]
+def start_heads_chunk(x: torch.Tensor, span: tuple[int, int], split: Sequence[int], group) -> Pending:
+    """Ulysses' first move for part of the heads: `[B, T_r, *rest, H, D]` (this rank's frames, every head) sends
+    rank j its heads `[j h + lo, j h + hi)` (`span = (lo, hi)`, `h = H / P`), packed in one copy;
+    `whole_sequence` waits and gives the whole sequence of those heads."""
+    size, (lo, hi) = len(split), span
+    packed = x.new_empty((size, *x.shape[:-2], hi - lo, x.shape[-1]))
+    packed.copy_(x.unflatten(-2, (size, x.shape[-2] // size))[..., lo:hi, :].movedim(-3, 0))
+    shapes = [(x.shape[0], n, *x.shape[2:-2], hi - lo, x.shape[-1]) for n in split]
     return start_exchange(list(packed.unbind(0)), shapes, group, packed=packed)
 
 
-def whole_sequences(pending: Pending) -> list[torch.Tensor]:
-    """The tensors a `start_heads_chunk` exchange brings: each `[B, L, *rest, hi - lo, D]`, every rank's frames
-    in rank order."""
-    return list(torch.cat(pending.wait(), dim=2).unbind(0))
+def whole_sequence(pending: Pending) -> torch.Tensor:
+    """What a `start_heads_chunk` exchange brings: `[B, L, *rest, hi - lo, D]`, every rank's frames in rank order
+    (with batch 1 the received buffer as it landed, no copy)."""
+    parts = pending.wait()
+    batch, _, *rest = parts[0].shape
+    if batch == 1:
+        return pending.received.view(1, sum(part.shape[1] for part in parts), *rest)
+    return torch.cat(parts, dim=1)
 
 
-def start_frames_chunk(xs: Sequence[torch.Tensor], split: Sequence[int], rank: int, group) -> Pending:
-    """Ulysses' second move for part of the heads: every `[B, L, *rest, c, D]` of `xs` (this rank's `c` heads of
-    the whole sequence) sends rank j its frames, all of `xs` in one exchange; `place_heads` waits and puts what
-    comes back into the heads it belongs to."""
-    t, x = offsets(split), xs[0]
-    if len(xs) == 1 and x.shape[0] == 1 and x.is_contiguous():
-        send, packed = [x.narrow(1, t[j], split[j]) for j in range(len(split))], x  # already in rank order
-    else:
-        stacked = torch.stack(list(xs))
-        send, packed = [stacked.narrow(2, t[j], split[j]) for j in range(len(split))], None
-    shape = (len(xs), x.shape[0], split[rank], *x.shape[2:])
-    return start_exchange(send, [shape] * len(split), group, packed=packed)
+def start_frames_chunk(x: torch.Tensor, split: Sequence[int], rank: int, group) -> Pending:
+    """Ulysses' second move for part of the heads: `[B, L, *rest, c, D]` (this rank's `c` heads of the whole
+    sequence) sends rank j its frames (with batch 1 a contiguous `x` as it is, already in rank order);
+    `place_heads` waits and puts what comes back into the heads it belongs to."""
+    t = offsets(split)
+    send = [x.narrow(1, t[j], split[j]) for j in range(len(split))]
+    packed = x if x.shape[0] == 1 and x.is_contiguous() else None
+    return start_exchange(send, [(x.shape[0], split[rank], *x.shape[2:])] * len(split), group, packed=packed)
 
 
-def place_heads(pending: Pending, outs: Sequence[torch.Tensor], span: tuple[int, int]) -> None:
+def place_heads(pending: Pending, out: torch.Tensor, span: tuple[int, int]) -> None:
     """Wait for a `start_frames_chunk` exchange and copy what rank j sent into heads `[j h + lo, j h + hi)` of
-    each `[B, T_r, *rest, H, D]` of `outs` (this rank's frames, every head)."""
+    `out`, `[B, T_r, *rest, H, D]` (this rank's frames, every head)."""
     pending.wait()
     size, (lo, hi) = len(pending.shapes), span
-    count, *shape = pending.shapes[0]
-    received = pending.received.view(size, count, *shape).movedim(0, -3)  # [X, B, T_r, *rest, P, c, D]
-    for out, piece in zip(outs, received.unbind(0)):
-        out.unflatten(-2, (size, out.shape[-2] // size))[..., lo:hi, :].copy_(piece)
+    received = pending.received.view(size, *pending.shapes[0]).movedim(0, -3)  # [B, T_r, *rest, P, c, D]
+    out.unflatten(-2, (size, out.shape[-2] // size))[..., lo:hi, :].copy_(received)
 
 
 # -- the halo exchange: key/value frames to the ranks whose queries read them ------------------------------

@@ -4,9 +4,10 @@ strategy, forward and backward.
 Ulysses moves q, k and v to head-sharded whole sequences, attends, and moves the output back. Done in one piece,
 every transfer waits for the one before it and for the attention (the moves cost 1-1.5 ms a layer of Wan 720p on
 2-4 H200s, the whole gap between its measured and ideal scaling). This operator splits each rank's `H / P` heads
-into `chunks` groups and keeps the transfers in flight: every group's q, k and v leave at once, attention runs on
-a group as soon as it has arrived (while the next travels), and its output leaves while the next group attends.
-Only the first group's arrival and the last group's return stay exposed. On a GPU the transfers run on NCCL's
+into `chunks` groups and keeps the transfers in flight: every group's q, k and v leave at once (one exchange per
+tensor and group, so that with batch 1 each arrives as the whole sequence, no copy), attention runs on a group as
+soon as it has arrived (while the next travels), and its output leaves while the next group attends. Only the
+first group's packing and arrival and the last group's return stay exposed. On a GPU the transfers run on NCCL's
 stream, ordered after the work enqueued before them; waiting orders the compute stream, not the host.
 
 What attends is a Python callable registered with `register_attend` (the operator's schema carries its id):
@@ -33,7 +34,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from natsim.kernels import autograd_inside_an_operator, fake_handle, held, hold
 from natsim.partition import default_chunks
 
-from .collectives import group_name, place_heads, start_frames_chunk, start_heads_chunk, whole_sequences
+from .collectives import group_name, place_heads, start_frames_chunk, start_heads_chunk, whole_sequence
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[float]], torch.Tensor]
 Planning = Callable[[int], ContextManager]
@@ -72,11 +73,11 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Option
     run, planning = _registered(attend)
     resolved, heads = _resolve_process_group(group), q.shape[-2]
     spans = head_spans(heads // len(split), chunks)
-    inbound = [start_heads_chunk((q, k, v), span, split, resolved) for span in spans]
+    inbound = [[start_heads_chunk(x, span, split, resolved) for x in (q, k, v)] for span in spans]
     outbound, graphs = [], []
     with planning(heads):
         for pending in inbound:
-            qc, kc, vc = whole_sequences(pending)
+            qc, kc, vc = (whole_sequence(part) for part in pending)
             if keep:
                 leaves = [t.detach().requires_grad_() for t in (qc, kc, vc)]
                 with autograd_inside_an_operator():
@@ -85,10 +86,10 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Option
                 out = out.detach()
             else:
                 out = run(qc, kc, vc, key_mask, scale)
-            outbound.append(start_frames_chunk((out.to(q.dtype),), split, rank, resolved))
+            outbound.append(start_frames_chunk(out.to(q.dtype).contiguous(), split, rank, resolved))
     result = torch.empty_like(q)
     for span, pending in zip(spans, outbound):
-        place_heads(pending, (result,), span)
+        place_heads(pending, result, span)
     return result, (hold(graphs) if keep else fake_handle())
 
 
@@ -109,18 +110,19 @@ def _ulysses_backward(grad_out: torch.Tensor, graphs: torch.Tensor, attend: int,
     kept = held(graphs, "natsim::cp_ulysses_backward")
     resolved, heads = _resolve_process_group(group), grad_out.shape[-2]
     spans = head_spans(heads // len(split), chunks)
-    inbound = [start_heads_chunk((grad_out,), span, split, resolved) for span in spans]
+    inbound = [start_heads_chunk(grad_out, span, split, resolved) for span in spans]
     outbound = []
     with planning(heads), autograd_inside_an_operator():
         for pending, (leaves, out) in zip(inbound, kept):
-            (grad,) = whole_sequences(pending)
+            grad = whole_sequence(pending)
             grads = torch.autograd.grad(out, leaves, grad.to(out.dtype), allow_unused=True)
             grads = [torch.zeros_like(x) if g is None else g.to(grad_out.dtype) for x, g in zip(leaves, grads)]
-            outbound.append(start_frames_chunk(grads, split, rank, resolved))
+            outbound.append([start_frames_chunk(g.contiguous(), split, rank, resolved) for g in grads])
     kept.clear()  # the graphs' saved tensors go now, not when the handle does
     result = [torch.empty_like(grad_out) for _ in range(3)]
     for span, pending in zip(spans, outbound):
-        place_heads(pending, result, span)
+        for gradient, part in zip(result, pending):
+            place_heads(part, gradient, span)
     return tuple(result)
 
 
