@@ -6,7 +6,8 @@ From the one-GPU launch's compiled step (each attention: natsim's and the model'
 (`attention_ms`) and the interconnect measured on the same machine (planner/cost/coefficients/
 link-<gpu>-x<P>.json, natsim.distributed.calibrate_link), `ulysses_step_seconds` predicts the step on P GPUs: one
 GPU's step over P plus, per attention layer, the two all-to-alls, overlapped with a rank's share of the attention
-where natsim attends its heads in groups ("natsim"; "natsim-serial" and diffusers' own "dense" in one piece).
+where natsim attends its heads in groups ("natsim"; "natsim-serial", from the same one-GPU step, and diffusers'
+own "dense" in one piece).
 Prints predicted against measured at every P with a measurement and a link, and predicted beyond (8 GPUs with the
 largest measured link, said so); writes `predict-parallel-<gpu>-<date>.json`. Runs on the CPU.
 """
@@ -30,10 +31,13 @@ def main(argv=None) -> None:
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--gpu", default="NVIDIA_H200", help="the device part of the results' file names")
     parser.add_argument("--date", default="2026-11-27")
-    parser.add_argument("--beyond", type=int, nargs="*", default=[8], help="GPU counts to predict without a measurement")
+    parser.add_argument("--tag", default="", help="the suffix of the results' file names (after the date)")
+    parser.add_argument("--links", type=Path, default=COEFFICIENTS_DIR, help="folder of the link files")
+    parser.add_argument("--beyond", type=int, nargs="*", default=[6, 8],
+                        help="GPU counts to predict without a measurement (Ulysses needs the 12 heads to divide)")
     args = parser.parse_args(argv)
     measured, attention = {}, 0.0
-    for path in sorted(args.results.glob(f"diffusers-parallel-{args.gpu}-P*-{args.date}.json")):
+    for path in sorted(args.results.glob(f"diffusers-parallel-{args.gpu}-P*-{args.date}{args.tag}.json")):
         record = json.loads(path.read_text())
         measured[record["ranks"]] = {r["mode"]: r["compiled_step_ms"] / 1e3 for r in record["records"]
                                      if "compiled_step_ms" in r}
@@ -41,15 +45,23 @@ def main(argv=None) -> None:
                           and "attention_ms" in r), attention)
         latent = record["latent"]
     if 1 not in measured:
-        raise SystemExit(f"no one-GPU launch among {args.results}/diffusers-parallel-{args.gpu}-P*-{args.date}.json")
+        raise SystemExit(f"no one-GPU launch among {args.results}/diffusers-parallel-{args.gpu}-P*-{args.date}{args.tag}.json")
     tokens = latent[0] * (latent[1] // 2) * (latent[2] // 2)  # Wan's 1x2x2 patches
     gpu = args.gpu.replace("_", " ")
-    linked = {p: link_for(gpu, p, COEFFICIENTS_DIR) for p in (*sorted(measured), *args.beyond)}
+    linked = {p: link_for(gpu, p, args.links) for p in (*sorted(measured), *args.beyond)}
     largest = max((p for p in linked if linked[p].source != "default"), default=None)
     rows = []
     for ranks in (*sorted(measured), *args.beyond):
+        if HEADS % ranks:
+            rows.append(dict(ranks=ranks, mode="any", predicted_ms=None, measured_ms=None, error=None, groups=None,
+                             link=f"none: Ulysses cannot shard {HEADS} heads over {ranks} ranks"))
+            continue
         link = linked[ranks] if ranks == 1 or linked[ranks].source != "default" else linked[largest]
-        for mode, one_gpu in measured[1].items():
+        modes = dict.fromkeys((*measured[1], *measured.get(ranks, {})))
+        for mode in modes:
+            one_gpu = measured[1].get(mode, measured[1].get("natsim") if mode == "natsim-serial" else None)
+            if one_gpu is None:
+                continue
             grouped = mode == "natsim" and attention > 0
             chunks = default_chunks(HEADS // ranks) if grouped else 1
             predicted = ulysses_step_seconds(one_gpu, tokens=tokens, world_size=ranks, link=link,
@@ -61,14 +73,15 @@ def main(argv=None) -> None:
                              measured_ms=None if seen is None else seen * 1e3,
                              error=None if seen is None else predicted / seen - 1))
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"predict-parallel-{args.gpu}-{args.date}.json"
+    path = args.out / f"predict-parallel-{args.gpu}-{args.date}{args.tag}.json"
     path.write_text(json.dumps(dict(gpu=gpu, latent=latent, tokens=tokens, model=WAN_1_3B, attention_ms=attention * 1e3,
                                     rows=rows), indent=1))
     print("| GPUs | attention | predicted ms | measured ms | error | link |\n|---|---|---|---|---|---|")
     for r in rows:
         seen = "-" if r["measured_ms"] is None else f"{r['measured_ms']:.1f}"
         error = "-" if r["error"] is None else f"{r['error']:+.1%}"
-        print(f"| {r['ranks']} | {r['mode']} | {r['predicted_ms']:.1f} | {seen} | {error} | {r['link']} |")
+        predicted = "-" if r["predicted_ms"] is None else f"{r['predicted_ms']:.1f}"
+        print(f"| {r['ranks']} | {r['mode']} | {predicted} | {seen} | {error} | {r['link']} |")
     print(f"wrote {path}")
 
 
