@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from natsim.kernels import attention_resolved, register_attention
-from natsim.kernels.common import resolved
+from natsim.kernels.common import handles, resolved
 
 pytest.importorskip("diffusers")
 
@@ -76,10 +76,13 @@ def test_the_operators_backward_is_the_autograd_of_the_decided_attention():
         expected = gradients(decisions[-1])
         for a, b in zip(got, expected):
             assert torch.allclose(a, b)
-    assert not resolved._decided  # every decision freed with its graph
+    def kept() -> list:
+        return [value for value in handles._held.values() if any(value is decided for decided in decisions)]
+
+    assert not kept()  # every decision freed with its graph
     with torch.no_grad():
         attention_resolved(q, k, v, key, 0.3, False)
-    assert not resolved._decided  # and at once without one
+    assert not kept()  # and at once without one
 
 
 # -- a routed model against a float64 run under the same masks ------------------------------------------------

@@ -363,6 +363,18 @@ def test_ulysses_pipeline_operator(one_rank_group):
     torch._dynamo.reset()
     for fn in (run, torch.compile(run, fullgraph=True, backend="aot_eager")):
         _assert_gradients(_gradients(fn, inputs[:3], inputs[3]), want, 1e-10, "natsim::cp_ulysses")
+    # the graphs handed to the backward live as long as the forward's graph, and none are kept without gradients
+    from natsim.kernels.common import handles
+
+    held = len(handles._held)
+    with torch.no_grad():
+        run(*inputs[:3])
+    assert len(handles._held) == held
+    leaves = [x.detach().requires_grad_() for x in inputs[:3]]
+    out = run(*leaves)
+    assert len(handles._held) == held + 1
+    del out
+    assert len(handles._held) == held
 
 
 @given(heads=st.integers(1, 64), data=st.data())
