@@ -6,9 +6,13 @@ every transfer waits for the one before it and for the attention (the moves cost
 2-4 H200s, the whole gap between its measured and ideal scaling). This operator splits each rank's `H / P` heads
 into `chunks` groups and keeps the transfers in flight: every group's q, k and v leave at once (one exchange per
 tensor and group, so that with batch 1 each arrives as the whole sequence, no copy), attention runs on a group as
-soon as it has arrived (while the next travels), and its output leaves while the next group attends. Only the
-first group's packing and arrival and the last group's return stay exposed. On a GPU the transfers run on NCCL's
-stream, ordered after the work enqueued before them; waiting orders the compute stream, not the host.
+soon as it has arrived (while the next travels), and its output leaves while the next group attends. What stays
+exposed: every group's packing copy (each precedes the first attention on the compute stream, so that its
+transfer need not wait for an attention), the first group's arrival, the last group's return and the output's
+placement into its heads. On a GPU the transfers run on NCCL's stream, ordered after the work enqueued before
+them; waiting orders the compute stream, not the host. NCCL's kernels need SMs: beside an attention kernel they
+keep pace only when NCCL's streams have the higher priority (`TORCH_NCCL_HIGH_PRIORITY=1` where the process group
+is made; docs/performance.md has the GPU timelines).
 
 What attends is a Python callable registered with `register_attend` (the operator's schema carries its id):
 `attend(q, k, v, key_mask, scale)` on `[B, L, *rest, c, D]` head-sharded whole sequences of any `c` heads, which
@@ -39,6 +43,7 @@ from .collectives import group_name, place_heads, start_frames_chunk, start_head
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[float]], torch.Tensor]
 Planning = Callable[[int], ContextManager]
 _attends: dict[int, tuple[Attend, Optional[Planning]]] = {}
+
 
 def register_attend(attend: Attend, planning: Optional[Planning] = None) -> int:
     """Register `attend` (module docstring) and the optional `planning(heads)` context; return the id
