@@ -24,7 +24,7 @@ from natsim import Problem, TileConfig
 from ..backends import fa4_gna_refusal, fa4_mask_refusal
 from ..catalog import element_bytes
 from .fa4_features import FA4_FEATURES, gna_fa4_features, mask_fa4_features
-from .timing import MIN_REPEATS, median_seconds
+from .timing import MIN_REPEATS, median_seconds, random_block_mask
 
 HEADS = 24
 Call = tuple[Callable[[], torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # a call and its q, k, v
@@ -111,9 +111,7 @@ class Fa4MaskCase:
 
     def mask(self) -> torch.Tensor:
         """The boolean mask `[1, heads, ceil(N / q_block), ceil(N / kv_block)]` on the CPU, the same every call."""
-        generator = torch.Generator().manual_seed(self.seed)
-        shape = (1, self.heads, -(-self.seq_len // self.q_block), -(-self.seq_len // self.kv_block))
-        return torch.rand(shape, generator=generator) >= self.sparsity
+        return random_block_mask(self.seq_len, self.q_block, self.kv_block, self.heads, self.sparsity, self.seed)
 
     def features(self, dtype: torch.dtype) -> np.ndarray:
         return mask_fa4_features(int(self.mask().sum()), q_block=self.q_block, kv_block=self.kv_block,

@@ -20,7 +20,7 @@ from natsim import Problem, TileConfig, simulate
 from ..backends import gluon_tiles_refusal
 from ..catalog import element_bytes
 from .gluon_features import GLUON_BLOCK, GLUON_FEATURES, gna_gluon_features, mask_gluon_features
-from .timing import MIN_REPEATS, median_seconds
+from .timing import MIN_REPEATS, median_seconds, random_block_mask
 
 HEADS = 24
 
@@ -105,9 +105,7 @@ class GluonMaskCase:
 
     def mask(self) -> torch.Tensor:
         """The boolean mask `[1, heads, ceil(N / 128), ceil(N / 128)]` on the CPU, the same every call."""
-        generator = torch.Generator().manual_seed(self.seed)
-        blocks = -(-self.seq_len // GLUON_BLOCK)
-        return torch.rand((1, self.heads, blocks, blocks), generator=generator) >= self.sparsity
+        return random_block_mask(self.seq_len, GLUON_BLOCK, GLUON_BLOCK, self.heads, self.sparsity, self.seed)
 
     def features(self, dtype: torch.dtype) -> np.ndarray:
         return mask_gluon_features(int(self.mask().sum()), seq_len=self.seq_len, batch_heads=self.heads,

@@ -110,39 +110,45 @@ def _candidate(rows: PackedMask, q_block: int, kv_block: int, merge: str, batch:
     ), row
 
 
+def _visited_blocks(rows: PackedMask, q_block: int, kv_block: int, batch: int, heads: int) -> int:
+    """Blocks the pooled mask visits at `q_block` x `kv_block`, over every batch entry and head (a mask of batch or
+    heads 1 serves each)."""
+    copies = (batch // rows.batch) * (heads // rows.heads)
+    return int(rows.row_counts(q_block, kv_block).sum()) * copies
+
+
+def _unmerged_candidate(rows: PackedMask, q_block: int, kv_block: int, batch: int, heads: int, visited: int,
+                        programs: float, score: float, backend: str) -> MaskCandidate:
+    """A library kernel's candidate: `visited` blocks of `q_block` x `kv_block`, every one full, unmerged."""
+    return MaskCandidate(
+        q_block=q_block, kv_block=kv_block, merge="none", block_m=q_block, block_n=kv_block,
+        density=rows.density(q_block, kv_block),
+        work=visited * q_block * kv_block / (batch * heads * rows.seq_len ** 2), tiles=visited,
+        programs=math.ceil(programs), score=score, merge_s=0.0, backend=backend,
+    )
+
+
 def _fa4_candidate(rows: PackedMask, q_block: int, kv_block: int, batch: int, heads: int, head_dim: int,
                    cost_model: CostModel) -> tuple[MaskCandidate, np.ndarray]:
     """FlashAttention-4's candidate at `q_block` x `kv_block` (unmerged): the blocks the pooled mask visits, every
     one full, scored by the cost model's FlashAttention-4 coefficients, and its feature row."""
-    copies = (batch // rows.batch) * (heads // rows.heads)  # a mask of batch or heads 1 serves each
-    visited = int(rows.row_counts(q_block, kv_block).sum()) * copies
+    visited = _visited_blocks(rows, q_block, kv_block, batch, heads)
     row = mask_fa4_features(visited, q_block=q_block, kv_block=kv_block, seq_len=rows.seq_len,
                             batch_heads=batch * heads, head_dim=head_dim)
-    seq_len = rows.seq_len
-    return MaskCandidate(
-        q_block=q_block, kv_block=kv_block, merge="none", block_m=q_block, block_n=kv_block,
-        density=rows.density(q_block, kv_block), work=visited * q_block * kv_block / (batch * heads * seq_len ** 2),
-        tiles=visited, programs=math.ceil(row[FA4_FEATURES.index("programs")]),
-        score=float(cost_model.predict_fa4(row)), merge_s=0.0, backend="fa4",
-    ), row
+    return _unmerged_candidate(rows, q_block, kv_block, batch, heads, visited, row[FA4_FEATURES.index("programs")],
+                               float(cost_model.predict_fa4(row)), "fa4"), row
 
 
 def _gluon_candidate(rows: PackedMask, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
                      cost_model: CostModel) -> tuple[MaskCandidate, np.ndarray]:
     """The Gluon FP8 kernel's candidate at its 128 x 128 blocks (unmerged): the blocks the pooled mask visits,
     every one full, scored by the cost model's Gluon coefficients, and its feature row."""
-    block = DENSE_BLOCK
-    copies = (batch // rows.batch) * (heads // rows.heads)  # a mask of batch or heads 1 serves each
-    visited = int(rows.row_counts(block, block).sum()) * copies
+    visited = _visited_blocks(rows, DENSE_BLOCK, DENSE_BLOCK, batch, heads)
     row = mask_gluon_features(visited, seq_len=rows.seq_len, batch_heads=batch * heads, head_dim=head_dim,
                               element_bytes=dtype.itemsize)
-    seq_len = rows.seq_len
-    return MaskCandidate(
-        q_block=block, kv_block=block, merge="none", block_m=block, block_n=block,
-        density=rows.density(block, block), work=visited * block * block / (batch * heads * seq_len ** 2),
-        tiles=visited, programs=math.ceil(row[GLUON_FEATURES.index("programs")]),
-        score=float(cost_model.predict_gluon(row)), merge_s=0.0, backend="gluon",
-    ), row
+    return _unmerged_candidate(rows, DENSE_BLOCK, DENSE_BLOCK, batch, heads, visited,
+                               row[GLUON_FEATURES.index("programs")], float(cost_model.predict_gluon(row)),
+                               "gluon"), row
 
 
 def _grouping(q_block: int, kv_block: int, merge: str) -> tuple[int, int, int, str]:
