@@ -6,8 +6,8 @@ tests/test_distributed.py::test_gloo_worlds in the processes it spawns), on tiny
 with `apply` before or after `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` the model computes what
 the same model computes in one process with natsim (and not the dense model's output: natsim is not bypassed),
 for Wan (video self-attention), FLUX (joint attention, text first, split over the ranks) and QwenImage (joint
-attention with a text key mask), in FP8, and with content-adaptive masks; a training step's parameter gradients, summed over the ranks, equal one
-process's; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at whichever
+attention with a text key mask), in FP8, and with content-adaptive masks; a training step's parameter gradients,
+summed over the ranks, equal one process's, with GNA and through content-adaptive masks; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at whichever
 call comes second; `remove` gives the model diffusers' own context-parallel attention back; examples/diffusers_parallel.py runs; the
 interconnect calibration (natsim.distributed.calibrate_link) gives every rank the same link.
 """
@@ -206,6 +206,37 @@ def _masks() -> None:
         _close(out, single, f"masks, step {step}")
 
 
+def _masks_training() -> None:
+    """Training through content-adaptive masks under Ulysses: a dense warm-up pass, then a pass under predicted
+    masks; each pass's parameter gradients, summed over the ranks, equal one process's."""
+    from natsim.integrations import diffusers as nd
+
+    masks = nd.Masks(steps=2, block=16, sub_block=8, dense_fraction=0.5, initial_budget=0.5, min_budget=0.5,
+                     merges=("none",), min_speedup=0.0)
+    inputs = diffusers_models.inputs(WAN, (2, 4, 8))
+    runs = []
+    for enable in (False, True):
+        model = diffusers_models.build(WAN).train()
+        if enable:
+            model.enable_parallelism(config=_cp_config())
+        applied = nd.apply(model, masks=masks, training=True)
+        passes = []
+        for t in (900.0, 700.0):
+            model.zero_grad()
+            model(**{**inputs, "timestep": torch.full((1,), t)})[0].square().mean().backward()
+            grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            for grad in grads.values() if enable else ():
+                torch.distributed.all_reduce(grad)
+            passes.append(grads)
+        assert applied.masked.stats.dense_calls == 2 and applied.masked.stats.predictions == 2, applied.masked.stats
+        runs.append(passes)
+    for index, (single, parallel) in enumerate(zip(*runs)):
+        assert single.keys() == parallel.keys()
+        for name, want in single.items():
+            if want.abs().max() > 0:
+                _close(parallel[name], want, f"masks training, pass {index}, gradient of {name}", 1e-4)
+
+
 def _refusals_and_remove() -> None:
     """Ring attention and tile_order=True refused at whichever call comes second, the model untouched; after
     `remove`, diffusers' own context-parallel attention (the dense model's output)."""
@@ -281,6 +312,7 @@ def run_world(rank: int, world: int, port: int) -> None:
         _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first=False, config=SIX_HEADS, precision="fp8")
         _training_and_compile(rank)
         _masks()
+        _masks_training()
         _refusals_and_remove()
         _example()
         _link()
