@@ -951,5 +951,6 @@ def test_cli_plan_world_size():
                                       "--window", "18x24x24", "--world-size", "2"])
     assert result.exit_code == 0, result.output
     assert "key frames" in result.output and "halo" in result.output and "ulysses" in result.output
+    assert "ulysses attends each rank's 12 heads in 3 groups" in " ".join(result.output.split())
     bad = CliRunner().invoke(app, ["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--world-size", "0"])
     assert bad.exit_code == 2 and "world_size must be a positive int" in bad.output

@@ -18,7 +18,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from natsim.partition import Link, StrategyCost
+from natsim.partition import Link, StrategyCost, default_chunks
 
 from .plan import Plan
 
@@ -94,6 +94,12 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
             f"Over {self.world_size} ranks: {self.strategy}, frames split {'/'.join(map(str, self.split))}, "
             f"chosen by the slowest rank's predicted time (tile work priced at {rate}, plus bytes moved at "
             f"{self.link.describe()}).")]
+        if "ulysses" in self.costs:
+            per_rank = (self.plan.heads or 1) // self.world_size
+            parts.append(Text(
+                f"  - ulysses attends each rank's {per_rank} heads in {default_chunks(per_rank)} groups, a group's "
+                "all-to-alls overlapping another group's attention (priced so: natsim.partition.pipeline_seconds; "
+                "on GPUs that needs NCCL's streams at high priority, TORCH_NCCL_HIGH_PRIORITY=1)."))
         parts += [Text(f"  - {note}") for note in self.notes]
         parts.append(self.rank_table())
         return Group(*parts)
