@@ -39,25 +39,27 @@ def _tiles(problem: Problem, head_dim: int, q_tile, kv_tile) -> TileConfig:
 @functools.lru_cache(maxsize=256)
 def choose(problem: Problem, tiles: TileConfig, split: tuple[int, ...], batch: int, heads: int, head_dim: int,
            element_bytes: int, training: bool = False, strategies: tuple[str, ...] = STRATEGIES,
-           link: Link = DEFAULT_LINK) -> str:
+           link: Link = DEFAULT_LINK, chunks: Optional[int] = None) -> str:
     """The one of `strategies` natsim.partition predicts faster, its bytes at `link`'s rates: the forward and,
-    when `training`, the backward too (its tile work and the gradients' bytes). Ulysses is left out unless heads
-    divide over the ranks."""
+    when `training`, the backward too (its tile work and the gradients' bytes); Ulysses with its heads in
+    `chunks` groups (natsim.partition.default_chunks unless given). Ulysses is left out unless heads divide over
+    the ranks."""
     costs = [strategy_cost(problem, tiles, split, s, batch=batch, heads=heads, head_dim=head_dim,
-                           element_bytes=element_bytes, training=training, link=link)
+                           element_bytes=element_bytes, training=training, link=link, chunks=chunks)
              for s in strategies if s != "ulysses" or heads % len(split) == 0]
     return choose_strategy(costs).strategy
 
 
 @torch.compiler.assume_constant_result
 def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[int, ...], sizes: tuple[int, ...],
-          training: bool, strategies: tuple[str, ...], rates: tuple[float, float, float, float]) -> str:
+          training: bool, strategies: tuple[str, ...], rates: tuple[float, float, float, float],
+          chunks: Optional[int]) -> str:
     """`"auto"`'s pick from plain values (`rates`: the link's all-to-all and point-to-point bytes per second and
     latencies): host arithmetic (numpy) that torch.compile runs once while tracing, its result a constant of the
     graph, instead of tracing it."""
     problem = Problem(shape, *parameters)
     link = Link(Rate(rates[0], rates[1]), Rate(rates[2], rates[3]))
-    return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link)
+    return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link, chunks)
 
 
 _attends: dict[tuple, int] = {}
@@ -138,7 +140,7 @@ def gna_attention(
                          (q_tile, kv_tile), split, (batch, heads, head_dim, q.element_size()), training,
                          _runnable(heads, size, halo_trains),
                          (link.all_to_all.bytes_per_second, link.all_to_all.latency_seconds,
-                          link.point_to_point.bytes_per_second, link.point_to_point.latency_seconds))
+                          link.point_to_point.bytes_per_second, link.point_to_point.latency_seconds), chunks)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
     arguments = (problem.window, problem.stride, problem.dilation, problem.causal, q_tile, kv_tile)
