@@ -1,6 +1,7 @@
 """natsim.distributed: context parallelism over torch.distributed (`import natsim` does not load it): GNA and
 sparse attention on tokens sharded along the layout's first dimension across the ranks of a process group,
-moved by Ulysses all-to-alls or halo exchanges (strategies.py); natsim.partition is the simulator's side.
+moved by Ulysses all-to-alls in groups of heads (pipeline.py) or halo exchanges (strategies.py); natsim.partition is
+the simulator's side.
 """
 
 from natsim.partition import STRATEGIES

@@ -2,11 +2,12 @@
 strategies make (natsim.partition.Link).
 
 `calibrate_link` times, on every rank together, the two moves of natsim.distributed at a few sizes: Ulysses'
-all-to-all (`collectives.frames_to_heads` of a `[1, tokens, heads, head_dim]` slab: each rank keeps `1 / P` of
-it and exchanges the rest) and the halo exchange's point-to-point sends (each rank sends its slab to the next
-rank and receives the previous one's, both directions at once, as neighbouring ranks do). Each size's time is
-the median over repeats of the slowest rank (all ranks start together after a barrier), and a rank's bytes are
-the larger of what it sends and receives, as natsim.partition prices them. Per move a least-squares line
+all-to-all (`collectives.start_heads_chunk` of a `[1, tokens, heads, head_dim]` slab for all of a rank's heads,
+waited for: each rank keeps `1 / P` of it and exchanges the rest) and the halo exchange's point-to-point sends
+(each rank sends its slab to the next rank and receives the previous one's, both directions at once, as
+neighbouring ranks do). Each size's time is the median over repeats of the slowest rank (all ranks start together
+after a barrier), and a rank's bytes are the larger of what it sends and receives, as natsim.partition prices
+them. Per move a least-squares line
 `seconds = latency + bytes / rate` through those points gives its `Rate` (the latency kept at 0 or more).
 """
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from natsim.partition import Link, Rate
 
-from .collectives import frames_to_heads, send_receive, world
+from .collectives import send_receive, start_heads_chunk, whole_sequence, world
 
 SIZES_MB = (4, 16, 64, 256)  # bytes a rank holds per move, in MiB
 
@@ -48,7 +49,12 @@ def calibrate_link(group=None, device: Optional[torch.device] = None, sizes_mb: 
         slab = torch.randn(1, tokens, heads, head_dim, device=device).to(dtype)
         moved = slab.numel() * element * (size - 1) // size  # sent, and received, by every rank
         split = (tokens,) * size
-        all_to_all.append((moved, _slowest(lambda: frames_to_heads(slab, split, group), repeats, device, group)))
+        whole = (0, heads // size)  # one group: every head a rank holds
+
+        def ulysses():
+            whole_sequence(start_heads_chunk(slab, whole, split, group))
+
+        all_to_all.append((moved, _slowest(ulysses, repeats, device, group)))
         received = torch.empty_like(slab)
         after, before = (rank + 1) % size, (rank - 1) % size
 

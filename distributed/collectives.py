@@ -1,13 +1,15 @@
 """The process group and the collectives natsim.distributed moves tokens with: world size and rank, the frames
 each rank holds, exact-size `all_to_all_single` and batched point-to-point exchanges (PyTorch's own collectives:
 NCCL on GPUs, gloo on CPUs), and the moves the strategies make with them, each with its adjoint (what the
-backward moves; ops.py makes the pairs differentiable operators):
+backward moves):
 
-- `frames_to_heads` / `heads_to_frames` (Ulysses): a permutation of the data over the ranks, so each one's
-  adjoint is the other; `start_heads_chunk` / `start_frames_chunk` the same moves for part of the heads, left in
-  flight (`Pending`) so that attention on the heads already here overlaps the rest (pipeline.py).
+- `start_heads_chunk` / `start_frames_chunk` (Ulysses, for a group of heads): frame-sharded slabs to
+  head-sharded whole sequences and back, a permutation of the data over the ranks, so each one's adjoint is the
+  other; left in flight (`Pending`) so that attention on the heads already here overlaps the rest (pipeline.py
+  makes them one differentiable operator with the attention between).
 - `gather_halo` (the halo exchange): a copy of frames to the ranks that read them; its adjoint `return_halo`
-  sends the gradient of every halo frame back to the rank that holds that frame, which adds it to its own.
+  sends the gradient of every halo frame back to the rank that holds that frame, which adds it to its own
+  (ops.py makes the pair differentiable operators).
 """
 
 from __future__ import annotations
@@ -126,29 +128,7 @@ def group_name(group) -> str:
     return (dist.group.WORLD if group is None else group).group_name
 
 
-# -- Ulysses: frame-sharded slabs <-> head-sharded whole sequences ------------------------------------------
-
-
-def frames_to_heads(x: torch.Tensor, split: Sequence[int], group) -> torch.Tensor:
-    """`[B, T_r, *rest, H, D]` frames of this rank, all heads -> `[B, L, *rest, H / P, D]`: the whole sequence
-    of this rank's heads (rank r gets heads `[r H/P, (r+1) H/P)`), the ranks' frames in rank order. With batch 1
-    the frames received, in rank order, are the whole sequence as they land (no copy)."""
-    size = len(split)
-    batch, rest, h, head_dim = x.shape[0], x.shape[2:-2], x.shape[-2] // size, x.shape[-1]
-    shapes = [(batch, n, *rest, h, head_dim) for n in split]
-    received, parts = exchange([x[..., j * h:(j + 1) * h, :] for j in range(size)], shapes, group)
-    return received.view(1, sum(split), *rest, h, head_dim) if batch == 1 else torch.cat(parts, dim=1)
-
-
-def heads_to_frames(x: torch.Tensor, split: Sequence[int], rank: int, group) -> torch.Tensor:
-    """The inverse of `frames_to_heads`: `[B, L, *rest, H / P, D]` -> `[B, T_rank, *rest, H, D]`. With batch 1 a
-    contiguous `x` is already the pieces for the ranks, in rank order (no copy)."""
-    batch, rest, h, head_dim = x.shape[0], x.shape[2:-2], x.shape[-2], x.shape[-1]
-    t = offsets(split)
-    send = [x.narrow(1, t[j], split[j]) for j in range(len(split))]
-    packed = x if batch == 1 and x.is_contiguous() else None
-    _, parts = exchange(send, [(batch, split[rank], *rest, h, head_dim)] * len(split), group, packed=packed)
-    return torch.cat(parts, dim=-2)
+# -- Ulysses: frame-sharded slabs <-> head-sharded whole sequences, a group of heads at a time ----------------
 
 
 def start_heads_chunk(x: torch.Tensor, span: tuple[int, int], split: Sequence[int], group) -> Pending:

@@ -73,7 +73,7 @@ def _attend(window: tuple, stride: tuple, dilation: tuple, causal: tuple, q_tile
     of the graph."""
     key = (window, stride, dilation, causal, q_tile, kv_tile, kv_tiling)
     if key not in _attends:
-        def attend(q, k, v, key_mask, scale):
+        def attend(q, k, v, extras, scale, span):
             return single_gpu_gna_attention(q, k, v, window, stride, dilation, causal, scale=scale, q_tile=q_tile,
                                             kv_tile=kv_tile, kv_tiling=kv_tiling)
 

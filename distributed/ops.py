@@ -1,25 +1,21 @@
-"""natsim.distributed's moves as PyTorch operators: differentiable, and opaque to torch.compile.
+"""The halo exchange as PyTorch operators: differentiable, and opaque to torch.compile.
 
-Autograd does not track torch.distributed's collectives, and torch.compile would have to trace them. So each move
-of collectives.py is a custom operator (`natsim::cp_*`) whose backward is the operator of its adjoint move, and
-whose fake implementation gives torch.compile the output shapes without running a collective: a compiled graph
-holds each move as one opaque call, forward and backward, whatever the collectives inside (point-to-point ones
-included), and the same code runs eager and compiled.
-
-- `frames_to_heads` / `heads_to_frames` (Ulysses): each one's backward is the other; a backward through Ulysses
-  runs the forward's four all-to-alls mirrored (the output's gradient to head-sharded sequences, the gradients of
-  q, k and v back to frame-sharded slabs).
-- `gather_halo` (the halo exchange): its backward, `natsim::cp_return_halo`, sends the gradient of every halo
-  frame back to the rank that holds that frame, which adds it to its own (and its backward is the gather).
+Autograd does not track torch.distributed's collectives, and torch.compile would have to trace them. So the halo
+exchange of collectives.py is a custom operator (`natsim::cp_gather_halo`) whose backward is the operator of its
+adjoint move (`natsim::cp_return_halo`: the gradient of every halo frame back to the rank that holds that frame,
+which adds it to its own; its backward is the gather), and whose fake implementation gives torch.compile the
+output shapes without running a collective: a compiled graph holds each move as one opaque call, forward and
+backward, whatever the point-to-point sends inside, and the same code runs eager and compiled. Ulysses' moves
+live inside its own operator (pipeline.py), which attends between them.
 
 A process group crosses an operator's schema as its name (`collectives.group_name`). Every rank must make the
 same calls with the same `requires_grad`, so that the backward's collectives pair up.
 
 Every rank must also run the operators in the same order. One call of natsim.distributed runs one operator per
-direction of each move (q, k and v travel in one; the gradients of q, k and v in one), each reading what the one
-before it produced, so no compiler can reorder them. Operators of calls that do not depend on each other (two
-attention calls on unrelated inputs in one compiled graph) are another matter: Inductor orders independent
-operators by their buffers' sizes, which differ from rank to rank with uneven splits or halo routes.
+direction of each move, each reading what the one before it produced, so no compiler can reorder them. Operators
+of calls that do not depend on each other (two attention calls on unrelated inputs in one compiled graph) are
+another matter: Inductor orders independent operators by their buffers' sizes, which differ from rank to rank with
+uneven splits or halo routes.
 """
 
 from __future__ import annotations
@@ -31,58 +27,6 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import collectives
 from .collectives import HaloRoutes, group_name
-
-# -- Ulysses ------------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("natsim::cp_frames_to_heads", mutates_args=())
-def _frames_to_heads(xs: Sequence[torch.Tensor], split: Sequence[int], rank: int, group: str) -> list[torch.Tensor]:
-    resolved = _resolve_process_group(group)
-    return [collectives.frames_to_heads(x, split, resolved) for x in xs]
-
-
-@_frames_to_heads.register_fake
-def _frames_to_heads_fake(xs, split, rank, group):
-    return [x.new_empty((x.shape[0], sum(split), *x.shape[2:-2], x.shape[-2] // len(split), x.shape[-1]))
-            for x in xs]
-
-
-@torch.library.custom_op("natsim::cp_heads_to_frames", mutates_args=())
-def _heads_to_frames(xs: Sequence[torch.Tensor], split: Sequence[int], rank: int, group: str) -> list[torch.Tensor]:
-    resolved = _resolve_process_group(group)
-    return [collectives.heads_to_frames(x, split, rank, resolved) for x in xs]
-
-
-@_heads_to_frames.register_fake
-def _heads_to_frames_fake(xs, split, rank, group):
-    return [x.new_empty((x.shape[0], split[rank], *x.shape[2:-2], x.shape[-2] * len(split), x.shape[-1]))
-            for x in xs]
-
-
-def _keep_arguments(ctx, inputs, output) -> None:
-    ctx.arguments = inputs[1:]
-
-
-_frames_to_heads.register_autograd(lambda ctx, grads: (_heads_to_frames(grads, *ctx.arguments), None, None, None),
-                                   setup_context=_keep_arguments)
-_heads_to_frames.register_autograd(lambda ctx, grads: (_frames_to_heads(grads, *ctx.arguments), None, None, None),
-                                   setup_context=_keep_arguments)
-
-
-def frames_to_heads(xs: Sequence[torch.Tensor], split: tuple[int, ...], rank: int, group) -> list[torch.Tensor]:
-    """Ulysses' first all-to-alls, one operator for all of `xs`: each `[B, T_r, *rest, H, D]` of this rank's
-    frames, every head, to the whole sequence of its `H / P` heads `[B, L, *rest, H / P, D]`. Its backward is
-    `heads_to_frames` of the gradients."""
-    return _frames_to_heads(list(xs), split, rank, group_name(group))
-
-
-def heads_to_frames(xs: Sequence[torch.Tensor], split: tuple[int, ...], rank: int, group) -> list[torch.Tensor]:
-    """Ulysses' second all-to-alls, the inverse of `frames_to_heads` (and its backward)."""
-    return _heads_to_frames(list(xs), split, rank, group_name(group))
-
-
-# -- the halo exchange --------------------------------------------------------------------------------------
-
 
 @torch.library.custom_op("natsim::cp_gather_halo", mutates_args=())
 def _gather_halo(k: torch.Tensor, v: torch.Tensor, routes: Sequence[int], group: str

@@ -15,8 +15,10 @@ keep pace only when NCCL's streams have the higher priority (`TORCH_NCCL_HIGH_PR
 is made; docs/performance.md has the GPU timelines).
 
 What attends is a Python callable registered with `register_attend` (the operator's schema carries its id):
-`attend(q, k, v, key_mask, scale)` on `[B, L, *rest, c, D]` head-sharded whole sequences of any `c` heads, which
-must treat heads independently (any attention does) and return q's dtype and shape. With `keep`, the forward
+`attend(q, k, v, extras, scale, span)` on `[B, L, *rest, c, D]` head-sharded whole sequences of the heads
+`span = (lo, hi)` of this rank's `H / P` (`c = hi - lo`), which must treat heads independently (any attention
+does) and return q's dtype and shape; `extras` are the call's other tensors, the same for every group (a key mask,
+a block mask's tensors, which the callable cuts to the group's heads where they have a head dimension). With `keep`, the forward
 runs each group's attention under autograd and hands the graphs to the backward by handle
 (`natsim.kernels.hold`); `natsim::cp_ulysses_backward` then pipelines the mirror image: the output gradient's
 groups travel in, each group's graph is differentiated as it arrives, and dq, dk, dv travel back while the next
@@ -40,7 +42,8 @@ from natsim.partition import default_chunks
 
 from .collectives import group_name, place_heads, start_frames_chunk, start_heads_chunk, whole_sequence
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[float]], torch.Tensor]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], Optional[float], tuple[int, int]],
+                  torch.Tensor]
 Planning = Callable[[int], ContextManager]
 _attends: dict[int, tuple[Attend, Optional[Planning]]] = {}
 
@@ -60,6 +63,12 @@ def _registered(attend: int) -> tuple[Attend, Planning]:
     return run, planning or (lambda heads: contextlib.nullcontext())
 
 
+def heads_of(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """The heads `span` of a tensor whose dimension 1 holds this rank's heads, or the tensor as it is where that
+    dimension is 1 (one for every head)."""
+    return t if t.shape[1] == 1 else t[:, span[0]:span[1]]
+
+
 def head_spans(heads: int, chunks: int) -> list[tuple[int, int]]:
     """`[lo, hi)` of `chunks` groups of `heads` heads, as even as they divide (the first ones one larger)."""
     if not 1 <= chunks <= heads:
@@ -72,7 +81,7 @@ def head_spans(heads: int, chunks: int) -> list[tuple[int, int]]:
 
 
 @torch.library.custom_op("natsim::cp_ulysses", mutates_args=())
-def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor], attend: int,
+def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: Sequence[torch.Tensor], attend: int,
              scale: Optional[float], chunks: int, split: Sequence[int], rank: int, group: str, keep: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
     run, planning = _registered(attend)
@@ -81,16 +90,16 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Option
     inbound = [[start_heads_chunk(x, span, split, resolved) for x in (q, k, v)] for span in spans]
     outbound, graphs = [], []
     with planning(heads):
-        for pending in inbound:
+        for span, pending in zip(spans, inbound):
             qc, kc, vc = (whole_sequence(part) for part in pending)
             if keep:
                 leaves = [t.detach().requires_grad_() for t in (qc, kc, vc)]
                 with autograd_inside_an_operator():
-                    out = run(*leaves, key_mask, scale)
+                    out = run(*leaves, list(extras), scale, span)
                 graphs.append((leaves, out))
                 out = out.detach()
             else:
-                out = run(qc, kc, vc, key_mask, scale)
+                out = run(qc, kc, vc, list(extras), scale, span)
             outbound.append(start_frames_chunk(out.to(q.dtype).contiguous(), split, rank, resolved))
     result = torch.empty_like(q)
     for span, pending in zip(spans, outbound):
@@ -99,7 +108,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Option
 
 
 @_ulysses.register_fake
-def _ulysses_fake(q, k, v, key_mask, attend, scale, chunks, split, rank, group, keep):
+def _ulysses_fake(q, k, v, extras, attend, scale, chunks, split, rank, group, keep):
     _registered(attend)
     if isinstance(q.shape[-2], int):  # not symbolic under a dynamic-shape trace: refuse now what the run would
         head_spans(q.shape[-2] // len(split), chunks)
@@ -137,8 +146,8 @@ def _ulysses_backward_fake(grad_out, graphs, attend, chunks, split, rank, group)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.attend, ctx.chunks, ctx.split, ctx.rank, ctx.group = inputs[4], inputs[6], inputs[7], inputs[8], inputs[9]
-    ctx.keep = inputs[10]
+    q, k, v, extras, ctx.attend, _, ctx.chunks, ctx.split, ctx.rank, ctx.group, ctx.keep = inputs
+    ctx.extras = len(extras)
     ctx.save_for_backward(output[1])
     ctx.set_materialize_grads(False)
 
@@ -148,17 +157,16 @@ def _backward(ctx, grad_out: Optional[torch.Tensor], _grad_handle):
         raise RuntimeError("natsim::cp_ulysses ran with keep=False, so it kept no graphs to differentiate: call it "
                            "with keep=True where its output needs gradients.")
     (graphs,) = ctx.saved_tensors
-    if grad_out is None:
-        return (None,) * 11
-    grads = _ulysses_backward(grad_out.contiguous(), graphs, ctx.attend, ctx.chunks, ctx.split, ctx.rank, ctx.group)
-    return (*grads, *(None,) * 8)
+    grads = (None,) * 3 if grad_out is None else _ulysses_backward(
+        grad_out.contiguous(), graphs, ctx.attend, ctx.chunks, ctx.split, ctx.rank, ctx.group)
+    return (*grads, [None] * ctx.extras, *(None,) * 7)  # nothing for the extras and the plain arguments
 
 
 _ulysses.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ulysses_attention(attend: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[int, ...],
-                      rank: int, group, *, key_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                      rank: int, group, *, extras: Sequence[torch.Tensor] = (), scale: Optional[float] = None,
                       chunks: Optional[int] = None) -> torch.Tensor:
     """Ulysses on `[B, T_r, *rest, H, D]` (this rank's frames, every head) with the registered `attend`, its
     heads in `chunks` groups overlapped with the transfers (`default_chunks` unless given): this rank's frames
@@ -166,5 +174,5 @@ def ulysses_attention(attend: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     heads = q.shape[-2]
     chunks = default_chunks(heads // len(split)) if chunks is None else int(chunks)
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    out, _ = _ulysses(q, k, v, key_mask, attend, scale, chunks, list(split), rank, group_name(group), keep)
+    out, _ = _ulysses(q, k, v, list(extras), attend, scale, chunks, list(split), rank, group_name(group), keep)
     return out

@@ -1,5 +1,6 @@
-"""Attention under any block mask on tokens sharded over a process group (Ulysses): head-parallel attention
-composes with any per-head block mask, so each rank runs its heads of the mask over the whole sequence."""
+"""Attention under any block mask on tokens sharded over a process group (Ulysses in groups of heads,
+pipeline.py): head-parallel attention composes with any per-head block mask, so each rank runs its heads of the
+mask over the whole sequence."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from natsim.kernels import SparseMask
 from natsim.kernels import sparse_attention as single_gpu_sparse_attention
 
 from .collectives import check_heads, resolve_split, world
-from .strategies import ulysses
+from .pipeline import heads_of, register_attend, ulysses_attention
 
 
 def _mask_heads(mask, heads: int, lo: int, hi: int):
@@ -22,7 +23,8 @@ def _mask_heads(mask, heads: int, lo: int, hi: int):
     elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
         count = mask.shape[1]
     else:
-        return mask  # sparse_attention rejects it with its own sentence
+        raise ValueError("mask must be a [B or 1, heads or 1, num_q_blocks, num_kv_blocks] boolean block mask or a "
+                         f"SparseMask, got {tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}.")
     if count not in (1, heads):
         raise ValueError(f"mask must have 1 or heads={heads} heads (its dimension 1), got {count}.")
     if count == 1:
@@ -30,6 +32,28 @@ def _mask_heads(mask, heads: int, lo: int, hi: int):
     if isinstance(mask, SparseMask):
         return replace(mask, kv_num_blocks=mask.kv_num_blocks[:, lo:hi], kv_indices=mask.kv_indices[:, lo:hi])
     return mask[:, lo:hi]
+
+
+_attends: dict[tuple, int] = {}
+
+
+@torch.compiler.assume_constant_result
+def _attend(blocks: Optional[tuple[int, int, int, int, int]], q_block: Optional[int], kv_block: Optional[int],
+            merge: Optional[str], schedule: Optional[str]) -> int:
+    """The id of the single-GPU call under a block mask as Ulysses' attention (pipeline.py), registered once per
+    distinct arguments; the mask travels as the call's tensors (`extras`: a boolean mask, or a SparseMask's counts
+    and indices with its sizes `blocks`), cut to each group's heads. Host work torch.compile runs while tracing,
+    its result a constant of the graph."""
+    key = (blocks, q_block, kv_block, merge, schedule)
+    if key not in _attends:
+        def attend(q, k, v, extras, scale, span):
+            parts = [heads_of(t, span) for t in extras]
+            mask = parts[0] if blocks is None else SparseMask(*blocks, *parts)
+            return single_gpu_sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, scale=scale,
+                                               schedule=schedule)
+
+        _attends[key] = register_attend(attend)
+    return _attends[key]
 
 
 def sparse_attention(
@@ -45,14 +69,15 @@ def sparse_attention(
     merge: Optional[str] = None,
     scale: Optional[float] = None,
     schedule: Optional[str] = None,
+    chunks: Optional[int] = None,
 ) -> torch.Tensor:
     """`natsim.kernels.sparse_attention` on `[B, N_r, heads, head_dim]` tokens sharded over `group` (Ulysses).
 
     `mask` is the whole sequence's block mask (`[B or 1, heads or 1, nQ, nKV]` booleans or a `SparseMask`),
-    the same on every rank; each rank runs its `heads / P` heads of it. Returns this rank's output tokens.
-    Differentiable with respect to q, k and v as the single-GPU call is: its backward on this rank's heads,
-    between the all-to-alls mirrored (ops.py). Every rank must make the same call, with the same
-    `requires_grad`.
+    the same on every rank; each rank runs its `heads / P` heads of it, in `chunks` groups whose transfers overlap
+    another group's attention (pipeline.py). Returns this rank's output tokens. Differentiable with respect to q,
+    k and v as the single-GPU call is: its backward on this rank's heads, group by group between the transfers
+    mirrored. Every rank must make the same call, with the same `requires_grad`.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError("q must be a [batch, tokens, heads, head_dim] tensor, got "
@@ -63,9 +88,10 @@ def sparse_attention(
     check_heads(heads, size)
     h = heads // size
     mask = _mask_heads(mask, heads, rank * h, (rank + 1) * h)
-
-    def attend(q, k, v):
-        return single_gpu_sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, scale=scale,
-                                           schedule=schedule)
-
-    return ulysses(attend, q, k, v, split, rank, group)
+    if isinstance(mask, SparseMask):
+        blocks = (mask.q_block, mask.kv_block, mask.num_q_blocks, mask.num_kv_blocks, mask.seq_len)
+        extras = (mask.kv_num_blocks, mask.kv_indices)
+    else:
+        blocks, extras = None, (mask,)
+    return ulysses_attention(_attend(blocks, q_block, kv_block, merge, schedule), q, k, v, split, rank, group,
+                             extras=extras, scale=scale, chunks=chunks)

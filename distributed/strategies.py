@@ -7,9 +7,8 @@ collectives (NCCL on GPUs, gloo on CPUs): `all_to_all_single` and batched point-
 sizes, nothing home-made.
 
 - `"ulysses"` (DeepSpeed-Ulysses): all-to-all from frame-sharded to head-sharded full sequences, the
-  single-GPU kernel on `heads / P` heads of the whole layout, all-to-all back. Heads must divide by P. GNA runs
-  it in groups of heads, transfers overlapped with attention (pipeline.py); block masks in one piece (`ulysses`
-  below).
+  single-GPU kernel on `heads / P` heads of the whole layout, all-to-all back. Heads must divide by P. It runs
+  in groups of heads, transfers overlapped with attention (pipeline.py).
 - `"halo"`: every rank keeps its heads and receives point-to-point (`batch_isend_irecv`), from the ranks that
   hold them, the key/value frames its queries' windows reach (natsim.partition.key_frames: GNA window bounds
   with stride, dilation and causal), then runs the kernel on its queries against that frame range
@@ -20,7 +19,8 @@ sizes, nothing home-made.
   GPU's calibrated cost model instead.
 
 `sparse_attention` shards heads the same way (Ulysses): head-parallel attention composes with any per-head
-block mask, so each rank runs its heads of the mask over the whole sequence.
+block mask, so each rank runs its heads of the mask over the whole sequence. This module holds the halo exchange's
+routes and call; Ulysses is pipeline.py.
 """
 
 from __future__ import annotations
@@ -33,14 +33,7 @@ from natsim import Problem
 from natsim.partition import key_frames, offsets
 
 from .collectives import HaloRoutes, overlap
-from .ops import frames_to_heads, gather_halo, heads_to_frames
-
-
-def ulysses(attend, q, k, v, split: tuple[int, ...], rank: int, group) -> torch.Tensor:
-    """All-to-all to head-sharded full sequences, `attend`, all-to-all back (tokens along dimension 1).
-    Differentiable when `attend` is: the backward runs the all-to-alls mirrored (ops.py)."""
-    out = attend(*frames_to_heads((q, k, v), split, rank, group))  # [B, L, ..., H / P, D]
-    return heads_to_frames((out,), split, rank, group)[0]
+from .ops import gather_halo
 
 
 def halo_routes(problem: Problem, split: tuple[int, ...], rank: int) -> HaloRoutes:

@@ -322,20 +322,16 @@ def one_rank_group():
 
 
 def test_collective_operators(one_rank_group):
-    """natsim.distributed's operators against torch.library.opcheck in a group of one: fake implementations
-    against the real outputs, the schemas, and the backward formulas (each move's adjoint, itself an operator)
-    under autograd and AOTAutograd."""
+    """The halo exchange's operators against torch.library.opcheck in a group of one: fake implementations against
+    the real outputs, the schemas, and the backward formulas (each move's adjoint, itself an operator) under
+    autograd and AOTAutograd."""
     from natsim.distributed.collectives import HaloRoutes, group_name
 
     group = group_name(None)
     x = torch.randn(2, 3, 4, 2, 8, dtype=torch.float64)
     halo = HaloRoutes((0, 3), (0, 3), (), ()).as_ints()
-    several = [x, x[:1].flip(1)]  # batch 2, and batch 1 (whose received buffer is the output, no copy)
-    for op, args in ((torch.ops.natsim.cp_frames_to_heads, (several, [3], 0, group)),
-                     (torch.ops.natsim.cp_heads_to_frames, (several, [3], 0, group)),
-                     (torch.ops.natsim.cp_gather_halo, (x, x.flip(1), halo, group)),
-                     (torch.ops.natsim.cp_return_halo, (x, x.flip(1), halo, group))):
-        torch.library.opcheck(op, args)
+    for op in (torch.ops.natsim.cp_gather_halo, torch.ops.natsim.cp_return_halo):
+        torch.library.opcheck(op, (x, x.flip(1), halo, group))
     routes = HaloRoutes((4, 9), (2, 11), ((0, 4, 6), (2, 7, 9)), ((0, 2, 4), (2, 9, 11)))
     assert HaloRoutes.from_ints(routes.as_ints()) == routes
 
@@ -348,14 +344,14 @@ def test_ulysses_pipeline_operator(one_rank_group):
     from natsim.distributed.collectives import group_name
     from natsim.distributed.pipeline import register_attend, ulysses_attention
 
-    attend = register_attend(lambda q, k, v, mask, scale: reference_attention(q, k, v, (3, 2), scale=scale))
+    attend = register_attend(lambda q, k, v, extras, scale, span: reference_attention(q, k, v, (3, 2), scale=scale))
     x = torch.randn(2, 5, 4, 3, 8, dtype=torch.float64)
     for chunks, keep in ((1, False), (2, True), (3, True)):
-        args = (x, x.flip(1), x.flip(2), None, attend, 0.5, chunks, [5], 0, group_name(None), keep)
+        args = (x, x.flip(1), x.flip(2), [], attend, 0.5, chunks, [5], 0, group_name(None), keep)
         torch.library.opcheck(torch.ops.natsim.cp_ulysses, args,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     with pytest.raises(ValueError, match="chunks must be between 1 and the 3 heads"):
-        torch.ops.natsim.cp_ulysses(x, x, x, None, attend, None, 4, [5], 0, group_name(None), False)
+        torch.ops.natsim.cp_ulysses(x, x, x, [], attend, None, 4, [5], 0, group_name(None), False)
 
     inputs = [torch.randn(2, 5, 4, 3, 8, dtype=torch.float64) for _ in range(4)]
     want = _gradients(lambda q, k, v: reference_attention(q, k, v, (3, 2)), inputs[:3], inputs[3])

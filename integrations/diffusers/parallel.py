@@ -201,8 +201,9 @@ def attend(router, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
                          "by it.")
     split = (q.shape[1],) * ulysses.size
     chunks = 1 if router.masked is not None else None  # a content-adaptive mask is one decision per call
+    key_mask = _gathered_key_mask(key_mask, layout, ulysses)
     return ulysses_attention(router.sequence_attend, q, k, v, split, ulysses.rank, ulysses.group,
-                             key_mask=_gathered_key_mask(key_mask, layout, ulysses), scale=scale, chunks=chunks)
+                             extras=() if key_mask is None else (key_mask,), scale=scale, chunks=chunks)
 
 
 def _serve(router, ulysses: Ulysses) -> None:
@@ -214,9 +215,9 @@ def _serve(router, ulysses: Ulysses) -> None:
     if router.sequence_attend is not None:
         return
 
-    def run(q, k, v, key_mask, scale):
+    def run(q, k, v, extras, scale, span):  # extras: the key mask of every key, where the call has one
         layout = shares(router, router.ulysses, q.shape[1] // router.ulysses.size)
-        out = router.attend(*(layout.to_sequence(t) for t in (q, k, v)), key_mask, scale)
+        out = router.attend(*(layout.to_sequence(t) for t in (q, k, v)), extras[0] if extras else None, scale)
         if out is None:
             raise RuntimeError(f"natsim's router declined a call of {q.shape[1]} tokens it serves under context "
                                "parallelism.")
