@@ -186,29 +186,9 @@ def _training_and_compile(rank: int) -> None:
 
 
 def _masks() -> None:
-    """Content-adaptive masks under Ulysses (each rank predicts and runs the masks of its heads over every token):
-    a dense warm-up step and a predicted-mask step equal one process's."""
-    from natsim.integrations import diffusers as nd
-
-    layout, masks = (4, 8, 16), nd.Masks(steps=4, block=16, sub_block=4)
-    model = diffusers_models.build(WAN)
-    inputs = diffusers_models.inputs(WAN, layout)
-    outputs = []
-    for enable in (False, True):
-        if enable:
-            model.enable_parallelism(config=_cp_config())
-        applied = nd.apply(model, masks=masks)
-        with torch.no_grad():
-            outputs.append([model(**{**inputs, "timestep": torch.full((1,), t)})[0] for t in (900.0, 700.0)])
-        assert applied.masked.stats.dense_calls == 2 and applied.masked.stats.predictions == 2, applied.masked.stats
-        nd.remove(model)
-    for step, (out, single) in enumerate(zip(outputs[1], outputs[0])):
-        _close(out, single, f"masks, step {step}")
-
-
-def _masks_training() -> None:
-    """Training through content-adaptive masks under Ulysses: a dense warm-up pass, then a pass under predicted
-    masks; each pass's parameter gradients, summed over the ranks, equal one process's."""
+    """Content-adaptive masks under Ulysses (each rank predicts and runs the masks of its heads over every token),
+    training: a dense warm-up pass, then a pass under predicted masks; each pass's output, and its parameter
+    gradients summed over the ranks, equal one process's."""
     from natsim.integrations import diffusers as nd
 
     masks = nd.Masks(steps=2, block=16, sub_block=8, dense_fraction=0.5, initial_budget=0.5, min_budget=0.5,
@@ -223,14 +203,16 @@ def _masks_training() -> None:
         passes = []
         for t in (900.0, 700.0):
             model.zero_grad()
-            model(**{**inputs, "timestep": torch.full((1,), t)})[0].square().mean().backward()
+            out = model(**{**inputs, "timestep": torch.full((1,), t)})[0]
+            out.square().mean().backward()
             grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
             for grad in grads.values() if enable else ():
                 torch.distributed.all_reduce(grad)
-            passes.append(grads)
+            passes.append((out.detach(), grads))
         assert applied.masked.stats.dense_calls == 2 and applied.masked.stats.predictions == 2, applied.masked.stats
         runs.append(passes)
-    for index, (single, parallel) in enumerate(zip(*runs)):
+    for index, ((out, single), (parallel_out, parallel)) in enumerate(zip(*runs)):
+        _close(parallel_out, out, f"masks, pass {index}")
         assert single.keys() == parallel.keys()
         for name, want in single.items():
             if want.abs().max() > 0:
@@ -312,7 +294,6 @@ def run_world(rank: int, world: int, port: int) -> None:
         _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first=False, config=SIX_HEADS, precision="fp8")
         _training_and_compile(rank)
         _masks()
-        _masks_training()
         _refusals_and_remove()
         _example()
         _link()
