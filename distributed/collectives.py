@@ -96,13 +96,6 @@ def start_exchange(send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int
     return Pending(received, tuple(tuple(shape) for shape in recv_shapes), work)
 
 
-def exchange(send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]], group,
-             packed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`start_exchange` waited for: one flat buffer and its pieces (views, in rank order)."""
-    pending = start_exchange(send, recv_shapes, group, packed=packed)
-    return pending.received, pending.wait()
-
-
 def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, max(lo, hi))

@@ -62,23 +62,18 @@ def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[
     return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link, chunks)
 
 
-_attends: dict[tuple, int] = {}
-
-
 @torch.compiler.assume_constant_result
 def _attend(window: tuple, stride: tuple, dilation: tuple, causal: tuple, q_tile, kv_tile,
             kv_tiling: Optional[str]) -> int:
     """The id of the single-GPU GNA call with these arguments as Ulysses' attention (pipeline.py), registered
     once per distinct arguments: host work torch.compile runs while tracing (not traces), its result a constant
     of the graph."""
-    key = (window, stride, dilation, causal, q_tile, kv_tile, kv_tiling)
-    if key not in _attends:
-        def attend(q, k, v, extras, scale, span):
-            return single_gpu_gna_attention(q, k, v, window, stride, dilation, causal, scale=scale, q_tile=q_tile,
-                                            kv_tile=kv_tile, kv_tiling=kv_tiling)
 
-        _attends[key] = register_attend(attend)
-    return _attends[key]
+    def attend(q, k, v, extras, scale, span):
+        return single_gpu_gna_attention(q, k, v, window, stride, dilation, causal, scale=scale, q_tile=q_tile,
+                                        kv_tile=kv_tile, kv_tiling=kv_tiling)
+
+    return register_attend(attend, key=("gna", window, stride, dilation, causal, q_tile, kv_tile, kv_tiling))
 
 
 def _runnable(heads: int, world_size: int, halo_trains: bool) -> tuple[str, ...]:
@@ -143,11 +138,11 @@ def gna_attention(
                           link.point_to_point.bytes_per_second, link.point_to_point.latency_seconds), chunks)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
-    arguments = (problem.window, problem.stride, problem.dilation, problem.causal, q_tile, kv_tile)
     if strategy == "ulysses":
         check_heads(heads, size)
-        return ulysses_attention(_attend(*arguments, kv_tiling), q, k, v, split, rank, group, scale=scale,
-                                 chunks=chunks)
+        tiles = tuple(tuple(t) if isinstance(t, list) else t for t in (q_tile, kv_tile))  # hashable, as given
+        attend = _attend(problem.window, problem.stride, problem.dilation, problem.causal, *tiles, kv_tiling)
+        return ulysses_attention(attend, q, k, v, split, rank, group, scale=scale, chunks=chunks)
     kernel = functools.partial(single_gpu_gna_attention, window=problem.window, stride=problem.stride,
                                dilation=problem.dilation, causal=problem.causal, scale=scale, q_tile=q_tile,
                                kv_tile=kv_tile)

@@ -32,7 +32,7 @@ for the whole call, not for a group of it, so that the groups run the plan one p
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional, Sequence
+from typing import Callable, ContextManager, Hashable, Optional, Sequence
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -46,14 +46,20 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor],
                   torch.Tensor]
 Planning = Callable[[int], ContextManager]
 _attends: dict[int, tuple[Attend, Optional[Planning]]] = {}
+_ids: dict[Hashable, int] = {}
 
 
-def register_attend(attend: Attend, planning: Optional[Planning] = None) -> int:
+def register_attend(attend: Attend, planning: Optional[Planning] = None, key: Optional[Hashable] = None) -> int:
     """Register `attend` (module docstring) and the optional `planning(heads)` context; return the id
-    `natsim::cp_ulysses` takes."""
-    key = len(_attends)
-    _attends[key] = (attend, planning)
-    return key
+    `natsim::cp_ulysses` takes. With `key` (the plain values `attend` is made of), once per key: a later call
+    with the same key returns the first id."""
+    if key is not None and key in _ids:
+        return _ids[key]
+    number = len(_attends)
+    _attends[number] = (attend, planning)
+    if key is not None:
+        _ids[key] = number
+    return number
 
 
 def _registered(attend: int) -> tuple[Attend, Planning]:

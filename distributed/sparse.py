@@ -34,9 +34,6 @@ def _mask_heads(mask, heads: int, lo: int, hi: int):
     return mask[:, lo:hi]
 
 
-_attends: dict[tuple, int] = {}
-
-
 @torch.compiler.assume_constant_result
 def _attend(blocks: Optional[tuple[int, int, int, int, int]], q_block: Optional[int], kv_block: Optional[int],
             merge: Optional[str], schedule: Optional[str]) -> int:
@@ -44,16 +41,14 @@ def _attend(blocks: Optional[tuple[int, int, int, int, int]], q_block: Optional[
     distinct arguments; the mask travels as the call's tensors (`extras`: a boolean mask, or a SparseMask's counts
     and indices with its sizes `blocks`), cut to each group's heads. Host work torch.compile runs while tracing,
     its result a constant of the graph."""
-    key = (blocks, q_block, kv_block, merge, schedule)
-    if key not in _attends:
-        def attend(q, k, v, extras, scale, span):
-            parts = [heads_of(t, span) for t in extras]
-            mask = parts[0] if blocks is None else SparseMask(*blocks, *parts)
-            return single_gpu_sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, scale=scale,
-                                               schedule=schedule)
 
-        _attends[key] = register_attend(attend)
-    return _attends[key]
+    def attend(q, k, v, extras, scale, span):
+        parts = [heads_of(t, span) for t in extras]
+        mask = parts[0] if blocks is None else SparseMask(*blocks, *parts)
+        return single_gpu_sparse_attention(q, k, v, mask, q_block, kv_block, merge=merge, scale=scale,
+                                           schedule=schedule)
+
+    return register_attend(attend, key=("sparse", blocks, q_block, kv_block, merge, schedule))
 
 
 def sparse_attention(
