@@ -86,11 +86,25 @@ def head_spans(heads: int, chunks: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+CAPTURE_REFUSAL = (
+    "natsim's context-parallel attention does not run under CUDA graph capture: its all-to-alls are left in flight "
+    "on NCCL's stream while attention runs, which has not been checked inside a captured graph. Capture the model "
+    "on one GPU, or run context parallelism without CUDA graphs (torch.compile without mode='reduce-overhead')."
+)
+
+
+def refuse_capture() -> None:
+    """A sentence instead of a captured graph whose collectives no one has checked."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(CAPTURE_REFUSAL)
+
+
 @torch.library.custom_op("natsim::cp_ulysses", mutates_args=())
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: Sequence[torch.Tensor], attend: int,
              scale: Optional[float], chunks: int, split: Sequence[int], rank: int, group: str, keep: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
     run, planning = _registered(attend)
+    refuse_capture()
     resolved, heads = _resolve_process_group(group), q.shape[-2]
     spans = head_spans(heads // len(split), chunks)
     inbound = [[start_heads_chunk(x, span, split, resolved) for x in (q, k, v)] for span in spans]
@@ -127,6 +141,7 @@ def _ulysses_backward(grad_out: torch.Tensor, graphs: torch.Tensor, attend: int,
     """dq, dk, dv of `natsim::cp_ulysses` (this rank's frames): the forward's graphs differentiated group by
     group as the output gradient's groups arrive, the gradients sent back while the next group runs."""
     _, planning = _registered(attend)
+    refuse_capture()
     kept = held(graphs, "natsim::cp_ulysses_backward")
     resolved, heads = _resolve_process_group(group), grad_out.shape[-2]
     spans = head_spans(heads // len(split), chunks)

@@ -373,6 +373,18 @@ def test_ulysses_pipeline_operator(one_rank_group):
     assert len(handles._held) == held
 
 
+def test_ulysses_pipeline_refuses_cuda_graph_capture(one_rank_group, monkeypatch):
+    from natsim.distributed.collectives import group_name
+    from natsim.distributed.pipeline import register_attend
+
+    attend = register_attend(lambda q, k, v, extras, scale, span: q)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = torch.randn(1, 2, 3, 2, 8)
+    with pytest.raises(RuntimeError, match="does not run under CUDA graph capture"):
+        torch.ops.natsim.cp_ulysses(x, x, x, [], attend, None, 1, [2], 0, group_name(None), False)
+
+
 @given(heads=st.integers(1, 64), data=st.data())
 def test_head_spans_cover_the_heads_evenly(heads, data):
     from natsim.distributed.pipeline import default_chunks, head_spans
