@@ -18,7 +18,7 @@ from .cost import (
     sparse_features,
     sweep_features,
 )
-from .plans import TIE_TOLERANCE, Candidate, MaskCandidate, MaskPlan, Plan, or_pool
+from .plans import TIE_TOLERANCE, Candidate, MaskCandidate, MaskPlan, Plan, Verdict, or_pool
 from .search import AutoPlan, best, best_mask, fastest_first, predicted_times
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "predicted_times",
     "fastest_first",
     "Plan",
+    "Verdict",
     "Candidate",
     "CostModel",
     "cost_model_for",

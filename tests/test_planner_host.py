@@ -35,7 +35,7 @@ def test_host_times_round_trip_and_are_checked(tmp_path):
     assert MODEL.host("fa4") == 0.0 and CostModel.from_dict(MODEL.to_dict()).host_seconds is None
     assert float(HOSTED.at_least_host(2e-4, "fa4")) == 2e-3 and float(HOSTED.at_least_host(3e-3, "fa4")) == 3e-3
     for bad in ({"cudnn": 1e-4}, {"fa4": -1.0}, {"fa4": float("nan")}):
-        with pytest.raises(ValueError, match="host_seconds must map backends among"):
+        with pytest.raises(ValueError, match="host_seconds must map calls among"):
             replace(MODEL, host_seconds=bad)
 
 

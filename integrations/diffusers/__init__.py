@@ -46,6 +46,15 @@ class Applied:
         return self.router.plans if self.router.masked is None else self.router.masked.plans
 
     @property
+    def verdicts(self) -> dict:
+        """natsim's call against the model's own, per (layout, heads, head_dim, dtype, device) met so far
+        (`natsim.planner.Verdict`: `serves`, the priced seconds, `explain()`); a split attention's in its view's."""
+        verdicts = dict(self.router.verdicts)
+        for view in self.router.views:
+            verdicts.update(view.verdicts)
+        return verdicts
+
+    @property
     def masked(self) -> Optional[MaskedAttention]:
         """The content-adaptive masks' run-time state (`stats`, `cache`, `reset()`), or None for GNA."""
         return self.router.masked
@@ -66,6 +75,7 @@ def apply(
     training: bool = False,
     precision: Optional[str] = None,
     tile_order: Optional[bool] = None,
+    keep_own: bool = True,
 ) -> Applied:
     """Route `transformer`'s video attention through GNA at `sparsity` (default 0.9, or any that `window`
     reaches when a window is given), or through content-adaptive `masks` (masks.py: eager or regional
@@ -92,6 +102,11 @@ def apply(
     its last (natsim.integrations.diffusers.order: no permutation per attention call): None where the plan runs
     on FlashAttention-4 or the Gluon FP8 kernel and its tile divides the layout, True wherever the tile divides
     the layout (refused with a sentence for models natsim does not know the blocks of), False never.
+    `keep_own`: on a layout where natsim's call is predicted slower than the model's own dense attention, the
+    host's time to issue each call included (`natsim.planner.AutoPlan.verdict`: an image model's few thousand
+    tokens, where a compiled step waits on the host), the model keeps its own attention there and a warning says
+    so once per layout (`Applied.verdicts`); False routes every layout through natsim. Nothing is kept where no
+    cost model prices the GPU, nor for content-adaptive masks (their plans decide dense calls themselves).
 
     Under diffusers' context parallelism (`transformer.enable_parallelism(config=ContextParallelConfig(
     ulysses_degree=P))`, before or after `apply`), each rank runs natsim's attention on its `heads / P` heads over
@@ -114,9 +129,12 @@ def apply(
         auto = AutoPlan(sparsity, causal=causal, window=window, max_stride=max_stride, device=device,
                         cost_model=cost_model, training=training, precision=precision)
     points = check_tile_order(tile_order, transformer, masked is not None)
-    router = Router(auto, spec.text_first, dtype, masked)
+    router = Router(auto, spec.text_first, dtype, masked, keep_own)
     originals = {}
     routes = spec.routes(transformer, router)
+    attention = routes[0][0]
+    heads = int(attention.heads)
+    head_dim = int(attention.inner_dim) // heads
     parallel.enable(transformer, router, tile_order)  # refuses what it cannot run before the model changes
     for attention, attention_router in routes:
         originals[attention] = attention.processor
@@ -125,6 +143,8 @@ def apply(
 
     def tell_layout(model, args, kwargs):
         router.set_layout(*spec.tokens(model, args, kwargs, layout))
+        parameter = next(model.parameters())
+        router.decide(heads, head_dim, router.kernel_dtype(parameter), parameter.device)
         if order is not None:
             order.begin(model)
         if masked is not None:

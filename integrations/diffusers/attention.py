@@ -19,6 +19,13 @@ query, key and value, and decides by their lengths, against the token layout of 
 - anything else (cross-attention to text, a text-only refiner, a call outside a forward): the model's own
   attention, untouched.
 
+A layout on which natsim's call is predicted slower than the model's own (`AutoPlan.verdict`: an image model's few
+thousand tokens, where the host's time to issue each call decides) keeps the model's own attention for every
+call, with a warning saying so once per layout, unless `keep_own` is False. The verdict is made by the forward
+pre-hook (`decide`) outside a compiled graph: a compiled block reads it as a constant. A whole-model
+`torch.compile` traces the hook, so a layout whose first call is compiled is served by natsim (as before this
+rule) until an eager call of that layout decides it.
+
 Models that split their attention over the latent (Latte: over (H, W) per frame, then over (F,) per position)
 route each split through a `RouterView` over some dims of the layout (the others fold into the batch), with
 GNA planned for those dims.
@@ -30,6 +37,7 @@ model unless told otherwise) and the output comes back in the model's dtype.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -38,7 +46,7 @@ import torch.nn.functional as F
 
 from natsim.kernels import TileOrder, attention_resolved
 from natsim.kernels.backends.triton import tile_pairs
-from natsim.planner import AutoPlan
+from natsim.planner import AutoPlan, Verdict
 
 from .dense import attention_with_lse
 from .masks import MaskedAttention
@@ -52,17 +60,22 @@ class Router:
     (natsim.integrations.diffusers.masks) through the operator `natsim::attention_resolved`."""
 
     def __init__(self, auto: Optional[AutoPlan], text_first: bool, dtype: Optional[torch.dtype] = None,
-                 masked: Optional[MaskedAttention] = None):
+                 masked: Optional[MaskedAttention] = None, keep_own: bool = True):
         if dtype is not None and dtype not in KERNEL_DTYPES:
             raise ValueError(f"dtype must be None, torch.float16 or torch.bfloat16, got dtype={dtype!r}.")
         self.auto = auto
         self.text_first = text_first
         self.dtype = dtype
         self.masked = masked
+        self.keep_own = keep_own
+        self.verdicts: dict[tuple, Verdict] = {}  # per (layout, heads, head_dim, dtype, device)
+        self.serving = True  # whether natsim serves the current forward call's layout (decide)
+        self.whole = True  # whether modules attend over the whole layout through this router (not only its views)
         self.layout: Optional[tuple[int, ...]] = None
         self.trailing = 0  # text-first joint attention: tokens after the video tokens (reference images)
         self.order: Optional[TileOrder] = None  # the video tokens' order when the model keeps a tile order
         self.views: list[RouterView] = []
+        self.folded = 1  # layouts one call attends at once (a view's: the dims it folds into the batch)
         self.ulysses = None  # diffusers' context parallelism where it is on (parallel.py: Ulysses)
         self.sequence_attend: Optional[int] = None  # its attention under Ulysses, registered by parallel.py
 
@@ -73,6 +86,26 @@ class Router:
         self.trailing = trailing
         for view in self.views:
             view.set_layout(view.select(self.layout), trailing)
+
+    def decide(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Whether natsim serves the forward call beginning (`serving`), for attention of `heads` heads of
+        `head_dim` in `dtype` on `device`: the layout's verdict, made on its first call outside a compiled graph
+        and kept (module docstring); the views decide for their own layouts."""
+        verdict = None
+        if self.keep_own and self.whole and self.auto is not None and self.masked is None:
+            key = (self.layout, heads, head_dim, dtype, device)
+            if key not in self.verdicts and not torch.compiler.is_compiling():
+                self.verdicts[key] = self._verdict(heads, head_dim, dtype, device)
+                if not self.verdicts[key].serves:
+                    warnings.warn(self.verdicts[key].explain(), stacklevel=2)
+            verdict = self.verdicts.get(key)
+        self.serving = verdict is None or verdict.serves
+        for view in self.views:
+            view.decide(heads, head_dim, dtype, device)
+
+    def _verdict(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> Verdict:
+        return self.auto.verdict(self.layout, heads=heads, head_dim=head_dim, dtype=dtype, device=device,
+                                 batch=self.folded)
 
     # -- attention over part of the layout --------------------------------------------------------------------
 
@@ -102,7 +135,7 @@ class Router:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                scale: Optional[float]) -> Optional[torch.Tensor]:
         """`[B, N, heads, head_dim]` attention through natsim, or None when the call is not one natsim serves."""
-        if self.layout is None or q.dim() != 4 or q.shape[1] != k.shape[1] or k.shape != v.shape:
+        if not self.serving or self.layout is None or q.dim() != 4 or q.shape[1] != k.shape[1] or k.shape != v.shape:
             return None
         video = math.prod(self.layout)
         # A class that drops a sample's padding text tokens (Mochi) gives a token count that is data-dependent
@@ -113,7 +146,8 @@ class Router:
             return self._joint(q, k, v, video, key_mask, scale)
         return None
 
-    def _kernel_dtype(self, x: torch.Tensor) -> torch.dtype:
+    def kernel_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype natsim's kernels take `x`'s values in (module docstring)."""
         if self.dtype is not None:
             return self.dtype
         return x.dtype if x.dtype in KERNEL_DTYPES else torch.bfloat16
@@ -125,7 +159,7 @@ class Router:
             out, lse, _ = attention_resolved(q, k, v, self.masked.id, scale, return_lse)  # _: its decision
             return (out, lse) if return_lse else out
         batch, tokens, heads, head_dim = q.shape
-        dtype = self._kernel_dtype(q)
+        dtype = self.kernel_dtype(q)
         if self.order is not None:  # the model keeps its video tokens in the plan's tile order (order.py)
             return self.auto(*(t.to(dtype) for t in (q, k, v)), scale=scale, return_lse=return_lse, order=self.order)
         q, k, v = (t.reshape(batch, *self.layout, heads, head_dim).to(dtype) for t in (q, k, v))
@@ -227,21 +261,29 @@ class RouterView(Router):
     def __init__(self, parent: Router, axes: tuple[int, ...]):
         if not axes or len(set(axes)) != len(axes) or min(axes) < 0:
             raise ValueError(f"axes must name distinct dims of the token layout, got axes={axes!r}.")
-        super().__init__(_narrowed(parent.auto, axes), parent.text_first, parent.dtype)
+        super().__init__(_narrowed(parent.auto, axes), parent.text_first, parent.dtype, keep_own=parent.keep_own)
         self.axes = tuple(axes)
 
     def select(self, layout: tuple[int, ...]) -> tuple[int, ...]:
-        """This view's layout: the dims `axes` of the forward call's `layout`."""
+        """This view's layout: the dims `axes` of the forward call's `layout` (the others' product is `folded`)."""
         if max(self.axes) >= len(layout):
             raise ValueError(f"a split attention over dims {self.axes} needs a token layout of more than "
                              f"{max(self.axes)} dims, got layout={layout}.")
+        folded = 1
+        for axis, n in enumerate(layout):
+            if axis not in self.axes:
+                folded *= n
+        self.folded = folded
         return tuple(layout[axis] for axis in self.axes)
 
-    def attend(self, q, k, v, key_mask, scale):
-        head_dim = q.shape[-1]
+    def decide(self, heads, head_dim, dtype, device) -> None:
+        """As Router.decide; a layout too short for any tile is the model's (`attend`), with no verdict."""
         if self.layout is not None and not tile_pairs(self.layout, head_dim):
-            return None
-        return super().attend(q, k, v, key_mask, scale)
+            self.serving = False
+            return
+        super().decide(heads, head_dim, dtype, device)
+
+
 
 
 def _narrowed(auto: AutoPlan, axes: tuple[int, ...]) -> AutoPlan:

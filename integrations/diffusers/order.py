@@ -134,7 +134,7 @@ class ModelOrder:
                 order = self.router.auto.tile_order(self.router.layout, heads=self.heads, head_dim=self.head_dim,
                                                     dtype=dtype, device=parameter.device, force=self.force)
             self.decided[key] = order
-        self.router.order = self.decided.get(key)
+        self.router.order = self.decided.get(key) if self.router.serving else None  # kept: the model's attention
 
     def remove(self) -> None:
         for hook in self.hooks:

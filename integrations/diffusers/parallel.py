@@ -190,7 +190,7 @@ def attend(router, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
             "transformer.enable_parallelism(...) while natsim is applied, or apply natsim after it): natsim would "
             "attend over this rank's tokens alone."
         )
-    if q.dim() != 4 or q.shape[1] != k.shape[1] or k.shape != v.shape:
+    if not router.serving or q.dim() != 4 or q.shape[1] != k.shape[1] or k.shape != v.shape:
         return None
     layout = shares(router, ulysses, q.shape[1])
     if layout is None:

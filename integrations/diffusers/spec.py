@@ -115,8 +115,10 @@ class Bound:
 
     def routes(self, model: nn.Module, router) -> list[tuple[nn.Module, Any]]:
         """Every attention module to route with the router it attends through: `router` for those over the whole
-        layout, a view of it (`router.view(axes)`) for those of `split`."""
+        layout (`router.whole` says whether there are any), a view of it (`router.view(axes)`) for those of
+        `split`."""
         routes = [(module, router) for module in _modules(model, self.spec.attentions, self.name)]
+        router.whole = bool(routes)
         for attentions, axes in self.spec.split:
             modules = _modules(model, attentions, self.name)
             view = router.view(axes)

@@ -32,7 +32,8 @@ through natsim's entry points), fitted over planner.cost.fa4_features' FA4_FEATU
 with the sentence saying why it does not run. natsim's Gluon FP8 kernel (`backend="gluon"`, Hopper) gets one,
 'gluon-fp8' (planner.cost.gluon_calibrate: GNA on whole 128-token tiles and random 128 x 128 masks), fitted over
 planner.cost.gluon_features' GLUON_FEATURES. 'host' measures, for every backend that runs here, the host's time to
-issue one call (planner.cost.host), which searches price a call at least at.
+issue one call (planner.cost.host), which searches price a call at least at, and that of torch's SDPA, a model's
+own attention, against which the diffusers integration weighs natsim's call (AutoPlan.verdict).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from .features import FEATURES, features_of
 from .gluon_calibrate import gluon_calibration_cases, gluon_case_features, time_gluon_case
 from .gluon_features import GLUON_FEATURES
 from .host import host_refusal, host_seconds
-from .model import HOST_BACKENDS
+from .model import HOST_CALLS
 from .files import cost_model_for, gpu_file_name, user_coefficients_dir
 from .fit import fit_coefficients, relative_errors
 from .gpus import gpu_of
@@ -639,8 +640,8 @@ def calibrate(
     gluon_times = time_all(gluon_cases, time_gluon_case)
     host = dict(base.host_seconds or {}) if base is not None else {}
     if "host" in kernels:
-        host.update({backend: host_seconds(backend, dtype, device) for backend in HOST_BACKENDS
-                     if host_refusal(backend, device) is None})
+        host.update({call: host_seconds(call, dtype, device) for call in HOST_CALLS
+                     if host_refusal(call, device) is None})
     info = dict(base.info) if base is not None else {}
     coefficients, errors, fitted = (base.coefficients, np.zeros(0), np.zeros(0, dtype=bool)) if base else \
         _fit(features, times, FEATURES, "GNA")

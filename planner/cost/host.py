@@ -8,8 +8,13 @@ of many such calls the host bounds the step. The kernel features cannot see this
 cases out of the fits), so the cost model keeps it per backend (`CostModel.host_seconds`) and the searches price a
 call at max(host, kernel).
 
+The host time of torch's SDPA (`OWN_ATTENTION`) is kept beside them: it is what a model's own attention costs the
+host, against which the diffusers integration weighs natsim's call on small layouts (AutoPlan.verdict).
+
 Measured as the wall time of issuing `CALLS` back-to-back calls of a tiny problem (a few microseconds of GPU work
-each, fewer than the launch queue holds) through natsim's public entry points, divided by their number.
+each, fewer than the launch queue holds), divided by their number: natsim's backends through the operator
+`natsim::gna_resolved` with the log-sum-exp, as a model's compiled graph and `AutoPlan` call them (joint
+attention asks for the LSE), torch's SDPA as a model calls it.
 """
 
 from __future__ import annotations
@@ -17,8 +22,12 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-import torch
+from .model import OWN_ATTENTION
 
+import torch
+import torch.nn.functional as F
+
+from natsim.kernels import gna_resolved, register_resolver
 from natsim.kernels.backends import fa4 as fa4_backend
 from natsim.kernels.backends import gluon as gluon_backend
 
@@ -29,7 +38,7 @@ HEADS, HEAD_DIM = 2, 64
 
 
 def host_refusal(backend: str, device: torch.device) -> Optional[str]:
-    """None when `backend` runs on `device` here, else why not (the backend's own sentence)."""
+    """None when `backend` (or OWN_ATTENTION) runs on `device` here, else why not (the backend's own sentence)."""
     if backend == "fa4":
         return fa4_backend.installed() or fa4_backend.device_refusal(device)
     if backend == "gluon":
@@ -38,12 +47,21 @@ def host_refusal(backend: str, device: torch.device) -> Optional[str]:
 
 
 def tiny_call(backend: str, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
-    """A dense call over `TOKENS` tokens on `backend` (the Gluon kernel's in FP8, the one precision it runs)."""
-    from natsim.kernels import gna_attention
-
+    """A dense call over `TOKENS` tokens on `backend` through `natsim::gna_resolved` (the Gluon kernel's in FP8,
+    the one precision it runs), or of torch's SDPA for OWN_ATTENTION."""
     q, k, v = (torch.randn(1, TOKENS, HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))
-    precision = "fp8" if backend == "gluon" else None
-    return lambda: gna_attention(q, k, v, (TOKENS,), precision=precision, backend=backend)
+    if backend == OWN_ATTENTION:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return lambda: F.scaled_dot_product_attention(q, k, v)
+    arguments = dict(window=(TOKENS,), stride=(1,), dilation=(1,), causal=(False,), q_tile=(128,), kv_tile=(128,),
+                     kv_tiling=None, precision="fp8" if backend == "gluon" else None, backend=backend)
+    resolver = _resolver_ids.get(backend)
+    if resolver is None:
+        resolver = _resolver_ids[backend] = register_resolver(lambda *layout_and_call: arguments)
+    return lambda: gna_resolved(q, k, v, resolver, None, True)
+
+
+_resolver_ids: dict[str, int] = {}  # one registered resolver per backend measured
 
 
 def host_seconds(backend: str, dtype: torch.dtype, device: torch.device) -> float:

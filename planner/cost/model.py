@@ -49,13 +49,15 @@ def _checked(coefficients: Mapping[str, float], features: Sequence[str], label: 
 
 
 HOST_BACKENDS = ("triton", "fa4", "gluon")  # planner.backends.PLANNED: the backends a host time is kept for
+OWN_ATTENTION = "sdpa"  # torch's scaled_dot_product_attention: the attention a model calls of its own
+HOST_CALLS = HOST_BACKENDS + (OWN_ATTENTION,)  # what a cost model may keep a host time for
 
 
 def _checked_host(host_seconds: Mapping[str, float]) -> dict[str, float]:
-    """`host_seconds` as floats, or a sentence error: backends among HOST_BACKENDS, each finite and non-negative."""
+    """`host_seconds` as floats, or a sentence error: calls among HOST_CALLS, each finite and non-negative."""
     values = {str(name): float(value) for name, value in host_seconds.items()}
-    if not set(values) <= set(HOST_BACKENDS) or any(not np.isfinite(v) or v < 0 for v in values.values()):
-        raise ValueError(f"host_seconds must map backends among {HOST_BACKENDS} to finite non-negative seconds, got "
+    if not set(values) <= set(HOST_CALLS) or any(not np.isfinite(v) or v < 0 for v in values.values()):
+        raise ValueError(f"host_seconds must map calls among {HOST_CALLS} to finite non-negative seconds, got "
                          f"host_seconds={host_seconds!r}.")
     return values
 
@@ -141,7 +143,8 @@ class CostModel:
             object.__setattr__(self, "host_seconds", _checked_host(self.host_seconds))
 
     def host(self, backend: str) -> float:
-        """Seconds the host takes to issue one call on `backend` (0 where this model was calibrated without it)."""
+        """Seconds the host takes to issue one call on `backend`, or of torch's SDPA for OWN_ATTENTION (0 where
+        this model was calibrated without it)."""
         return float((self.host_seconds or {}).get(backend, 0.0))
 
     def at_least_host(self, seconds, backend: str):

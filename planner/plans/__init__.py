@@ -8,9 +8,11 @@ from .mask import MaskCandidate, MaskPlan, or_pool
 from .parallel import ParallelPlan
 from .plan import Plan
 from .ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
+from .verdict import Verdict
 
 __all__ = [
     "Plan",
+    "Verdict",
     "Candidate",
     "Search",
     "MaskPlan",

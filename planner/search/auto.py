@@ -22,8 +22,10 @@ from natsim.kernels import (TileOrder, autocast_inputs, check_qkv, check_tensors
 from natsim.problem import BoolOrBools, IntOrInts
 
 from ..cost.gpus import names_a_gpu
-from ..cost.resolve import CostModelLike, DeviceLike
+from ..cost.model import OWN_ATTENTION
+from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..plans.plan import Plan
+from ..plans.verdict import Verdict
 from .gna import AUTO, best, ranking
 
 PlanKey = tuple[tuple[int, ...], int, int, torch.dtype, str]
@@ -100,6 +102,18 @@ class AutoPlan:
                                       dtype=dtype, **options)
                     self.plans[key] = plan
         return plan
+
+    def verdict(self, shape: tuple[int, ...], *, heads: int, head_dim: int, dtype: torch.dtype,
+                device: Union[str, torch.device], batch: int = 1) -> Verdict:
+        """Whether this layout's plan is predicted to beat a model's own dense attention (SDPA) on calls of
+        `batch` layouts, the host's time to issue each call included (planner.plans.verdict): the diffusers
+        integration keeps the model's own attention where it is not. natsim serves wherever no cost model prices
+        the GPU."""
+        plan = self.plan_for(shape, heads=heads, head_dim=head_dim, dtype=dtype, device=device)
+        if not plan.calibrated:
+            return Verdict.of(plan, 0.0, 0.0)
+        _, model = resolve_cost_model(self.options["device"] or torch.device(device), self.options["cost_model"])
+        return Verdict.of(plan, model.host(plan.backend), model.host(OWN_ATTENTION), batch)
 
     def _kernel_arguments(self, shape, heads, head_dim, dtype, device) -> Mapping[str, object]:
         return self.plan_for(shape, heads=heads, head_dim=head_dim, dtype=dtype, device=device).kernel_arguments()

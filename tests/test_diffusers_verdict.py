@@ -1,0 +1,108 @@
+"""natsim's call against the model's own attention, per layout (`AutoPlan.verdict`, planner/plans/verdict.py):
+each side priced as the host's time to issue its call plus the call's predicted time; where natsim's is not the
+faster, the diffusers integration keeps the model's own attention there, says so once, and compiles as before.
+CPU: the H100's stored cost model with host times set by each test (tiny models through the torch reference)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from natsim.planner import AutoPlan, cost_model_for
+
+pytest.importorskip("diffusers")
+
+import diffusers_models  # noqa: E402
+from natsim.integrations import diffusers as nd  # noqa: E402
+
+H100 = cost_model_for("NVIDIA H100 80GB HBM3")
+WAN = "WanTransformer3DModel"
+SMALL, LARGE = (2, 16, 16), (4, 32, 32)
+CALL = dict(heads=2, head_dim=32, dtype=torch.float16, device="cpu")  # the tiny Wan's attention
+
+
+def hosted(natsim_s: float, own_s: float):
+    """The H100's cost model with the host's time to issue natsim's Triton call and torch's SDPA."""
+    return replace(H100, host_seconds={"triton": natsim_s, "sdpa": own_s})
+
+
+@settings(max_examples=8, deadline=None)
+@given(natsim_host=st.floats(0, 2e-4), own_host=st.floats(0, 2e-4), batch=st.integers(1, 4))
+def test_a_verdict_weighs_each_sides_host_and_call(natsim_host, own_host, batch):
+    auto = AutoPlan(0.5, cost_model=hosted(natsim_host, own_host))
+    verdict = auto.verdict(LARGE, batch=batch, **CALL)
+    plan = auto.plan_for(LARGE, **CALL)
+    assert plan.backend == "triton" and plan.score >= natsim_host  # the call itself is priced at its host at least
+    assert verdict.natsim_s == pytest.approx(natsim_host + batch * plan.score)
+    assert verdict.own_s == pytest.approx(own_host + batch * plan.dense_score)
+    assert verdict.serves == (verdict.natsim_s < verdict.own_s)
+    assert ("natsim serves" if verdict.serves else "keeps the model's own attention") in verdict.explain()
+
+
+def test_without_a_cost_model_natsim_serves_and_says_why():
+    verdict = AutoPlan(0.5).verdict(LARGE, **CALL)
+    assert verdict.serves and verdict.natsim_s is None and "natsim calibrate" in verdict.explain()
+
+
+def _margins() -> tuple[float, float]:
+    """What natsim's call saves against the dense call on SMALL and on LARGE, with no host time."""
+    auto = AutoPlan(0.9, cost_model=hosted(0.0, 0.0))
+    saved = []
+    for layout in (SMALL, LARGE):
+        verdict = auto.verdict(layout, **CALL)
+        saved.append(verdict.own_s - verdict.natsim_s)
+    return saved[0], saved[1]
+
+
+def _run(model, layout):
+    with torch.no_grad():
+        return model(**diffusers_models.inputs(WAN, layout))[0]
+
+
+def test_a_layout_natsim_would_slow_keeps_the_models_attention_and_a_larger_one_does_not(reference_path):
+    small_saved, large_saved = _margins()
+    assert large_saved > small_saved > 0, "the premise: natsim saves more GPU time on the larger layout"
+    model = diffusers_models.build(WAN, layers=1, frames=LARGE[0])
+    own = {layout: _run(model, layout) for layout in (SMALL, LARGE)}
+    cost_model = hosted((small_saved + large_saved) / 2, 0.0)  # more than SMALL saves, less than LARGE does
+
+    applied = nd.apply(model, 0.9, dtype=torch.float16, cost_model=cost_model)
+    with pytest.warns(UserWarning, match=r"keeps the model's own attention at layout 2x16x16"):
+        kept = _run(model, SMALL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # decided once per layout: no second warning
+        assert torch.equal(_run(model, SMALL), own[SMALL]) and torch.equal(kept, own[SMALL])
+        served = _run(model, LARGE)
+    assert not torch.equal(served, own[LARGE])
+    assert {key[0]: v.serves for key, v in applied.verdicts.items()} == {SMALL: False, LARGE: True}
+    nd.remove(model)
+
+    nd.apply(model, 0.9, dtype=torch.float16, cost_model=cost_model, keep_own=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not torch.equal(_run(model, SMALL), own[SMALL])
+        assert torch.equal(_run(model, LARGE), served)
+    assert nd.remove(model) is None
+
+
+def test_compiled_blocks_read_each_layouts_verdict_without_graph_breaks_or_recompiles(reference_path):
+    small_saved, large_saved = _margins()
+    model = diffusers_models.build(WAN, layers=1, frames=LARGE[0])
+    own = {layout: _run(model, layout) for layout in (SMALL, LARGE)}
+    nd.apply(model, 0.9, dtype=torch.float16, cost_model=hosted((small_saved + large_saved) / 2, 0.0))
+    eager_large = _run(model, LARGE)
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for layout in (SMALL, LARGE):
+            _run(model, layout)  # compiles each layout once
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(_run(model, SMALL), own[SMALL])
+        assert torch.equal(_run(model, LARGE), eager_large)
+    torch._dynamo.reset()
