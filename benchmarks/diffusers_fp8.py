@@ -79,7 +79,7 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
                   layers={k: v for k, v in config.items() if "layers" in k})
     latents, step_ms, attention_ms = {}, {}, {}
     for run, precision in (("own", None), ("natsim_bf16", None), ("natsim_fp8", "fp8")):
-        applied = None if run == "own" else nd.apply(model, **options, precision=precision)
+        applied = None if run == "own" else nd.apply(model, **options, precision=precision, keep_own=False)
         latents[run], times = denoise(model, args, noise, steps)
         step_ms[run] = statistics.median(times[1:]) if len(times) > 1 else times[0]
         if applied is not None:
@@ -103,7 +103,7 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
     for run, precision in (("own", None), ("natsim_bf16", None), ("natsim_fp8", "fp8")):
         torch._dynamo.reset()
         if run != "own":
-            nd.apply(model, **options, precision=precision)
+            nd.apply(model, **options, precision=precision, keep_own=False)
         compiled_ms[run], _, record[f"{run}_graph_break"] = compiled_step_ms(model, args, 5)
         if run != "own":
             nd.remove(model)

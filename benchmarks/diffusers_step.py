@@ -17,7 +17,9 @@ Per case, side by side in one process:
   classes that declare no repeated blocks: CogVideoX, Mochi, Allegro, Cosmos, Latte, SD3, PixArt, CogView4);
   where Dynamo cannot trace a step whole (a graph break, a data-dependent shape), it is compiled again with graph
   breaks allowed and the JSON says why (`own_graph_break`, `natsim_graph_break`; the table's "graph");
-- the same with `natsim.integrations.diffusers.apply(model, ...)`: eager and compiled;
+- the same with `natsim.integrations.diffusers.apply(model, ..., keep_own=False)`, natsim's route on every layout
+  (benchmarks/keep_own.py measures the default, which keeps the model's attention where natsim's is predicted
+  slower): eager and compiled;
 - the attention alone at the case's layout: the model's own (SDPA over the q, k, v and mask of the first call
   natsim serves over a whole layout, captured from the step: Latte's over a frame) against natsim's (the router's
   call on them), its speedup `s`;
@@ -645,7 +647,7 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
                   layers={k: v for k, v in config.items() if "layers" in k})
     own_ms, own_out = step_ms(model, args, steps)
 
-    applied = nd.apply(model, **options)
+    applied = nd.apply(model, **options, keep_own=False)
     with torch.no_grad():  # the first step of a layout: planning and the kernels' first compile
         start = time.perf_counter()
         model(**args)
@@ -676,11 +678,11 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
     nd.remove(model)
     record["compiled"] = "repeated blocks" if model._repeated_blocks else "whole model"
     own_compiled_ms, _, record["own_graph_break"] = compiled_step_ms(model, args, steps)
-    nd.apply(model, **options)
+    nd.apply(model, **options, keep_own=False)
     natsim_compiled_ms, compiled_out, record["natsim_graph_break"] = compiled_step_ms(model, args, steps)
     if record["tile_order"] is not None:  # the same plan with every call permuting its tokens (no model order)
         nd.remove(model)
-        nd.apply(model, **options, tile_order=False)
+        nd.apply(model, **options, tile_order=False, keep_own=False)
         record["natsim_compiled_row_major_step_ms"], _, _ = compiled_step_ms(model, args, steps)
     share = min(1.0, calls * own_attention / own_ms)
     share_compiled = min(1.0, calls * own_attention / own_compiled_ms)

@@ -16,7 +16,7 @@ for name in sys.argv[1].split(","):
     torch.manual_seed(0)
     model = ds.build(cls_name, config)
     args = ds.inputs(cls_name, config, layout, text)
-    applied = nd.apply(model, **options)
+    applied = nd.apply(model, **options, keep_own=False)
     with torch.no_grad():
         model(**args)
     plan = next(iter(applied.plans.values()))
