@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 from ..common.checks import KERNEL_DTYPES
-from ..gluon.fp8_forward import BLOCK_M, BLOCK_N, HEAD_DIMS
+from ..common.launch import tensor_descriptors_enabled
+from ..gluon.fp8_forward import BLOCK_M, BLOCK_N, DESCRIPTORS_OFF, HEAD_DIMS
 from ..gna.layout import TileLayout
 from .capabilities import Capabilities
 
@@ -53,6 +54,8 @@ def device_refusal(device: torch.device) -> Optional[str]:
     planner notes before pricing it)."""
     if device.type != "cuda":
         return f"natsim's Gluon FP8 kernel runs on Hopper GPUs, and device={str(device)!r} is not a CUDA GPU."
+    if not tensor_descriptors_enabled():
+        return DESCRIPTORS_OFF
     return GNA.refusal(capability=torch.cuda.get_device_capability(device))
 
 

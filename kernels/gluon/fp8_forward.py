@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..common.fp8 import Fp8Tensors
+from ..common.launch import tensor_descriptors_enabled
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per block
@@ -288,6 +289,10 @@ LOADER_REGS = 24
 MAX_REGS = 168  # the kernel's budget per thread over its 12 warps: 3 x 168 = 2 x 240 + 24
 
 
+DESCRIPTORS_OFF = ("the Gluon FP8 kernel loads its tiles through TMA, and tensor descriptors are turned off in this "
+                   "process (set_tensor_descriptors(False) or NATSIM_NO_TMA=1).")
+
+
 def refusal(dtype: torch.dtype, head_dim: int, capability: Optional[tuple[int, int]], q_block: int = BLOCK_M,
             kv_block: int = BLOCK_N) -> Optional[str]:
     """None where the kernel runs an FP8 call of bf16 / fp16 inputs of `dtype` and `head_dim` with these blocks
@@ -296,6 +301,8 @@ def refusal(dtype: torch.dtype, head_dim: int, capability: Optional[tuple[int, i
     if capability is not None and capability[0] != 9:
         major, minor = capability
         return f"the Gluon FP8 kernel runs on Hopper GPUs (compute capability 9.x), got {major}.{minor}."
+    if capability is not None and not tensor_descriptors_enabled():
+        return DESCRIPTORS_OFF
     if dtype not in (torch.bfloat16, torch.float16):
         return f"the Gluon FP8 kernel quantizes bfloat16 or float16 inputs, got dtype={dtype}."
     if head_dim not in HEAD_DIMS:
