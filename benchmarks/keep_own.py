@@ -3,14 +3,16 @@ with `natsim.integrations.diffusers.apply` as a user calls it (the verdict per l
 model's, planner/plans/verdict.py), and with natsim's route forced on every layout (`keep_own=False`), one run,
 one JSON:
 
-    python benchmarks/keep_own.py --out DIR [--cases sd3-1024,pixart-sigma-1024,wan-480p] [--steps 5]
+    python benchmarks/keep_own.py --out DIR [--cases sd3-1024,pixart-sigma-1024,wan-480p] [--steps 5] [--repeats 3]
     python benchmarks/keep_own.py --out /tmp/x --small      # CPU smoke test: tiny models
 
 The models and their inputs are benchmarks/diffusers_step.py's cases (random weights, bf16, batch 1, its layer
 counts), compiled as there (repeated blocks, or the whole model). The rule is right on a case when the default
 step is within noise of the faster of the other two. Medians of `--steps` timed steps after warm-up. The table
 prints each step, the verdict (`serves`: natsim's call; `keeps`: the model's) with its priced seconds, and the
-default's time over the faster of the other two. Writes `diffusers-keep-own-<device>-<date>.json`.
+default's time over the faster of the other two. `--repeats R` runs the three configurations of each case R times
+in turn (own, default, forced, own, ...), which shows how far two timings of one configuration differ in one
+process: the margin a verdict can be checked at. Writes `diffusers-keep-own-<device>-<date>.json`.
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from natsim.integrations import diffusers as nd
 DEFAULT_CASES = ("sd3-1024", "pixart-sigma-1024", "cogview4-1024", "qwenimage-1024", "wan-480p")
 
 
-def run_case(name: str, steps: int, small: bool) -> dict:
+def run_case(name: str, steps: int, small: bool, repeat: int = 0) -> dict:
     cls_name, config, layout, text, options = small_case(name) if small else CASES[name]
     torch.manual_seed(0)
     model = build(cls_name, config)
     args = inputs(cls_name, config, layout, text)
-    record = dict(case=name, model=cls_name, layout=list(layout), text_tokens=text)
+    record = dict(case=name, repeat=repeat, model=cls_name, layout=list(layout), text_tokens=text)
     record["own_ms"], own_out, _ = compiled_step_ms(model, args, steps)
     for label, keep_own in (("default", True), ("served", False)):
         fresh()
@@ -72,9 +74,12 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
                         help=f"comma-separated, from {', '.join(CASES)} (default: {','.join(DEFAULT_CASES)})")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
+    parser.add_argument("--repeats", type=int, default=1, help="times each case's three configurations run in turn")
     parser.add_argument("--small", action="store_true", help="tiny models on the CPU (a smoke test of the script)")
     args = parser.parse_args(argv)
     names = args.cases.split(",")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     unknown = [name for name in names if name not in CASES]
     if unknown:
         parser.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
@@ -83,9 +88,10 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     result, path = run_header("keep-own", args.out)
     for name in names:
-        print(f"{name} ...", flush=True)
-        result["records"].append(run_case(name, args.steps, args.small))
-        path.write_text(json.dumps(result, indent=2))
+        for repeat in range(args.repeats):
+            print(f"{name} ({repeat + 1} of {args.repeats}) ...", flush=True)
+            result["records"].append(run_case(name, args.steps, args.small, repeat))
+            path.write_text(json.dumps(result, indent=2))
     print_table(result["records"])
     print(f"\nwrote {path}")
 

@@ -822,7 +822,7 @@ def test_gloo_worlds(data):
     cases = {}
     for world in (3, 2):
         gna = [case for case in GRADIENT_CASES if world in case[1]]
-        gna += data.draw(st.lists(sharded_problems(world), min_size=3, max_size=3), label=f"GNA cases, {world}")
+        gna += data.draw(st.lists(sharded_problems(world), min_size=2, max_size=2), label=f"GNA cases, {world}")
         masks = data.draw(st.lists(sharded_masks(world), min_size=2, max_size=2), label=f"mask cases, {world}")
         cases[world] = gna, masks
     with mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1"):

@@ -124,7 +124,7 @@ GNA_LAYOUTS = [  # (shape, window, stride, tile): every visited block a whole 12
 ]
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(layout=st.sampled_from(GNA_LAYOUTS), heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([64, 128]),
        seed=st.integers(0, 2**16))
 def test_gna_naming_gluon_runs_the_rule_on_cpu_tensors_against_float64(layout, heads, head_dim, seed):

@@ -24,7 +24,7 @@ from natsim.planner.cost.gluon_features import GLUON_FEATURES, dense_gluon_featu
 from natsim.planner.cost.model import CostModel
 from natsim.planner.search.gluon_scores import GluonScorer
 
-H100 = cost_model_for("NVIDIA H100 80GB HBM3")
+H100 = replace(cost_model_for("NVIDIA H100 80GB HBM3"), host_seconds=None)  # kernels' predictions alone
 TRITON_ONLY = replace(H100, gluon_fp8_coefficients=None)
 # Cheaper per FLOP than the Triton FP8 kernel (whose full_flops coefficient is about 1e-15 s), dearer per call.
 GLUON = {"flops": 6e-16, "narrow_head_flops": 2e-16, "blocks": 1e-10, "programs": 1e-8, "moved_bytes": 4e-13,

@@ -19,7 +19,7 @@ from natsim.planner.cost.model import CostModel
 FA4 = {"full_flops": 1.45e-15, "masked_flops": 1.9e-14, "narrow_head_flops": 4e-16, "tiles": 1e-10,
        "programs": 2e-8, "permute_bytes": 4.2e-13, "launch": 5e-5}
 MODEL = replace(cost_model_for("NVIDIA H100 80GB HBM3"), fa4_coefficients=FA4, fa4_backward_coefficients=None,
-                gluon_fp8_coefficients=None)
+                gluon_fp8_coefficients=None, host_seconds=None)
 HOSTED = replace(MODEL, host_seconds={"triton": 5e-5, "fa4": 2e-3})
 
 
@@ -27,6 +27,12 @@ HOSTED = replace(MODEL, host_seconds={"triton": 5e-5, "fa4": 2e-3})
 def fa4_here(monkeypatch):
     monkeypatch.setattr(fa4_backend, "installed", lambda: None)
     monkeypatch.setattr(fa4_backend, "device_refusal", lambda device: None)
+
+
+def test_the_shipped_files_carry_the_host_times_of_natsims_call_and_of_sdpa():
+    for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        model = cost_model_for(gpu)
+        assert 0 < model.host("sdpa") < model.host("triton") < model.host("gluon"), model.host_seconds
 
 
 def test_host_times_round_trip_and_are_checked(tmp_path):
