@@ -546,16 +546,25 @@ def synchronize() -> None:
 
 
 def median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds of `fn()` over `repeats` synchronised calls after `warmup` calls."""
+    """Median milliseconds of `fn()` over `repeats` synchronised calls after `warmup` calls, Python's garbage
+    collector run before and kept off while they are timed (as `timeit` does): a host-bound compiled step moves
+    with every pause of the host's issue."""
     for _ in range(warmup):
         fn()
     synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+    finally:
+        if collecting:
+            gc.enable()
     return statistics.median(times)
 
 
