@@ -150,6 +150,31 @@ def _outputs(name: str, layout, window, batch: int, enable_first: bool, config: 
     _differs(out, dense, what)
 
 
+def _kept_under_ulysses() -> None:
+    """A layout on which natsim's call is priced slower than the model's own (a cost model whose host takes a
+    second to issue natsim's call) keeps the model's attention under Ulysses too: diffusers' own parallel attention
+    runs it, on every rank alike, and the output is the dense model's."""
+    import warnings
+    from dataclasses import replace
+
+    from natsim.integrations import diffusers as nd
+    from natsim.planner import cost_model_for
+
+    slow_host = replace(cost_model_for("NVIDIA H100 80GB HBM3"), host_seconds={"triton": 1.0, "sdpa": 0.0})
+    inputs = diffusers_models.inputs(WAN, WAN_LAYOUT)
+    model = diffusers_models.build(WAN)
+    with torch.no_grad():
+        dense = model(**inputs)[0]
+        applied = nd.apply(model, window=WAN_WINDOW, cost_model=slow_host)
+        model.enable_parallelism(config=_cp_config())
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            out = model(**inputs)[0]
+    assert [v.serves for v in applied.verdicts.values()] == [False]
+    assert any("keeps the model's own attention" in str(w.message) for w in said)
+    _close(out, dense, "a kept layout under Ulysses")
+
+
 def _training_and_compile(rank: int) -> None:
     """A training step of Wan under Ulysses (each rank's three heads attended in three groups, natsim.distributed's
     pipeline): the output, and the parameter gradients summed over the ranks (each rank's share of the tokens
@@ -292,6 +317,7 @@ def run_world(rank: int, world: int, port: int) -> None:
             _outputs(name, layout, window, 2, enable_first=False)
         # FP8 with six heads: each rank attends its three in three groups (natsim.distributed's pipeline)
         _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first=False, config=SIX_HEADS, precision="fp8")
+        _kept_under_ulysses()
         _training_and_compile(rank)
         _masks()
         _refusals_and_remove()
