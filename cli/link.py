@@ -20,7 +20,7 @@ def calibrate_link_command(
     output: Optional[Path] = typer.Option(
         None, "--output",
         help="Where to write the measured link (default: link-<gpu>-x<ranks>.json in the coefficients folder of "
-             "`natsim calibrate`, where the planner looks for it).",
+             "`natsim calibrate`, where the planner and natsim.distributed's strategy='auto' look for it).",
     ),
     repeats: int = typer.Option(5, "--repeats", help="Timed repeats per size (median, slowest rank)."),
     as_json: bool = typer.Option(False, "--json", help="Print the measured link as JSON."),

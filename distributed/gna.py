@@ -15,6 +15,7 @@ from natsim import Problem, TileConfig
 from natsim.kernels import gna_attention as single_gpu_gna_attention
 from natsim.kernels.backends.triton import TILE_TOKENS, check_qkv, default_tiles, use_triton
 from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, Rate, choose_strategy, strategy_cost
+from natsim.stored import link_for
 from natsim.problem import BoolOrBools, IntOrInts
 
 from .collectives import check_heads, resolve_split, world
@@ -52,13 +53,17 @@ def choose(problem: Problem, tiles: TileConfig, split: tuple[int, ...], batch: i
 
 @torch.compiler.assume_constant_result
 def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[int, ...], sizes: tuple[int, ...],
-          training: bool, strategies: tuple[str, ...], rates: tuple[float, float, float, float],
-          chunks: Optional[int]) -> str:
+          training: bool, strategies: tuple[str, ...], rates: Optional[tuple[float, float, float, float]],
+          chunks: Optional[int], gpu_index: int) -> str:
     """`"auto"`'s pick from plain values (`rates`: the link's all-to-all and point-to-point bytes per second and
-    latencies): host arithmetic (numpy) that torch.compile runs once while tracing, its result a constant of the
-    graph, instead of tracing it."""
+    latencies; None: the link measured for GPU `gpu_index`'s kind and this many ranks, natsim.stored.link_for,
+    -1 for CPU tensors): host arithmetic (numpy) that torch.compile runs once while tracing, its result a
+    constant of the graph, instead of tracing it."""
     problem = Problem(shape, *parameters)
-    link = Link(Rate(rates[0], rates[1]), Rate(rates[2], rates[3]))
+    if rates is None:
+        link = link_for(torch.cuda.get_device_name(gpu_index) if gpu_index >= 0 else None, len(split))
+    else:
+        link = Link(Rate(rates[0], rates[1]), Rate(rates[2], rates[3]))
     return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link, chunks)
 
 
@@ -103,7 +108,7 @@ def gna_attention(
     q_tile: Optional[IntOrInts] = None,
     kv_tile: Optional[IntOrInts] = None,
     kv_tiling: Optional[str] = None,
-    link: Link = DEFAULT_LINK,
+    link: Optional[Link] = None,
     chunks: Optional[int] = None,
 ) -> torch.Tensor:
     """GNA on a layout sharded along dimension 0 over `group` (default: the world): this rank's output frames.
@@ -113,8 +118,9 @@ def gna_attention(
     sizes (give it under torch.compile). `strategy`: `"ulysses"`, `"halo"` or `"auto"` (module docstring of
     strategies.py). `kv_tiling` as in `natsim.kernels.gna_attention` for Ulysses; the halo path's frame ranges
     run static KV tiling only (None there means static). `link`: the interconnect `"auto"` prices bytes with
-    (natsim.partition.Link: the one `natsim calibrate-link` measured, `natsim.planner.cost.files.link_for(gpu,
-    world_size)`, or natsim.partition's default rate). `chunks`: Ulysses attends each rank's heads in this many
+    (natsim.partition.Link); None takes the one `natsim calibrate-link` measured for these GPUs and this many
+    ranks (natsim.stored.link_for: the user's file, else natsim's shipped one), else natsim.partition's default
+    rate. `chunks`: Ulysses attends each rank's heads in this many
     groups, each group's transfers overlapped with the attention of another (pipeline.py; default up to three).
     Every rank must make the same call, with the same `requires_grad`.
 
@@ -134,8 +140,10 @@ def gna_attention(
         strategy = _auto(problem.shape, (problem.window, problem.stride, problem.dilation, problem.causal),
                          (q_tile, kv_tile), split, (batch, heads, head_dim, q.element_size()), training,
                          _runnable(heads, size, halo_trains),
-                         (link.all_to_all.bytes_per_second, link.all_to_all.latency_seconds,
-                          link.point_to_point.bytes_per_second, link.point_to_point.latency_seconds), chunks)
+                         None if link is None else (link.all_to_all.bytes_per_second, link.all_to_all.latency_seconds,
+                                                    link.point_to_point.bytes_per_second,
+                                                    link.point_to_point.latency_seconds),
+                         chunks, q.device.index if q.is_cuda else -1)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
     if strategy == "ulysses":

@@ -134,3 +134,33 @@ def test_auto_in_natsim_distributed_prices_bytes_with_the_link_given():
     arguments = (problem, tiles, (20, 10), 1, 24, 128, 2, False)
     assert choose(*arguments, link=Link.uniform(1e9)) == "halo"
     assert choose(*arguments, link=Link.uniform(1e15)) == "ulysses"
+
+
+def test_auto_without_a_link_prices_with_the_link_measured_for_the_gpus_at_hand(tmp_path, monkeypatch):
+    """`gna_attention(..., strategy="auto")` without `link=`: the file `natsim calibrate-link` wrote for this GPU
+    kind and world size (the user's first, natsim's shipped ones next), else the default rate. The case of the test
+    above, whose pick the link decides, through "auto"'s own lookup (`gpu_index` stands for the tensors' GPU)."""
+    import torch
+
+    from natsim.distributed import gna
+    from natsim.stored import LINKS_DIR, link_file_name, link_for
+
+    monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: f"Test GPU {index}")
+    problem = Problem((30, 48, 80), (7, 24, 24), (1, 8, 8))
+    parameters = (problem.window, problem.stride, problem.dilation, problem.causal)
+
+    def auto(gpu_index: int) -> str:
+        return gna._auto(problem.shape, parameters, ((4, 8, 8), (2, 8, 8)), (20, 10), (1, 24, 128, 2), False,
+                         ("halo", "ulysses"), None, None, gpu_index)
+
+    assert link_for("Test GPU 0", 2) == link_for(None, 2) == DEFAULT_LINK and auto(0) == auto(-1)
+    for rate, pick in ((1e9, "halo"), (1e15, "ulysses")):
+        folder = tmp_path / "coefficients"
+        folder.mkdir(exist_ok=True)
+        (folder / link_file_name("Test GPU 0", 2)).write_text(json.dumps(Link.uniform(rate).to_dict()))
+        assert auto(0) == pick and link_for("Test GPU 0", 2).all_to_all.bytes_per_second == rate
+    assert auto(1) == auto(-1)  # another GPU kind: no file, the default rate
+    shipped = link_for("NVIDIA H200", 4)
+    assert shipped == Link.from_dict(json.loads((LINKS_DIR / link_file_name("NVIDIA H200", 4)).read_text()))
+    assert shipped != DEFAULT_LINK

@@ -534,11 +534,11 @@ def test_shipped_links_load_under_their_file_names():
     import json
 
     from natsim.partition import Link
-    from natsim.planner.cost import COEFFICIENTS_DIR
     from natsim.planner.cost.files import link_file_name, link_for
+    from natsim.stored import LINKS_DIR
 
     for world in (2, 4):
-        path = COEFFICIENTS_DIR / link_file_name("NVIDIA H200", world)
+        path = LINKS_DIR / link_file_name("NVIDIA H200", world)
         link = Link.from_dict(json.loads(path.read_text()))
         assert f"{world} x NVIDIA H200" in link.source and link.all_to_all.bytes_per_second > 1e11
         assert link_for("NVIDIA H200", world, COEFFICIENTS_DIR) == link

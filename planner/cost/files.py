@@ -3,44 +3,29 @@
 A file is named after `torch.cuda.get_device_name()` (`gpu_file_name`). The planner looks in the user's
 folder first (`user_coefficients_dir()`, where `natsim calibrate` writes), then in the files shipped with
 natsim (planner/cost/coefficients/). Without a file for the GPU at hand there is no cost model, and the
-planner ranks by simulated tiles alone.
+planner ranks by simulated tiles alone. The user's folder, GPU names as file names and the interconnect files
+(`link_for`) are natsim.stored's, re-exported here.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import re
 from pathlib import Path
 from typing import Optional
 
+from natsim.stored import gpu_slug, link_file_name, link_for, user_coefficients_dir
+
 from .model import CostModel
 
+__all__ = ["COEFFICIENTS_DIR", "gpu_slug", "gpu_file_name", "user_coefficients_dir", "load_stored", "coefficient_dirs",
+           "known_gpus", "cost_model_for", "link_file_name", "link_for"]
+
 COEFFICIENTS_DIR = Path(__file__).resolve().parent / "coefficients"
-DATA_DIR_ENV = "NATSIM_DATA_DIR"
-
-
-def gpu_slug(name: str) -> str:
-    """A GPU name in lower case, runs of other characters as '-': 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def gpu_file_name(gpu: str) -> str:
     """The coefficient file of a GPU: its name in lower case, runs of other characters as '-'."""
     return gpu_slug(gpu) + ".json"
-
-
-def user_coefficients_dir() -> Path:
-    """The user's coefficient folder, where `natsim calibrate` writes and the planner looks first:
-    `$NATSIM_DATA_DIR/coefficients`, else `$XDG_DATA_HOME/natsim/coefficients`, else
-    `~/.local/share/natsim/coefficients`."""
-    root = os.environ.get(DATA_DIR_ENV)
-    if root:
-        return Path(root).expanduser() / "coefficients"
-    xdg = os.environ.get("XDG_DATA_HOME")
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".local" / "share"
-    return base / "natsim" / "coefficients"
 
 
 def load_stored(path: Path) -> CostModel:
@@ -89,26 +74,3 @@ def cost_model_for(gpu: Optional[str], directory: Optional[Path] = None) -> Opti
         if path.is_file():
             return load_stored(path)
     return None
-
-
-def link_file_name(gpu: str, world_size: int) -> str:
-    """The interconnect file of `world_size` GPUs of a kind on one host (`natsim calibrate-link`)."""
-    return f"link-{gpu_slug(gpu)}-x{world_size}.json"
-
-
-def link_for(gpu: Optional[str], world_size: int, directory: Optional[Path] = None):
-    """The calibrated interconnect (natsim.partition.Link) of `world_size` GPUs named `gpu`: from `directory`, else
-    the user's folder, else those shipped with natsim; natsim.partition's default link where none was measured."""
-    from natsim.partition import DEFAULT_LINK, Link
-
-    if gpu is None:
-        return DEFAULT_LINK
-    folders = (directory,) if directory is not None else coefficient_dirs()
-    path = next((folder / link_file_name(gpu, world_size) for folder in folders
-                 if (folder / link_file_name(gpu, world_size)).is_file()), None)
-    if path is None:
-        return DEFAULT_LINK
-    try:
-        return Link.from_dict(json.loads(path.read_text()))
-    except (OSError, KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{path} is not a readable interconnect calibration: {error}") from None
