@@ -541,7 +541,7 @@ def test_shipped_links_load_under_their_file_names():
         path = LINKS_DIR / link_file_name("NVIDIA H200", world)
         link = Link.from_dict(json.loads(path.read_text()))
         assert f"{world} x NVIDIA H200" in link.source and link.all_to_all.bytes_per_second > 1e11
-        assert link_for("NVIDIA H200", world, COEFFICIENTS_DIR) == link
+        assert link_for("NVIDIA H200", world, LINKS_DIR) == link_for("NVIDIA H200", world) == link
 
 
 # -- KV tiling modes ------------------------------------------------------------------------------------------
