@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from natsim import Problem, TileConfig
+from natsim.kernels import autocast_inputs
 from natsim.kernels import gna_attention as single_gpu_gna_attention
 from natsim.kernels.backends.triton import TILE_TOKENS, check_qkv, default_tiles, use_triton
 from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, Rate, choose_strategy, strategy_cost
@@ -130,6 +131,7 @@ def gna_attention(
     prices a call that needs gradients by its forward and backward.
     """
     shape = check_qkv(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)  # as natsim.kernels does: the inputs in an autocast region's dtype
     size, rank = world(group)
     split = resolve_split(q, split, group)
     problem = Problem((sum(split), *shape[1:]), window, stride, dilation, causal)

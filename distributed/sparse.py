@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from natsim.kernels import SparseMask
+from natsim.kernels import SparseMask, autocast_inputs
 from natsim.kernels import sparse_attention as single_gpu_sparse_attention
 
 from .collectives import check_heads, resolve_split, world
@@ -77,6 +77,7 @@ def sparse_attention(
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError("q must be a [batch, tokens, heads, head_dim] tensor, got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
+    q, k, v = autocast_inputs(q, k, v)  # as natsim.kernels does: the inputs in an autocast region's dtype
     size, rank = world(group)
     split = resolve_split(q, split, group)
     heads = q.shape[-2]

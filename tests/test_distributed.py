@@ -964,3 +964,26 @@ def test_cli_plan_world_size():
     assert "ulysses attends each rank's 12 heads in 3 groups" in " ".join(result.output.split())
     bad = CliRunner().invoke(app, ["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--world-size", "0"])
     assert bad.exit_code == 2 and "world_size must be a positive int" in bad.output
+
+
+def test_sharded_calls_under_autocast_are_one_processs_call(one_rank_group, reference_path):
+    """Under autocast a sharded call (GNA by Ulysses and by the halo exchange, a block mask by Ulysses) computes
+    what natsim.kernels' call does there: the inputs in autocast's dtype, the output in it too."""
+    from natsim.distributed import gna_attention as sharded
+
+    from natsim.distributed import sparse_attention as sharded_sparse
+    from natsim.kernels import sparse_attention
+
+    q, k, v = (torch.randn(1, 6, 8, 4, 32) for _ in range(3))
+    mask = torch.rand(1, 4, 3, 3, generator=torch.Generator().manual_seed(0)) < 0.6
+    mask |= torch.eye(3, dtype=torch.bool)
+    tokens = [t.flatten(1, 2) for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = gna_attention(q, k, v, (3, 5))
+        calls = [sharded(q, k, v, (3, 5), strategy=strategy, split=(6,), chunks=2) for strategy in ("ulysses", "halo")]
+        want_masked = sparse_attention(*tokens, mask, 16, 16)
+        masked = sharded_sparse(*tokens, mask, 16, 16, split=(48,), chunks=2)
+    assert want.dtype == want_masked.dtype == torch.bfloat16
+    for got in calls:
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert masked.dtype == want_masked.dtype and torch.equal(masked, want_masked)

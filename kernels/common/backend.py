@@ -4,7 +4,9 @@ registered operator."""
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Callable, TypeVar
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -31,6 +33,22 @@ def autocast_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         q, k, v = (t.to(dtype) if t.is_floating_point() and t.dtype not in (dtype, *FLOAT8_DTYPES) else t
                    for t in (q, k, v))
     return q, k, v
+
+
+Reference = TypeVar("Reference", bound=Callable)
+
+
+def outside_autocast(reference: Reference) -> Reference:
+    """A torch reference that computes in the dtypes it chooses (float32 or float64 products over the inputs'
+    dtype): autocast, which would cast its products to the region's dtype (and fail its float32 buffers), is
+    off while it runs. The entry points cast the inputs first (`autocast_inputs`), as for the kernels."""
+
+    @functools.wraps(reference)
+    def run(q: torch.Tensor, *args, **kwargs):
+        with torch.autocast(q.device.type, enabled=False):
+            return reference(q, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def runs_eagerly(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

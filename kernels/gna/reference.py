@@ -20,6 +20,7 @@ import torch
 from natsim.dimension import key_ranges
 from natsim.problem import BoolOrBools, IntOrInts
 
+from ..common.backend import outside_autocast
 from ..common.fp8 import Fp8Scales, check_fp8_call, lse_with_mean, prequantized, quantize, quantized_weights
 from .checks import check_frame_offsets, check_frames, check_qkv, problem_of
 
@@ -56,6 +57,7 @@ def _chunk_mask(tables, coords: list[torch.Tensor]) -> torch.Tensor:
     return mask.reshape(mask.shape[0], -1)
 
 
+@outside_autocast
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -114,6 +116,7 @@ def reference_attention(
     return out
 
 
+@outside_autocast
 def fp8_reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -148,6 +151,7 @@ def fp8_reference_attention(
     return out, lse_with_mean(result[1], q, quantized.k_mean, scale)
 
 
+@outside_autocast
 def reference_gradients(
     q: torch.Tensor,
     k: torch.Tensor,

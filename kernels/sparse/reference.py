@@ -22,12 +22,14 @@ from typing import Optional, Union
 
 import torch
 
+from ..common.backend import outside_autocast
 from ..common.fp8 import Fp8Scales, check_fp8_call, lse_with_mean, prequantized, quantize, quantized_weights
 from .checks import check_mask_batch, check_pv_threshold, check_sparse_qkv
 from .mask import SparseMask
 from .work import SparseWork, dense_mask
 
 
+@outside_autocast
 def sparse_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -71,6 +73,7 @@ def sparse_reference(
     return (out, lse) if return_lse else out
 
 
+@outside_autocast
 def fp8_sparse_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -99,6 +102,7 @@ def fp8_sparse_reference(
     return out, (lse if quantized.k_mean is None else lse_with_mean(lse, q, quantized.k_mean, scale))
 
 
+@outside_autocast
 def sparse_pv_reference(
     work: SparseWork,
     q: torch.Tensor,
