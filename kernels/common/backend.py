@@ -44,9 +44,10 @@ def outside_autocast(reference: Reference) -> Reference:
     off while it runs. The entry points cast the inputs first (`autocast_inputs`), as for the kernels."""
 
     @functools.wraps(reference)
-    def run(q: torch.Tensor, *args, **kwargs):
-        with torch.autocast(q.device.type, enabled=False):
-            return reference(q, *args, **kwargs)
+    def run(*args, **kwargs):
+        device = next(a.device.type for a in args if isinstance(a, torch.Tensor))  # q's (or a mask's) device
+        with torch.autocast(device, enabled=False):
+            return reference(*args, **kwargs)
 
     return run  # type: ignore[return-value]
 
