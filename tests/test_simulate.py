@@ -64,7 +64,7 @@ def assert_matches(problem: Problem, tiles: TileConfig) -> bf.Reference:
 # time, and EDGE_CASES below run the named edge cases in all three tilings every time.
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(st.data())
 def test_multi_d_static_matches_bruteforce(data):
     problem = data.draw(bf.problems())
@@ -72,7 +72,7 @@ def test_multi_d_static_matches_bruteforce(data):
     assert_matches(problem, tiles)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=100, **SETTINGS)
 @given(st.data())
 def test_multi_d_dynamic_matches_bruteforce(data):
     problem = data.draw(bf.problems())
