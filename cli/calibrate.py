@@ -211,7 +211,7 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
     kernels: str = typer.Option(
         "gna,sparse", "--kernels",
-        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim\\[fa4]'), gluon-fp8 (natsim's Gluon FP8 kernel, so that FP8 plans can pick it; Hopper), host (the host's time to issue one call on each backend that runs here, which plans price a call at least at). Without gna, this GPU's stored cost model is extended.",
+        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim\\[fa4]'), gluon-fp8 (natsim's Gluon FP8 kernel, so that FP8 plans can pick it; Hopper), host (the host's time to issue one call on each backend that runs here, which plans price a call at least at, and of torch's SDPA, against which the diffusers integration weighs natsim's call per layout). Without gna, this GPU's stored cost model is extended.",
     ),
 ) -> None:
     """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
