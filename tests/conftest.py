@@ -9,6 +9,13 @@ import importlib
 import os
 
 import pytest
+from hypothesis import settings
+
+# Property tests that do not set their own count draw 50 examples (hypothesis' default is 100): a fresh clone keeps
+# no example database, so every CI run draws new ones, and the brute-force references behind these tests are the
+# suite's bulk on a 2-core machine.
+settings.register_profile("natsim", max_examples=50)
+settings.load_profile("natsim")
 
 if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
     os.environ["TRITON_INTERPRET"] = "1"
