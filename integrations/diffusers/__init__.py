@@ -132,9 +132,8 @@ def apply(
     router = Router(auto, spec.text_first, dtype, masked, keep_own)
     originals = {}
     routes = spec.routes(transformer, router)
-    attention = routes[0][0]
-    heads = int(attention.heads)
-    head_dim = int(attention.inner_dim) // heads
+    heads = int(routes[0][0].heads)  # the routed attention's, which the verdicts price
+    head_dim = int(routes[0][0].inner_dim) // heads
     parallel.enable(transformer, router, tile_order)  # refuses what it cannot run before the model changes
     for attention, attention_router in routes:
         originals[attention] = attention.processor

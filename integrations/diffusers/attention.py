@@ -23,8 +23,8 @@ A layout on which natsim's call is predicted slower than the model's own (`AutoP
 thousand tokens, where the host's time to issue each call decides) keeps the model's own attention for every
 call, with a warning saying so once per layout, unless `keep_own` is False. The verdict is made by the forward
 pre-hook (`decide`) outside a compiled graph: a compiled block reads it as a constant. A whole-model
-`torch.compile` traces the hook, so a layout whose first call is compiled is served by natsim (as before this
-rule) until an eager call of that layout decides it.
+`torch.compile` traces the hook, so a layout whose first call is compiled is served by natsim until an eager call
+of that layout decides it.
 
 Models that split their attention over the latent (Latte: over (H, W) per frame, then over (F,) per position)
 route each split through a `RouterView` over some dims of the layout (the others fold into the batch), with
@@ -277,12 +277,11 @@ class RouterView(Router):
         return tuple(layout[axis] for axis in self.axes)
 
     def decide(self, heads, head_dim, dtype, device) -> None:
-        """As Router.decide; a layout too short for any tile is the model's (`attend`), with no verdict."""
+        """As Router.decide; a layout too short for any tile is left to the model, with no verdict."""
         if self.layout is not None and not tile_pairs(self.layout, head_dim):
             self.serving = False
             return
         super().decide(heads, head_dim, dtype, device)
-
 
 
 
