@@ -44,6 +44,18 @@ def test_a_verdict_weighs_each_sides_host_and_call(natsim_host, own_host, batch)
     assert ("natsim serves" if verdict.serves else "keeps the model's own attention") in verdict.explain()
 
 
+def test_an_fp8_plan_is_weighed_against_the_models_unquantized_call():
+    model = hosted(5e-5, 2e-5)
+    fp8 = AutoPlan(0.9, cost_model=model, precision="fp8")
+    verdict = fp8.verdict(LARGE, **CALL)
+    plan = fp8.plan_for(LARGE, **CALL)
+    unquantized = AutoPlan(0.9, cost_model=model).plan_for(LARGE, **CALL)
+    assert plan.precision == "fp8" and unquantized.precision is None
+    assert verdict.natsim_s == pytest.approx(5e-5 + plan.score)
+    assert verdict.own_s == pytest.approx(2e-5 + unquantized.dense_score)
+    assert unquantized.dense_score != plan.dense_score  # the premise: FP8's dense call is priced otherwise
+
+
 def test_without_a_cost_model_natsim_serves_and_says_why():
     verdict = AutoPlan(0.5).verdict(LARGE, **CALL)
     assert verdict.serves and verdict.natsim_s is None and "natsim calibrate" in verdict.explain()

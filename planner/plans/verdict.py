@@ -31,13 +31,15 @@ class Verdict:
     own_s: Optional[float] = None
 
     @classmethod
-    def of(cls, plan: Plan, natsim_host_s: float, own_host_s: float, batch: int = 1) -> "Verdict":
+    def of(cls, plan: Plan, natsim_host_s: float, own_host_s: float, own_call_s: Optional[float] = None,
+           batch: int = 1) -> "Verdict":
         """The verdict on `plan`'s layout for calls of `batch` layouts at once, with the host's time to issue
-        natsim's call and the model's."""
+        natsim's call and the model's, and the model's call (`plan.dense_score` unless given: an FP8 plan's is
+        priced in FP8, the model's own attention is not)."""
         if not plan.calibrated:
             return cls(plan.problem.shape, True)
         natsim_s = natsim_host_s + batch * plan.score
-        own_s = own_host_s + batch * plan.dense_score
+        own_s = own_host_s + batch * (plan.dense_score if own_call_s is None else own_call_s)
         return cls(plan.problem.shape, natsim_s < own_s, natsim_s, own_s)
 
     def explain(self) -> str:

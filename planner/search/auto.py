@@ -11,6 +11,7 @@ dispatcher and run the plan directly. Gradients flow as through `gna_attention`.
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Optional, Union
@@ -21,12 +22,13 @@ from natsim.kernels import (TileOrder, autocast_inputs, check_qkv, check_tensors
                             refuse_gradients, register_resolver, runs_eagerly, tile_order_refusal)
 from natsim.problem import BoolOrBools, IntOrInts
 
+from ..catalog import element_bytes
 from ..cost.gpus import names_a_gpu
 from ..cost.model import OWN_ATTENTION
 from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..plans.plan import Plan
 from ..plans.verdict import Verdict
-from .gna import AUTO, best, ranking
+from .gna import AUTO, best, dense_seconds, ranking
 
 PlanKey = tuple[tuple[int, ...], int, int, torch.dtype, str]
 
@@ -113,7 +115,11 @@ class AutoPlan:
         if not plan.calibrated:
             return Verdict.of(plan, 0.0, 0.0)
         _, model = resolve_cost_model(self.options["device"] or torch.device(device), self.options["cost_model"])
-        return Verdict.of(plan, model.host(plan.backend), model.host(OWN_ATTENTION), batch)
+        own_call = None
+        if plan.precision is not None:  # an FP8 plan (inference): the model attends unquantized, in the inputs' dtype
+            dense = dense_seconds(math.prod(shape), model, heads, head_dim, element_bytes(dtype))
+            own_call = float(model.at_least_host(dense, "triton"))
+        return Verdict.of(plan, model.host(plan.backend), model.host(OWN_ATTENTION), own_call, batch)
 
     def _kernel_arguments(self, shape, heads, head_dim, dtype, device) -> Mapping[str, object]:
         return self.plan_for(shape, heads=heads, head_dim=head_dim, dtype=dtype, device=device).kernel_arguments()

@@ -161,18 +161,25 @@ class _Scorer:
 
     def dense_score(self) -> float:
         """Dense self attention as `gna_attention` runs it: 1-D over the flattened layout, 128-token tiles."""
-        n = self.tokens
-        visited, full = _dense_tiles(n)
         if self.cost_model is None:
-            return float(visited * DENSE_TILE * DENSE_TILE)
-        padded = -(-n // DENSE_TILE) * DENSE_TILE
-        features = feature_matrix(
-            full_tiles=np.array([full]), visited_tiles=np.array([visited]),
-            q_tokens=np.array([DENSE_TILE]), kv_tokens=np.array([DENSE_TILE]), q_padded=np.array([padded]),
-            kv_padded=np.array([padded]), tokens=n, batch_heads=self.batch_heads, head_dim=self.head_dim,
-            element_bytes=self.element_bytes, permutation=False, quantized=self.precision == "fp8",
-        )
-        return float(self.cost_model.predict(features, self.precision)[0])
+            return float(_dense_tiles(self.tokens)[0] * DENSE_TILE * DENSE_TILE)
+        return dense_seconds(self.tokens, self.cost_model, self.batch_heads, self.head_dim, self.element_bytes,
+                             self.precision)
+
+
+def dense_seconds(tokens: int, cost_model: CostModel, batch_heads: int, head_dim: int, element_bytes: int,
+                  precision: Optional[str] = None) -> float:
+    """Predicted seconds of dense self attention over `tokens` as `gna_attention` runs it on natsim's Triton
+    kernel (1-D over the flattened layout, 128-token tiles), in `precision` (None: the inputs' dtype)."""
+    visited, full = _dense_tiles(tokens)
+    padded = -(-tokens // DENSE_TILE) * DENSE_TILE
+    features = feature_matrix(
+        full_tiles=np.array([full]), visited_tiles=np.array([visited]),
+        q_tokens=np.array([DENSE_TILE]), kv_tokens=np.array([DENSE_TILE]), q_padded=np.array([padded]),
+        kv_padded=np.array([padded]), tokens=tokens, batch_heads=batch_heads, head_dim=head_dim,
+        element_bytes=element_bytes, permutation=False, quantized=precision == "fp8",
+    )
+    return float(cost_model.predict(features, precision)[0])
 
 
 @functools.lru_cache(maxsize=256)
