@@ -125,15 +125,14 @@ GNA_LAYOUTS = [  # (shape, window, stride, tile): every visited block a whole 12
 
 
 @settings(max_examples=3, deadline=None)
-@given(layout=st.sampled_from(GNA_LAYOUTS), heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([64, 128]),
-       seed=st.integers(0, 2**16))
-def test_gna_naming_gluon_runs_the_rule_on_cpu_tensors_against_float64(layout, heads, head_dim, seed):
+@given(layout=st.sampled_from(GNA_LAYOUTS), head_dim=st.sampled_from([64, 128]), seed=st.integers(0, 2**16))
+def test_gna_naming_gluon_runs_the_rule_on_cpu_tensors_against_float64(layout, head_dim, seed):
     from natsim.kernels import gna_attention
     from natsim.kernels.gna.reference import reference_attention
 
     shape, window, stride, tile = layout
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, *shape, heads, head_dim, generator=gen).to(torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, *shape, 1, head_dim, generator=gen).to(torch.bfloat16) for _ in range(3))  # one head
     reference = reference_attention(q.double(), k.double(), v.double(), window, stride)
     for tiles in ({"q_tile": tile, "kv_tile": tile}, {}):  # named tiles, and the kernel's own choice
         out = gna_attention(q, k, v, window, stride, precision="fp8", backend="gluon", **tiles)
