@@ -118,3 +118,18 @@ def test_compiled_blocks_read_each_layouts_verdict_without_graph_breaks_or_recom
         assert torch.equal(_run(model, SMALL), own[SMALL])
         assert torch.equal(_run(model, LARGE), eager_large)
     torch._dynamo.reset()
+
+
+def test_a_kept_layout_keeps_the_models_token_order_too(reference_path):
+    """With the whole-model tile order forced on, a layout natsim serves moves the model's tokens into its plan's
+    tile order; a kept one leaves them, and its output is the model's own exactly."""
+    model = diffusers_models.build(WAN, layers=1, frames=SMALL[0])
+    own = _run(model, SMALL)
+    served = nd.apply(model, 0.9, dtype=torch.float16, cost_model=hosted(0.0, 1.0), tile_order=True)
+    _run(model, SMALL)
+    assert served.router.order is not None, "the premise: the plan's tile divides the layout"
+    nd.remove(model)
+    kept = nd.apply(model, 0.9, dtype=torch.float16, cost_model=hosted(1.0, 0.0), tile_order=True)
+    with pytest.warns(UserWarning, match="keeps the model's own attention"):
+        out = _run(model, SMALL)
+    assert kept.router.order is None and torch.equal(out, own)
