@@ -7,6 +7,7 @@ planner its `world_size` plans, from one lookup (`link_for`). The planner keeps 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -51,6 +52,14 @@ def link_for(gpu: Optional[str], world_size: int, directory: Optional[Path] = No
     path = next((folder / name for folder in folders if (folder / name).is_file()), None)
     if path is None:
         return DEFAULT_LINK
+    stat = path.stat()
+    return _load_link(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_link(path: Path, modified_ns: int, size: int) -> Link:
+    """The link in the file at `path`, read once per version of the file: natsim.distributed's `"auto"` looks it
+    up on every eager call."""
     try:
         return Link.from_dict(json.loads(path.read_text()))
     except (OSError, KeyError, TypeError, ValueError) as error:

@@ -132,20 +132,21 @@ def apply(
     router = Router(auto, spec.text_first, dtype, masked, keep_own)
     originals = {}
     routes = spec.routes(transformer, router)
-    heads = int(routes[0][0].heads)  # the routed attention's, which the verdicts price
+    heads = int(routes[0][0].heads)  # the routed attention's, which the verdicts and the tile order plan for
     head_dim = int(routes[0][0].inner_dim) // heads
     parallel.enable(transformer, router, tile_order)  # refuses what it cannot run before the model changes
     for attention, attention_router in routes:
         originals[attention] = attention.processor
         set_processor(attention, routed_processor(attention.processor, attention_router))
-    order = None if points is None else ModelOrder(transformer, points, router, routes[0][0], bool(tile_order))
+    order = None if points is None else ModelOrder(transformer, points, router, heads, head_dim, bool(tile_order))
 
     def tell_layout(model, args, kwargs):
         router.set_layout(*spec.tokens(model, args, kwargs, layout))
         parameter = next(model.parameters())
-        router.decide(heads, head_dim, router.kernel_dtype(parameter), parameter.device)
+        dtype, device = router.kernel_dtype(parameter), parameter.device
+        router.decide(heads, head_dim, dtype, device)
         if order is not None:
-            order.begin(model)
+            order.begin(dtype, device)
         if masked is not None:
             masked.begin_forward(router.layout, spec.timestep(args, kwargs))
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from natsim.kernels import TileOrder
 
-from .attention import KERNEL_DTYPES, Router
+from .attention import Router
 
 Refusal = Callable[[nn.Module], Optional[str]]
 
@@ -111,28 +111,28 @@ class ModelOrder:
     """One model's whole-model tile order: the decision per forward call (`begin`) and the block hooks that
     move its tokens into the order and back."""
 
-    def __init__(self, model: nn.Module, points: OrderPoints, router: Router, attention: nn.Module, force: bool):
+    def __init__(self, model: nn.Module, points: OrderPoints, router: Router, heads: int, head_dim: int,
+                 force: bool):
         self.points = points
         self.router = router
         self.force = force
-        self.heads = int(attention.heads)
-        self.head_dim = int(attention.inner_dim) // self.heads
+        self.heads = heads
+        self.head_dim = head_dim
         self.decided: dict[tuple, Optional[TileOrder]] = {}
         blocks = [block for name in points.blocks for block in getattr(model, name)]
         self.hooks = [block.register_forward_pre_hook(functools.partial(self._enter, first=i == 0), with_kwargs=True)
                       for i, block in enumerate(blocks)]
         self.hooks.append(blocks[-1].register_forward_hook(self._leave))
 
-    def begin(self, model: nn.Module) -> None:
-        """Decide the order of the forward call beginning (its layout is the router's)."""
-        parameter = next(model.parameters())
-        dtype = self.router.dtype or (parameter.dtype if parameter.dtype in KERNEL_DTYPES else torch.bfloat16)
-        key = (self.router.layout, self.router.trailing, dtype, parameter.device)
+    def begin(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Decide the order of the forward call beginning (its layout is the router's), whose attention runs in
+        `dtype` on `device`."""
+        key = (self.router.layout, self.router.trailing, dtype, device)
         if key not in self.decided and not torch.compiler.is_compiling():
             order = None
             if self.router.trailing == 0 and self.router.ulysses is None:  # row-major under context parallelism
                 order = self.router.auto.tile_order(self.router.layout, heads=self.heads, head_dim=self.head_dim,
-                                                    dtype=dtype, device=parameter.device, force=self.force)
+                                                    dtype=dtype, device=device, force=self.force)
             self.decided[key] = order
         self.router.order = self.decided.get(key) if self.router.serving else None  # kept: the model's attention
 

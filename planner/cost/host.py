@@ -22,8 +22,6 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from .model import OWN_ATTENTION
-
 import torch
 import torch.nn.functional as F
 
@@ -31,10 +29,13 @@ from natsim.kernels import gna_resolved, register_resolver
 from natsim.kernels.backends import fa4 as fa4_backend
 from natsim.kernels.backends import gluon as gluon_backend
 
+from .model import OWN_ATTENTION
+
 CALLS = 200
 WARMUP = 10
 TOKENS = 256  # a tiny sequence: two 128-token blocks
 HEADS, HEAD_DIM = 2, 64
+_resolver_ids: dict[str, int] = {}  # one registered resolver per backend measured
 
 
 def host_refusal(backend: str, device: torch.device) -> Optional[str]:
@@ -60,8 +61,6 @@ def tiny_call(backend: str, dtype: torch.dtype, device: torch.device) -> Callabl
         resolver = _resolver_ids[backend] = register_resolver(lambda *layout_and_call: arguments)
     return lambda: gna_resolved(q, k, v, resolver, None, True)
 
-
-_resolver_ids: dict[str, int] = {}  # one registered resolver per backend measured
 
 
 def host_seconds(backend: str, dtype: torch.dtype, device: torch.device) -> float:
