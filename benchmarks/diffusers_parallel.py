@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from natsim.distributed.collectives import high_priority_transfers
+
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
@@ -267,7 +269,8 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     result = dict(device=name, ranks=world, torch=torch.__version__, triton=triton.__version__,
                   diffusers=diffusers.__version__, date=str(datetime.date.today()), latent=args.latent,
-                  layers=config["num_layers"], records=records)
+                  layers=config["num_layers"], records=records,
+                  high_priority_transfers=cuda and high_priority_transfers())
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"diffusers-parallel-{name.replace(' ', '_')}-P{world}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=1))

@@ -214,7 +214,8 @@ def write(out: Path, records: list, setup: dict, world: int, device: torch.devic
                   torch=torch.__version__, triton=triton.__version__, natsim=natsim.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   shape=list(setup["shape"]), heads=setup["heads"], head_dim=setup["head_dim"],
-                  dtype=str(setup["dtype"]).replace("torch.", ""), targets=targets(records), records=records)
+                  dtype=str(setup["dtype"]).replace("torch.", ""), targets=targets(records), records=records,
+                  high_priority_transfers=cuda and collectives.high_priority_transfers())
     out.mkdir(parents=True, exist_ok=True)
     slug = name.replace(" ", "_").replace("/", "_")
     prefix = "" if name_of == "hunyuan" else f"{name_of}-"

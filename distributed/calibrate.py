@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from natsim.partition import Link, Rate
 
-from .collectives import send_receive, start_heads_chunk, whole_sequence, world
+from .collectives import send_receive, start_heads_chunk, transfer_group, whole_sequence, world
 
 SIZES_MB = (4, 16, 64, 256)  # bytes a rank holds per move, in MiB
 
@@ -43,6 +43,7 @@ def calibrate_link(group=None, device: Optional[torch.device] = None, sizes_mb: 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what gloo moves on CPUs
     heads, head_dim, element = size, 64, dtype.itemsize  # one head per rank
+    moves = transfer_group(group)  # the group the strategies' moves run on
     all_to_all, point_to_point = [], []
     for mb in sizes_mb:
         tokens = max(1, int(mb * 2**20) // (heads * head_dim * element))
@@ -52,14 +53,14 @@ def calibrate_link(group=None, device: Optional[torch.device] = None, sizes_mb: 
         whole = (0, heads // size)  # one group: every head a rank holds
 
         def ulysses():
-            whole_sequence(start_heads_chunk(slab, whole, split, group))
+            whole_sequence(start_heads_chunk(slab, whole, split, moves))
 
         all_to_all.append((moved, _slowest(ulysses, repeats, device, group)))
         received = torch.empty_like(slab)
         after, before = (rank + 1) % size, (rank - 1) % size
 
         def neighbours():
-            send_receive([(slab, after)], [(received, before)], group)
+            send_receive([(slab, after)], [(received, before)], moves)
 
         point_to_point.append((slab.numel() * element, _slowest(neighbours, repeats, device, group)))
     where = source or f"{size} ranks, {device.type}, measured by natsim.distributed.calibrate_link"

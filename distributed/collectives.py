@@ -10,16 +10,22 @@ backward moves):
 - `gather_halo` (the halo exchange): a copy of frames to the ranks that read them; its adjoint `return_halo`
   sends the gradient of every halo frame back to the rank that holds that frame, which adds it to its own
   (ops.py makes the pair differentiable operators).
+
+The moves run on `transfer_group(group)`: for NCCL, a twin of the caller's group whose streams have the GPU's
+higher priority, so that a transfer in flight beside an attention kernel gets SMs as they free up instead of
+waiting for the kernel's last blocks to be placed (docs/performance.md has the GPU timelines).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from natsim.partition import check_split, offsets
 
@@ -29,6 +35,38 @@ def world(group) -> tuple[int, int]:
         raise RuntimeError("natsim.distributed needs an initialised torch.distributed process group "
                            "(torch.distributed.init_process_group, e.g. under torchrun).")
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+HIGH_PRIORITY_VALUES = ("1", "true", "yes", "y")
+_twins: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # per group name: the group and its twin
+
+
+def high_priority_transfers() -> bool:
+    """Whether natsim moves tokens on a high-priority twin of an NCCL group: yes unless `NATSIM_NCCL_HIGH_PRIORITY`
+    is 0 (a twin is one more NCCL communicator, with its buffers, per group), or unless every NCCL stream is
+    high-priority already (`TORCH_NCCL_HIGH_PRIORITY`)."""
+    if os.environ.get("NATSIM_NCCL_HIGH_PRIORITY", "1").strip().lower() not in HIGH_PRIORITY_VALUES:
+        return False
+    return os.environ.get("TORCH_NCCL_HIGH_PRIORITY", "0").strip().lower() not in HIGH_PRIORITY_VALUES
+
+
+def transfer_group(group: Union[dist.ProcessGroup, str, None]) -> dist.ProcessGroup:
+    """The group natsim's moves between `group`'s ranks (a group, its name as operators carry it, or None: the
+    world) run on: the group itself, or, for an NCCL group where `high_priority_transfers()`, its twin over the
+    same ranks with high-priority streams, made on the first move by every rank of the group (only they
+    synchronise) and kept while the group lives."""
+    if isinstance(group, str):
+        group = _resolve_process_group(group)
+    group = dist.group.WORLD if group is None else group
+    if not high_priority_transfers() or dist.get_backend(group) != "nccl":
+        return group
+    name = group.group_name
+    if name not in _twins or _twins[name][0] is not group:
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        twin = dist.new_group(dist.get_process_group_ranks(group), backend="nccl", pg_options=options,
+                              use_local_synchronization=True, group_desc=f"natsim_transfers_{name}")
+        _twins[name] = (group, twin)
+    return _twins[name][1]
 
 
 def frame_split(local_frames: int, device: torch.device, group=None) -> tuple[int, ...]:

@@ -23,15 +23,14 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import collectives
-from .collectives import HaloRoutes, group_name
+from .collectives import HaloRoutes, group_name, transfer_group
 
 @torch.library.custom_op("natsim::cp_gather_halo", mutates_args=())
 def _gather_halo(k: torch.Tensor, v: torch.Tensor, routes: Sequence[int], group: str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return collectives.gather_halo(k, v, HaloRoutes.from_ints(routes), _resolve_process_group(group))
+    return collectives.gather_halo(k, v, HaloRoutes.from_ints(routes), transfer_group(group))
 
 
 @_gather_halo.register_fake
@@ -43,7 +42,7 @@ def _gather_halo_fake(k, v, routes, group):
 @torch.library.custom_op("natsim::cp_return_halo", mutates_args=())
 def _return_halo(grad_k: torch.Tensor, grad_v: torch.Tensor, routes: Sequence[int], group: str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return collectives.return_halo(grad_k, grad_v, HaloRoutes.from_ints(routes), _resolve_process_group(group))
+    return collectives.return_halo(grad_k, grad_v, HaloRoutes.from_ints(routes), transfer_group(group))
 
 
 @_return_halo.register_fake

@@ -11,8 +11,8 @@ exposed: every group's packing copy (each precedes the first attention on the co
 transfer need not wait for an attention), the first group's arrival, the last group's return and the output's
 placement into its heads. On a GPU the transfers run on NCCL's stream, ordered after the work enqueued before
 them; waiting orders the compute stream, not the host. NCCL's kernels need SMs: beside an attention kernel they
-keep pace only when NCCL's streams have the higher priority (`TORCH_NCCL_HIGH_PRIORITY=1` where the process group
-is made; docs/performance.md has the GPU timelines).
+keep pace only when their streams have the higher priority, which is why the moves run on the group's
+high-priority twin (`collectives.transfer_group`; docs/performance.md has the GPU timelines).
 
 What attends is a Python callable registered with `register_attend` (the operator's schema carries its id):
 `attend(q, k, v, extras, scale, span)` on `[B, L, *rest, c, D]` head-sharded whole sequences of the heads
@@ -35,12 +35,12 @@ import contextlib
 from typing import Callable, ContextManager, Hashable, Optional, Sequence
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from natsim.kernels import autograd_inside_an_operator, fake_handle, held, hold
 from natsim.partition import default_chunks
 
-from .collectives import group_name, place_heads, start_frames_chunk, start_heads_chunk, whole_sequence
+from .collectives import (group_name, place_heads, start_frames_chunk, start_heads_chunk, transfer_group,
+                          whole_sequence)
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], Optional[float], tuple[int, int]],
                   torch.Tensor]
@@ -105,7 +105,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: Sequence
              ) -> tuple[torch.Tensor, torch.Tensor]:
     run, planning = _registered(attend)
     refuse_capture()
-    resolved, heads = _resolve_process_group(group), q.shape[-2]
+    resolved, heads = transfer_group(group), q.shape[-2]
     spans = head_spans(heads // len(split), chunks)
     inbound = [[start_heads_chunk(x, span, split, resolved) for x in (q, k, v)] for span in spans]
     outbound, graphs = [], []
@@ -143,7 +143,7 @@ def _ulysses_backward(grad_out: torch.Tensor, graphs: torch.Tensor, attend: int,
     _, planning = _registered(attend)
     refuse_capture()
     kept = held(graphs, "natsim::cp_ulysses_backward")
-    resolved, heads = _resolve_process_group(group), grad_out.shape[-2]
+    resolved, heads = transfer_group(group), grad_out.shape[-2]
     spans = head_spans(heads // len(split), chunks)
     inbound = [start_heads_chunk(grad_out, span, split, resolved) for span in spans]
     outbound = []

@@ -336,6 +336,44 @@ def test_collective_operators(one_rank_group):
     assert HaloRoutes.from_ints(routes.as_ints()) == routes
 
 
+def test_transfers_run_on_a_high_priority_twin_of_an_nccl_group(one_rank_group, monkeypatch):
+    """A gloo group moves on itself; an NCCL group on one twin over its ranks, made once with high-priority
+    streams and synchronising only its ranks; none where the environment says so (NCCL faked: the CPU build has
+    none)."""
+    from natsim.distributed import collectives
+
+    world = dist.group.WORLD
+    assert collectives.transfer_group(None) is world
+    assert collectives.transfer_group(collectives.group_name(None)) is world
+
+    made = []
+
+    class Options:
+        def __init__(self, is_high_priority_stream=False):
+            self.is_high_priority_stream = is_high_priority_stream
+
+    def new_group(ranks, **options):
+        made.append((ranks, options))
+        return object()
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", type("ProcessGroupNCCL", (), {"Options": Options}), raising=False)
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(collectives, "_twins", {})
+    for name in ("NATSIM_NCCL_HIGH_PRIORITY", "TORCH_NCCL_HIGH_PRIORITY"):
+        monkeypatch.delenv(name, raising=False)
+    twin = collectives.transfer_group(world)
+    assert twin is not world and collectives.transfer_group(None) is twin and len(made) == 1
+    ranks, options = made[0]
+    assert ranks == [0] and options["backend"] == "nccl" and options["use_local_synchronization"]
+    assert options["pg_options"].is_high_priority_stream
+    for name, value in (("NATSIM_NCCL_HIGH_PRIORITY", "0"), ("TORCH_NCCL_HIGH_PRIORITY", "1")):
+        with monkeypatch.context() as scoped:
+            scoped.setenv(name, value)
+            assert collectives.transfer_group(world) is world
+    assert len(made) == 1
+
+
 def test_ulysses_pipeline_operator(one_rank_group):
     """natsim::cp_ulysses in a group of one: torch.library.opcheck's schema, fake and autograd-registration checks
     (its handle output differs from run to run, which the AOTAutograd check compares), with and without the graphs
@@ -911,6 +949,11 @@ def _nccl_worker(rank: int, world: int, port: int) -> None:
         compiled = _gradients(torch.compile(loss, fullgraph=True), inputs, None)
         for a, b in zip(compiled, eager):
             assert _relative(a, b) < 2e-2, f"compiled, rank {rank}: {_relative(a, b)}"
+        from natsim.distributed.collectives import transfer_group
+
+        twin = transfer_group(None)  # the group the moves above ran on
+        assert twin is not dist.group.WORLD and dist.get_process_group_ranks(twin) == list(range(world))
+        assert twin._get_backend(device).options.is_high_priority_stream
         dist.barrier()
     finally:
         dist.destroy_process_group()
