@@ -568,10 +568,18 @@ def median_ms(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def step_ms(model, args: dict, steps: int) -> tuple[float, torch.Tensor]:
-    """Median milliseconds of a forward pass (after two warm-up passes) and its output."""
+def step_ms(model, args: dict, steps: int, graphs: bool = False) -> tuple[float, torch.Tensor]:
+    """Median milliseconds of a forward pass (after two warm-up passes) and its output (a copy: a CUDA graph's
+    output is overwritten by its next replay). `graphs`: the model is compiled with CUDA graphs, each pass a new
+    step of their trees."""
+
+    def forward():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return model(**args)
+
     with torch.no_grad():
-        return median_ms(lambda: model(**args), steps), model(**args)[0]
+        return median_ms(forward, steps), forward()[0].clone()
 
 
 @dataclass
@@ -619,24 +627,28 @@ def captured_qkv(model, args: dict, applied) -> Captured:
     return Captured(*seen[0], calls=len(calls))
 
 
-def compile_step(model, fullgraph: bool = True):
+def compile_step(model, fullgraph: bool = True, mode: Optional[str] = None):
     """The model compiled as the step is measured: `compile_repeated_blocks` where the class declares repeated
-    blocks, else the whole model under `torch.compile` (aot_eager on the CPU)."""
-    backend = {} if DEVICE == "cuda" else {"backend": "aot_eager"}
+    blocks, else the whole model under `torch.compile` (aot_eager on the CPU); `mode`: torch.compile's (None, or
+    "reduce-overhead" for CUDA graphs)."""
+    backend = ({} if mode is None else {"mode": mode}) if DEVICE == "cuda" else {"backend": "aot_eager"}
     if model._repeated_blocks:
         model.compile_repeated_blocks(fullgraph=fullgraph, **backend)
         return model
     return torch.compile(model, fullgraph=fullgraph, **backend)
 
 
-def compiled_step_ms(model, args: dict, steps: int) -> tuple[float, torch.Tensor, Optional[str]]:
-    """`step_ms` of the compiled model under `fullgraph=True`, or, where Dynamo cannot trace the step whole (a
-    graph break, a data-dependent shape), compiled again with graph breaks allowed; then with the reason."""
+def compiled_step_ms(model, args: dict, steps: int, mode: Optional[str] = None
+                     ) -> tuple[float, torch.Tensor, Optional[str]]:
+    """`step_ms` of the model compiled with `mode` under `fullgraph=True`, or, where Dynamo cannot trace the step
+    whole (a graph break, a data-dependent shape), compiled again with graph breaks allowed; then with the
+    reason."""
+    graphs = mode == "reduce-overhead" and DEVICE == "cuda"
     try:
-        return (*step_ms(compile_step(model), args, steps), None)
+        return (*step_ms(compile_step(model, mode=mode), args, steps, graphs), None)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as error:
         torch._dynamo.reset()
-        return (*step_ms(compile_step(model, fullgraph=False), args, steps), break_reason(error))
+        return (*step_ms(compile_step(model, fullgraph=False, mode=mode), args, steps, graphs), break_reason(error))
 
 
 def break_reason(error: Exception) -> str:

@@ -4,6 +4,7 @@ model's, planner/plans/verdict.py), and with natsim's route forced on every layo
 one JSON:
 
     python benchmarks/keep_own.py --out DIR [--cases sd3-1024,pixart-sigma-1024,wan-480p] [--steps 5] [--repeats 3]
+                                  [--mode reduce-overhead]
     python benchmarks/keep_own.py --out /tmp/x --small      # CPU smoke test: tiny models
 
 The models and their inputs are benchmarks/diffusers_step.py's cases (random weights, bf16, batch 1, its layer
@@ -12,7 +13,8 @@ step is within noise of the faster of the other two. Medians of `--steps` timed 
 prints each step, the verdict (`serves`: natsim's call; `keeps`: the model's) with its priced seconds, and the
 default's time over the faster of the other two. `--repeats R` runs the three configurations of each case R times
 in turn (own, default, forced, own, ...), which shows how far two timings of one configuration differ in one
-process: the margin a verdict can be checked at. Writes `diffusers-keep-own-<device>-<date>.json`.
+process: the margin a verdict can be checked at. `--mode reduce-overhead` compiles every configuration with CUDA
+graphs, which take the host's issue out of the step. Writes `diffusers-keep-own-<device>-<date>.json`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -30,13 +33,13 @@ from natsim.integrations import diffusers as nd
 DEFAULT_CASES = ("sd3-1024", "pixart-sigma-1024", "cogview4-1024", "qwenimage-1024", "wan-480p")
 
 
-def run_case(name: str, steps: int, small: bool, repeat: int = 0) -> dict:
+def run_case(name: str, steps: int, small: bool, repeat: int = 0, mode: Optional[str] = None) -> dict:
     cls_name, config, layout, text, options = small_case(name) if small else CASES[name]
     torch.manual_seed(0)
     model = build(cls_name, config)
     args = inputs(cls_name, config, layout, text)
-    record = dict(case=name, repeat=repeat, model=cls_name, layout=list(layout), text_tokens=text)
-    record["own_ms"], own_out, _ = compiled_step_ms(model, args, steps)
+    record = dict(case=name, repeat=repeat, model=cls_name, layout=list(layout), text_tokens=text, mode=mode)
+    record["own_ms"], own_out, _ = compiled_step_ms(model, args, steps, mode)
     for label, keep_own in (("default", True), ("served", False)):
         fresh()
         applied = nd.apply(model, **options, keep_own=keep_own)
@@ -44,7 +47,7 @@ def run_case(name: str, steps: int, small: bool, repeat: int = 0) -> dict:
             warnings.simplefilter("always")
             with torch.no_grad():
                 model(**args)  # the layout's verdict, made outside the compiled graph (its first call)
-        record[f"{label}_ms"], out, record[f"{label}_graph_break"] = compiled_step_ms(model, args, steps)
+        record[f"{label}_ms"], out, record[f"{label}_graph_break"] = compiled_step_ms(model, args, steps, mode)
         record[f"{label}_relative_difference"] = float((out.float() - own_out.float()).norm() / own_out.float().norm())
         if keep_own:
             verdicts = list(applied.verdicts.values())
@@ -75,8 +78,11 @@ def main(argv=None) -> None:
                         help=f"comma-separated, from {', '.join(CASES)} (default: {','.join(DEFAULT_CASES)})")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     parser.add_argument("--repeats", type=int, default=1, help="times each case's three configurations run in turn")
+    parser.add_argument("--mode", choices=("default", "reduce-overhead"), default="default",
+                        help="torch.compile's mode for every configuration (reduce-overhead: CUDA graphs)")
     parser.add_argument("--small", action="store_true", help="tiny models on the CPU (a smoke test of the script)")
     args = parser.parse_args(argv)
+    mode = None if args.mode == "default" else args.mode
     names = args.cases.split(",")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -90,7 +96,7 @@ def main(argv=None) -> None:
     for name in names:
         for repeat in range(args.repeats):
             print(f"{name} ({repeat + 1} of {args.repeats}) ...", flush=True)
-            result["records"].append(run_case(name, args.steps, args.small, repeat))
+            result["records"].append(run_case(name, args.steps, args.small, repeat, mode))
             path.write_text(json.dumps(result, indent=2))
     print_table(result["records"])
     print(f"\nwrote {path}")

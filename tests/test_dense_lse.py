@@ -50,20 +50,26 @@ def test_the_backward_takes_the_lse_gradient(batch, queries, keys, heads, head_d
 
 @pytest.mark.gpu
 def test_the_gpu_path_differentiates_the_lse():
-    """The memory-efficient kernel's forward with the written-out backward against float64 autograd (bf16)."""
+    """The GPU kernels' forward (flash without a key mask, memory-efficient with one) with the written-out backward
+    against float64 autograd (bf16): outputs, LSEs and gradients, at key counts that are and are not multiples of
+    16 and head dims that are not powers of two."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     gen = torch.Generator("cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, n, 4, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for n in (300, 77, 77))
-    keep = torch.rand(2, 77, device="cuda", generator=gen) < 0.7
-    grad_out, grad_lse = torch.randn(2, 300, 4, 64, device="cuda", generator=gen), torch.randn(2, 300, 4, device="cuda",
-                                                                                               generator=gen)
-    results = []
-    for fn, dtype in ((dense.attention_with_lse, torch.bfloat16), (dense._torch_attention_with_lse, torch.float64)):
-        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        out, lse = fn(*inputs, keep, 0.125)
-        loss = (out.float() * grad_out).sum() + (lse.float() * grad_lse).sum()
-        results.append(torch.autograd.grad(loss, inputs))
-    for got, want in zip(*results):
-        error = float((got.double() - want).norm() / want.norm())
-        assert error < 2e-2, error
+    for keys, head_dim, masked in ((77, 64, True), (77, 64, False), (333, 72, False), (64, 96, True), (1, 128, False)):
+        q, k, v = (torch.randn(2, n, 4, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+                   for n in (300, keys, keys))
+        keep = torch.rand(2, keys, device="cuda", generator=gen) < 0.7 if masked else None
+        grad_out = torch.randn(2, 300, 4, head_dim, device="cuda", generator=gen)
+        grad_lse = torch.randn(2, 300, 4, device="cuda", generator=gen)
+        results = []
+        for fn, dtype in ((dense.attention_with_lse, torch.bfloat16), (dense._torch_attention_with_lse, torch.float64)):
+            inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+            out, lse = fn(*inputs, keep, head_dim**-0.5)
+            loss = (out.float() * grad_out).sum() + (torch.where(torch.isinf(lse), 0.0, lse).float() * grad_lse).sum()
+            results.append((out.detach(), lse.detach(), *torch.autograd.grad(loss, inputs)))
+        case = f"keys={keys}, head_dim={head_dim}, masked={masked}"
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), *results):
+            assert got.shape == want.shape, (case, name, got.shape, want.shape)
+            error = float((got.double() - want).norm() / want.norm().clamp_min(1e-12))
+            assert error < 2e-2, (case, name, error)

@@ -3,8 +3,8 @@ queries against text keys; the dense steps of content-adaptive masks), so that t
 part through their LSEs.
 
 Its backward takes the LSE's gradient as well as the output's: the merge weights the two parts by their LSEs, so
-training joint attention needs both. On the GPU the forward is PyTorch's memory-efficient attention kernel, whose
-LSE output autograd does not differentiate; the backward (`_DenseWithLse`) is written out instead, over chunks of
+training joint attention needs both. On the GPU the forward is PyTorch's flash kernel (its memory-efficient kernel
+under a key mask), whose LSE output autograd does not differentiate; the backward (`_DenseWithLse`) is written out instead, over chunks of
 queries: with P recomputed from the saved LSE, dS = P * (dO V^T - rowsum(dO * O) + dLSE), dQ = scale dS K,
 dK = scale dS^T Q, dV = P^T dO. The keys here are few (text), so a chunk's scores are small.
 """
@@ -23,7 +23,7 @@ CHUNK_SCORES = 1 << 25  # scores per chunk of queries in the backward (128 MiB i
 def attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
     """Dense attention of `[B, Nq, heads, D]` queries over `[B, Nk, heads, D]` keys (`keep`: `[B, Nk]` or None):
     the output (float32) and the natural-log LSE `[B, Nq, heads]` (-inf, with output 0, where every key is
-    masked), both differentiable. On the GPU, PyTorch's memory-efficient attention kernel, which returns its LSE,
+    masked), both differentiable. On the GPU, PyTorch's flash or memory-efficient kernel, which return their LSE,
     with the backward of the module docstring; elsewhere in float32 torch ops, differentiated by autograd."""
     if q.is_cuda:
         return _DenseWithLse.apply(q, k, v, keep, scale)
@@ -45,8 +45,20 @@ def _torch_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: floa
     return out, lse.transpose(1, 2)
 
 
+def _cuda_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
+    """`attention_with_lse`'s forward on the GPU: without a key mask over a key count known to be positive,
+    PyTorch's flash kernel, which takes any count as it is; otherwise its memory-efficient kernel (a bias for the
+    mask). The flash call saves a compiled step the bias's and the padding's kernels, a few launches of host work
+    on each joint call."""
+    if keep is None and guard_or_false(k.shape[1] > 0):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)[:2]
+        return out.transpose(1, 2).float(), lse.transpose(1, 2)
+    return _efficient_attention_with_lse(q, k, v, keep, scale)
+
+
 def _efficient_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
-    """`_attention_with_lse` through `aten._scaled_dot_product_efficient_attention`: keys padded to a multiple of
+    """`attention_with_lse` through `aten._scaled_dot_product_efficient_attention`: keys padded to a multiple of
     16 (its bias rows must be 16-element aligned), masked keys and padding through an additive bias."""
     batch, queries, heads, _ = q.shape
     keys = k.shape[1]
@@ -83,7 +95,7 @@ class _DenseWithLse(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, keep: Optional[torch.Tensor], scale: float):
-        kernel = _efficient_attention_with_lse if q.is_cuda else _torch_attention_with_lse  # CPU: for tests
+        kernel = _cuda_attention_with_lse if q.is_cuda else _torch_attention_with_lse  # CPU: for tests
         out, lse = kernel(q, k, v, keep, scale)
         ctx.save_for_backward(q, k, v, out, lse, keep)
         ctx.scale = scale
