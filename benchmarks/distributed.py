@@ -36,6 +36,7 @@ from natsim.distributed import gna as distributed_gna
 from natsim.distributed import collectives
 from natsim.kernels import gna_attention
 from natsim.partition import STRATEGIES, aligned_split, even_split, offsets, strategy_cost
+from natsim.stored import link_for
 
 # name, shape, window, stride (the HunyuanVideo layout: 30 x 48 x 80 tokens, 24 heads of 128, bf16)
 FULL = dict(shape=(30, 48, 80), heads=24, head_dim=128, dtype=torch.bfloat16, repeats=10, configs=[
@@ -108,8 +109,9 @@ def run_case(name, window, stride, split_name, setup, q, k, v, single_out, singl
     t = offsets(split)
     mine = slice(t[rank], t[rank + 1])
     ql, kl, vl = (x[:, mine].contiguous() for x in (q, k, v))
-    tiles = distributed_gna._tiles(problem, head_dim, None, None)
-    auto = nd.choose(problem, tiles, split, 1, heads, head_dim, q.element_size())
+    tiles = distributed_gna.strategy_tiles(problem, head_dim)
+    link = link_for(torch.cuda.get_device_name(device) if device.type == "cuda" else None, world)
+    auto = nd.choose(problem, tiles, split, 1, heads, head_dim, q.element_size(), link=link)  # what "auto" runs
     record = dict(config=name, window=list(window), stride=list(stride), split=list(split), auto_choice=auto,
                   single_gpu_ms=single_ms, strategies={})
     runnable = [s for s in STRATEGIES if s != "ulysses" or heads % world == 0]  # ulysses: heads divide
@@ -132,8 +134,9 @@ def run_case(name, window, stride, split_name, setup, q, k, v, single_out, singl
         entry = dict(ms=ms, speedup_over_1gpu=single_ms / ms, max_rel_error_vs_1gpu=float(error.item()),
                      bytes_moved=int(sent.item()))
         if strategy != "auto":
-            cost = strategy_cost(problem, tiles, split, strategy, batch=1, heads=heads, head_dim=head_dim,
-                                 element_bytes=q.element_size(), chunks=int(chunks) if chunks else None)
+            cost = strategy_cost(problem, getattr(tiles, strategy), split, strategy, batch=1, heads=heads,
+                                 head_dim=head_dim, element_bytes=q.element_size(), link=link,
+                                 chunks=int(chunks) if chunks else None)
             entry.update(predicted_bytes_moved=cost.bytes_moved, predicted_s=cost.seconds,
                          predicted_imbalance=cost.imbalance,
                          ranks=[r.to_dict() for r in cost.ranks])

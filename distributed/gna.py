@@ -7,6 +7,7 @@ and left out by `"auto"`.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from natsim import Problem, TileConfig
 from natsim.kernels import autocast_inputs
 from natsim.kernels import gna_attention as single_gpu_gna_attention
-from natsim.kernels.backends.triton import TILE_TOKENS, check_qkv, default_tiles, use_triton
+from natsim.kernels.backends.triton import check_qkv, choose_tiles, kernel_tiles, use_triton
 from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, Rate, choose_strategy, strategy_cost
 from natsim.stored import link_for
 from natsim.problem import BoolOrBools, IntOrInts
@@ -31,22 +32,39 @@ HALO_GRADIENT_REFUSAL = (
 )
 
 
-def _tiles(problem: Problem, head_dim: int, q_tile, kv_tile) -> TileConfig:
-    """The tiles the kernel will run (its defaults unless given), for the cost estimate."""
-    if q_tile is None and kv_tile is None:
-        return TileConfig(*default_tiles(problem, head_dim if head_dim in TILE_TOKENS else 128))
-    return TileConfig(kv_tile if q_tile is None else q_tile, q_tile if kv_tile is None else kv_tile)
+@dataclass(frozen=True)
+class StrategyTiles:
+    """The tiles each strategy's kernel runs, as natsim's single-GPU call picks them (given ones kept), for the
+    cost estimate: Ulysses attends the whole layout, where natsim chooses static or dynamic KV tiling (or runs the
+    `kv_tiling` given); the halo exchange runs frame ranges, which take static KV tiling only. Priced at one
+    tiling, the halo exchange looked cheaper than it runs by the tiles dynamic tiling saves Ulysses (18% of them
+    on Wan 720p with a 7x21x35 window)."""
+
+    ulysses: TileConfig
+    halo: TileConfig
 
 
 @functools.lru_cache(maxsize=256)
-def choose(problem: Problem, tiles: TileConfig, split: tuple[int, ...], batch: int, heads: int, head_dim: int,
+def strategy_tiles(problem: Problem, head_dim: int, q_tile=None, kv_tile=None,
+                   kv_tiling: Optional[str] = None) -> StrategyTiles:
+    """`StrategyTiles` for `problem` at `head_dim`, with the call's `q_tile`, `kv_tile` (ints or tuples, None
+    for natsim's choice) and `kv_tiling`."""
+    given = (None, None) if q_tile is None and kv_tile is None else kernel_tiles(problem, q_tile, kv_tile)
+    modes = ("static", "dynamic") if kv_tiling is None else (kv_tiling,)
+    ulysses = choose_tiles(problem, head_dim, modes, *given)
+    q_dims, kv_dims, _ = choose_tiles(problem, head_dim, ("static",), *given)
+    return StrategyTiles(TileConfig(ulysses[0], ulysses[1], kv_tiling=ulysses[2]), TileConfig(q_dims, kv_dims))
+
+
+@functools.lru_cache(maxsize=256)
+def choose(problem: Problem, tiles: StrategyTiles, split: tuple[int, ...], batch: int, heads: int, head_dim: int,
            element_bytes: int, training: bool = False, strategies: tuple[str, ...] = STRATEGIES,
            link: Link = DEFAULT_LINK, chunks: Optional[int] = None) -> str:
-    """The one of `strategies` natsim.partition predicts faster, its bytes at `link`'s rates: the forward and,
-    when `training`, the backward too (its tile work and the gradients' bytes); Ulysses with its heads in
-    `chunks` groups (natsim.partition.default_chunks unless given). Ulysses is left out unless heads divide over
-    the ranks."""
-    costs = [strategy_cost(problem, tiles, split, s, batch=batch, heads=heads, head_dim=head_dim,
+    """The one of `strategies` natsim.partition predicts faster, each priced with the tiles it runs (`tiles`)
+    and its bytes at `link`'s rates: the forward and, when `training`, the backward too (its tile work and the
+    gradients' bytes); Ulysses with its heads in `chunks` groups (natsim.partition.default_chunks unless given).
+    Ulysses is left out unless heads divide over the ranks."""
+    costs = [strategy_cost(problem, getattr(tiles, s), split, s, batch=batch, heads=heads, head_dim=head_dim,
                            element_bytes=element_bytes, training=training, link=link, chunks=chunks)
              for s in strategies if s != "ulysses" or heads % len(split) == 0]
     return choose_strategy(costs).strategy
@@ -65,7 +83,7 @@ def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[
         link = link_for(torch.cuda.get_device_name(gpu_index) if gpu_index >= 0 else None, len(split))
     else:
         link = Link(Rate(rates[0], rates[1]), Rate(rates[2], rates[3]))
-    return choose(problem, _tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link, chunks)
+    return choose(problem, strategy_tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link, chunks)
 
 
 @torch.compiler.assume_constant_result
@@ -82,14 +100,18 @@ def _attend(window: tuple, stride: tuple, dilation: tuple, causal: tuple, q_tile
     return register_attend(attend, key=("gna", window, stride, dilation, causal, q_tile, kv_tile, kv_tiling))
 
 
-def _runnable(heads: int, world_size: int, halo_trains: bool) -> tuple[str, ...]:
-    """The strategies `"auto"` chooses among: ulysses when heads divide over the ranks, halo unless the call
-    needs gradients it cannot give here (`halo_trains`); a sentence error when neither can run."""
+HALO_DYNAMIC_REFUSAL = ("the halo strategy runs frame ranges with static KV tiling only, got kv_tiling='dynamic'; "
+                        "use strategy='ulysses' or kv_tiling=None.")
+
+
+def _runnable(heads: int, world_size: int, halo_refusal: Optional[str]) -> tuple[str, ...]:
+    """The strategies `"auto"` chooses among: ulysses when heads divide over the ranks, halo unless the call is
+    one it cannot run here (`halo_refusal`, the sentence saying why); a sentence error when neither can run."""
     names = tuple(s for s in STRATEGIES if (s != "ulysses" or heads % world_size == 0)
-                  and (s != "halo" or halo_trains))
+                  and (s != "halo" or halo_refusal is None))
     if not names:
-        raise RuntimeError(f"no strategy can train here: ulysses shards heads, and heads={heads} cannot be split "
-                           f"evenly over {world_size} ranks; and {HALO_GRADIENT_REFUSAL}")
+        raise RuntimeError(f"no strategy can run this call: ulysses shards heads, and heads={heads} cannot be split "
+                           f"evenly over {world_size} ranks; and {halo_refusal}")
     return names
 
 
@@ -137,11 +159,13 @@ def gna_attention(
     problem = Problem((sum(split), *shape[1:]), window, stride, dilation, causal)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    halo_trains = not (training and use_triton(q))
+    untrainable = training and use_triton(q)  # the halo strategy's frame ranges have no backward kernel
+    halo_refusal = HALO_GRADIENT_REFUSAL if untrainable else HALO_DYNAMIC_REFUSAL if kv_tiling == "dynamic" else None
+    tiles = tuple(tuple(t) if isinstance(t, list) else t for t in (q_tile, kv_tile))  # hashable, as given
     if strategy == "auto":
         strategy = _auto(problem.shape, (problem.window, problem.stride, problem.dilation, problem.causal),
-                         (q_tile, kv_tile), split, (batch, heads, head_dim, q.element_size()), training,
-                         _runnable(heads, size, halo_trains),
+                         (*tiles, kv_tiling), split, (batch, heads, head_dim, q.element_size()), training,
+                         _runnable(heads, size, halo_refusal),
                          None if link is None else (link.all_to_all.bytes_per_second, link.all_to_all.latency_seconds,
                                                     link.point_to_point.bytes_per_second,
                                                     link.point_to_point.latency_seconds),
@@ -150,15 +174,13 @@ def gna_attention(
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
     if strategy == "ulysses":
         check_heads(heads, size)
-        tiles = tuple(tuple(t) if isinstance(t, list) else t for t in (q_tile, kv_tile))  # hashable, as given
         attend = _attend(problem.window, problem.stride, problem.dilation, problem.causal, *tiles, kv_tiling)
         return ulysses_attention(attend, q, k, v, split, rank, group, scale=scale, chunks=chunks)
     kernel = functools.partial(single_gpu_gna_attention, window=problem.window, stride=problem.stride,
                                dilation=problem.dilation, causal=problem.causal, scale=scale, q_tile=q_tile,
                                kv_tile=kv_tile)
-    if not halo_trains:
+    if untrainable:
         raise RuntimeError(HALO_GRADIENT_REFUSAL)
-    if kv_tiling == "dynamic":
-        raise ValueError("the halo strategy runs frame ranges with static KV tiling only, got kv_tiling='dynamic'; "
-                         "use strategy='ulysses' or kv_tiling=None.")
+    if halo_refusal is not None:
+        raise ValueError(halo_refusal)
     return halo(kernel, problem, q, k, v, split, rank, group)

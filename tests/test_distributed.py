@@ -35,7 +35,7 @@ from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from natsim import Problem, TileConfig
-from natsim.partition import (Link, check_split, even_split, key_frames, offsets, pipeline_seconds, rank_tiles,
+from natsim.partition import (Link, Rate, check_split, even_split, key_frames, offsets, pipeline_seconds, rank_tiles,
                               strategy_cost)
 from natsim.kernels import gna_attention, gna_tile_counts, reference_attention
 
@@ -305,10 +305,41 @@ def test_not_initialised():
 def test_what_auto_chooses_among():
     from natsim.distributed import gna as distributed_gna
 
-    assert distributed_gna._runnable(4, 2, halo_trains=False) == ("ulysses",)
-    assert distributed_gna._runnable(5, 2, halo_trains=True) == ("halo",)
+    refusal = distributed_gna.HALO_GRADIENT_REFUSAL
+    assert distributed_gna._runnable(4, 2, refusal) == ("ulysses",)
+    assert distributed_gna._runnable(5, 2, None) == ("halo",)
+    assert distributed_gna._runnable(4, 2, None) == ("ulysses", "halo")
     with pytest.raises(RuntimeError, match="heads=5 cannot be split evenly over 2 ranks; and the halo strategy"):
-        distributed_gna._runnable(5, 2, halo_trains=False)
+        distributed_gna._runnable(5, 2, refusal)
+    with pytest.raises(RuntimeError, match="static KV tiling only"):
+        distributed_gna._runnable(5, 2, distributed_gna.HALO_DYNAMIC_REFUSAL)
+
+
+def test_each_strategy_is_priced_with_the_tiles_it_runs():
+    """Ulysses runs the whole layout with natsim's KV tiling choice (the single-GPU dispatcher's), the halo
+    exchange frame ranges with static tiling: auto prices each with those tiles. On Wan 720p's 7x21x35 window at
+    2 ranks, priced alike (static), halo looked faster; with each its own tiles, Ulysses is, as measured."""
+    from natsim.distributed import gna as distributed_gna
+    from natsim.kernels.backends.triton import choose_tiles
+    from natsim.partition import even_split
+
+    problem = Problem((21, 45, 80), (7, 21, 35))
+    tiles = distributed_gna.strategy_tiles(problem, 128)
+    assert tiles.halo.kv_tiling == "static"
+    assert (tiles.ulysses.q_tile, tiles.ulysses.kv_tile, tiles.ulysses.kv_tiling) == choose_tiles(
+        problem, 128, ("static", "dynamic"))
+    assert (tiles.halo.q_tile, tiles.halo.kv_tile) == choose_tiles(problem, 128)[:2]
+    assert tiles.ulysses.kv_tiling == "dynamic"  # fewer tiles than static here: the case this guards
+    given = distributed_gna.strategy_tiles(problem, 128, (1, 8, 8), None, "static")
+    assert given.ulysses == given.halo == TileConfig((1, 8, 8), (1, 8, 8))
+    link = Link(Rate(235.6e9, 3.1e-4), Rate(312.8e9, 1.6e-4))  # two H200s, measured (natsim/links)
+    split = even_split(21, 2)
+    assert distributed_gna.choose(problem, tiles, split, 1, 40, 128, 2, link=link) == "ulysses"
+    for strategy in ("ulysses", "halo"):  # each priced with its own tiles
+        assert strategy_cost(problem, getattr(tiles, strategy), split, strategy, batch=1, heads=40, head_dim=128,
+                             element_bytes=2, link=link).seconds > 0
+    alike = distributed_gna.StrategyTiles(tiles.halo, tiles.halo)
+    assert distributed_gna.choose(problem, alike, split, 1, 40, 128, 2, link=link) == "halo"
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ Beside the tables, what the planner (natsim.planner), the mask predictors (natsi
 kernel module of its own accord:
 
 - GNA's tile catalog: `TILE_TOKENS` (the (Q tokens, KV tokens) pairs worth running per head dim), `tile_pairs`,
-  `default_tiles`; `kernel_tiles` checks given tiles against the kernel.
+  `default_tiles`, `choose_tiles` (with the KV tiling); `kernel_tiles` checks given tiles against the kernel.
 - How a GNA call runs: `permutes` (the permuted path), `needs_mask` (the element mask compiled in),
   `dense_as_1d` (dense attention over the flattened layout), `check_qkv` (q, k, v of a layout).
 - GNA's backward: `backward_tiles`, `DEFAULT_VARIANT` (its tuning switches), `DKDV_PRODUCTS` / `DQ_PRODUCTS`
@@ -41,7 +41,7 @@ from ..gna.checks import MAX_TILE_TOKENS, MIN_TILE_TOKENS, check_qkv, kernel_til
 from ..gna.dispatch import forward
 from ..gna.launch import dense_as_1d, needs_mask, permutes
 from ..common.headdim import head_split
-from ..gna.tiles import TILE_TOKENS, catalog, default_tiles, tile_pairs
+from ..gna.tiles import TILE_TOKENS, catalog, choose_tiles, default_tiles, tile_pairs
 from ..sparse.checks import SPARSE_HEAD_DIMS
 from ..sparse.mask import MAX_BLOCK, MIN_BLOCK, check_block, check_dense_mask, check_seq_len
 from ..sparse.work import MIN_Q_BLOCK, default_blocks
@@ -55,6 +55,7 @@ __all__ = [
     "catalog",
     "computed_width",
     "tile_pairs",
+    "choose_tiles",
     "default_tiles",
     "kernel_tiles",
     "permutes",
