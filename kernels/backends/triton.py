@@ -40,7 +40,6 @@ from ..gna.backward import DEFAULT_VARIANT, DKDV_PRODUCTS, DQ_PRODUCTS, backward
 from ..gna.checks import MAX_TILE_TOKENS, MIN_TILE_TOKENS, check_qkv, kernel_tiles
 from ..gna.dispatch import forward
 from ..gna.launch import dense_as_1d, needs_mask, permutes
-from ..common.headdim import head_split
 from ..gna.tiles import TILE_TOKENS, catalog, choose_tiles, default_tiles, tile_pairs
 from ..sparse.checks import SPARSE_HEAD_DIMS
 from ..sparse.mask import MAX_BLOCK, MIN_BLOCK, check_block, check_dense_mask, check_seq_len
@@ -53,7 +52,6 @@ __all__ = [
     "MASKS",
     "TILE_TOKENS",
     "catalog",
-    "computed_width",
     "tile_pairs",
     "choose_tiles",
     "default_tiles",
@@ -137,7 +135,3 @@ def gna_backward_for_timing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     return gna_backward(q, k, v, out, lse, grad_out, None, problem)
 
 
-def computed_width(head_dim: int) -> int:
-    """The columns natsim's kernels compute per head at `head_dim` (its chunks: 72 computes 64 + 16): what their
-    matrix products cost, where the planner prices a width that is not a power of two."""
-    return head_split(head_dim).width

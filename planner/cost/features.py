@@ -4,7 +4,7 @@ One row per configuration, one column per feature (batch and heads multiply ever
 
 | feature | unit | what it counts |
 |---|---|---|
-| `full_flops` | FLOP | 4 * T_Q * T_KV * width per visited tile that runs without the window mask (width: the columns the kernel computes, head_dim in power-of-two chunks, 72 as 64 + 16) |
+| `full_flops` | FLOP | 4 * T_Q * T_KV * width per visited tile that runs without the window mask (width: head_dim rounded up to a power of two, the width a split head dim runs like) |
 | `masked_flops` | FLOP | the same for visited tiles that need the mask (their extra cost is masking) |
 | `narrow_q_flops` | FLOP | FLOPs of tiles with fewer than 128 queries (4 warps instead of 8: their extra cost) |
 | `narrow_kv_flops` | FLOP | FLOPs of tiles with fewer than 128 keys (more, shorter KV iterations: their extra cost) |
@@ -25,7 +25,6 @@ import numpy as np
 
 from natsim import SimResult, SweepResult, TileConfig
 from natsim.dimension import ceil_div
-from natsim.kernels.backends.triton import computed_width
 
 FEATURES = (
     "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "narrow_head_flops", "kv_tile_visits",
@@ -78,8 +77,11 @@ def feature_matrix(
     kv_tokens = np.asarray(kv_tokens, np.float64)
     q_padded = np.asarray(q_padded, np.float64)
     kv_padded = np.asarray(kv_padded, np.float64)
-    # the matrix products run over the columns the kernel computes: head_dim's power-of-two chunks (FP8 pads)
-    width = 1 << (head_dim - 1).bit_length() if quantized else computed_width(head_dim)
+    # Work is counted at head_dim rounded up to a power of two. A width the kernel computes in two power-of-two
+    # chunks (72 as 64 + 16) runs within about 10% of its time padded to that power of two (docs/performance.md,
+    # "Head dims that are not powers of two"): the second chunk's narrow products do not shorten a loop bound by
+    # the first chunk's loads and the softmax. Counting only the chunks' columns priced 72 at 0.62-0.76 of 128.
+    width = 1 << (head_dim - 1).bit_length()
     tile_flops = 4.0 * q_tokens * kv_tokens * width * batch_heads
     moved = permutation_bytes(tokens, q_padded, kv_padded, batch_heads=batch_heads, head_dim=head_dim,
                               element_bytes=element_bytes)
