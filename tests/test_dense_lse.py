@@ -48,6 +48,28 @@ def test_the_backward_takes_the_lse_gradient(batch, queries, keys, heads, head_d
         assert torch.allclose(got.double(), want, atol=1e-5), (got - want).abs().max()
 
 
+def test_the_flash_kernel_takes_unmasked_calls_of_known_counts():
+    """The GPU forward's choice: flash without a key mask over at least one key; the memory-efficient kernel under a
+    mask, over no key, for queries the caller says are data-dependent, or where torch.compile sees a
+    data-dependent count of keys (text with its padding dropped)."""
+    k = torch.zeros(1, 3, 2, 8)
+    assert dense._takes_flash(k, None, True)
+    assert not dense._takes_flash(k, torch.ones(1, 3, dtype=torch.bool), True)
+    assert not dense._takes_flash(k[:, :0], None, True)
+    assert not dense._takes_flash(k, None, False)
+    seen = []
+
+    def kept_keys(x, keep):
+        keys = x[:, keep.nonzero()[:, 0]]  # a data-dependent count of keys
+        seen.append(dense._takes_flash(keys, None, True))
+        return keys.sum()
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        torch.compile(kept_keys, fullgraph=True, backend="eager")(torch.zeros(1, 6, 2, 8),
+                                                                  torch.tensor([True, False] * 3))
+    assert seen == [False]
+
+
 @pytest.mark.gpu
 def test_the_gpu_path_differentiates_the_lse():
     """The GPU kernels' forward (flash without a key mask, memory-efficient with one) with the written-out backward

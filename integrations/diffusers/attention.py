@@ -216,7 +216,7 @@ def _every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
             mask = F.pad(mask, (0, 0, 0, 1), value=False if mask.dtype == torch.bool else float("-inf"))
         if mask is None or mask.shape[2] == 1:
             keep = None if mask is None else _key_mask(mask)
-            return attention_with_lse(q, k, v, keep, scale)[0][:, :rows].to(q.dtype)
+            return attention_with_lse(q, k, v, keep, scale, known_queries=False)[0][:, :rows].to(q.dtype)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale).transpose(1, 2)
     return out[:, :rows]

@@ -20,13 +20,14 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 CHUNK_SCORES = 1 << 25  # scores per chunk of queries in the backward (128 MiB in float32)
 
 
-def attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
+def attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float, known_queries: bool = True):
     """Dense attention of `[B, Nq, heads, D]` queries over `[B, Nk, heads, D]` keys (`keep`: `[B, Nk]` or None):
     the output (float32) and the natural-log LSE `[B, Nq, heads]` (-inf, with output 0, where every key is
     masked), both differentiable. On the GPU, PyTorch's flash or memory-efficient kernel, which return their LSE,
-    with the backward of the module docstring; elsewhere in float32 torch ops, differentiated by autograd."""
+    with the backward of the module docstring; elsewhere in float32 torch ops, differentiated by autograd.
+    `known_queries`: False where the query count is data-dependent under torch.compile (`_takes_flash`)."""
     if q.is_cuda:
-        return _DenseWithLse.apply(q, k, v, keep, scale)
+        return _DenseWithLse.apply(q, k, v, keep, scale, known_queries)
     return _torch_attention_with_lse(q, k, v, keep, scale)
 
 
@@ -45,16 +46,23 @@ def _torch_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: floa
     return out, lse.transpose(1, 2)
 
 
-def _cuda_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
-    """`attention_with_lse`'s forward on the GPU: without a key mask over a key count known to be positive,
-    PyTorch's flash kernel, which takes any count as it is; otherwise its memory-efficient kernel (a bias for the
-    mask). The flash call saves a compiled step the bias's and the padding's kernels, a few launches of host work
+def _cuda_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float, known_queries: bool = True):
+    """`attention_with_lse`'s forward on the GPU: PyTorch's flash kernel, which takes any key count as it is,
+    where `_takes_flash`; otherwise its memory-efficient kernel (a bias for the mask and the padding). The flash call saves a compiled step the bias's and the padding's kernels, a few launches of host work
     on each joint call."""
-    if keep is None and guard_or_false(k.shape[1] > 0):
+    if _takes_flash(k, keep, known_queries):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)[:2]
         return out.transpose(1, 2).float(), lse.transpose(1, 2)
     return _efficient_attention_with_lse(q, k, v, keep, scale)
+
+
+def _takes_flash(k: torch.Tensor, keep: Optional[torch.Tensor], known_queries: bool) -> bool:
+    """Whether the flash kernel runs a GPU call: no key mask, a query count known to be what it is
+    (`known_queries`), and keys known to be at least one while tracing. A count that is data-dependent under
+    torch.compile (a class that drops padding text, Mochi, whose count may be 0) takes the memory-efficient
+    path, which runs any count."""
+    return keep is None and known_queries and guard_or_false(k.shape[1] > 0)
 
 
 def _efficient_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
@@ -94,9 +102,11 @@ class _DenseWithLse(torch.autograd.Function):
     """`attention_with_lse` with the backward of the module docstring (the LSE's gradient included)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep: Optional[torch.Tensor], scale: float):
-        kernel = _cuda_attention_with_lse if q.is_cuda else _torch_attention_with_lse  # CPU: for tests
-        out, lse = kernel(q, k, v, keep, scale)
+    def forward(ctx, q, k, v, keep: Optional[torch.Tensor], scale: float, known_queries: bool = True):
+        if q.is_cuda:
+            out, lse = _cuda_attention_with_lse(q, k, v, keep, scale, known_queries)
+        else:  # for tests
+            out, lse = _torch_attention_with_lse(q, k, v, keep, scale)
         ctx.save_for_backward(q, k, v, out, lse, keep)
         ctx.scale = scale
         return out, lse
@@ -122,4 +132,4 @@ class _DenseWithLse(torch.autograd.Function):
             dq[:, rows] = torch.einsum("bhqk,bkhd->bqhd", ds, k.float()) * scale
             dk += torch.einsum("bhqk,bqhd->bkhd", ds, q[:, rows].float()) * scale
             dv += torch.einsum("bhqk,bqhd->bkhd", p, d_o)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
