@@ -129,9 +129,10 @@ def test_auto_in_natsim_distributed_prices_bytes_with_the_link_given():
     every token, but leaves its first rank two thirds of the work. Over a slow link the bytes decide (halo),
     over a fast one the work does (Ulysses)."""
     from natsim.distributed import choose
+    from natsim.distributed.gna import StrategyTiles
 
     problem, tiles = Problem((30, 48, 80), (7, 24, 24), (1, 8, 8)), TileConfig((4, 8, 8), (2, 8, 8))
-    arguments = (problem, tiles, (20, 10), 1, 24, 128, 2, False)
+    arguments = (problem, StrategyTiles(tiles, tiles), (20, 10), 1, 24, 128, 2, False)
     assert choose(*arguments, link=Link.uniform(1e9)) == "halo"
     assert choose(*arguments, link=Link.uniform(1e15)) == "ulysses"
 
@@ -151,7 +152,7 @@ def test_auto_without_a_link_prices_with_the_link_measured_for_the_gpus_at_hand(
     parameters = (problem.window, problem.stride, problem.dilation, problem.causal)
 
     def auto(gpu_index: int) -> str:
-        return gna._auto(problem.shape, parameters, ((4, 8, 8), (2, 8, 8)), (20, 10), (1, 24, 128, 2), False,
+        return gna._auto(problem.shape, parameters, ((4, 8, 8), (2, 8, 8), "static"), (20, 10), (1, 24, 128, 2), False,
                          ("halo", "ulysses"), None, None, gpu_index)
 
     assert link_for("Test GPU 0", 2) == link_for(None, 2) == DEFAULT_LINK and auto(0) == auto(-1)
