@@ -43,7 +43,8 @@ if __name__ == "natsim.kernels":
         unpermute_reference,
     )
     from .gna.checks import check_qkv
-    from .gna.ops import FRAMES_GRADIENT_REFUSAL, gna_resolved, gna_resolved_ordered, register_resolver
+    from .gna.ops import (FRAMES_GRADIENT_REFUSAL, gna_resolved, gna_resolved_ordered, register_resolver,
+                          resolved_operators)
     from .gna.ordered import TileOrder, tile_order_refusal
     from .sparse import (
         SparseMask,
@@ -66,6 +67,7 @@ if __name__ == "natsim.kernels":
         "SparseSpec",
         "gna_resolved",
         "gna_resolved_ordered",
+        "resolved_operators",
         "TileOrder",
         "tile_order_refusal",
         "register_resolver",

@@ -67,6 +67,48 @@ def test_gradients_flow_through_the_resolved_operator(compiled):
     assert all(relative_error(g, e) < 1e-2 for g, e in zip(got, expected))
 
 
+def test_calls_without_gradients_take_the_operators_twin_without_autograd():
+    """A compiled AutoPlan call that needs no gradient (under torch.no_grad, or on inputs that require none) is
+    natsim::gna_resolved_inference, the same body without the Python autograd layer; one that may need it is
+    natsim::gna_resolved. The same for tokens kept in a tile order. Outputs against the float64 reference."""
+    from natsim.kernels import TileOrder
+
+    torch._dynamo.reset()
+    auto = AutoPlan(0.5)
+    shape = (4, 4, 4)
+    q, k, v = qkv(shape)
+    plan = auto.plan_for(shape, heads=2, head_dim=32, dtype=torch.float16, device="cpu")
+    order = TileOrder(shape, plan.tiles.q_tile, plan.problem.dilation)
+    seen = []
+
+    def recording(gm, inputs):
+        seen.append({str(node.target) for node in gm.graph.nodes if node.op == "call_function"})
+        return gm
+
+    def run(*x, ordered=False):
+        torch._dynamo.reset()
+        if ordered:
+            out = torch.compile(lambda *y: auto(*y, order=order), fullgraph=True, backend=recording)(
+                *(order.to_order(t.flatten(1, 3)) for t in x))
+            return order.from_order(out).unflatten(1, shape)
+        return torch.compile(auto, fullgraph=True, backend=recording)(*x)
+
+    for ordered in (False, True):
+        name = "natsim.gna_resolved_ordered" if ordered else "natsim.gna_resolved"
+        with torch.no_grad():
+            out = run(q, k, v, ordered=ordered)
+        assert f"{name}_inference.default" in seen[-1] and f"{name}.default" not in seen[-1]
+        assert relative_error(out, reference(q, k, v, plan)) < 5e-3
+        out = run(q, k, v, ordered=ordered)  # grad mode on, inputs without gradients
+        assert f"{name}_inference.default" in seen[-1]
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        run(*leaves, ordered=ordered).float().sum().backward()
+        assert f"{name}.default" in seen[-1] and leaves[0].grad is not None
+    rid = auto._resolver
+    torch.library.opcheck(torch.ops.natsim.gna_resolved_inference.default, (q, k, v, rid, None, True),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
 def test_an_unknown_resolver_is_a_sentence():
     q = torch.randn(1, 4, 4, 4, 2, 32).half()
     with pytest.raises(ValueError, match="resolver must be an id from register_resolver"):

@@ -15,7 +15,8 @@ under autograd.
 
 `natsim::gna_resolved` runs GNA with arguments that a registered resolver picks per token layout at run time
 (`register_resolver`): rooms above the kernels (the planner) decide through it, so that a compiled graph holds
-one opaque call whatever the layout, and the kernels never import them.
+one opaque call whatever the layout, and the kernels never import them. It and `natsim::gna_resolved_ordered`
+have twins without autograd (`..._inference`, `resolved_operators` picks), whose calls cost the host less.
 """
 
 from __future__ import annotations
@@ -197,14 +198,19 @@ def _resolved(resolver: int, q: torch.Tensor, scale: Optional[float], return_lse
                       precision=a.get("precision"), return_lse=return_lse, backend=a.get("backend"))
 
 
+def _run_resolved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, resolver: int, scale: Optional[float],
+                  return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = run_spec(q, k, v, _resolved(resolver, q, scale, return_lse))
+    return out, (no_lse(q) if lse is None else lse)
+
+
 @torch.library.custom_op("natsim::gna_resolved", mutates_args=())
 def gna_resolved(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, resolver: int, scale: Optional[float], return_lse: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA forward on `[B, *shape, heads, head_dim]` with the arguments the registered `resolver` picks for this
     layout: the output, and the LSE (empty unless `return_lse`)."""
-    out, lse = run_spec(q, k, v, _resolved(resolver, q, scale, return_lse))
-    return out, (no_lse(q) if lse is None else lse)
+    return _run_resolved(q, k, v, resolver, scale, return_lse)
 
 
 @gna_resolved.register_fake
@@ -276,6 +282,14 @@ def _resolved_ordered(resolver: int, q: torch.Tensor, shape: Sequence[int], tile
     return order, spec
 
 
+def _run_resolved_ordered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Sequence[int],
+                          tile: Sequence[int], dilation: Sequence[int], resolver: int, scale: Optional[float],
+                          return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    order, spec = _resolved_ordered(resolver, q, shape, tile, dilation, scale, return_lse)
+    out, lse = run_ordered(q, k, v, order, spec)
+    return out, (no_lse(q) if lse is None else lse)
+
+
 @torch.library.custom_op("natsim::gna_resolved_ordered", mutates_args=())
 def gna_resolved_ordered(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Sequence[int], tile: Sequence[int],
@@ -284,9 +298,7 @@ def gna_resolved_ordered(
     """`natsim::gna_resolved` on `[B, N, heads, head_dim]` tensors whose tokens are in the tile order of the
     layout `shape` (kernels/gna/ordered.py `TileOrder`): the output and the LSE `[B, N, heads]` (empty unless
     `return_lse`) in that order. The resolver's Q tile must be `tile`."""
-    order, spec = _resolved_ordered(resolver, q, shape, tile, dilation, scale, return_lse)
-    out, lse = run_ordered(q, k, v, order, spec)
-    return out, (no_lse(q) if lse is None else lse)
+    return _run_resolved_ordered(q, k, v, shape, tile, dilation, resolver, scale, return_lse)
 
 
 @gna_resolved_ordered.register_fake
@@ -340,3 +352,32 @@ def _resolved_ordered_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tens
 
 
 gna_resolved_ordered.register_autograd(_resolved_ordered_backward, setup_context=_resolved_setup_context)
+
+
+# == the same two operators without autograd, for calls that need no gradient ===================================
+#
+# A custom operator's Python autograd layer runs on every call, under torch.no_grad too: on the CPU machine the
+# resolved operator's dispatch cost 23 us over its body, of which an operator with only device kernels costs 7.
+# Diffusion models attend without gradients, and a compiled step that issues dozens of calls is bound by the host
+# at image sizes, so AutoPlan calls these twins wherever nothing needs a gradient (`resolved_operators`).
+
+_inference = torch.library.Library("natsim", "FRAGMENT")
+_inference.define("gna_resolved_inference(Tensor q, Tensor k, Tensor v, int resolver, float? scale, bool return_lse)"
+                  " -> (Tensor, Tensor)")
+_inference.define("gna_resolved_ordered_inference(Tensor q, Tensor k, Tensor v, int[] shape, int[] tile, "
+                  "int[] dilation, int resolver, float? scale, bool return_lse) -> (Tensor, Tensor)")
+for _device in ("CPU", "CUDA"):
+    _inference.impl("gna_resolved_inference", _run_resolved, _device)
+    _inference.impl("gna_resolved_ordered_inference", _run_resolved_ordered, _device)
+torch.library.register_fake("natsim::gna_resolved_inference", _gna_resolved_fake, lib=_inference)
+torch.library.register_fake("natsim::gna_resolved_ordered_inference", _gna_resolved_ordered_fake, lib=_inference)
+gna_resolved_inference = torch.ops.natsim.gna_resolved_inference.default
+gna_resolved_ordered_inference = torch.ops.natsim.gna_resolved_ordered_inference.default
+
+
+def resolved_operators(*tensors: torch.Tensor) -> tuple[Callable, Callable]:
+    """(`natsim::gna_resolved`, `natsim::gna_resolved_ordered`) where autograd may need the call's gradient
+    (grad mode on and an input that requires grad), else their twins without autograd."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return gna_resolved, gna_resolved_ordered
+    return gna_resolved_inference, gna_resolved_ordered_inference

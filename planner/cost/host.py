@@ -12,9 +12,10 @@ The host time of torch's SDPA (`OWN_ATTENTION`) is kept beside them: it is what 
 host, against which the diffusers integration weighs natsim's call on small layouts (AutoPlan.verdict).
 
 Measured as the wall time of issuing `CALLS` back-to-back calls of a tiny problem (a few microseconds of GPU work
-each, fewer than the launch queue holds), divided by their number: natsim's backends through the operator
-`natsim::gna_resolved` with the log-sum-exp, as a model's compiled graph and `AutoPlan` call them (joint
-attention asks for the LSE), torch's SDPA as a model calls it.
+each, fewer than the launch queue holds), divided by their number: natsim's backends through the operator a
+model's compiled graph and `AutoPlan` call where no gradient is needed, `natsim::gna_resolved_inference`, with the
+log-sum-exp (joint attention asks for it), torch's SDPA as a model calls it. (The host times shipped on
+2026-11-27 were measured through `natsim::gna_resolved`, whose autograd layer cost more, before its twin existed.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from natsim.kernels import gna_resolved, register_resolver
+from natsim.kernels import register_resolver, resolved_operators
 from natsim.kernels.backends import fa4 as fa4_backend
 from natsim.kernels.backends import gluon as gluon_backend
 
@@ -48,8 +49,8 @@ def host_refusal(backend: str, device: torch.device) -> Optional[str]:
 
 
 def tiny_call(backend: str, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
-    """A dense call over `TOKENS` tokens on `backend` through `natsim::gna_resolved` (the Gluon kernel's in FP8,
-    the one precision it runs), or of torch's SDPA for OWN_ATTENTION."""
+    """A dense call over `TOKENS` tokens on `backend` through the resolved operator without autograd (the Gluon
+    kernel's in FP8, the one precision it runs), or of torch's SDPA for OWN_ATTENTION."""
     q, k, v = (torch.randn(1, TOKENS, HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))
     if backend == OWN_ATTENTION:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -59,8 +60,8 @@ def tiny_call(backend: str, dtype: torch.dtype, device: torch.device) -> Callabl
     resolver = _resolver_ids.get(backend)
     if resolver is None:
         resolver = _resolver_ids[backend] = register_resolver(lambda *layout_and_call: arguments)
-    return lambda: gna_resolved(q, k, v, resolver, None, True)
-
+    resolved, _ = resolved_operators(q, k, v)
+    return lambda: resolved(q, k, v, resolver, None, True)
 
 
 def host_seconds(backend: str, dtype: torch.dtype, device: torch.device) -> float:

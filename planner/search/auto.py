@@ -5,8 +5,9 @@ for planning: an `AutoPlan` holds the planning options (`natsim.planner.best`'s)
 of each layout (shape, heads, head_dim, dtype, GPU) and keeps the plan. Calls go through the registered
 operator `natsim::gna_resolved`, whose resolver is this object: the plan is looked up when the operator
 runs, never while a graph is traced, so a compiled model holds one opaque call per attention whatever the
-layout, and a CUDA graph replays the kernels of a plan made during warm-up. Plain eager calls skip the
-dispatcher and run the plan directly. Gradients flow as through `gna_attention`.
+layout, and a CUDA graph replays the kernels of a plan made during warm-up. Calls that need no gradient go
+through the operator's twin without autograd (`natsim.kernels.resolved_operators`), which costs the host less.
+Plain eager calls skip the dispatcher and run the plan directly. Gradients flow as through `gna_attention`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
-from natsim.kernels import (TileOrder, autocast_inputs, check_qkv, check_tensors, gna_resolved, gna_resolved_ordered,
-                            refuse_gradients, register_resolver, runs_eagerly, tile_order_refusal)
+from natsim.kernels import (TileOrder, autocast_inputs, check_qkv, check_tensors, refuse_gradients, register_resolver,
+                            resolved_operators, runs_eagerly, tile_order_refusal)
 from natsim.problem import BoolOrBools, IntOrInts
 
 from ..catalog import element_bytes
@@ -148,9 +149,9 @@ class AutoPlan:
             if self.options["precision"] is not None:
                 refuse_gradients("AutoPlan", q, k, v)
             tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            out, lse = gna_resolved_ordered(q, k, v, list(order.shape), list(order.tile), list(order.dilation),
-                                            self._resolver, None if scale is None else float(scale),
-                                            return_lse or tracked)
+            _, resolved_ordered = resolved_operators(q, k, v)
+            out, lse = resolved_ordered(q, k, v, list(order.shape), list(order.tile), list(order.dilation),
+                                        self._resolver, None if scale is None else float(scale), return_lse or tracked)
             return (out, lse) if return_lse else out
         if runs_eagerly(q, k, v):
             shape = check_qkv(q, k, v)
@@ -159,8 +160,8 @@ class AutoPlan:
         tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if self.options["precision"] is not None:
             refuse_gradients("AutoPlan", q, k, v)
-        out, lse = gna_resolved(q, k, v, self._resolver, None if scale is None else float(scale),
-                                return_lse or tracked)
+        resolved, _ = resolved_operators(q, k, v)
+        out, lse = resolved(q, k, v, self._resolver, None if scale is None else float(scale), return_lse or tracked)
         return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:
