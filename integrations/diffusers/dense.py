@@ -4,9 +4,9 @@ part through their LSEs.
 
 Its backward takes the LSE's gradient as well as the output's: the merge weights the two parts by their LSEs, so
 training joint attention needs both. On the GPU the forward is PyTorch's flash kernel (its memory-efficient kernel
-under a key mask), whose LSE output autograd does not differentiate; the backward (`_DenseWithLse`) is written out instead, over chunks of
-queries: with P recomputed from the saved LSE, dS = P * (dO V^T - rowsum(dO * O) + dLSE), dQ = scale dS K,
-dK = scale dS^T Q, dV = P^T dO. The keys here are few (text), so a chunk's scores are small.
+under a key mask), whose LSE output autograd does not differentiate; the backward (`_DenseWithLse`) is written out
+instead, over chunks of queries: with P recomputed from the saved LSE, dS = P * (dO V^T - rowsum(dO * O) + dLSE),
+dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO. The keys here are few (text), so a chunk's scores are small.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def _torch_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: floa
 
 def _cuda_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float, known_queries: bool = True):
     """`attention_with_lse`'s forward on the GPU: PyTorch's flash kernel, which takes any key count as it is,
-    where `_takes_flash`; otherwise its memory-efficient kernel (a bias for the mask and the padding). The flash call saves a compiled step the bias's and the padding's kernels, a few launches of host work
-    on each joint call."""
+    where `_takes_flash`; otherwise its memory-efficient kernel (a bias for the mask and the padding). The flash
+    call saves a compiled step the bias's and the padding's kernels, a few launches of host work on each joint
+    call."""
     if _takes_flash(k, keep, known_queries):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)[:2]
