@@ -147,10 +147,6 @@ def main(argv=None) -> None:
     # by every pipeline, not by a bare transformer) defines.
     if not hasattr(logging.Logger, "warning_once"):
         logging.Logger.warning_once = functools.lru_cache(None)(logging.Logger.warning)
-    # natsim attends each rank's heads in groups while the other groups' all-to-alls travel; NCCL's kernels keep
-    # pace beside the attention kernels when its streams have the GPU's higher priority, read when the process
-    # group is made (docs/distributed.md, "Ulysses in groups").
-    os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         run(args)
