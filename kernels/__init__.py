@@ -6,8 +6,9 @@ runs); kernels/common/ holds what the families share, among it `natsim::attentio
 (kernels/common/resolved.py).
 
 The face that rooms above the kernels import: the entry points, the operators they run through at run time
-(`gna_resolved` with `register_resolver`, and `gna_resolved_ordered` on tokens kept in a `TileOrder`;
-`attention_resolved` with `register_attention`; `hold` / `held` for what an operator hands its backward by
+(`gna_resolved` with `register_resolver`, and `gna_resolved_ordered` on tokens kept in a `TileOrder`, both picked
+with their twins without autograd by `resolved_operators`; `attention_resolved` with `register_attention`, run
+through `resolved_attention`; `hold` / `held` for what an operator hands its backward by
 handle, `autograd_inside_an_operator`), a call's spec
 (`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`), the sentences the operators refuse gradients
 with, and what an entry point of their own (natsim.planner's AutoPlan, a model integration) checks at its
@@ -29,7 +30,7 @@ if __name__ == "natsim.kernels":
     from .common.fp8 import Fp8Scales, check_precision, refuse_gradients
     from .common.launch import LaunchOptions, set_tensor_descriptors, tensor_descriptors_enabled
     from .common.handles import autograd_inside_an_operator, fake_handle, held, hold
-    from .common.resolved import attention_resolved, register_attention
+    from .common.resolved import attention_resolved, register_attention, resolved_attention
     from .gna import (
         GnaSpec,
         chosen_backend,
@@ -73,6 +74,7 @@ if __name__ == "natsim.kernels":
         "register_resolver",
         "attention_resolved",
         "register_attention",
+        "resolved_attention",
         "hold",
         "held",
         "fake_handle",

@@ -85,6 +85,44 @@ def test_the_operators_backward_is_the_autograd_of_the_decided_attention():
     assert not kept()  # and at once without one
 
 
+def test_resolved_attention_takes_the_twin_without_autograd_where_no_gradient_is_needed():
+    """`resolved_attention` compiled: natsim::attention_resolved_inference under torch.no_grad (its output that of
+    the decided attention, no decision kept), natsim::attention_resolved where the inputs require grad."""
+    from natsim.kernels import resolved_attention
+
+    decisions, seen = [], []
+
+    def attention(q, k, v, scale, return_lse):
+        allowed = torch.rand(q.shape[0], q.shape[2], q.shape[1], k.shape[1]) < 0.6
+        allowed |= torch.eye(q.shape[1], dtype=torch.bool)
+
+        def decided(q, k, v):
+            out, lse = masked_attention(q, k, v, allowed, scale)
+            return out, (lse if return_lse else None)
+
+        decisions.append(decided)
+        return (*decided(q, k, v), decided)
+
+    def recording(gm, inputs):
+        seen.append({str(node.target) for node in gm.graph.nodes if str(node.target).startswith("natsim.")})
+        return gm
+
+    key = register_attention(attention)
+    torch._dynamo.reset()
+    run = torch.compile(lambda q, k, v: resolved_attention(q, k, v, key, 0.3, True), fullgraph=True,
+                        backend=recording)
+    q, k, v = (torch.randn(2, 12, 2, 8, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        out, lse = run(q, k, v)
+    assert seen[-1] == {"natsim.attention_resolved_inference.default"}
+    expected = decisions[-1](q, k, v)
+    assert torch.allclose(out, expected[0]) and torch.allclose(lse, expected[1])
+    assert not [value for value in handles._held.values() if value is decisions[-1]]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    run(*leaves)[0].sum().backward()
+    assert seen[-1] == {"natsim.attention_resolved.default"} and leaves[0].grad is not None
+
+
 # -- a routed model against a float64 run under the same masks ------------------------------------------------
 
 
@@ -115,13 +153,12 @@ def element_mask(decided, tokens: int) -> torch.Tensor:
 
 
 def replaying(decisions: list, tokens: int):
-    """`attention_resolved` for the float64 run: the routed run's decisions, call by call, as element masks."""
+    """`resolved_attention` for the float64 run: the routed run's decisions, call by call, as element masks."""
     calls = iter(decisions)
 
     def attend(q, k, v, attention, scale, return_lse):
         allowed = element_mask(next(calls), tokens)
-        out, lse = masked_attention(q, k, v, allowed, q.shape[-1] ** -0.5 if scale is None else scale)
-        return out, lse, None
+        return masked_attention(q, k, v, allowed, q.shape[-1] ** -0.5 if scale is None else scale)
 
     return attend
 
@@ -166,7 +203,7 @@ def test_gradients_through_masks_equal_a_float64_run_under_the_same_masks(name, 
         if sparse:
             assert any(not bool(d.plan.mask.all()) for d in decisions)  # a mask that skips blocks
         with monkeypatch.context() as patch:
-            patch.setattr(attention_module, "attention_resolved", replaying(list(decisions), tokens))
+            patch.setattr(attention_module, "resolved_attention", replaying(list(decisions), tokens))
             expected = training_pass(reference, cast(inputs, torch.float64), weight)
         assert len(grads) == len(expected) > 1
         assert max(gradient_errors(grads, expected)) < 2e-2

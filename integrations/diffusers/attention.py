@@ -44,7 +44,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 import torch.nn.functional as F
 
-from natsim.kernels import TileOrder, attention_resolved
+from natsim.kernels import TileOrder, resolved_attention
 from natsim.kernels.backends.triton import tile_pairs
 from natsim.planner import AutoPlan, Verdict
 
@@ -57,7 +57,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 class Router:
     """One model's attention routing; `layout` is set by the model's forward pre-hook on every call. The video
     tokens' own attention is GNA with `auto`'s plan for the layout, or, with `masked`, a content-adaptive mask
-    (natsim.integrations.diffusers.masks) through the operator `natsim::attention_resolved`."""
+    (natsim.integrations.diffusers.masks) through the operator `natsim::attention_resolved` (its twin without
+    autograd where no gradient is needed: `natsim.kernels.resolved_attention`)."""
 
     def __init__(self, auto: Optional[AutoPlan], text_first: bool, dtype: Optional[torch.dtype] = None,
                  masked: Optional[MaskedAttention] = None, keep_own: bool = True):
@@ -156,7 +157,7 @@ class Router:
         """The video tokens' own attention of `[B, N_video, heads, head_dim]` tokens: GNA over the layout (or the
         content-adaptive mask): the output (and LSE) per token."""
         if self.masked is not None:
-            out, lse, _ = attention_resolved(q, k, v, self.masked.id, scale, return_lse)  # _: its decision
+            out, lse = resolved_attention(q, k, v, self.masked.id, scale, return_lse)
             return (out, lse) if return_lse else out
         batch, tokens, heads, head_dim = q.shape
         dtype = self.kernel_dtype(q)

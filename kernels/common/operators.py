@@ -1,7 +1,12 @@
 """What every family's registered operators share (kernels/gna/ops.py, kernels/sparse/ops.py,
 kernels/common/resolved.py): the fake outputs that torch.compile traces with, the empty LSE of a call that did not
-ask for one, the incoming gradients as the backward kernels take them, and the CPU path's backward, the torch
-reference's gradients recomputed under autograd.
+ask for one, the incoming gradients as the backward kernels take them, the CPU path's backward, the torch
+reference's gradients recomputed under autograd, and operators without autograd for calls that need no gradient.
+
+Why those twins: a custom operator's Python autograd layer runs on every call, under `torch.no_grad` too. On the
+CPU machine the resolved GNA operator's dispatch cost 23 us over its body, an operator with only CPU and CUDA
+kernels 7; on an H100's host a tiny call took 67.7 against 40.2 us (docs/performance.md). Diffusion models attend
+without gradients, and a compiled step of dozens of calls on an image's few thousand tokens is bound by the host.
 """
 
 from __future__ import annotations
@@ -11,6 +16,23 @@ from typing import Callable, Optional
 import torch
 
 Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+_without_autograd = torch.library.Library("natsim", "FRAGMENT")
+
+
+def operator_without_autograd(name: str, schema: str, body: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """Define `natsim::{name}{schema}` (the arguments and outputs, as torch.library writes them) with `body` as
+    its CPU and CUDA kernel, `fake` for tracing, and no autograd layer; return the operator. The twin of an
+    operator with autograd, for calls that need no gradient (module docstring)."""
+    _without_autograd.define(f"{name}{schema}")
+    for device in ("CPU", "CUDA"):
+        _without_autograd.impl(name, body, device)
+    torch.library.register_fake(f"natsim::{name}", fake, lib=_without_autograd)
+    return getattr(torch.ops.natsim, name).default
+
+
+def needs_gradient(*tensors: torch.Tensor) -> bool:
+    """Whether autograd may ask a call on `tensors` for gradients: grad mode on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def like(x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -16,7 +16,8 @@ from typing import Callable, Optional
 import torch
 
 from .handles import autograd_inside_an_operator, fake_handle, held, hold
-from .operators import fake_lse, incoming_gradients, like, no_lse, recomputed_gradients
+from .operators import (fake_lse, incoming_gradients, like, needs_gradient, no_lse, operator_without_autograd,
+                        recomputed_gradients)
 
 Decided = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[float], bool],
@@ -96,3 +97,31 @@ def _backward(ctx, grad_out: Optional[torch.Tensor], grad_lse: Optional[torch.Te
 
 
 attention_resolved.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _run_undecided(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: int, scale: Optional[float],
+                   return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_registered(attention)
+    out, lse, _ = _attentions[attention](q, k, v, scale, return_lse)  # _: its decision, which no backward reads
+    return out, (no_lse(q) if lse is None else lse)
+
+
+def _undecided_fake(q, k, v, attention, scale, return_lse):
+    _check_registered(attention)
+    return like(q), fake_lse(q, return_lse)
+
+
+attention_resolved_inference = operator_without_autograd(
+    "attention_resolved_inference",
+    "(Tensor q, Tensor k, Tensor v, int attention, float? scale, bool return_lse) -> (Tensor, Tensor)",
+    _run_undecided, _undecided_fake)
+
+
+def resolved_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: int, scale: Optional[float],
+                       return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered `attention` on `[B, N, heads, head_dim]`: the output and the LSE (empty unless
+    `return_lse`), through `natsim::attention_resolved` where autograd may need the gradient, else its twin."""
+    if needs_gradient(q, k, v):
+        out, lse, _ = attention_resolved(q, k, v, attention, scale, return_lse)
+        return out, lse
+    return attention_resolved_inference(q, k, v, attention, scale, return_lse)

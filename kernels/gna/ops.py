@@ -27,7 +27,8 @@ import torch
 
 from ..common.backend import use_triton
 from ..common.fp8 import check_fp8_call, refuse_gradients, scales_from
-from ..common.operators import fake_lse, incoming_gradients, like, no_lse, recomputed_gradients
+from ..common.operators import (fake_lse, incoming_gradients, like, needs_gradient, no_lse,
+                                operator_without_autograd, recomputed_gradients)
 from .checks import check_frames, check_qkv
 from .dispatch import run_backward, run_spec
 from .ordered import TileOrder, fa4_backward_ordered, layout_views, ordered_like, run_ordered
@@ -354,30 +355,22 @@ def _resolved_ordered_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tens
 gna_resolved_ordered.register_autograd(_resolved_ordered_backward, setup_context=_resolved_setup_context)
 
 
-# == the same two operators without autograd, for calls that need no gradient ===================================
-#
-# A custom operator's Python autograd layer runs on every call, under torch.no_grad too: on the CPU machine the
-# resolved operator's dispatch cost 23 us over its body, of which an operator with only device kernels costs 7.
-# Diffusion models attend without gradients, and a compiled step that issues dozens of calls is bound by the host
-# at image sizes, so AutoPlan calls these twins wherever nothing needs a gradient (`resolved_operators`).
+# == the same two operators without autograd, for calls that need no gradient (common/operators.py) ==========
 
-_inference = torch.library.Library("natsim", "FRAGMENT")
-_inference.define("gna_resolved_inference(Tensor q, Tensor k, Tensor v, int resolver, float? scale, bool return_lse)"
-                  " -> (Tensor, Tensor)")
-_inference.define("gna_resolved_ordered_inference(Tensor q, Tensor k, Tensor v, int[] shape, int[] tile, "
-                  "int[] dilation, int resolver, float? scale, bool return_lse) -> (Tensor, Tensor)")
-for _device in ("CPU", "CUDA"):
-    _inference.impl("gna_resolved_inference", _run_resolved, _device)
-    _inference.impl("gna_resolved_ordered_inference", _run_resolved_ordered, _device)
-torch.library.register_fake("natsim::gna_resolved_inference", _gna_resolved_fake, lib=_inference)
-torch.library.register_fake("natsim::gna_resolved_ordered_inference", _gna_resolved_ordered_fake, lib=_inference)
-gna_resolved_inference = torch.ops.natsim.gna_resolved_inference.default
-gna_resolved_ordered_inference = torch.ops.natsim.gna_resolved_ordered_inference.default
+gna_resolved_inference = operator_without_autograd(
+    "gna_resolved_inference",
+    "(Tensor q, Tensor k, Tensor v, int resolver, float? scale, bool return_lse) -> (Tensor, Tensor)",
+    _run_resolved, _gna_resolved_fake)
+gna_resolved_ordered_inference = operator_without_autograd(
+    "gna_resolved_ordered_inference",
+    "(Tensor q, Tensor k, Tensor v, int[] shape, int[] tile, int[] dilation, int resolver, float? scale, "
+    "bool return_lse) -> (Tensor, Tensor)",
+    _run_resolved_ordered, _gna_resolved_ordered_fake)
 
 
 def resolved_operators(*tensors: torch.Tensor) -> tuple[Callable, Callable]:
-    """(`natsim::gna_resolved`, `natsim::gna_resolved_ordered`) where autograd may need the call's gradient
-    (grad mode on and an input that requires grad), else their twins without autograd."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    """(`natsim::gna_resolved`, `natsim::gna_resolved_ordered`) where autograd may need the call's gradient, else
+    their twins without autograd."""
+    if needs_gradient(*tensors):
         return gna_resolved, gna_resolved_ordered
     return gna_resolved_inference, gna_resolved_ordered_inference
