@@ -1,7 +1,8 @@
 """GNA on a token layout sharded along dimension 0 over a process group: Ulysses, halo or natsim's choice,
-differentiable wherever the single-GPU call it runs is: the halo strategy cannot train on tensors that run the
-Triton kernels yet (GNA on frame ranges has no backward kernel), which is refused with `HALO_GRADIENT_REFUSAL`
-and left out by `"auto"`.
+differentiable wherever the single-GPU call it runs is. GNA on frame ranges has no backward kernel, so on
+tensors that run the Triton kernels the halo strategy trains by running a rank's gathered frames as a layout of
+their own (strategies.py), where that is exact; elsewhere it is refused with `HALO_GRADIENT_REFUSAL` and left
+out by `"auto"`.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from natsim.problem import BoolOrBools, IntOrInts
 
 from .collectives import check_heads, resolve_split, world
 from .pipeline import register_attend, ulysses_attention
-from .strategies import halo
+from .strategies import halo, trains_on_gathered_frames
 
 HALO_GRADIENT_REFUSAL = (
-    "the halo strategy runs GNA on frame ranges (natsim.kernels.gna_attention with frame_offsets), whose "
-    "Triton kernels have no backward yet, and q, k or v requires grad: train with strategy='ulysses' (heads "
-    "divisible by the world size) or 'auto', call it under torch.no_grad() for inference, or use CPU tensors "
-    "(the torch reference's gradients)."
+    "the halo strategy trains on natsim's GPU kernels only where a rank's gathered frames can run as a layout of "
+    "their own (stride 1, dilation 1 and no causal window along dimension 0: GNA on frame ranges has no backward "
+    "kernel), and q, k or v requires grad: train with strategy='ulysses' (heads divisible by the world size) or "
+    "'auto', call it under torch.no_grad() for inference, or use CPU tensors (the torch reference's gradients)."
 )
 
 
@@ -59,13 +60,15 @@ def strategy_tiles(problem: Problem, head_dim: int, q_tile=None, kv_tile=None,
 @functools.lru_cache(maxsize=256)
 def choose(problem: Problem, tiles: StrategyTiles, split: tuple[int, ...], batch: int, heads: int, head_dim: int,
            element_bytes: int, training: bool = False, strategies: tuple[str, ...] = STRATEGIES,
-           link: Link = DEFAULT_LINK, chunks: Optional[int] = None) -> str:
+           link: Link = DEFAULT_LINK, chunks: Optional[int] = None, halo_on_gathered: bool = False) -> str:
     """The one of `strategies` natsim.partition predicts faster, each priced with the tiles it runs (`tiles`)
     and its bytes at `link`'s rates: the forward and, when `training`, the backward too (its tile work and the
-    gradients' bytes); Ulysses with its heads in `chunks` groups (natsim.partition.default_chunks unless given).
-    Ulysses is left out unless heads divide over the ranks."""
+    gradients' bytes); Ulysses with its heads in `chunks` groups (natsim.partition.default_chunks unless given);
+    the halo exchange on a rank's gathered frames as a layout of their own where `halo_on_gathered` (how it
+    trains on the GPU kernels). Ulysses is left out unless heads divide over the ranks."""
     costs = [strategy_cost(problem, getattr(tiles, s), split, s, batch=batch, heads=heads, head_dim=head_dim,
-                           element_bytes=element_bytes, training=training, link=link, chunks=chunks)
+                           element_bytes=element_bytes, training=training, link=link, chunks=chunks,
+                           halo_on_gathered=halo_on_gathered)
              for s in strategies if s != "ulysses" or heads % len(split) == 0]
     return choose_strategy(costs).strategy
 
@@ -73,7 +76,7 @@ def choose(problem: Problem, tiles: StrategyTiles, split: tuple[int, ...], batch
 @torch.compiler.assume_constant_result
 def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[int, ...], sizes: tuple[int, ...],
           training: bool, strategies: tuple[str, ...], rates: Optional[tuple[float, float, float, float]],
-          chunks: Optional[int], gpu_index: int) -> str:
+          chunks: Optional[int], gpu_index: int, halo_on_gathered: bool = False) -> str:
     """`"auto"`'s pick from plain values (`rates`: the link's all-to-all and point-to-point bytes per second and
     latencies; None: the link measured for GPU `gpu_index`'s kind and this many ranks, natsim.stored.link_for,
     -1 for CPU tensors): host arithmetic (numpy) that torch.compile runs once while tracing, its result a
@@ -83,7 +86,8 @@ def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[
         link = link_for(torch.cuda.get_device_name(gpu_index) if gpu_index >= 0 else None, len(split))
     else:
         link = Link(Rate(rates[0], rates[1]), Rate(rates[2], rates[3]))
-    return choose(problem, strategy_tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link, chunks)
+    return choose(problem, strategy_tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link, chunks,
+                  halo_on_gathered)
 
 
 @torch.compiler.assume_constant_result
@@ -148,9 +152,10 @@ def gna_attention(
     Every rank must make the same call, with the same `requires_grad`.
 
     Differentiable with respect to q, k and v: the single-GPU backward between the forward's collectives
-    mirrored (ops.py), eager or under torch.compile(fullgraph=True). The halo strategy cannot train on tensors
-    that run the Triton kernels yet (module docstring); `"auto"` then picks among the strategies that can, and
-    prices a call that needs gradients by its forward and backward.
+    mirrored (ops.py), eager or under torch.compile(fullgraph=True). On tensors that run the Triton kernels the
+    halo strategy trains on its gathered frames as a layout of their own, with stride 1, dilation 1 and no causal
+    window along dimension 0, and is refused elsewhere (module docstring); `"auto"` picks among the strategies
+    that can, and prices a call that needs gradients by its forward and backward.
     """
     shape = check_qkv(q, k, v)
     q, k, v = autocast_inputs(q, k, v)  # as natsim.kernels does: the inputs in an autocast region's dtype
@@ -159,7 +164,8 @@ def gna_attention(
     problem = Problem((sum(split), *shape[1:]), window, stride, dilation, causal)
     batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    untrainable = training and use_triton(q)  # the halo strategy's frame ranges have no backward kernel
+    on_gathered_frames = training and use_triton(q)  # frame ranges have no backward kernel (strategies.py)
+    untrainable = on_gathered_frames and not trains_on_gathered_frames(problem)
     halo_refusal = HALO_GRADIENT_REFUSAL if untrainable else HALO_DYNAMIC_REFUSAL if kv_tiling == "dynamic" else None
     tiles = tuple(tuple(t) if isinstance(t, list) else t for t in (q_tile, kv_tile))  # hashable, as given
     if strategy == "auto":
@@ -169,7 +175,7 @@ def gna_attention(
                          None if link is None else (link.all_to_all.bytes_per_second, link.all_to_all.latency_seconds,
                                                     link.point_to_point.bytes_per_second,
                                                     link.point_to_point.latency_seconds),
-                         chunks, q.device.index if q.is_cuda else -1)
+                         chunks, q.device.index if q.is_cuda else -1, on_gathered_frames)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
     if strategy == "ulysses":
@@ -183,4 +189,4 @@ def gna_attention(
         raise RuntimeError(HALO_GRADIENT_REFUSAL)
     if halo_refusal is not None:
         raise ValueError(halo_refusal)
-    return halo(kernel, problem, q, k, v, split, rank, group)
+    return halo(kernel, problem, q, k, v, split, rank, group, on_gathered_frames)

@@ -287,7 +287,8 @@ def _tile_flops(tiles: TileConfig, problem: Problem, head_dim: int) -> float:
 def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], strategy: str, *, batch: int,
                   heads: int, head_dim: int, element_bytes: int, tile_seconds: Optional[float] = None,
                   link: Link = DEFAULT_LINK, training: bool = False,
-                  backward_tile_seconds: Optional[float] = None, chunks: Optional[int] = None) -> StrategyCost:
+                  backward_tile_seconds: Optional[float] = None, chunks: Optional[int] = None,
+                  halo_on_gathered: bool = False) -> StrategyCost:
     """Per-rank tile work and bytes of `strategy` with frames split `split` over the ranks.
 
     Seconds per rank = visited tiles (all its heads, batch included) x `tile_seconds` + the larger of bytes
@@ -297,6 +298,8 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
     `BACKWARD_TILE_WORK` x `tile_seconds`); the gradients have the inputs' `element_bytes`. Ulysses attends
     each rank's heads in `chunks` groups overlapped with the transfers (`pipeline_seconds`, forward and
     backward; `default_chunks` unless given); the halo exchange moves before the kernel runs.
+    `halo_on_gathered`: the halo exchange runs a rank's gathered frames as a layout of their own (how
+    natsim.distributed trains it on GPUs), its tile work that layout's, every gathered frame's queries included.
     """
     split = check_split(split, problem.shape[0])
     P = len(split)
@@ -347,9 +350,16 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
             own = (t[r], t[r + 1])
             received = 2 * (needs[r][1] - needs[r][0] - _overlap(needs[r], own)) * frame_bytes
             sent = 2 * sum(_overlap(needs[j], own) for j in range(P) if j != r) * frame_bytes
-            work = rank_tiles(problem, tiles, own, needs[r]) if split[r] else None
-            visited = work.visited * heads * batch if work else 0
-            full = work.full * heads * batch if work else 0
+            visited = full = 0
+            if split[r] and halo_on_gathered:
+                from .simulate import simulate
+
+                gathered = simulate(Problem((needs[r][1] - needs[r][0], *problem.shape[1:]), problem.window,
+                                            problem.stride, problem.dilation, problem.causal), tiles)
+                visited, full = gathered.visited_tiles * heads * batch, gathered.full_tiles * heads * batch
+            elif split[r]:
+                work = rank_tiles(problem, tiles, own, needs[r])
+                visited, full = work.visited * heads * batch, work.full * heads * batch
             ranks.append(priced(r, heads, visited, full, needs[r], sent, received))
     else:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got strategy={strategy!r}.")

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from natsim import Problem, TileConfig
+from natsim import Problem, TileConfig, simulate
 from natsim.partition import (Link, Rate, check_split, even_split, key_frames, offsets, pipeline_seconds, rank_tiles,
                               strategy_cost)
 from natsim.kernels import gna_attention, gna_tile_counts, reference_attention
@@ -467,12 +467,58 @@ def test_head_spans_cover_the_heads_evenly(heads, data):
     assert 1 <= default_chunks(heads) <= heads
 
 
-def test_halo_refuses_gradients_on_the_triton_path(one_rank_group):
+def test_halo_refuses_gradients_on_the_triton_path_where_gathered_frames_differ(one_rank_group):
+    """A stride or a causal window along the frames: the gathered frames as a layout of their own would give
+    other windows, and frame ranges have no backward kernel."""
     import natsim.distributed as nd
 
     q = torch.randn(1, 4, 6, 2, 32, dtype=torch.float16, requires_grad=True)
-    with pytest.raises(RuntimeError, match=r"frame ranges .* have no backward yet, and q, k or v requires grad"):
-        nd.gna_attention(q, q.detach(), q.detach(), 3, strategy="halo", split=(4,))
+    for options in (dict(stride=(2, 1)), dict(causal=(True, False))):
+        with pytest.raises(RuntimeError, match=r"only where a rank's gathered frames can run as a layout of their"):
+            nd.gna_attention(q, q.detach(), q.detach(), 3, strategy="halo", split=(4,), **options)
+
+
+def test_halo_trains_on_the_triton_path_on_its_gathered_frames(one_rank_group):
+    """Stride 1 along the frames: the halo strategy trains on the kernels (the interpreter here) by running the
+    gathered frames as a layout, with the single-GPU call's gradients."""
+    import natsim.distributed as nd
+
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(1, 4, 6, 2, 32, generator=generator).half() for _ in range(4))
+    got = _gradients(lambda *x: nd.gna_attention(*x, (3, 5), (1, 2), strategy="halo", split=(4,)), (q, k, v), grad)
+    want = _gradients(lambda *x: gna_attention(*x, (3, 5), (1, 2)), (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_gathered_frames_as_a_layout_give_each_rank_its_queries_windows(data):
+    """Where `trains_on_gathered_frames` (stride 1, dilation 1, no causal window along dimension 0), GNA on a
+    rank's gathered frames taken as a layout of their own, zeros on the other frames' queries, equals the whole
+    layout's GNA on the rank's queries (float64 reference); and the halo strategy prices that layout's tiles."""
+    from natsim.distributed.strategies import halo_routes, trains_on_gathered_frames
+
+    problem = data.draw(problems(max_tokens=200).filter(trains_on_gathered_frames).filter(lambda p: p.shape[0] >= 2))
+    split = data.draw(st.sampled_from([s for s in ((problem.shape[0] // 2, problem.shape[0] - problem.shape[0] // 2),
+                                                   (1, problem.shape[0] - 1))]))
+    rank = data.draw(st.integers(0, 1))
+    routes = halo_routes(problem, split, rank)
+    (own, own_end), (first, last) = routes.own, routes.keys
+    args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation, causal=problem.causal)
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    q, k, v = (torch.randn(1, *problem.shape, 2, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    whole = reference_attention(q, k, v, **args)[:, own:own_end]
+    rows = torch.zeros_like(k[:, first:last])
+    rows[:, own - first:own_end - first] = q[:, own:own_end]
+    gathered = reference_attention(rows, k[:, first:last], v[:, first:last], **args)[:, own - first:own_end - first]
+    torch.testing.assert_close(gathered, whole, rtol=1e-12, atol=1e-12)
+    tiles = TileConfig(1, 1)
+    local = Problem((last - first, *problem.shape[1:]), problem.window, problem.stride, problem.dilation,
+                    problem.causal)
+    cost = strategy_cost(problem, tiles, split, "halo", batch=1, heads=2, head_dim=8, element_bytes=8,
+                         halo_on_gathered=True)
+    assert cost.ranks[rank].visited_tiles == simulate(local, tiles).visited_tiles * 2
 
 
 # -- process groups ----------------------------------------------------------------------------------------
@@ -619,6 +665,7 @@ def _run_world(processes: int, worker, *args, preload: tuple[str, ...] = ()) -> 
 # and causal along the sharded frames, an even window, a rank with one frame and one with none.
 GRADIENT_CASES = [
     (Problem((9, 4, 4), (7, 3, 3), (3, 1, 1)), {2: (6, 3), 3: (1, 6, 2)}, 1),
+    (Problem((9, 4, 4), (4, 3, 3), (1, 1, 2)), {2: (3, 6), 3: (4, 0, 5)}, 1),  # trains on gathered frames
     (Problem((10, 4, 4), (4, 4, 3), (3, 2, 1), (2, 1, 1), (True, False, False)), {2: (5, 5), 3: (2, 5, 3)}, 2),
     (Problem((11, 16), (6, 5), (2, 1), 1, (True, False)), {2: (4, 7), 3: (6, 0, 5)}, 1),
 ]
@@ -696,8 +743,10 @@ def _check_against(rank: int, sent: list[int], call, expected: list, split, byte
 
 
 def _check_gna_gradients(rank: int, world: int, sent: list[int], index: int, case) -> None:
-    """One GNA case under each strategy ("auto" too for the first case)."""
+    """One GNA case under each strategy ("auto" too for the first case), and the halo strategy on gathered frames
+    where it trains that way."""
     import natsim.distributed as nd
+    from natsim.distributed.strategies import halo, trains_on_gathered_frames
 
     problem, splits, batch = case
     split, heads = splits[world], HEADS_PER_RANK * world
@@ -714,6 +763,14 @@ def _check_gna_gradients(rank: int, world: int, sent: list[int], index: int, cas
         _check_against(rank, sent, functools.partial(nd.gna_attention, strategy=strategy, split=split, **args),
                        expected, split, model,
                        f"GNA case {index} ({problem}, split {split}, batch {batch}), {strategy}, rank {rank}")
+    if trains_on_gathered_frames(problem):  # the halo strategy as it trains on the GPU kernels
+        kernel = functools.partial(gna_attention, **args)
+        model = strategy_cost(problem, TileConfig(1, 1), split, "halo", batch=batch, heads=heads,
+                              head_dim=GRADIENT_HEAD_DIM, element_bytes=8, training=True)
+        _check_against(rank, sent, lambda *x: halo(kernel, problem, *x, split, rank, None, on_gathered_frames=True),
+                       expected, split, model,
+                       f"GNA case {index} ({problem}, split {split}, batch {batch}), halo on gathered frames, "
+                       f"rank {rank}")
 
 
 def _check_mask_gradients(rank: int, world: int, sent: list[int], index: int, case) -> None:
@@ -904,6 +961,7 @@ def test_gloo_worlds(data):
 NCCL_CASES = [
     (Problem((16, 16, 16), (7, 7, 7), (2, 2, 2)), (9, 7)),
     (Problem((18, 12, 20), (6, 5, 8), (3, 1, 4), (2, 1, 1), (True, False, False)), (10, 8)),
+    (Problem((16, 16, 16), (7, 7, 7), (1, 2, 2)), (9, 7)),  # the halo strategy trains on its gathered frames
 ]
 
 
@@ -912,15 +970,17 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _nccl_worker(rank: int, world: int, port: int) -> None:
-    """One GPU of a world of 2: bf16 gradients of GNA ("ulysses" and "auto") and of a block mask through
-    natsim.distributed against natsim.kernels on the whole tensors (this GPU) and the float64 reference; the
-    halo strategy's refusal; the same calls one after the other under torch.compile(fullgraph=True)."""
+    """One GPU of a world of 2: bf16 gradients of GNA ("ulysses" and "auto", and "halo" where it trains on its
+    gathered frames) and of a block mask through natsim.distributed against natsim.kernels on the whole tensors
+    (this GPU) and the float64 reference; the halo strategy's refusal elsewhere; the same calls one after the
+    other under torch.compile(fullgraph=True)."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast on shared machines
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120), device_id=device)
     import natsim.distributed as nd
+    from natsim.distributed.strategies import trains_on_gathered_frames
     from natsim.kernels import sparse_attention, sparse_reference
 
     heads = 2 * world
@@ -935,18 +995,20 @@ def _nccl_worker(rank: int, world: int, port: int) -> None:
             single = _gradients(lambda *x: gna_attention(*x, **args), (q, k, v), grad)
             exact = _gradients(lambda *x: reference_attention(*x, **args), (q.double(), k.double(), v.double()),
                                grad.double())
-            for strategy in ("ulysses", "auto"):
+            gathered = trains_on_gathered_frames(problem)
+            for strategy in ("ulysses", "auto", "halo") if gathered else ("ulysses", "auto"):
                 call = functools.partial(nd.gna_attention, strategy=strategy, split=split, **args)
                 got = _gradients(call, [x[:, mine] for x in (q, k, v)], grad[:, mine])
                 for name, a, b, c in zip("qkv", got, single, exact):
                     errors = (_relative(a, b[:, mine]), _relative(a, c[:, mine]))
                     assert max(errors) < 2e-2, f"d{name}, case {index}, {strategy}, rank {rank}: {errors}"
-            local = [x[:, mine].detach().requires_grad_() for x in (q, k, v)]
-            try:
-                nd.gna_attention(*local, strategy="halo", split=split, **args)
-                raise AssertionError("the halo strategy trained on the GPU")
-            except RuntimeError as error:
-                assert "have no backward yet" in str(error), error
+            if not gathered:
+                local = [x[:, mine].detach().requires_grad_() for x in (q, k, v)]
+                try:
+                    nd.gna_attention(*local, strategy="halo", split=split, **args)
+                    raise AssertionError("the halo strategy trained on the GPU")
+                except RuntimeError as error:
+                    assert "gathered frames can run as a layout" in str(error), error
         tokens, token_split = 4096, (2176, 1920)
         mine = slice(*offsets(token_split)[rank:rank + 2])
         generator = torch.Generator(device).manual_seed(99)
