@@ -331,14 +331,14 @@ def test_a_mask_plan_without_flashattention4_here_says_what_it_would_gain(fa4_mi
 
 
 def test_mask_plans_of_triton_only_models_are_unchanged(fa4_here):
-    mask = random_mask(0.8, blocks=128, heads=4)
+    mask = random_mask(0.8, blocks=64, heads=4)
 
     def kept(plan):  # what a plan chose, and its candidates but for the host's merge seconds
         return [replace(c, merge_s=0.0) for c in (plan.chosen, *plan.candidates)]
 
-    before = best_mask(mask, 64, 64, 128 * 64, cost_model=H100, backends=("triton",))
-    for plan in (best_mask(mask, 64, 64, 128 * 64, cost_model=H100),
-                 best_mask(mask, 64, 64, 128 * 64, cost_model=MODEL, backends="triton")):
+    before = best_mask(mask, 64, 64, 64 * 64, cost_model=H100, backends=("triton",))
+    for plan in (best_mask(mask, 64, 64, 64 * 64, cost_model=H100),
+                 best_mask(mask, 64, 64, 64 * 64, cost_model=MODEL, backends="triton")):
         assert kept(plan) == kept(before)
 
 
