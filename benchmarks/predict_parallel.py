@@ -3,8 +3,8 @@
     python benchmarks/predict_parallel.py --out DIR [--results benchmarks/results] [--gpu NVIDIA_H200] [--date D]
 
 From the one-GPU launch's compiled step (each attention: natsim's and the model's own), its one attention call
-(`attention_ms`) and the interconnect measured on the same machine (planner/cost/coefficients/
-link-<gpu>-x<P>.json, natsim.distributed.calibrate_link), `ulysses_step_seconds` predicts the step on P GPUs: one
+(`attention_ms`) and the interconnect measured on the same machine (natsim.distributed.calibrate_link: the
+user's file, else natsim's shipped natsim/links/link-<gpu>-x<P>.json; `--links DIR` reads a folder instead), `ulysses_step_seconds` predicts the step on P GPUs: one
 GPU's step over P plus, per attention layer, the two all-to-alls, overlapped with a rank's share of the attention
 where natsim attends its heads in groups ("natsim"; "natsim-serial", from the same one-GPU step, and diffusers'
 own "dense" in one piece).
@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from natsim.partition import default_chunks, ulysses_step_seconds
-from natsim.planner.cost.files import COEFFICIENTS_DIR, link_for
+from natsim.stored import link_for
 
 HEADS = 12
 WAN_1_3B = dict(layers=30, channels=HEADS * 128, element_bytes=2)  # benchmarks/diffusers_parallel.py's model, bf16
@@ -32,7 +32,8 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu", default="NVIDIA_H200", help="the device part of the results' file names")
     parser.add_argument("--date", default="2026-11-27")
     parser.add_argument("--tag", default="", help="the suffix of the results' file names (after the date)")
-    parser.add_argument("--links", type=Path, default=COEFFICIENTS_DIR, help="folder of the link files")
+    parser.add_argument("--links", type=Path, default=None,
+                        help="folder of the link files (default: the user's calibrations, then natsim's shipped ones)")
     parser.add_argument("--beyond", type=int, nargs="*", default=[6, 8],
                         help="GPU counts to predict without a measurement (Ulysses needs the 12 heads to divide)")
     args = parser.parse_args(argv)
@@ -50,6 +51,9 @@ def main(argv=None) -> None:
     gpu = args.gpu.replace("_", " ")
     linked = {p: link_for(gpu, p, args.links) for p in (*sorted(measured), *args.beyond)}
     largest = max((p for p in linked if linked[p].source != "default"), default=None)
+    if largest is None:
+        raise SystemExit(f"no measured interconnect for {gpu} at {sorted(linked)} GPUs: run natsim calibrate-link "
+                         "on that machine, or pass --links DIR")
     rows = []
     for ranks in (*sorted(measured), *args.beyond):
         if HEADS % ranks:
