@@ -227,3 +227,19 @@ def test_training_benchmark_reference_gradients():
     got = training.block_reference(q, k, v, grad, mask, 16, chunk=24)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_predict_parallel_prices_the_measured_steps_with_the_shipped_links(tmp_path, capsys):
+    """benchmarks/predict_parallel.py on the committed Wan 720p steps of 1, 2 and 4 H200s (natsim's transfers on
+    their high-priority twin): it finds natsim's shipped links and predicts each measured step within 10%, and
+    says where Ulysses cannot shard the heads. Without a measured link it stops with a sentence."""
+    predict = load("predict_parallel")
+    results = BENCHMARKS / "results"
+    predict.main(["--out", str(tmp_path), "--results", str(results), "--tag=-twin"])
+    rows = json.loads(next(tmp_path.glob("predict-parallel-*-twin.json")).read_text())["rows"]
+    measured = {r["ranks"]: r for r in rows if r["measured_ms"] is not None}
+    assert set(measured) == {1, 2, 4} and all(abs(r["error"]) < 0.1 for r in measured.values())
+    assert all("calibrate_link" in measured[p]["link"] for p in (2, 4))
+    assert any(r["ranks"] == 8 and "cannot shard 12 heads" in r["link"] for r in rows)
+    with pytest.raises(SystemExit, match="no measured interconnect"):
+        predict.main(["--out", str(tmp_path), "--results", str(results), "--tag=-twin", "--links", str(tmp_path)])
