@@ -12,7 +12,7 @@ through `resolved_attention`; `hold` / `held` for what an operator hands its bac
 handle, `autograd_inside_an_operator`), a call's spec
 (`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`), the sentences the operators refuse gradients
 with, and what an entry point of their own (natsim.planner's AutoPlan, a model integration) checks at its
-boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`,
+boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`, `needs_gradient`,
 `check_precision`, `refuse_gradients`); and the process-wide switch of Hopper's tensor descriptors
 (`set_tensor_descriptors`, `tensor_descriptors_enabled`; NATSIM_NO_TMA=1 in the environment turns them off at
 import): off, every kernel runs the path a GPU without them (Ampere, Ada) runs.
@@ -29,6 +29,7 @@ if __name__ == "natsim.kernels":
     from .common.checks import check_tensors
     from .common.fp8 import Fp8Scales, check_precision, refuse_gradients
     from .common.launch import LaunchOptions, set_tensor_descriptors, tensor_descriptors_enabled
+    from .common.operators import needs_gradient
     from .common.handles import autograd_inside_an_operator, fake_handle, held, hold
     from .common.resolved import attention_resolved, register_attention, resolved_attention
     from .gna import (
@@ -85,6 +86,7 @@ if __name__ == "natsim.kernels":
         "check_qkv",
         "autocast_inputs",
         "runs_eagerly",
+        "needs_gradient",
         "check_precision",
         "refuse_gradients",
         "gna_attention",

@@ -105,6 +105,11 @@ def test_calls_without_gradients_take_the_operators_twin_without_autograd():
     assert resolved(seen[-1]) == {"natsim.gna_resolved.default"} and leaves[0].grad is not None
     torch.library.opcheck(torch.ops.natsim.gna_resolved_inference.default, (q, k, v, auto._resolver, None, True),
                           test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(RuntimeError, match="natsim::gna_resolved_inference has no backward, .* call "
+                                           "natsim::gna_resolved, or this operator under torch.no_grad"):
+        torch.ops.natsim.gna_resolved_inference.default(*leaves, auto._resolver, None, False)
+    with torch.no_grad():
+        torch.ops.natsim.gna_resolved_inference.default(*leaves, auto._resolver, None, False)
 
 
 def test_an_unknown_resolver_is_a_sentence():

@@ -121,6 +121,9 @@ def test_resolved_attention_takes_the_twin_without_autograd_where_no_gradient_is
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     run(*leaves)[0].sum().backward()
     assert seen[-1] == {"natsim.attention_resolved.default"} and leaves[0].grad is not None
+    with pytest.raises(RuntimeError, match="natsim::attention_resolved_inference has no backward, .* call "
+                                           "natsim::attention_resolved"):
+        torch.ops.natsim.attention_resolved_inference.default(*leaves, key, 0.3, True)
 
 
 # -- a routed model against a float64 run under the same masks ------------------------------------------------

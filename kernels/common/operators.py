@@ -19,13 +19,22 @@ Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Ten
 _without_autograd = torch.library.Library("natsim", "FRAGMENT")
 
 
-def operator_without_autograd(name: str, schema: str, body: Callable, fake: Callable) -> torch._ops.OpOverload:
+def operator_without_autograd(name: str, schema: str, body: Callable, fake: Callable,
+                              twin: str) -> torch._ops.OpOverload:
     """Define `natsim::{name}{schema}` (the arguments and outputs, as torch.library writes them) with `body` as
-    its CPU and CUDA kernel, `fake` for tracing, and no autograd layer; return the operator. The twin of an
-    operator with autograd, for calls that need no gradient (module docstring)."""
+    its CPU and CUDA kernel, `fake` for tracing, and no autograd layer; return the operator. The twin of the
+    operator `twin`, which has autograd, for calls that need no gradient (module docstring): a call whose inputs
+    autograd may need gradients of is refused with a sentence naming `twin`, instead of outputs with none."""
+
+    def kernel(*arguments):
+        if needs_gradient(*(a for a in arguments if isinstance(a, torch.Tensor))):
+            raise RuntimeError(f"natsim::{name} has no backward, and an input requires grad with grad mode on: call "
+                               f"natsim::{twin}, or this operator under torch.no_grad().")
+        return body(*arguments)
+
     _without_autograd.define(f"{name}{schema}")
     for device in ("CPU", "CUDA"):
-        _without_autograd.impl(name, body, device)
+        _without_autograd.impl(name, kernel, device)
     torch.library.register_fake(f"natsim::{name}", fake, lib=_without_autograd)
     return getattr(torch.ops.natsim, name).default
 

@@ -114,7 +114,7 @@ def _undecided_fake(q, k, v, attention, scale, return_lse):
 attention_resolved_inference = operator_without_autograd(
     "attention_resolved_inference",
     "(Tensor q, Tensor k, Tensor v, int attention, float? scale, bool return_lse) -> (Tensor, Tensor)",
-    _run_undecided, _undecided_fake)
+    _run_undecided, _undecided_fake, "attention_resolved")
 
 
 def resolved_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: int, scale: Optional[float],

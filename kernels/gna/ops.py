@@ -27,8 +27,8 @@ import torch
 
 from ..common.backend import use_triton
 from ..common.fp8 import check_fp8_call, refuse_gradients, scales_from
-from ..common.operators import (fake_lse, incoming_gradients, like, needs_gradient, no_lse,
-                                operator_without_autograd, recomputed_gradients)
+from ..common.operators import (fake_lse, incoming_gradients, like, no_lse, operator_without_autograd,
+                                recomputed_gradients)
 from .checks import check_frames, check_qkv
 from .dispatch import run_backward, run_spec
 from .ordered import TileOrder, fa4_backward_ordered, layout_views, ordered_like, run_ordered
@@ -360,17 +360,17 @@ gna_resolved_ordered.register_autograd(_resolved_ordered_backward, setup_context
 gna_resolved_inference = operator_without_autograd(
     "gna_resolved_inference",
     "(Tensor q, Tensor k, Tensor v, int resolver, float? scale, bool return_lse) -> (Tensor, Tensor)",
-    _run_resolved, _gna_resolved_fake)
+    _run_resolved, _gna_resolved_fake, "gna_resolved")
 gna_resolved_ordered_inference = operator_without_autograd(
     "gna_resolved_ordered_inference",
     "(Tensor q, Tensor k, Tensor v, int[] shape, int[] tile, int[] dilation, int resolver, float? scale, "
     "bool return_lse) -> (Tensor, Tensor)",
-    _run_resolved_ordered, _gna_resolved_ordered_fake)
+    _run_resolved_ordered, _gna_resolved_ordered_fake, "gna_resolved_ordered")
 
 
-def resolved_operators(*tensors: torch.Tensor) -> tuple[Callable, Callable]:
-    """(`natsim::gna_resolved`, `natsim::gna_resolved_ordered`) where autograd may need the call's gradient, else
-    their twins without autograd."""
-    if needs_gradient(*tensors):
+def resolved_operators(tracked: bool) -> tuple[Callable, Callable]:
+    """(`natsim::gna_resolved`, `natsim::gna_resolved_ordered`) for a call whose gradient autograd may need
+    (`tracked`: `needs_gradient` of its inputs), else their twins without autograd."""
+    if tracked:
         return gna_resolved, gna_resolved_ordered
     return gna_resolved_inference, gna_resolved_ordered_inference

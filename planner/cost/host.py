@@ -60,7 +60,7 @@ def tiny_call(backend: str, dtype: torch.dtype, device: torch.device) -> Callabl
     resolver = _resolver_ids.get(backend)
     if resolver is None:
         resolver = _resolver_ids[backend] = register_resolver(lambda *layout_and_call: arguments)
-    resolved, _ = resolved_operators(q, k, v)
+    resolved, _ = resolved_operators(tracked=False)  # what a model calls without gradients
     return lambda: resolved(q, k, v, resolver, None, True)
 
 

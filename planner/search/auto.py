@@ -19,8 +19,8 @@ from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
-from natsim.kernels import (TileOrder, autocast_inputs, check_qkv, check_tensors, refuse_gradients, register_resolver,
-                            resolved_operators, runs_eagerly, tile_order_refusal)
+from natsim.kernels import (TileOrder, autocast_inputs, check_qkv, check_tensors, needs_gradient, refuse_gradients,
+                            register_resolver, resolved_operators, runs_eagerly, tile_order_refusal)
 from natsim.problem import BoolOrBools, IntOrInts
 
 from ..catalog import element_bytes
@@ -145,23 +145,20 @@ class AutoPlan:
         `tile_order`), of `[B, N, heads, head_dim]` tensors whose tokens are in that order, output and LSE in it."""
         check_tensors(q, k, v)
         q, k, v = autocast_inputs(q, k, v)
-        if order is not None:
-            if self.options["precision"] is not None:
-                refuse_gradients("AutoPlan", q, k, v)
-            tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            _, resolved_ordered = resolved_operators(q, k, v)
-            out, lse = resolved_ordered(q, k, v, list(order.shape), list(order.tile), list(order.dilation),
-                                        self._resolver, None if scale is None else float(scale), return_lse or tracked)
-            return (out, lse) if return_lse else out
-        if runs_eagerly(q, k, v):
+        if order is None and runs_eagerly(q, k, v):
             shape = check_qkv(q, k, v)
             plan = self.plan_for(shape, heads=q.shape[-2], head_dim=q.shape[-1], dtype=q.dtype, device=q.device)
             return plan(q, k, v, scale=scale, return_lse=return_lse)
-        tracked = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if self.options["precision"] is not None:
             refuse_gradients("AutoPlan", q, k, v)
-        resolved, _ = resolved_operators(q, k, v)
-        out, lse = resolved(q, k, v, self._resolver, None if scale is None else float(scale), return_lse or tracked)
+        tracked = needs_gradient(q, k, v)
+        resolved, resolved_ordered = resolved_operators(tracked)
+        scale = None if scale is None else float(scale)
+        if order is None:
+            out, lse = resolved(q, k, v, self._resolver, scale, return_lse or tracked)
+        else:
+            out, lse = resolved_ordered(q, k, v, list(order.shape), list(order.tile), list(order.dilation),
+                                        self._resolver, scale, return_lse or tracked)
         return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:
