@@ -14,28 +14,12 @@ import argparse
 import datetime
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from natsim.kernels import gna_resolved
 from natsim.planner.cost import host
-
-CALLS, WARMUP = 200, 10
-
-
-def per_call_seconds(call, calls: int = CALLS) -> float:
-    """Wall seconds per call of `calls` back-to-back calls after a warm-up, the GPU idle before and after."""
-    for _ in range(WARMUP):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls
 
 
 def main() -> None:
@@ -56,9 +40,9 @@ def main() -> None:
     with torch.no_grad():
         for _ in range(args.rounds):
             for name, call in calls.items():
-                rounds[name].append(per_call_seconds(call) * 1e6)
+                rounds[name].append(host.issue_seconds(call, device) * 1e6)
     name = torch.cuda.get_device_name()
-    result = dict(device=name, torch=torch.__version__, date=str(datetime.date.today()), calls=CALLS,
+    result = dict(device=name, torch=torch.__version__, date=str(datetime.date.today()), calls=host.CALLS,
                   operators={op: dict(median_us=statistics.median(us), rounds_us=us) for op, us in rounds.items()})
     for op, us in rounds.items():
         print(f"{op:32s} median {statistics.median(us):6.1f} us a call; rounds {[round(x, 1) for x in us]}")

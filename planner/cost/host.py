@@ -69,7 +69,12 @@ def host_seconds(backend: str, dtype: torch.dtype, device: torch.device) -> floa
     refusal = host_refusal(backend, device)
     if refusal is not None:
         raise ValueError(f"the host time of {backend!r} cannot be measured here: {refusal}")
-    run = tiny_call(backend, dtype, device)
+    return issue_seconds(tiny_call(backend, dtype, device), device)
+
+
+def issue_seconds(run: Callable[[], object], device: torch.device) -> float:
+    """Seconds the host takes to issue one `run()`: `CALLS` back-to-back calls after `WARMUP`, the GPU idle before
+    and after, their wall time over their number."""
     for _ in range(WARMUP):
         run()
     torch.cuda.synchronize(device)
