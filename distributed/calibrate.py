@@ -53,7 +53,7 @@ def calibrate_link(group=None, device: Optional[torch.device] = None, sizes_mb: 
         whole = (0, heads // size)  # one group: every head a rank holds
 
         def ulysses():
-            whole_sequence(start_heads_chunk(slab, whole, split, moves))
+            whole_sequence(start_heads_chunk((slab,), whole, split, moves)[0])
 
         all_to_all.append((moved, _slowest(ulysses, repeats, device, group)))
         received = torch.empty_like(slab)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from natsim.kernels import pack_head_blocks, place_head_blocks
 from natsim.partition import check_split, offsets
 
 
@@ -162,15 +163,16 @@ def group_name(group) -> str:
 # -- Ulysses: frame-sharded slabs <-> head-sharded whole sequences, a group of heads at a time ----------------
 
 
-def start_heads_chunk(x: torch.Tensor, span: tuple[int, int], split: Sequence[int], group) -> Pending:
-    """Ulysses' first move for part of the heads: `[B, T_r, *rest, H, D]` (this rank's frames, every head) sends
-    rank j its heads `[j h + lo, j h + hi)` (`span = (lo, hi)`, `h = H / P`), packed in one copy;
-    `whole_sequence` waits and gives the whole sequence of those heads."""
-    size, (lo, hi) = len(split), span
-    packed = x.new_empty((size, *x.shape[:-2], hi - lo, x.shape[-1]))
-    packed.copy_(x.unflatten(-2, (size, x.shape[-2] // size))[..., lo:hi, :].movedim(-3, 0))
+def start_heads_chunk(tensors: Sequence[torch.Tensor], span: tuple[int, int], split: Sequence[int], group
+                      ) -> list[Pending]:
+    """Ulysses' first move for part of the heads, for each of `tensors` (`[B, T_r, *rest, H, D]`, this rank's
+    frames, every head; q, k and v alike): rank j gets its heads `[j h + lo, j h + hi)` (`span = (lo, hi)`,
+    `h = H / P`), all of them packed in one launch (`natsim.kernels.pack_head_blocks`), one exchange per tensor;
+    `whole_sequence` waits for one and gives the whole sequence of those heads."""
+    packed = pack_head_blocks(tensors, len(split), span)
+    x, (lo, hi) = tensors[0], span
     shapes = [(x.shape[0], n, *x.shape[2:-2], hi - lo, x.shape[-1]) for n in split]
-    return start_exchange(list(packed.unbind(0)), shapes, group, packed=packed)
+    return [start_exchange(list(blocks.unbind(0)), shapes, group, packed=blocks) for blocks in packed]
 
 
 def whole_sequence(pending: Pending) -> torch.Tensor:
@@ -197,9 +199,8 @@ def place_heads(pending: Pending, out: torch.Tensor, span: tuple[int, int]) -> N
     """Wait for a `start_frames_chunk` exchange and copy what rank j sent into heads `[j h + lo, j h + hi)` of
     `out`, `[B, T_r, *rest, H, D]` (this rank's frames, every head)."""
     pending.wait()
-    size, (lo, hi) = len(pending.shapes), span
-    received = pending.received.view(size, *pending.shapes[0]).movedim(0, -3)  # [B, T_r, *rest, P, c, D]
-    out.unflatten(-2, (size, out.shape[-2] // size))[..., lo:hi, :].copy_(received)
+    size = len(pending.shapes)
+    place_head_blocks(pending.received.view(size, *pending.shapes[0]), out, size, span)
 
 
 # -- the halo exchange: key/value frames to the ranks whose queries read them ------------------------------

@@ -7,9 +7,9 @@ every transfer waits for the one before it and for the attention (the moves cost
 into `chunks` groups and keeps the transfers in flight: every group's q, k and v leave at once (one exchange per
 tensor and group, so that with batch 1 each arrives as the whole sequence, no copy), attention runs on a group as
 soon as it has arrived (while the next travels), and its output leaves while the next group attends. What stays
-exposed: every group's packing copy (each precedes the first attention on the compute stream, so that its
-transfer need not wait for an attention), the first group's arrival, the last group's return and the output's
-placement into its heads. On a GPU the transfers run on NCCL's stream, ordered after the work enqueued before
+exposed: every group's packing (one launch for its q, k and v, each before the first attention on the compute
+stream, so that its transfer need not wait for an attention), the first group's arrival, the last group's return
+and the output's placement into its heads. On a GPU the transfers run on NCCL's stream, ordered after the work enqueued before
 them; waiting orders the compute stream, not the host. NCCL's kernels need SMs: beside an attention kernel they
 keep pace only when their streams have the higher priority, which is why the moves run on the group's
 high-priority twin (`collectives.transfer_group`; docs/performance.md has the GPU timelines).
@@ -107,7 +107,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: Sequence
     refuse_capture()
     resolved, heads = transfer_group(group), q.shape[-2]
     spans = head_spans(heads // len(split), chunks)
-    inbound = [[start_heads_chunk(x, span, split, resolved) for x in (q, k, v)] for span in spans]
+    inbound = [start_heads_chunk((q, k, v), span, split, resolved) for span in spans]
     outbound, graphs = [], []
     with planning(heads):
         for span, pending in zip(spans, inbound):
@@ -145,7 +145,7 @@ def _ulysses_backward(grad_out: torch.Tensor, graphs: torch.Tensor, attend: int,
     kept = held(graphs, "natsim::cp_ulysses_backward")
     resolved, heads = transfer_group(group), grad_out.shape[-2]
     spans = head_spans(heads // len(split), chunks)
-    inbound = [start_heads_chunk(grad_out, span, split, resolved) for span in spans]
+    inbound = [start_heads_chunk((grad_out,), span, split, resolved)[0] for span in spans]
     outbound = []
     with planning(heads), autograd_inside_an_operator():
         for pending, (leaves, out) in zip(inbound, kept):

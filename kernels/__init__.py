@@ -31,6 +31,7 @@ if __name__ == "natsim.kernels":
     from .common.launch import LaunchOptions, set_tensor_descriptors, tensor_descriptors_enabled
     from .common.operators import needs_gradient
     from .common.handles import autograd_inside_an_operator, fake_handle, held, hold
+    from .common.regroup import pack_head_blocks, place_head_blocks
     from .common.resolved import attention_resolved, register_attention, resolved_attention
     from .gna import (
         GnaSpec,
@@ -80,6 +81,8 @@ if __name__ == "natsim.kernels":
         "held",
         "fake_handle",
         "autograd_inside_an_operator",
+        "pack_head_blocks",
+        "place_head_blocks",
         "FRAMES_GRADIENT_REFUSAL",
         "PV_SKIP_GRADIENT_REFUSAL",
         "check_tensors",
