@@ -277,6 +277,46 @@ def test_masks_that_keep_every_block_reproduce_the_models_attention(name):
     assert relative_error(routed, own) < 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["WanTransformer3DModel", "HunyuanVideoTransformer3DModel"])
+def test_gpu_masks_keeping_every_block_reproduce_the_model_eager_compiled_and_in_training(name):
+    """On a GPU (bf16 kernels under a float32 model): masks keeping every block, run without gradients (the
+    masks route's operator without autograd, eager and with the blocks compiled by Inductor) and in a training
+    pass (the operator with autograd), against the model's own attention: outputs and parameter gradients."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    torch._dynamo.reset()
+    model = diffusers_models.build(name).cuda()
+    inputs = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
+              for k, v in with_timestep(name, (2, 4, 8), 900.0, batch=2).items()}
+    weight = torch.randn(inputs["hidden_states"].shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def gradients() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        (model(**inputs)[0] * weight).sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    with torch.no_grad():
+        own = model(**inputs)[0]
+    own_gradients = gradients()
+    applied = nd.apply(model, masks=nd.Masks(steps=4, block=16, **EVERY_BLOCK), training=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        routed = model(**inputs)[0]
+    stats = applied.masked.stats
+    assert stats.predictions == stats.calls == len(applied.originals) and stats.dense_calls == 0
+    assert relative_error(routed, own) < 2e-2
+    routed_gradients = gradients()
+    assert len(routed_gradients) == len(own_gradients) > 1
+    norm = max(float(g.norm()) for g in own_gradients)
+    assert max(float((a - b).norm()) / max(float(b.norm()), 1e-3 * norm)
+               for a, b in zip(routed_gradients, own_gradients)) < 5e-2
+    model.compile_repeated_blocks(fullgraph=True)
+    with torch.no_grad():
+        compiled = model(**inputs)[0]
+    assert relative_error(compiled, own) < 2e-2
+    assert applied.masked.stats.dense_calls == 0
+
+
 def test_masks_follow_the_cache_schedule_one_step_per_timestep():
     model = diffusers_models.build("WanTransformer3DModel")
     applied = nd.apply(model, masks=nd.Masks(steps=4, block=16, dense_fraction=0.25, interval=2), dtype=torch.float16)
