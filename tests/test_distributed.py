@@ -1106,6 +1106,43 @@ def test_best_with_world_size_knows_its_strategy():
     assert best((30, 48, 80), 0.9, heads=5, window=(18, 24, 24), world_size=2).strategy == "halo"
 
 
+def test_best_with_world_size_prices_the_training_step():
+    """Training over ranks: ulysses' price is its forward and its backward pipelines, each from the plan's own
+    forward and backward predictions (the backward's moves mirrored); where the heads do not divide, the halo
+    strategy trains on a configuration with stride 1 along the frames, priced on each rank's gathered layout; with
+    a causal window along the frames no strategy trains it, which is said in one sentence."""
+    from natsim.planner import best
+
+    options = dict(heads=24, window=(18, 24, 24), device="h100", training=True)
+    single = best((30, 48, 80), 0.9, backends="triton", **options)
+    parallel = best((30, 48, 80), 0.9, world_size=2, **options)
+    assert single.training and parallel.plan == single and single.problem.stride[0] > 1
+    ulysses, (first, _) = parallel.costs["ulysses"], parallel.split
+    frame = 48 * 80 * 24 * 128 * 2 // 2  # a frame of a rank's half of the heads
+    inbound, outbound = 3 * max(first, 30 - first) * frame, max(first, 30 - first) * frame
+    link = parallel.link.all_to_all
+    forward = pipeline_seconds(single.forward_score / 2, link, inbound, outbound, chunks=3)
+    backward = pipeline_seconds(single.backward_score / 2, link, outbound, inbound, chunks=3)
+    assert ulysses.ranks[0].seconds == pytest.approx(forward + backward, rel=1e-9)
+    # the pick's stride along the frames keeps the halo strategy from training it: stride 1 there was priced too
+    assert parallel.notes[-1].startswith("The single-GPU pick has stride 2 along the frames")
+    assert "forward + backward" in " ".join(str(part) for part in parallel.explain().renderables[1:2])
+
+    halo = best((30, 48, 80), 0.9, world_size=2, heads=5, window=(18, 24, 24), device="h100", training=True)
+    assert halo.strategy == "halo" and halo.problem.stride[0] == 1 and halo.tiles.kv_tiling == "static"
+    starts = (0, halo.split[0])
+    for rank, start in zip(halo.costs["halo"].ranks, starts):
+        lo, hi = key_frames(halo.problem, start, start + halo.split[rank.rank])
+        gathered = Problem((hi - lo, 48, 80), halo.problem.window, halo.problem.stride)
+        assert rank.visited_tiles == simulate(gathered, halo.tiles).visited_tiles * 5
+    inference = best((30, 48, 80), 0.9, world_size=2, heads=5, window=(18, 24, 24), device="h100")
+    assert halo.seconds > inference.seconds  # the backward's work and moves come on top
+    with pytest.raises(ValueError, match=r"no context-parallel strategy can run this plan over 2 ranks: .*"
+                                         r"halo cannot train .* no causal window along the frames"):
+        best((30, 48, 80), 0.9, world_size=2, heads=5, window=(18, 24, 24), device="h100", training=True,
+             causal=(True, False, False))
+
+
 def test_cli_plan_world_size():
     from typer.testing import CliRunner
 

@@ -75,15 +75,17 @@ def ranking_model(cost: str, path: str, training: bool, precision=None):
     return None if model is None or (training and model.backward_coefficients is None) else model
 
 
-def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dtype, precision=None) -> list[str]:
+def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dtype, causal=False, precision=None
+             ) -> list[str]:
     """The documented reasons (regular expressions of their sentences) to refuse a combination; none: it plans.
 
     - the kernels run head_dim 16 to 256 in steps of 8 and bf16 / fp16 only;
     - a GPU named by device= must have coefficients (an H200 has none until calibrated);
     - a fixed kv_tiling needs the ranking cost model to be calibrated on it (the file covers static only);
       without a model (none, or training without backward coefficients) tile work ranks both modes;
-    - several ranks: at most one per frame; forward only (no training); dynamic KV tiling runs under ulysses
-      only, which needs the heads to divide over the ranks;
+    - several ranks: at most one per frame; dynamic KV tiling runs under ulysses only, which needs the heads to
+      divide over the ranks; training where the heads do not divide needs the halo strategy, which trains only
+      without a causal window along the frames (the planner then searches stride 1 there);
     - FP8: inference only (no training), static KV tiling only, one GPU (no world_size).
     """
     reasons = []
@@ -106,8 +108,9 @@ def refusals(shape, path, *, training, world_size, cost, kv_tiling, head_dim, dt
     if world_size is not None:
         if world_size > shape[0]:
             reasons.append(rf"world_size cannot exceed the {shape[0]} frames of dimension 0")
-        if training:
-            reasons.append(r"training=True plans one GPU: the planner does not price natsim.distributed's backward")
+        if training and HEADS % world_size and causal:
+            reasons.append(rf"no context-parallel strategy can run this plan over {world_size} ranks: ulysses cannot "
+                           r"run .* halo cannot train")
         if kv_tiling == "dynamic" and HEADS % world_size:
             reasons.append(r"kv_tiling='dynamic' over \d ranks runs only under the ulysses strategy")
     return reasons
@@ -169,6 +172,13 @@ def check_plan(plan, shape, target, path, *, training, world_size, cost, kv_tili
             frames = (start, start + plan.split[rank.rank])
             if name == "ulysses":
                 want = sim.visited_tiles * HEADS // world_size
+            elif training:  # the halo strategy trains on a rank's gathered frames as a layout of their own
+                need = key_frames(single.problem, *frames)
+                problem = single.problem
+                assert problem.stride[0] == 1 and not problem.causal[0]
+                gathered = problem.__class__((need[1] - need[0], *problem.shape[1:]), problem.window, problem.stride,
+                                             problem.dilation, problem.causal)
+                want = simulate(gathered, single.tiles).visited_tiles * HEADS
             else:
                 need = key_frames(single.problem, *frames)
                 want = rank_tiles(single.problem, single.tiles, frames, need).visited * HEADS
@@ -180,7 +190,7 @@ def run_case(shape, target, path, *, training, world_size, cost, kv_tiling, head
     options = dict(heads=HEADS, head_dim=head_dim, dtype=dtype, causal=causal, training=training,
                    world_size=world_size, kv_tiling=kv_tiling, precision=precision, **cost_options(cost, path))
     reasons = refusals(shape, path, training=training, world_size=world_size, cost=cost, kv_tiling=kv_tiling,
-                       head_dim=head_dim, dtype=dtype, precision=precision)
+                       head_dim=head_dim, dtype=dtype, causal=causal, precision=precision)
     if reasons:
         with pytest.raises(ValueError) as refused:
             best(shape, target, **options)

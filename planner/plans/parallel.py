@@ -90,16 +90,20 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
         """The single-GPU plan's report, then the choice over the ranks, its notes and the per-rank table."""
         rate = ("its predicted time spread over its visited tiles" if self.plan.calibrated
                 else "natsim.partition's default rate (no cost model)")
+        step = "forward + backward" if self.plan.training else "forward"
         parts = [self.plan.explain(), Text(
             f"Over {self.world_size} ranks: {self.strategy}, frames split {'/'.join(map(str, self.split))}, "
-            f"chosen by the slowest rank's predicted time (tile work priced at {rate}, plus bytes moved at "
+            f"chosen by the slowest rank's predicted {step} time (tile work priced at {rate}, plus bytes moved at "
             f"{self.link.describe()}).")]
         if "ulysses" in self.costs:
             per_rank = (self.plan.heads or 1) // self.world_size
             parts.append(Text(
                 f"  - ulysses attends each rank's {per_rank} heads in {default_chunks(per_rank)} groups, a group's "
                 "all-to-alls overlapping another group's attention (priced so: natsim.partition.pipeline_seconds; "
-                "on GPUs that needs NCCL's streams at high priority, TORCH_NCCL_HIGH_PRIORITY=1)."))
+                "natsim.distributed moves them on a high-priority twin of the process group)."))
+        if self.plan.training and "halo" in self.costs:
+            parts.append(Text("  - halo trains on each rank's gathered frames run as a layout of their own, priced "
+                              "on that layout's tiles."))
         parts += [Text(f"  - {note}") for note in self.notes]
         parts.append(self.rank_table())
         return Group(*parts)

@@ -64,7 +64,7 @@ from ..plans.plan import Plan
 from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
 from .fa4_scores import Fa4Scorer
 from .gluon_scores import GluonScorer
-from .parallel import check_world_size, parallel_plan
+from .parallel import check_world_size, halo_runs, parallel_plan
 from .windows import candidate_windows, window_sparsity
 
 AUTO = "auto"  # precision: bf16 or FP8, whichever is predicted faster
@@ -368,10 +368,6 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         if precision is not None:
             raise ValueError(f"precision={precision!r} plans one GPU: natsim.distributed runs bfloat16 / float16 only, "
                              f"so world_size must be None, got {world_size=}.")
-        if training:
-            raise ValueError(f"training=True plans one GPU: the planner does not price natsim.distributed's "
-                             f"backward yet (it trains with strategy='ulysses' on the GPU; pick that strategy by hand), "
-                             f"so world_size must be None, got {world_size=}.")
         if kv_tiling == "dynamic" and (heads or 1) % world_size:
             raise ValueError(
                 f"kv_tiling='dynamic' over {world_size} ranks runs only under the ulysses strategy (the halo "
@@ -625,7 +621,7 @@ def best(
     `plan.explain()`). `cost_model` (a CostModel, or the path of a coefficients file) replaces the stored ones.
     `training` ranks by forward + backward time (the backward's own coefficients; without them, forward +
     backward tile work). `world_size=P`: a `ParallelPlan` for P ranks sharding frames
-    (planner.search.parallel), which knows its strategy and split; training plans are for one GPU.
+    (planner.search.parallel), which knows its strategy and split (with `training`, priced forward + backward).
     `precision="fp8"` plans the FP8 inference kernel (module docstring); the plan runs in FP8. `precision="auto"`
     plans both and keeps FP8 only where it is predicted faster by more than the tie tolerance (inference, one GPU).
     `backends` names the kernel backends the plan may run on ("triton", "fa4", "gluon"; planner.backends): None
@@ -650,7 +646,18 @@ def best(
     plan = _search(request)
     if world_size is None:
         return plan
-    static = None
-    if plan.tiles.kv_tiling == "dynamic" and "static" in request.kv_tilings:
-        static = _search(replace(request, kv_tilings=("static",), kv_tiling_fixed="halo"))  # what halo runs
-    return parallel_plan(plan, world_size, static_plan=static, link=link_for(request.gpu, world_size))
+    halo = None if halo_runs(plan) else _halo_request(request)
+    return parallel_plan(plan, world_size, halo_plan=None if halo is None else _search(halo),
+                         link=link_for(request.gpu, world_size))
+
+
+def _halo_request(request: _Request) -> Optional[_Request]:
+    """The search for the best configuration the halo strategy runs: static KV tiling, and to train, stride 1
+    along the frames (no causal window there); None where it runs none of this request's."""
+    if "static" not in request.kv_tilings or (request.training and request.causal[0]):
+        return None
+    halo = replace(request, kv_tilings=("static",), kv_tiling_fixed="halo")
+    if request.training:
+        caps = request.max_stride or request.shape
+        halo = replace(halo, max_stride=(1, *caps[1:]))
+    return halo

@@ -7,17 +7,25 @@ spread evenly over its visited tiles, every head), else at natsim.partition's de
 sends or receives at the interconnect's rate for the strategy's move (`link`: calibrated on the machine by
 `natsim calibrate --link`, else natsim.partition's default). Splits tried: even, and aligned to stride groups along frames.
 
+A training plan (`best(..., training=True)`) is priced forward + backward: per visited tile its forward and
+backward predictions apart, the backward's moves (the output's gradient in, those of q, k and v back for ulysses;
+the halo frames' gradients back) at the same link. The halo strategy trains where a rank's gathered frames run
+as a layout of their own (`natsim.distributed.strategies.trains_on_gathered_frames`: stride 1, dilation 1 and no
+causal window along the frames), and is priced on that layout's tiles there.
+
 Not every strategy runs every plan: ulysses shards heads, so the heads must divide by the world size, and the
-halo strategy runs its frame ranges with static KV tiling only (natsim.distributed). A plan that tiles KV
-dynamically therefore runs only under ulysses; `best` passes the best configuration with static KV tiling as
-well (`static_plan`), both are priced, and the faster over the ranks is the plan. Each strategy left out, and
-that comparison, is said in one sentence in the result's `notes` (`ParallelPlan.explain()`).
+halo strategy runs its frame ranges with static KV tiling only (natsim.distributed), and trains only with stride
+1 along the frames. For a plan the halo strategy cannot run, `best` passes the best configuration it can
+(`halo_plan`: static KV tiling, and for training stride 1 along the frames), both are priced, and the faster
+over the ranks is the plan. Each strategy left out, and that comparison, is said in one sentence in the
+result's `notes` (`ParallelPlan.explain()`).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from natsim.distributed.strategies import trains_on_gathered_frames
 from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, aligned_split, even_split, strategy_cost
 
 from ..catalog import element_bytes
@@ -50,6 +58,10 @@ def strategies_for(plan: Plan, world_size: int) -> tuple[list[str], list[str]]:
         if name == "ulysses" and heads % world_size:
             notes.append(f"ulysses cannot run {_describe(plan)}: it shards heads over the ranks, and heads={heads} "
                          f"cannot be split evenly over {world_size} ranks.")
+        elif name == "halo" and plan.training and not trains_on_gathered_frames(plan.problem):
+            notes.append(f"halo cannot train {_describe(plan)}: its gradients run on a rank's gathered frames as a "
+                         "layout of their own, which needs stride 1, dilation 1 and no causal window along the "
+                         "frames (GNA on frame ranges has no backward kernel).")
         elif name == "halo" and plan.tiles.kv_tiling != "static":
             notes.append(f"halo cannot run {_describe(plan)}: its frame ranges run static KV tiling only.")
         else:
@@ -61,28 +73,32 @@ def _priced(plan: Plan, world_size: int, strategies: list[str], link: Link, batc
     """`(split, costs, strategy)`: every runnable strategy's per-rank costs for the split whose best strategy is
     fastest, and that strategy."""
     problem, heads = plan.problem, plan.heads or 1
-    tile_seconds = None
+    tile_seconds = backward_tile_seconds = None
     if plan.calibrated:
-        tile_seconds = plan.score / max(1, plan.simulation.visited_tiles * heads)
+        tiles = max(1, plan.simulation.visited_tiles * heads)
+        tile_seconds = plan.forward_score / tiles
+        if plan.training:
+            backward_tile_seconds = plan.backward_score / tiles
     options = []
     for split in dict.fromkeys((even_split(problem.shape[0], world_size), aligned_split(problem, world_size))):
         costs = {s: strategy_cost(problem, plan.tiles, split, s, batch=batch, heads=heads, head_dim=plan.head_dim,
                                   element_bytes=element_bytes(plan.torch_dtype), tile_seconds=tile_seconds,
-                                  link=link)
+                                  link=link, training=plan.training, backward_tile_seconds=backward_tile_seconds,
+                                  halo_on_gathered=plan.training)
                  for s in strategies}
         options.append((split, costs))
     return min(((split, costs, name) for split, costs in options for name in costs),
                key=lambda option: option[1][option[2]].seconds)
 
 
-def parallel_plan(plan: Plan, world_size: int, *, static_plan: Optional[Plan] = None,
+def parallel_plan(plan: Plan, world_size: int, *, halo_plan: Optional[Plan] = None,
                   link: Link = DEFAULT_LINK, batch: int = 1) -> ParallelPlan:
-    """The fastest (strategy, split) for `plan` on `world_size` ranks, or for `static_plan` (the best
+    """The fastest (strategy, split) for `plan` on `world_size` ranks, or for `halo_plan` (the best
     configuration with static KV tiling, for a `plan` that tiles KV dynamically) when that is faster
     (module docstring)."""
     check_world_size(world_size, plan.problem.shape[0])
     priced, refusals = [], []
-    for candidate in (plan,) if static_plan is None else (plan, static_plan):
+    for candidate in (plan,) if halo_plan is None else (plan, halo_plan):
         runnable, notes = strategies_for(candidate, world_size)
         refusals += notes
         if runnable:
@@ -91,20 +107,30 @@ def parallel_plan(plan: Plan, world_size: int, *, static_plan: Optional[Plan] = 
         raise ValueError(f"no context-parallel strategy can run this plan over {world_size} ranks: "
                          + " ".join(refusals))
     chosen, split, costs, strategy = min(priced, key=lambda option: option[2][option[3]].seconds)
-    notes = refusals if static_plan is None else [*refusals, _comparison(plan, static_plan, chosen, priced, world_size)]
+    notes = refusals if halo_plan is None else [*refusals, _comparison(plan, halo_plan, chosen, priced, world_size)]
     return ParallelPlan(chosen, world_size, strategy, split, costs, link, tuple(notes))
 
 
-def _comparison(plan: Plan, static_plan: Plan, chosen: Plan, priced: list, world_size: int) -> str:
-    """The sentence saying why the plan over the ranks is the single-GPU pick or the best static one."""
+def halo_runs(plan: Plan) -> bool:
+    """Whether the halo strategy runs `plan` (heads aside): static KV tiling, and to train, a rank's gathered
+    frames as a layout of their own."""
+    return plan.tiles.kv_tiling == "static" and (not plan.training or trains_on_gathered_frames(plan.problem))
+
+
+def _comparison(plan: Plan, halo_plan: Plan, chosen: Plan, priced: list, world_size: int) -> str:
+    """The sentence saying why the plan over the ranks is the single-GPU pick or the best one the halo strategy
+    runs."""
     seconds = {id(option[0]): option[2][option[3]].seconds for option in priced}
     if id(plan) not in seconds:
-        return ("The single-GPU pick runs under no strategy here, so the plan is the best configuration with static "
-                "KV tiling.")
-    priced_too = (f"The single-GPU pick tiles KV dynamically, which only ulysses runs over several ranks, so the "
-                  f"best configuration with static KV tiling ({_describe(static_plan)}) was priced as well: ")
+        return ("The single-GPU pick runs under no strategy here, so the plan is the best configuration the halo "
+                "strategy runs.")
+    why = ("tiles KV dynamically, which only ulysses runs over several ranks" if plan.tiles.kv_tiling != "static"
+           else f"has stride {plan.problem.stride[0]} along the frames, and the halo strategy trains only with "
+                f"stride 1 there")
+    priced_too = (f"The single-GPU pick {why}, so the best configuration the halo strategy runs "
+                  f"({_describe(halo_plan)}) was priced as well: ")
     if chosen is plan:
         return (priced_too + f"the single-GPU pick is faster over {world_size} ranks ({seconds[id(plan)] * 1e3:.4g} "
-                f"ms vs {seconds[id(static_plan)] * 1e3:.4g} ms, slowest rank).")
-    return (priced_too + f"it is faster over {world_size} ranks ({seconds[id(static_plan)] * 1e3:.4g} ms vs "
+                f"ms vs {seconds[id(halo_plan)] * 1e3:.4g} ms, slowest rank).")
+    return (priced_too + f"it is faster over {world_size} ranks ({seconds[id(halo_plan)] * 1e3:.4g} ms vs "
             f"{seconds[id(plan)] * 1e3:.4g} ms, slowest rank), so the plan runs it.")
