@@ -9,8 +9,8 @@ tensor and group, so that with batch 1 each arrives as the whole sequence, no co
 soon as it has arrived (while the next travels), and its output leaves while the next group attends. What stays
 exposed: every group's packing (one launch for its q, k and v, each before the first attention on the compute
 stream, so that its transfer need not wait for an attention), the first group's arrival, the last group's return
-and the output's placement into its heads. On a GPU the transfers run on NCCL's stream, ordered after the work enqueued before
-them; waiting orders the compute stream, not the host. NCCL's kernels need SMs: beside an attention kernel they
+and the output's placement into its heads. On a GPU the transfers run on NCCL's stream, ordered after the work
+enqueued before them; waiting orders the compute stream, not the host. NCCL's kernels need SMs: beside an attention kernel they
 keep pace only when their streams have the higher priority, which is why the moves run on the group's
 high-priority twin (`collectives.transfer_group`; docs/performance.md has the GPU timelines).
 

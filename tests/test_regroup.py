@@ -50,15 +50,19 @@ def regroupings(draw):
     lead = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
     head_dim = draw(st.sampled_from([8, 16, 24, 64]))
     count = draw(st.integers(1, 3))
-    layout = draw(st.sampled_from(["contiguous", "fused", "transposed"]))
+    layout = draw(st.sampled_from(["contiguous", "fused", "transposed", "mixed"]))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
     return parts, per_rank, (lo, hi), lead, head_dim, count, layout, dtype
 
 
 def _tensors(lead, heads, head_dim, count, layout, dtype, device="cpu", seed=0):
-    """`count` tensors `[*lead, heads, head_dim]` laid out as asked: contiguous, a slice of a fused
-    `[*lead, 3, heads, head_dim]` tensor (rows strided), or with its last two dimensions' storage transposed."""
+    """`count` tensors `[*lead, heads, head_dim]` laid out as asked: contiguous, slices of a fused
+    `[*lead, 3, heads, head_dim]` tensor (rows strided), a contiguous one and fused slices ("mixed"), or with
+    their last two dimensions' storage transposed."""
     generator = torch.Generator(device).manual_seed(seed)
+    if layout == "mixed":  # one contiguous tensor beside slices of a fused one: rows of different strides
+        rest = _tensors(lead, heads, head_dim, count - 1, "fused", dtype, device, seed + 1)
+        return [torch.randn(*lead, heads, head_dim, generator=generator, device=device).to(dtype), *rest]
     if layout == "fused":
         fused = torch.randn(*lead, 3, heads, head_dim, generator=generator, device=device).to(dtype)
         return [fused[..., i, :, :] for i in range(count)]
@@ -121,7 +125,7 @@ def test_refusals_name_the_problem():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["contiguous", "fused"])
+@pytest.mark.parametrize("layout", ["contiguous", "fused", "mixed"])
 @pytest.mark.parametrize("parts,per_rank,span", [(2, 6, (0, 2)), (4, 10, (3, 7)), (8, 5, (4, 5))])
 def test_regroup_on_the_gpu_equals_indexing(layout, parts, per_rank, span):
     if not torch.cuda.is_available():

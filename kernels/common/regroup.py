@@ -25,8 +25,9 @@ _MAX_BLOCK_COLUMNS = 1024
 
 
 @triton.jit
-def _regroup_kernel(rows0, rows1, rows2, blocks, n_rows, row_stride, rank_stride, first, width, tensor_stride,
-                    column_blocks, TO_BLOCKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):
+def _regroup_kernel(rows0, rows1, rows2, stride0, stride1, stride2, blocks, n_rows, rank_stride, first, width,
+                    tensor_stride, column_blocks, TO_BLOCKS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                    BLOCK_COLUMNS: tl.constexpr):
     """One program: BLOCK_ROWS rows x BLOCK_COLUMNS values of destination `program_id(1)`'s block of tensor
     `program_id(2)`, copied from the rows to the blocks (TO_BLOCKS) or back."""
     pid, rank, tensor = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -35,11 +36,11 @@ def _regroup_kernel(rows0, rows1, rows2, blocks, n_rows, row_stride, rank_stride
     keep = (row < n_rows)[:, None] & (column < width)[None, :]
     row = row.to(tl.int64)
     if tensor == 0:
-        base = rows0
+        base, row_stride = rows0, stride0
     elif tensor == 1:
-        base = rows1
+        base, row_stride = rows1, stride1
     else:
-        base = rows2
+        base, row_stride = rows2, stride2
     in_rows = base + row[:, None] * row_stride + (rank * rank_stride + first) + column[None, :]
     in_blocks = (blocks + tensor.to(tl.int64) * tensor_stride + (rank.to(tl.int64) * n_rows + row)[:, None] * width
                  + column[None, :])
@@ -83,8 +84,8 @@ def _launch(rows: Sequence[torch.Tensor], blocks: torch.Tensor, parts: int, per_
     column_blocks = triton.cdiv(width, block_columns)
     padded = list(rows) + [rows[0]] * (MAX_TENSORS - len(rows))
     grid = (triton.cdiv(n_rows, _BLOCK_ROWS) * column_blocks, parts, len(rows))
-    _regroup_kernel[grid](*padded, blocks, n_rows, rows[0].stride(0), per_rank * head_dim, span[0] * head_dim,
-                          width, parts * n_rows * width, column_blocks, TO_BLOCKS=to_blocks,
+    _regroup_kernel[grid](*padded, *(r.stride(0) for r in padded), blocks, n_rows, per_rank * head_dim,
+                          span[0] * head_dim, width, parts * n_rows * width, column_blocks, TO_BLOCKS=to_blocks,
                           BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLUMNS=block_columns)
 
 
