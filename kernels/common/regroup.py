@@ -4,9 +4,11 @@
 `c = hi - lo`).
 
 Both directions are bandwidth-bound strided copies. PyTorch copies a strided view element by element without
-vector loads (about a third of an H200's bandwidth), one launch per tensor; here one Triton launch moves q, k and
-v together (`pack_head_blocks`) or places one returned group (`place_head_blocks`), each row's `c * D` contiguous values
-in 16-byte vectors. CPU tensors take the same copies through torch, which is also the kernels' reference.
+vector loads (about a third of an H200's bandwidth), one launch per tensor; here one Triton launch moves q, k
+and v together (`pack_head_blocks`) or places one returned group (`place_head_blocks`), each row's `c * D`
+contiguous values in 16-byte vectors (Wan 720p on 2 H200s: a group's packing 0.06 ms against three copies of
+0.053 ms, a placement 0.022 ms against 0.053-0.070). CPU tensors take the same copies through torch, which is
+also the kernels' reference.
 """
 
 from __future__ import annotations
