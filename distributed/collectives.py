@@ -95,9 +95,11 @@ def resolve_split(q: torch.Tensor, split: Optional[Sequence[int]], group) -> tup
 
 
 def check_heads(heads: int, world_size: int) -> None:
+    """Block masks shard their heads with q, k and v (sparse.py): no zero heads to pad them with."""
     if heads % world_size:
-        raise ValueError(f"the ulysses strategy shards heads over the {world_size} ranks: heads must be divisible "
-                         f"by the world size, got heads={heads}, world_size={world_size}.")
+        raise ValueError(f"natsim.distributed.sparse_attention shards heads and their block masks over the "
+                         f"{world_size} ranks: heads must be divisible by the world size, got heads={heads}, "
+                         f"world_size={world_size}.")
 
 
 @dataclass

@@ -21,14 +21,14 @@ from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, Rate, choose_strate
 from natsim.stored import link_for
 from natsim.problem import BoolOrBools, IntOrInts
 
-from .collectives import check_heads, resolve_split, world
+from .collectives import resolve_split, world
 from .pipeline import register_attend, ulysses_attention
 from .strategies import halo, trains_on_gathered_frames
 
 HALO_GRADIENT_REFUSAL = (
     "the halo strategy trains on natsim's GPU kernels only where a rank's gathered frames can run as a layout of "
     "their own (stride 1, dilation 1 and no causal window along dimension 0: GNA on frame ranges has no backward "
-    "kernel), and q, k or v requires grad: train with strategy='ulysses' (heads divisible by the world size) or "
+    "kernel), and q, k or v requires grad: train with strategy='ulysses' or "
     "'auto', call it under torch.no_grad() for inference, or use CPU tensors (the torch reference's gradients)."
 )
 
@@ -65,11 +65,12 @@ def choose(problem: Problem, tiles: StrategyTiles, split: tuple[int, ...], batch
     and its bytes at `link`'s rates: the forward and, when `training`, the backward too (its tile work and the
     gradients' bytes); Ulysses with its heads in `chunks` groups (natsim.partition.default_chunks unless given);
     the halo exchange on a rank's gathered frames as a layout of their own where `halo_on_gathered` (how it
-    trains on the GPU kernels). Ulysses is left out unless heads divide over the ranks."""
+    trains on the GPU kernels). Ulysses pads heads that do not divide over the ranks (pipeline.heads_per_rank) and
+    is priced so."""
     costs = [strategy_cost(problem, getattr(tiles, s), split, s, batch=batch, heads=heads, head_dim=head_dim,
                            element_bytes=element_bytes, training=training, link=link, chunks=chunks,
                            halo_on_gathered=halo_on_gathered)
-             for s in strategies if s != "ulysses" or heads % len(split) == 0]
+             for s in strategies]
     return choose_strategy(costs).strategy
 
 
@@ -108,15 +109,10 @@ HALO_DYNAMIC_REFUSAL = ("the halo strategy runs frame ranges with static KV tili
                         "use strategy='ulysses' or kv_tiling=None.")
 
 
-def _runnable(heads: int, world_size: int, halo_refusal: Optional[str]) -> tuple[str, ...]:
-    """The strategies `"auto"` chooses among: ulysses when heads divide over the ranks, halo unless the call is
-    one it cannot run here (`halo_refusal`, the sentence saying why); a sentence error when neither can run."""
-    names = tuple(s for s in STRATEGIES if (s != "ulysses" or heads % world_size == 0)
-                  and (s != "halo" or halo_refusal is None))
-    if not names:
-        raise RuntimeError(f"no strategy can run this call: ulysses shards heads, and heads={heads} cannot be split "
-                           f"evenly over {world_size} ranks; and {halo_refusal}")
-    return names
+def _runnable(halo_refusal: Optional[str]) -> tuple[str, ...]:
+    """The strategies `"auto"` chooses among: ulysses (any heads: padded where the ranks do not divide them), and
+    halo unless the call is one it cannot run here (`halo_refusal`, the sentence saying why)."""
+    return tuple(s for s in STRATEGIES if s != "halo" or halo_refusal is None)
 
 
 def gna_attention(
@@ -171,7 +167,7 @@ def gna_attention(
     if strategy == "auto":
         strategy = _auto(problem.shape, (problem.window, problem.stride, problem.dilation, problem.causal),
                          (*tiles, kv_tiling), split, (batch, heads, head_dim, q.element_size()), training,
-                         _runnable(heads, size, halo_refusal),
+                         _runnable(halo_refusal),
                          None if link is None else (link.all_to_all.bytes_per_second, link.all_to_all.latency_seconds,
                                                     link.point_to_point.bytes_per_second,
                                                     link.point_to_point.latency_seconds),
@@ -179,7 +175,6 @@ def gna_attention(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES + ('auto',)}, got strategy={strategy!r}.")
     if strategy == "ulysses":
-        check_heads(heads, size)
         attend = _attend(problem.window, problem.stride, problem.dilation, problem.causal, *tiles, kv_tiling)
         return ulysses_attention(attend, q, k, v, split, rank, group, scale=scale, chunks=chunks)
     kernel = functools.partial(single_gpu_gna_attention, window=problem.window, stride=problem.stride,

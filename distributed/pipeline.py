@@ -3,22 +3,24 @@ strategy, forward and backward.
 
 Ulysses moves q, k and v to head-sharded whole sequences, attends, and moves the output back. Done in one piece,
 every transfer waits for the one before it and for the attention (the moves cost 1-1.5 ms a layer of Wan 720p on
-2-4 H200s, the whole gap between its measured and ideal scaling). This operator splits each rank's `H / P` heads
-into `chunks` groups and keeps the transfers in flight: every group's q, k and v leave at once (one exchange per
+2-4 H200s, the whole gap between its measured and ideal scaling). This operator splits each rank's `ceil(H / P)`
+heads (`heads_per_rank`: padded with zero heads where P does not divide H) into `chunks` groups and keeps the
+transfers in flight: every group's q, k and v leave at once (one exchange per
 tensor and group, so that with batch 1 each arrives as the whole sequence, no copy), attention runs on a group as
 soon as it has arrived (while the next travels), and its output leaves while the next group attends. What stays
 exposed: every group's packing (one launch for its q, k and v, each before the first attention on the compute
 stream, so that its transfer need not wait for an attention), the first group's arrival, the last group's return
 and the output's placement into its heads. On a GPU the transfers run on NCCL's stream, ordered after the work
-enqueued before them; waiting orders the compute stream, not the host. NCCL's kernels need SMs: beside an attention kernel they
-keep pace only when their streams have the higher priority, which is why the moves run on the group's
-high-priority twin (`collectives.transfer_group`; docs/performance.md has the GPU timelines).
+enqueued before them; waiting orders the compute stream, not the host. NCCL's kernels need SMs: beside an
+attention kernel they keep pace only when their streams have the higher priority, which is why the moves run on
+the group's high-priority twin (`collectives.transfer_group`; docs/performance.md has the GPU timelines).
 
 What attends is a Python callable registered with `register_attend` (the operator's schema carries its id):
 `attend(q, k, v, extras, scale, span)` on `[B, L, *rest, c, D]` head-sharded whole sequences of the heads
-`span = (lo, hi)` of this rank's `H / P` (`c = hi - lo`), which must treat heads independently (any attention
-does) and return q's dtype and shape; `extras` are the call's other tensors, the same for every group (a key mask,
-a block mask's tensors, which the callable cuts to the group's heads where they have a head dimension). With `keep`, the forward
+`span = (lo, hi)` of this rank's `ceil(H / P)` (`c = hi - lo`), which must treat heads independently (any
+attention does) and return q's dtype and shape; `extras` are the call's other tensors, the same for every group (a
+key mask, a block mask's tensors, which the callable cuts to the group's heads where they have a head dimension:
+callers with such extras keep H divisible by P). With `keep`, the forward
 runs each group's attention under autograd and hands the graphs to the backward by handle
 (`natsim.kernels.hold`); `natsim::cp_ulysses_backward` then pipelines the mirror image: the output gradient's
 groups travel in, each group's graph is differentiated as it arrives, and dq, dk, dv travel back while the next
@@ -75,6 +77,13 @@ def heads_of(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
     return t if t.shape[1] == 1 else t[:, span[0]:span[1]]
 
 
+def heads_per_rank(heads: int, ranks: int) -> int:
+    """The heads each rank attends: `ceil(heads / ranks)`. Where the ranks do not divide the heads, the heads are
+    padded with zeros to `ranks` times that (`natsim.kernels.pack_head_blocks`): the last ranks attend some zero
+    heads, whose outputs are not placed back, so every rank runs the same groups."""
+    return -(-heads // ranks)
+
+
 def head_spans(heads: int, chunks: int) -> list[tuple[int, int]]:
     """`[lo, hi)` of `chunks` groups of `heads` heads, as even as they divide (the first ones one larger)."""
     if not 1 <= chunks <= heads:
@@ -106,7 +115,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: Sequence
     run, planning = _registered(attend)
     refuse_capture()
     resolved, heads = transfer_group(group), q.shape[-2]
-    spans = head_spans(heads // len(split), chunks)
+    spans = head_spans(heads_per_rank(heads, len(split)), chunks)
     inbound = [start_heads_chunk((q, k, v), span, split, resolved) for span in spans]
     outbound, graphs = [], []
     with planning(heads):
@@ -131,7 +140,7 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: Sequence
 def _ulysses_fake(q, k, v, extras, attend, scale, chunks, split, rank, group, keep):
     _registered(attend)
     if isinstance(q.shape[-2], int):  # not symbolic under a dynamic-shape trace: refuse now what the run would
-        head_spans(q.shape[-2] // len(split), chunks)
+        head_spans(heads_per_rank(q.shape[-2], len(split)), chunks)
     return torch.empty_like(q), fake_handle()
 
 
@@ -144,7 +153,7 @@ def _ulysses_backward(grad_out: torch.Tensor, graphs: torch.Tensor, attend: int,
     refuse_capture()
     kept = held(graphs, "natsim::cp_ulysses_backward")
     resolved, heads = transfer_group(group), grad_out.shape[-2]
-    spans = head_spans(heads // len(split), chunks)
+    spans = head_spans(heads_per_rank(heads, len(split)), chunks)
     inbound = [start_heads_chunk((grad_out,), span, split, resolved)[0] for span in spans]
     outbound = []
     with planning(heads), autograd_inside_an_operator():
@@ -193,7 +202,7 @@ def ulysses_attention(attend: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     heads in `chunks` groups overlapped with the transfers (`default_chunks` unless given): this rank's frames
     of the output. Differentiable with respect to q, k and v when they require grad (the graphs are kept then)."""
     heads = q.shape[-2]
-    chunks = default_chunks(heads // len(split)) if chunks is None else int(chunks)
+    chunks = default_chunks(heads_per_rank(heads, len(split))) if chunks is None else int(chunks)
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out, _ = _ulysses(q, k, v, list(extras), attend, scale, chunks, list(split), rank, group_name(group), keep)
     return out

@@ -293,7 +293,8 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
 
     Seconds per rank = visited tiles (all its heads, batch included) x `tile_seconds` + the larger of bytes
     sent and received at `link`'s rate for the strategy's move. `tile_seconds` defaults to one tile pair's FLOPs at
-    `TILE_FLOP_SECONDS`. Ulysses needs `heads` divisible by the world size. `training` adds the backward the
+    `TILE_FLOP_SECONDS`. Ulysses gives every rank `ceil(heads / P)` heads (padded with zero heads where P does
+    not divide them: their work and bytes count). `training` adds the backward the
     same way: its bytes (module docstring) and visited tiles x `backward_tile_seconds` (default
     `BACKWARD_TILE_WORK` x `tile_seconds`); the gradients have the inputs' `element_bytes`. Ulysses attends
     each rank's heads in `chunks` groups overlapped with the transfers (`pipeline_seconds`, forward and
@@ -321,20 +322,18 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
 
     ranks = []
     if strategy == "ulysses":
-        if heads % P:
-            raise ValueError(f"the ulysses strategy shards heads over the {P} ranks: heads must be divisible by "
-                             f"the world size, got heads={heads}, world_size={P}.")
         from .simulate import simulate
 
         whole = simulate(problem, tiles)
-        local = heads // P
+        local = -(-heads // P)  # heads padded with zero heads to P x local where P does not divide them
+        slice_bytes = frame_bytes // heads * local  # one frame of one rank's heads
         rate = link.all_to_all
         chunks = default_chunks(local) if chunks is None else chunks
         for r in range(P):
             # q, k, v out: (P - 1) of P head slices of own frames; back: own heads of everyone else's frames.
-            qkv_sent, out_received = 3 * split[r] * (P - 1) * frame_bytes // P, split[r] * (P - 1) * frame_bytes // P
-            qkv_received, out_sent = 3 * (problem.shape[0] - split[r]) * frame_bytes // P, \
-                (problem.shape[0] - split[r]) * frame_bytes // P
+            qkv_sent, out_received = 3 * split[r] * (P - 1) * slice_bytes, split[r] * (P - 1) * slice_bytes
+            qkv_received, out_sent = 3 * (problem.shape[0] - split[r]) * slice_bytes, \
+                (problem.shape[0] - split[r]) * slice_bytes
             inbound, outbound = max(qkv_sent, qkv_received), max(out_sent, out_received)
             visited = whole.visited_tiles * local * batch
             seconds = pipeline_seconds(visited * tile_seconds, rate, inbound, outbound, chunks)

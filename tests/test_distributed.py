@@ -131,8 +131,13 @@ def test_strategy_bytes_by_hand():
     assert ulysses.ranks[0].bytes_sent == (3 * 16 + 14) * frame // 2
     assert ulysses.ranks[0].bytes_received == (3 * 14 + 16) * frame // 2
     assert halo.bytes_moved * 3 <= ulysses.bytes_moved
-    with pytest.raises(ValueError, match="heads must be divisible"):
-        strategy_cost(problem, tiles, (10, 10, 10), "ulysses", batch=1, heads=16, head_dim=128, element_bytes=2)
+    # 16 heads over 3 ranks: padded to 18, 6 a rank; every move carries the zero heads too
+    padded = strategy_cost(problem, tiles, (10, 10, 10), "ulysses", batch=1, heads=16, head_dim=128,
+                           element_bytes=2)
+    slice_bytes = 48 * 80 * 6 * 128 * 2  # one frame of a rank's 6 heads
+    assert padded.ranks[0].bytes_sent == (3 * 10 * 2 + 20) * slice_bytes
+    assert padded.ranks[0].bytes_received == (3 * 20 + 10 * 2) * slice_bytes
+    assert padded.ranks[0].heads == 6 and padded.ranks[0].visited_tiles == simulate(problem, tiles).visited_tiles * 6
     with pytest.raises(ValueError, match="add up to the 30 frames"):
         check_split((10, 10), 30)
     assert even_split(10, 3) == (4, 3, 3) and offsets((4, 3, 3)) == (0, 4, 7, 10)
@@ -305,14 +310,9 @@ def test_not_initialised():
 def test_what_auto_chooses_among():
     from natsim.distributed import gna as distributed_gna
 
-    refusal = distributed_gna.HALO_GRADIENT_REFUSAL
-    assert distributed_gna._runnable(4, 2, refusal) == ("ulysses",)
-    assert distributed_gna._runnable(5, 2, None) == ("halo",)
-    assert distributed_gna._runnable(4, 2, None) == ("ulysses", "halo")
-    with pytest.raises(RuntimeError, match="heads=5 cannot be split evenly over 2 ranks; and the halo strategy"):
-        distributed_gna._runnable(5, 2, refusal)
-    with pytest.raises(RuntimeError, match="static KV tiling only"):
-        distributed_gna._runnable(5, 2, distributed_gna.HALO_DYNAMIC_REFUSAL)
+    assert distributed_gna._runnable(distributed_gna.HALO_GRADIENT_REFUSAL) == ("ulysses",)
+    assert distributed_gna._runnable(distributed_gna.HALO_DYNAMIC_REFUSAL) == ("ulysses",)
+    assert distributed_gna._runnable(None) == ("ulysses", "halo")  # ulysses for any heads: padded where needed
 
 
 def test_each_strategy_is_priced_with_the_tiles_it_runs():
@@ -600,10 +600,11 @@ def _check_outputs(rank: int, world: int) -> None:
                     cost = strategy_cost(problem, TileConfig(1, 1), split, strategy, batch=batch, heads=heads,
                                          head_dim=HEAD_DIM, element_bytes=2)
                     assert sum(sent) == cost.ranks[rank].bytes_sent, (index, strategy, sent, cost.ranks[rank])
-    # Ulysses needs heads divisible by the world size.
-    q = torch.randn(1, 3, 4, 4, 5, 32, dtype=torch.float16)
+    # Block masks shard their heads with q, k and v: heads must divide by the world size there.
+    q = torch.randn(1, 3 * 16, 5, 32, dtype=torch.float16)
     try:
-        nd.gna_attention(q, q, q, 3, strategy="ulysses", split=(3,) * world)
+        nd.sparse_attention(q, q, q, torch.ones(1, 1, 3 * world, 3 * world, dtype=torch.bool), 16, 16,
+                            split=(48,) * world)
         raise AssertionError("heads=5 was not refused")
     except ValueError as error:
         assert "divisible by the world size" in str(error)
@@ -834,6 +835,26 @@ def _check_uneven_groups(rank: int, world: int, sent: list[int]) -> None:
                    expected, split, model, f"Ulysses in two groups of 3 heads, rank {rank}/{world}")
 
 
+def _check_padded_heads(rank: int, world: int, sent: list[int]) -> None:
+    """Ulysses over heads the ranks do not divide (2 P + 1): padded with zero heads to P ceil(H / P), in two
+    groups; outputs and gradients against the float64 reference on one process's tensors, the bytes (zero heads
+    included) against natsim.partition."""
+    import natsim.distributed as nd
+
+    problem, splits, _ = GRADIENT_CASES[1]
+    split, heads = splits[world], 2 * world + 1
+    args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation, causal=problem.causal)
+    generator = torch.Generator().manual_seed(13)
+    inputs = [torch.randn(1, *problem.shape, heads, GRADIENT_HEAD_DIM, generator=generator, dtype=torch.float64)
+              for _ in range(4)]
+    expected = _single_process(rank, split, lambda *x: reference_attention(*x, **args),
+                               lambda *x: gna_attention(*x, **args), inputs)
+    model = strategy_cost(problem, TileConfig(1, 1), split, "ulysses", batch=1, heads=heads,
+                          head_dim=GRADIENT_HEAD_DIM, element_bytes=8, training=True)
+    _check_against(rank, sent, functools.partial(nd.gna_attention, strategy="ulysses", split=split, chunks=2, **args),
+                   expected, split, model, f"Ulysses over {heads} heads padded to {world * 3}, rank {rank}/{world}")
+
+
 def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
     """dq, dk, dv of every GNA case under each strategy and of every block mask (Ulysses) against the
     single-process gradients on the whole tensors: float64 against the torch reference, float32 against
@@ -845,6 +866,7 @@ def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
         for index, case in enumerate(mask_cases):
             _check_mask_gradients(rank, world, sent, index, case)
         _check_uneven_groups(rank, world, sent)
+        _check_padded_heads(rank, world, sent)
     if world == 2:
         _check_compiled(rank, gna_cases[0], mask_cases[0])
 
@@ -1102,15 +1124,16 @@ def test_best_with_world_size_knows_its_strategy():
     assert record["strategy"] == parallel.strategy and len(record["strategies"][parallel.strategy]["ranks"]) == 2
     with pytest.raises(ValueError, match="cannot exceed the 30 frames"):
         best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), world_size=31)
-    # 5 heads do not divide over 2 ranks: halo is the only strategy
-    assert best((30, 48, 80), 0.9, heads=5, window=(18, 24, 24), world_size=2).strategy == "halo"
+    # 5 heads do not divide over 2 ranks: ulysses pads them to 6, priced with 3 a rank, and says so
+    five = best((30, 48, 80), 0.9, heads=5, window=(18, 24, 24), world_size=2)
+    assert five.costs["ulysses"].ranks[0].heads == 3 and "ulysses pads heads=5 with 1 zero head" in five.notes[0]
 
 
 def test_best_with_world_size_prices_the_training_step():
     """Training over ranks: ulysses' price is its forward and its backward pipelines, each from the plan's own
-    forward and backward predictions (the backward's moves mirrored); where the heads do not divide, the halo
-    strategy trains on a configuration with stride 1 along the frames, priced on each rank's gathered layout; with
-    a causal window along the frames no strategy trains it, which is said in one sentence."""
+    forward and backward predictions (the backward's moves mirrored); the halo strategy trains a configuration with
+    stride 1 along the frames, priced on each rank's gathered layout; with a causal window along the frames it
+    cannot, which a note says."""
     from natsim.planner import best
 
     options = dict(heads=24, window=(18, 24, 24), device="h100", training=True)
@@ -1128,19 +1151,19 @@ def test_best_with_world_size_prices_the_training_step():
     assert parallel.notes[-1].startswith("The single-GPU pick has stride 2 along the frames")
     assert "forward + backward" in " ".join(str(part) for part in parallel.explain().renderables[1:2])
 
-    halo = best((30, 48, 80), 0.9, world_size=2, heads=5, window=(18, 24, 24), device="h100", training=True)
-    assert halo.strategy == "halo" and halo.problem.stride[0] == 1 and halo.tiles.kv_tiling == "static"
-    starts = (0, halo.split[0])
-    for rank, start in zip(halo.costs["halo"].ranks, starts):
+    # the halo strategy trains a configuration with stride 1 along the frames, priced on each rank's gathered layout
+    halo = best((30, 48, 80), 0.9, world_size=2, kv_tiling="static", max_stride=(1, 24, 24), **options)
+    assert halo.problem.stride[0] == 1 and "halo" in halo.costs
+    for rank, start in zip(halo.costs["halo"].ranks, (0, halo.split[0])):
         lo, hi = key_frames(halo.problem, start, start + halo.split[rank.rank])
         gathered = Problem((hi - lo, 48, 80), halo.problem.window, halo.problem.stride)
-        assert rank.visited_tiles == simulate(gathered, halo.tiles).visited_tiles * 5
-    inference = best((30, 48, 80), 0.9, world_size=2, heads=5, window=(18, 24, 24), device="h100")
-    assert halo.seconds > inference.seconds  # the backward's work and moves come on top
-    with pytest.raises(ValueError, match=r"no context-parallel strategy can run this plan over 2 ranks: .*"
-                                         r"halo cannot train .* no causal window along the frames"):
-        best((30, 48, 80), 0.9, world_size=2, heads=5, window=(18, 24, 24), device="h100", training=True,
-             causal=(True, False, False))
+        assert rank.visited_tiles == simulate(gathered, halo.tiles).visited_tiles * 24
+    inference = best((30, 48, 80), 0.9, world_size=2, kv_tiling="static", max_stride=(1, 24, 24),
+                     **{**options, "training": False})
+    assert halo.costs["halo"].seconds > inference.costs["halo"].seconds  # the backward's work and moves on top
+    # a causal window along the frames: the halo strategy cannot train it, and says why
+    causal = best((30, 48, 80), 0.9, world_size=2, causal=(True, False, False), **options)
+    assert causal.strategy == "ulysses" and any(note.startswith("halo cannot train") for note in causal.notes)
 
 
 def test_cli_plan_world_size():

@@ -52,7 +52,8 @@ def regroupings(draw):
     count = draw(st.integers(1, 3))
     layout = draw(st.sampled_from(["contiguous", "fused", "transposed", "mixed"]))
     dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
-    return parts, per_rank, (lo, hi), lead, head_dim, count, layout, dtype
+    heads = parts * per_rank - draw(st.integers(0, parts - 1))  # padded up to parts * per_rank when short
+    return parts, per_rank, heads, (lo, hi), lead, head_dim, count, layout, dtype
 
 
 def _tensors(lead, heads, head_dim, count, layout, dtype, device="cpu", seed=0):
@@ -73,16 +74,22 @@ def _tensors(lead, heads, head_dim, count, layout, dtype, device="cpu", seed=0):
 
 
 def _expected_blocks(tensors, parts, per_rank, span):
+    """Each rank's heads of the span, one head at a time; heads past the tensors' own as zeros."""
     lo, hi = span
-    return torch.stack([torch.stack([x[..., j * per_rank + lo:j * per_rank + hi, :] for j in range(parts)])
-                        for x in tensors])
+    heads = tensors[0].shape[-2]
+
+    def head(x, index):
+        return x[..., index, :] if index < heads else torch.zeros_like(x[..., 0, :])
+
+    return torch.stack([torch.stack([torch.stack([head(x, j * per_rank + i) for i in range(lo, hi)], dim=-2)
+                                     for j in range(parts)]) for x in tensors])
 
 
 @settings(max_examples=30, deadline=None)
 @given(regroupings())
 def test_pack_equals_indexing(case):
-    parts, per_rank, span, lead, head_dim, count, layout, dtype = case
-    tensors = _tensors(lead, parts * per_rank, head_dim, count, layout, dtype)
+    parts, per_rank, heads, span, lead, head_dim, count, layout, dtype = case
+    tensors = _tensors(lead, heads, head_dim, count, layout, dtype)
     with counted_launches() as launches:
         packed = pack_head_blocks(tensors, parts, span)
     assert launches == ([True] if _kernel_runs(tensors[0], layout) else [])
@@ -94,8 +101,8 @@ def test_pack_equals_indexing(case):
 @settings(max_examples=30, deadline=None)
 @given(regroupings())
 def test_place_inverts_pack_and_leaves_other_heads(case):
-    parts, per_rank, span, lead, head_dim, _, layout, dtype = case
-    (out,) = _tensors(lead, parts * per_rank, head_dim, 1, layout, dtype, seed=1)
+    parts, per_rank, heads, span, lead, head_dim, _, layout, dtype = case
+    (out,) = _tensors(lead, heads, head_dim, 1, layout, dtype, seed=1)
     before = out.clone()
     blocks = torch.randn(parts, *lead, span[1] - span[0], head_dim).to(dtype)
     with counted_launches() as launches:
@@ -103,17 +110,19 @@ def test_place_inverts_pack_and_leaves_other_heads(case):
     assert launches == ([False] if _kernel_runs(out, layout) else [])
     lo, hi = span
     for j in range(parts):
-        heads = slice(j * per_rank + lo, j * per_rank + hi)
-        assert torch.equal(out[..., heads, :], blocks[j])
-        before[..., heads, :] = blocks[j]
+        for i in range(lo, hi):
+            if j * per_rank + i < heads:  # padded heads are not placed
+                assert torch.equal(out[..., j * per_rank + i, :], blocks[j][..., i - lo, :])
+                before[..., j * per_rank + i, :] = blocks[j][..., i - lo, :]
     assert torch.equal(out, before)
-    assert torch.equal(pack_head_blocks([out], parts, span)[0], blocks)
+    repacked = pack_head_blocks([out], parts, span)[0]
+    assert torch.equal(repacked, _expected_blocks([out], parts, per_rank, span)[0])
 
 
 def test_refusals_name_the_problem():
     x = torch.randn(2, 6, 8)
-    with pytest.raises(ValueError, match="split evenly over the 4 ranks"):
-        pack_head_blocks([x], 4, (0, 1))
+    with pytest.raises(ValueError, match="parts must be at least 1"):
+        pack_head_blocks([x], 0, (0, 1))
     with pytest.raises(ValueError, match=r"heads \[lo, hi\) of the 3"):
         pack_head_blocks([x], 2, (1, 4))
     with pytest.raises(ValueError, match="share shape, dtype and device"):
@@ -126,14 +135,15 @@ def test_refusals_name_the_problem():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["contiguous", "fused", "mixed"])
-@pytest.mark.parametrize("parts,per_rank,span", [(2, 6, (0, 2)), (4, 10, (3, 7)), (8, 5, (4, 5))])
-def test_regroup_on_the_gpu_equals_indexing(layout, parts, per_rank, span):
+@pytest.mark.parametrize("parts,heads,span", [(2, 12, (0, 2)), (4, 40, (3, 7)), (8, 40, (4, 5)), (8, 12, (0, 2)),
+                                              (3, 5, (1, 2))])
+def test_regroup_on_the_gpu_equals_indexing(layout, parts, heads, span):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    tensors = _tensors((1, 4, 45, 80), parts * per_rank, 128, 3, layout, torch.bfloat16, device="cuda")
+    per_rank = -(-heads // parts)
+    tensors = _tensors((1, 4, 45, 80), heads, 128, 3, layout, torch.bfloat16, device="cuda")
     packed = pack_head_blocks(tensors, parts, span)
     assert torch.equal(packed, _expected_blocks(tensors, parts, per_rank, span))
     out = torch.zeros_like(tensors[0])
-    for blocks in packed[:1]:
-        place_head_blocks(blocks, out, parts, span)
+    place_head_blocks(packed[0], out, parts, span)
     assert torch.equal(pack_head_blocks([out], parts, span)[0], packed[0])

@@ -2,8 +2,9 @@
 
 A parallel plan holds a single-GPU `Plan` (window, stride, tiles), the strategy and the split of frames along
 dimension 0 chosen for it (planner.search.parallel), every runnable strategy's per-rank costs for that split, and
-`notes`: one sentence for each strategy that cannot run the plan and, where the search compared the single-GPU
-pick with the best configuration of static KV tiling (which is all the halo strategy runs), why this one won.
+`notes`: one sentence for each strategy that cannot run the plan (and for ulysses' zero heads where it pads
+them) and, where the search compared the single-GPU pick with the best configuration the halo strategy runs,
+why this one won.
 It runs itself through `natsim.distributed.gna_attention` and reports its per-rank table (`rows()`,
 `rank_table()`, `explain()`).
 """
@@ -96,7 +97,7 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
             f"chosen by the slowest rank's predicted {step} time (tile work priced at {rate}, plus bytes moved at "
             f"{self.link.describe()}).")]
         if "ulysses" in self.costs:
-            per_rank = (self.plan.heads or 1) // self.world_size
+            per_rank = -(-(self.plan.heads or 1) // self.world_size)
             parts.append(Text(
                 f"  - ulysses attends each rank's {per_rank} heads in {default_chunks(per_rank)} groups, a group's "
                 "all-to-alls overlapping another group's attention (priced so: natsim.partition.pipeline_seconds; "

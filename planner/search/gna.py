@@ -368,12 +368,6 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
         if precision is not None:
             raise ValueError(f"precision={precision!r} plans one GPU: natsim.distributed runs bfloat16 / float16 only, "
                              f"so world_size must be None, got {world_size=}.")
-        if kv_tiling == "dynamic" and (heads or 1) % world_size:
-            raise ValueError(
-                f"kv_tiling='dynamic' over {world_size} ranks runs only under the ulysses strategy (the halo "
-                f"strategy's frame ranges run static KV tiling), which shards heads: heads must be divisible by "
-                f"world_size, got heads={heads} ({heads or 1} head{'s' if (heads or 1) > 1 else ''}), {world_size=}."
-            )
     request = _Request(
         shape=shape, target=target, heads=heads, head_dim=head_dim, dtype=dtype, causal=causal, window=window,
         max_stride=max_stride, gpu=gpu, cost_model=model,

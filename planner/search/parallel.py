@@ -13,9 +13,9 @@ the halo frames' gradients back) at the same link. The halo strategy trains wher
 as a layout of their own (`natsim.distributed.strategies.trains_on_gathered_frames`: stride 1, dilation 1 and no
 causal window along the frames), and is priced on that layout's tiles there.
 
-Not every strategy runs every plan: ulysses shards heads, so the heads must divide by the world size, and the
-halo strategy runs its frame ranges with static KV tiling only (natsim.distributed), and trains only with stride
-1 along the frames. For a plan the halo strategy cannot run, `best` passes the best configuration it can
+Not every strategy runs every plan: ulysses shards heads (padded with zero heads where the world size does not
+divide them, which the price counts), and the halo strategy runs its frame ranges with static KV tiling only
+(natsim.distributed), and trains only with stride 1 along the frames. For a plan the halo strategy cannot run, `best` passes the best configuration it can
 (`halo_plan`: static KV tiling, and for training stride 1 along the frames), both are priced, and the faster
 over the ranks is the plan. Each strategy left out, and that comparison, is said in one sentence in the
 result's `notes` (`ParallelPlan.explain()`).
@@ -51,13 +51,17 @@ def _describe(plan: Plan) -> str:
 
 
 def strategies_for(plan: Plan, world_size: int) -> tuple[list[str], list[str]]:
-    """The strategies that can run `plan` over `world_size` ranks, and one sentence for each that cannot."""
+    """The strategies that can run `plan` over `world_size` ranks (ulysses always), and one sentence for each
+    that cannot, and for ulysses' padding where it pads heads."""
     heads = plan.heads or 1
     runnable, notes = [], []
     for name in STRATEGIES:
         if name == "ulysses" and heads % world_size:
-            notes.append(f"ulysses cannot run {_describe(plan)}: it shards heads over the ranks, and heads={heads} "
-                         f"cannot be split evenly over {world_size} ranks.")
+            per_rank = -(-heads // world_size)
+            notes.append(f"ulysses pads heads={heads} with {per_rank * world_size - heads} zero "
+                         f"head{'s' if per_rank * world_size - heads > 1 else ''} to shard them over {world_size} "
+                         f"ranks, {per_rank} a rank (priced with them).")
+            runnable.append(name)
         elif name == "halo" and plan.training and not trains_on_gathered_frames(plan.problem):
             notes.append(f"halo cannot train {_describe(plan)}: its gradients run on a rank's gathered frames as a "
                          "layout of their own, which needs stride 1, dilation 1 and no causal window along the "
@@ -94,20 +98,16 @@ def _priced(plan: Plan, world_size: int, strategies: list[str], link: Link, batc
 def parallel_plan(plan: Plan, world_size: int, *, halo_plan: Optional[Plan] = None,
                   link: Link = DEFAULT_LINK, batch: int = 1) -> ParallelPlan:
     """The fastest (strategy, split) for `plan` on `world_size` ranks, or for `halo_plan` (the best
-    configuration with static KV tiling, for a `plan` that tiles KV dynamically) when that is faster
-    (module docstring)."""
+    configuration the halo strategy runs, for a `plan` it cannot) when that is faster (module docstring)."""
     check_world_size(world_size, plan.problem.shape[0])
-    priced, refusals = [], []
+    priced, notes = [], []
     for candidate in (plan,) if halo_plan is None else (plan, halo_plan):
-        runnable, notes = strategies_for(candidate, world_size)
-        refusals += notes
-        if runnable:
-            priced.append((candidate, *_priced(candidate, world_size, runnable, link, batch)))
-    if not priced:
-        raise ValueError(f"no context-parallel strategy can run this plan over {world_size} ranks: "
-                         + " ".join(refusals))
+        runnable, said = strategies_for(candidate, world_size)  # ulysses among them: it runs every plan
+        notes += said
+        priced.append((candidate, *_priced(candidate, world_size, runnable, link, batch)))
     chosen, split, costs, strategy = min(priced, key=lambda option: option[2][option[3]].seconds)
-    notes = refusals if halo_plan is None else [*refusals, _comparison(plan, halo_plan, chosen, priced, world_size)]
+    if halo_plan is not None:
+        notes.append(_comparison(plan, halo_plan, chosen, priced, world_size))
     return ParallelPlan(chosen, world_size, strategy, split, costs, link, tuple(notes))
 
 
@@ -121,9 +121,6 @@ def _comparison(plan: Plan, halo_plan: Plan, chosen: Plan, priced: list, world_s
     """The sentence saying why the plan over the ranks is the single-GPU pick or the best one the halo strategy
     runs."""
     seconds = {id(option[0]): option[2][option[3]].seconds for option in priced}
-    if id(plan) not in seconds:
-        return ("The single-GPU pick runs under no strategy here, so the plan is the best configuration the halo "
-                "strategy runs.")
     why = ("tiles KV dynamically, which only ulysses runs over several ranks" if plan.tiles.kv_tiling != "static"
            else f"has stride {plan.problem.stride[0]} along the frames, and the halo strategy trains only with "
                 f"stride 1 there")
