@@ -1127,6 +1127,7 @@ def test_best_with_world_size_knows_its_strategy():
     # 5 heads do not divide over 2 ranks: ulysses pads them to 6, priced with 3 a rank, and says so
     five = best((30, 48, 80), 0.9, heads=5, window=(18, 24, 24), world_size=2)
     assert five.costs["ulysses"].ranks[0].heads == 3 and "ulysses pads heads=5 with 1 zero head" in five.notes[0]
+    assert sum(note.startswith("ulysses pads") for note in five.notes) == 1  # said once, whatever was priced
 
 
 def test_best_with_world_size_prices_the_training_step():

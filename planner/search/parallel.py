@@ -103,7 +103,7 @@ def parallel_plan(plan: Plan, world_size: int, *, halo_plan: Optional[Plan] = No
     priced, notes = [], []
     for candidate in (plan,) if halo_plan is None else (plan, halo_plan):
         runnable, said = strategies_for(candidate, world_size)  # ulysses among them: it runs every plan
-        notes += said
+        notes += [note for note in said if note not in notes]  # the padding's note is the same for both
         priced.append((candidate, *_priced(candidate, world_size, runnable, link, batch)))
     chosen, split, costs, strategy = min(priced, key=lambda option: option[2][option[3]].seconds)
     if halo_plan is not None:
