@@ -4,7 +4,8 @@ Rank r holds frames `[t_r, t_{r+1})` of dimension 0 (a "frame" is one index of d
 behind it). Two ways to attend across ranks (natsim.distributed runs them):
 
 - **ulysses**: all-to-all from frame-sharded to head-sharded tensors, every rank runs the whole layout for
-  `heads / P` heads, all-to-all back. Per rank: the full problem's tiles times its heads. natsim.distributed
+  `ceil(heads / P)` heads (zero heads pad what P does not divide), all-to-all back. Per rank: the full problem's
+  tiles times its heads. natsim.distributed
   attends a rank's heads in `chunks` groups, each group's transfers overlapping another group's attention
   (`pipeline_seconds`): only the first group's arrival and the last group's return are exposed when attention
   is the longer stage.
