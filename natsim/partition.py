@@ -5,10 +5,9 @@ behind it). Two ways to attend across ranks (natsim.distributed runs them):
 
 - **ulysses**: all-to-all from frame-sharded to head-sharded tensors, every rank runs the whole layout for
   `ceil(heads / P)` heads (zero heads pad what P does not divide), all-to-all back. Per rank: the full problem's
-  tiles times its heads. natsim.distributed
-  attends a rank's heads in `chunks` groups, each group's transfers overlapping another group's attention
-  (`pipeline_seconds`): only the first group's arrival and the last group's return are exposed when attention
-  is the longer stage.
+  tiles times its heads. natsim.distributed attends a rank's heads in `chunks` groups, each group's transfers
+  overlapping another group's attention (`pipeline_seconds`): only the first group's arrival and the last
+  group's return are exposed when attention is the longer stage.
 - **halo**: every rank keeps its heads and queries and receives the key/value frames its queries' windows
   reach (`key_frames`), then runs the kernel on its queries against that frame range. The kernel's tiles are
   cut from the rank's own first query frame and first key frame (`frame_dim_tiles`), so the per-rank counts
