@@ -35,7 +35,8 @@ def main(argv=None) -> None:
     parser.add_argument("--links", type=Path, default=None,
                         help="folder of the link files (default: the user's calibrations, then natsim's shipped ones)")
     parser.add_argument("--beyond", type=int, nargs="*", default=[6, 8],
-                        help="GPU counts to predict without a measurement (Ulysses needs the 12 heads to divide)")
+                        help="GPU counts to predict without a measurement (where they do not divide the 12 heads, "
+                             "natsim's Ulysses pads them with zero heads)")
     args = parser.parse_args(argv)
     measured, attention = {}, 0.0
     for path in sorted(args.results.glob(f"diffusers-parallel-{args.gpu}-P*-{args.date}{args.tag}.json")):
@@ -56,10 +57,6 @@ def main(argv=None) -> None:
                          "on that machine, or pass --links DIR")
     rows = []
     for ranks in (*sorted(measured), *args.beyond):
-        if HEADS % ranks:
-            rows.append(dict(ranks=ranks, mode="any", predicted_ms=None, measured_ms=None, error=None, groups=None,
-                             link=f"none: Ulysses cannot shard {HEADS} heads over {ranks} ranks"))
-            continue
         link = linked[ranks] if ranks == 1 or linked[ranks].source != "default" else linked[largest]
         modes = dict.fromkeys((*measured[1], *measured.get(ranks, {})))
         for mode in modes:
@@ -67,10 +64,10 @@ def main(argv=None) -> None:
             if one_gpu is None:
                 continue
             grouped = mode == "natsim" and attention > 0
-            chunks = default_chunks(HEADS // ranks) if grouped else 1
+            chunks = default_chunks(-(-HEADS // ranks)) if grouped else 1
             predicted = ulysses_step_seconds(one_gpu, tokens=tokens, world_size=ranks, link=link,
                                              attention_seconds=attention if grouped else 0.0, chunks=chunks,
-                                             **WAN_1_3B)
+                                             heads=HEADS, **WAN_1_3B)
             seen = measured.get(ranks, {}).get(mode)
             rows.append(dict(ranks=ranks, mode=mode, predicted_ms=predicted * 1e3, groups=chunks,
                              link=link.source if ranks > 1 else "none (one GPU)",

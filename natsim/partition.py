@@ -421,20 +421,25 @@ def ulysses_layer_bytes(tokens: int, channels: int, element_bytes: int, world_si
 
 def ulysses_step_seconds(one_gpu_seconds: float, layers: int, tokens: int, channels: int, element_bytes: int,
                          world_size: int, link: Link = DEFAULT_LINK, attention_seconds: float = 0.0,
-                         chunks: int = 1) -> float:
+                         chunks: int = 1, heads: Optional[int] = None) -> float:
     """A model step over `world_size` GPUs under Ulysses, from the same step on one GPU: every rank computes `1 / P`
-    of it (its tokens outside attention, its heads inside), and each of the `layers` attention layers adds its two
-    all-to-alls at `link`'s rate (`ulysses_layer_bytes`). With its heads in `chunks` groups (natsim.distributed's
-    pipeline) the transfers overlap a rank's share of the layer's attention, `attention_seconds` on one GPU
-    (`pipeline_seconds`); with one group they follow each other. Checked against measured steps in
-    docs/performance.md."""
+    of it outside attention (its tokens) and its heads' share inside, and each of the `layers` attention layers adds
+    its two all-to-alls at `link`'s rate (`ulysses_layer_bytes`). With its heads in `chunks` groups
+    (natsim.distributed's pipeline) the transfers overlap a rank's share of the layer's attention,
+    `attention_seconds` on one GPU (`pipeline_seconds`); with one group they follow each other. `heads` (the
+    `channels`' heads; None: P divides them): where P does not divide them each rank attends `ceil(heads / P)`,
+    zero heads padding the rest, and moves them too. Checked against measured steps in docs/performance.md."""
     if world_size < 1 or layers < 0 or one_gpu_seconds < 0 or attention_seconds < 0:
         raise ValueError(f"world_size must be >= 1, layers, one_gpu_seconds and attention_seconds >= 0, got "
                          f"world_size={world_size}, layers={layers}, one_gpu_seconds={one_gpu_seconds}, "
                          f"attention_seconds={attention_seconds}.")
     if world_size == 1:
         return one_gpu_seconds
-    attention = attention_seconds / world_size
-    inbound, outbound = ulysses_layer_bytes(tokens, channels, element_bytes, world_size)
+    share, moved = 1 / world_size, channels
+    if heads is not None and heads % world_size:
+        per_rank = -(-heads // world_size)
+        share, moved = per_rank / heads, channels // heads * per_rank * world_size
+    attention = attention_seconds * share
+    inbound, outbound = ulysses_layer_bytes(tokens, moved, element_bytes, world_size)
     layer = pipeline_seconds(attention, link.all_to_all, inbound, outbound, chunks)
-    return one_gpu_seconds / world_size + layers * (layer - attention)
+    return (one_gpu_seconds - layers * attention_seconds) / world_size + layers * layer

@@ -122,6 +122,13 @@ def test_a_models_step_under_ulysses_by_hand():
     assert grouped == pytest.approx(0.15 + 30 * (inbound + outbound), rel=1e-9)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 0, link)
+    # 12 heads over 8 GPUs: padded to 16, 2 a rank (a sixth of the attention, not an eighth), and the moves carry
+    # 16 heads' channels; outside attention an eighth of the step
+    padded = ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 8, link, attention_seconds=0.01, chunks=2, heads=12)
+    inbound, outbound = ulysses_layer_bytes(75600, 16 * 128, 2, 8)
+    layer = pipeline_seconds(0.01 / 6, link.all_to_all, inbound, outbound, 2)
+    assert padded == pytest.approx((0.6 - 30 * 0.01) / 8 + 30 * layer, rel=1e-12)
+    assert ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 4, link, 0.01, 3, heads=12) == grouped  # 4 divides 12
 
 
 def test_auto_in_natsim_distributed_prices_bytes_with_the_link_given():
