@@ -245,8 +245,9 @@ def _masks() -> None:
 
 
 def _refusals_and_remove() -> None:
-    """Ring attention and tile_order=True refused at whichever call comes second, the model untouched; after
-    `remove`, diffusers' own context-parallel attention (the dense model's output)."""
+    """Ring attention and tile_order=True refused at whichever call comes second, the model untouched; heads that
+    ulysses_degree does not divide refused at the call, on every rank; after `remove`, diffusers' own
+    context-parallel attention (the dense model's output)."""
     from natsim.integrations import diffusers as nd
 
     model = diffusers_models.build(WAN)
@@ -262,6 +263,13 @@ def _refusals_and_remove() -> None:
     with pytest.raises(ValueError, match="ring_degree=2"):
         nd.apply(model, window=WAN_WINDOW)
     assert not hasattr(model, "_natsim")
+
+    model = diffusers_models.build(WAN, num_attention_heads=3)
+    nd.apply(model, window=WAN_WINDOW)
+    model.enable_parallelism(config=_cp_config())
+    with pytest.raises(ValueError, match=r"the 3 heads over ulysses_degree=2 ranks: heads must divide by it"):
+        with torch.no_grad():
+            model(**inputs)
 
     model = diffusers_models.build(WAN)
     model.enable_parallelism(config=_cp_config())

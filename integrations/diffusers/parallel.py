@@ -198,7 +198,8 @@ def attend(router, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
     heads = q.shape[2]
     if heads % ulysses.size:
         raise ValueError(f"Ulysses shards the {heads} heads over ulysses_degree={ulysses.size} ranks: heads must divide "
-                         "by it.")
+                         "by it (natsim's own attention would pad them, but diffusers' attention of the model's other "
+                         "calls splits heads evenly under Ulysses; natsim.distributed.gna_attention takes any heads).")
     split = (q.shape[1],) * ulysses.size
     chunks = 1 if router.masked is not None else None  # a content-adaptive mask is one decision per call
     key_mask = _gathered_key_mask(key_mask, layout, ulysses)
