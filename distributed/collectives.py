@@ -169,8 +169,8 @@ def start_heads_chunk(tensors: Sequence[torch.Tensor], span: tuple[int, int], sp
                       ) -> list[Pending]:
     """Ulysses' first move for part of the heads, for each of `tensors` (`[B, T_r, *rest, H, D]`, this rank's
     frames, every head; q, k and v alike): rank j gets its heads `[j h + lo, j h + hi)` (`span = (lo, hi)`,
-    `h = H / P`), all of them packed in one launch (`natsim.kernels.pack_head_blocks`), one exchange per tensor;
-    `whole_sequence` waits for one and gives the whole sequence of those heads."""
+    `h = ceil(H / P)`, heads past H as zeros), all of them packed in one launch (`natsim.kernels.pack_head_blocks`),
+    one exchange per tensor; `whole_sequence` waits for one and gives the whole sequence of those heads."""
     packed = pack_head_blocks(tensors, len(split), span)
     x, (lo, hi) = tensors[0], span
     shapes = [(x.shape[0], n, *x.shape[2:-2], hi - lo, x.shape[-1]) for n in split]
@@ -199,7 +199,7 @@ def start_frames_chunk(x: torch.Tensor, split: Sequence[int], rank: int, group) 
 
 def place_heads(pending: Pending, out: torch.Tensor, span: tuple[int, int]) -> None:
     """Wait for a `start_frames_chunk` exchange and copy what rank j sent into heads `[j h + lo, j h + hi)` of
-    `out`, `[B, T_r, *rest, H, D]` (this rank's frames, every head)."""
+    `out`, `[B, T_r, *rest, H, D]` (this rank's frames, every head; padded heads past H left out)."""
     pending.wait()
     size = len(pending.shapes)
     place_head_blocks(pending.received.view(size, *pending.shapes[0]), out, size, span)
