@@ -35,7 +35,7 @@ from natsim import Problem
 from natsim.distributed import gna as distributed_gna
 from natsim.distributed import collectives
 from natsim.kernels import gna_attention
-from natsim.partition import STRATEGIES, aligned_split, even_split, offsets, strategy_cost
+from natsim.partition import STRATEGIES, aligned_split, even_split, heads_per_rank, offsets, strategy_cost
 from natsim.stored import link_for
 
 # name, shape, window, stride (the HunyuanVideo layout: 30 x 48 x 80 tokens, 24 heads of 128, bf16)
@@ -114,7 +114,7 @@ def run_case(name, window, stride, split_name, setup, q, k, v, single_out, singl
     auto = nd.choose(problem, tiles, split, 1, heads, head_dim, q.element_size(), link=link)  # what "auto" runs
     record = dict(config=name, window=list(window), stride=list(stride), split=list(split), auto_choice=auto,
                   single_gpu_ms=single_ms, strategies={})
-    grouped = [f"ulysses/c{c}" for c in chunk_counts if c <= -(-heads // world)]  # heads padded where P doesn't divide
+    grouped = [f"ulysses/c{c}" for c in chunk_counts if c <= heads_per_rank(heads, world)]
     for label in (*STRATEGIES, "auto", *grouped):
         strategy, _, chunks = label.partition("/c")
 

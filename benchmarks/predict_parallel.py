@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from natsim.partition import default_chunks, ulysses_step_seconds
+from natsim.partition import default_chunks, heads_per_rank, ulysses_step_seconds
 from natsim.stored import link_for
 
 HEADS = 12
@@ -64,7 +64,7 @@ def main(argv=None) -> None:
             if one_gpu is None:
                 continue
             grouped = mode == "natsim" and attention > 0
-            chunks = default_chunks(-(-HEADS // ranks)) if grouped else 1
+            chunks = default_chunks(heads_per_rank(HEADS, ranks)) if grouped else 1
             predicted = ulysses_step_seconds(one_gpu, tokens=tokens, world_size=ranks, link=link,
                                              attention_seconds=attention if grouped else 0.0, chunks=chunks,
                                              heads=HEADS, **WAN_1_3B)

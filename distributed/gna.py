@@ -65,7 +65,7 @@ def choose(problem: Problem, tiles: StrategyTiles, split: tuple[int, ...], batch
     and its bytes at `link`'s rates: the forward and, when `training`, the backward too (its tile work and the
     gradients' bytes); Ulysses with its heads in `chunks` groups (natsim.partition.default_chunks unless given);
     the halo exchange on a rank's gathered frames as a layout of their own where `halo_on_gathered` (how it
-    trains on the GPU kernels). Ulysses pads heads that do not divide over the ranks (pipeline.heads_per_rank) and
+    trains on the GPU kernels). Ulysses pads heads that do not divide over the ranks (natsim.partition.heads_per_rank) and
     is priced so."""
     costs = [strategy_cost(problem, getattr(tiles, s), split, s, batch=batch, heads=heads, head_dim=head_dim,
                            element_bytes=element_bytes, training=training, link=link, chunks=chunks,

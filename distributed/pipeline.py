@@ -39,7 +39,7 @@ from typing import Callable, ContextManager, Hashable, Optional, Sequence
 import torch
 
 from natsim.kernels import autograd_inside_an_operator, fake_handle, held, hold
-from natsim.partition import default_chunks
+from natsim.partition import default_chunks, heads_per_rank
 
 from .collectives import (group_name, place_heads, start_frames_chunk, start_heads_chunk, transfer_group,
                           whole_sequence)
@@ -75,13 +75,6 @@ def heads_of(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
     """The heads `span` of a tensor whose dimension 1 holds this rank's heads, or the tensor as it is where that
     dimension is 1 (one for every head)."""
     return t if t.shape[1] == 1 else t[:, span[0]:span[1]]
-
-
-def heads_per_rank(heads: int, ranks: int) -> int:
-    """The heads each rank attends: `ceil(heads / ranks)`. Where the ranks do not divide the heads, the heads are
-    padded with zeros to `ranks` times that (`natsim.kernels.pack_head_blocks`): the last ranks attend some zero
-    heads, whose outputs are not placed back, so every rank runs the same groups."""
-    return -(-heads // ranks)
 
 
 def head_spans(heads: int, chunks: int) -> list[tuple[int, int]]:

@@ -325,7 +325,7 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
         from .simulate import simulate
 
         whole = simulate(problem, tiles)
-        local = -(-heads // P)  # heads padded with zero heads to P x local where P does not divide them
+        local = heads_per_rank(heads, P)  # padded with zero heads to P x local where P does not divide them
         slice_bytes = frame_bytes // heads * local  # one frame of one rank's heads
         rate = link.all_to_all
         chunks = default_chunks(local) if chunks is None else chunks
@@ -366,6 +366,13 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
 
 
 MAX_DEFAULT_CHUNKS = 3
+
+
+def heads_per_rank(heads: int, ranks: int) -> int:
+    """The heads each rank attends under Ulysses: `ceil(heads / ranks)`. Where the ranks do not divide the heads,
+    natsim.distributed pads them with zero heads to `ranks` times that (`natsim.kernels.pack_head_blocks`): the
+    last ranks attend some zero heads, whose outputs are not placed back, so every rank runs the same groups."""
+    return -(-heads // ranks)
 
 
 def default_chunks(heads_per_rank: int) -> int:
@@ -437,7 +444,7 @@ def ulysses_step_seconds(one_gpu_seconds: float, layers: int, tokens: int, chann
         return one_gpu_seconds
     share, moved = 1 / world_size, channels
     if heads is not None and heads % world_size:
-        per_rank = -(-heads // world_size)
+        per_rank = heads_per_rank(heads, world_size)
         share, moved = per_rank / heads, channels // heads * per_rank * world_size
     attention = attention_seconds * share
     inbound, outbound = ulysses_layer_bytes(tokens, moved, element_bytes, world_size)

@@ -815,16 +815,18 @@ def _check_mask_gradients(rank: int, world: int, sent: list[int], index: int, ca
                                            f"{q_block}x{kv_block}, {type(mask).__name__}), rank {rank}")
 
 
-def _check_uneven_groups(rank: int, world: int, sent: list[int]) -> None:
-    """Ulysses' pipeline in uneven groups (three heads a rank in two groups: two heads, then one): outputs and
-    gradients against the float64 reference on one process's tensors, the bytes forward and backward against
-    natsim.partition (the groups move what one piece moves)."""
+def _check_ulysses_in_two_groups(rank: int, world: int, sent: list[int], case: int, heads: int, seed: int,
+                                 what: str) -> None:
+    """Ulysses on GRADIENT_CASES[case] with `heads` heads in two groups: outputs and gradients against the float64
+    reference on one process's tensors, the bytes forward and backward against natsim.partition. Three heads a
+    rank (3 P): groups of two heads and one, moving what one piece moves. 2 P + 1 heads: padded with zero heads
+    to 3 P, the last rank's second group all zeros, the zero heads' bytes counted too."""
     import natsim.distributed as nd
 
-    problem, splits, _ = GRADIENT_CASES[0]
-    split, heads = splits[world], 3 * world
+    problem, splits, _ = GRADIENT_CASES[case]
+    split = splits[world]
     args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation, causal=problem.causal)
-    generator = torch.Generator().manual_seed(11)
+    generator = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(1, *problem.shape, heads, GRADIENT_HEAD_DIM, generator=generator, dtype=torch.float64)
               for _ in range(4)]
     expected = _single_process(rank, split, lambda *x: reference_attention(*x, **args),
@@ -832,27 +834,7 @@ def _check_uneven_groups(rank: int, world: int, sent: list[int]) -> None:
     model = strategy_cost(problem, TileConfig(1, 1), split, "ulysses", batch=1, heads=heads,
                           head_dim=GRADIENT_HEAD_DIM, element_bytes=8, training=True)
     _check_against(rank, sent, functools.partial(nd.gna_attention, strategy="ulysses", split=split, chunks=2, **args),
-                   expected, split, model, f"Ulysses in two groups of 3 heads, rank {rank}/{world}")
-
-
-def _check_padded_heads(rank: int, world: int, sent: list[int]) -> None:
-    """Ulysses over heads the ranks do not divide (2 P + 1): padded with zero heads to P ceil(H / P), in two
-    groups (of 2 heads and 1); outputs and gradients against the float64 reference on one process's tensors, the
-    bytes (zero heads included) against natsim.partition."""
-    import natsim.distributed as nd
-
-    problem, splits, _ = GRADIENT_CASES[1]
-    split, heads = splits[world], 2 * world + 1
-    args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation, causal=problem.causal)
-    generator = torch.Generator().manual_seed(13)
-    inputs = [torch.randn(1, *problem.shape, heads, GRADIENT_HEAD_DIM, generator=generator, dtype=torch.float64)
-              for _ in range(4)]
-    expected = _single_process(rank, split, lambda *x: reference_attention(*x, **args),
-                               lambda *x: gna_attention(*x, **args), inputs)
-    model = strategy_cost(problem, TileConfig(1, 1), split, "ulysses", batch=1, heads=heads,
-                          head_dim=GRADIENT_HEAD_DIM, element_bytes=8, training=True)
-    _check_against(rank, sent, functools.partial(nd.gna_attention, strategy="ulysses", split=split, chunks=2, **args),
-                   expected, split, model, f"Ulysses over {heads} heads padded to {world * 3}, rank {rank}/{world}")
+                   expected, split, model, f"{what}, rank {rank}/{world}")
 
 
 def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
@@ -865,9 +847,9 @@ def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
             _check_gna_gradients(rank, world, sent, index, case)
         for index, case in enumerate(mask_cases):
             _check_mask_gradients(rank, world, sent, index, case)
-        _check_uneven_groups(rank, world, sent)
+        _check_ulysses_in_two_groups(rank, world, sent, 0, 3 * world, 11, "Ulysses in two groups of 3 heads")
         if world == 3:  # 7 heads, 3 a rank: the last rank's second group is all zero heads
-            _check_padded_heads(rank, world, sent)
+            _check_ulysses_in_two_groups(rank, world, sent, 1, 7, 13, "Ulysses over 7 heads padded to 9")
     if world == 2:
         _check_compiled(rank, gna_cases[0], mask_cases[0])
 

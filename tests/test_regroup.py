@@ -131,6 +131,10 @@ def test_refusals_name_the_problem():
         pack_head_blocks([x] * 4, 2, (0, 1))
     with pytest.raises(ValueError, match="blocks must be contiguous"):
         place_head_blocks(torch.randn(2, 2, 2, 8), x, 2, (0, 1))
+    with pytest.raises(ValueError, match="do not record gradients"):
+        pack_head_blocks([x.requires_grad_()], 2, (0, 1))
+    with torch.no_grad():
+        assert pack_head_blocks([x], 2, (0, 1)).shape == (1, 2, 2, 1, 8)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,9 @@ vector loads (about a third of an H200's bandwidth), one launch per tensor; here
 and v together (`pack_head_blocks`) or places one returned group (`place_head_blocks`), each row's `c * D`
 contiguous values in 16-byte vectors (Wan 720p on 2 H200s: a group's packing 0.06 ms against three copies of
 0.053 ms, a placement 0.022 ms against 0.053-0.070). CPU tensors take the same copies through torch, which is
-also the kernels' reference.
+also the kernels' reference. These are not operators: they run inside `natsim::cp_ulysses` (whose forward and
+backward are the registered operators, opaque to torch.compile and refused under CUDA graph capture), record no
+gradients, and refuse inputs that require grad with a sentence.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Sequence
 import torch
 import triton
 import triton.language as tl
+
+from natsim.partition import heads_per_rank
 
 from .backend import use_triton
 
@@ -74,9 +78,13 @@ def _check(tensors: Sequence[torch.Tensor], parts: int, span: tuple[int, int]) -
     if any(t.shape != first.shape or t.dtype != first.dtype or t.device != first.device for t in tensors):
         raise ValueError("the tensors regrouped together must share shape, dtype and device, got "
                          f"{[(tuple(t.shape), t.dtype, str(t.device)) for t in tensors]}.")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError("the head regrouping copies do not record gradients (natsim::cp_ulysses moves tensors "
+                         "with them inside its own forward and backward): call them on tensors that do not require "
+                         "grad, or under torch.no_grad().")
     if parts < 1:
         raise ValueError(f"parts must be at least 1, got parts={parts}.")
-    per_rank = -(-first.shape[-2] // parts)
+    per_rank = heads_per_rank(first.shape[-2], parts)
     lo, hi = span
     if not 0 <= lo < hi <= per_rank:
         raise ValueError(f"span must be heads [lo, hi) of the {per_rank} each rank attends, got span={span}.")

@@ -19,7 +19,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from natsim.partition import Link, StrategyCost, default_chunks
+from natsim.partition import Link, StrategyCost, default_chunks, heads_per_rank
 
 from .plan import Plan
 
@@ -97,7 +97,7 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
             f"chosen by the slowest rank's predicted {step} time (tile work priced at {rate}, plus bytes moved at "
             f"{self.link.describe()}).")]
         if "ulysses" in self.costs:
-            per_rank = -(-(self.plan.heads or 1) // self.world_size)
+            per_rank = heads_per_rank(self.plan.heads or 1, self.world_size)
             parts.append(Text(
                 f"  - ulysses attends each rank's {per_rank} heads in {default_chunks(per_rank)} groups, a group's "
                 "all-to-alls overlapping another group's attention (priced so: natsim.partition.pipeline_seconds; "

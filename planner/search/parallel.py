@@ -15,9 +15,9 @@ causal window along the frames), and is priced on that layout's tiles there.
 
 Not every strategy runs every plan: ulysses shards heads (padded with zero heads where the world size does not
 divide them, which the price counts), and the halo strategy runs its frame ranges with static KV tiling only
-(natsim.distributed), and trains only with stride 1 along the frames. For a plan the halo strategy cannot run, `best` passes the best configuration it can
-(`halo_plan`: static KV tiling, and for training stride 1 along the frames), both are priced, and the faster
-over the ranks is the plan. Each strategy left out, and that comparison, is said in one sentence in the
+(natsim.distributed), and trains only with stride 1 along the frames. For a plan the halo strategy cannot run,
+`best` passes the best configuration it can (`halo_plan`: static KV tiling, and for training stride 1 along the
+frames), both are priced, and the faster over the ranks is the plan. Each strategy left out, and that comparison, is said in one sentence in the
 result's `notes` (`ParallelPlan.explain()`).
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Optional
 
 from natsim.distributed.strategies import trains_on_gathered_frames
-from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, aligned_split, even_split, strategy_cost
+from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, aligned_split, even_split, heads_per_rank, strategy_cost
 
 from ..catalog import element_bytes
 from ..plans.parallel import ParallelPlan
@@ -57,7 +57,7 @@ def strategies_for(plan: Plan, world_size: int) -> tuple[list[str], list[str]]:
     runnable, notes = [], []
     for name in STRATEGIES:
         if name == "ulysses" and heads % world_size:
-            per_rank = -(-heads // world_size)
+            per_rank = heads_per_rank(heads, world_size)
             notes.append(f"ulysses pads heads={heads} with {per_rank * world_size - heads} zero "
                          f"head{'s' if per_rank * world_size - heads > 1 else ''} to shard them over {world_size} "
                          f"ranks, {per_rank} a rank (priced with them).")
