@@ -213,7 +213,7 @@ def _run_step(mode: str, args: argparse.Namespace, config: dict, device: torch.d
                               q_tile=list(plan.tiles.q_tile), kv_tile=list(plan.tiles.kv_tile),
                               kv_tiling=plan.tiles.kv_tiling, backend=plan.backend,
                               heads_per_rank=config["num_attention_heads"] // world,
-                              groups=partition.default_chunks(config["num_attention_heads"] // world))
+                              groups=list(partition.head_groups(config["num_attention_heads"] // world)))
         if mode == "natsim":
             record["attention_ms"] = attention_ms(plan, config, device, args.steps)
     with torch.no_grad():  # diffusers' split hooks look their arguments up by signature on their first call, which

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from natsim.partition import default_chunks, heads_per_rank, ulysses_step_seconds
+from natsim.partition import head_groups, heads_per_rank, ulysses_step_seconds
 from natsim.stored import link_for
 
 HEADS = 12
@@ -64,12 +64,12 @@ def main(argv=None) -> None:
             if one_gpu is None:
                 continue
             grouped = mode == "natsim" and attention > 0
-            chunks = default_chunks(heads_per_rank(HEADS, ranks)) if grouped else 1
+            groups = head_groups(heads_per_rank(HEADS, ranks)) if grouped else (heads_per_rank(HEADS, ranks),)
             predicted = ulysses_step_seconds(one_gpu, tokens=tokens, world_size=ranks, link=link,
-                                             attention_seconds=attention if grouped else 0.0, chunks=chunks,
+                                             attention_seconds=attention if grouped else 0.0, groups=groups,
                                              heads=HEADS, **WAN_1_3B)
             seen = measured.get(ranks, {}).get(mode)
-            rows.append(dict(ranks=ranks, mode=mode, predicted_ms=predicted * 1e3, groups=chunks,
+            rows.append(dict(ranks=ranks, mode=mode, predicted_ms=predicted * 1e3, groups=list(groups),
                              link=link.source if ranks > 1 else "none (one GPU)",
                              measured_ms=None if seen is None else seen * 1e3,
                              error=None if seen is None else predicted / seen - 1))

@@ -1,5 +1,6 @@
-"""natsim.distributed's Ulysses in groups of heads on the Wan 720p plan: one call's time per group count, and the
-GPU timeline of one grouped call on rank 0 (which kernel ran when, on any stream), to see what overlaps:
+"""natsim.distributed's Ulysses in groups of heads on the Wan 720p plan: one call's time per number of even groups
+and in the default groups (`natsim.partition.head_groups`), and the GPU timeline of one call in the default groups on
+rank 0 (which kernel ran when, on any stream), to see what overlaps:
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/ulysses_timeline.py --out DIR [--heads 12]
     TORCH_NCCL_HIGH_PRIORITY=1 NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/ulysses_timeline.py --out DIR
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 import natsim.distributed as nd
 from natsim.kernels import gna_attention
-from natsim.partition import default_chunks, even_split
+from natsim.partition import even_split, head_groups
 
 SHAPE = (21, 45, 80)
 PLAN = dict(window=(10, 23, 32), stride=(1, 8, 16), q_tile=(1, 8, 16), kv_tile=(1, 8, 16), kv_tiling="dynamic")
@@ -85,10 +86,10 @@ def main() -> None:
     for chunks in sorted({1, 2, 3, per_rank} & set(range(1, per_rank + 1))):
         record[f"groups_{chunks}_ms"] = slowest_median_ms(
             lambda: nd.gna_attention(q, k, v, strategy="ulysses", split=split, chunks=chunks, **PLAN))
-    groups = default_chunks(per_rank)
-    record["timeline_groups"] = groups
-    record["timeline"] = timeline(lambda: nd.gna_attention(q, k, v, strategy="ulysses", split=split, chunks=groups,
-                                                           **PLAN))
+    record["default_groups_ms"] = slowest_median_ms(
+        lambda: nd.gna_attention(q, k, v, strategy="ulysses", split=split, **PLAN))
+    record["timeline_groups"] = list(head_groups(per_rank))
+    record["timeline"] = timeline(lambda: nd.gna_attention(q, k, v, strategy="ulysses", split=split, **PLAN))
     dist.destroy_process_group()
     if rank:
         return

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from natsim.kernels import pack_head_blocks
 from natsim.partition import Link, Rate
 
 from .collectives import send_receive, start_heads_chunk, transfer_group, whole_sequence, world
@@ -53,7 +54,7 @@ def calibrate_link(group=None, device: Optional[torch.device] = None, sizes_mb: 
         whole = (0, heads // size)  # one group: every head a rank holds
 
         def ulysses():
-            whole_sequence(start_heads_chunk((slab,), whole, split, moves)[0])
+            whole_sequence(start_heads_chunk(pack_head_blocks((slab,), size, whole), split, moves)[0])
 
         all_to_all.append((moved, _slowest(ulysses, repeats, device, group)))
         received = torch.empty_like(slab)

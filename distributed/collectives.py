@@ -13,11 +13,13 @@ backward moves):
 
 The moves run on `transfer_group(group)`: for NCCL, a twin of the caller's group whose streams have the GPU's
 higher priority, so that a transfer in flight beside an attention kernel gets SMs as they free up instead of
-waiting for the kernel's last blocks to be placed (docs/performance.md has the GPU timelines).
+waiting for the kernel's last blocks to be placed (docs/performance.md has the GPU timelines). An exchange issued
+at an `IssuePoint` waits for the work enqueued before that point only, not for kernels enqueued since.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from natsim.kernels import pack_head_blocks, place_head_blocks
+from natsim.kernels import place_head_blocks
 from natsim.partition import check_split, offsets
 
 
@@ -111,30 +113,72 @@ class Pending:
     received: torch.Tensor
     shapes: tuple[tuple[int, ...], ...]
     work: Optional[dist.Work]
+    apart: bool = False  # `received` was allocated on an IssuePoint's side stream
 
     def wait(self) -> list[torch.Tensor]:
         if self.work is not None:
             self.work.wait()
             self.work = None
+            if self.apart:  # its block is not reused before the current stream's kernels reading it have run
+                self.received.record_stream(torch.cuda.current_stream(self.received.device))
         sizes = [math.prod(shape) for shape in self.shapes]
         return [piece.view(shape) for piece, shape in zip(self.received.split(sizes), self.shapes)]
 
 
 def start_exchange(send: Sequence[torch.Tensor], recv_shapes: Sequence[tuple[int, ...]], group,
-                   packed: Optional[torch.Tensor] = None) -> Pending:
+                   packed: Optional[torch.Tensor] = None, issue: Optional["IssuePoint"] = None) -> Pending:
     """Start sending `send[j]` to rank j and receiving pieces shaped `recv_shapes[j]` from it: one
     `all_to_all_single` with exact per-peer sizes (gloo's list all_to_all needs equal shapes; this takes any).
     `packed`: the send pieces already laid out one after the other in rank order in this contiguous tensor (no
-    copy)."""
+    copy). `issue`: the work the transfer waits for (`IssuePoint`), rather than everything enqueued on the
+    current stream so far."""
     sizes_out = [t.numel() for t in send]
     sizes_in = [math.prod(shape) for shape in recv_shapes]
     if packed is None:
         packed = send[0].new_empty(sum(sizes_out))
         for piece, t in zip(packed.split(sizes_out), send):
             piece.view(t.shape).copy_(t)
-    received = send[0].new_empty(sum(sizes_in))
-    work = dist.all_to_all_single(received, packed.reshape(-1), sizes_in, sizes_out, group=group, async_op=True)
-    return Pending(received, tuple(tuple(shape) for shape in recv_shapes), work)
+    with issue or contextlib.nullcontext():
+        # allocated on the stream the transfer waits for: a block the current stream freed may still be read by
+        # a kernel enqueued after the issue point
+        received = send[0].new_empty(sum(sizes_in))
+        work = dist.all_to_all_single(received, packed.reshape(-1), sizes_in, sizes_out, group=group,
+                                      async_op=True)
+    apart = issue is not None and issue.stream is not None
+    return Pending(received, tuple(tuple(shape) for shape in recv_shapes), work, apart)
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+class IssuePoint:
+    """The work a later collective waits for: what the current stream holds when the point is made. NCCL's stream
+    waits for the stream a collective is issued from, everything enqueued on it so far; a transfer of inputs
+    packed long ago, issued after an attention kernel was enqueued, would wait for that kernel. Issued under
+    `with point:` it waits for the work before the point only, through a side stream that waited for it then,
+    so that the host can enqueue a kernel first and issue the transfers while the kernel runs. On CPU tensors
+    (gloo) there is nothing to order: a no-op."""
+
+    def __init__(self, device: torch.device):
+        self.stream: Optional[torch.cuda.Stream] = None
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if index not in _side_streams:
+                _side_streams[index] = torch.cuda.Stream(device=index)
+            self.stream = _side_streams[index]
+            self.stream.wait_stream(torch.cuda.current_stream(index))
+        self._context: Optional[contextlib.AbstractContextManager] = None
+
+    def __enter__(self) -> "IssuePoint":
+        if self.stream is not None:
+            self._context = torch.cuda.stream(self.stream)
+            self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)
+            self._context = None
 
 
 def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
@@ -165,16 +209,16 @@ def group_name(group) -> str:
 # -- Ulysses: frame-sharded slabs <-> head-sharded whole sequences, a group of heads at a time ----------------
 
 
-def start_heads_chunk(tensors: Sequence[torch.Tensor], span: tuple[int, int], split: Sequence[int], group
+def start_heads_chunk(packed: torch.Tensor, split: Sequence[int], group, issue: Optional[IssuePoint] = None
                       ) -> list[Pending]:
-    """Ulysses' first move for part of the heads, for each of `tensors` (`[B, T_r, *rest, H, D]`, this rank's
-    frames, every head; q, k and v alike): rank j gets its heads `[j h + lo, j h + hi)` (`span = (lo, hi)`,
-    `h = ceil(H / P)`, heads past H as zeros), all of them packed in one launch (`natsim.kernels.pack_head_blocks`),
-    one exchange per tensor; `whole_sequence` waits for one and gives the whole sequence of those heads."""
-    packed = pack_head_blocks(tensors, len(split), span)
-    x, (lo, hi) = tensors[0], span
-    shapes = [(x.shape[0], n, *x.shape[2:-2], hi - lo, x.shape[-1]) for n in split]
-    return [start_exchange(list(blocks.unbind(0)), shapes, group, packed=blocks) for blocks in packed]
+    """Ulysses' first move for part of the heads: `packed`, `natsim.kernels.pack_head_blocks(tensors, P, span)`
+    of `[B, T_r, *rest, H, D]` tensors (this rank's frames, every head; q, k and v alike), gives rank j its heads
+    `[j h + lo, j h + hi)` (`span = (lo, hi)`, `h = ceil(H / P)`, heads past H as zeros), one exchange per tensor
+    (issued at `issue`, see `start_exchange`); `whole_sequence` waits for one and gives the whole sequence of
+    those heads."""
+    batch, _, *rest = packed.shape[2:]
+    shapes = [(batch, n, *rest) for n in split]
+    return [start_exchange(list(blocks.unbind(0)), shapes, group, packed=blocks, issue=issue) for blocks in packed]
 
 
 def whole_sequence(pending: Pending) -> torch.Tensor:

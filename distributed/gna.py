@@ -63,7 +63,7 @@ def choose(problem: Problem, tiles: StrategyTiles, split: tuple[int, ...], batch
            link: Link = DEFAULT_LINK, chunks: Optional[int] = None, halo_on_gathered: bool = False) -> str:
     """The one of `strategies` natsim.partition predicts faster, each priced with the tiles it runs (`tiles`)
     and its bytes at `link`'s rates: the forward and, when `training`, the backward too (its tile work and the
-    gradients' bytes); Ulysses with its heads in `chunks` groups (natsim.partition.default_chunks unless given);
+    gradients' bytes); Ulysses with its heads in groups (natsim.partition.head_groups(heads, chunks));
     the halo exchange on a rank's gathered frames as a layout of their own where `halo_on_gathered` (how it
     trains on the GPU kernels). Ulysses pads heads that do not divide over the ranks (natsim.partition.heads_per_rank) and
     is priced so."""
@@ -144,7 +144,8 @@ def gna_attention(
     (natsim.partition.Link); None takes the one `natsim calibrate-link` measured for these GPUs and this many
     ranks (natsim.stored.link_for: the user's file, else natsim's shipped one), else natsim.partition's default
     rate. `chunks`: Ulysses attends each rank's heads in this many
-    groups, each group's transfers overlapped with the attention of another (pipeline.py; default up to three).
+    even groups, each group's transfers overlapped with the attention of another (pipeline.py); None: up to
+    three (natsim.partition.head_groups).
     Every rank must make the same call, with the same `requires_grad`.
 
     Differentiable with respect to q, k and v: the single-GPU backward between the forward's collectives

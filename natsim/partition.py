@@ -5,9 +5,9 @@ behind it). Two ways to attend across ranks (natsim.distributed runs them):
 
 - **ulysses**: all-to-all from frame-sharded to head-sharded tensors, every rank runs the whole layout for
   `ceil(heads / P)` heads (zero heads pad what P does not divide), all-to-all back. Per rank: the full problem's
-  tiles times its heads. natsim.distributed attends a rank's heads in `chunks` groups, each group's transfers
-  overlapping another group's attention (`pipeline_seconds`): only the first group's arrival and the last
-  group's return are exposed when attention is the longer stage.
+  tiles times its heads. natsim.distributed attends a rank's heads in groups (`head_groups`), each group's
+  transfers overlapping another group's attention (`pipeline_seconds`): only the first group's arrival and the
+  last group's return are exposed when attention is the longer stage.
 - **halo**: every rank keeps its heads and queries and receives the key/value frames its queries' windows
   reach (`key_frames`), then runs the kernel on its queries against that frame range. The kernel's tiles are
   cut from the rank's own first query frame and first key frame (`frame_dim_tiles`), so the per-rank counts
@@ -32,7 +32,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -297,8 +297,8 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
     not divide them: their work and bytes count). `training` adds the backward the
     same way: its bytes (module docstring) and visited tiles x `backward_tile_seconds` (default
     `BACKWARD_TILE_WORK` x `tile_seconds`); the gradients have the inputs' `element_bytes`. Ulysses attends
-    each rank's heads in `chunks` groups overlapped with the transfers (`pipeline_seconds`, forward and
-    backward; `default_chunks` unless given); the halo exchange moves before the kernel runs.
+    each rank's heads in groups overlapped with the transfers (`pipeline_seconds`, forward and backward;
+    `head_groups(heads, chunks)`); the halo exchange moves before the kernel runs.
     `halo_on_gathered`: the halo exchange runs a rank's gathered frames as a layout of their own (how
     natsim.distributed trains it on GPUs), its tile work that layout's, every gathered frame's queries included.
     """
@@ -328,7 +328,7 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
         local = heads_per_rank(heads, P)  # padded with zero heads to P x local where P does not divide them
         slice_bytes = frame_bytes // heads * local  # one frame of one rank's heads
         rate = link.all_to_all
-        chunks = default_chunks(local) if chunks is None else chunks
+        groups = head_groups(local, chunks)
         for r in range(P):
             # q, k, v out: (P - 1) of P head slices of own frames; back: own heads of everyone else's frames.
             qkv_sent, out_received = 3 * split[r] * (P - 1) * slice_bytes, split[r] * (P - 1) * slice_bytes
@@ -336,9 +336,9 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
                 (problem.shape[0] - split[r]) * slice_bytes
             inbound, outbound = max(qkv_sent, qkv_received), max(out_sent, out_received)
             visited = whole.visited_tiles * local * batch
-            seconds = pipeline_seconds(visited * tile_seconds, rate, inbound, outbound, chunks)
+            seconds = pipeline_seconds(visited * tile_seconds, rate, inbound, outbound, groups)
             if training:  # the output's gradient in, the gradients of q, k and v back
-                seconds += pipeline_seconds(visited * backward_tile_seconds, rate, outbound, inbound, chunks)
+                seconds += pipeline_seconds(visited * backward_tile_seconds, rate, outbound, inbound, groups)
             sent, received = qkv_sent + out_sent, qkv_received + out_received
             ranks.append(RankCost(r, (t[r], t[r + 1]), local, visited, whole.full_tiles * local * batch,
                                   (0, problem.shape[0]), sent, received, seconds, received if training else 0,
@@ -375,30 +375,45 @@ def heads_per_rank(heads: int, ranks: int) -> int:
     return -(-heads // ranks)
 
 
-def default_chunks(heads_per_rank: int) -> int:
-    """The groups natsim.distributed's Ulysses attends a rank's heads in unless told: up to three. The first
-    group's arrival and the last one's return stay exposed, a third of the transfers each; past three, each
-    group's fixed costs (an exchange's latency, a kernel's launch and tail) eat what a smaller exposed part
-    saves."""
-    return max(1, min(heads_per_rank, MAX_DEFAULT_CHUNKS))
+def head_groups(heads_per_rank: int, chunks: Optional[int] = None) -> tuple[int, ...]:
+    """The sizes of the groups natsim.distributed's Ulysses attends a rank's heads in, in order: `chunks` groups
+    (None: up to `MAX_DEFAULT_CHUNKS`), as even as they divide (the first ones one larger). The first group's
+    arrival and the last one's return stay exposed, a third of the transfers each with three; every further group
+    adds three NCCL exchanges, whose issue costs the host 0.1-0.2 ms each, a kernel's launch and tail, and an
+    exchange's latency. Groups of one head first and last, growing between, were measured slower on 2 H200s
+    (docs/performance.md): a one-head attention ran a fifth slower per head, and the host's extra exchanges
+    delayed the next attention."""
+    if heads_per_rank < 1:
+        raise ValueError(f"heads_per_rank must be >= 1, got heads_per_rank={heads_per_rank}.")
+    if chunks is None:
+        chunks = min(heads_per_rank, MAX_DEFAULT_CHUNKS)
+    if not 1 <= chunks <= heads_per_rank:
+        raise ValueError(f"chunks must be between 1 and the {heads_per_rank} heads each rank attends, got "
+                         f"chunks={chunks}.")
+    base, extra = divmod(heads_per_rank, chunks)
+    return tuple(base + (index < extra) for index in range(chunks))
 
 
-def pipeline_seconds(compute: float, rate: Rate, inbound: int, outbound: int, chunks: int = 1) -> float:
-    """One rank's Ulysses call with its heads in `chunks` groups (natsim.distributed's pipeline): `compute`
-    seconds of attention and `inbound` / `outbound` bytes (the larger of sent and received) split evenly over the
-    groups; every group's inbound transfer starts at once, one after the other on the link, a group attends once
-    it has arrived and the one before it is done, and its outbound transfer follows on the link. The last
-    outbound transfer's end. One group: the transfers and the attention one after the other."""
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got chunks={chunks}.")
+def pipeline_seconds(compute: float, rate: Rate, inbound: int, outbound: int,
+                     groups: Union[int, Sequence[int]] = 1) -> float:
+    """One rank's Ulysses call with its heads in groups (natsim.distributed's pipeline): `compute` seconds of
+    attention and `inbound` / `outbound` bytes (the larger of sent and received) shared by the groups in
+    proportion to their heads (`groups`: their head counts in order, or a number of equal groups). Every group's
+    inbound transfer starts at once, one after the other on the link, a group attends once it has arrived and the
+    one before it is done, and its outbound transfer follows on the link. The last outbound transfer's end. One
+    group: the transfers and the attention one after the other."""
+    sizes = (1,) * groups if isinstance(groups, int) else tuple(groups)
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"groups must be a number >= 1 or head counts >= 1, got groups={groups}.")
+    shares = [size / sum(sizes) for size in sizes]
     arrive, link_free = [], 0.0
-    for _ in range(chunks):
-        link_free += rate.seconds(inbound / chunks)
+    for share in shares:
+        link_free += rate.seconds(inbound * share)
         arrive.append(link_free)
     attended = 0.0
-    for arrived in arrive:
-        attended = max(attended, arrived) + compute / chunks
-        link_free = max(link_free, attended) + rate.seconds(outbound / chunks)
+    for share, arrived in zip(shares, arrive):
+        attended = max(attended, arrived) + compute * share
+        link_free = max(link_free, attended) + rate.seconds(outbound * share)
     return link_free
 
 
@@ -428,12 +443,13 @@ def ulysses_layer_bytes(tokens: int, channels: int, element_bytes: int, world_si
 
 def ulysses_step_seconds(one_gpu_seconds: float, layers: int, tokens: int, channels: int, element_bytes: int,
                          world_size: int, link: Link = DEFAULT_LINK, attention_seconds: float = 0.0,
-                         chunks: int = 1, heads: Optional[int] = None) -> float:
+                         groups: Union[int, Sequence[int]] = 1, heads: Optional[int] = None) -> float:
     """A model step over `world_size` GPUs under Ulysses, from the same step on one GPU: every rank computes `1 / P`
     of it outside attention (its tokens) and its heads' share inside, and each of the `layers` attention layers adds
-    its two all-to-alls at `link`'s rate (`ulysses_layer_bytes`). With its heads in `chunks` groups
-    (natsim.distributed's pipeline) the transfers overlap a rank's share of the layer's attention,
-    `attention_seconds` on one GPU (`pipeline_seconds`); with one group they follow each other. `heads` (the
+    its two all-to-alls at `link`'s rate (`ulysses_layer_bytes`). With its heads in `groups` (head counts in
+    order, or a number of equal groups: natsim.distributed's pipeline) the transfers overlap a rank's share of the
+    layer's attention, `attention_seconds` on one GPU (`pipeline_seconds`); with one group they follow each
+    other. `heads` (the
     `channels`' heads; None: P divides them): where P does not divide them each rank attends `ceil(heads / P)`,
     zero heads padding the rest, and moves them too. Checked against measured steps in docs/performance.md."""
     if world_size < 1 or layers < 0 or one_gpu_seconds < 0 or attention_seconds < 0:
@@ -448,5 +464,5 @@ def ulysses_step_seconds(one_gpu_seconds: float, layers: int, tokens: int, chann
         share, moved = per_rank / heads, channels // heads * per_rank * world_size
     attention = attention_seconds * share
     inbound, outbound = ulysses_layer_bytes(tokens, moved, element_bytes, world_size)
-    layer = pipeline_seconds(attention, link.all_to_all, inbound, outbound, chunks)
+    layer = pipeline_seconds(attention, link.all_to_all, inbound, outbound, groups)
     return (one_gpu_seconds - layers * attention_seconds) / world_size + layers * layer

@@ -24,6 +24,7 @@ from datetime import timedelta
 from multiprocessing import forkserver
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 from unittest import mock
 
 import numpy as np
@@ -35,8 +36,8 @@ from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from natsim import Problem, TileConfig, simulate
-from natsim.partition import (Link, Rate, check_split, even_split, key_frames, offsets, pipeline_seconds, rank_tiles,
-                              strategy_cost)
+from natsim.partition import (Link, Rate, check_split, even_split, head_groups, key_frames, offsets, pipeline_seconds,
+                              rank_tiles, strategy_cost)
 from natsim.kernels import gna_attention, gna_tile_counts, reference_attention
 
 from bruteforce import attention_mask, coordinates, dim_mask, multi_d_layout, problems, static_counts
@@ -408,19 +409,22 @@ def test_transfers_run_on_a_high_priority_twin_of_an_nccl_group(one_rank_group, 
 def test_ulysses_pipeline_operator(one_rank_group):
     """natsim::cp_ulysses in a group of one: torch.library.opcheck's schema, fake and autograd-registration checks
     (its handle output differs from run to run, which the AOTAutograd check compares), with and without the graphs
-    kept, in groups of heads as even as they divide; then its gradients eager and under AOTAutograd against the
-    float64 reference's."""
+    kept, in groups of heads of any sizes; then its gradients eager and under AOTAutograd against the float64
+    reference's."""
     from natsim.distributed.collectives import group_name
     from natsim.distributed.pipeline import register_attend, ulysses_attention
 
     attend = register_attend(lambda q, k, v, extras, scale, span: reference_attention(q, k, v, (3, 2), scale=scale))
     x = torch.randn(2, 5, 4, 3, 8, dtype=torch.float64)
-    for chunks, keep in ((1, False), (2, True), (3, True)):
-        args = (x, x.flip(1), x.flip(2), [], attend, 0.5, chunks, [5], 0, group_name(None), keep)
+    for groups, keep in (([3], False), ([2, 1], True), ([1, 1, 1], True), ([1, 2], True)):
+        args = (x, x.flip(1), x.flip(2), [], attend, 0.5, groups, [5], 0, group_name(None), keep)
         torch.library.opcheck(torch.ops.natsim.cp_ulysses, args,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    for groups in ([2, 2], [3, 0], []):
+        with pytest.raises(ValueError, match="adding up to the 3 heads each rank attends"):
+            torch.ops.natsim.cp_ulysses(x, x, x, [], attend, None, groups, [5], 0, group_name(None), False)
     with pytest.raises(ValueError, match="chunks must be between 1 and the 3 heads"):
-        torch.ops.natsim.cp_ulysses(x, x, x, [], attend, None, 4, [5], 0, group_name(None), False)
+        ulysses_attention(attend, x, x, x, (5,), 0, None, chunks=4)
 
     inputs = [torch.randn(2, 5, 4, 3, 8, dtype=torch.float64) for _ in range(4)]
     want = _gradients(lambda q, k, v: reference_attention(q, k, v, (3, 2)), inputs[:3], inputs[3])
@@ -451,20 +455,32 @@ def test_ulysses_pipeline_refuses_cuda_graph_capture(one_rank_group, monkeypatch
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x = torch.randn(1, 2, 3, 2, 8)
     with pytest.raises(RuntimeError, match="does not run under CUDA graph capture"):
-        torch.ops.natsim.cp_ulysses(x, x, x, [], attend, None, 1, [2], 0, group_name(None), False)
+        torch.ops.natsim.cp_ulysses(x, x, x, [], attend, None, [2], [2], 0, group_name(None), False)
 
 
 @given(heads=st.integers(1, 64), data=st.data())
-def test_head_spans_cover_the_heads_evenly(heads, data):
-    from natsim.distributed.pipeline import default_chunks, head_spans
+def test_head_groups_cover_the_heads(heads, data):
+    """`chunks` groups (by default up to MAX_DEFAULT_CHUNKS), as even as they divide, the larger first; the spans
+    the pipeline cuts from any sizes tile the heads in order."""
+    from natsim.distributed.pipeline import head_spans
+    from natsim.partition import MAX_DEFAULT_CHUNKS, head_groups
 
     chunks = data.draw(st.integers(1, heads))
-    spans = head_spans(heads, chunks)
-    assert len(spans) == chunks and spans[0][0] == 0 and spans[-1][1] == heads
+    sizes = data.draw(st.one_of(st.just(head_groups(heads, chunks)), st.just(head_groups(heads)),
+                                st.lists(st.integers(1, 4), min_size=1).map(tuple)))
+    if sizes == head_groups(heads, chunks):
+        assert len(sizes) == chunks and sum(sizes) == heads and max(sizes) - min(sizes) <= 1
+        assert list(sizes) == sorted(sizes, reverse=True)
+    assert len(head_groups(heads)) == min(heads, MAX_DEFAULT_CHUNKS)
+    if sum(sizes) != heads:
+        with pytest.raises(ValueError, match=f"adding up to the {heads} heads"):
+            head_spans(sizes, heads)
+        return
+    spans = head_spans(sizes, heads)
+    assert spans[0][0] == 0 and spans[-1][1] == heads and [hi - lo for lo, hi in spans] == list(sizes)
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    sizes = [hi - lo for lo, hi in spans]
-    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
-    assert 1 <= default_chunks(heads) <= heads
+    with pytest.raises(ValueError, match="chunks must be between 1 and"):
+        head_groups(heads, heads + 1)
 
 
 def test_halo_refuses_gradients_on_the_triton_path_where_gathered_frames_differ(one_rank_group):
@@ -815,12 +831,13 @@ def _check_mask_gradients(rank: int, world: int, sent: list[int], index: int, ca
                                            f"{q_block}x{kv_block}, {type(mask).__name__}), rank {rank}")
 
 
-def _check_ulysses_in_two_groups(rank: int, world: int, sent: list[int], case: int, heads: int, seed: int,
-                                 what: str) -> None:
-    """Ulysses on GRADIENT_CASES[case] with `heads` heads in two groups: outputs and gradients against the float64
-    reference on one process's tensors, the bytes forward and backward against natsim.partition. Three heads a
-    rank (3 P): groups of two heads and one, moving what one piece moves. 2 P + 1 heads: padded with zero heads
-    to 3 P, the last rank's second group all zeros, the zero heads' bytes counted too."""
+def _check_ulysses_in_groups(rank: int, world: int, sent: list[int], case: int, heads: int, chunks: Optional[int],
+                             seed: int, what: str) -> None:
+    """Ulysses on GRADIENT_CASES[case] with `heads` heads in groups (`chunks`; None: the default ramp): outputs and
+    gradients against the float64 reference on one process's tensors, the bytes forward and backward against
+    natsim.partition. Five heads a rank (5 P) in the default groups: 2, 2 and 1 heads, moving what one piece
+    moves. 2 P + 1 heads in two groups: padded with zero heads to 3 P, the last rank's second group all zeros,
+    the zero heads' bytes counted too."""
     import natsim.distributed as nd
 
     problem, splits, _ = GRADIENT_CASES[case]
@@ -833,8 +850,8 @@ def _check_ulysses_in_two_groups(rank: int, world: int, sent: list[int], case: i
                                lambda *x: gna_attention(*x, **args), inputs)
     model = strategy_cost(problem, TileConfig(1, 1), split, "ulysses", batch=1, heads=heads,
                           head_dim=GRADIENT_HEAD_DIM, element_bytes=8, training=True)
-    _check_against(rank, sent, functools.partial(nd.gna_attention, strategy="ulysses", split=split, chunks=2, **args),
-                   expected, split, model, f"{what}, rank {rank}/{world}")
+    _check_against(rank, sent, functools.partial(nd.gna_attention, strategy="ulysses", split=split, chunks=chunks,
+                                                 **args), expected, split, model, f"{what}, rank {rank}/{world}")
 
 
 def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
@@ -847,9 +864,9 @@ def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
             _check_gna_gradients(rank, world, sent, index, case)
         for index, case in enumerate(mask_cases):
             _check_mask_gradients(rank, world, sent, index, case)
-        _check_ulysses_in_two_groups(rank, world, sent, 0, 3 * world, 11, "Ulysses in two groups of 3 heads")
+        _check_ulysses_in_groups(rank, world, sent, 0, 5 * world, None, 11, "Ulysses in groups of 2, 2 and 1 heads")
         if world == 3:  # 7 heads, 3 a rank: the last rank's second group is all zero heads
-            _check_ulysses_in_two_groups(rank, world, sent, 1, 7, 13, "Ulysses over 7 heads padded to 9")
+            _check_ulysses_in_groups(rank, world, sent, 1, 7, 2, 13, "Ulysses over 7 heads padded to 9")
     if world == 2:
         _check_compiled(rank, gna_cases[0], mask_cases[0])
 
@@ -1097,12 +1114,12 @@ def test_best_with_world_size_knows_its_strategy():
     chosen = parallel.costs[parallel.strategy]
     assert all(chosen.seconds <= other.seconds for other in parallel.costs.values())
     # compute priced from the plan's own prediction: ulysses halves the heads, so half the single-GPU time, its
-    # 12 heads a rank attended in three groups between the moves (q, k and v in, the output back)
+    # 12 heads a rank attended in the default groups between the moves (q, k and v in, the output back)
     ulysses, (first, _) = parallel.costs["ulysses"], parallel.split
     frame = 48 * 80 * 24 * 128 * 2 // 2  # a frame of a rank's half of the heads
     inbound, outbound = 3 * max(first, 30 - first) * frame, max(first, 30 - first) * frame
     assert ulysses.ranks[0].seconds == pytest.approx(
-        pipeline_seconds(single.score / 2, parallel.link.all_to_all, inbound, outbound, chunks=3), rel=1e-9)
+        pipeline_seconds(single.score / 2, parallel.link.all_to_all, inbound, outbound, head_groups(12)), rel=1e-9)
     record = parallel.to_dict()
     assert record["strategy"] == parallel.strategy and len(record["strategies"][parallel.strategy]["ranks"]) == 2
     with pytest.raises(ValueError, match="cannot exceed the 30 frames"):
@@ -1128,8 +1145,8 @@ def test_best_with_world_size_prices_the_training_step():
     frame = 48 * 80 * 24 * 128 * 2 // 2  # a frame of a rank's half of the heads
     inbound, outbound = 3 * max(first, 30 - first) * frame, max(first, 30 - first) * frame
     link = parallel.link.all_to_all
-    forward = pipeline_seconds(single.forward_score / 2, link, inbound, outbound, chunks=3)
-    backward = pipeline_seconds(single.backward_score / 2, link, outbound, inbound, chunks=3)
+    forward = pipeline_seconds(single.forward_score / 2, link, inbound, outbound, head_groups(12))
+    backward = pipeline_seconds(single.backward_score / 2, link, outbound, inbound, head_groups(12))
     assert ulysses.ranks[0].seconds == pytest.approx(forward + backward, rel=1e-9)
     # the pick's stride along the frames keeps the halo strategy from training it: stride 1 there was priced too
     assert parallel.notes[-1].startswith("The single-GPU pick has stride 2 along the frames")
@@ -1159,7 +1176,7 @@ def test_cli_plan_world_size():
                                       "--window", "18x24x24", "--world-size", "2"])
     assert result.exit_code == 0, result.output
     assert "key frames" in result.output and "halo" in result.output and "ulysses" in result.output
-    assert "ulysses attends each rank's 12 heads in 3 groups" in " ".join(result.output.split())
+    assert "ulysses attends each rank's 12 heads in groups of 4/4/4 heads" in " ".join(result.output.split())
     bad = CliRunner().invoke(app, ["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--world-size", "0"])
     assert bad.exit_code == 2 and "world_size must be a positive int" in bad.output
 

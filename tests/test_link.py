@@ -59,14 +59,20 @@ def test_strategies_are_priced_at_their_moves_rate():
 def test_the_pipeline_by_hand():
     """Three groups, 1 s a group's transfer each way, 2 s its attention: arrivals at 1, 2, 3 s; attention 1-3,
     3-5, 5-7; returns (after the arrivals on the link) 3-4, 5-6, 7-8: 8 s against 12 in one piece. With little
-    attention the link bounds it: the six transfers, 6 s. Ulysses priced with groups is never slower than
+    attention the link bounds it: the six transfers, 6 s. Groups of 1, 2 and 1 heads with 12 s of attention:
+    arrivals at 0.75, 2.25, 3; attention 0.75-3.75, 3.75-9.75, 9.75-12.75; returns 3.75-4.5, 9.75-11.25,
+    12.75-13.5: 13.5 s against 14 in three equal groups. Ulysses priced with groups is never slower than
     without, and training adds the mirrored pipeline."""
     rate = Rate(1.0)
-    assert pipeline_seconds(6.0, rate, 3, 3, chunks=3) == pytest.approx(8.0)
-    assert pipeline_seconds(6.0, rate, 3, 3, chunks=1) == pytest.approx(12.0)
-    assert pipeline_seconds(0.3, rate, 3, 3, chunks=3) == pytest.approx(6.0)
-    with pytest.raises(ValueError, match="chunks must be >= 1"):
-        pipeline_seconds(1.0, rate, 1, 1, chunks=0)
+    assert pipeline_seconds(6.0, rate, 3, 3, groups=3) == pytest.approx(8.0)
+    assert pipeline_seconds(6.0, rate, 3, 3, groups=(2, 2, 2)) == pytest.approx(8.0)
+    assert pipeline_seconds(6.0, rate, 3, 3, groups=1) == pytest.approx(12.0)
+    assert pipeline_seconds(0.3, rate, 3, 3, groups=3) == pytest.approx(6.0)
+    assert pipeline_seconds(12.0, rate, 3, 3, groups=(1, 2, 1)) == pytest.approx(13.5)
+    assert pipeline_seconds(12.0, rate, 3, 3, groups=3) == pytest.approx(14.0)
+    for groups in (0, (), (1, 0)):
+        with pytest.raises(ValueError, match="groups must be a number >= 1 or head counts >= 1"):
+            pipeline_seconds(1.0, rate, 1, 1, groups=groups)
     problem, tiles = Problem((30, 48, 80), (18, 24, 24), (16, 8, 8)), TileConfig((4, 8, 8), (2, 8, 8))
     options = dict(batch=1, heads=24, head_dim=128, element_bytes=2, link=Link(Rate(1e11, 1e-5), Rate(1e11)))
     serial, grouped = (strategy_cost(problem, tiles, (15, 15), "ulysses", chunks=c, **options).seconds for c in (1, 3))
@@ -118,13 +124,13 @@ def test_a_models_step_under_ulysses_by_hand():
     # Heads in three groups, 10 ms of attention a layer on one GPU (2.5 ms a rank, 0.83 ms a group, longer than
     # a group's transfers): only the first group's arrival and the last group's return are exposed.
     inbound, outbound = (2e-4 + b / 3 / 2.5e11 for b in ulysses_layer_bytes(75600, 1536, 2, 4))
-    grouped = ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 4, link, attention_seconds=0.01, chunks=3)
+    grouped = ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 4, link, attention_seconds=0.01, groups=3)
     assert grouped == pytest.approx(0.15 + 30 * (inbound + outbound), rel=1e-9)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 0, link)
     # 12 heads over 8 GPUs: padded to 16, 2 a rank (a sixth of the attention, not an eighth), and the moves carry
     # 16 heads' channels; outside attention an eighth of the step
-    padded = ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 8, link, attention_seconds=0.01, chunks=2, heads=12)
+    padded = ulysses_step_seconds(0.6, 30, 75600, 1536, 2, 8, link, attention_seconds=0.01, groups=2, heads=12)
     inbound, outbound = ulysses_layer_bytes(75600, 16 * 128, 2, 8)
     layer = pipeline_seconds(0.01 / 6, link.all_to_all, inbound, outbound, 2)
     assert padded == pytest.approx((0.6 - 30 * 0.01) / 8 + 30 * layer, rel=1e-12)

@@ -19,7 +19,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from natsim.partition import Link, StrategyCost, default_chunks, heads_per_rank
+from natsim.partition import Link, StrategyCost, head_groups, heads_per_rank
 
 from .plan import Plan
 
@@ -98,9 +98,10 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
             f"{self.link.describe()}).")]
         if "ulysses" in self.costs:
             per_rank = heads_per_rank(self.plan.heads or 1, self.world_size)
+            groups = "/".join(map(str, head_groups(per_rank)))
             parts.append(Text(
-                f"  - ulysses attends each rank's {per_rank} heads in {default_chunks(per_rank)} groups, a group's "
-                "all-to-alls overlapping another group's attention (priced so: natsim.partition.pipeline_seconds; "
+                f"  - ulysses attends each rank's {per_rank} heads in groups of {groups} heads, a group's all-to-alls "
+                "overlapping another group's attention (priced so: natsim.partition.pipeline_seconds; "
                 "natsim.distributed moves them on a high-priority twin of the process group)."))
         if self.plan.training and "halo" in self.costs:
             parts.append(Text("  - halo trains on each rank's gathered frames run as a layout of their own, priced "
