@@ -446,6 +446,40 @@ def test_ulysses_pipeline_operator(one_rank_group):
     assert len(handles._held) == held
 
 
+@pytest.mark.gpu
+def test_an_exchange_issued_at_a_point_waits_for_the_work_before_it_only(one_rank_group):
+    """What the Ulysses pipeline relies on to issue its later groups after the first attention: an exchange issued
+    at an IssuePoint does not wait for a kernel enqueued on the current stream after the point (a sleep of about a
+    second here), and delivers what was there before it; issued without a point, it waits for that kernel."""
+    from natsim.distributed.collectives import IssuePoint, start_exchange
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    group = dist.new_group([0], backend="nccl")
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+
+    def done_within(pending, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while not pending.work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return pending.work.is_completed()
+
+    start_exchange([x], [tuple(x.shape)], group, packed=x).wait()  # the communicator made before anything is timed
+    torch.cuda.synchronize()
+    point = IssuePoint(x.device)
+    torch.cuda._sleep(2_000_000_000)
+    pending = start_exchange([x], [tuple(x.shape)], group, packed=x, issue=point)
+    assert done_within(pending, 0.3) and not torch.cuda.current_stream().query()  # the sleep still runs
+    (received,) = pending.wait()
+    assert torch.equal(received, x)
+    torch.cuda._sleep(2_000_000_000)
+    pending = start_exchange([x], [tuple(x.shape)], group, packed=x)
+    assert not done_within(pending, 0.3)
+    pending.wait()
+    torch.cuda.synchronize()
+    dist.destroy_process_group(group)
+
+
 def test_ulysses_pipeline_refuses_cuda_graph_capture(one_rank_group, monkeypatch):
     from natsim.distributed.collectives import group_name
     from natsim.distributed.pipeline import register_attend
