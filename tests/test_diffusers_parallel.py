@@ -5,8 +5,9 @@ In the main process: how the ranks' shares of a joint sequence are put into one 
 tests/test_distributed.py::test_gloo_worlds in the processes it spawns), on tiny random models:
 with `apply` before or after `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` the model computes what
 the same model computes in one process with natsim (and not the dense model's output: natsim is not bypassed),
-for Wan (video self-attention), FLUX (joint attention, text first, split over the ranks) and QwenImage (joint
-attention with a text key mask), in FP8, and with content-adaptive masks; a training step's parameter gradients,
+for Wan (video self-attention; also under ulysses_anything, with padded heads), FLUX (joint
+attention, text first, split over the ranks) and QwenImage (joint attention with a text key mask), in FP8, and
+with content-adaptive masks; a training step's parameter gradients,
 summed over the ranks, equal one process's, with GNA and through content-adaptive masks; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at whichever
 call comes second; `remove` gives the model diffusers' own context-parallel attention back; examples/diffusers_parallel.py runs; the
 interconnect calibration (natsim.distributed.calibrate_link) gives every rank the same link.
@@ -71,7 +72,7 @@ def test_refusals_name_what_natsim_cannot_run():
     router = Router(None, text_first=True)
     assert parallel.refusal(_config(), router, None) is None
     assert "ring_degree=2" in parallel.refusal(_config(ring_degree=2), router, None)
-    assert "ulysses_anything" in parallel.refusal(_config(ulysses_anything=True), router, None)
+    assert parallel.refusal(_config(ulysses_anything=True), router, None) is None  # served at the call
     assert "tile_order=True" in parallel.refusal(_config(), router, True)
     assert parallel.refusal(_config(), router, False) is None
     router.views.append(object())
@@ -96,6 +97,25 @@ def test_joint_attention_under_a_plan_of_the_users_own_is_refused():
     with pytest.raises(ValueError, match="cp_plan of its own"):
         parallel.shares(router, theirs, 5)
     assert parallel.shares(router, parallel.Ulysses(None, 0, 2), 5).other == 3
+
+
+def test_shares_under_ulysses_anything_follow_tensor_split():
+    """45 image tokens over 2 ranks: 23 and 22, as torch.tensor_split cuts them; a call with more tokens than a
+    rank's image share (joint attention) is refused on every rank, one with fewer is not natsim's; no key mask."""
+    router = Router(None, text_first=True)
+    router.set_layout((3, 3, 5))
+    cut = [len(part) for part in torch.arange(45).tensor_split(2)]
+    for rank in range(2):
+        ulysses = parallel.Ulysses(None, rank, 2, anything=True)
+        layout = parallel.shares(router, ulysses, cut[rank])
+        assert layout.tokens == tuple(cut) and layout.other == 0
+        x = torch.randn(1, 45, 2, 4)
+        assert torch.equal(layout.to_sequence(x), x)
+        with pytest.raises(ValueError, match="does not run under ulysses_anything"):
+            parallel.shares(router, ulysses, cut[rank] + 1)
+        assert parallel.shares(router, ulysses, cut[rank] - 1) is None
+        with pytest.raises(ValueError, match="under ulysses_anything takes no key mask"):
+            parallel._gathered_key_mask(torch.ones(1, 1, 1, cut[rank], dtype=torch.bool), layout, ulysses)
 
 
 def test_uneven_image_shares_are_refused():
@@ -125,10 +145,10 @@ def _differs(got: torch.Tensor, dense: torch.Tensor, what: str) -> None:
 
 
 def _outputs(name: str, layout, window, batch: int, enable_first: bool, config: Optional[dict] = None,
-             **options) -> None:
+             cp: Optional[dict] = None, **options) -> None:
     """One model (`config`: entries of its tiny configuration to change) with natsim (`apply`'s `options`), in one
-    process and under Ulysses (apply and enable in the order asked), against natsim in one process and the dense
-    model."""
+    process and under Ulysses (`cp`: entries of the ContextParallelConfig; apply and enable in the order asked),
+    against natsim in one process and the dense model."""
     from natsim.integrations import diffusers as nd
 
     inputs = diffusers_models.inputs(name, layout, batch=batch)
@@ -139,15 +159,34 @@ def _outputs(name: str, layout, window, batch: int, enable_first: bool, config: 
         single = model(**inputs)[0]
         nd.remove(model)
         if enable_first:
-            model.enable_parallelism(config=_cp_config())
+            model.enable_parallelism(config=_cp_config(**(cp or {})))
             nd.apply(model, window=window, **options)
         else:
             nd.apply(model, window=window, **options)
-            model.enable_parallelism(config=_cp_config())
+            model.enable_parallelism(config=_cp_config(**(cp or {})))
         out = model(**inputs)[0]
-    what = f"{name} {options}, {'enable then apply' if enable_first else 'apply then enable'}"
+    what = f"{name} {options} {cp or ''}, {'enable then apply' if enable_first else 'apply then enable'}"
     _close(out, single, what)
     _differs(out, dense, what)
+
+
+def _anything() -> None:
+    """ulysses_anything: Wan with 3 heads (padded by natsim and diffusers to 2 a rank), apply after and before
+    enable_parallelism: one process's output; FLUX's joint attention refused on every rank alike. The shares are
+    even here: with uneven ones diffusers' own gather of the model's output needs NCCL (gloo's all_gather takes
+    equal sizes only); natsim's split of uneven shares is tested without a world above."""
+    from natsim.integrations import diffusers as nd
+
+    anything = dict(ulysses_anything=True)
+    for enable_first in (True, False):
+        _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first, config=dict(num_attention_heads=3), cp=anything)
+    name, (layout, window) = next(iter(JOINT.items()))
+    model = diffusers_models.build(name)
+    nd.apply(model, window=window)
+    model.enable_parallelism(config=_cp_config(**anything))
+    with pytest.raises(ValueError, match="does not run under ulysses_anything"):
+        with torch.no_grad():
+            model(**diffusers_models.inputs(name, layout))
 
 
 def _kept_under_ulysses() -> None:
@@ -326,6 +365,7 @@ def run_world(rank: int, world: int, port: int) -> None:
         # FP8 with six heads: each rank attends its three in three groups (natsim.distributed's pipeline)
         _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first=False, config=SIX_HEADS, precision="fp8")
         _kept_under_ulysses()
+        _anything()
         _training_and_compile(rank)
         _masks()
         _refusals_and_remove()

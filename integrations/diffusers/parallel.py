@@ -16,13 +16,18 @@ calls it serves (the video tokens' self-attention and joint attention, attention
 3. the router attends as on one GPU (GNA over the whole layout, or content-adaptive masks), and the output goes
    back by the same way.
 
+Under `ulysses_anything=True` diffusers cuts each sharded input with `torch.tensor_split` (shares may differ by a
+token) and pads heads that `ulysses_degree` does not divide: natsim serves self-attention over the image tokens,
+whose shares every rank computes from the layout (natsim.distributed's Ulysses takes uneven shares and pads the
+heads alike), and refuses joint attention and key masks there with a sentence, on every rank alike.
+
 A key mask (text padding) is all-gathered and ordered alike. Calls natsim does not serve (cross-attention to
 text) go to diffusers' own context-parallel attention.
 
 What natsim cannot run under context parallelism is refused with a sentence, at `apply` when parallelism is
 already on and at `enable_parallelism` when natsim is already applied (natsim wraps the method of the model
-while applied): ring attention (`ring_degree > 1`: GNA's halo exchange lives in natsim.distributed), uneven
-shares (`ulysses_anything`), split attention over the latent (Latte), and `tile_order=True` (diffusers splits
+while applied): ring attention (`ring_degree > 1`: GNA's halo exchange lives in natsim.distributed), split
+attention over the latent (Latte), and `tile_order=True` (diffusers splits
 the rotary tables before a block could put them in tile order). A call that reaches natsim's attention under a
 parallel configuration natsim was not told of raises rather than attend on this rank's tokens alone, and so does
 joint attention under a `cp_plan` other than the class's own (HunyuanVideo and CogVideoX declare none), where
@@ -52,6 +57,7 @@ class Ulysses:
     rank: int
     size: int
     own_plan: bool = True  # the shares follow diffusers' own context-parallel plan of the class
+    anything: bool = False  # ulysses_anything: shares as torch.tensor_split cuts them, heads padded by diffusers
 
 
 def context_parallel(config: Any) -> Optional[Any]:
@@ -64,15 +70,11 @@ def context_parallel(config: Any) -> Optional[Any]:
 
 def refusal(config: Any, router, tile_order: Optional[bool]) -> Optional[str]:
     """Why natsim cannot run under the context-parallel `config` (a `ContextParallelConfig`), or None."""
-    ring, ulysses = int(config.ring_degree or 1), int(config.ulysses_degree or 1)
+    ring = int(config.ring_degree or 1)
     if ring > 1:
         return (f"diffusers' ring attention (ring_degree={ring}) passes every rank's keys around a ring, which GNA "
                 "does not need: use ulysses_degree instead (each rank then runs natsim's attention on its heads "
                 "over the whole layout), or natsim.distributed.gna_attention(strategy='halo') in your own model.")
-    if getattr(config, "ulysses_anything", False):
-        return ("ulysses_anything shares tokens unevenly over the ranks; natsim puts the shares back together when "
-                f"each of the {ulysses} ranks holds the same number of tokens: choose a latent size whose token "
-                "count divides by ulysses_degree.")
     if router.views:
         return ("this model splits its attention over the latent (spatial and temporal attention), which diffusers "
                 "does not shard as one sequence.")
@@ -86,7 +88,7 @@ def ulysses_of(config: Any, own_plan: bool) -> Ulysses:
     """The Ulysses group of a set-up `ContextParallelConfig` (diffusers made its mesh); `own_plan`: whether the
     model was split by its class's own `_cp_plan`."""
     return Ulysses(config._ulysses_mesh.get_group(), int(config._ulysses_local_rank), int(config.ulysses_degree),
-                   own_plan)
+                   own_plan, bool(getattr(config, "ulysses_anything", False)))
 
 
 def enable(model: nn.Module, router, tile_order: Optional[bool]) -> None:
@@ -134,6 +136,12 @@ class Shares:
     share: int
     other: int
     text_first: bool
+    split: Optional[tuple[int, ...]] = None  # tokens per rank under ulysses_anything (image tokens only)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens each rank holds, in rank order."""
+        return self.split or (self.share,) * self.size
 
     def _parts(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         shares = x.unflatten(dim, (self.size, self.share))
@@ -163,9 +171,11 @@ def shares(router, ulysses: Ulysses, local_tokens: int) -> Optional[Shares]:
         return None
     tokens = local_tokens * ulysses.size
     video = math.prod(router.layout)
+    image = video + (router.trailing if router.text_first else 0)
+    if ulysses.anything:
+        return _anything_shares(router, ulysses, local_tokens, image)
     if tokens < video:
         return None
-    image = video + (router.trailing if router.text_first else 0)
     if image % ulysses.size:
         raise ValueError(f"natsim's attention under context parallelism needs each of the {ulysses.size} ranks to hold "
                          f"the same share of the image tokens, but the layout {router.layout} holds {image} image "
@@ -177,6 +187,23 @@ def shares(router, ulysses: Ulysses, local_tokens: int) -> Optional[Shares]:
                          "the image); this model runs a cp_plan of its own, so natsim cannot know where its text "
                          "tokens lie. Use the class's own plan, or remove natsim.")
     return Shares(ulysses.size, local_tokens, other, router.text_first)
+
+
+def _anything_shares(router, ulysses: Ulysses, local_tokens: int, image: int) -> Optional[Shares]:
+    """The shares of a call under ulysses_anything, where diffusers cuts each sharded input with
+    `torch.tensor_split` (the first ranks one token more): natsim serves self-attention over the image tokens,
+    whose shares every rank knows from the layout. A joint sequence's text shares are known to no other rank, so
+    every rank refuses it alike (diffusers shards the text only when it has a token for every rank)."""
+    split = tuple(image // ulysses.size + (rank < image % ulysses.size) for rank in range(ulysses.size))
+    mine = split[ulysses.rank]
+    if local_tokens < mine:
+        return None
+    if local_tokens > mine:
+        raise ValueError(f"natsim's joint attention (text tokens with the {image} image tokens in one sequence) "
+                         "does not run under ulysses_anything, which shares the text unevenly in a way no rank "
+                         "knows of the others: use ulysses_anything=False with a latent whose token counts divide "
+                         "by ulysses_degree.")
+    return Shares(ulysses.size, local_tokens, 0, router.text_first, split)
 
 
 def attend(router, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
@@ -196,11 +223,11 @@ def attend(router, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
     if layout is None:
         return None
     heads = q.shape[2]
-    if heads % ulysses.size:
+    if heads % ulysses.size and not ulysses.anything:
         raise ValueError(f"Ulysses shards the {heads} heads over ulysses_degree={ulysses.size} ranks: heads must divide "
                          "by it (natsim's own attention would pad them, but diffusers' attention of the model's other "
                          "calls splits heads evenly under Ulysses; natsim.distributed.gna_attention takes any heads).")
-    split = (q.shape[1],) * ulysses.size
+    split = layout.tokens
     chunks = 1 if router.masked is not None else None  # a content-adaptive mask is one decision per call
     key_mask = _gathered_key_mask(key_mask, layout, ulysses)
     return ulysses_attention(router.sequence_attend, q, k, v, split, ulysses.rank, ulysses.group,
@@ -217,7 +244,11 @@ def _serve(router, ulysses: Ulysses) -> None:
         return
 
     def run(q, k, v, extras, scale, span):  # extras: the key mask of every key, where the call has one
-        layout = shares(router, router.ulysses, q.shape[1] // router.ulysses.size)
+        ulysses = router.ulysses
+        if ulysses.anything:  # image tokens only, already in one process's order
+            layout = Shares(ulysses.size, q.shape[1], 0, router.text_first)
+        else:
+            layout = shares(router, ulysses, q.shape[1] // ulysses.size)
         out = router.attend(*(layout.to_sequence(t) for t in (q, k, v)), extras[0] if extras else None, scale)
         if out is None:
             raise RuntimeError(f"natsim's router declined a call of {q.shape[1]} tokens it serves under context "
@@ -235,6 +266,9 @@ def _gathered_key_mask(mask: Optional[torch.Tensor], layout: Shares, ulysses: Ul
     A mask per (query, key) pair is refused: its rows would have to travel too."""
     if mask is None:
         return None
+    if layout.split is not None:
+        raise ValueError("natsim's attention under ulysses_anything takes no key mask: its ranks hold unequal "
+                         "shares of the tokens, which the mask of every key would have to follow.")
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[3] != layout.share:
         raise ValueError("natsim's attention under context parallelism takes a key mask of shape [batch, 1, 1, "
                          f"tokens] (this rank's {layout.share} keys), got attn_mask.shape={tuple(mask.shape)}.")
