@@ -57,6 +57,9 @@ def arguments(argv=None) -> argparse.Namespace:
                         help="comma-separated: natsim, natsim-serial, dense, train")
     parser.add_argument("--train-layers", type=int, default=4, help="blocks of the model the train mode steps")
     parser.add_argument("--small", action="store_true", help="a tiny model on CPUs (gloo): a smoke test")
+    parser.add_argument("--ulysses-anything", action="store_true",
+                        help="ContextParallelConfig(ulysses_anything=True): heads the GPUs do not divide are padded "
+                             "(Wan 1.3B's 12 heads on 8 GPUs)")
     return parser.parse_args(argv)
 
 
@@ -135,10 +138,15 @@ def train_step_ms(model, args: dict, steps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def run_training(args: argparse.Namespace, config: dict, device: torch.device, world: int) -> dict:
-    """The train mode (module docstring)."""
+def cp_config(args: argparse.Namespace, world: int):
+    """diffusers' Ulysses over the `world` ranks, with `ulysses_anything` where asked."""
     from diffusers import ContextParallelConfig
 
+    return ContextParallelConfig(ulysses_degree=world, ulysses_anything=args.ulysses_anything)
+
+
+def run_training(args: argparse.Namespace, config: dict, device: torch.device, world: int) -> dict:
+    """The train mode (module docstring)."""
     from natsim.integrations import diffusers as nd
 
     config = dict(config, num_layers=args.train_layers)
@@ -150,7 +158,7 @@ def run_training(args: argparse.Namespace, config: dict, device: torch.device, w
         model(**step_args)[0].float().square().mean().backward()
         one_gpu = {name: p.grad.float() for name, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
-        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        model.enable_parallelism(config=cp_config(args, world))
         model(**step_args)[0].float().square().mean().backward()
         worst = 0.0
         for name, p in model.named_parameters():
@@ -188,8 +196,6 @@ def run_mode(mode: str, args: argparse.Namespace, config: dict, device: torch.de
 
 
 def _run_step(mode: str, args: argparse.Namespace, config: dict, device: torch.device, world: int) -> dict:
-    from diffusers import ContextParallelConfig
-
     from natsim import partition
     from natsim.integrations import diffusers as nd
 
@@ -202,7 +208,7 @@ def _run_step(mode: str, args: argparse.Namespace, config: dict, device: torch.d
         with torch.no_grad():
             one_gpu = model(**step_args)[0]
     if world > 1:
-        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        model.enable_parallelism(config=cp_config(args, world))
     if mode.startswith("natsim"):
         with torch.no_grad():
             out = model(**step_args)[0]
@@ -212,8 +218,9 @@ def _run_step(mode: str, args: argparse.Namespace, config: dict, device: torch.d
         record["plan"] = dict(window=list(plan.problem.window), stride=list(plan.problem.stride),
                               q_tile=list(plan.tiles.q_tile), kv_tile=list(plan.tiles.kv_tile),
                               kv_tiling=plan.tiles.kv_tiling, backend=plan.backend,
-                              heads_per_rank=config["num_attention_heads"] // world,
-                              groups=list(partition.head_groups(config["num_attention_heads"] // world)))
+                              heads_per_rank=partition.heads_per_rank(config["num_attention_heads"], world),
+                              groups=list(partition.head_groups(
+                                  partition.heads_per_rank(config["num_attention_heads"], world))))
         if mode == "natsim":
             record["attention_ms"] = attention_ms(plan, config, device, args.steps)
     with torch.no_grad():  # diffusers' split hooks look their arguments up by signature on their first call, which
@@ -269,7 +276,7 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name() if cuda else "cpu"
     result = dict(device=name, ranks=world, torch=torch.__version__, triton=triton.__version__,
                   diffusers=diffusers.__version__, date=str(datetime.date.today()), latent=args.latent,
-                  layers=config["num_layers"], records=records,
+                  layers=config["num_layers"], records=records, ulysses_anything=args.ulysses_anything,
                   high_priority_transfers=cuda and high_priority_transfers())
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"diffusers-parallel-{name.replace(' ', '_')}-P{world}-{result['date']}.json"
