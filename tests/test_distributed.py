@@ -961,8 +961,8 @@ def _check_world(rank: int, world: int, port: int, gna_cases, mask_cases) -> Non
 
 def _check_compiled(rank: int, gna_case, mask_case) -> None:
     """torch.compile(fullgraph=True) of one loss through natsim.distributed's GNA under each strategy ("auto"
-    decides while tracing) and its block-mask attention, one after the other: one graph, and the eager gradients
-    through it. The "eager" backend runs what Dynamo captures as it is: AOTAutograd took 11 s more here, mostly
+    decides while tracing; heads the ranks do not divide, which Ulysses pads) and its block-mask attention, one
+    after the other: one graph, and the eager gradients through it. The "eager" backend runs what Dynamo captures as it is: AOTAutograd took 11 s more here, mostly
     tracing the CPU path's backward (the torch reference); test_collective_operators holds the operators' fake
     implementations and backward formulas against AOTAutograd instead."""
     import natsim.distributed as nd
@@ -976,10 +976,11 @@ def _check_compiled(rank: int, gna_case, mask_case) -> None:
     mask = torch.rand(1, heads, -(-tokens // q_block), -(-tokens // kv_block), generator=generator) < 0.5
     masked = dict(mask=mask, q_block=q_block, kv_block=kv_block, split=split)
     inputs, grads = [], []
-    for shape, frames in (((batch, *problem.shape), splits[world]), ((1, tokens), split)):
+    # GNA over one head more than the ranks divide: Ulysses pads it with a zero head inside the graph
+    for shape, frames, count in (((batch, *problem.shape), splits[world], heads + 1), ((1, tokens), split, heads)):
         mine = slice(*offsets(frames)[rank:rank + 2])
-        inputs += [torch.randn(*shape, heads, GRADIENT_HEAD_DIM, generator=generator)[:, mine] for _ in range(3)]
-        grads.append(torch.randn(*shape, heads, GRADIENT_HEAD_DIM, generator=generator)[:, mine])
+        inputs += [torch.randn(*shape, count, GRADIENT_HEAD_DIM, generator=generator)[:, mine] for _ in range(3)]
+        grads.append(torch.randn(*shape, count, GRADIENT_HEAD_DIM, generator=generator)[:, mine])
 
     def loss(*x):  # each call's q, k and v depend on the call before, as a model's layers do (ops.py says why)
         q, k, v = x[:3]
