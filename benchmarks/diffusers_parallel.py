@@ -17,6 +17,8 @@ model's output on one GPU before anything is timed. "natsim" also times one atte
 output, backward) of the model with `--train-layers` blocks and `apply(..., training=True)`, eager and compiled;
 under parallelism the parameter gradients summed over the ranks are held against one GPU's (largest relative
 difference over the parameters).
+`--profile`: one more compiled step per mode under the profiler, the GPU time of its kernels per kind (attention,
+NCCL, natsim's head regrouping, matrix products, other) and the time the GPU was busy, beside the step's wall time.
 Writes `diffusers-parallel-<device>-P<ranks>-<date>.json`; compare launches of different P run on the same
 machine (the one-GPU launch on one of its GPUs).
 """
@@ -57,6 +59,9 @@ def arguments(argv=None) -> argparse.Namespace:
                         help="comma-separated: natsim, natsim-serial, dense, train")
     parser.add_argument("--train-layers", type=int, default=4, help="blocks of the model the train mode steps")
     parser.add_argument("--small", action="store_true", help="a tiny model on CPUs (gloo): a smoke test")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPUs: one more compiled step under the profiler, its kernels' time per kind and the "
+                             "time the GPU was busy (the JSON's kernels_ms), to see where a parallel step loses")
     parser.add_argument("--ulysses-anything", action="store_true",
                         help="ContextParallelConfig(ulysses_anything=True): heads the GPUs do not divide are padded "
                              "(Wan 1.3B's 12 heads on 8 GPUs)")
@@ -105,6 +110,24 @@ def slowest(value: float, device: torch.device) -> float:
     tensor = torch.tensor([value], device=device, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor.item())
+
+
+def kernels_ms(model, step_args: dict) -> dict:
+    """One compiled step of this rank under the profiler: its wall time and its kernels' time per kind
+    (timing.kernel_breakdown)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from timing import kernel_breakdown
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        start = time.perf_counter()
+        model(**step_args)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return dict(wall=wall, **kernel_breakdown(kernels))
 
 
 def attention_ms(plan, config: dict, device: torch.device, steps: int) -> float:
@@ -232,6 +255,8 @@ def _run_step(mode: str, args: argparse.Namespace, config: dict, device: torch.d
     synchronize(device)
     record["first_compiled_step_s"] = time.perf_counter() - start
     record["compiled_step_ms"] = slowest(median_step_ms(model, step_args, args.steps, device), device)
+    if args.profile:
+        record["kernels_ms"] = kernels_ms(model, step_args)
     del model
     torch._dynamo.reset()
     if device.type == "cuda":
@@ -252,6 +277,8 @@ def _warn_once() -> None:
 def main(argv=None) -> None:
     args = arguments(argv)
     cuda = not args.small and torch.cuda.is_available()
+    if args.profile and not cuda:
+        raise SystemExit("--profile times GPU kernels: run it on GPUs, without --small.")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())

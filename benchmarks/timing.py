@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable
 
 import torch
 import triton
@@ -60,3 +60,32 @@ def interleaved(timers: dict[Hashable, Callable], rounds: int, min_ms: float,
             sync()
             per_round[key].append((time.perf_counter() - start) * 1e3 / calls[key])
     return per_round
+
+
+# Kinds of GPU kernel by what their names hold (lower case), first match wins; the rest are "other".
+KERNEL_KINDS = (
+    ("nccl", ("nccl",)),
+    ("regroup", ("_regroup_kernel",)),
+    ("attention", ("gna_", "attention", "flash", "fmha", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "matmul")),
+)
+
+
+def kernel_breakdown(kernels: Iterable[tuple[str, float, float]]) -> dict[str, float]:
+    """Where a GPU's time went, from `(name, start_us, end_us)` per kernel (a profiler's kernel events):
+    milliseconds summed per kind (`KERNEL_KINDS`, else "other"; kernels on different streams overlap, so the
+    kinds may add up to more than the wall time), and "busy": the time at least one kernel ran (their union),
+    which against the wall time says how long the GPU waited."""
+    totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    spans = []
+    for name, start, end in kernels:
+        lowered = name.lower()
+        kind = next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
+        totals[kind] += (end - start) / 1e3
+        spans.append((start, end))
+    busy, reached = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reached:
+            busy += end - max(start, reached)
+            reached = end
+    return {**totals, "busy": busy / 1e3}

@@ -1,6 +1,7 @@
 """The synthetic video-attention workload (benchmarks/workload.py): shapes and seeding, the 3-D rotary
 embedding against its defining property, normalised smooth fields, and attention that is local, has sharp and
-soft heads, and gives its global tokens weight (small CPU layouts)."""
+soft heads, and gives its global tokens weight (small CPU layouts); benchmark scripts' small CPU runs, and the
+kernel breakdown of benchmarks/timing.py."""
 
 from __future__ import annotations
 
@@ -245,3 +246,16 @@ def test_predict_parallel_prices_the_measured_steps_with_the_shipped_links(tmp_p
     assert measured[1]["predicted_ms"] / 8 < eight["predicted_ms"] < measured[4]["predicted_ms"]
     with pytest.raises(SystemExit, match="no measured interconnect"):
         predict.main(["--out", str(tmp_path), "--results", str(results), "--tag=-twin", "--links", str(tmp_path)])
+
+
+def test_kernel_breakdown_sums_kinds_and_unites_overlaps():
+    """Kinds by name (the first match wins), and "busy" the union of the spans: an NCCL kernel inside an
+    attention kernel adds nothing to it, a gap adds nothing at all."""
+    timing = load("timing")
+    kernels = [("gna_dynamic_kernel", 0.0, 1000.0), ("ncclDevKernel_SendRecv", 200.0, 400.0),
+               ("_regroup_kernel", 1500.0, 1600.0), ("nvjet_hsh_256x128", 1600.0, 2600.0),
+               ("triton_poi_fused", 2600.0, 2700.0)]
+    got = timing.kernel_breakdown(kernels)
+    assert got == {"nccl": 0.2, "regroup": 0.1, "attention": 1.0, "matmul": 1.0, "other": 0.1, "busy": 2.2}
+    assert timing.kernel_breakdown([]) == dict.fromkeys(("nccl", "regroup", "attention", "matmul", "other", "busy"),
+                                                        0.0)
