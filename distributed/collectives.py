@@ -96,14 +96,6 @@ def resolve_split(q: torch.Tensor, split: Optional[Sequence[int]], group) -> tup
     return tuple(split)
 
 
-def check_heads(heads: int, world_size: int) -> None:
-    """Block masks shard their heads with q, k and v (sparse.py): no zero heads to pad them with."""
-    if heads % world_size:
-        raise ValueError(f"natsim.distributed.sparse_attention shards heads and their block masks over the "
-                         f"{world_size} ranks: heads must be divisible by the world size, got heads={heads}, "
-                         f"world_size={world_size}.")
-
-
 @dataclass
 class Pending:
     """An exchange in flight (`start_exchange`). `wait()` returns what every rank sent here, one piece per rank

@@ -23,7 +23,7 @@ What attends is a Python callable registered with `register_attend` (the operato
 `span = (lo, hi)` of this rank's `ceil(H / P)` (`c = hi - lo`), which must treat heads independently (any
 attention does) and return q's dtype and shape; `extras` are the call's other tensors, the same for every group (a
 key mask, a block mask's tensors, which the callable cuts to the group's heads where they have a head dimension:
-callers with such extras keep H divisible by P). With `keep`, the forward
+callers with such extras give them this rank's `ceil(H / P)` heads, zero heads' included). With `keep`, the forward
 runs each group's attention under autograd and hands the graphs to the backward by handle
 (`natsim.kernels.hold`); `natsim::cp_ulysses_backward` then pipelines the mirror image: the output gradient's
 groups travel in, each group's graph is differentiated as it arrives, and dq, dk, dv travel back while the next

@@ -1,6 +1,8 @@
 """Attention under any block mask on tokens sharded over a process group (Ulysses in groups of heads,
 pipeline.py): head-parallel attention composes with any per-head block mask, so each rank runs its heads of the
-mask over the whole sequence."""
+mask over the whole sequence. Where the ranks do not divide the heads, Ulysses pads them with zero heads
+(natsim.partition.heads_per_rank), which take the last head's mask: their outputs are not placed back, so any
+mask would do, and a real one keeps every row of the kernel's lists well formed."""
 
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ import torch
 
 from natsim.kernels import SparseMask, autocast_inputs
 from natsim.kernels import sparse_attention as single_gpu_sparse_attention
+from natsim.partition import heads_per_rank
 
-from .collectives import check_heads, resolve_split, world
+from .collectives import resolve_split, world
 from .pipeline import heads_of, register_attend, ulysses_attention
 
 
 def _mask_heads(mask, heads: int, lo: int, hi: int):
-    """Heads `[lo, hi)` of a per-head block mask (a tensor or SparseMask); a mask of one head broadcasts."""
+    """Heads `[lo, hi)` of a per-head block mask (a tensor or SparseMask) of `heads` heads; heads from `heads` on
+    (Ulysses' zero heads) take the last head's mask. A mask of one head broadcasts."""
     if isinstance(mask, SparseMask):
         count = mask.kv_num_blocks.shape[1]
     elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
@@ -29,9 +33,14 @@ def _mask_heads(mask, heads: int, lo: int, hi: int):
         raise ValueError(f"mask must have 1 or heads={heads} heads (its dimension 1), got {count}.")
     if count == 1:
         return mask
+    index = None if hi <= heads else torch.tensor([min(head, heads - 1) for head in range(lo, hi)])
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t[:, lo:hi] if index is None else t.index_select(1, index.to(t.device))
+
     if isinstance(mask, SparseMask):
-        return replace(mask, kv_num_blocks=mask.kv_num_blocks[:, lo:hi], kv_indices=mask.kv_indices[:, lo:hi])
-    return mask[:, lo:hi]
+        return replace(mask, kv_num_blocks=pick(mask.kv_num_blocks), kv_indices=pick(mask.kv_indices))
+    return pick(mask)
 
 
 @torch.compiler.assume_constant_result
@@ -69,8 +78,8 @@ def sparse_attention(
     """`natsim.kernels.sparse_attention` on `[B, N_r, heads, head_dim]` tokens sharded over `group` (Ulysses).
 
     `mask` is the whole sequence's block mask (`[B or 1, heads or 1, nQ, nKV]` booleans or a `SparseMask`),
-    the same on every rank; each rank runs its `heads / P` heads of it, in `chunks` groups (natsim.partition.head_groups:
-    up to three by default) whose transfers overlap
+    the same on every rank; each rank runs its `ceil(heads / P)` heads of it (zero heads pad what P does not
+    divide), in `chunks` groups (natsim.partition.head_groups: up to three by default) whose transfers overlap
     another group's attention (pipeline.py). Returns this rank's output tokens. Differentiable with respect to q,
     k and v as the single-GPU call is: its backward on this rank's heads, group by group between the transfers
     mirrored. Every rank must make the same call, with the same `requires_grad`.
@@ -82,8 +91,7 @@ def sparse_attention(
     size, rank = world(group)
     split = resolve_split(q, split, group)
     heads = q.shape[-2]
-    check_heads(heads, size)
-    h = heads // size
+    h = heads_per_rank(heads, size)
     mask = _mask_heads(mask, heads, rank * h, (rank + 1) * h)
     if isinstance(mask, SparseMask):
         blocks = (mask.q_block, mask.kv_block, mask.num_q_blocks, mask.num_kv_blocks, mask.seq_len)

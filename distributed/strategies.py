@@ -8,8 +8,8 @@ sizes, nothing home-made.
 
 - `"ulysses"` (DeepSpeed-Ulysses): all-to-all from frame-sharded to head-sharded full sequences, the
   single-GPU kernel on `ceil(heads / P)` heads of the whole layout, all-to-all back (where P does not divide the
-  heads they are padded with zero heads, not placed back; block masks keep heads divisible by P). It runs in
-  groups of heads, transfers overlapped with attention (pipeline.py).
+  heads they are padded with zero heads, not placed back; under a block mask they take the last head's mask).
+  It runs in groups of heads, transfers overlapped with attention (pipeline.py).
 - `"halo"`: every rank keeps its heads and receives point-to-point (`batch_isend_irecv`), from the ranks that
   hold them, the key/value frames its queries' windows reach (natsim.partition.key_frames: GNA window bounds
   with stride, dilation and causal), then runs the kernel on its queries against that frame range

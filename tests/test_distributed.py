@@ -343,6 +343,23 @@ def test_each_strategy_is_priced_with_the_tiles_it_runs():
     assert distributed_gna.choose(problem, alike, split, 1, 40, 128, 2, link=link) == "halo"
 
 
+def test_a_ranks_heads_of_a_block_mask_pad_with_the_last_heads_mask():
+    """Five heads over two ranks, three a rank: the second rank gets heads 3 and 4 and, for its zero head, head
+    4's mask again, from a boolean mask and a SparseMask alike; a broadcast mask stays as it is."""
+    from natsim.distributed.sparse import _mask_heads
+    from natsim.kernels import SparseMask
+
+    dense = torch.rand(1, 5, 4, 4, generator=torch.Generator().manual_seed(3)) < 0.5
+    assert torch.equal(_mask_heads(dense, 5, 0, 3), dense[:, :3])
+    assert torch.equal(_mask_heads(dense, 5, 3, 6), dense[:, [3, 4, 4]])
+    sparse = SparseMask.from_dense(dense, 16, 16, 64)
+    padded = _mask_heads(sparse, 5, 3, 6)
+    assert torch.equal(padded.kv_num_blocks, sparse.kv_num_blocks[:, [3, 4, 4]])
+    assert torch.equal(padded.kv_indices, sparse.kv_indices[:, [3, 4, 4]])
+    one = dense[:, :1]
+    assert _mask_heads(one, 5, 3, 6) is one
+
+
 @pytest.fixture
 def one_rank_group():
     """A gloo process group of this process alone (no spawn), for refusals that need an initialised group."""
@@ -650,21 +667,14 @@ def _check_outputs(rank: int, world: int) -> None:
                     cost = strategy_cost(problem, TileConfig(1, 1), split, strategy, batch=batch, heads=heads,
                                          head_dim=HEAD_DIM, element_bytes=2)
                     assert sum(sent) == cost.ranks[rank].bytes_sent, (index, strategy, sent, cost.ranks[rank])
-    # Block masks shard their heads with q, k and v: heads must divide by the world size there.
-    q = torch.randn(1, 3 * 16, 5, 32, dtype=torch.float16)
-    try:
-        nd.sparse_attention(q, q, q, torch.ones(1, 1, 3 * world, 3 * world, dtype=torch.bool), 16, 16,
-                            split=(48,) * world)
-        raise AssertionError("heads=5 was not refused")
-    except ValueError as error:
-        assert "divisible by the world size" in str(error)
-    # Sparse attention, head-parallel: a random block mask per head over the whole sequence.
+    # Sparse attention, head-parallel: a random block mask per head over the whole sequence, one head more than
+    # the ranks divide (Ulysses pads it with zero heads, which take the last head's mask).
     split = {2: (40, 24), 3: (16, 32, 16)}[world]
     t = offsets(split)
     generator = torch.Generator().manual_seed(99)
     n = sum(split)
-    q, k, v = (torch.randn(1, n, heads, HEAD_DIM, generator=generator, dtype=torch.float16) for _ in range(3))
-    mask = torch.rand(1, heads, n // 16, n // 16, generator=generator) < 0.5
+    q, k, v = (torch.randn(1, n, heads + 1, HEAD_DIM, generator=generator, dtype=torch.float16) for _ in range(3))
+    mask = torch.rand(1, heads + 1, n // 16, n // 16, generator=generator) < 0.5
     mask[..., 0] = True
     expected = sparse_reference(q.double(), k.double(), v.double(), mask, 16, 16)[:, t[rank]:t[rank + 1]]
     mine = slice(t[rank], t[rank + 1])
@@ -842,13 +852,14 @@ def _check_gna_gradients(rank: int, world: int, sent: list[int], index: int, cas
                        f"rank {rank}")
 
 
-def _check_mask_gradients(rank: int, world: int, sent: list[int], index: int, case) -> None:
-    """One block mask case (Ulysses)."""
+def _check_mask_gradients(rank: int, world: int, sent: list[int], index: int, case,
+                          heads: Optional[int] = None) -> None:
+    """One block mask case (Ulysses), over `heads` heads (default two a rank; others are padded)."""
     import natsim.distributed as nd
     from natsim.kernels import SparseMask, sparse_attention, sparse_reference
 
     tokens, split, q_block, kv_block, per_head, density, as_csr, seed = case
-    heads = HEADS_PER_RANK * world
+    heads = heads or HEADS_PER_RANK * world
     generator = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(1, tokens, heads, GRADIENT_HEAD_DIM, generator=generator, dtype=torch.float64)
               for _ in range(4)]
@@ -867,7 +878,7 @@ def _check_mask_gradients(rank: int, world: int, sent: list[int], index: int, ca
 
 def _check_ulysses_in_groups(rank: int, world: int, sent: list[int], case: int, heads: int, chunks: Optional[int],
                              seed: int, what: str) -> None:
-    """Ulysses on GRADIENT_CASES[case] with `heads` heads in groups (`chunks`; None: the default ramp): outputs and
+    """Ulysses on GRADIENT_CASES[case] with `heads` heads in groups (`chunks`; None: the default ones): outputs and
     gradients against the float64 reference on one process's tensors, the bytes forward and backward against
     natsim.partition. Five heads a rank (5 P) in the default groups: 2, 2 and 1 heads, moving what one piece
     moves. 2 P + 1 heads in two groups: padded with zero heads to 3 P, the last rank's second group all zeros,
@@ -901,6 +912,8 @@ def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
         _check_ulysses_in_groups(rank, world, sent, 0, 5 * world, None, 11, "Ulysses in groups of 2, 2 and 1 heads")
         if world == 3:  # 7 heads, 3 a rank: the last rank's second group is all zero heads
             _check_ulysses_in_groups(rank, world, sent, 1, 7, 2, 13, "Ulysses over 7 heads padded to 9")
+            per_head = (*mask_cases[0][:4], True, *mask_cases[0][5:])  # a mask per head, the pads' the last one's
+            _check_mask_gradients(rank, world, sent, len(mask_cases), per_head, heads=7)
     if world == 2:
         _check_compiled(rank, gna_cases[0], mask_cases[0])
 
