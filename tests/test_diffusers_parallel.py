@@ -172,7 +172,8 @@ def _outputs(name: str, layout, window, batch: int, enable_first: bool, config: 
 
 def _anything() -> None:
     """ulysses_anything: Wan with 3 heads (padded by natsim and diffusers to 2 a rank), apply after and before
-    enable_parallelism: one process's output; FLUX's joint attention refused on every rank alike. The shares are
+    enable_parallelism, and under content-adaptive masks: one process's output; FLUX's joint attention refused on
+    every rank alike. The shares are
     even here: with uneven ones diffusers' own gather of the model's output needs NCCL (gloo's all_gather takes
     equal sizes only); natsim's split of uneven shares is tested without a world above."""
     from natsim.integrations import diffusers as nd
@@ -180,6 +181,19 @@ def _anything() -> None:
     anything = dict(ulysses_anything=True)
     for enable_first in (True, False):
         _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first, config=dict(num_attention_heads=3), cp=anything)
+    masks = nd.Masks(steps=2, block=16, sub_block=8, dense_fraction=0.5, initial_budget=0.5, min_budget=0.5,
+                     merges=("none",), min_speedup=0.0)
+    inputs, outputs = diffusers_models.inputs(WAN, WAN_LAYOUT), []
+    for enable in (False, True):  # content-adaptive masks: a dense pass, then one under predicted masks
+        model = diffusers_models.build(WAN, num_attention_heads=3)
+        if enable:
+            model.enable_parallelism(config=_cp_config(**anything))
+        applied = nd.apply(model, masks=masks)
+        with torch.no_grad():
+            outputs.append([model(**{**inputs, "timestep": torch.full((1,), t)})[0] for t in (900.0, 700.0)])
+        assert applied.masked.stats.predictions > 0, applied.masked.stats  # the second pass ran predicted masks
+    for index, (want, got) in enumerate(zip(*outputs)):
+        _close(got, want, f"masks under ulysses_anything with padded heads, pass {index}")
     name, (layout, window) = next(iter(JOINT.items()))
     model = diffusers_models.build(name)
     nd.apply(model, window=window)
