@@ -308,7 +308,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"diffusers-parallel-{name.replace(' ', '_')}-P{world}-{result['date']}.json"
     path.write_text(json.dumps(result, indent=1))
-    print(f"| ranks | mode | compiled step ms | first step s | vs one GPU |\n|---|---|---|---|---|")
+    print("| ranks | mode | compiled step ms | first step s | vs one GPU |\n|---|---|---|---|---|")
     for record in records:
         if record["mode"] == "train":
             print(f"| {world} | train ({record['layers']} blocks) | {record.get('compiled_train_step_ms', float('nan')):.1f} "

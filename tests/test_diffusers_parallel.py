@@ -289,12 +289,12 @@ def _masks() -> None:
             passes.append((out.detach(), grads))
         assert applied.masked.stats.dense_calls == 2 and applied.masked.stats.predictions == 2, applied.masked.stats
         runs.append(passes)
-    for index, ((out, single), (parallel_out, parallel)) in enumerate(zip(*runs)):
+    for index, ((out, single), (parallel_out, summed)) in enumerate(zip(*runs)):
         _close(parallel_out, out, f"masks, pass {index}")
-        assert single.keys() == parallel.keys()
+        assert single.keys() == summed.keys()
         for name, want in single.items():
             if want.abs().max() > 0:
-                _close(parallel[name], want, f"masks training, pass {index}, gradient of {name}", 1e-4)
+                _close(summed[name], want, f"masks training, pass {index}, gradient of {name}", 1e-4)
 
 
 def _refusals_and_remove() -> None:

@@ -678,10 +678,10 @@ def _check_outputs(rank: int, world: int) -> None:
     mask[..., 0] = True
     expected = sparse_reference(q.double(), k.double(), v.double(), mask, 16, 16)[:, t[rank]:t[rank + 1]]
     mine = slice(t[rank], t[rank + 1])
-    for given in (mask,) if world == 2 else (SparseMask.from_dense(mask, 16, 16, n),):
-        out = nd.sparse_attention(q[:, mine], k[:, mine], v[:, mine], given, 16, 16, chunks=1)
+    for blocks in (mask,) if world == 2 else (SparseMask.from_dense(mask, 16, 16, n),):
+        out = nd.sparse_attention(q[:, mine], k[:, mine], v[:, mine], blocks, 16, 16, chunks=1)
         error = ((out.double() - expected).norm() / expected.norm()).item()
-        assert error < 5e-3, f"sparse ({type(given).__name__}) rank {rank}/{world}: error {error}"
+        assert error < 5e-3, f"sparse ({type(blocks).__name__}) rank {rank}/{world}: error {error}"
 
 
 @contextlib.contextmanager
