@@ -13,10 +13,10 @@ group: issued before the first attention, they would delay it by as much; issued
 they would wait for it, since NCCL's stream waits for the stream a collective comes from. They wait for their
 packing only (`collectives.IssuePoint`). A group attends as soon as it has arrived (while the next travels), its
 output leaves while the next group attends, and it is placed into its heads while the one after that attends.
-What stays exposed: the packing, the first group's arrival, the last group's return and placement. On a GPU the transfers run on NCCL's stream; waiting orders the compute
-stream, not the host. NCCL's kernels need SMs: beside an attention kernel they keep pace only when their streams
-have the higher priority, which is why the moves run on the group's high-priority twin
-(`collectives.transfer_group`; docs/performance.md has the GPU timelines).
+What stays exposed: the packing, the first group's arrival, the last group's return and placement. On a GPU
+the transfers run on NCCL's stream; waiting orders the compute stream, not the host. NCCL's kernels need SMs:
+beside an attention kernel they keep pace only when their streams have the higher priority, which is why the moves
+run on the group's high-priority twin (`collectives.transfer_group`; docs/performance.md has the GPU timelines).
 
 What attends is a Python callable registered with `register_attend` (the operator's schema carries its id):
 `attend(q, k, v, extras, scale, span)` on `[B, L, *rest, c, D]` head-sharded whole sequences of the heads

@@ -5,12 +5,13 @@ In the main process: how the ranks' shares of a joint sequence are put into one 
 tests/test_distributed.py::test_gloo_worlds in the processes it spawns), on tiny random models:
 with `apply` before or after `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` the model computes what
 the same model computes in one process with natsim (and not the dense model's output: natsim is not bypassed),
-for Wan (video self-attention; also under ulysses_anything, with padded heads), FLUX (joint
-attention, text first, split over the ranks) and QwenImage (joint attention with a text key mask), in FP8, and
-with content-adaptive masks; a training step's parameter gradients,
-summed over the ranks, equal one process's, with GNA and through content-adaptive masks; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at whichever
-call comes second; `remove` gives the model diffusers' own context-parallel attention back; examples/diffusers_parallel.py runs; the
-interconnect calibration (natsim.distributed.calibrate_link) gives every rank the same link.
+for Wan (video self-attention; also under ulysses_anything, with padded heads), FLUX (joint attention, text first,
+split over the ranks) and QwenImage (joint attention with a text key mask), in FP8, and with content-adaptive
+masks; a training step's parameter gradients, summed over the ranks, equal one process's, with GNA and through
+content-adaptive masks; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at
+whichever call comes second; `remove` gives the model diffusers' own context-parallel attention back;
+examples/diffusers_parallel.py runs; the interconnect calibration (natsim.distributed.calibrate_link) gives every
+rank the same link.
 """
 
 from __future__ import annotations

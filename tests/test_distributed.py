@@ -975,9 +975,10 @@ def _check_world(rank: int, world: int, port: int, gna_cases, mask_cases) -> Non
 def _check_compiled(rank: int, gna_case, mask_case) -> None:
     """torch.compile(fullgraph=True) of one loss through natsim.distributed's GNA under each strategy ("auto"
     decides while tracing; heads the ranks do not divide, which Ulysses pads) and its block-mask attention, one
-    after the other: one graph, and the eager gradients through it. The "eager" backend runs what Dynamo captures as it is: AOTAutograd took 11 s more here, mostly
-    tracing the CPU path's backward (the torch reference); test_collective_operators holds the operators' fake
-    implementations and backward formulas against AOTAutograd instead."""
+    after the other: one graph, and the eager gradients through it. The "eager" backend runs what Dynamo captures
+    as it is: AOTAutograd took 11 s more here, mostly tracing the CPU path's backward (the torch reference);
+    test_collective_operators holds the operators' fake implementations and backward formulas against AOTAutograd
+    instead."""
     import natsim.distributed as nd
 
     world, heads = 2, 2 * HEADS_PER_RANK
