@@ -113,11 +113,11 @@ def slowest(value: float, device: torch.device) -> float:
 
 
 def kernels_ms(model, step_args: dict) -> dict:
-    """One compiled step of this rank under the profiler: its wall time and its kernels' time per kind
-    (timing.kernel_breakdown)."""
+    """One compiled step of this rank under the profiler: its wall time, its kernels' time per kind
+    (timing.kernel_breakdown) and its heaviest kernels by name (timing.heaviest_kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from timing import kernel_breakdown
+    from timing import heaviest_kernels, kernel_breakdown
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
@@ -127,7 +127,7 @@ def kernels_ms(model, step_args: dict) -> dict:
         wall = (time.perf_counter() - start) * 1e3
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA]
-    return dict(wall=wall, **kernel_breakdown(kernels))
+    return dict(wall=wall, **kernel_breakdown(kernels), heaviest=heaviest_kernels(kernels))
 
 
 def attention_ms(plan, config: dict, device: torch.device, steps: int) -> float:

@@ -89,3 +89,14 @@ def kernel_breakdown(kernels: Iterable[tuple[str, float, float]]) -> dict[str, f
             busy += end - max(start, reached)
             reached = end
     return {**totals, "busy": busy / 1e3}
+
+
+def heaviest_kernels(kernels: Iterable[tuple[str, float, float]], count: int = 25) -> list[tuple[str, int, float]]:
+    """The `count` kernel names with the most GPU time, from `(name, start_us, end_us)` per kernel: `(name,
+    launches, milliseconds)`, heaviest first; what a comparison of two profiles (one GPU against P) lines up."""
+    launches: dict[str, int] = {}
+    total: dict[str, float] = {}
+    for name, start, end in kernels:
+        launches[name] = launches.get(name, 0) + 1
+        total[name] = total.get(name, 0.0) + (end - start) / 1e3
+    return sorted(((name, launches[name], total[name]) for name in total), key=lambda row: -row[2])[:count]

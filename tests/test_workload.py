@@ -259,3 +259,10 @@ def test_kernel_breakdown_sums_kinds_and_unites_overlaps():
     assert got == {"nccl": 0.2, "regroup": 0.1, "attention": 1.0, "matmul": 1.0, "other": 0.1, "busy": 2.2}
     assert timing.kernel_breakdown([]) == dict.fromkeys(("nccl", "regroup", "attention", "matmul", "other", "busy"),
                                                         0.0)
+
+
+def test_heaviest_kernels_sum_launches_per_name_heaviest_first():
+    timing = load("timing")
+    kernels = [("a", 0.0, 100.0), ("b", 0.0, 300.0), ("a", 500.0, 750.0), ("c", 0.0, 50.0)]
+    assert timing.heaviest_kernels(kernels) == [("a", 2, 0.35), ("b", 1, 0.3), ("c", 1, 0.05)]
+    assert timing.heaviest_kernels(kernels, count=1) == [("a", 2, 0.35)]
