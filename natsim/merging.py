@@ -435,7 +435,8 @@ def _xor_greedy(bits, group):
         c0 = start + 1
         while want > 0 and c0 < columns and limit > 0:  # limit 0: R-1 exact copies, no later tile does better
             m = min(_CHUNK, columns - c0)
-            dist[:m] = gone[c0:c0 + m]
+            for k in range(m):
+                dist[k] = gone[c0 + k]
             _distances(cols, lead, c0, m, dist)
             for k in range(m):
                 d = dist[k]
@@ -455,10 +456,15 @@ def _xor_greedy(bits, group):
             c0 += m
         order[done] = index[start]
         gone[start] = _GONE
-        chosen = np.sort(best_c[:want])
+        for k in range(1, want):  # the chosen columns in ascending order (an insertion sort: at most R-1 of them)
+            c, p = best_c[k], k
+            while p > 0 and best_c[p - 1] > c:
+                best_c[p] = best_c[p - 1]
+                p -= 1
+            best_c[p] = c
         for k in range(want):
-            order[done + 1 + k] = index[chosen[k]]
-            gone[chosen[k]] = _GONE
+            order[done + 1 + k] = index[best_c[k]]
+            gone[best_c[k]] = _GONE
         done += want + 1
         dead += want + 1
         if done < num_q and 8 * dead > columns - start:
@@ -488,8 +494,9 @@ def _group_stats(bits, full_bits, members, group):
     objective = 0
     for g in range(num_groups):
         rep = members[g * group]
-        union[g] = bits[rep]
-        all_full[g] = full_bits[rep]
+        for w in range(words):  # element by element: a row assignment compiles numba's broadcasting and its messages
+            union[g, w] = bits[rep, w]
+            all_full[g, w] = full_bits[rep, w]
         for m in range(g * group + 1, min(g * group + group, num_q)):
             i = members[m]
             for w in range(words):
@@ -503,7 +510,10 @@ def _group_stats(bits, full_bits, members, group):
 def _unpack(bits):
     """Bit rows back to BlockMask index rows: int32 counts and ascending int32 indices padded with 0."""
     counts = _row_popcounts(bits).astype(np.int32)
-    indices = np.zeros((bits.shape[0], max(counts.max(), 1)), np.int32)
+    widest = 1
+    for count in counts:
+        widest = max(widest, count)
+    indices = np.zeros((bits.shape[0], widest), np.int32)
     one = np.uint64(1)
     for i in range(bits.shape[0]):
         k = 0

@@ -39,13 +39,12 @@ def _count(lengths, dilations, starts, ends, q_tile, kv_tile, collect, offsets, 
     visited = np.zeros(nq, np.int64)
     full = np.zeros(nq, np.int64)
     pairs = np.zeros(nkv, np.int64)  # attended pairs per KV tile for the current Q tile
-    touched = np.empty(nkv, np.int64)
     cover = np.zeros(l2 + d2, np.int64)
     prefix = np.zeros(l2 + 1, np.int64)
     for qt in range(nq):
         q_begin = qt * q_tile
         q_end = min(q_begin + q_tile, n)
-        num_touched = 0
+        num_touched, lo_tile, hi_tile = 0, nkv, -1
         q = q_begin
         while q < q_end:
             x0 = q // (l1 * l2)
@@ -78,14 +77,15 @@ def _count(lengths, dilations, starts, ends, q_tile, kv_tile, collect, offsets, 
                         count = prefix[hi] - prefix[lo]
                         if count > 0:
                             if pairs[t] == 0:
-                                touched[num_touched] = t
                                 num_touched += 1
+                                lo_tile, hi_tile = min(lo_tile, t), max(hi_tile, t)
                             pairs[t] += count
             q += run_end - run_begin
-        tiles = np.sort(touched[:num_touched])
         visited[qt] = num_touched
-        for m in range(num_touched):
-            t = tiles[m]
+        m = 0
+        for t in range(lo_tile, hi_tile + 1):  # the touched tiles in ascending order, without a sort
+            if pairs[t] == 0:
+                continue
             real_keys = min((t + 1) * kv_tile, n) - t * kv_tile
             is_full = pairs[t] == (q_end - q_begin) * real_keys
             full[qt] += is_full
@@ -93,6 +93,7 @@ def _count(lengths, dilations, starts, ends, q_tile, kv_tile, collect, offsets, 
                 indices[offsets[qt] + m] = t
                 full_flags[offsets[qt] + m] = is_full
             pairs[t] = 0
+            m += 1
     return visited, full
 
 
