@@ -145,7 +145,7 @@ def gna_attention(
     ranks (natsim.stored.link_for: the user's file, else natsim's shipped one), else natsim.partition's default
     rate. `chunks`: Ulysses attends each rank's heads in this many
     even groups, each group's transfers overlapped with the attention of another (pipeline.py); None: up to
-    three (natsim.partition.head_groups).
+    three of two heads or more (natsim.partition.head_groups).
     Every rank must make the same call, with the same `requires_grad`.
 
     Differentiable with respect to q, k and v: the single-GPU backward between the forward's collectives

@@ -5,7 +5,7 @@ Ulysses moves q, k and v to head-sharded whole sequences, attends, and moves the
 every transfer waits for the one before it and for the attention (the moves cost 1-1.5 ms a layer of Wan 720p on
 2-4 H200s, the whole gap between its measured and ideal scaling). This operator splits each rank's `ceil(H / P)`
 heads (`heads_per_rank`: padded with zero heads where P does not divide H) into groups (`natsim.partition.
-head_groups`: three as even as they divide by default) and keeps the transfers in flight. The first group is
+head_groups`: by default up to three of two heads or more, as even as they divide) and keeps the transfers in flight. The first group is
 packed (one launch for its q, k and v) and its exchanges issued (one per tensor, so that with batch 1 each arrives
 as the whole sequence, no copy); the other groups are packed while it travels; its attention is enqueued, and the
 other groups' exchanges are issued while it runs. The host spends about 0.1 ms issuing one NCCL exchange, three a
@@ -215,7 +215,7 @@ def ulysses_attention(attend: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                       rank: int, group, *, extras: Sequence[torch.Tensor] = (), scale: Optional[float] = None,
                       chunks: Optional[int] = None) -> torch.Tensor:
     """Ulysses on `[B, T_r, *rest, H, D]` (this rank's frames, every head) with the registered `attend`, its
-    heads in `chunks` groups overlapped with the transfers (`natsim.partition.head_groups`: three unless given):
+    heads in `chunks` groups overlapped with the transfers (`natsim.partition.head_groups` unless given):
     this rank's frames of the output. Differentiable with respect to q, k and v when they require
     grad (the graphs are kept then)."""
     groups = head_groups(heads_per_rank(q.shape[-2], len(split)), None if chunks is None else int(chunks))

@@ -366,6 +366,7 @@ def strategy_cost(problem: Problem, tiles: TileConfig, split: Sequence[int], str
 
 
 MAX_DEFAULT_CHUNKS = 3
+MIN_DEFAULT_GROUP_HEADS = 2
 
 
 def heads_per_rank(heads: int, ranks: int) -> int:
@@ -377,16 +378,17 @@ def heads_per_rank(heads: int, ranks: int) -> int:
 
 def head_groups(heads_per_rank: int, chunks: Optional[int] = None) -> tuple[int, ...]:
     """The sizes of the groups natsim.distributed's Ulysses attends a rank's heads in, in order: `chunks` groups
-    (None: up to `MAX_DEFAULT_CHUNKS`), as even as they divide (the first ones one larger). The first group's
-    arrival and the last one's return stay exposed, a third of the transfers each with three; every further group
-    adds three NCCL exchanges, whose issue costs the host 0.1-0.2 ms each, a kernel's launch and tail, and an
-    exchange's latency. Groups of one head first and last, growing between, were measured slower on 2 H200s
-    (docs/performance.md): a one-head attention ran a fifth slower per head, and the host's extra exchanges
-    delayed the next attention."""
+    (None: up to `MAX_DEFAULT_CHUNKS`, of at least `MIN_DEFAULT_GROUP_HEADS` heads each, so one group below four
+    heads a rank), as even as they divide (the first ones one larger). The first group's arrival and the last one's
+    return stay exposed, a third of the transfers each with three; every further group adds four NCCL exchanges,
+    whose issue costs the host 0.1-0.2 ms each, a kernel's launch and tail, and an exchange's latency. One-head
+    groups lose (docs/performance.md): a one-head attention ran a fifth slower per head on 2 H200s, and on 4 H200s
+    three heads a rank in three groups took 5.0 ms a call against 3.7 ms in one (the host issuing the exchanges
+    slower than the GPU ran the attentions), a Wan 720p step 203.9 ms against 190.2."""
     if heads_per_rank < 1:
         raise ValueError(f"heads_per_rank must be >= 1, got heads_per_rank={heads_per_rank}.")
     if chunks is None:
-        chunks = min(heads_per_rank, MAX_DEFAULT_CHUNKS)
+        chunks = max(1, min(heads_per_rank // MIN_DEFAULT_GROUP_HEADS, MAX_DEFAULT_CHUNKS))
     if not 1 <= chunks <= heads_per_rank:
         raise ValueError(f"chunks must be between 1 and the {heads_per_rank} heads each rank attends, got "
                          f"chunks={chunks}.")

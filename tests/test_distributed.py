@@ -511,10 +511,11 @@ def test_ulysses_pipeline_refuses_cuda_graph_capture(one_rank_group, monkeypatch
 
 @given(heads=st.integers(1, 64), data=st.data())
 def test_head_groups_cover_the_heads(heads, data):
-    """`chunks` groups (by default up to MAX_DEFAULT_CHUNKS), as even as they divide, the larger first; the spans
-    the pipeline cuts from any sizes tile the heads in order."""
+    """`chunks` groups (by default up to MAX_DEFAULT_CHUNKS of at least MIN_DEFAULT_GROUP_HEADS heads, one group
+    below that), as even as they divide, the larger first; the spans the pipeline cuts from any sizes tile the heads
+    in order."""
     from natsim.distributed.pipeline import head_spans
-    from natsim.partition import MAX_DEFAULT_CHUNKS, head_groups
+    from natsim.partition import MAX_DEFAULT_CHUNKS, MIN_DEFAULT_GROUP_HEADS, head_groups
 
     chunks = data.draw(st.integers(1, heads))
     sizes = data.draw(st.one_of(st.just(head_groups(heads, chunks)), st.just(head_groups(heads)),
@@ -522,7 +523,10 @@ def test_head_groups_cover_the_heads(heads, data):
     if sizes == head_groups(heads, chunks):
         assert len(sizes) == chunks and sum(sizes) == heads and max(sizes) - min(sizes) <= 1
         assert list(sizes) == sorted(sizes, reverse=True)
-    assert len(head_groups(heads)) == min(heads, MAX_DEFAULT_CHUNKS)
+    default = head_groups(heads)
+    assert sum(default) == heads and max(default) - min(default) <= 1
+    assert len(default) == min(MAX_DEFAULT_CHUNKS, max(1, heads // MIN_DEFAULT_GROUP_HEADS))
+    assert min(default) >= MIN_DEFAULT_GROUP_HEADS or len(default) == 1
     if sum(sizes) != heads:
         with pytest.raises(ValueError, match=f"adding up to the {heads} heads"):
             head_spans(sizes, heads)
