@@ -913,7 +913,7 @@ def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
             _check_gna_gradients(rank, world, sent, index, case)
         for index, case in enumerate(mask_cases):
             _check_mask_gradients(rank, world, sent, index, case)
-        _check_ulysses_in_groups(rank, world, sent, 0, 5 * world, None, 11, "Ulysses in groups of 2, 2 and 1 heads")
+        _check_ulysses_in_groups(rank, world, sent, 0, 5 * world, None, 11, "Ulysses in its default groups of 3 and 2 heads")
         if world == 3:  # 7 heads, 3 a rank: the last rank's second group is all zero heads
             _check_ulysses_in_groups(rank, world, sent, 1, 7, 2, 13, "Ulysses over 7 heads padded to 9")
             per_head = (*mask_cases[0][:4], True, *mask_cases[0][5:])  # a mask per head, the pads' the last one's
@@ -1230,6 +1230,10 @@ def test_cli_plan_world_size():
     assert result.exit_code == 0, result.output
     assert "key frames" in result.output and "halo" in result.output and "ulysses" in result.output
     assert "ulysses attends each rank's 12 heads in groups of 4/4/4 heads" in " ".join(result.output.split())
+    one = CliRunner().invoke(app, ["plan", "--shape", "21x45x80", "--sparsity", "0.9", "--heads", "12",
+                                   "--world-size", "4"])
+    assert one.exit_code == 0, one.output
+    assert "ulysses attends each rank's 3 heads in one group" in " ".join(one.output.split()), one.output
     bad = CliRunner().invoke(app, ["plan", "--shape", "30x48x80", "--sparsity", "0.9", "--world-size", "0"])
     assert bad.exit_code == 2 and "world_size must be a positive int" in bad.output
 

@@ -98,11 +98,14 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
             f"{self.link.describe()}).")]
         if "ulysses" in self.costs:
             per_rank = heads_per_rank(self.plan.heads or 1, self.world_size)
-            groups = "/".join(map(str, head_groups(per_rank)))
+            groups = head_groups(per_rank)
+            how = (f"in groups of {'/'.join(map(str, groups))} heads, a group's all-to-alls overlapping another "
+                   "group's attention (priced so: natsim.partition.pipeline_seconds)" if len(groups) > 1 else
+                   "in one group, the all-to-alls before and after its attention (natsim.partition.head_groups: "
+                   "one-head groups were measured slower)")
             parts.append(Text(
-                f"  - ulysses attends each rank's {per_rank} heads in groups of {groups} heads, a group's all-to-alls "
-                "overlapping another group's attention (priced so: natsim.partition.pipeline_seconds; "
-                "natsim.distributed moves them on a high-priority twin of the process group)."))
+                f"  - ulysses attends each rank's {per_rank} heads {how}; natsim.distributed moves them on a "
+                "high-priority twin of the process group."))
         if self.plan.training and "halo" in self.costs:
             parts.append(Text("  - halo trains on each rank's gathered frames run as a layout of their own, priced "
                               "on that layout's tiles."))
