@@ -133,3 +133,51 @@ def test_a_kept_layout_keeps_the_models_token_order_too(reference_path):
     with pytest.warns(UserWarning, match="keeps the model's own attention"):
         out = _run(model, SMALL)
     assert kept.router.order is None and torch.equal(out, own)
+
+
+@settings(max_examples=10, deadline=None)
+@given(text=st.integers(1, 600), natsim_host=st.floats(0, 2e-4), own_host=st.floats(0, 2e-4), batch=st.integers(1, 3))
+def test_joint_tokens_price_the_models_longer_call_and_natsims_dense_part(text, natsim_host, own_host, batch):
+    """By hand: the model's call over N + T tokens at the dense call's rate per query-key pair; natsim's plan
+    plus its dense part (N x T and T x (N + T) pairs at that rate) and, on the host, two SDPA calls and a merge."""
+    model = hosted(natsim_host, own_host)
+    auto = AutoPlan(0.5, cost_model=model)
+    plan = auto.plan_for(LARGE, **CALL)
+    verdict = auto.verdict(LARGE, batch=batch, text=text, **CALL)
+    latent = 2 * 32 * 32
+    per_pair = plan.dense_score / latent**2
+    assert verdict.own_s == pytest.approx(own_host + batch * per_pair * (latent + text) ** 2)
+    dense_part = per_pair * (latent * text + text * (latent + text))
+    assert verdict.natsim_s == pytest.approx(natsim_host + 2 * own_host + natsim_host + batch * (plan.score + dense_part))
+    assert verdict.serves == (verdict.natsim_s < verdict.own_s) and verdict.text == text
+    assert f"with {text} joint tokens beside it" in verdict.explain()
+    alone = auto.verdict(LARGE, batch=batch, **CALL)
+    assert alone.text == 0 and alone.own_s == pytest.approx(own_host + batch * plan.dense_score)
+    with pytest.raises(ValueError, match="text must be a token count >= 0"):
+        auto.verdict(LARGE, text=-1, **CALL)
+
+
+@pytest.mark.parametrize("name, layout, reference, joined", [
+    ("FluxTransformer2DModel", (8, 8), None, diffusers_models.TEXT_TOKENS),
+    ("FluxTransformer2DModel", (8, 8), (4, 4), diffusers_models.TEXT_TOKENS + 16),  # Kontext's reference image too
+    ("SD3Transformer2DModel", (8, 8), None, diffusers_models.TEXT_TOKENS),
+    ("PixArtTransformer2DModel", (8, 8), None, 0),  # text in cross-attention: the routed attention is the image's
+])
+def test_a_joint_models_verdict_counts_the_tokens_joined_to_the_latent(name, layout, reference, joined, reference_path):
+    """The router's verdict for a forward call is made with the tokens the spec's `joint` arguments and the
+    trailing tokens bring to its joint attention, and kept per layout and count."""
+    model = diffusers_models.build(name, layers=1)
+    applied = nd.apply(model, 0.5, dtype=torch.float16, cost_model=hosted(0.0, 0.0))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # whichever way it goes
+        model(**diffusers_models.inputs(name, layout, reference=reference))
+    (key, verdict), = applied.verdicts.items()
+    assert key[:2] == (layout, joined) and verdict.text == joined
+    assert verdict == applied.router.auto.verdict(layout, heads=key[2], head_dim=key[3], dtype=key[4],
+                                                  device=key[5], text=joined)
+    nd.remove(model)
+
+
+def test_a_spec_names_its_joint_arguments_as_a_tuple():
+    with pytest.raises(TypeError, match="joint must be a tuple of forward argument names"):
+        nd.ModelSpec("blocks.attn", joint="encoder_hidden_states")

@@ -144,7 +144,7 @@ def apply(
         router.set_layout(*spec.tokens(model, args, kwargs, layout))
         parameter = next(model.parameters())
         dtype, device = router.kernel_dtype(parameter), parameter.device
-        router.decide(heads, head_dim, dtype, device)
+        router.decide(heads, head_dim, dtype, device, spec.joint_tokens(args, kwargs) + router.trailing)
         if order is not None:
             order.begin(dtype, device)
         if masked is not None:

@@ -69,7 +69,7 @@ class Router:
         self.dtype = dtype
         self.masked = masked
         self.keep_own = keep_own
-        self.verdicts: dict[tuple, Verdict] = {}  # per (layout, heads, head_dim, dtype, device)
+        self.verdicts: dict[tuple, Verdict] = {}  # per (layout, joint tokens, heads, head_dim, dtype, device)
         self.serving = True  # whether natsim serves the current forward call's layout (decide)
         self.whole = True  # whether modules attend over the whole layout through this router (not only its views)
         self.layout: Optional[tuple[int, ...]] = None
@@ -88,25 +88,24 @@ class Router:
         for view in self.views:
             view.set_layout(view.select(self.layout), trailing)
 
-    def decide(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def decide(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, text: int = 0) -> None:
         """Whether natsim serves the forward call beginning (`serving`), for attention of `heads` heads of
-        `head_dim` in `dtype` on `device`: the layout's verdict, made on its first call outside a compiled graph
-        and kept (module docstring); the views decide for their own layouts."""
+        `head_dim` in `dtype` on `device`, with `text` tokens beside the layout in its joint attention (the
+        spec's `joint` arguments and the trailing tokens): the verdict for the layout and that many tokens, made on
+        its first call outside a compiled graph and kept (module docstring); the views, which hold the latent
+        alone, decide for their own layouts."""
         verdict = None
         if self.keep_own and self.whole and self.auto is not None and self.masked is None:
-            key = (self.layout, heads, head_dim, dtype, device)
+            key = (self.layout, text, heads, head_dim, dtype, device)
             if key not in self.verdicts and not torch.compiler.is_compiling():
-                self.verdicts[key] = self._verdict(heads, head_dim, dtype, device)
+                self.verdicts[key] = self.auto.verdict(self.layout, heads=heads, head_dim=head_dim, dtype=dtype,
+                                                       device=device, batch=self.folded, text=text)
                 if not self.verdicts[key].serves:
                     warnings.warn(self.verdicts[key].explain(), stacklevel=2)
             verdict = self.verdicts.get(key)
         self.serving = verdict is None or verdict.serves
         for view in self.views:
             view.decide(heads, head_dim, dtype, device)
-
-    def _verdict(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> Verdict:
-        return self.auto.verdict(self.layout, heads=heads, head_dim=head_dim, dtype=dtype, device=device,
-                                 batch=self.folded)
 
     # -- attention over part of the layout --------------------------------------------------------------------
 
@@ -277,8 +276,9 @@ class RouterView(Router):
         self.folded = folded
         return tuple(layout[axis] for axis in self.axes)
 
-    def decide(self, heads, head_dim, dtype, device) -> None:
-        """As Router.decide; a layout too short for any tile is left to the model, with no verdict."""
+    def decide(self, heads, head_dim, dtype, device, text: int = 0) -> None:
+        """As Router.decide (a view's attention holds the latent alone); a layout too short for any tile is left to
+        the model, with no verdict."""
         if self.layout is not None and not tile_pairs(self.layout, head_dim):
             self.serving = False
             return

@@ -78,12 +78,15 @@ def _qwenimage_layout(call: Call) -> Tokens:
 
 DOUBLE_AND_SINGLE = ("transformer_blocks.attn", "single_transformer_blocks.attn")
 
+TEXT = ("encoder_hidden_states",)  # the text a joint attention's image tokens are joined with
+
 IMAGE_SPECS: dict[str, ModelSpec] = {
-    "FluxTransformer2DModel": ModelSpec(DOUBLE_AND_SINGLE, _flux_layout, "before"),
-    "Flux2Transformer2DModel": ModelSpec(DOUBLE_AND_SINGLE, _flux2_layout, "before"),
-    "QwenImageTransformer2DModel": ModelSpec("transformer_blocks.attn", _qwenimage_layout, "before"),
+    "FluxTransformer2DModel": ModelSpec(DOUBLE_AND_SINGLE, _flux_layout, "before", joint=TEXT),
+    "Flux2Transformer2DModel": ModelSpec(DOUBLE_AND_SINGLE, _flux2_layout, "before", joint=TEXT),
+    "QwenImageTransformer2DModel": ModelSpec("transformer_blocks.attn", _qwenimage_layout, "before", joint=TEXT),
+    # SD3.5's dual layers (attn2) attend the image alone; the verdict prices its layouts by the joint calls
     "SD3Transformer2DModel": ModelSpec(("transformer_blocks.attn", "transformer_blocks.attn2"), _square_patch,
-                                       "after"),
+                                       "after", joint=TEXT),
     "PixArtTransformer2DModel": ModelSpec("transformer_blocks.attn1", _pixart_layout),
-    "CogView4Transformer2DModel": ModelSpec("transformer_blocks.attn1", _cogview4_layout, "before"),
+    "CogView4Transformer2DModel": ModelSpec("transformer_blocks.attn1", _cogview4_layout, "before", joint=TEXT),
 }

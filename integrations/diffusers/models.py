@@ -13,6 +13,7 @@ from torch import nn
 from .spec import Call, ModelSpec, patched
 
 WAN_ATTENTIONS = ("WanAttention", "SkyReelsV2Attention")  # diffusers' Wan attention and its copies
+TEXT = ("encoder_hidden_states",)  # the text a joint attention's latent tokens are joined with
 
 
 def latent_layout(call: Call, patch: tuple[int, ...]) -> tuple[int, ...]:
@@ -109,15 +110,18 @@ WAN_FAMILY = ("WanTransformer3DModel", "WanVACETransformer3DModel", "WanAnimateT
 VIDEO_SPECS: dict[str, ModelSpec] = {
     **{name: WAN for name in WAN_FAMILY},
     "HunyuanVideoTransformer3DModel": ModelSpec(
-        ("transformer_blocks.attn", "single_transformer_blocks.attn"), _temporal_spatial, "after"),
-    "HunyuanVideo15Transformer3DModel": ModelSpec("transformer_blocks.attn", _temporal_spatial, "after"),
-    "CogVideoXTransformer3DModel": ModelSpec("transformer_blocks.attn1", _cogvideox_layout, "before"),
+        ("transformer_blocks.attn", "single_transformer_blocks.attn"), _temporal_spatial, "after", joint=TEXT),
+    "HunyuanVideo15Transformer3DModel": ModelSpec(
+        "transformer_blocks.attn", _temporal_spatial, "after",
+        joint=("encoder_hidden_states", "encoder_hidden_states_2", "image_embeds")),  # MLLM, ByT5, image tokens
+    "CogVideoXTransformer3DModel": ModelSpec("transformer_blocks.attn1", _cogvideox_layout, "before", joint=TEXT),
     "LTXVideoTransformer3DModel": ModelSpec("transformer_blocks.attn1", _ltx_layout),
     "LTX2VideoTransformer3DModel": ModelSpec("transformer_blocks.attn1", _ltx2_layout, "after"),
-    "MochiTransformer3DModel": ModelSpec("transformer_blocks.attn1", _per_frame, "after"),
+    "MochiTransformer3DModel": ModelSpec("transformer_blocks.attn1", _per_frame, "after", joint=TEXT),
     "AllegroTransformer3DModel": ModelSpec("transformer_blocks.attn1", _allegro_layout),
     "CosmosTransformer3DModel": ModelSpec("transformer_blocks.attn1", _config_patch),
-    "MotifVideoTransformer3DModel": ModelSpec(_motif_attentions, _temporal_spatial, "after"),
+    "MotifVideoTransformer3DModel": ModelSpec(_motif_attentions, _temporal_spatial, "after",
+                                              joint=("encoder_hidden_states", "image_embeds")),
     "LatteTransformer3DModel": ModelSpec(layout=_per_frame, split=(
         ("transformer_blocks.attn1", (1, 2)),  # spatial: (height, width) per frame
         ("temporal_transformer_blocks.attn1", (0,)),  # temporal: (frames,) per position

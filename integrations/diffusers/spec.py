@@ -67,7 +67,11 @@ class ModelSpec:
     `text`: where text tokens sit in joint attention, "before" or "after" the latent's tokens (self-attention
     over the latent alone ignores it). `split`: (attentions, axes) pairs for modules attending over some dims
     of the layout only, the others folded into their batch (Latte's spatial attention over dims (1, 2) per
-    frame). `timestep`: the forward's timestep argument (content-adaptive masks count steps by it).
+    frame). `timestep`: the forward's timestep argument (content-adaptive masks count steps by it). `joint`:
+    the forward arguments (`[B, T, ...]`) whose tokens join the latent's in the routed joint attention, their
+    dim-1 sizes summed (the layout's trailing tokens are added to them): the tokens the verdict prices natsim's
+    dense part and the model's longer call by (planner.plans.verdict); empty where the routed attention holds the
+    latent alone, or where its other tokens come from no argument.
     """
 
     attentions: Attentions = ()
@@ -75,6 +79,7 @@ class ModelSpec:
     text: str = "after"
     split: tuple[tuple[Attentions, tuple[int, ...]], ...] = ()
     timestep: str = "timestep"
+    joint: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.text not in TEXT_PLACES:
@@ -88,6 +93,8 @@ class ModelSpec:
                 raise TypeError(f"split must hold (attentions, axes) pairs, axes a tuple of ints, got {entry!r}.")
         if not self.split and not _named(self.attentions):
             raise ValueError("a ModelSpec must name attention modules (attentions=..., or split=...).")
+        if not (isinstance(self.joint, tuple) and all(isinstance(name, str) for name in self.joint)):
+            raise TypeError(f"joint must be a tuple of forward argument names, got joint={self.joint!r}.")
 
     def bind(self, cls: type) -> Bound:
         """This spec for the class `cls`: the positions of its forward's arguments, read once."""
@@ -151,6 +158,15 @@ class Bound:
             raise ValueError(f"trailing tokens are a count >= 0, but the spec of {self.name} gives {trailing}.")
         # sizes read from shapes under a compile with dynamic shapes are symbolic: one plan (and graph) per size
         return Tokens(tuple(int(n) for n in layout), int(trailing))
+
+    def joint_tokens(self, args: tuple, kwargs: dict) -> int:
+        """The tokens a forward call's `joint` arguments bring to the routed joint attention (0 for none)."""
+        tokens = 0
+        for name in self.spec.joint:
+            value = _argument(args, kwargs, self.positions, name)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                tokens += int(value.shape[1])
+        return tokens
 
     def timestep(self, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
         """The forward call's timestep argument."""

@@ -9,6 +9,12 @@ the plan's backend for natsim), the sum that a host-bound step pays; a GPU-bound
 which this rule then overstates on both sides. The dense call is priced on natsim's dense Triton kernel
 (`Plan.dense_score`), which runs within a few per cent of SDPA's flash and cuDNN kernels at these sizes
 (docs/performance.md).
+
+In joint attention (text, or reference images, beside the N latent tokens: T tokens in all) the model's own call
+attends all N + T tokens densely; natsim's runs its plan over the latent's tokens and, beside it, a dense part: the
+latent's queries over the T keys and the T queries over all N + T keys, merged with the plan's output through
+their log-sum-exps. Both dense parts are priced per query-key pair at the dense call's rate (dense attention's time
+grows with its pairs), and natsim's host issues the dense part's calls and the merge on top.
 """
 
 from __future__ import annotations
@@ -29,22 +35,31 @@ class Verdict:
     serves: bool
     natsim_s: Optional[float] = None
     own_s: Optional[float] = None
+    text: int = 0
 
     @classmethod
     def of(cls, plan: Plan, natsim_host_s: float, own_host_s: float, own_call_s: Optional[float] = None,
-           batch: int = 1) -> "Verdict":
+           batch: int = 1, text: int = 0, text_host_s: float = 0.0) -> "Verdict":
         """The verdict on `plan`'s layout for calls of `batch` layouts at once, with the host's time to issue
-        natsim's call and the model's, and the model's call (`plan.dense_score` unless given: an FP8 plan's is
-        priced in FP8, the model's own attention is not)."""
+        natsim's call and the model's, and the model's call over the layout (`plan.dense_score` unless given: an
+        FP8 plan's is priced in FP8, the model's own attention is not). `text`: the tokens beside the layout in a
+        joint call (module docstring), whose dense part costs natsim's host `text_host_s` more."""
+        if text < 0:
+            raise ValueError(f"text must be a token count >= 0, got text={text}.")
         if not plan.calibrated:
-            return cls(plan.problem.shape, True)
-        natsim_s = natsim_host_s + batch * plan.score
-        own_s = own_host_s + batch * (plan.dense_score if own_call_s is None else own_call_s)
-        return cls(plan.problem.shape, natsim_s < own_s, natsim_s, own_s)
+            return cls(plan.problem.shape, True, text=text)
+        latent = plan.problem.num_tokens
+        per_pair = (plan.dense_score if own_call_s is None else own_call_s) / latent**2
+        text_pairs = text * latent + text * (latent + text)  # the latent's queries over the text, the text's over all
+        natsim_s = natsim_host_s + (text_host_s if text else 0.0) + batch * (plan.score + per_pair * text_pairs)
+        own_s = own_host_s + batch * per_pair * (latent + text) ** 2
+        return cls(plan.problem.shape, natsim_s < own_s, natsim_s, own_s, text)
 
     def explain(self) -> str:
         """One sentence: which attention runs this layout, and why."""
         layout = "x".join(str(n) for n in self.layout)
+        if self.text:
+            layout += f" (with {self.text} joint tokens beside it)"
         if self.natsim_s is None:
             return (f"natsim serves layout {layout}: no cost model prices this GPU, so nothing says the model's own "
                     "attention is faster (run `natsim calibrate`).")

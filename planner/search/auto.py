@@ -107,20 +107,23 @@ class AutoPlan:
         return plan
 
     def verdict(self, shape: tuple[int, ...], *, heads: int, head_dim: int, dtype: torch.dtype,
-                device: Union[str, torch.device], batch: int = 1) -> Verdict:
+                device: Union[str, torch.device], batch: int = 1, text: int = 0) -> Verdict:
         """Whether this layout's plan is predicted to beat a model's own dense attention (SDPA) on calls of
         `batch` layouts, the host's time to issue each call included (planner.plans.verdict): the diffusers
-        integration keeps the model's own attention where it is not. natsim serves wherever no cost model prices
-        the GPU."""
+        integration keeps the model's own attention where it is not. `text`: tokens beside the layout in a joint
+        call (text, reference images), which natsim attends densely beside its plan: two dense calls (SDPA) and the
+        merge through their log-sum-exps (one fused Triton kernel under torch.compile) on its host's side. natsim
+        serves wherever no cost model prices the GPU."""
         plan = self.plan_for(shape, heads=heads, head_dim=head_dim, dtype=dtype, device=device)
         if not plan.calibrated:
-            return Verdict.of(plan, 0.0, 0.0)
+            return Verdict.of(plan, 0.0, 0.0, text=text)
         _, model = resolve_cost_model(self.options["device"] or torch.device(device), self.options["cost_model"])
         own_call = None
         if plan.precision is not None:  # an FP8 plan (inference): the model attends unquantized, in the inputs' dtype
             dense = dense_seconds(math.prod(shape), model, heads, head_dim, element_bytes(dtype))
             own_call = float(model.at_least_host(dense, "triton"))
-        return Verdict.of(plan, model.host(plan.backend), model.host(OWN_ATTENTION), own_call, batch)
+        text_host = 2 * model.host(OWN_ATTENTION) + model.host("triton")
+        return Verdict.of(plan, model.host(plan.backend), model.host(OWN_ATTENTION), own_call, batch, text, text_host)
 
     def _kernel_arguments(self, shape, heads, head_dim, dtype, device) -> Mapping[str, object]:
         return self.plan_for(shape, heads=heads, head_dim=head_dim, dtype=dtype, device=device).kernel_arguments()
