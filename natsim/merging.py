@@ -539,6 +539,8 @@ def _merged_counts(bits, full_bits, group, xor):
     for m in range(masks):
         members = _xor_greedy(bits[m], group) if xor else np.arange(num_q)
         union, all_full, _ = _group_stats(bits[m], full_bits[m], members, group)
-        visited[m] = _row_popcounts(union)
-        full[m] = _row_popcounts(all_full)
+        union_counts, full_counts = _row_popcounts(union), _row_popcounts(all_full)
+        for g in range(num_groups):  # element by element: a row assignment compiles numba's broadcasting
+            visited[m, g] = union_counts[g]
+            full[m, g] = full_counts[g]
     return visited, full

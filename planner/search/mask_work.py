@@ -39,7 +39,9 @@ _M1, _M2, _M4, _M8, _M16 = (np.uint64(mask) for mask in (
 def _halve_words(bits, out):
     """`halve_columns` of 2-D packed rows `[rows, words]` into `out` `[rows, ceil(words / 2)]`, a word at a time."""
     rows, words = bits.shape
-    out[:] = 0
+    for r in range(out.shape[0]):  # element by element: array assignments compile numba's broadcasting
+        for w in range(out.shape[1]):
+            out[r, w] = 0
     for r in range(rows):
         for w in range(words):
             x = (bits[r, w] | (bits[r, w] >> np.uint64(1))) & _EVEN_BITS
@@ -59,7 +61,8 @@ def _halve_row_pairs(bits, out):
         for w in range(words):
             out[r, w] = bits[2 * r, w] | bits[2 * r + 1, w]
     if rows % 2:
-        out[rows // 2] = bits[rows - 1]
+        for w in range(words):
+            out[rows // 2, w] = bits[rows - 1, w]
 
 
 def halve_columns(bits: np.ndarray) -> np.ndarray:
