@@ -18,7 +18,8 @@ output, backward) of the model with `--train-layers` blocks and `apply(..., trai
 under parallelism the parameter gradients summed over the ranks are held against one GPU's (largest relative
 difference over the parameters).
 `--profile`: one more compiled step per mode under the profiler, the GPU time of its kernels per kind (attention,
-NCCL, natsim's head regrouping, matrix products, other) and the time the GPU was busy, beside the step's wall time.
+NCCL, natsim's head regrouping, matrix products, other), the time the GPU was busy and the part of it in which only
+NCCL ran (the exposed transfers), and the heaviest kernels by name, beside the step's wall time.
 Writes `diffusers-parallel-<device>-P<ranks>-<date>.json`; compare launches of different P run on the same
 machine (the one-GPU launch on one of its GPUs).
 """

@@ -71,24 +71,33 @@ KERNEL_KINDS = (
 )
 
 
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """The time covered by at least one of `spans`."""
+    covered, reached = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reached:
+            covered += end - max(start, reached)
+            reached = end
+    return covered
+
+
 def kernel_breakdown(kernels: Iterable[tuple[str, float, float]]) -> dict[str, float]:
     """Where a GPU's time went, from `(name, start_us, end_us)` per kernel (a profiler's kernel events):
     milliseconds summed per kind (`KERNEL_KINDS`, else "other"; kernels on different streams overlap, so the
-    kinds may add up to more than the wall time), and "busy": the time at least one kernel ran (their union),
-    which against the wall time says how long the GPU waited."""
+    kinds may add up to more than the wall time); "busy": the time at least one kernel ran (their union), which
+    against the wall time says how long the GPU waited; and "nccl_alone": the part of it in which only NCCL's
+    kernels ran, the transfers no computation hid (an NCCL kernel waiting for its peer counts as running)."""
     totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
-    spans = []
+    spans, computing = [], []
     for name, start, end in kernels:
         lowered = name.lower()
         kind = next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other")
         totals[kind] += (end - start) / 1e3
         spans.append((start, end))
-    busy, reached = 0.0, -math.inf
-    for start, end in sorted(spans):
-        if end > reached:
-            busy += end - max(start, reached)
-            reached = end
-    return {**totals, "busy": busy / 1e3}
+        if kind != "nccl":
+            computing.append((start, end))
+    busy = _union_us(spans)
+    return {**totals, "busy": busy / 1e3, "nccl_alone": (busy - _union_us(computing)) / 1e3}
 
 
 def heaviest_kernels(kernels: Iterable[tuple[str, float, float]], count: int = 25) -> list[tuple[str, int, float]]:

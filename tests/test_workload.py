@@ -249,16 +249,19 @@ def test_predict_parallel_prices_the_measured_steps_with_the_shipped_links(tmp_p
 
 
 def test_kernel_breakdown_sums_kinds_and_unites_overlaps():
-    """Kinds by name (the first match wins), and "busy" the union of the spans: an NCCL kernel inside an
-    attention kernel adds nothing to it, a gap adds nothing at all."""
+    """Kinds by name (the first match wins), "busy" the union of the spans (an NCCL kernel inside an attention
+    kernel adds nothing to it, a gap adds nothing at all) and "nccl_alone" the part of it only NCCL covers (an
+    NCCL kernel past the attention's end, 1000 to 1300 us, and one alone in a gap, 3000 to 3100 us)."""
     timing = load("timing")
     kernels = [("gna_dynamic_kernel", 0.0, 1000.0), ("ncclDevKernel_SendRecv", 200.0, 400.0),
-               ("_regroup_kernel", 1500.0, 1600.0), ("nvjet_hsh_256x128", 1600.0, 2600.0),
-               ("triton_poi_fused", 2600.0, 2700.0)]
+               ("ncclDevKernel_SendRecv", 900.0, 1300.0), ("_regroup_kernel", 1500.0, 1600.0),
+               ("nvjet_hsh_256x128", 1600.0, 2600.0), ("triton_poi_fused", 2600.0, 2700.0),
+               ("ncclDevKernel_AllGather", 3000.0, 3100.0)]
     got = timing.kernel_breakdown(kernels)
-    assert got == {"nccl": 0.2, "regroup": 0.1, "attention": 1.0, "matmul": 1.0, "other": 0.1, "busy": 2.2}
-    assert timing.kernel_breakdown([]) == dict.fromkeys(("nccl", "regroup", "attention", "matmul", "other", "busy"),
-                                                        0.0)
+    assert got == pytest.approx({"nccl": 0.7, "regroup": 0.1, "attention": 1.0, "matmul": 1.0, "other": 0.1,
+                                 "busy": 2.6, "nccl_alone": 0.4})
+    assert timing.kernel_breakdown([]) == dict.fromkeys(
+        ("nccl", "regroup", "attention", "matmul", "other", "busy", "nccl_alone"), 0.0)
 
 
 def test_heaviest_kernels_sum_launches_per_name_heaviest_first():
