@@ -2,21 +2,21 @@
 strategy, forward and backward.
 
 Ulysses moves q, k and v to head-sharded whole sequences, attends, and moves the output back. Done in one piece,
-every transfer waits for the one before it and for the attention (the moves cost 1-1.5 ms a layer of Wan 720p on
-2-4 H200s, the whole gap between its measured and ideal scaling). This operator splits each rank's `ceil(H / P)`
-heads (`heads_per_rank`: padded with zero heads where P does not divide H) into groups (`natsim.partition.
-head_groups`: by default up to three of two heads or more, as even as they divide) and keeps the transfers in flight. The first group is
-packed (one launch for its q, k and v) and its exchanges issued (one per tensor, so that with batch 1 each arrives
-as the whole sequence, no copy); the other groups are packed while it travels; its attention is enqueued, and the
-other groups' exchanges are issued while it runs. The host spends about 0.1 ms issuing one NCCL exchange, three a
-group: issued before the first attention, they would delay it by as much; issued after it from the compute stream,
-they would wait for it, since NCCL's stream waits for the stream a collective comes from. They wait for their
-packing only (`collectives.IssuePoint`). A group attends as soon as it has arrived (while the next travels), its
-output leaves while the next group attends, and it is placed into its heads while the one after that attends.
-What stays exposed: the packing, the first group's arrival, the last group's return and placement. On a GPU
-the transfers run on NCCL's stream; waiting orders the compute stream, not the host. NCCL's kernels need SMs:
-beside an attention kernel they keep pace only when their streams have the higher priority, which is why the moves
-run on the group's high-priority twin (`collectives.transfer_group`; docs/performance.md has the GPU timelines).
+every transfer waits for the one before it and for the attention (the moves cost 1-1.5 ms a layer of Wan 720p on 2-4
+H200s, the whole gap between its measured and ideal scaling). This operator splits each rank's `ceil(H / P)` heads
+(`heads_per_rank`: padded with zero heads where P does not divide H) into groups (`natsim.partition.head_groups`:
+by default up to three of two heads or more, as even as they divide) and keeps the transfers in flight. The first
+group is packed (one launch for its q, k and v) and its exchanges issued (one per tensor, so that with batch 1 each
+arrives as the whole sequence, no copy); the other groups are packed while it travels; its attention is enqueued,
+and the other groups' exchanges are issued while it runs. The host spends about 0.1 ms issuing one NCCL exchange,
+three a group: issued before the first attention, they would delay it by as much; issued after it from the compute
+stream, they would wait for it, since NCCL's stream waits for the stream a collective comes from. They wait for
+their packing only (`collectives.IssuePoint`). A group attends as soon as it has arrived (while the next travels),
+its output leaves while the next group attends, and it is placed into its heads while the one after that attends.
+What stays exposed: the packing, the first group's arrival, the last group's return and placement. On a GPU the
+transfers run on NCCL's stream; waiting orders the compute stream, not the host. NCCL's kernels need SMs: beside an
+attention kernel they keep pace only when their streams have the higher priority, which is why the moves run on the
+group's high-priority twin (`collectives.transfer_group`; docs/performance.md has the GPU timelines).
 
 What attends is a Python callable registered with `register_attend` (the operator's schema carries its id):
 `attend(q, k, v, extras, scale, span)` on `[B, L, *rest, c, D]` head-sharded whole sequences of the heads

@@ -77,11 +77,11 @@ def sparse_attention(
 ) -> torch.Tensor:
     """`natsim.kernels.sparse_attention` on `[B, N_r, heads, head_dim]` tokens sharded over `group` (Ulysses).
 
-    `mask` is the whole sequence's block mask (`[B or 1, heads or 1, nQ, nKV]` booleans or a `SparseMask`),
-    the same on every rank; each rank runs its `ceil(heads / P)` heads of it (zero heads pad what P does not
-    divide), in `chunks` groups (natsim.partition.head_groups: by default up to three of two heads or more) whose transfers overlap
-    another group's attention (pipeline.py). Returns this rank's output tokens. Differentiable with respect to q,
-    k and v as the single-GPU call is: its backward on this rank's heads, group by group between the transfers
+    `mask` is the whole sequence's block mask (`[B or 1, heads or 1, nQ, nKV]` booleans or a `SparseMask`), the same
+    on every rank; each rank runs its `ceil(heads / P)` heads of it (zero heads pad what P does not divide), in
+    `chunks` groups (natsim.partition.head_groups: by default up to three of two heads or more) whose transfers
+    overlap another group's attention (pipeline.py). Returns this rank's output tokens. Differentiable with respect
+    to q, k and v as the single-GPU call is: its backward on this rank's heads, group by group between the transfers
     mirrored. Every rank must make the same call, with the same `requires_grad`.
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 4:

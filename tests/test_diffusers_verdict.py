@@ -163,7 +163,8 @@ def test_joint_tokens_price_the_models_longer_call_and_natsims_dense_part(text, 
     ("SD3Transformer2DModel", (8, 8), None, diffusers_models.TEXT_TOKENS),
     ("PixArtTransformer2DModel", (8, 8), None, 0),  # text in cross-attention: the routed attention is the image's
 ])
-def test_a_joint_models_verdict_counts_the_tokens_joined_to_the_latent(name, layout, reference, joined, reference_path):
+def test_a_joint_models_verdict_counts_the_tokens_joined_to_the_latent(name, layout, reference, joined,
+                                                                        reference_path):
     """The router's verdict for a forward call is made with the tokens the spec's `joint` arguments and the
     trailing tokens bring to its joint attention, and kept per layout and count."""
     model = diffusers_models.build(name, layers=1)

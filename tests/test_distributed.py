@@ -913,7 +913,8 @@ def _check_gradients(rank: int, world: int, gna_cases, mask_cases) -> None:
             _check_gna_gradients(rank, world, sent, index, case)
         for index, case in enumerate(mask_cases):
             _check_mask_gradients(rank, world, sent, index, case)
-        _check_ulysses_in_groups(rank, world, sent, 0, 5 * world, None, 11, "Ulysses in its default groups of 3 and 2 heads")
+        _check_ulysses_in_groups(rank, world, sent, 0, 5 * world, None, 11,
+                                 "Ulysses in its default groups of 3 and 2 heads")
         if world == 3:  # 7 heads, 3 a rank: the last rank's second group is all zero heads
             _check_ulysses_in_groups(rank, world, sent, 1, 7, 2, 13, "Ulysses over 7 heads padded to 9")
             per_head = (*mask_cases[0][:4], True, *mask_cases[0][5:])  # a mask per head, the pads' the last one's
