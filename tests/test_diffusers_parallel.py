@@ -6,8 +6,9 @@ tests/test_distributed.py::test_gloo_worlds in the processes it spawns), on tiny
 with `apply` before or after `enable_parallelism(ContextParallelConfig(ulysses_degree=2))` the model computes what
 the same model computes in one process with natsim (and not the dense model's output: natsim is not bypassed),
 for Wan (video self-attention; also under ulysses_anything, with padded heads), FLUX (joint attention, text first,
-split over the ranks) and QwenImage (joint attention with a text key mask), in FP8, and with content-adaptive
-masks; a training step's parameter gradients, summed over the ranks, equal one process's, with GNA and through
+split over the ranks; in both orders) and QwenImage (joint attention with a text key mask), in FP8, and with
+content-adaptive masks, each rank's verdicts made for the whole call as in one process (the joined text tokens,
+not a rank's share); a training step's parameter gradients, summed over the ranks, equal one process's, with GNA and through
 content-adaptive masks; the blocks compile with fullgraph=True; ring attention and tile_order=True are refused at
 whichever call comes second; `remove` gives the model diffusers' own context-parallel attention back;
 examples/diffusers_parallel.py runs; the interconnect calibration (natsim.distributed.calibrate_link) gives every
@@ -149,26 +150,28 @@ def _outputs(name: str, layout, window, batch: int, enable_first: bool, config: 
              cp: Optional[dict] = None, **options) -> None:
     """One model (`config`: entries of its tiny configuration to change) with natsim (`apply`'s `options`), in one
     process and under Ulysses (`cp`: entries of the ContextParallelConfig; apply and enable in the order asked),
-    against natsim in one process and the dense model."""
+    against natsim in one process and the dense model; the verdicts are made for the whole call on every rank, as
+    in one process (the layout and, in joint attention, the joined tokens: not a rank's share of them)."""
     from natsim.integrations import diffusers as nd
 
     inputs = diffusers_models.inputs(name, layout, batch=batch)
     model = diffusers_models.build(name, **(config or {}))
     with torch.no_grad():
         dense = model(**inputs)[0]
-        nd.apply(model, window=window, **options)
+        alone = nd.apply(model, window=window, **options)
         single = model(**inputs)[0]
         nd.remove(model)
         if enable_first:
             model.enable_parallelism(config=_cp_config(**(cp or {})))
-            nd.apply(model, window=window, **options)
+            applied = nd.apply(model, window=window, **options)
         else:
-            nd.apply(model, window=window, **options)
+            applied = nd.apply(model, window=window, **options)
             model.enable_parallelism(config=_cp_config(**(cp or {})))
         out = model(**inputs)[0]
     what = f"{name} {options} {cp or ''}, {'enable then apply' if enable_first else 'apply then enable'}"
     _close(out, single, what)
     _differs(out, dense, what)
+    assert list(applied.verdicts) == list(alone.verdicts), (what, list(applied.verdicts), list(alone.verdicts))
 
 
 def _anything() -> None:
@@ -377,6 +380,7 @@ def run_world(rank: int, world: int, port: int) -> None:
             _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first)
         for name, (layout, window) in JOINT.items():
             _outputs(name, layout, window, 2, enable_first=False)
+        _outputs("FluxTransformer2DModel", *JOINT["FluxTransformer2DModel"], 2, enable_first=True)
         # FP8 with six heads: each rank attends its three in three groups (natsim.distributed's pipeline)
         _outputs(WAN, WAN_LAYOUT, WAN_WINDOW, 1, enable_first=False, config=SIX_HEADS, precision="fp8")
         _kept_under_ulysses()
