@@ -435,3 +435,27 @@ def test_each_class_compiles_with_natsim_without_graph_breaks_or_recompiles(case
         with torch._dynamo.config.patch(error_on_recompile=True):
             assert torch.equal(run(**inputs)[0], eager)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_each_classs_verdict_counts_the_tokens_its_joint_attention_holds(case, reference_path):
+    """The tokens beside the layout that the verdict prices (the spec's `joint` arguments and the trailing
+    reference tokens) are those the routed joint attention calls hold beside the latent's, counted at the calls
+    (the most of any call: Mochi attends each prompt without its padding); 0 for a class whose routed attention
+    holds the latent alone."""
+    model = diffusers_models.build(case.name, layers=1, frames=case.layout[0], **ONE_BLOCK.get(case.name, {}))
+    inputs = diffusers_models.inputs(case.name, case.layout, batch=2, reference=case.reference)
+    applied = nd.apply(model, window=sparse_window(case.layout), dtype=torch.float16)
+    router, held = applied.router, []
+    joint = router._joint
+
+    def counting(q, k, v, video, key_mask, scale):
+        held.append(q.shape[1] - video)
+        return joint(q, k, v, video, key_mask, scale)
+
+    router._joint = counting
+    with torch.no_grad():
+        model(**inputs)
+    counted = {(key[1], verdict.text) for key, verdict in applied.verdicts.items()}  # Latte: its splits' verdicts
+    assert counted == {(max(held, default=0),) * 2}, (counted, held)
+    assert (case.text is not None) == (max(held, default=0) > 0)
