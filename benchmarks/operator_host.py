@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 from natsim.kernels import gna_resolved
 from natsim.planner.cost import host
+from timing import write_json
 
 
 def main() -> None:
@@ -46,10 +46,7 @@ def main() -> None:
                   operators={op: dict(median_us=statistics.median(us), rounds_us=us) for op, us in rounds.items()})
     for op, us in rounds.items():
         print(f"{op:32s} median {statistics.median(us):6.1f} us a call; rounds {[round(x, 1) for x in us]}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"operator-host-{name.replace(' ', '_')}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, f"operator-host-{name}-{result['date']}", result)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
+from pathlib import Path
 from typing import Callable, Hashable, Iterable
 
 import torch
@@ -22,6 +24,16 @@ def bench(fn: Callable, min_calls: int = 10, min_rep_ms: float = 200.0) -> float
     once_ms = (time.perf_counter() - start) * 1e3
     return float(triton.testing.do_bench(fn, warmup=max(25, 2 * once_ms), rep=max(min_rep_ms, min_calls * once_ms),
                                          return_mode="median"))
+
+
+def write_json(out: Path, stem: str, record: dict) -> Path:
+    """`record` as `<stem>.json` in the folder `out` (made if missing, spaces in the stem as underscores), its
+    path printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem.replace(' ', '_')}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+    return path
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -26,10 +26,10 @@ import torch.distributed as dist
 import natsim.distributed as nd
 from natsim.distributed.collectives import start_heads_chunk, transfer_group, whole_sequence
 from natsim.kernels import gna_attention, pack_head_blocks
-from natsim.partition import even_split
+from timing import write_json
+from wan_ulysses import HEAD_DIM, PLAN, SHAPE, rank_shards
 
-SHAPE, HEADS = (21, 45, 80), 12
-PLAN = dict(window=(10, 23, 32), stride=(1, 8, 16), q_tile=(1, 8, 16), kv_tile=(1, 8, 16), kv_tiling="dynamic")
+HEADS = 12
 SLEEP_CYCLES = 30_000_000  # about 15 ms on an H200: longer than any host enqueue measured here
 
 
@@ -62,10 +62,7 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    split = even_split(SHAPE[0], world)
-    generator = torch.Generator("cuda").manual_seed(rank)
-    q, k, v = (torch.randn(1, split[rank], *SHAPE[1:], HEADS, 128, device="cuda", dtype=torch.bfloat16,
-                           generator=generator) for _ in range(3))
+    split, (q, k, v) = rank_shards(HEADS, rank, world)
 
     def call():
         return nd.gna_attention(q, k, v, strategy="ulysses", split=split, chunks=3, **PLAN)
@@ -77,7 +74,7 @@ def main() -> None:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     span, moves = (0, HEADS // world // 3), transfer_group(None)
     packed = pack_head_blocks((q, k, v), world, span)
-    whole = torch.randn(1, *SHAPE, span[1], 128, device="cuda", dtype=torch.bfloat16)
+    whole = torch.randn(1, *SHAPE, span[1], HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     record = dict(world=world, heads=HEADS, split=list(split), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, date=str(datetime.date.today()), call_ms=float(slowest.item()),
                   call_host_ms=call_host_ms, call_gpu_bound_ms=behind_sleep_ms - sleep_ms,
@@ -89,10 +86,7 @@ def main() -> None:
     if rank:
         return
     print(json.dumps(record))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"ulysses-host-{record['device'].replace(' ', '_')}-x{world}-{record['date']}{args.tag}.json"
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, f"ulysses-host-{record['device']}-x{world}-{record['date']}{args.tag}", record)
 
 
 if __name__ == "__main__":

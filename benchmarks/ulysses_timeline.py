@@ -27,10 +27,9 @@ import torch.distributed as dist
 
 import natsim.distributed as nd
 from natsim.kernels import gna_attention
-from natsim.partition import even_split, head_groups
-
-SHAPE = (21, 45, 80)
-PLAN = dict(window=(10, 23, 32), stride=(1, 8, 16), q_tile=(1, 8, 16), kv_tile=(1, 8, 16), kv_tiling="dynamic")
+from natsim.partition import head_groups
+from timing import write_json
+from wan_ulysses import HEAD_DIM, PLAN, SHAPE, rank_shards
 
 
 def slowest_median_ms(fn, repeats: int = 15) -> float:
@@ -73,11 +72,8 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    split = even_split(SHAPE[0], world)
-    generator = torch.Generator("cuda").manual_seed(rank)
-    q, k, v = (torch.randn(1, split[rank], *SHAPE[1:], args.heads, 128, device="cuda", dtype=torch.bfloat16,
-                           generator=generator) for _ in range(3))
-    whole = torch.randn(1, *SHAPE, args.heads // world, 128, device="cuda", dtype=torch.bfloat16)
+    split, (q, k, v) = rank_shards(args.heads, rank, world)
+    whole = torch.randn(1, *SHAPE, args.heads // world, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     record = dict(world=world, heads=args.heads, split=list(split), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, high_priority=os.environ.get("TORCH_NCCL_HIGH_PRIORITY", "0"),
                   date=str(datetime.date.today()),
@@ -96,10 +92,7 @@ def main() -> None:
     print(json.dumps({key: value for key, value in record.items() if key != "timeline"}))
     for event in record["timeline"]:
         print(f"{event['start_ms']:8.3f} {event['ms']:7.3f} ms  {event['kernel'][:70]}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"ulysses-timeline-{record['device'].replace(' ', '_')}-x{world}-{record['date']}.json"
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, f"ulysses-timeline-{record['device']}-x{world}-{record['date']}", record)
 
 
 if __name__ == "__main__":
