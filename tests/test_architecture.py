@@ -60,6 +60,18 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+def test_every_package_folder_is_installed():
+    """Every folder with an `__init__.py` under a mapped room is a package pyproject.toml lists: one it leaves out
+    is missing from a wheel (an editable install finds it anyway, so nothing else here would fail)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for package, folder in _package_dirs().items():
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            found.add(".".join([package, *parts]))
+    assert found - set(config["packages"]) == set()
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The modules of the distribution that `name` imports, anywhere in its file."""
     is_package = path.name == "__init__.py"
