@@ -4,19 +4,20 @@ strategy, forward and backward.
 Ulysses moves q, k and v to head-sharded whole sequences, attends, and moves the output back. Done in one piece,
 every transfer waits for the one before it and for the attention (the moves cost 1-1.5 ms a layer of Wan 720p on 2-4
 H200s, the whole gap between its measured and ideal scaling). This operator splits each rank's `ceil(H / P)` heads
-(`heads_per_rank`: padded with zero heads where P does not divide H) into groups (`natsim.partition.head_groups`:
-by default up to three of two heads or more, as even as they divide) and keeps the transfers in flight. The first
-group is packed (one launch for its q, k and v) and its exchanges issued (one per tensor, so that with batch 1 each
-arrives as the whole sequence, no copy); the other groups are packed while it travels; its attention is enqueued,
-and the other groups' exchanges are issued while it runs. The host spends about 0.1 ms issuing one NCCL exchange,
-three a group: issued before the first attention, they would delay it by as much; issued after it from the compute
-stream, they would wait for it, since NCCL's stream waits for the stream a collective comes from. They wait for
-their packing only (`collectives.IssuePoint`). A group attends as soon as it has arrived (while the next travels),
-its output leaves while the next group attends, and it is placed into its heads while the one after that attends.
-What stays exposed: the packing, the first group's arrival, the last group's return and placement. On a GPU the
-transfers run on NCCL's stream; waiting orders the compute stream, not the host. NCCL's kernels need SMs: beside an
-attention kernel they keep pace only when their streams have the higher priority, which is why the moves run on the
-group's high-priority twin (`collectives.transfer_group`; docs/performance.md has the GPU timelines).
+(`heads_per_rank`: padded with zero heads where P does not divide H) into groups (`natsim.partition.head_groups`: by
+default up to three of two heads or more, as even as they divide) and keeps the transfers in flight. The first group
+is packed (one launch for its q, k and v) and its exchanges issued (one per tensor, so that with batch 1 each
+arrives as the whole sequence, no copy; launched as one NCCL group, one kernel); the other groups are packed while
+it travels; its attention is enqueued, and the other groups' exchanges are issued while it runs. The host spends
+about 0.1 ms issuing one NCCL exchange, three a group: issued before the first attention, they would delay it by as
+much; issued after it from the compute stream, they would wait for it, since NCCL's stream waits for the stream a
+collective comes from. They wait for their packing only (`collectives.IssuePoint`). A group attends as soon as it
+has arrived (while the next travels), its output leaves while the next group attends, and it is placed into its
+heads while the one after that attends. What stays exposed: the packing, the first group's arrival, the last group's
+return and placement. On a GPU the transfers run on NCCL's stream; waiting orders the compute stream, not the host.
+NCCL's kernels need SMs: beside an attention kernel they keep pace only when their streams have the higher priority,
+which is why the moves run on the group's high-priority twin (`collectives.transfer_group`; docs/performance.md has
+the GPU timelines).
 
 What attends is a Python callable registered with `register_attend` (the operator's schema carries its id):
 `attend(q, k, v, extras, scale, span)` on `[B, L, *rest, c, D]` head-sharded whole sequences of the heads
@@ -45,8 +46,8 @@ import torch
 from natsim.kernels import autograd_inside_an_operator, fake_handle, held, hold, pack_head_blocks
 from natsim.partition import head_groups, heads_per_rank
 
-from .collectives import (IssuePoint, Pending, group_name, place_heads, start_frames_chunk, start_heads_chunk,
-                          transfer_group, whole_sequence)
+from .collectives import (IssuePoint, Pending, group_name, launched_together, place_heads, start_frames_chunk,
+                          start_heads_chunk, transfer_group, whole_sequence)
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], Optional[float], tuple[int, int]],
                   torch.Tensor]
@@ -173,7 +174,9 @@ def _ulysses_backward(grad_out: torch.Tensor, graphs: torch.Tensor, attend: int,
             grads = [torch.zeros_like(x) if g is None else g.to(grad_out.dtype) for x, g in zip(leaves, grads)]
             if index == 0:
                 inbound += [start_heads_chunk(blocks, split, resolved, ready)[0] for blocks in later]
-            outbound.append([start_frames_chunk(g.contiguous(), split, rank, resolved) for g in grads])
+            with launched_together(resolved, grad_out.device) as returning:
+                returning += [start_frames_chunk(g.contiguous(), split, rank, resolved) for g in grads]
+            outbound.append(returning)
             if index:
                 _place_all(outbound[index - 1], result, spans[index - 1])
     kept.clear()  # the graphs' saved tensors go now, not when the handle does
