@@ -4,16 +4,18 @@
     python benchmarks/headdim.py --out DIR --widths 72,96 --cases dense
     python benchmarks/headdim.py --out DIR --small                    # CPU interpreter, tiny shapes, seconds
 
-A head dim that is not a power of two runs in column chunks (kernels/common/headdim.py): padded to the next
-power of two ("pad") or split into two power-of-two chunks ("split", 72 = 64 + 16, 96 = 64 + 32). For each case
-(GNA in place at HunyuanVideo's layout, block-sparse and neighborhood attention, and dense attention over one
-32,768-token sequence) and each width, `gna_attention` runs on natsim's kernels (its own tiles and data path, as a
-user's call) once with every width padded and once with every width split where a split computes fewer columns
-(`PADDED_WIDTHS` set for the run, the call cache emptied between the two), and is timed with
-`triton.testing.do_bench` (median). Useful TFLOP/s count the attended (query, key) pairs at the true head dim,
-`4 * pairs * head_dim * heads`; each row also gives its throughput over head_dim 128's (the target: at least 0.85
-at 72 and 96). The two strategies' outputs are held against each other and, on a small problem, against the
-float64 reference before anything is timed. Set `PADDED_WIDTHS` to the widths whose "pad" row is faster.
+A head dim that is not a power of two runs in column chunks (kernels/common/headdim.py): padded to the next power
+of two ("pad") or split into two power-of-two chunks ("split", 72 = 64 + 16, 96 = 64 + 32). For each case (GNA in
+place at HunyuanVideo's layout, block-sparse and neighborhood attention, the same neighborhood and the Wan 720p
+plan on the dynamic KV tiling kernel, and dense attention over one 32,768-token sequence) and each width,
+`gna_attention` runs on natsim's kernels (its own tiles and data path, as a user's call) once with every width
+padded and once with every width split where a split computes fewer columns (`PADDED_WIDTHS` set for the run, the
+call cache emptied between the two), and is timed with `triton.testing.do_bench` (median). Useful TFLOP/s count the
+attended (query, key) pairs at the true head dim, `4 * pairs * head_dim * heads`; each row also gives its
+throughput over head_dim 128's (the target: at least 0.85 at 72 and 96). The two strategies' outputs are held
+against each other and, on a small problem, against the float64 reference before anything is timed. Set
+`PADDED_WIDTHS` to the widths whose "pad" row is faster (or `PADDED_LAUNCHES` to the launches, KV tiling and query
+tile, where padding is faster at every width).
 
 Writes `headdim-<device>-<date>.json` (`headdim-small.json` with --small) with the device, torch and Triton
 versions and the date, and prints the table last.
@@ -43,15 +45,22 @@ from natsim.kernels.gna import dispatch
 
 WIDTHS = (40, 64, 72, 88, 96, 112, 128)
 HEADS, DTYPE = 24, torch.bfloat16
-# case: (shape, window, stride); dense attention is its layout as the window
+# case: (shape, window, stride, plan options of gna_attention: tiles and KV tiling, {} for its defaults); dense
+# attention is its layout as the window. The dynamic cases run the dynamic KV tiling kernel: Wan 720p as the planner
+# plans Wan 1.3B at 0.9 (benchmarks/wan_ulysses.py), and HunyuanVideo's stride-1 window.
+DYNAMIC = {"kv_tiling": "dynamic"}
 CASES = {
-    "hunyuan-16x8x8": ((30, 48, 80), (18, 24, 24), (16, 8, 8)),
-    "hunyuan-1x1x1": ((30, 48, 80), (18, 24, 24), (1, 1, 1)),
-    "dense": ((32768,), (32768,), (1,)),
+    "hunyuan-16x8x8": ((30, 48, 80), (18, 24, 24), (16, 8, 8), {}),
+    "hunyuan-1x1x1": ((30, 48, 80), (18, 24, 24), (1, 1, 1), {}),
+    "dense": ((32768,), (32768,), (1,), {}),
+    "wan720-plan": ((21, 45, 80), (10, 23, 32), (1, 8, 16),
+                    {"q_tile": (1, 8, 16), "kv_tile": (1, 8, 16), **DYNAMIC}),
+    "hunyuan-1x1x1-dynamic": ((30, 48, 80), (18, 24, 24), (1, 1, 1), DYNAMIC),
 }
 SMALL_CASES = {
-    "small-gna": ((4, 6, 8), (3, 3, 5), (1, 2, 2)),
-    "small-dense": ((96,), (96,), (1,)),
+    "small-gna": ((4, 6, 8), (3, 3, 5), (1, 2, 2), {}),
+    "small-dense": ((96,), (96,), (1,), {}),
+    "small-dynamic": ((4, 6, 8), (3, 3, 5), (1, 1, 1), DYNAMIC),
 }
 SMALL_WIDTHS = (40, 72)
 
@@ -59,14 +68,15 @@ SMALL_WIDTHS = (40, 72)
 @contextlib.contextmanager
 def strategy(name: str):
     """Every width padded ("pad") or split where that computes fewer columns ("split") while inside, on fresh
-    calls (the dispatcher keeps a call's chunks with it)."""
-    saved = headdim.PADDED_WIDTHS
+    calls (the dispatcher keeps a call's chunks with it); no launch pads by default (`PADDED_LAUNCHES`) meanwhile."""
+    saved = headdim.PADDED_WIDTHS, headdim.PADDED_LAUNCHES
     headdim.PADDED_WIDTHS = frozenset(headdim.HEAD_DIMS) if name == "pad" else frozenset()
+    headdim.PADDED_LAUNCHES = frozenset()
     dispatch._calls.clear()
     try:
         yield
     finally:
-        headdim.PADDED_WIDTHS = saved
+        headdim.PADDED_WIDTHS, headdim.PADDED_LAUNCHES = saved
         dispatch._calls.clear()
 
 
@@ -102,8 +112,8 @@ def check_small(head_dim: int, device: str, dtype: torch.dtype) -> float:
     return max(errors)
 
 
-def run_case(case: str, shape, window, stride, head_dim: int, heads: int, device: str, dtype: torch.dtype,
-             small: bool) -> list[dict]:
+def run_case(case: str, shape, window, stride, options: dict, head_dim: int, heads: int, device: str,
+             dtype: torch.dtype, small: bool) -> list[dict]:
     """One row per strategy at `head_dim`: milliseconds, useful TFLOP/s, the chunks run."""
     problem = natsim.Problem(shape, window, stride)
     tile = (1,) * (len(shape) - 1) + (16,)  # any tile: the attended pairs are the mask's
@@ -115,10 +125,11 @@ def run_case(case: str, shape, window, stride, head_dim: int, heads: int, device
     for name in strategies(head_dim):
         with strategy(name), torch.no_grad():
             split = headdim.head_split(head_dim)
-            run = lambda: gna_attention(q, k, v, window, stride, backend="triton")  # noqa: E731
+            run = lambda: gna_attention(q, k, v, window, stride, backend="triton", **options)  # noqa: E731
             outputs.append(run())
             ms = timed(run, small)
         rows.append({"case": case, "shape": list(shape), "window": list(window), "stride": list(stride),
+                     "plan": {key: list(v) if isinstance(v, tuple) else v for key, v in options.items()},
                      "heads": heads, "head_dim": head_dim, "strategy": name, "chunks": [split.a, split.b],
                      "computed_width": split.width, "ms": ms, "useful_tflops": useful / ms / 1e9})
     if len(outputs) == 2:
@@ -180,9 +191,9 @@ def main(argv=None) -> dict:
         checks[head_dim] = check_small(head_dim, device, dtype)
         if checks[head_dim] > 2e-2:
             raise SystemExit(f"head_dim {head_dim}: {checks[head_dim]:.2e} from the float64 reference.")
-    for case, (shape, window, stride) in cases.items():
+    for case, (shape, window, stride, options) in cases.items():
         for head_dim in widths:
-            for row in run_case(case, shape, window, stride, head_dim, heads, device, dtype, args.small):
+            for row in run_case(case, shape, window, stride, options, head_dim, heads, device, dtype, args.small):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     record = {**environment(args.small), "reference_rel_error": checks, "rows": with_ratios(rows)}

@@ -19,8 +19,8 @@ import natsim
 from natsim.kernels import (gna_attention, gna_attention_permuted, permute, reference_attention, sparse_attention,
                             sparse_reference, unpermute)
 from natsim.kernels.common.fp8 import FP8_HEAD_DIMS, fp8_head_split
-from natsim.kernels.common.headdim import HEAD_DIMS, PADDED_WIDTHS, HeadSplit, head_split
-from natsim.kernels.gna import launch
+from natsim.kernels.common.headdim import HEAD_DIMS, PADDED_LAUNCHES, PADDED_WIDTHS, HeadSplit, head_split
+from natsim.kernels.gna import dispatch, launch
 from natsim.kernels.gna.backward import backward_tiles, gna_backward
 from natsim.kernels.gna.reference import fp8_reference_attention
 from natsim.kernels.gna.tiles import TILE_TOKENS, WIDE_TILE_TOKENS, catalog
@@ -73,6 +73,11 @@ def test_every_width_runs_in_power_of_two_chunks_that_cover_it():
         # the default splits exactly where that computes fewer columns than padding
         default, pad = head_split(head_dim), head_split(head_dim, "pad")
         assert (default.b > 0) == (head_split(head_dim, "split").width < pad.width and head_dim not in PADDED_WIDTHS)
+        # launches measured faster padded pad every width; the others keep the width's default
+        for launch in PADDED_LAUNCHES:
+            assert head_split(head_dim, launch=launch) == pad
+        assert head_split(head_dim, launch=("dynamic", 64)) == head_split(head_dim, launch=("static", 128)) == default
+        assert head_split(head_dim, "split", launch=("dynamic", 128)) == head_split(head_dim, "split")
 
 
 @pytest.mark.parametrize("head_dim, chunks", [(72, (64, 16)), (96, (64, 32)), (40, (32, 16)), (136, (128, 16)),
@@ -137,6 +142,28 @@ def test_gna_forward_matches_float64_at_every_width(head_dim, path, monkeypatch)
     assert out.shape == q.shape and torch.isfinite(out).all()
     assert rel_error(out, ref) < TOLERANCE
     assert torch.allclose(lse.double(), ref_lse, atol=1e-2)
+
+
+def test_the_dynamic_kernel_pads_a_split_width_on_128_query_tiles(monkeypatch):
+    """Dynamic KV tiling on 128-query tiles runs 72 padded (`PADDED_LAUNCHES`), on 64-query tiles split; both
+    against the float64 reference, with partial tiles at the borders."""
+    chunks = []
+    make_call = launch.make_call
+
+    def recording(*args, **kwargs):
+        call = make_call(*args, **kwargs)
+        chunks.append((call.spec.q_tile, call.kernel.arguments["CHUNK_A"], call.kernel.arguments["CHUNK_B"]))
+        return call
+
+    monkeypatch.setattr(dispatch, "make_call", recording)
+    monkeypatch.setattr(dispatch, "_calls", {})
+    shape, window, stride = (3, 9, 20), (2, 5, 9), (1, 1, 2)
+    q, k, v = qkv(shape, 72, seed=11)
+    ref = reference_attention(q.double(), k.double(), v.double(), window, stride)
+    for tile in ((1, 8, 16), (1, 4, 16)):
+        out = gna_attention(q, k, v, window, stride, q_tile=tile, kv_tile=tile, kv_tiling="dynamic")
+        assert rel_error(out, ref) < TOLERANCE, tile
+    assert chunks == [((1, 8, 16), 128, 0), ((1, 4, 16), 64, 16)]
 
 
 def test_padded_split_and_pointer_loads_agree():

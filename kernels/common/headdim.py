@@ -17,9 +17,13 @@ read them out of bounds of a descriptor whose last dimension is the head's own `
 descriptors read zeros there and drop stores; never a `[tokens, heads * head_dim]` view, which would read the
 next head's columns). Row strides of multiples of 8 elements stay 16-byte aligned in 16-bit and 8-bit dtypes.
 
-Which way a width runs by default (`head_split(head_dim)`): split where it does fewer tile products than
-padding, pad where both do the same (24, 56, 104 to 128 minus 8, ... : one chunk is fewer instructions), unless
-the width is in `PADDED_WIDTHS`, the widths measured faster padded (benchmarks/headdim.py times both on a GPU).
+Which way a width runs by default (`head_split(head_dim, launch=...)`): split where it does fewer tile products
+than padding, pad where both do the same (24, 56, 104 to 128 minus 8, ... : one chunk is fewer instructions),
+unless the width is in `PADDED_WIDTHS` or the launch in `PADDED_LAUNCHES`, the widths and launches measured faster
+padded (benchmarks/headdim.py times both on a GPU). A split does fewer products but not fewer instructions: its
+second chunk adds its own loads and, in P @ V, as many narrow matrix instructions as the first chunk's, so a loop
+bound by instruction issue or load latency gains nothing from it (Nsight Compute on the H100: dense attention at 72
+issued 421 M instructions against 387 M at 128, benchmarks/results/ncu/*-headdims-2026-11-28.txt).
 
 Per-width launch rules, each where its kernel's tiles are chosen, all keyed on the computed width
 (`HeadSplit.width`) and its `wide` flag (more than `WIDE` columns, where registers run short):
@@ -51,6 +55,13 @@ STRATEGIES = ("pad", "split")
 # Widths that `head_split` pads by default although splitting them does fewer products: none measured yet
 # (benchmarks/headdim.py on the H100 decides; a width added here runs padded everywhere).
 PADDED_WIDTHS: frozenset[int] = frozenset()
+# Launches that run every width padded by default, as (KV tiling, query tile tokens): the dynamic KV tiling kernel
+# on 128-query tiles, whose split loop waits on its second chunk's loads (long-scoreboard stalls 1.05 against 0.30
+# per instruction at 72 on Wan 720p's plan; tensor pipe 28% against 55%). Padded, Wan 720p's plan (1x8x16 tiles) ran
+# 5-19% faster at 40, 72, 88 and 96 on the H100 (14.5 against 17.0 ms at 72); on 64-token tiles and on the static
+# kernel's full 128-token tiles splitting stayed as fast or faster
+# (benchmarks/results/headdim-dynamic-NVIDIA_H100_80GB_HBM3-2026-11-28.json).
+PADDED_LAUNCHES: frozenset[tuple[str, int]] = frozenset({("dynamic", 128)})
 
 
 def next_power_of_two(n: int) -> int:
@@ -100,10 +111,12 @@ def head_dim_refusal(head_dim: int, kernel: str, head_dims: tuple[int, ...] = HE
             f"head_dim={head_dim}.")
 
 
-def head_split(head_dim: int, strategy: Optional[str] = None) -> HeadSplit:
+def head_split(head_dim: int, strategy: Optional[str] = None, launch: Optional[tuple[str, int]] = None
+               ) -> HeadSplit:
     """The chunks `head_dim` (one of `HEAD_DIMS`) runs in: `strategy` "pad" (one chunk, the next power of two)
     or "split" (the largest power of two below head_dim, then the smallest power of two of at least 16 that
-    covers the rest; padding where that is no fewer columns), or None for the default (module docstring)."""
+    covers the rest; padding where that is no fewer columns), or None for the default (module docstring) of the
+    launch `(kv_tiling, query tile tokens)` where given."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(head_dim_refusal(head_dim, "Triton kernel"))
     if strategy is not None and strategy not in STRATEGIES:
@@ -113,7 +126,8 @@ def head_split(head_dim: int, strategy: Optional[str] = None) -> HeadSplit:
         return HeadSplit(head_dim, head_dim)
     a = padded // 2
     b = max(MIN_CHUNK, next_power_of_two(head_dim - a))
-    pad = strategy == "pad" or (strategy is None and head_dim in PADDED_WIDTHS) or a + b >= padded
+    padded_by_default = head_dim in PADDED_WIDTHS or launch in PADDED_LAUNCHES
+    pad = strategy == "pad" or (strategy is None and padded_by_default) or a + b >= padded
     return HeadSplit(head_dim, padded) if pad else HeadSplit(head_dim, a, b)
 
 

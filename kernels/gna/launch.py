@@ -42,6 +42,7 @@ from natsim.window import group_length, window_bounds
 from ..common.backend import interpreting
 from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_head_split, fp8_rows,
                           lse_with_mean, prequantized_rows, quantize_rows)
+from ..common.headdim import head_split
 from ..common.launch import (Overrides, descriptors_fit, has_tensor_descriptors, launch_config, split_of,
                              with_fp8)
 from ..common.softmax import LOG2E
@@ -269,21 +270,23 @@ def make_call(
     check_alignment: bool = False,
     descriptors: bool = True,
 ) -> GnaCall:
-    """Work out one call of `problem` (what the kernel runs; `shape` is the caller's layout) from `spec`, the call
-    with every choice made: its tiles and KV tiling ("static" or "dynamic", never None here), scale (None:
-    `head_dim ** -0.5`), LSE, precision and output dtype. `layout_tensors` are q, k, v in the kernel's layout for
-    the layout path (their strides are bound), or None for the permuted path. `frames` `(q0, q1, k0, k1)`: q holds
-    frames `[q0, q1)` of dimension 0 and k, v `[k0, k1)` (module docstring); static KV tiling only. `overrides`
-    (checked names, `launch_overrides`) override `launch_config`'s options (tuning; `MASKED` may only be forced
-    on) and may set `HEAD_MAJOR` and head_dim's column chunks `CHUNK_A` / `CHUNK_B` (kernels/common/headdim.py;
-    by default `head_split`'s, padded in FP8). `check_alignment`: check the tensors' alignment on every launch
-    (callers that pass their own permuted tensors; `forward` keys on it instead). The dynamic kernel gathers box tiles with
-    pointer loads on the permuted path and is never warp-specialized (Triton 3.6 does not specialize its loops:
-    rank-4 descriptors or pointer gathers). Precision "fp8" runs the FP8 variant of the static kernel
-    (kernels/common/fp8.py) on permuted sequences or a 1-D layout in place, on q, k, v quantized inside the call
-    or, with `spec.out_dtype` (the output's dtype), given in float8 with their scales. `descriptors`: the device
-    has tensor descriptors and they are allowed (`has_tensor_descriptors`); without them the permuted path loads
-    and stores through pointers (`USE_TMA` off), and the layout path, which needs them, is refused."""
+    """Work out one call of `problem` (what the kernel runs; `shape` is the caller's layout) from `spec`, the call with
+    every choice made: its tiles and KV tiling ("static" or "dynamic", never None here), scale (None: `head_dim **
+    -0.5`), LSE, precision and output dtype. `layout_tensors` are q, k, v in the kernel's layout for the layout path
+    (their strides are bound), or None for the permuted path. `frames` `(q0, q1, k0, k1)`: q holds frames `[q0, q1)`
+    of dimension 0 and k, v `[k0, k1)` (module docstring); static KV tiling only. `overrides` (checked names,
+    `launch_overrides`) override `launch_config`'s options (tuning; `MASKED` may only be forced on) and may set
+    `HEAD_MAJOR` and head_dim's column chunks `CHUNK_A` / `CHUNK_B` (kernels/common/headdim.py; by default
+    `head_split`'s for the launch's KV tiling and query tile, padded in FP8). `check_alignment`: check the tensors'
+    alignment on every launch (callers that pass their own permuted tensors; `forward` keys on it instead). The
+    dynamic kernel gathers box tiles with pointer loads on the permuted path and is never warp-specialized (Triton
+    3.6 does not specialize its loops: rank-4 descriptors or pointer gathers). Precision "fp8" runs the FP8 variant
+    of the static kernel (kernels/common/fp8.py) on permuted sequences or a 1-D layout in place, on q, k, v
+    quantized inside the call or, with `spec.out_dtype` (the output's dtype), given in float8 with their scales.
+    `descriptors`: the device has tensor descriptors and they are allowed (`has_tensor_descriptors`); without them
+    the permuted path loads and stores through pointers (`USE_TMA` off), and the layout path, which needs them, is
+    refused.
+    """
     q_tile, kv_tile, kv_tiling = spec.q_tile, spec.kv_tile, spec.kv_tiling
     fp8 = spec.precision == "fp8"
     q0, q1, k0, k1 = (0, problem.shape[0], 0, problem.shape[0]) if frames is None else frames
@@ -300,7 +303,8 @@ def make_call(
     mode = 0 if not layout else (2 if problem.ndim == 1 else 1)
     if fp8 and (kv_tiling != "static" or frames is not None or mode == 1):
         raise ValueError("FP8 runs the static kernel on permuted sequences or a 1-D layout, without frame ranges.")
-    split = split_of(head_dim, overrides, fp8_head_split(head_dim) if fp8 else None)
+    split = split_of(head_dim, overrides, fp8_head_split(head_dim) if fp8 else
+                     head_split(head_dim, launch=(kv_tiling, q_layout.tile_tokens)))
     launch = launch_config(q_layout.tile_tokens, kv_layout.tile_tokens, split, masked, descriptors,
                            specialize=not (spec.return_lse or debug) and mode != 1 and kv_tiling == "static")
     if fp8:
