@@ -380,11 +380,13 @@ def head_groups(heads_per_rank: int, chunks: Optional[int] = None) -> tuple[int,
     """The sizes of the groups natsim.distributed's Ulysses attends a rank's heads in, in order: `chunks` groups
     (None: up to `MAX_DEFAULT_CHUNKS`, of at least `MIN_DEFAULT_GROUP_HEADS` heads each, so one group below four
     heads a rank), as even as they divide (the first ones one larger). The first group's arrival and the last one's
-    return stay exposed, a third of the transfers each with three; every further group adds four NCCL exchanges,
-    whose issue costs the host 0.1-0.2 ms each, a kernel's launch and tail, and an exchange's latency. One-head
-    groups lose (docs/performance.md): a one-head attention ran a fifth slower per head on 2 H200s, and on 4 H200s
-    three heads a rank in three groups took 5.0 ms a call against 3.7 ms in one (the host issuing the exchanges
-    slower than the GPU ran the attentions), a Wan 720p step 203.9 ms against 190.2."""
+    return stay exposed, a third of the transfers each with three; every further group adds four NCCL exchanges
+    in two launches (its q, k and v together, then its output), whose issue costs the host 0.1-0.2 ms each, a
+    kernel's launch and tail, and an exchange's latency. One-head groups lose (docs/performance.md): a one-head
+    attention ran a fifth slower per head on 2 H200s, and on 4 H200s three heads a rank in three groups took 5.0 ms
+    a call against 3.7 ms in one (the host issuing the exchanges slower than the GPU ran the attentions), a Wan 720p
+    step 203.9 ms against 190.2. With q, k and v launched together, 1 + 2 and 2 + 1 heads ran that step within 1.6%
+    of one group (178.8 and 179.5 against 181.7 ms), inside its run-to-run spread: one group stays the default."""
     if heads_per_rank < 1:
         raise ValueError(f"heads_per_rank must be >= 1, got heads_per_rank={heads_per_rank}.")
     if chunks is None:
