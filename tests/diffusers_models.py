@@ -6,6 +6,7 @@ small enough for Triton's interpreter and the torch reference.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -98,12 +99,21 @@ def build(name: str, seed: int = 0, layers: int = 2, frames: int = 2, **config):
     return getattr(diffusers, name)(**{**configs[name], **config}).eval()
 
 
+def _patch_bounds(batch: int, layouts: list[tuple[int, int, int]]) -> torch.Tensor:
+    """LTX's `video_coords` for tokens in row-major (frames, height, width) layouts one after the other: each
+    token's `[start, end)` along the three axes, `[batch, 3, tokens, 2]`."""
+    starts = torch.cat([torch.stack(torch.meshgrid(*(torch.arange(n, dtype=torch.float32) for n in layout),
+                                                   indexing="ij")).flatten(1) for layout in layouts], dim=1)
+    return torch.stack([starts, starts + 1], dim=-1).expand(batch, -1, -1, -1)
+
+
 def inputs(name: str, layout: tuple[int, ...], batch: int = 1, seed: int = 1,
            reference: Optional[tuple[int, int]] = None) -> dict:
     """Random forward arguments for `build(name)` whose latent patches into `layout`; `batch=2` is a
     classifier-free guidance batch, whose last prompt ends in two padding tokens where the class takes a text
     mask. `reference`: the token layout of a reference image appended to the image's tokens (FLUX, FLUX.2,
-    QwenImage edits)."""
+    QwenImage edits), or of a keyframe appended to the video's (LTX-2's condition pipeline, placed at the first
+    frame by `video_coords`)."""
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -140,10 +150,15 @@ def inputs(name: str, layout: tuple[int, ...], batch: int = 1, seed: int = 1,
             return dict(hidden_states=video, encoder_hidden_states=text, timestep=timestep.long(),
                         encoder_attention_mask=torch.ones(batch, TEXT_TOKENS, dtype=torch.long),
                         num_frames=frames, height=height, width=width, return_dict=False)
-        return dict(hidden_states=video, audio_hidden_states=randn(batch, 5, 8), encoder_hidden_states=text,
-                    audio_encoder_hidden_states=randn(batch, TEXT_TOKENS, 32), timestep=timestep / 1000,
-                    encoder_attention_mask=torch.ones(batch, TEXT_TOKENS, dtype=torch.long), num_frames=frames,
-                    height=height, width=width, audio_num_frames=5, return_dict=False)
+        arguments = dict(hidden_states=video, audio_hidden_states=randn(batch, 5, 8), encoder_hidden_states=text,
+                         audio_encoder_hidden_states=randn(batch, TEXT_TOKENS, 32), timestep=timestep / 1000,
+                         encoder_attention_mask=torch.ones(batch, TEXT_TOKENS, dtype=torch.long), num_frames=frames,
+                         height=height, width=width, audio_num_frames=5, return_dict=False)
+        if reference:
+            keyframe = randn(batch, math.prod(reference), 8)
+            arguments.update(hidden_states=torch.cat([video, keyframe], dim=1),
+                             video_coords=_patch_bounds(batch, [layout, (1, *reference)]))
+        return arguments
     if name == "CogVideoXTransformer3DModel":
         return dict(hidden_states=randn(batch, frames, 4, height * 2, width * 2), timestep=timestep.long(),
                     encoder_hidden_states=text, return_dict=False)

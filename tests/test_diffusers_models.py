@@ -27,7 +27,7 @@ class Case:
     """What docs/diffusers.md says of a class, written here apart from natsim's table: its layout in these
     tests, where text sits in its joint attention ("before", "after", or None for self-attention only), the
     attention modules natsim routes (path, and the layout dims they attend over, None for all), and a reference
-    image's layout appended to the image tokens (edits)."""
+    image's layout appended to the image tokens (edits), or for LTX-2 a keyframe's, appended to the video tokens."""
 
     name: str
     layout: tuple[int, ...]
@@ -37,8 +37,8 @@ class Case:
 
     @property
     def id(self) -> str:
-        return self.name.replace("Transformer3DModel", "").replace("Transformer2DModel", "") + (
-            "-edit" if self.reference else "")
+        suffix = "" if not self.reference else "-keyframe" if self.name.startswith("LTX2") else "-edit"
+        return self.name.replace("Transformer3DModel", "").replace("Transformer2DModel", "") + suffix
 
 
 VIDEO, IMAGE = (2, 4, 8), (8, 8)
@@ -54,6 +54,7 @@ CASES = [
     Case("WanAnimateTransformer3DModel", VIDEO, None, (("blocks.attn1", None),)),
     Case("HunyuanVideo15Transformer3DModel", VIDEO, "after", (("transformer_blocks.attn", None),)),
     Case("LTX2VideoTransformer3DModel", VIDEO, None, (("transformer_blocks.attn1", None),)),
+    Case("LTX2VideoTransformer3DModel", VIDEO, "after", (("transformer_blocks.attn1", None),), reference=(4, 8)),
     Case("MochiTransformer3DModel", VIDEO, "after", (("transformer_blocks.attn1", None),)),
     Case("AllegroTransformer3DModel", VIDEO, None, (("transformer_blocks.attn1", None),)),
     Case("CosmosTransformer3DModel", VIDEO, None, (("transformer_blocks.attn1", None),)),
@@ -212,6 +213,8 @@ def test_an_unknown_class_is_refused_with_the_route_for_it():
     ("LTX2VideoTransformer3DModel", {"video_self_attention_mask": torch.ones(2, 64, 64)},
      "called with video_self_attention_mask"),
     ("Flux2Transformer2DModel", {"kv_cache_mode": "extract", "num_ref_tokens": 16}, "called with kv_cache_mode"),
+    ("LTX2VideoTransformer3DModel", {"num_frames": 3},  # more tokens in the layout than the latent holds
+     r"hidden_states hold 64 tokens, fewer than the 96 of num_frames, height and width"),
 ])
 def test_calls_natsim_cannot_run_are_refused_with_a_sentence(name, extra, match):
     model = diffusers_models.build(name, layers=1)

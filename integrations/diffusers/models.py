@@ -8,9 +8,11 @@ token layout; the layout is the latent's sizes divided by the patch sizes of the
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
-from .spec import Call, ModelSpec, patched
+from .spec import Call, ModelSpec, Tokens, patched
 
 WAN_ATTENTIONS = ("WanAttention", "SkyReelsV2Attention")  # diffusers' Wan attention and its copies
 TEXT = ("encoder_hidden_states",)  # the text a joint attention's latent tokens are joined with
@@ -76,9 +78,16 @@ def _ltx_layout(call: Call) -> tuple[int, ...]:
     return patched(sizes, (config.patch_size_t, config.patch_size, config.patch_size))
 
 
-def _ltx2_layout(call: Call) -> tuple[int, ...]:
+def _ltx2_layout(call: Call) -> Tokens:
+    """LTX-2's latent layout, and the keyframe tokens its condition pipeline appends after the video's (placed by
+    `video_coords`), which its self-attention attends like text: trailing tokens, priced by the verdict."""
     refuse(call, "video_self_attention_mask", "a mask over the video tokens' self-attention")
-    return _ltx_layout(call)
+    layout = _ltx_layout(call)
+    tokens, video = call.required("hidden_states").shape[1], math.prod(layout)
+    if tokens < video:
+        raise ValueError(f"LTX2VideoTransformer3DModel's hidden_states hold {tokens} tokens, fewer than the {video} "
+                         f"of num_frames, height and width (the layout {layout}).")
+    return Tokens(layout, tokens - video)
 
 
 def wan_attentions(model: nn.Module) -> list[nn.Module]:

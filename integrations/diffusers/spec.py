@@ -23,7 +23,9 @@ TEXT_PLACES = ("before", "after")
 
 class Tokens(NamedTuple):
     """The tokens of one forward call: the latent's token `layout`, and the `trailing` tokens outside it that
-    follow the latent's tokens in joint attention whose text comes first (reference images of an edit)."""
+    follow the latent's tokens in the routed attention: reference images of an edit (joint attention whose text
+    comes first), LTX-2's keyframes (its video self-attention). The verdict prices them beside the tokens of the
+    spec's `joint` arguments."""
 
     layout: tuple[int, ...]
     trailing: int = 0
