@@ -423,6 +423,47 @@ def test_transfers_run_on_a_high_priority_twin_of_an_nccl_group(one_rank_group, 
     assert len(made) == 1
 
 
+def test_exchanges_launched_together_share_one_wait(one_rank_group, monkeypatch):
+    """`launched_together`: where the backend does not coalesce (gloo) each exchange keeps its own work; where it
+    does (NCCL; faked here, with CUDA tensors' device type), the exchanges started inside go out under PyTorch's
+    coalescing manager, once, and each waits on its one work; what arrives is what was sent either way."""
+    from natsim.distributed import collectives
+
+    group = dist.group.WORLD
+    x = torch.arange(24.0).view(1, 2, 3, 4)
+    with collectives.launched_together(group, x.device) as started:
+        started += [collectives.start_exchange([t], [tuple(t.shape)], group, packed=t) for t in (x, 2 * x)]
+    assert started[0].work is not started[1].work
+    assert [torch.equal(p.wait()[0], t) for p, t in zip(started, (x, 2 * x))] == [True, True]
+
+    entered = []
+
+    class Manager:
+        waited = 0
+
+        def wait(self):
+            Manager.waited += 1
+
+    @contextlib.contextmanager
+    def coalescing(group_, device, async_ops):
+        entered.append((group_, device.type, async_ops))
+        yield Manager()
+
+    backend = type("Backend", (), {"supports_coalescing": True})()
+    exchange = dist.all_to_all_single
+    monkeypatch.setattr(type(group), "_get_backend", lambda self, device: backend)
+    monkeypatch.setattr(dist, "_coalescing_manager", coalescing)
+    monkeypatch.setattr(dist, "all_to_all_single",  # done on return: the fake manager's wait waits for nothing
+                        lambda *args, async_op, **kwargs: exchange(*args, async_op=False, **kwargs))
+    cuda = type("Device", (), {"type": "cuda"})()
+    with collectives.launched_together(group, cuda) as started:
+        started += [collectives.start_exchange([t], [tuple(t.shape)], group, packed=t) for t in (x, 2 * x)]
+    assert entered == [(group, "cuda", True)]
+    assert isinstance(started[0].work, Manager) and started[0].work is started[1].work
+    assert [torch.equal(p.wait()[0], t) for p, t in zip(started, (x, 2 * x))] == [True, True]
+    assert Manager.waited == 2
+
+
 def test_ulysses_pipeline_operator(one_rank_group):
     """natsim::cp_ulysses in a group of one: torch.library.opcheck's schema, fake and autograd-registration checks
     (its handle output differs from run to run, which the AOTAutograd check compares), with and without the graphs
