@@ -65,11 +65,10 @@ from .features import FEATURES, features_of
 from .gluon_calibrate import gluon_calibration_cases, gluon_case_features, time_gluon_case
 from .gluon_features import GLUON_FEATURES
 from .host import host_refusal, host_seconds
-from .model import HOST_CALLS
-from .files import cost_model_for, gpu_file_name, user_coefficients_dir
+from .files import cost_model_for, gpu_file_name, own_host, user_coefficients_dir
 from .fit import fit_coefficients, relative_errors
 from .gpus import gpu_of
-from .model import CostModel
+from .model import HOST_CALLS, CostModel
 from .sparse_features import SPARSE_FEATURES
 from .timing import MIN_REPEATS, median_seconds
 from .sparse_features import sparse_features as work_features
@@ -638,11 +637,10 @@ def calibrate(
     fa4_times = time_all(fa4_cases, time_fa4_case)
     fa4_backward_times = time_all(fa4_backward_cases, time_fa4_backward_case)
     gluon_times = time_all(gluon_cases, time_gluon_case)
-    host = dict(base.host_seconds or {}) if base is not None else {}
+    host, info = own_host(base) if base is not None else ({}, {})  # not the host times lent by other GPUs' files
     if "host" in kernels:
         host.update({call: host_seconds(call, dtype, device) for call in HOST_CALLS
                      if host_refusal(call, device) is None})
-    info = dict(base.info) if base is not None else {}
     coefficients, errors, fitted = (base.coefficients, np.zeros(0), np.zeros(0, dtype=bool)) if base else \
         _fit(features, times, FEATURES, "GNA")
     if cases:

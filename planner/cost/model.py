@@ -51,6 +51,7 @@ def _checked(coefficients: Mapping[str, float], features: Sequence[str], label: 
 HOST_BACKENDS = ("triton", "fa4", "gluon")  # planner.backends.PLANNED: the backends a host time is kept for
 OWN_ATTENTION = "sdpa"  # torch's scaled_dot_product_attention: the attention a model calls of its own
 HOST_CALLS = HOST_BACKENDS + (OWN_ATTENTION,)  # what a cost model may keep a host time for
+BORROWED_HOST = "host_seconds_borrowed"  # info key: host times taken from another GPU's file (call -> that GPU)
 
 
 def _checked_host(host_seconds: Mapping[str, float]) -> dict[str, float]:
@@ -144,7 +145,7 @@ class CostModel:
 
     def host(self, backend: str) -> float:
         """Seconds the host takes to issue one call on `backend`, or of torch's SDPA for OWN_ATTENTION (0 where
-        this model was calibrated without it)."""
+        this model was calibrated without it; planner.cost.files borrows another GPU's file's where it has one)."""
         return float((self.host_seconds or {}).get(backend, 0.0))
 
     def at_least_host(self, seconds, backend: str):
