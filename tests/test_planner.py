@@ -35,7 +35,7 @@ from natsim.planner import (
 )
 from natsim.planner.cost import describe_gpus, gpu_of, known_gpus, user_coefficients_dir
 from natsim.planner.cost.calibrate import calibration_cases, case_features
-from natsim.planner.cost.files import gpu_file_name
+from natsim.planner.cost.files import gpu_file_name, own_host
 from natsim.planner.search.gna import choose, stride_candidates
 from natsim.planner.search.windows import ASPECT_LIMIT, DENSITY_SLACK, attended_pairs_stride1, candidate_windows
 
@@ -248,11 +248,14 @@ def test_the_user_coefficient_folder_follows_natsim_data_dir_then_xdg_then_home(
 def test_the_planner_looks_in_the_user_folder_before_the_shipped_coefficients():
     from natsim.planner.cost import COEFFICIENTS_DIR
 
-    shipped = cost_model_for(H100)
-    assert shipped is not None and shipped == CostModel.load(COEFFICIENTS_DIR / gpu_file_name(H100))
+    shipped, stored = cost_model_for(H100), CostModel.load(COEFFICIENTS_DIR / gpu_file_name(H100))
+    # the file's coefficients and its own host times (the others' lent where it has none: test_planner_host.py)
+    assert shipped is not None and shipped.coefficients == stored.coefficients
+    assert own_host(shipped) == (stored.host_seconds, stored.info)
     gpus = known_gpus()
     mine = CostModel(H100, COEFFICIENTS).save(user_coefficients_dir() / gpu_file_name(H100))
-    assert cost_model_for(H100) == CostModel.load(mine) != shipped
+    found = cost_model_for(H100)
+    assert found.coefficients == CostModel.load(mine).coefficients != shipped.coefficients
     assert known_gpus() == gpus and H100 in gpus
     plan = best((30, 48, 80), 0.9, heads=24, device="h100")
     row = features_of(plan.simulation, batch_heads=24, head_dim=128, element_bytes=2, permutation=False)
