@@ -74,8 +74,8 @@ def test_every_width_runs_in_power_of_two_chunks_that_cover_it():
         default, pad = head_split(head_dim), head_split(head_dim, "pad")
         assert (default.b > 0) == (head_split(head_dim, "split").width < pad.width and head_dim not in PADDED_WIDTHS)
         # launches measured faster padded pad every width; the others keep the width's default
-        for launch in PADDED_LAUNCHES:
-            assert head_split(head_dim, launch=launch) == pad
+        for launch in PADDED_LAUNCHES:  # up to 128 columns: padding past them (to 256) was not measured
+            assert head_split(head_dim, launch=launch) == (pad if pad.width <= 128 else default)
         assert head_split(head_dim, launch=("dynamic", 64)) == head_split(head_dim, launch=("static", 128)) == default
         assert head_split(head_dim, "split", launch=("dynamic", 128)) == head_split(head_dim, "split")
 

@@ -55,12 +55,12 @@ STRATEGIES = ("pad", "split")
 # Widths that `head_split` pads by default although splitting them does fewer products: none measured yet
 # (benchmarks/headdim.py on the H100 decides; a width added here runs padded everywhere).
 PADDED_WIDTHS: frozenset[int] = frozenset()
-# Launches that run every width padded by default, as (KV tiling, query tile tokens): the dynamic KV tiling kernel
-# on 128-query tiles, whose split loop waits on its second chunk's loads (long-scoreboard stalls 1.05 against 0.30
-# per instruction at 72 on Wan 720p's plan; tensor pipe 28% against 55%). Padded, Wan 720p's plan (1x8x16 tiles) ran
-# 5-19% faster at 40, 72, 88 and 96 on the H100 (14.5 against 17.0 ms at 72); on 64-token tiles and on the static
-# kernel's full 128-token tiles splitting stayed as fast or faster
-# (benchmarks/results/headdim-dynamic-NVIDIA_H100_80GB_HBM3-2026-11-28.json).
+# Launches that run every width up to 128 columns padded by default (wider ones, padded to 256, were not measured), as
+# (KV tiling, query tile tokens): the dynamic KV tiling kernel on 128-query tiles, whose split loop waits on its
+# second chunk's loads (long-scoreboard stalls 1.05 against 0.30 per instruction at 72 on Wan 720p's plan; tensor pipe
+# 28% against 55%). Padded, Wan 720p's plan (1x8x16 tiles) ran 5-19% faster at 40, 72, 88 and 96 on the H100 (14.5
+# against 17.0 ms at 72); on 64-token tiles and on the static kernel's full 128-token tiles splitting stayed as fast
+# or faster (benchmarks/results/headdim-dynamic-NVIDIA_H100_80GB_HBM3-2026-11-28.json).
 PADDED_LAUNCHES: frozenset[tuple[str, int]] = frozenset({("dynamic", 128)})
 
 
@@ -126,7 +126,7 @@ def head_split(head_dim: int, strategy: Optional[str] = None, launch: Optional[t
         return HeadSplit(head_dim, head_dim)
     a = padded // 2
     b = max(MIN_CHUNK, next_power_of_two(head_dim - a))
-    padded_by_default = head_dim in PADDED_WIDTHS or launch in PADDED_LAUNCHES
+    padded_by_default = head_dim in PADDED_WIDTHS or (launch in PADDED_LAUNCHES and padded <= WIDE)
     pad = strategy == "pad" or (strategy is None and padded_by_default) or a + b >= padded
     return HeadSplit(head_dim, padded) if pad else HeadSplit(head_dim, a, b)
 
