@@ -3,6 +3,7 @@
     python benchmarks/headdim.py --out benchmarks/results             # H100: the table that sets PADDED_WIDTHS
     python benchmarks/headdim.py --out DIR --widths 72,96 --cases dense
     python benchmarks/headdim.py --out DIR --small                    # CPU interpreter, tiny shapes, seconds
+    python benchmarks/headdim.py --out DIR --cases hunyuan-1x1x1 --aligned-rows   # each head's row 128-byte aligned
 
 A head dim that is not a power of two runs in column chunks (kernels/common/headdim.py): padded to the next power
 of two ("pad") or split into two power-of-two chunks ("split", 72 = 64 + 16, 96 = 64 + 32). For each case (GNA in
@@ -44,6 +45,7 @@ from natsim.kernels.common import headdim
 from natsim.kernels.gna import dispatch
 
 WIDTHS = (40, 64, 72, 88, 96, 112, 128)
+ALIGNED_CHANNELS = 64  # --aligned-rows: heads padded to a multiple of this many channels (128 bytes in bf16)
 HEADS, DTYPE = 24, torch.bfloat16
 # case: (shape, window, stride, plan options of gna_attention: tiles and KV tiling, {} for its defaults); dense
 # attention is its layout as the window. The dynamic cases run the dynamic KV tiling kernel: Wan 720p as the planner
@@ -112,15 +114,22 @@ def check_small(head_dim: int, device: str, dtype: torch.dtype) -> float:
     return max(errors)
 
 
+def inputs(shape, heads: int, head_dim: int, device: str, dtype: torch.dtype, aligned: bool) -> tuple:
+    """Random q, k, v `[1, *shape, heads, head_dim]`; `aligned`: views of the first head_dim channels of heads
+    `ALIGNED_CHANNELS`-wide multiples, so that every head's row starts on a 128-byte boundary in 16-bit dtypes."""
+    width = -(-head_dim // ALIGNED_CHANNELS) * ALIGNED_CHANNELS if aligned else head_dim
+    return tuple(torch.randn(1, *shape, heads, width, device=device, dtype=dtype)[..., :head_dim] for _ in range(3))
+
+
 def run_case(case: str, shape, window, stride, options: dict, head_dim: int, heads: int, device: str,
-             dtype: torch.dtype, small: bool) -> list[dict]:
+             dtype: torch.dtype, small: bool, aligned: bool = False) -> list[dict]:
     """One row per strategy at `head_dim`: milliseconds, useful TFLOP/s, the chunks run."""
     problem = natsim.Problem(shape, window, stride)
     tile = (1,) * (len(shape) - 1) + (16,)  # any tile: the attended pairs are the mask's
     pairs = natsim.simulate(problem, natsim.TileConfig(tile, tile)).attended_pairs
     useful = 4.0 * pairs * head_dim * heads
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, *shape, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
+    q, k, v = inputs(shape, heads, head_dim, device, dtype, aligned)
     rows, outputs = [], []
     for name in strategies(head_dim):
         with strategy(name), torch.no_grad():
@@ -131,7 +140,8 @@ def run_case(case: str, shape, window, stride, options: dict, head_dim: int, hea
         rows.append({"case": case, "shape": list(shape), "window": list(window), "stride": list(stride),
                      "plan": {key: list(v) if isinstance(v, tuple) else v for key, v in options.items()},
                      "heads": heads, "head_dim": head_dim, "strategy": name, "chunks": [split.a, split.b],
-                     "computed_width": split.width, "ms": ms, "useful_tflops": useful / ms / 1e9})
+                     "computed_width": split.width, "aligned_rows": aligned, "ms": ms,
+                     "useful_tflops": useful / ms / 1e9})
     if len(outputs) == 2:
         agreement = rel(outputs[0], outputs[1])
         for row in rows:
@@ -172,6 +182,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--cases", default=None, help=f"cases, comma-separated (default {','.join(CASES)})")
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU in Triton's interpreter")
+    parser.add_argument("--aligned-rows", action="store_true",
+                        help=f"q, k, v as views of heads padded to a multiple of {ALIGNED_CHANNELS} channels, so that "
+                             "each head's row starts on a 128-byte boundary (do misaligned rows slow 40, 72, 88?)")
     args = parser.parse_args(argv)
     if args.small:
         cases, widths, device, dtype, heads = SMALL_CASES, SMALL_WIDTHS, "cpu", torch.float16, 1
@@ -193,12 +206,14 @@ def main(argv=None) -> dict:
             raise SystemExit(f"head_dim {head_dim}: {checks[head_dim]:.2e} from the float64 reference.")
     for case, (shape, window, stride, options) in cases.items():
         for head_dim in widths:
-            for row in run_case(case, shape, window, stride, options, head_dim, heads, device, dtype, args.small):
+            for row in run_case(case, shape, window, stride, options, head_dim, heads, device, dtype, args.small,
+                                args.aligned_rows):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     record = {**environment(args.small), "reference_rel_error": checks, "rows": with_ratios(rows)}
-    name = ("headdim-small.json" if args.small
-            else f"headdim-{record['device'].replace(' ', '_')}-{record['date']}.json")
+    suffix = "-aligned" if args.aligned_rows else ""
+    name = (f"headdim-small{suffix}.json" if args.small
+            else f"headdim-{record['device'].replace(' ', '_')}-{record['date']}{suffix}.json")
     (args.out / name).write_text(json.dumps(record, indent=1))
     print(table(rows))
     return record
