@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 from natsim.stored import gpu_slug, link_file_name, link_for, user_coefficients_dir
 
@@ -32,8 +32,13 @@ def gpu_file_name(gpu: str) -> str:
 def load_stored(path: Path) -> CostModel:
     """The cost model in the file at `path`, read once per version of the file (its modification time and size):
     the planner looks its GPU's file up on every call, and lists every file for `device` names and reports."""
+    return _load(path, *_stamp(path))
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    """A version of the file at `path`: its modification time and size."""
     stat = path.stat()
-    return _load(path, stat.st_mtime_ns, stat.st_size)
+    return stat.st_mtime_ns, stat.st_size
 
 
 @functools.lru_cache(maxsize=64)
@@ -52,15 +57,25 @@ def known_gpus() -> list[str]:
     Files that do not load as a cost model, or whose name is not their GPU's file name, are passed over.
     """
     found: dict[str, str] = {}
-    for directory in coefficient_dirs():
-        for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
-            try:
-                gpu = load_stored(path).gpu
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if path.name == gpu_file_name(gpu):
-                found.setdefault(path.name, gpu)
+    for path, model in _stored(_files(coefficient_dirs())):
+        if path.name == gpu_file_name(model.gpu):
+            found.setdefault(path.name, model.gpu)
     return sorted(found.values())
+
+
+def _files(folders: Iterable[Path]) -> list[Path]:
+    """The JSON files of `folders`, folder by folder, each sorted."""
+    return [path for folder in folders if folder.is_dir() for path in sorted(folder.glob("*.json"))]
+
+
+def _stored(paths: Iterable[Path]) -> Iterator[tuple[Path, CostModel]]:
+    """The files among `paths` that load as a cost model, with it; the others passed over."""
+    for path in paths:
+        try:
+            model = load_stored(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        yield path, model
 
 
 def cost_model_for(gpu: Optional[str], directory: Optional[Path] = None) -> Optional[CostModel]:
@@ -81,25 +96,11 @@ def cost_model_for(gpu: Optional[str], directory: Optional[Path] = None) -> Opti
     return None
 
 
-def _stamp(path: Path) -> tuple[int, int]:
-    stat = path.stat()
-    return stat.st_mtime_ns, stat.st_size
-
-
-def _files(folders: tuple[Path, ...]) -> list[Path]:
-    return [path for folder in folders if folder.is_dir() for path in sorted(folder.glob("*.json"))]
-
-
 @functools.lru_cache(maxsize=64)
 def _borrowing_host(path: Path, modified_ns: int, size: int, others: tuple) -> CostModel:
     """The model stored at `path` (as of its stamp), with `borrowing_host` from the files `others`
-    ((path, stamp) each)."""
-    donors = []
-    for other, *_ in others:
-        try:
-            donors.append(load_stored(other))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+    ((path, stamp) each: the stamps key the cache)."""
+    donors = [model for _, model in _stored(other for other, *_ in others)]
     return borrowing_host(_load(path, modified_ns, size), donors)
 
 
