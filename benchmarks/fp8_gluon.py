@@ -59,7 +59,7 @@ def timers(q, k, v, blocks):
     """What the row times: name -> call."""
     dense = bool(blocks.all())
     lists = None if dense else gluon.BlockLists.from_blocks(blocks)
-    x = quantize(q, k, v, k_block=gluon.BLOCK_N)
+    x = quantize(q, k, v, k_block=gluon.BLOCK_N, v_key_major=True)
     scale = q.shape[-1] ** -0.5
     out = {
         "gluon fp8": lambda: fp8_block_attention(q, k, v, lists),

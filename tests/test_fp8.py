@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from natsim.kernels import (Fp8Scales, SparseMask, gna_attention, prepare_sparse, reference_attention,
                             sparse_attention)
-from natsim.kernels.common.fp8 import (E4M3, E4M3_MAX, cast_e4m3, check_fp8_call, column_statistics, lse_with_mean,
-                                       quantize, quantize_rows, quantized_weights, round_to_e4m3, fp8_q_tile)
+from natsim.kernels.common.fp8 import (E4M3, E4M3_MAX, cast_e4m3, check_fp8_call, column_statistics,
+                                       key_major_positions, lse_with_mean, quantize, quantize_rows, quantized_weights,
+                                       round_to_e4m3, fp8_q_tile)
 from natsim.kernels.gna.reference import fp8_reference_attention
 from natsim.kernels.sparse.reference import fp8_sparse_reference, sparse_reference
 
@@ -76,6 +77,36 @@ def test_the_quantization_kernel_equals_the_torch_rule_bit_for_bit(monkeypatch):
                            want.view(torch.uint8) if want.dtype == E4M3 else want), name
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 300), head_dim=st.sampled_from([16, 32, 40]), seed=st.integers(0, 2**16))
+def test_key_major_v_is_the_natural_v_with_keys_moved_within_blocks_of_128(rows, head_dim, seed, monkeypatch):
+    """The Gluon kernel's V: each key's column moved within its block of 128 to where the kernel stores that
+    key's P (a thread's scores `8 g + 2 q + e` to `32 q + 2 g + e`), rows padded to 128 with zeros; the
+    interpreted kernel writes what torch writes, and `dequantized` gives back the natural order."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, rows, 2, head_dim, generator=generator) * 3 for _ in range(3))
+    natural = quantize(q, k, v, k_block=1)
+    key_major = quantize(q, k, v, k_block=1, v_key_major=True)
+    padded = -(-rows // 128) * 128
+    assert key_major.v_t.shape == (1, 2, head_dim, padded)
+    positions = key_major_positions(rows, "cpu")
+    for r in range(rows):  # the position, written out from the register layout
+        j = r % 128
+        g, quarter, e = j // 8, j // 2 % 4, j % 2
+        assert int(positions[r]) == r - j + 32 * quarter + 2 * g + e
+    assert len(set(positions.tolist())) == rows and int(positions.max()) < padded
+    assert torch.equal(key_major.v_t[..., positions].view(torch.uint8), natural.v_t[..., :rows].view(torch.uint8))
+    spare = torch.ones(padded, dtype=torch.bool)
+    spare[positions] = False
+    assert not key_major.v_t[..., spare].float().any()
+    for got, want in zip(key_major.dequantized(), natural.dequantized()):
+        assert torch.equal(got, want)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpreted = quantize(q, k, v, k_block=1, v_key_major=True)
+    assert torch.equal(interpreted.v_t.float(), key_major.v_t.float())  # values (the two may sign a zero apart)
+
+
 def test_zero_rows_quantize_to_zero_with_scale_one():
     q = torch.zeros(1, 4, 2, 32)
     q[0, 1] = 1.0
@@ -115,6 +146,23 @@ def test_quantized_weights_are_e4m3_values_over_the_softmax_sum():
     numerators = weights * e.nan_to_num(0.0).sum(-1, keepdim=True) * E4M3_MAX
     assert torch.allclose(numerators[finite.any(-1)], numerators[finite.any(-1)].to(E4M3).double(), rtol=1e-12)
     assert ((weights - exact).abs() <= exact * 2**-4 + 2**-9 / E4M3_MAX).all()
+
+
+def test_quantized_weights_over_the_rounded_sum_add_up_to_one():
+    """The Gluon kernel's sum (its tensor cores add P up as rounded): each row's weights sum to 1, and they
+    differ from the exact sum's by the rounding errors' mean only."""
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randn(5, 300, generator=generator, dtype=torch.float64) * 2
+    scores[0, 40:] = float("-inf")
+    scores[1] = float("-inf")
+    rounded = quantized_weights(scores, "rounded")
+    exact = quantized_weights(scores)
+    assert not rounded[1].any()
+    sums = rounded.sum(-1)
+    torch.testing.assert_close(sums[[0, 2, 3, 4]], torch.ones(4, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert (rounded - exact).abs().max() <= 2e-2 * exact.abs().max()
+    with pytest.raises(ValueError, match="p_sum is one of"):
+        quantized_weights(scores, "fp32")
 
 
 def test_lse_with_mean_restores_the_unsmoothed_scores_log_sum_exp():

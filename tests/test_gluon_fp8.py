@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from natsim.kernels.common import fp8
-from natsim.kernels.gluon.fp8_forward import BLOCK_N, BlockLists
+from natsim.kernels.gluon.fp8_forward import BLOCK_N, BlockLists, launch
 from natsim.kernels.gluon.ops import fp8_block_attention
 from natsim.kernels.sparse.reference import sparse_reference
 
@@ -85,6 +85,29 @@ def test_refusals_are_sentences(change, message):
         fp8_block_attention(*change(q, k, v))
     with pytest.raises(RuntimeError, match="for inference and has no backward pass"):
         fp8_block_attention(q.requires_grad_(), k, v)
+
+
+def test_the_kernel_refuses_v_in_natural_key_order():
+    """The kernel stores P key-major and reads V in that order: tensors quantized for the Triton kernels would
+    pair each probability with another key's value, so they are refused before anything is launched."""
+    q, k, v = (torch.randn(1, 128, 1, 64).to(torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match="v_key_major=True"):
+        launch(fp8.quantize(q, k, v, k_block=BLOCK_N), None, 0.125, torch.bfloat16, False)
+
+
+def test_the_cpu_path_divides_by_the_sum_of_the_rounded_weights():
+    """The kernel's row sums are P @ 1 over P as rounded: its CPU path (the rule's reference) takes the same
+    sum, and so differs from the exact-sum rule by the rounding errors' mean only."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 384, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    out = fp8_block_attention(q, k, v).float()
+    x = fp8.quantize(q, k, v, k_block=BLOCK_N, v_key_major=True)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    rounded = sparse_reference(*x.dequantized(), mask, 128, 128, quantized_probs=True, p_sum="rounded")
+    exact = sparse_reference(*x.dequantized(), mask, 128, 128, quantized_probs=True)
+    assert torch.equal(out, rounded.to(torch.bfloat16).float())
+    assert not torch.equal(out, exact.to(torch.bfloat16).float())
+    assert float((out - exact.float()).norm() / exact.float().norm()) < 1e-2
 
 
 def test_lists_that_do_not_fit_the_call_are_refused():

@@ -15,10 +15,14 @@ The rule (float8 e4m3, largest finite value 448; the scores and the output accum
   more than 2^15 times smaller than their block's largest would fall to e4m3's subnormals.
 - V: one scale per channel (per batch and head, over the real tokens), applied to the output once at the end.
   The kernels read V transposed, `[B, heads, head_dim, rows]` with `rows` padded to 16: Hopper's FP8 matrix
-  instructions take their second operand with the reduced dimension (the keys, for P @ V) contiguous.
+  instructions take their second operand with the reduced dimension (the keys, for P @ V) contiguous. The
+  Gluon kernel reads its keys key-major within blocks of 128 (`key_major_positions`, rows padded to 128),
+  the order in which it stores P.
 - P: quantized per tile with a static scale of 448: the kernels compute `448 * exp(s - m)` directly (the
   offset `log2(448)` joins the subtracted running maximum, so no multiply) and cast it to e4m3; the running
-  sum counts the unrounded values. Rows whose running maximum has not settled round against it, so the
+  sum counts the unrounded values in the Triton kernels and the rounded ones in the Gluon kernel, whose tensor
+  cores add P up beside P @ V (`P_SUMS`; the two differ by the rounding errors' mean, far inside FP8's
+  tolerance). Rows whose running maximum has not settled round against it, so the
   kernels' P rounding depends on the order of the KV tiles; the reference rounds against the row's final
   maximum. Both are the rule; tests compare them within FP8 tolerance, not bit for bit.
 
@@ -52,6 +56,8 @@ FLOAT8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8
                                                          "float8_e5m2fnuz") if hasattr(torch, name))
 OUT_DTYPES = (torch.bfloat16, torch.float16)  # what a call on float8 inputs returns
 ROW_ALIGNMENT = 16  # rows of the transposed V are padded to whole 16-byte units (tensor descriptor strides)
+KEY_MAJOR_BLOCK = 128  # keys per block of a key-major transposed V
+P_SUMS = ("exact", "rounded")  # a softmax row's sum taken over P before or after its rounding to e4m3
 
 
 def check_precision(precision: Optional[str]) -> Optional[str]:
@@ -177,9 +183,10 @@ class Fp8Tensors:
     rule above, or given in float8 (`prequantized_rows`).
 
     `q`, `k`: float8 e4m3 `[B, rows, heads, head_dim]` (`fp8_rows`' layout: contiguous, or heads 16 bytes
-    apart); `q_scale`, `k_scale`: float32 `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim, rows_padded]` (V transposed, zeros past the
-    rows); `v_scale`: float32 `[B, heads, head_dim]`; `k_mean`: K's mean `[B, heads, head_dim]`, None for inputs
-    given in float8 (no mean removed). Dequantized, `q ~ q_fp8 * q_scale[..., None]`,
+    apart); `q_scale`, `k_scale`: float32 `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim,
+    rows_padded]` (V transposed, zeros past the rows; with `v_key_major`, key `r` at `key_major_positions(r)`);
+    `v_scale`: float32 `[B, heads, head_dim]`; `k_mean`: K's mean `[B, heads, head_dim]`, None for inputs given
+    in float8 (no mean removed). Dequantized, `q ~ q_fp8 * q_scale[..., None]`,
     `k - mean ~ k_fp8 * k_scale[..., None]`, `v ~ v_t.transpose * v_scale`.
     """
 
@@ -190,13 +197,26 @@ class Fp8Tensors:
     k_scale: torch.Tensor
     v_scale: torch.Tensor
     k_mean: Optional[torch.Tensor]
+    v_key_major: bool = False
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K (mean removed) and V as the kernels see them, `[B, rows, heads, head_dim]` in `dtype`."""
         q = self.q.to(dtype) * self.q_scale[..., None].to(dtype)
         k = self.k.to(dtype) * self.k_scale[..., None].to(dtype)
-        v = self.v_t[..., :self.k.shape[1]].permute(0, 3, 1, 2).to(dtype) * self.v_scale[:, None].to(dtype)
+        rows = self.k.shape[1]
+        v_t = self.v_t[..., key_major_positions(rows, self.v_t.device)] if self.v_key_major else self.v_t[..., :rows]
+        v = v_t.permute(0, 3, 1, 2).to(dtype) * self.v_scale[:, None].to(dtype)
         return q, k, v
+
+
+def key_major_positions(rows: int, device) -> torch.Tensor:
+    """Where a key-major transposed V keeps keys `0 .. rows-1`: within each block of 128 keys, key
+    `8 g + 2 q + e` (q < 4, e < 2) at `32 q + 2 g + e`. That is the Gluon kernel's P order: the matrix
+    instruction leaves a thread its row's scores in columns `8 g + 2 q + e` of one q, which it stores as 32
+    consecutive bytes (kernels/gluon/fp8_forward.py)."""
+    r = torch.arange(rows, device=device)
+    j = r % KEY_MAJOR_BLOCK
+    return r - j + 32 * (j // 2 % 4) + 2 * (j // 8) + j % 2
 
 
 def column_statistics(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,24 +229,27 @@ def column_statistics(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
-                  v_scale: torch.Tensor, k_block: int = 1) -> Fp8Tensors:
+                  v_scale: torch.Tensor, k_block: int = 1, v_key_major: bool = False) -> Fp8Tensors:
     """Quantize `[B, rows, heads, head_dim]` q, k, v by the rule, with K's mean and V's scales given (taken over
     the real tokens: rows here may include padding); K's scales shared by blocks of `k_block` rows (1: one per
-    row; still stored one per row). One Triton pass per tensor on CUDA tensors and in the interpreter
-    (`_quantize_kernel`), torch otherwise; both round alike (tests/test_fp8.py)."""
+    row; still stored one per row); V's keys key-major within blocks of 128 where `v_key_major` (the Gluon
+    kernel's order). One Triton pass per tensor on CUDA tensors and in the interpreter (`_quantize_kernel`),
+    torch otherwise; both round alike (tests/test_fp8.py)."""
     batch, rows, heads, head_dim = k.shape
-    padded = -(-rows // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    alignment = KEY_MAJOR_BLOCK if v_key_major else ROW_ALIGNMENT
+    padded = -(-rows // alignment) * alignment
     v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
     if q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
         q8, q_scale = _quantize_triton(q, 0, k_mean, v_scale)
         k8, k_scale = _quantize_triton(k, 1, k_mean, v_scale, block=k_block)
-        _quantize_triton(v, 2, k_mean, v_scale, v_t)
+        _quantize_triton(v, 2, k_mean, v_scale, v_t, key_major=v_key_major)
     else:
         q8, q_scale = _per_row(q.float())
         k8, k_scale = _per_row(k.float() - k_mean[:, None], k_block)
         q8, k8 = aligned_rows(q8), aligned_rows(k8)
-        v_t[..., :rows] = (v.float() / v_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).permute(0, 2, 3, 1).to(E4M3)
-    return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean)
+        columns = key_major_positions(rows, v.device) if v_key_major else slice(0, rows)
+        v_t[..., columns] = (v.float() / v_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).permute(0, 2, 3, 1).to(E4M3)
+    return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean, v_key_major)
 
 
 def prequantized_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
@@ -271,9 +294,10 @@ QUANTIZE_ROWS = 64  # rows per program of the quantization kernel
 
 
 def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: torch.Tensor,
-                     v_t: Optional[torch.Tensor] = None, block: int = 1):
+                     v_t: Optional[torch.Tensor] = None, block: int = 1, key_major: bool = False):
     """Mode 0 (Q) and 1 (K, mean removed): `(x_fp8, row_scales)`, K's scale shared by blocks of `block` rows
-    (a power of two); mode 2 (V): writes V transposed into `v_t`."""
+    (a power of two); mode 2 (V): writes V transposed into `v_t`, key-major within blocks of 128 where
+    `key_major`."""
     batch, rows, heads, head_dim = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     if mode == 2:
@@ -286,19 +310,20 @@ def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: 
     _quantize_kernel[grid](x, out, scales, k_mean, x.stride(0), x.stride(1), x.stride(2), rows, heads,
                            v_t.shape[-1] if mode == 2 else out.stride(2), HEAD_DIM=head_dim,
                            BLOCK_D=next_power_of_two(head_dim), BLOCK_R=block_rows, SHARED=block, MODE=mode,
-                           EXACT_CAST=not x.is_cuda)
+                           KEY_MAJOR=key_major, EXACT_CAST=not x.is_cuda)
     return (None, None) if mode == 2 else (out, scales)
 
 
 @triton.jit
 def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows, heads, out_stride,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, SHARED: tl.constexpr,
-                     MODE: tl.constexpr, EXACT_CAST: tl.constexpr):
+                     MODE: tl.constexpr, KEY_MAJOR: tl.constexpr, EXACT_CAST: tl.constexpr):
     """BLOCK_R rows of one (batch, head): Q (MODE 0) and K (MODE 1, its mean subtracted) with one scale per row,
     written `[B, rows, heads, head_dim]` with heads `out_stride` apart (`fp8_rows`) and scales `[B, rows,
     heads]` (K's shared by groups of SHARED rows where SHARED > 1); V (MODE 2) divided by its channel scales
-    `SCALES` `[B, heads, head_dim]` and written transposed, `[B, heads, head_dim, out_stride]`. Rows run `BLOCK_D` (head_dim's next power of two) columns, those past
-    head_dim masked."""
+    `SCALES` `[B, heads, head_dim]` and written transposed, `[B, heads, head_dim, out_stride]` (key-major within
+    blocks of 128 where KEY_MAJOR: `key_major_positions`). Rows run `BLOCK_D` (head_dim's next power of two)
+    columns, those past head_dim masked."""
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
@@ -312,7 +337,11 @@ def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows,
     if MODE == 2:
         x = x / tl.load(SCALES + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=1.0)[None, :]
         x8 = cast_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0), EXACT_CAST)
-        tl.store(OUT + ((b * heads + h) * HEAD_DIM + d[None, :]) * out_stride + r[:, None], x8, mask=cell_ok)
+        column = r
+        if KEY_MAJOR:
+            j = r % 128
+            column = r - j + 32 * (j // 2 % 4) + 2 * (j // 8) + j % 2
+        tl.store(OUT + ((b * heads + h) * HEAD_DIM + d[None, :]) * out_stride + column[:, None], x8, mask=cell_ok)
     else:
         if MODE == 1:
             x = x - tl.load(K_MEAN + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
@@ -327,12 +356,13 @@ def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows,
         tl.store(SCALES + row, scale, mask=ok)
 
 
-def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_block: int = 1) -> Fp8Tensors:
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_block: int = 1,
+             v_key_major: bool = False) -> Fp8Tensors:
     """Quantize `[B, *tokens, heads, head_dim]` q, k, v by the rule (K's scales shared by blocks of `k_block`
-    tokens); the result's rows are the flattened tokens."""
+    tokens; V key-major where `v_key_major`); the result's rows are the flattened tokens."""
     k_mean, v_scale = column_statistics(k, v)
     flat = tuple(t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]) for t in (q, k, v))
-    return quantize_rows(*flat, k_mean, v_scale, k_block)
+    return quantize_rows(*flat, k_mean, v_scale, k_block, v_key_major)
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:
@@ -358,15 +388,18 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).to(x.dtype)
 
 
-def quantized_weights(scores: torch.Tensor) -> torch.Tensor:
+def quantized_weights(scores: torch.Tensor, p_sum: str = "exact") -> torch.Tensor:
     """Softmax weights over the last dimension of `scores` (natural-log units, -inf where masked) as the FP8
-    kernels use them for P @ V: `round_e4m3(448 * exp(s - max)) / 448 / sum(exp(s - max))`. Rows with no finite
-    score get zeros."""
+    kernels use them for P @ V: `round_e4m3(448 * exp(s - max)) / 448` over the row's sum of `exp(s - max)`,
+    taken before the rounding (`p_sum="exact"`, the Triton kernels) or after it (`"rounded"`, the Gluon
+    kernel). Rows with no finite score get zeros."""
+    if p_sum not in P_SUMS:
+        raise ValueError(f"p_sum is one of {P_SUMS}, got {p_sum!r}")
     top = scores.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     e = torch.exp(scores - top)
-    total = e.sum(-1, keepdim=True)
     weights = round_to_e4m3(e * E4M3_MAX) / E4M3_MAX
+    total = (weights if p_sum == "rounded" else e).sum(-1, keepdim=True)
     return weights / torch.where(total > 0, total, torch.ones_like(total))
 
 

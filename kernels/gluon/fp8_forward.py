@@ -6,8 +6,8 @@ One program computes one query block of 128 rows of one (batch, head) against th
 - a loader warp issues TMA copies: the query block once, then each listed key block's K and V (transposed) into
   a ring of `STAGES` buffers, guarded by ready / empty mbarriers;
 - two consumer warpgroups each own 64 of the query rows and run the same loop over the ring, ping-pong: in its
-  turn a warpgroup issues its two asynchronous products (Q K^T of the next block, P V of this one) and hands
-  the turn over (an mbarrier each way), then exponentiates the next block's scores while the other
+  turn a warpgroup issues its asynchronous products (Q K^T of the next block; P V and P 1 of this one) and
+  hands the turn over (an mbarrier each way), then exponentiates the next block's scores while the other
   warpgroup's products run. P goes to P V through a shared buffer of the warpgroup's.
 
 The arithmetic is natsim's FP8 rule (kernels/common/fp8.py), with K's scales shared by its blocks of 128 keys:
@@ -16,6 +16,17 @@ joins the row's scale so that each score costs one multiply-add before its expon
 one scale per channel; P cast to e4m3 as `448 * exp2(s - m)` against each row's running maximum; fp32
 accumulators; V's scales applied to the output once. Keys past the sequence (the last block's padding) are
 masked; a block list names whole tiles (no element mask inside a visited tile).
+
+Two choices keep the consumers' instruction count per score low, which is what bounds this kernel (the tensor
+cores wait on the softmax's issue slots, docs/fp8.md):
+
+- P is stored key-major: a thread's scores of one row sit in columns `8 g + 2 q + e` of the matrix
+  instruction's result (q its lane's quarter, g the 8-column group, e the pair), and go to shared memory at
+  `32 q + 2 g + e`, 32 consecutive bytes a thread, four 16-byte stores a block, where the natural order took
+  32 two-byte stores and the byte shuffles to build them. V's keys are stored in the same order within each
+  block of 128 (`quantize(..., v_key_major=True)`), so P V is unchanged.
+- The row sums come from the tensor cores: P times a block of ones (an 8-column product beside P V) adds up P
+  as rounded to e4m3, in place of one fp32 add per score.
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ from ..common.launch import tensor_descriptors_enabled
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per block
 HALF_M = BLOCK_M // 2
+ONES = gl.constexpr(8)  # columns of the row-sum product P 1: the matrix instruction's narrowest
+E4M3_ONE_BITS = gl.constexpr(0x38)  # 1.0 in float8 e4m3 (sign 0, exponent 0111, mantissa 000)
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 P_OFFSET = math.log2(448.0)
@@ -117,34 +130,54 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
 
 
 @gluon.jit
-def _softmax(s, row_scale, m_i, l_i, block, n_kv, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
+def _softmax(s, row_scale, m_i, block, n_kv, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
              P_OFFSET: gl.constexpr):
     """The online-softmax update of one block's raw scores `s` with `row_scale` (log2 units: the softmax scale,
     the queries' scales and the block's key scale, folded into the exponent's one multiply-add), keys past the
-    sequence at -inf: P in e4m3 as 448 * exp2(s - m), the running maximum and sum, and the factor the
-    accumulator is rescaled by."""
+    sequence at -inf: P (fp32) as 448 * exp2(s - m), the running maximum, and the factor the accumulators are
+    rescaled by."""
     if (block + 1) * BLOCK_N > n_kv:  # the sequence's last block: mask its padding keys
         cols = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         s = gl.where(gl.expand_dims(cols < n_kv, 0), s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * row_scale)  # row scales are positive
     p = gl.exp2(s * gl.expand_dims(row_scale, 1) - gl.expand_dims(m_new - P_OFFSET, 1))
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p.to(gl.float8e4nv), m_new, l_i, alpha
+    return p, m_new, gl.exp2(m_i - m_new)
 
 
 @gluon.jit
-def _pv(p, p_smem, v_tile, acc):
-    """Issue acc += P V (asynchronous), P through this warpgroup's shared buffer: the wgmma reads it from there
-    in the layout the instruction wants (measured faster than shuffling P's registers into the operand layout:
-    16.9 against 18.3 ms, dense 32k, H100). The previous product that read the buffer is complete here."""
-    p_smem.store(p)
+def _key_major(p, HALF: gl.constexpr, BLOCK_N: gl.constexpr):
+    """`p` `[HALF, BLOCK_N]` with its columns reordered from the matrix instruction's `8 g + 2 q + e` to
+    `32 q + 2 g + e`: a relabelling of registers (no data moves), after which each thread holds 32 consecutive
+    columns of its rows."""
+    p = p.reshape([HALF, BLOCK_N // 8, 4, 2])  # [row, g, q, e]
+    return p.permute([0, 2, 1, 3]).reshape([HALF, BLOCK_N])
+
+
+@gluon.jit
+def _pv(p, p_smem, v_tile, ones, acc, zero_l, HALF: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Issue acc += P V and this block's row sums P 1 (asynchronous), P in e4m3 through this warpgroup's shared
+    buffer, key-major (V's keys are stored in that order): the wgmma reads it from there in the layout the
+    instruction wants (measured faster than shuffling P's registers into the operand layout: 16.9 against
+    18.3 ms, dense 32k, H100). The row sums start from zero in each block and join the running sum in fp32:
+    Hopper's FP8 products add into their accumulator with a short mantissa, and a sum of positive terms over
+    256 blocks lost a third of its value (dense 32k). The previous products that read the buffer are complete
+    here."""
+    p_smem.store(_key_major(p, HALF, BLOCK_N).to(gl.float8e4nv))
     fence_async_shared()
-    return warpgroup_mma(p_smem, v_tile.permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(p_smem, v_tile.permute((1, 0)), acc, is_async=True)
+    l_block = warpgroup_mma(p_smem, ones.permute((1, 0)), zero_l, use_acc=False, is_async=True)
+    return acc, l_block
 
 
 @gluon.jit
-def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, v_ready, empty,
+def _rescaled(acc, l_acc, alpha, o_row_layout: gl.constexpr, l_row_layout: gl.constexpr):
+    """The output and row-sum accumulators rescaled by `alpha` (the running maximum moved)."""
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+    return acc, l_acc * gl.expand_dims(gl.convert_layout(alpha, l_row_layout), 1)
+
+
+@gluon.jit
+def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty,
               IDX, idx_row, count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
               DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr):
@@ -156,14 +189,18 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, t
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ONES, 32])
+    l_row_layout: gl.constexpr = gl.SliceLayout(1, l_layout)
 
     rows = q_start + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_layout)
     q_scale = gl.load(QS + ((b * n_q + rows.to(gl.int64)) * heads + h), mask=rows < n_q, other=1.0)
     row_scale = q_scale * qk_scale
     ks_row = b.to(gl.int64) * n_kv * heads + h  # key block j's scale: KS[ks_row + j * BLOCK_N * heads]
     m_i = gl.full([HALF], -float("inf"), gl.float32, layout=row_layout)
-    l_i = gl.zeros([HALF], gl.float32, layout=row_layout)
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=o_layout)
+    l_acc = gl.zeros([HALF, ONES], gl.float32, layout=l_layout)  # every column: the row's sum of P
+    zero_l = gl.zeros([HALF, ONES], gl.float32, layout=l_layout)
     zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(HALF_INDEX)
     p_tile = p_smem.index(HALF_INDEX)
@@ -183,8 +220,7 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, t
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, l_i, alpha = _softmax(s, row_scale * k_scale, m_i, l_i, block, n_kv, BLOCK_N, col_layout,
-                                      P_OFFSET)
+        p, m_i, alpha = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout, P_OFFSET)
         for i in range(count - 1):
             if DENSE:
                 block = i + 1
@@ -196,29 +232,31 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, q_bar, t
             mbarrier.wait(my_turn, (i & 1) ^ (1 - HALF_INDEX))
             mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+            acc, l_acc = _rescaled(acc, l_acc, alpha, o_row_layout, l_row_layout)
             mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
-            acc = _pv(p, p_tile, v_smem.index(stage), acc)
+            acc, l_block = _pv(p, p_tile, v_smem.index(stage), ones, acc, zero_l, HALF, BLOCK_N)
             mbarrier.arrive(other_turn, count=1)
-            s = warpgroup_mma_wait(1, deps=(s,))  # groups complete in order: P V may still run
-            p, m_i, l_i, alpha = _softmax(s, row_scale * k_scale, m_i, l_i, block, n_kv, BLOCK_N, col_layout,
-                                          P_OFFSET)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            s = warpgroup_mma_wait(2, deps=(s,))  # groups complete in order: P V and P 1 may still run
+            p, m_i, alpha = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout, P_OFFSET)
+            acc, l_block = warpgroup_mma_wait(0, deps=(acc, l_block))
+            l_acc += l_block
             mbarrier.arrive(empty.index(stage), count=1)  # this block's K and V are consumed
         # the last block's P V
         last = count - 1
         stage = last % STAGES
         mbarrier.wait(my_turn, (last & 1) ^ (1 - HALF_INDEX))
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+        acc, l_acc = _rescaled(acc, l_acc, alpha, o_row_layout, l_row_layout)
         mbarrier.wait(v_ready.index(stage), (last // STAGES) & 1)
-        acc = _pv(p, p_tile, v_smem.index(stage), acc)
+        acc, l_block = _pv(p, p_tile, v_smem.index(stage), ones, acc, zero_l, HALF, BLOCK_N)
         mbarrier.arrive(other_turn, count=1)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        acc, l_block = warpgroup_mma_wait(0, deps=(acc, l_block))
+        l_acc += l_block
         mbarrier.arrive(empty.index(stage), count=1)
 
     # out = acc * v_scale / l; rows with no key get zeros
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     v_scale = gl.load(SV + (b * heads + h) * HEAD_DIM + d)  # the 448 of P cancels between acc and l
+    l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
     l_o = gl.convert_layout(l_i, o_row_layout)
     inv = gl.where(l_o > 0, 1.0 / l_o, 0.0)
     out = acc * gl.expand_dims(inv, 1) * gl.expand_dims(v_scale, 0)
@@ -253,6 +291,13 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, HALF, BLOCK_N],
                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    ones = gl.allocate_shared_memory(gl.float8e4nv, [ONES, BLOCK_N],
+                                     gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    # e4m3's 1.0 written as its bits: Triton 3.6 folds a converted constant (full(1.0).to(float8e4nv)) into
+    # wrong bytes (measured on an H100: the row sums came out as garbage)
+    ones.store(gl.full([ONES, BLOCK_N], E4M3_ONE_BITS, gl.uint8,
+                       layout=gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])).to(gl.float8e4nv, bitcast=True))
+    fence_async_shared()  # the consumers' matrix instructions read the ones
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -272,10 +317,10 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
     k_row = b * n_kv
     v_row = (b * heads + h) * HEAD_DIM
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
+        (_consumer, (0, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
                      count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
                      STAGES, DENSE, RETURN_LSE, P_OFFSET)),
-        (_consumer, (1, q_smem, k_smem, v_smem, p_smem, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
+        (_consumer, (1, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
                      count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
                      STAGES, DENSE, RETURN_LSE, P_OFFSET)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
@@ -333,9 +378,12 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: torch.dtype,
            return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on quantized tensors whose K scales are shared by blocks of `BLOCK_N` keys (`quantize(...,
-    k_block=BLOCK_N)`): the output and the LSE of the scores it saw (K's mean removed; an empty tensor without
-    `return_lse`)."""
+    """The kernel on quantized tensors whose K scales are shared by blocks of `BLOCK_N` keys and whose V is
+    key-major (`quantize(..., k_block=BLOCK_N, v_key_major=True)`): the output and the LSE of the scores it saw
+    (K's mean removed; an empty tensor without `return_lse`)."""
+    if not x.v_key_major:
+        raise ValueError("the Gluon FP8 kernel reads V key-major within blocks of 128 keys: quantize with "
+                         "v_key_major=True")
     batch, rows, heads, head_dim = x.q.shape
     n_kv = x.k.shape[1]
     fp8 = gl.float8e4nv

@@ -42,7 +42,7 @@ def gluon_fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts:
     check_call(q, k, v)
     if not q.is_cuda:
         return _cpu_reference(q, k, v, lists, scale, return_lse)
-    x = quantize(q, k, v, k_block=BLOCK_N)
+    x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True)
     out, lse = launch(x, lists, scale, q.dtype, return_lse)
     return out, (lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse)
 
@@ -55,8 +55,8 @@ def _(q, k, v, counts, indices, scale, return_lse):
 
 def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Optional[BlockLists], scale: float,
                    return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule's reference (K's scales shared by blocks of 128 keys, P rounded against the row's final maximum)
-    in float32 under the lists' block mask."""
+    """The rule's reference (K's scales shared by blocks of 128 keys, P rounded against the row's final maximum
+    and summed as rounded) in float32 under the lists' block mask."""
     from ..sparse.reference import sparse_reference  # the sparse room routes FP8 calls here: import on use
     batch, rows, heads, _ = q.shape
     q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(k.shape[1], BLOCK_N)
@@ -64,8 +64,8 @@ def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Opt
     if lists is not None:
         lists.check(batch, heads, q_blocks, kv_blocks, q.device)
         mask = lists.mask()
-    x = quantize(q, k, v, k_block=BLOCK_N)
+    x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True)
     out, lse = sparse_reference(*x.dequantized(), mask, BLOCK_M, BLOCK_N, scale, return_lse=True,
-                                quantized_probs=True)
+                                quantized_probs=True, p_sum="rounded")
     lse = lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse.new_empty(0)
     return out.to(q.dtype), lse

@@ -41,10 +41,12 @@ def sparse_reference(
     return_lse: bool = False,
     chunk: int = 1024,
     quantized_probs: bool = False,
+    p_sum: str = "exact",
 ):
     """Exact attention of `[B, N, heads, head_dim]` tensors under the block mask expanded to elements, in float32
     (float64 for float64 inputs), `chunk` query rows at a time; differentiable. Empty rows: output 0, LSE -inf.
-    `quantized_probs`: P @ V takes the weights rounded as the FP8 kernels round them (kernels/common/fp8.py)."""
+    `quantized_probs`: P @ V takes the weights rounded as the FP8 kernels round them, over the row sum `p_sum`
+    names (kernels/common/fp8.py, `quantized_weights`)."""
     check_sparse_qkv(q, k, v)
     dense, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
     batch, seq_len, heads, head_dim = q.shape
@@ -63,7 +65,7 @@ def sparse_reference(
         attends = allowed.any(-1, keepdim=True)
         scores = torch.where(attends, scores, 0.0)  # empty rows: finite, and zeroed below
         lse = torch.logsumexp(scores, -1, keepdim=True)
-        weights = quantized_weights(scores.masked_fill(~allowed, float("-inf"))) if quantized_probs \
+        weights = quantized_weights(scores.masked_fill(~allowed, float("-inf")), p_sum) if quantized_probs \
             else torch.exp(scores - lse)
         out = (weights @ vt) * attends
         outs.append(out.transpose(1, 2))
