@@ -1,7 +1,7 @@
 """The synthetic video-attention workload (benchmarks/workload.py): shapes and seeding, the 3-D rotary
 embedding against its defining property, normalised smooth fields, and attention that is local, has sharp and
 soft heads, and gives its global tokens weight (small CPU layouts); benchmark scripts' small CPU runs, and the
-kernel breakdown of benchmarks/timing.py."""
+kernel breakdown of benchmarks/timing.py; the SASS loop count of benchmarks/sass_gluon.py."""
 
 from __future__ import annotations
 
@@ -269,3 +269,30 @@ def test_heaviest_kernels_sum_launches_per_name_heaviest_first():
     kernels = [("a", 0.0, 100.0), ("b", 0.0, 300.0), ("a", 500.0, 750.0), ("c", 0.0, 50.0)]
     assert timing.heaviest_kernels(kernels) == [("a", 2, 0.35), ("b", 1, 0.3), ("c", 1, 0.05)]
     assert timing.heaviest_kernels(kernels, count=1) == [("a", 2, 0.35)]
+
+
+def test_sass_loops_are_the_key_block_loops_and_not_the_retry_spans():
+    """benchmarks/sass_gluon.py counts the consumers' loops in the kernel's SASS: a branch back over a block's
+    exponentials, and not the longer spans that out-of-line mbarrier retries make by branching back into it."""
+    sass_gluon = load("sass_gluon")
+    lines, address = [], 0
+
+    def emit(text: str) -> None:
+        nonlocal address
+        lines.append(f"        /*{address:04x}*/                   {text} ;")
+        address += 0x10
+
+    emit("MOV R1, c[0x0][0x28]")
+    start = address
+    for i in range(40):
+        emit(f"MUFU.EX2 R{i % 8}, R{i % 8}")
+        emit(f"FFMA R{i % 8}, R1, R2, R3")
+    emit("@!P1 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR9+0x28170], RZ")
+    emit(f"@P2 BRA 0x{start:x}")
+    end = address - 0x10
+    emit("EXIT")
+    emit(f"BRA 0x{start + 0x40:x}")  # a retry stub branching back into the loop
+    emit("MUFU.RCP R3, R3")
+    (loop,) = sass_gluon.loops("\n".join(lines))
+    assert loop[:2] == (start, end)
+    assert loop[2]["MUFU.EX2"] == 40 and loop[2]["FFMA"] == 40 and loop[2]["SYNCS"] == 1 and loop[2]["BRA"] == 1
