@@ -159,9 +159,9 @@ def _pv(p, p_smem, v_tile, ones, acc, zero_l, HALF: gl.constexpr, BLOCK_N: gl.co
     buffer, key-major (V's keys are stored in that order): the wgmma reads it from there in the layout the
     instruction wants (measured faster than shuffling P's registers into the operand layout: 16.9 against
     18.3 ms, dense 32k, H100). The row sums start from zero in each block and join the running sum in fp32:
-    Hopper's FP8 products add into their accumulator with a short mantissa, and a sum of positive terms over
-    256 blocks lost a third of its value (dense 32k). The previous products that read the buffer are complete
-    here."""
+    Hopper's FP8 products add into their accumulator with a short mantissa, and a sum of positive terms carried
+    in it over 256 blocks came out 1.4-1.8x too small (dense 32k). The previous products that read the buffer
+    are complete here."""
     p_smem.store(_key_major(p, HALF, BLOCK_N).to(gl.float8e4nv))
     fence_async_shared()
     acc = warpgroup_mma(p_smem, v_tile.permute((1, 0)), acc, is_async=True)
@@ -206,7 +206,7 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
     p_tile = p_smem.index(HALF_INDEX)
     mbarrier.wait(q_bar, 0)
 
-    # Ping-pong: a warpgroup issues its two products for a block (Q K^T of the next block, P V of this one)
+    # Ping-pong: a warpgroup issues its products for a block (Q K^T of the next block; P V and P 1 of this one)
     # only in its turn, then hands the turn to the other, and exponentiates while the other's products run.
     my_turn = turns.index(HALF_INDEX)
     other_turn = turns.index(1 - HALF_INDEX)
