@@ -4,6 +4,7 @@
     python benchmarks/headdim.py --out DIR --widths 72,96 --cases dense
     python benchmarks/headdim.py --out DIR --small                    # CPU interpreter, tiny shapes, seconds
     python benchmarks/headdim.py --out DIR --cases hunyuan-1x1x1 --aligned-rows   # each head's row 128-byte aligned
+    python benchmarks/headdim.py --out DIR --cases hunyuan-1x1x1 --rows given,aligned,copied   # all three, one run
 
 A head dim that is not a power of two runs in column chunks (kernels/common/headdim.py): padded to the next power
 of two ("pad") or split into two power-of-two chunks ("split", 72 = 64 + 16, 96 = 64 + 32). For each case (GNA in
@@ -46,6 +47,7 @@ from natsim.kernels.gna import dispatch
 
 WIDTHS = (40, 64, 72, 88, 96, 112, 128)
 ALIGNED_CHANNELS = 64  # --aligned-rows: heads padded to a multiple of this many channels (128 bytes in bf16)
+ROW_LAYOUTS = ("given", "aligned", "copied")  # q, k, v as made; made in aligned rows; copied into them per call
 HEADS, DTYPE = 24, torch.bfloat16
 # case: (shape, window, stride, plan options of gna_attention: tiles and KV tiling, {} for its defaults); dense
 # attention is its layout as the window. The dynamic cases run the dynamic KV tiling kernel: Wan 720p as the planner
@@ -121,51 +123,66 @@ def inputs(shape, heads: int, head_dim: int, device: str, dtype: torch.dtype, al
     return tuple(torch.randn(1, *shape, heads, width, device=device, dtype=dtype)[..., :head_dim] for _ in range(3))
 
 
+def in_aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into `inputs`' aligned layout: what natsim would do in front of the kernel."""
+    width = -(-t.shape[-1] // ALIGNED_CHANNELS) * ALIGNED_CHANNELS
+    return t.new_empty(*t.shape[:-1], width)[..., :t.shape[-1]].copy_(t)
+
+
 def run_case(case: str, shape, window, stride, options: dict, head_dim: int, heads: int, device: str,
-             dtype: torch.dtype, small: bool, aligned: bool = False) -> list[dict]:
-    """One row per strategy at `head_dim`: milliseconds, useful TFLOP/s, the chunks run."""
+             dtype: torch.dtype, small: bool, layouts: tuple[str, ...] = ("given",)) -> list[dict]:
+    """One row per strategy and row layout (`ROW_LAYOUTS`) at `head_dim`: milliseconds, useful TFLOP/s, the
+    chunks run. "copied" times the copy of q, k and v into aligned rows with the call."""
     problem = natsim.Problem(shape, window, stride)
     tile = (1,) * (len(shape) - 1) + (16,)  # any tile: the attended pairs are the mask's
     pairs = natsim.simulate(problem, natsim.TileConfig(tile, tile)).attended_pairs
     useful = 4.0 * pairs * head_dim * heads
     torch.manual_seed(0)
-    q, k, v = inputs(shape, heads, head_dim, device, dtype, aligned)
+    made = {aligned: inputs(shape, heads, head_dim, device, dtype, aligned)
+            for aligned in {layout == "aligned" for layout in layouts}}
     rows, outputs = [], []
-    for name in strategies(head_dim):
-        with strategy(name), torch.no_grad():
-            split = headdim.head_split(head_dim)
-            run = lambda: gna_attention(q, k, v, window, stride, backend="triton", **options)  # noqa: E731
-            outputs.append(run())
-            ms = timed(run, small)
-        rows.append({"case": case, "shape": list(shape), "window": list(window), "stride": list(stride),
-                     "plan": {key: list(v) if isinstance(v, tuple) else v for key, v in options.items()},
-                     "heads": heads, "head_dim": head_dim, "strategy": name, "chunks": [split.a, split.b],
-                     "computed_width": split.width, "aligned_rows": aligned, "ms": ms,
-                     "useful_tflops": useful / ms / 1e9})
-    if len(outputs) == 2:
-        agreement = rel(outputs[0], outputs[1])
+    for layout in layouts:
+        q, k, v = made[layout == "aligned"]
+        prepare = in_aligned_rows if layout == "copied" else (lambda t: t)
+        for name in strategies(head_dim):
+            with strategy(name), torch.no_grad():
+                split = headdim.head_split(head_dim)
+                run = lambda: gna_attention(prepare(q), prepare(k), prepare(v), window, stride,  # noqa: E731
+                                            backend="triton", **options)
+                outputs.append((layout, run()))
+                ms = timed(run, small)
+            rows.append({"case": case, "shape": list(shape), "window": list(window), "stride": list(stride),
+                         "plan": {key: list(v) if isinstance(v, tuple) else v for key, v in options.items()},
+                         "heads": heads, "head_dim": head_dim, "strategy": name, "chunks": [split.a, split.b],
+                         "computed_width": split.width, "rows": layout, "aligned_rows": layout != "given",
+                         "ms": ms, "useful_tflops": useful / ms / 1e9})
+    for layout in layouts:
+        same_inputs = [out for where, out in outputs if (where == "aligned") == (layout == "aligned")]
+        agreement = max(rel(out, same_inputs[0]) for out in same_inputs)
         for row in rows:
-            row["pad_vs_split_rel_error"] = agreement
+            if row["rows"] == layout:
+                row["pad_vs_split_rel_error"] = agreement
         if agreement > 2e-2:
-            raise SystemExit(f"{case} at head_dim {head_dim}: padded and split outputs differ by {agreement:.2e}.")
+            raise SystemExit(f"{case} at head_dim {head_dim}: the strategies' outputs differ by {agreement:.2e}.")
     return rows
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Each row's useful TFLOP/s over its case's at head_dim 128 (the best strategy there), where timed."""
-    base = {r["case"]: r["useful_tflops"] for r in rows if r["head_dim"] == 128}
+    """Each row's useful TFLOP/s over its case's at head_dim 128 in the same row layout, where timed."""
+    base = {(r["case"], r["rows"]): r["useful_tflops"] for r in rows if r["head_dim"] == 128}
     for row in rows:
-        if row["case"] in base:
-            row["of_128"] = row["useful_tflops"] / base[row["case"]]
+        if (row["case"], row["rows"]) in base:
+            row["of_128"] = row["useful_tflops"] / base[row["case"], row["rows"]]
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | head_dim | strategy | chunks | ms | useful TFLOP/s | of head_dim 128 |", "|" + "---|" * 7]
+    lines = ["| case | head_dim | rows | strategy | chunks | ms | useful TFLOP/s | of head_dim 128 |",
+             "|" + "---|" * 8]
     for r in rows:
         ratio = f"{r['of_128']:.2f}" if "of_128" in r else "-"
-        lines.append(f"| {r['case']} | {r['head_dim']} | {r['strategy']} | {r['chunks'][0]}+{r['chunks'][1]} | "
-                     f"{r['ms']:.3f} | {r['useful_tflops']:.3g} | {ratio} |")
+        lines.append(f"| {r['case']} | {r['head_dim']} | {r['rows']} | {r['strategy']} | "
+                     f"{r['chunks'][0]}+{r['chunks'][1]} | {r['ms']:.3f} | {r['useful_tflops']:.3g} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -184,8 +201,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU in Triton's interpreter")
     parser.add_argument("--aligned-rows", action="store_true",
                         help=f"q, k, v as views of heads padded to a multiple of {ALIGNED_CHANNELS} channels, so that "
-                             "each head's row starts on a 128-byte boundary (do misaligned rows slow 40, 72, 88?)")
+                             "each head's row starts on a 128-byte boundary (do misaligned rows slow 40, 72, 88?); "
+                             "the same as --rows aligned")
+    parser.add_argument("--rows", default=None,
+                        help=f"row layouts to time, comma-separated, from {','.join(ROW_LAYOUTS)}: q, k, v as made "
+                             "(given), made in aligned rows (aligned), copied into aligned rows in each call (copied)")
     args = parser.parse_args(argv)
+    layouts = tuple(args.rows.split(",")) if args.rows else ("aligned",) if args.aligned_rows else ("given",)
+    if args.aligned_rows and args.rows:
+        raise SystemExit("pass --aligned-rows or --rows, not both.")
+    if unknown := [layout for layout in layouts if layout not in ROW_LAYOUTS]:
+        raise SystemExit(f"--rows takes {', '.join(ROW_LAYOUTS)}; got {', '.join(unknown)}.")
     if args.small:
         cases, widths, device, dtype, heads = SMALL_CASES, SMALL_WIDTHS, "cpu", torch.float16, 1
         if torch.cuda.is_available():
@@ -207,11 +233,11 @@ def main(argv=None) -> dict:
     for case, (shape, window, stride, options) in cases.items():
         for head_dim in widths:
             for row in run_case(case, shape, window, stride, options, head_dim, heads, device, dtype, args.small,
-                                args.aligned_rows):
+                                layouts):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     record = {**environment(args.small), "reference_rel_error": checks, "rows": with_ratios(rows)}
-    suffix = "-aligned" if args.aligned_rows else ""
+    suffix = "" if layouts == ("given",) else "-" + "-".join(layouts)
     name = (f"headdim-small{suffix}.json" if args.small
             else f"headdim-{record['device'].replace(' ', '_')}-{record['date']}{suffix}.json")
     (args.out / name).write_text(json.dumps(record, indent=1))
