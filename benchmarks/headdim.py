@@ -43,10 +43,10 @@ import triton
 import natsim
 from natsim.kernels import gna_attention, reference_attention
 from natsim.kernels.common import headdim
+from natsim.kernels.common import rows as head_rows
 from natsim.kernels.gna import dispatch
 
 WIDTHS = (40, 64, 72, 88, 96, 112, 128)
-ALIGNED_CHANNELS = 64  # --aligned-rows: heads padded to a multiple of this many channels (128 bytes in bf16)
 ROW_LAYOUTS = ("given", "aligned", "copied")  # q, k, v as made; made in aligned rows; copied into them per call
 HEADS, DTYPE = 24, torch.bfloat16
 # case: (shape, window, stride, plan options of gna_attention: tiles and KV tiling, {} for its defaults); dense
@@ -73,14 +73,15 @@ SMALL_WIDTHS = (40, 72)
 def strategy(name: str):
     """Every width padded ("pad") or split where that computes fewer columns ("split") while inside, on fresh
     calls (the dispatcher keeps a call's chunks with it); no launch pads by default (`PADDED_LAUNCHES`) meanwhile."""
-    saved = headdim.PADDED_WIDTHS, headdim.PADDED_LAUNCHES
+    saved = headdim.PADDED_WIDTHS, headdim.PADDED_LAUNCHES, head_rows.ALIGNED_ROW_LAUNCHES
     headdim.PADDED_WIDTHS = frozenset(headdim.HEAD_DIMS) if name == "pad" else frozenset()
     headdim.PADDED_LAUNCHES = frozenset()
+    head_rows.ALIGNED_ROW_LAUNCHES = frozenset()
     dispatch._calls.clear()
     try:
         yield
     finally:
-        headdim.PADDED_WIDTHS, headdim.PADDED_LAUNCHES = saved
+        headdim.PADDED_WIDTHS, headdim.PADDED_LAUNCHES, head_rows.ALIGNED_ROW_LAUNCHES = saved
         dispatch._calls.clear()
 
 
@@ -117,20 +118,10 @@ def check_small(head_dim: int, device: str, dtype: torch.dtype) -> float:
 
 
 def inputs(shape, heads: int, head_dim: int, device: str, dtype: torch.dtype, aligned: bool) -> tuple:
-    """Random q, k, v `[1, *shape, heads, head_dim]`; `aligned`: views of the first head_dim channels of heads
-    `ALIGNED_CHANNELS`-wide multiples, so that every head's row starts on a 128-byte boundary in 16-bit dtypes."""
-    width = aligned_width(head_dim) if aligned else head_dim
+    """Random q, k, v `[1, *shape, heads, head_dim]`; `aligned`: views of the first head_dim channels of wider
+    heads (natsim's `aligned_width`), so that every head's row starts on a 128-byte boundary."""
+    width = head_rows.aligned_width(head_dim, dtype) if aligned else head_dim
     return tuple(torch.randn(1, *shape, heads, width, device=device, dtype=dtype)[..., :head_dim] for _ in range(3))
-
-
-def aligned_width(head_dim: int) -> int:
-    """Channels per head in the aligned layout: head_dim rounded up to a multiple of `ALIGNED_CHANNELS`."""
-    return triton.cdiv(head_dim, ALIGNED_CHANNELS) * ALIGNED_CHANNELS
-
-
-def in_aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """`t` copied into `inputs`' aligned layout: what natsim would do in front of the kernel."""
-    return t.new_empty(*t.shape[:-1], aligned_width(t.shape[-1]))[..., :t.shape[-1]].copy_(t)
 
 
 def run_case(case: str, shape, window, stride, options: dict, head_dim: int, heads: int, device: str,
@@ -147,7 +138,7 @@ def run_case(case: str, shape, window, stride, options: dict, head_dim: int, hea
     rows, outputs = [], []
     for layout in layouts:
         q, k, v = made[layout == "aligned"]
-        prepare = in_aligned_rows if layout == "copied" else (lambda t: t)
+        prepare = head_rows.in_aligned_rows if layout == "copied" else (lambda t: t)
         for name in strategies(head_dim):
             with strategy(name), torch.no_grad():
                 split = headdim.head_split(head_dim)
@@ -204,7 +195,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU in Triton's interpreter")
     parser.add_argument("--aligned-rows", action="store_true",
-                        help=f"q, k, v as views of heads padded to a multiple of {ALIGNED_CHANNELS} channels, so that "
+                        help="q, k, v as views of wider heads (natsim's aligned_width), so that "
                              "each head's row starts on a 128-byte boundary (do misaligned rows slow 40, 72, 88?); "
                              "the same as --rows aligned")
     parser.add_argument("--rows", default=None,

@@ -296,14 +296,3 @@ def test_sass_loops_are_the_key_block_loops_and_not_the_retry_spans():
     (loop,) = sass_gluon.loops("\n".join(lines))
     assert loop[:2] == (start, end)
     assert loop[2]["MUFU.EX2"] == 40 and loop[2]["FFMA"] == 40 and loop[2]["SYNCS"] == 1 and loop[2]["BRA"] == 1
-
-
-def test_headdim_copies_inputs_into_rows_that_start_on_128_byte_boundaries():
-    """benchmarks/headdim.py --rows copied: the copy natsim would make in front of the kernel keeps every value
-    and starts each head's row on a 128-byte boundary (72 bf16 channels: rows of 144 bytes, most off one)."""
-    headdim = load("headdim")
-    t = torch.randn(1, 5, 3, 72).to(torch.bfloat16)
-    assert (t[0, 0, 1].data_ptr() - t.data_ptr()) % 128 == 16  # the given layout: the second head 144 bytes in
-    aligned = headdim.in_aligned_rows(t)
-    assert torch.equal(aligned, t) and aligned.shape == t.shape
-    assert all((aligned[0, n, h].data_ptr() - aligned.data_ptr()) % 128 == 0 for n in range(5) for h in range(3))

@@ -25,12 +25,13 @@ from ..common.checks import KERNEL_HEAD_DIMS
 from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_split, fp8_q_tile
 from ..common.headdim import head_dim_refusal
 from ..common.launch import has_tensor_descriptors, tensor_descriptors_enabled
+from ..common.rows import copies_rows, in_aligned_rows
 from ..fa4 import run as fa4_run
 from ..gluon.ops import gluon_fp8_forward
 from .backward import gna_backward
 from .checks import check_frames, check_kernel_inputs, check_qkv, kernel_tiles
 from .choice import Choice, backward_refusal, choose
-from .launch import KERNELS, dense_as_1d, frames_as_3d, make_call, takes_layout_path
+from .launch import KERNELS, GnaCall, dense_as_1d, frames_as_3d, make_call, takes_layout_path
 from .reference import fp8_reference_attention, reference_attention
 from .spec import GnaSpec
 from .tiles import choose_tiles, default_tiles
@@ -119,10 +120,20 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
         if given == (None, None):
             q_dims = fp8_q_tile(q_dims)
         check_fp8_tiles(q, math.prod(q_dims), math.prod(kv_dims))
+    # In place, the kernel reads q, k, v where they are: in aligned copies where that pays (kernels/common/rows.py;
+    # the permuted path's permutation makes its own rows). The call's strides are the copies'.
+    aligned = layout and not fp8 and copies_rows((mode, math.prod(q_dims)), q)
+    if aligned:
+        views = tuple(in_aligned_rows(t) for t in views)
     call = make_call(kernel_problem, shape, replace(spec, q_tile=q_dims, kv_tile=kv_dims, kv_tiling=mode),
                      batch=batch, heads=heads, head_dim=head_dim, layout_tensors=views if layout else None,
                      descriptors=has_tensor_descriptors(q.device))
-    return call.run
+    return functools.partial(_run_aligned, call=call) if aligned else call.run
+
+
+def _run_aligned(q, k, v, *, call: GnaCall) -> Output:
+    """`call` on copies of q, k and v whose head rows start on 128-byte boundaries (kernels/common/rows.py)."""
+    return call.run(in_aligned_rows(q), in_aligned_rows(k), in_aligned_rows(v))
 
 
 def _scale(spec: GnaSpec, q: torch.Tensor) -> float:
