@@ -4,7 +4,7 @@
     python benchmarks/headdim.py --out DIR --widths 72,96 --cases dense
     python benchmarks/headdim.py --out DIR --small                    # CPU interpreter, tiny shapes, seconds
     python benchmarks/headdim.py --out DIR --cases hunyuan-1x1x1 --aligned-rows   # each head's row 128-byte aligned
-    python benchmarks/headdim.py --out DIR --cases hunyuan-1x1x1 --rows given,aligned,copied   # all three, one run
+    python benchmarks/headdim.py --out DIR --cases hunyuan-1x1x1 --rows given,aligned,copied,natsim   # row layouts
 
 A head dim that is not a power of two runs in column chunks (kernels/common/headdim.py): padded to the next power
 of two ("pad") or split into two power-of-two chunks ("split", 72 = 64 + 16, 96 = 64 + 32). For each case (GNA in
@@ -47,7 +47,9 @@ from natsim.kernels.common import rows as head_rows
 from natsim.kernels.gna import dispatch
 
 WIDTHS = (40, 64, 72, 88, 96, 112, 128)
-ROW_LAYOUTS = ("given", "aligned", "copied")  # q, k, v as made; made in aligned rows; copied into them per call
+# q, k, v as made (natsim's copy into aligned rows off); made in aligned rows; copied into them by the caller in each
+# call; as made, natsim copying where its table says (kernels/common/rows.py: what a user's call does)
+ROW_LAYOUTS = ("given", "aligned", "copied", "natsim")
 HEADS, DTYPE = 24, torch.bfloat16
 # case: (shape, window, stride, plan options of gna_attention: tiles and KV tiling, {} for its defaults); dense
 # attention is its layout as the window. The dynamic cases run the dynamic KV tiling kernel: Wan 720p as the planner
@@ -70,13 +72,15 @@ SMALL_WIDTHS = (40, 72)
 
 
 @contextlib.contextmanager
-def strategy(name: str):
+def strategy(name: str, copies: bool = False):
     """Every width padded ("pad") or split where that computes fewer columns ("split") while inside, on fresh
-    calls (the dispatcher keeps a call's chunks with it); no launch pads by default (`PADDED_LAUNCHES`) meanwhile."""
+    calls (the dispatcher keeps a call's chunks with it); no launch pads by default (`PADDED_LAUNCHES`) meanwhile,
+    and none copies rows into aligned ones (`ALIGNED_ROW_LAUNCHES`) unless `copies`."""
     saved = headdim.PADDED_WIDTHS, headdim.PADDED_LAUNCHES, head_rows.ALIGNED_ROW_LAUNCHES
     headdim.PADDED_WIDTHS = frozenset(headdim.HEAD_DIMS) if name == "pad" else frozenset()
     headdim.PADDED_LAUNCHES = frozenset()
-    head_rows.ALIGNED_ROW_LAUNCHES = frozenset()
+    if not copies:
+        head_rows.ALIGNED_ROW_LAUNCHES = frozenset()
     dispatch._calls.clear()
     try:
         yield
@@ -120,7 +124,7 @@ def check_small(head_dim: int, device: str, dtype: torch.dtype) -> float:
 def inputs(shape, heads: int, head_dim: int, device: str, dtype: torch.dtype, aligned: bool) -> tuple:
     """Random q, k, v `[1, *shape, heads, head_dim]`; `aligned`: views of the first head_dim channels of wider
     heads (natsim's `aligned_width`), so that every head's row starts on a 128-byte boundary."""
-    width = head_rows.aligned_width(head_dim, dtype) if aligned else head_dim
+    width = head_rows.aligned_width(head_dim, t.element_size()) if aligned else head_dim
     return tuple(torch.randn(1, *shape, heads, width, device=device, dtype=dtype)[..., :head_dim] for _ in range(3))
 
 
@@ -140,7 +144,7 @@ def run_case(case: str, shape, window, stride, options: dict, head_dim: int, hea
         q, k, v = made[layout == "aligned"]
         prepare = head_rows.in_aligned_rows if layout == "copied" else (lambda t: t)
         for name in strategies(head_dim):
-            with strategy(name), torch.no_grad():
+            with strategy(name, copies=layout == "natsim"), torch.no_grad():
                 split = headdim.head_split(head_dim)
                 run = lambda: gna_attention(prepare(q), prepare(k), prepare(v), window, stride,  # noqa: E731
                                             backend="triton", **options)
@@ -149,7 +153,7 @@ def run_case(case: str, shape, window, stride, options: dict, head_dim: int, hea
             rows.append({"case": case, "shape": list(shape), "window": list(window), "stride": list(stride),
                          "plan": {key: list(v) if isinstance(v, tuple) else v for key, v in options.items()},
                          "heads": heads, "head_dim": head_dim, "strategy": name, "chunks": [split.a, split.b],
-                         "computed_width": split.width, "rows": layout, "aligned_rows": layout != "given",
+                         "computed_width": split.width, "rows": layout, "aligned_rows": layout in ("aligned", "copied"),
                          "ms": ms, "useful_tflops": useful / ms / 1e9})
     for aligned in made:  # outputs of one set of inputs must agree
         group = [out for layout, out in outputs if (layout == "aligned") == aligned]
@@ -200,7 +204,8 @@ def main(argv=None) -> dict:
                              "the same as --rows aligned")
     parser.add_argument("--rows", default=None,
                         help=f"row layouts to time, comma-separated, from {','.join(ROW_LAYOUTS)}: q, k, v as made "
-                             "(given), made in aligned rows (aligned), copied into aligned rows in each call (copied)")
+                             "(given), made in aligned rows (aligned), copied into aligned rows in each call (copied), "
+                             "as made with natsim's own copy where it makes one (natsim)")
     args = parser.parse_args(argv)
     layouts = tuple(args.rows.split(",")) if args.rows else ("aligned",) if args.aligned_rows else ("given",)
     if args.aligned_rows and args.rows:

@@ -69,9 +69,7 @@ def compile_kernel(head_dim: int, lists: bool):
         desc(q, [k.HALF_M, head_dim]), desc(q, [k.BLOCK_N, head_dim]), desc(v_t, [head_dim, k.BLOCK_N]),
         f32, f32, f32[:heads * head_dim], torch.zeros(rows * heads * head_dim, dtype=torch.bfloat16), f32, i32, i32,
         heads, rows, rows, 0.1, 0, 0, 0, 0, rows // k.BLOCK_N, grid=(1,),
-        HEAD_DIM=head_dim, BLOCK_N=k.BLOCK_N, STAGES=k.STAGES, DENSE=not lists, RETURN_LSE=False,
-        P_OFFSET=k.P_OFFSET, CONSUMER_REGS=k.CONSUMER_REGS, LOADER_REGS=k.LOADER_REGS, num_warps=4,
-        maxnreg=k.MAX_REGS)
+        **k.kernel_options(head_dim, dense=not lists, return_lse=False))
 
 
 def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:

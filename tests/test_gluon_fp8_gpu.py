@@ -49,7 +49,10 @@ def test_matches_float32_attention_and_the_rule(rows, head_dim, dtype, density):
     assert float((lse[finite] - ref_lse[finite]).abs().max()) < 5e-2
     rule, rule_lse = fp8_block_attention(q.cpu(), k.cpu(), v.cpu(), None if mask is None else mask.cpu(),
                                          return_lse=True)
-    assert float((out.cpu().float() - rule.float()).norm() / rule.float().norm()) < 3e-2
+    # The rule rounds P against each row's final maximum; the kernel against a reference maximum that trails the
+    # running one by up to 2 ** RESCALE_SLACK at head_dim 128 (lazy rescaling), which moves P's rounding points:
+    # 3.2e-2 measured on 777 rows (H100), against 5.2e-2 for both from float32 attention
+    assert float((out.cpu().float() - rule.float()).norm() / rule.float().norm()) < 4e-2
     # Hopper's FP8 products accumulate with fewer than fp32's bits: the LSE differs from the rule's fp32 one by
     # about 1e-2 (0.010 to 0.014 measured, H100)
     lse_difference = float((lse.cpu()[finite.cpu()] - rule_lse[finite.cpu()]).abs().max())
@@ -117,7 +120,10 @@ def test_gna_naming_gluon_on_the_gpu_equals_its_cpu_rule_and_runs_in_tile_order(
     call = dict(q_tile=tile, kv_tile=tile, precision="fp8", backend="gluon")
     out, lse = gna_attention(q, k, v, window, stride, return_lse=True, **call)
     rule, rule_lse = gna_attention(q.cpu(), k.cpu(), v.cpu(), window, stride, return_lse=True, **call)
-    assert float((out.cpu().float() - rule.float()).norm() / rule.float().norm()) < 3e-2
+    # The rule rounds P against each row's final maximum; the kernel against a reference maximum that trails the
+    # running one by up to 2 ** RESCALE_SLACK at head_dim 128 (lazy rescaling), which moves P's rounding points:
+    # 3.2e-2 measured on 777 rows (H100), against 5.2e-2 for both from float32 attention
+    assert float((out.cpu().float() - rule.float()).norm() / rule.float().norm()) < 4e-2
     assert float((lse.cpu() - rule_lse).abs().max()) < 2.5e-2
     order = TileOrder(shape, tile, (1,) * len(shape))
     ordered = [order.to_order(t.reshape(1, -1, 2, 64)) for t in (q, k, v)]

@@ -7,15 +7,18 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from natsim import TileConfig
 from natsim.kernels import gna_attention, reference_attention
 from natsim.kernels.common import rows
 from natsim.kernels.common.headdim import HEAD_DIMS
 from natsim.kernels.gna import dispatch
+from natsim.planner.cost.features import FEATURES, copies_rows_of, feature_matrix
 
 from test_head_dims import TOLERANCE, qkv, rel_error
 from test_kernels import kernel_problems
@@ -44,32 +47,33 @@ def test_the_copy_keeps_the_values_and_starts_every_head_row_on_a_line(head_dim,
     copy = rows.in_aligned_rows(t)
     assert copy.shape == t.shape and torch.equal(copy, t)
     assert _head_offsets(copy) == {0}
-    width = rows.aligned_width(head_dim, dtype)
+    width = rows.aligned_width(head_dim, t.element_size())
     assert width >= head_dim and (width * t.element_size()) % rows.ROW_BYTES == 0
     assert width - head_dim < rows.ROW_BYTES // t.element_size()  # the least padding that aligns
 
 
-@pytest.mark.parametrize("head_dim, aligned", [(64, True), (128, True), (192, True), (40, False), (72, False),
-                                               (96, False), (112, False)])
-def test_which_rows_count_as_aligned(head_dim, aligned):
-    """bf16 rows of 128, 256 or 384 bytes start every head on a line; 80, 144, 192 and 224 bytes do not, unless
-    they are views of wider rows that do."""
+@pytest.mark.parametrize("head_dim, expected", [(64, 128), (128, 128), (192, 128), (40, 16), (72, 16), (88, 16),
+                                                (96, 64), (112, 32)])
+def test_the_alignment_of_head_rows(head_dim, expected):
+    """bf16 rows of 128, 256 or 384 bytes start every head on a line; 80, 144 and 176 bytes on 16-byte
+    boundaries, 192 on 64, 224 on 32; views of wider rows on lines, wherever they start."""
     t = _aligned_start((1, 3, 5, 4, head_dim), torch.bfloat16)
-    assert rows.rows_aligned(t) is aligned
-    wide = _aligned_start((1, 3, 5, 4, rows.aligned_width(head_dim, torch.bfloat16)), torch.bfloat16)
-    assert rows.rows_aligned(wide[..., :head_dim])
-    assert not rows.rows_aligned(wide.view(-1)[8:].as_strided(t.shape, wide.stride()))  # starts 16 bytes off
-    assert rows.rows_aligned(_aligned_start((1, 1, 1, 1, head_dim), torch.bfloat16))  # one row: its start alone
+    assert rows.alignment(t) == expected == rows.layout_alignment(head_dim, 2)
+    wide = _aligned_start((1, 3, 5, 4, rows.aligned_width(head_dim, 2)), torch.bfloat16)
+    assert rows.alignment(wide[..., :head_dim]) == rows.ROW_BYTES
+    assert rows.alignment(wide.view(-1)[8:].as_strided(t.shape, wide.stride())) == 16  # starts 16 bytes off
+    assert rows.alignment(_aligned_start((1, 1, 1, 1, head_dim), torch.bfloat16)) == rows.ROW_BYTES  # one row
 
 
-def test_only_listed_launches_copy_and_only_misaligned_rows(monkeypatch):
+def test_only_listed_launches_copy_and_only_rows_below_64_bytes(monkeypatch):
     monkeypatch.setattr(rows, "ALIGNED_ROW_LAUNCHES", frozenset({("dynamic", 64)}))
-    misaligned = _aligned_start((1, 4, 8, 3, 72), torch.bfloat16)
-    aligned = _aligned_start((1, 4, 8, 3, 64), torch.bfloat16)
-    assert rows.copies_rows(("dynamic", 64), misaligned)
-    assert not rows.copies_rows(("dynamic", 64), aligned)
-    assert not rows.copies_rows(("static", 64), misaligned)
-    assert not rows.copies_rows(("dynamic", 128), misaligned)
+    for head_dim, copies in ((40, True), (72, True), (112, True), (96, False), (64, False), (128, False)):
+        t = _aligned_start((1, 4, 8, 3, head_dim), torch.bfloat16)
+        assert rows.copies_rows(("dynamic", 64), t) is copies == rows.copies_layout_rows(("dynamic", 64), head_dim, 2)
+        assert not rows.copies_rows(("static", 64), t) and not rows.copies_rows(("dynamic", 128), t)
+        assert not rows.copies_layout_rows(("static", 128), head_dim, 2)
+    assert rows.copies_layout_rows(("dynamic", 64), 72, 4)  # float32 rows of 288 bytes: on 32-byte boundaries
+    assert not rows.copies_layout_rows(("dynamic", 64), 96, 4)  # 384 bytes: on lines
 
 
 @settings(max_examples=6, deadline=None)
@@ -105,3 +109,20 @@ def test_gna_forward_on_copied_rows_matches_float64(case, head_dim, kv_tiling, s
     assert launches == ([(kv_tiling, math.prod(q_tile))] if in_place else [])
     assert len(copied) == (6 if in_place else 0)  # at preparation, then at the run
     assert all(_head_offsets(t) == {0} for t in copied)
+
+
+def test_the_planner_prices_the_copy_where_a_launch_makes_it():
+    """In place, the dynamic kernel's 64-token tiles at 72 bf16 channels copy q, k, v (read at 72 channels,
+    written at 128); at 96, on the static kernel, in FP8 or on the permuted path nothing is copied."""
+    tiles = [TileConfig((2, 8, 4), (2, 8, 4), kv_tiling="dynamic"), TileConfig((2, 8, 4), (2, 8, 4)),
+             TileConfig((2, 8, 8), (2, 8, 8), kv_tiling="dynamic")]
+    assert copies_rows_of(tiles, head_dim=72, element_bytes=2, permutation=False).tolist() == [True, False, False]
+    assert not copies_rows_of(tiles, head_dim=96, element_bytes=2, permutation=False).any()
+    assert not copies_rows_of(tiles, head_dim=72, element_bytes=2, permutation=True).any()
+    assert not copies_rows_of(tiles, head_dim=72, element_bytes=2, permutation=False, quantized=True).any()
+    common = dict(full_tiles=np.array([10.0]), visited_tiles=np.array([20.0]), q_tokens=np.array([64]),
+                  kv_tokens=np.array([64]), q_padded=np.array([4096]), kv_padded=np.array([4096]), tokens=4000,
+                  batch_heads=6, head_dim=72, element_bytes=2, permutation=False)
+    index = FEATURES.index("permute_bytes")
+    plain, copied = (feature_matrix(**common, copied_rows=np.array([c]))[0, index] for c in (False, True))
+    assert plain == 0.0 and copied == 3 * 4000 * 6 * (72 + 128) * 2

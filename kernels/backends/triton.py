@@ -17,7 +17,8 @@ kernel module of its own accord:
 - GNA's tile catalog: `TILE_TOKENS` (the (Q tokens, KV tokens) pairs worth running per head dim), `tile_pairs`,
   `default_tiles`, `choose_tiles` (with the KV tiling); `kernel_tiles` checks given tiles against the kernel.
 - How a GNA call runs: `permutes` (the permuted path), `needs_mask` (the element mask compiled in),
-  `dense_as_1d` (dense attention over the flattened layout), `check_qkv` (q, k, v of a layout).
+  `dense_as_1d` (dense attention over the flattened layout), `check_qkv` (q, k, v of a layout),
+  `copies_layout_rows` and `aligned_width` (in place, the copy into aligned head rows some launches make first).
 - GNA's backward: `backward_tiles`, `DEFAULT_VARIANT` (its tuning switches), `DKDV_PRODUCTS` / `DQ_PRODUCTS`
   (tile products per visited pair).
 - Block masks: `check_block` (with `MIN_Q_BLOCK` for query blocks), `check_dense_mask`, `check_seq_len`, and
@@ -36,6 +37,7 @@ from ..common.backend import runs_eagerly, use_triton
 from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from ..common.fp8 import check_precision
 from ..common.launch import has_tensor_descriptors
+from ..common.rows import aligned_width, copies_layout_rows
 from ..gna.backward import DEFAULT_VARIANT, DKDV_PRODUCTS, DQ_PRODUCTS, backward_tiles, gna_backward
 from ..gna.checks import MAX_TILE_TOKENS, MIN_TILE_TOKENS, check_qkv, kernel_tiles
 from ..gna.dispatch import forward
@@ -60,6 +62,8 @@ __all__ = [
     "needs_mask",
     "dense_as_1d",
     "check_qkv",
+    "copies_layout_rows",
+    "aligned_width",
     "backward_tiles",
     "DEFAULT_VARIANT",
     "DKDV_PRODUCTS",

@@ -8,9 +8,11 @@ on the same values in rows padded to 64 channels (benchmarks/headdim.py --rows, 
 copy into such rows costs less than it saves where the kernel reads each key many times.
 
 `copies_rows(launch, t)` says whether a launch `(kv_tiling, query tile tokens)` copies its inputs first: the
-launch is in `ALIGNED_ROW_LAUNCHES` (the launches measured faster with the copy, copy included) and `t`'s rows
-are not all aligned. `in_aligned_rows(t)` is the copy: a view of `t`'s values whose every head row starts on a
-128-byte boundary, the kernel reading only head_dim columns of each.
+launch is in `ALIGNED_ROW_LAUNCHES` (the launches measured faster with the copy, copy included) and `t`'s head rows
+start on boundaries of less than `COPY_BELOW` bytes (rows of 96 bf16 channels, 64-byte aligned, ran faster
+uncopied). `in_aligned_rows(t)` is the copy: a view of `t`'s values whose every head row starts on a 128-byte
+boundary, the kernel reading only head_dim columns of each. `layout_alignment` gives the same alignment for a
+model's contiguous `[B, N, heads, head_dim]` tensors from head_dim alone, for the planner's price of the copy.
 """
 
 from __future__ import annotations
@@ -18,22 +20,37 @@ from __future__ import annotations
 import torch
 
 ROW_BYTES = 128  # a cache line: where a head's row should start
-# Launches `(KV tiling, query tile tokens)` that copy misaligned rows first, measured faster copy included
-# (benchmarks/headdim.py --rows given,copied on the H100).
-ALIGNED_ROW_LAUNCHES: frozenset[tuple[str, int]] = frozenset()
+COPY_BELOW = 64  # bytes: rows aligned to less than this are copied on the launches below
+# Launches `(KV tiling, query tile tokens)` that copy such rows first, measured faster copy included
+# (benchmarks/headdim.py --rows given,copied, H100): the dynamic kernel's 64-token tiles, HunyuanVideo's stride-1
+# window at 40 and 72 channels 1.30x and 1.27x faster. Its 128-token tiles (Wan 720p's plan) ran 4-7% slower
+# copied and the static kernel's full 128-token tiles within 5% either way, so those launches read rows in place.
+ALIGNED_ROW_LAUNCHES: frozenset[tuple[str, int]] = frozenset({("dynamic", 64)})
 
 
-def rows_aligned(t: torch.Tensor) -> bool:
-    """Whether every head row of `t` (`[..., heads, head_dim]`, unit stride along head_dim) starts on a
-    `ROW_BYTES` boundary: the start, and every stride but head_dim's, in whole multiples of it."""
+def alignment(t: torch.Tensor) -> int:
+    """The largest power of two, up to `ROW_BYTES`, of bytes on which every head row of `t` (`[..., heads,
+    head_dim]`, unit stride along head_dim) starts: the start's and every other stride's (of a dimension longer
+    than one)."""
     size = t.element_size()
-    return t.data_ptr() % ROW_BYTES == 0 and all(
-        (stride * size) % ROW_BYTES == 0 for stride, length in zip(t.stride()[:-1], t.shape[:-1]) if length > 1)
+    offsets = [t.data_ptr()] + [stride * size for stride, length in zip(t.stride()[:-1], t.shape[:-1]) if length > 1]
+    return min(_power_of_two_dividing(offset) for offset in offsets)
 
 
-def aligned_width(head_dim: int, dtype: torch.dtype) -> int:
-    """Channels per head that make a row of `dtype` a multiple of `ROW_BYTES`: head_dim rounded up."""
-    per_line = ROW_BYTES // torch.empty((), dtype=dtype).element_size()
+def layout_alignment(head_dim: int, element_size: int) -> int:
+    """`alignment` of contiguous `[B, N, heads, head_dim]` tensors of several heads (their start aligned, as the
+    caching allocator's are): head h starts `h * head_dim` elements into a token's row."""
+    return _power_of_two_dividing(head_dim * element_size)
+
+
+def _power_of_two_dividing(offset: int) -> int:
+    return min(offset & -offset, ROW_BYTES) if offset else ROW_BYTES
+
+
+def aligned_width(head_dim: int, element_size: int) -> int:
+    """Channels per head that make a row of `element_size`-byte values a multiple of `ROW_BYTES`: head_dim
+    rounded up."""
+    per_line = ROW_BYTES // element_size
     return -(-head_dim // per_line) * per_line
 
 
@@ -42,11 +59,16 @@ def in_aligned_rows(t: torch.Tensor) -> torch.Tensor:
     their first head_dim, every head row on a `ROW_BYTES` boundary (the caching allocator's blocks start on
     one)."""
     head_dim = t.shape[-1]
-    rows = t.new_empty(*t.shape[:-1], aligned_width(head_dim, t.dtype))[..., :head_dim]
+    rows = t.new_empty(*t.shape[:-1], aligned_width(head_dim, t.element_size()))[..., :head_dim]
     return rows.copy_(t)
 
 
 def copies_rows(launch: tuple[str, int], t: torch.Tensor) -> bool:
     """Whether the GNA forward's `launch` `(kv_tiling, query tile tokens)` copies `t` and its peers into aligned
-    rows first: a launch measured faster so, on rows that are not aligned."""
-    return launch in ALIGNED_ROW_LAUNCHES and not rows_aligned(t)
+    rows first: a launch measured faster so, on rows aligned to less than `COPY_BELOW` bytes."""
+    return launch in ALIGNED_ROW_LAUNCHES and alignment(t) < COPY_BELOW
+
+
+def copies_layout_rows(launch: tuple[str, int], head_dim: int, element_size: int) -> bool:
+    """`copies_rows` for a model's contiguous tensors of several heads, from head_dim alone (the planner)."""
+    return launch in ALIGNED_ROW_LAUNCHES and layout_alignment(head_dim, element_size) < COPY_BELOW

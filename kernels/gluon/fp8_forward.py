@@ -13,9 +13,11 @@ One program computes one query block of 128 rows of one (batch, head) against th
 The arithmetic is natsim's FP8 rule (kernels/common/fp8.py), with K's scales shared by its blocks of 128 keys:
 Q in e4m3 with one scale per token and head, K (mean removed) with one scale per key block and head, which
 joins the row's scale so that each score costs one multiply-add before its exponential; V transposed with
-one scale per channel; P cast to e4m3 as `448 * exp2(s - m)` against each row's running maximum; fp32
-accumulators; V's scales applied to the output once. Keys past the sequence (the last block's padding) are
-masked; a block list names whole tiles (no element mask inside a visited tile).
+one scale per channel; P cast to e4m3 as `112 * exp2(s - m)` against a reference maximum m per row that moves
+only when a block's maximum passes it by more than a factor of four (`RESCALE_SLACK`), so that P stays below 448
+and the accumulators' rescale is skipped once the maxima settle; fp32 accumulators; V's scales applied to the
+output once. Keys past the sequence (the last block's padding) are masked; a block list names whole tiles (no
+element mask inside a visited tile).
 
 Two choices keep the consumers' instruction count per score low, which is what bounds this kernel (the tensor
 cores wait on the softmax's issue slots, docs/fp8.md):
@@ -53,7 +55,12 @@ ONES = gl.constexpr(8)  # columns of the row-sum product P 1: the matrix instruc
 E4M3_ONE_BITS = gl.constexpr(0x38)  # 1.0 in float8 e4m3 (sign 0, exponent 0111, mantissa 000)
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
-P_OFFSET = math.log2(448.0)
+P_OFFSET = math.log2(448.0)  # log2 of e4m3's largest finite value, P's bound
+RESCALE_SLACK = 2.0  # log2 units a block's row maximum may pass the reference one before that row's m moves
+# Head dims that rescale lazily (`_softmax`): at 128 it ran 1-4% faster (H100; dense 32k, random masks, HunyuanVideo's
+# GNA mask), at 64, whose rescale is half the multiplies, 13% slower (the warpgroup's vote and its two barriers cost
+# more than they skip): benchmarks/results/fp8-gluon-lazy-rescale-ab-NVIDIA_H100_80GB_HBM3-2026-11-28.json.
+LAZY_RESCALE_HEAD_DIMS = frozenset({128})
 
 
 @dataclass(frozen=True)
@@ -131,17 +138,30 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
 
 @gluon.jit
 def _softmax(s, row_scale, m_i, block, n_kv, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
-             P_OFFSET: gl.constexpr):
+             P_OFFSET: gl.constexpr, SLACK: gl.constexpr):
     """The online-softmax update of one block's raw scores `s` with `row_scale` (log2 units: the softmax scale,
     the queries' scales and the block's key scale, folded into the exponent's one multiply-add), keys past the
-    sequence at -inf: P (fp32) as 448 * exp2(s - m), the running maximum, and the factor the accumulators are
-    rescaled by."""
+    sequence at -inf: P (fp32) as `2 ** P_OFFSET * exp2(s - m)`, each row's reference maximum m, the factor the
+    accumulators are rescaled by, and whether any row of the warpgroup needs that.
+
+    With a `SLACK` (log2 units; None: m is the running maximum) a row's m moves only when the block's maximum
+    passes it by more than the slack; otherwise P is taken against the old m, at most `2 ** SLACK` times larger,
+    which `P_OFFSET` leaves room for below e4m3's 448. Once the maxima settle (after a few blocks on most rows)
+    no row moves, and the caller's branch on the warpgroup's one answer skips the accumulators' multiplies."""
     if (block + 1) * BLOCK_N > n_kv:  # the sequence's last block: mask its padding keys
         cols = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         s = gl.where(gl.expand_dims(cols < n_kv, 0), s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * row_scale)  # row scales are positive
+    m_block = gl.max(s, 1) * row_scale  # row scales are positive; every block has a key in range
+    if SLACK is None:
+        m_new = gl.maximum(m_i, m_block)
+        moved = gl.to_tensor(True)
+    else:
+        m_new = gl.where(m_block > m_i + SLACK, m_block, m_i)
     p = gl.exp2(s * gl.expand_dims(row_scale, 1) - gl.expand_dims(m_new - P_OFFSET, 1))
-    return p, m_new, gl.exp2(m_i - m_new)
+    alpha = gl.exp2(m_i - m_new)
+    if SLACK is not None:
+        moved = gl.min(alpha, 0) < 1.0  # one answer for the warpgroup's 64 rows: a uniform branch
+    return p, m_new, alpha, moved
 
 
 @gluon.jit
@@ -171,7 +191,7 @@ def _pv(p, p_smem, v_tile, ones, acc, zero_l, HALF: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _rescaled(acc, l_acc, alpha, o_row_layout: gl.constexpr, l_row_layout: gl.constexpr):
-    """The output and row-sum accumulators rescaled by `alpha` (the running maximum moved)."""
+    """The output and row-sum accumulators rescaled by `alpha` (some rows' reference maximum moved)."""
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
     return acc, l_acc * gl.expand_dims(gl.convert_layout(alpha, l_row_layout), 1)
 
@@ -180,7 +200,7 @@ def _rescaled(acc, l_acc, alpha, o_row_layout: gl.constexpr, l_row_layout: gl.co
 def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty,
               IDX, idx_row, count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale,
               HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
-              DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr):
+              DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr, SLACK: gl.constexpr):
     """One consumer warpgroup: 64 query rows against every listed key block, then the output (and LSE)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -220,7 +240,8 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m_i, alpha = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout, P_OFFSET)
+        p, m_i, alpha, moved = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout, P_OFFSET,
+                                        SLACK)
         for i in range(count - 1):
             if DENSE:
                 block = i + 1
@@ -232,12 +253,14 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
             mbarrier.wait(my_turn, (i & 1) ^ (1 - HALF_INDEX))
             mbarrier.wait(k_ready.index(nxt), ((i + 1) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            acc, l_acc = _rescaled(acc, l_acc, alpha, o_row_layout, l_row_layout)
+            if moved or SLACK is None:
+                acc, l_acc = _rescaled(acc, l_acc, alpha, o_row_layout, l_row_layout)
             mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
             acc, l_block = _pv(p, p_tile, v_smem.index(stage), ones, acc, zero_l, HALF, BLOCK_N)
             mbarrier.arrive(other_turn, count=1)
             s = warpgroup_mma_wait(2, deps=(s,))  # groups complete in order: P V and P 1 may still run
-            p, m_i, alpha = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout, P_OFFSET)
+            p, m_i, alpha, moved = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout,
+                                            P_OFFSET, SLACK)
             acc, l_block = warpgroup_mma_wait(0, deps=(acc, l_block))
             l_acc += l_block
             mbarrier.arrive(empty.index(stage), count=1)  # this block's K and V are consumed
@@ -245,7 +268,8 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
         last = count - 1
         stage = last % STAGES
         mbarrier.wait(my_turn, (last & 1) ^ (1 - HALF_INDEX))
-        acc, l_acc = _rescaled(acc, l_acc, alpha, o_row_layout, l_row_layout)
+        if moved or SLACK is None:
+            acc, l_acc = _rescaled(acc, l_acc, alpha, o_row_layout, l_row_layout)
         mbarrier.wait(v_ready.index(stage), (last // STAGES) & 1)
         acc, l_block = _pv(p, p_tile, v_smem.index(stage), ones, acc, zero_l, HALF, BLOCK_N)
         mbarrier.arrive(other_turn, count=1)
@@ -273,7 +297,7 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
                         heads, n_q, n_kv, qk_scale, cnt_b, cnt_h, idx_b, idx_h, kv_blocks,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                        SLACK: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     q_block = gl.program_id(0)
     bh = gl.program_id(1)
@@ -319,10 +343,10 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
                      count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
-                     STAGES, DENSE, RETURN_LSE, P_OFFSET)),
+                     STAGES, DENSE, RETURN_LSE, P_OFFSET, SLACK)),
         (_consumer, (1, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
                      count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
-                     STAGES, DENSE, RETURN_LSE, P_OFFSET)),
+                     STAGES, DENSE, RETURN_LSE, P_OFFSET, SLACK)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
                    IDX, idx_row, count, q_row, q_col, k_row, v_row, HALF, BLOCK_N, STAGES, DENSE)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -407,7 +431,13 @@ def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: 
     _fp8_forward_kernel[(q_blocks, batch * heads)](
         q_desc, k_desc, v_desc, x.q_scale, x.k_scale, x.v_scale.contiguous(), out, lse, counts, indices,
         heads, rows, n_kv, scale * LOG2E, *strides, kv_blocks,
-        HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, DENSE=lists is None, RETURN_LSE=return_lse,
-        P_OFFSET=P_OFFSET, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4,
-        maxnreg=MAX_REGS)
+        **kernel_options(head_dim, lists is None, return_lse))
     return out, lse
+
+
+def kernel_options(head_dim: int, dense: bool, return_lse: bool) -> dict:
+    """The kernel's compile-time arguments and launch options for one head dim, dense or over lists."""
+    slack = RESCALE_SLACK if head_dim in LAZY_RESCALE_HEAD_DIMS else None
+    return dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, DENSE=dense, RETURN_LSE=return_lse,
+                P_OFFSET=P_OFFSET - (slack or 0.0), SLACK=slack, CONSUMER_REGS=CONSUMER_REGS,
+                LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)

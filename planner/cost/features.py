@@ -10,7 +10,7 @@ One row per configuration, one column per feature (batch and heads multiply ever
 | `narrow_kv_flops` | FLOP | FLOPs of tiles with fewer than 128 keys (more, shorter KV iterations: their extra cost) |
 | `kv_tile_visits` | tile | visited (Q tile, KV tile) pairs: the per-iteration overhead of the KV loop |
 | `programs` | program | Q tiles launched (padding groups included): loading Q, the epilogue, storing O |
-| `permute_bytes` | byte | bytes moved outside the attention kernel: permuting q, k, v and unpermuting the output, and in FP8 quantizing q, k, v |
+| `permute_bytes` | byte | bytes moved outside the attention kernel: permuting q, k, v and unpermuting the output, in FP8 quantizing q, k, v, and in place copying q, k, v into aligned head rows where the launch does (natsim.kernels.common.rows) |
 | `launch` | call | 1: launch and host overhead per call |
 
 The features are linear in the work, so predicted time is one dot product per row (planner.cost.model).
@@ -19,12 +19,13 @@ The features are linear in the work, so predicted time is one dot product per ro
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 
 from natsim import SimResult, SweepResult, TileConfig
 from natsim.dimension import ceil_div
+from natsim.kernels.backends.triton import aligned_width, copies_layout_rows
 
 FEATURES = (
     "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "narrow_head_flops", "kv_tile_visits",
@@ -63,13 +64,15 @@ def feature_matrix(
     element_bytes: int,
     permutation: bool = True,
     quantized: bool = False,
+    copied_rows: Union[bool, np.ndarray] = False,
 ) -> np.ndarray:
     """Features (columns in FEATURES order) of configurations given as per-row arrays.
 
     `q_padded` / `kv_padded` are the permuted lengths of the q and k/v layouts (padding included) and
     `tokens` the real token count; `permutation=False` leaves out the permutation's bytes (a dense
     baseline that needs none). `quantized` (FP8) adds the quantization pass's bytes: q, k, v read in the
-    inputs' dtype and written as one byte per element, over the rows the kernel reads.
+    inputs' dtype and written as one byte per element, over the rows the kernel reads. `copied_rows` (per row or
+    for all) adds the copy of q, k, v into aligned head rows (`copies_rows_of`).
     """
     full = np.asarray(full_tiles, np.float64)
     visited = np.asarray(visited_tiles, np.float64)
@@ -89,6 +92,8 @@ def feature_matrix(
     if quantized:
         rows = q_padded + 2.0 * kv_padded if permutation else np.full_like(moved, 3.0 * tokens)
         permute_bytes = permute_bytes + rows * batch_heads * head_dim * (element_bytes + 1)
+    copy = 3.0 * tokens * batch_heads * (head_dim + aligned_width(head_dim, element_bytes)) * element_bytes
+    permute_bytes = permute_bytes + np.asarray(copied_rows, np.float64) * copy  # read at head_dim, written aligned
     columns = [
         full * tile_flops,
         (visited - full) * tile_flops,
@@ -130,6 +135,15 @@ def features_of(
     )[0]
 
 
+def copies_rows_of(tiles: Sequence[TileConfig], *, head_dim: int, element_bytes: int, permutation: bool,
+                   quantized: bool = False) -> np.ndarray:
+    """Per tile configuration, whether natsim's GNA forward copies a model's contiguous q, k, v into aligned head
+    rows before its launch (natsim.kernels.common.rows): in place (no permutation), not in FP8, on the launches
+    and row alignments that copy."""
+    return np.array([not (permutation or quantized)
+                     and copies_layout_rows((t.kv_tiling, t.q_tokens), head_dim, element_bytes) for t in tiles], bool)
+
+
 def sweep_features(
     result: SweepResult, *, batch_heads: int, head_dim: int, element_bytes: int, permutation: bool = True,
     quantized: bool = False,
@@ -154,6 +168,8 @@ def sweep_features(
         element_bytes=element_bytes,
         permutation=permutation,
         quantized=quantized,
+        copied_rows=copies_rows_of(result.tiles, head_dim=head_dim, element_bytes=element_bytes,
+                                   permutation=permutation, quantized=quantized)[index],
     )
 
 

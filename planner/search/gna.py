@@ -53,7 +53,7 @@ from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, a
 
 from ..backends import NAMES, Backends, BackendsLike, backend_choice, check_backends, fa4_gna_refusal
 from ..catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
-from ..cost.features import feature_matrix, sweep_features, tile_arrays
+from ..cost.features import copies_rows_of, feature_matrix, sweep_features, tile_arrays
 from ..cost.files import link_for
 from ..cost.model import CostModel
 from ..cost.predict import backward_breakdown, backward_score, backward_scores
@@ -137,6 +137,8 @@ class _Scorer:
         self.element_bytes = element_bytes
         self.precision = precision
         self.permutes = permutes(Problem(shape, 1), fp8=precision == "fp8")  # no dilation: the layout decides
+        self.copied_rows = copies_rows_of(catalog, head_dim=head_dim, element_bytes=element_bytes,
+                                          permutation=self.permutes, quantized=precision == "fp8")
 
     def features(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray) -> np.ndarray:
         return feature_matrix(
@@ -152,6 +154,7 @@ class _Scorer:
             element_bytes=self.element_bytes,
             permutation=self.permutes,
             quantized=self.precision == "fp8",
+            copied_rows=self.copied_rows[tile_index],
         )
 
     def score(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray) -> np.ndarray:
