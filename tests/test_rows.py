@@ -76,7 +76,7 @@ def test_only_listed_launches_copy_and_only_rows_below_64_bytes(monkeypatch):
     assert not rows.copies_layout_rows(("dynamic", 64), 96, 4)  # 384 bytes: on lines
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(kernel_problems(), st.sampled_from([24, 40, 72, 96]), st.sampled_from(["static", "dynamic"]),
        st.integers(0, 2**16))
 def test_gna_forward_on_copied_rows_matches_float64(case, head_dim, kv_tiling, seed):
