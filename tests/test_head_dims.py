@@ -1,5 +1,6 @@
 """Head dims that are not powers of two (kernels/common/headdim.py): how a width is split into column chunks, and
-the GNA and block-mask kernels, forward and backward, at widths 16 to 256 against float64 references.
+the GNA and block-mask kernels, forward and backward, at widths 16 to 256 against float64 references: named
+widths on every data path, and widths drawn from all of them on random problems and masks.
 
 On this CPU machine the kernels run in Triton's interpreter (tests/conftest.py), in float16 (the interpreter's
 bfloat16 products are wrong), on tiny problems with one head: each width runs one data path, the paths taking
@@ -252,6 +253,49 @@ def test_block_mask_forward_and_backward_match_float64(head_dim, merge):
     inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = sparse_reference(*inputs, mask, q_block, kv_block, return_lse=True)
     assert rel_error(out, ref.detach()) < TOLERANCE
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    want = torch.autograd.grad([ref], inputs, [g.double()])
+    got = sparse_backward(q, k, v, ref.detach().half(), ref_lse.detach().float(), g, None, mask, q_block, kv_block)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert gradient_error(a, b) < GRADIENT_TOLERANCE, name
+
+
+# -- any width, drawn ------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=4, deadline=None)
+@given(kernel_problems(), st.sampled_from(HEAD_DIMS), st.integers(0, 2**16))
+def test_gna_forward_and_backward_at_any_width_on_random_problems(case, head_dim, seed):
+    """Any head dim of 16 to 256 on a random 1-D to 3-D geometry (windows, strides, dilation, causal, padding) and
+    its tiles: the forward's output and LSE, and the backward's gradients, against float64."""
+    problem, q_tile, kv_tile = case
+    q, k, v, g = qkv(problem.shape, head_dim, seed, count=4)
+    parameters = (problem.window, problem.stride, problem.dilation, problem.causal)
+    out, lse = gna_attention(q, k, v, *parameters, q_tile=q_tile, kv_tile=kv_tile, return_lse=True)
+    inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = reference_attention(*inputs, *parameters, return_lse=True)
+    assert rel_error(out, ref.detach()) < TOLERANCE
+    assert torch.allclose(lse.double(), ref_lse.detach(), atol=1e-2)
+    want = torch.autograd.grad([ref], inputs, [g.double()])
+    got = gna_backward(q, k, v, ref.detach().half(), ref_lse.detach().float(), g, None, problem, None, q_tile,
+                       kv_tile)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert gradient_error(a, b) < GRADIENT_TOLERANCE, name
+
+
+@settings(max_examples=3, deadline=None)
+@given(st.sampled_from(HEAD_DIMS), st.integers(17, 90), st.sampled_from([16, 32]), st.sampled_from([16, 32]),
+       st.integers(0, 2**16))
+def test_block_masks_at_any_width(head_dim, n, q_block, kv_block, seed):
+    """Any head dim on a random block mask of a sequence that is not whole blocks: forward and backward against
+    float64."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = torch.rand(1, 1, -(-n // q_block), -(-n // kv_block), generator=generator) < 0.6
+    q, k, v, g = (t.reshape(1, n, 1, head_dim) for t in qkv((n,), head_dim, seed=seed, count=4))
+    out, lse = sparse_attention(q, k, v, mask.to(DEVICE), q_block, kv_block, return_lse=True)
+    inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = sparse_reference(*inputs, mask, q_block, kv_block, return_lse=True)
+    assert rel_error(out, ref.detach()) < TOLERANCE if ref.detach().norm() > 0 else out.abs().max() == 0
     assert torch.equal(lse.isinf(), ref_lse.isinf())
     want = torch.autograd.grad([ref], inputs, [g.double()])
     got = sparse_backward(q, k, v, ref.detach().half(), ref_lse.detach().float(), g, None, mask, q_block, kv_block)
