@@ -3,7 +3,9 @@ tensors or in the interpreter, FlashAttention-4), the torch reference on CPU ten
 
 `run_spec` keys every call on its `GnaSpec` (kernels/gna/spec.py) and tensor metadata; the first call with a key
 validates what needs the tensors and works the call out (`_prepare`, a `GnaCall` of kernels/gna/launch.py), later
-ones look it up, so that a repeated call only checks its tensors, allocates its output and launches. `forward`
+ones look it up, so that a repeated call only checks its tensors, allocates its output and launches (and, on the
+launches kernels/common/rows.py lists, copies q, k and v whose head rows start off 64-byte boundaries into aligned
+rows first). `forward`
 takes the same call as plain arguments, for callers that want the dispatcher's output without the public entry
 point's autograd and operator (calibration, benchmarks).
 """
@@ -122,7 +124,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
         check_fp8_tiles(q, math.prod(q_dims), math.prod(kv_dims))
     # In place, the kernel reads q, k, v where they are: in aligned copies where that pays (kernels/common/rows.py;
     # the permuted path's permutation makes its own rows). The call's strides are the copies'.
-    aligned = layout and not fp8 and copies_rows((mode, math.prod(q_dims)), q)
+    aligned = layout and not fp8 and any(copies_rows((mode, math.prod(q_dims)), t) for t in (q, k, v))
     if aligned:
         views = tuple(in_aligned_rows(t) for t in views)
     call = make_call(kernel_problem, shape, replace(spec, q_tile=q_dims, kv_tile=kv_dims, kv_tiling=mode),
