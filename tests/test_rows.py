@@ -126,3 +126,37 @@ def test_the_planner_prices_the_copy_where_a_launch_makes_it():
     index = FEATURES.index("permute_bytes")
     plain, copied = (feature_matrix(**common, copied_rows=np.array([c]))[0, index] for c in (False, True))
     assert plain == 0.0 and copied == 3 * 4000 * 6 * (72 + 128) * 2
+
+
+def test_copying_calls_compile_whole_and_differentiate_like_float64():
+    """A call that copies its rows (every launch copying), compiled with fullgraph and differentiated: output and
+    gradients against float64 (the backward reads the rows as given)."""
+    shape, window, stride = (6, 10), (3, 5), (1, 2)
+    q, k, v, g = qkv(shape, 40, seed=5, heads=2, count=4)
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def loss(q, k, v):
+        return (gna_attention(q, k, v, window, stride, kv_tiling="dynamic").float() * g.float()).sum()
+
+    copied = []
+
+    def recording(t):
+        copied.append(t.shape)
+        return rows.in_aligned_rows(t)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dispatch, "copies_rows", lambda launch, t: True)
+        patch.setattr(dispatch, "in_aligned_rows", recording)
+        patch.setattr(dispatch, "_calls", {})
+        torch._dynamo.reset()
+        value = torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v)
+        got = torch.autograd.grad(value, (q, k, v))
+    assert len(copied) >= 6  # the forward ran on copies (at preparation, then per run)
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_value = (reference_attention(*inputs, window, stride) * g.double()).sum()
+    want = torch.autograd.grad(want_value, inputs)
+    assert abs(value.item() - want_value.item()) < 1e-2 * max(1.0, abs(want_value.item()))
+    for a, b in zip(got, want):
+        assert rel_error(a, b) < 1e-2
+    torch._dynamo.reset()
