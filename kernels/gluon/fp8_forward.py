@@ -57,9 +57,10 @@ HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
 P_OFFSET = math.log2(448.0)  # log2 of e4m3's largest finite value, P's bound
 RESCALE_SLACK = 2.0  # log2 units a block's row maximum may pass the reference one before that row's m moves
-# Head dims that rescale lazily (`_softmax`): at 128 it ran 1-4% faster (H100; dense 32k, random masks, HunyuanVideo's
-# GNA mask), at 64, whose rescale is half the multiplies, 13% slower (the warpgroup's vote and its two barriers cost
-# more than they skip): benchmarks/results/fp8-gluon-lazy-rescale-ab-NVIDIA_H100_80GB_HBM3-2026-11-28.json.
+# Head dims that rescale lazily (`_softmax`): at 128 it ran 1-5% faster (H100; dense 32k, random masks, HunyuanVideo's
+# GNA mask), at 64, whose rescale is half the multiplies, 12% slower (the warpgroup's vote and its two barriers cost
+# more than they skip): benchmarks/results/fp8-gluon-lazy-rescale-ab-first-NVIDIA_H100_80GB_HBM3-2026-11-28.json and
+# fp8-gluon-ab-lazy-rescale-NVIDIA_H100_80GB_HBM3-2026-11-28.json (benchmarks/fp8_gluon_ab.py).
 LAZY_RESCALE_HEAD_DIMS = frozenset({128})
 
 
