@@ -123,9 +123,11 @@ def check_small(head_dim: int, device: str, dtype: torch.dtype) -> float:
 
 def inputs(shape, heads: int, head_dim: int, device: str, dtype: torch.dtype, aligned: bool) -> tuple:
     """Random q, k, v `[1, *shape, heads, head_dim]`; `aligned`: views of the first head_dim channels of wider
-    heads (natsim's `aligned_width`), so that every head's row starts on a 128-byte boundary."""
-    width = head_rows.aligned_width(head_dim, t.element_size()) if aligned else head_dim
-    return tuple(torch.randn(1, *shape, heads, width, device=device, dtype=dtype)[..., :head_dim] for _ in range(3))
+    heads (natsim's `aligned_rows`), so that every head's row starts on a 128-byte boundary."""
+    size = (1, *shape, heads, head_dim)
+    if not aligned:
+        return tuple(torch.randn(size, device=device, dtype=dtype) for _ in range(3))
+    return tuple(head_rows.aligned_rows(size, dtype, device).normal_() for _ in range(3))
 
 
 def run_case(case: str, shape, window, stride, options: dict, head_dim: int, heads: int, device: str,
@@ -199,7 +201,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU in Triton's interpreter")
     parser.add_argument("--aligned-rows", action="store_true",
-                        help="q, k, v as views of wider heads (natsim's aligned_width), so that "
+                        help="q, k, v as views of wider heads (natsim's aligned_rows), so that "
                              "each head's row starts on a 128-byte boundary (do misaligned rows slow 40, 72, 88?); "
                              "the same as --rows aligned")
     parser.add_argument("--rows", default=None,

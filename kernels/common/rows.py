@@ -54,13 +54,18 @@ def aligned_width(head_dim: int, element_size: int) -> int:
     return -(-head_dim // per_line) * per_line
 
 
+def aligned_rows(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Uninitialised `[..., heads, head_dim]` memory whose rows hold `aligned_width` channels: a view of their first
+    head_dim, every head row on a `ROW_BYTES` boundary (the caching allocator's blocks start on one). On the
+    "meta" device, the strides alone (what a launch is worked out from)."""
+    *outer, head_dim = shape
+    width = aligned_width(head_dim, torch.empty((), dtype=dtype).element_size())
+    return torch.empty((*outer, width), dtype=dtype, device=device)[..., :head_dim]
+
+
 def in_aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s values, `[..., heads, head_dim]`, in new memory whose rows hold `aligned_width` channels: a view of
-    their first head_dim, every head row on a `ROW_BYTES` boundary (the caching allocator's blocks start on
-    one)."""
-    head_dim = t.shape[-1]
-    rows = t.new_empty(*t.shape[:-1], aligned_width(head_dim, t.element_size()))[..., :head_dim]
-    return rows.copy_(t)
+    """`t`'s values, `[..., heads, head_dim]`, copied into `aligned_rows`."""
+    return aligned_rows(t.shape, t.dtype, t.device).copy_(t)
 
 
 def copies_rows(launch: tuple[str, int], t: torch.Tensor) -> bool:

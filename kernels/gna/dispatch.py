@@ -27,7 +27,7 @@ from ..common.checks import KERNEL_HEAD_DIMS
 from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_split, fp8_q_tile
 from ..common.headdim import head_dim_refusal
 from ..common.launch import has_tensor_descriptors, tensor_descriptors_enabled
-from ..common.rows import copies_rows, in_aligned_rows
+from ..common.rows import aligned_rows, copies_rows, in_aligned_rows
 from ..fa4 import run as fa4_run
 from ..gluon.ops import gluon_fp8_forward
 from .backward import gna_backward
@@ -126,7 +126,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
     # the permuted path's permutation makes its own rows). The call's strides are the copies'.
     aligned = layout and not fp8 and any(copies_rows((mode, math.prod(q_dims)), t) for t in (q, k, v))
     if aligned:
-        views = tuple(in_aligned_rows(t) for t in views)
+        views = tuple(aligned_rows(t.shape, t.dtype, "meta") for t in views)
     call = make_call(kernel_problem, shape, replace(spec, q_tile=q_dims, kv_tile=kv_dims, kv_tiling=mode),
                      batch=batch, heads=heads, head_dim=head_dim, layout_tensors=views if layout else None,
                      descriptors=has_tensor_descriptors(q.device))
