@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from natsim.kernels import (Fp8Scales, SparseMask, gna_attention, prepare_sparse, reference_attention,
                             sparse_attention)
+from natsim.kernels.common import fp8
 from natsim.kernels.common.fp8 import (E4M3, E4M3_MAX, cast_e4m3, check_fp8_call, column_statistics,
                                        key_major_positions, lse_with_mean, quantize, quantize_rows, quantized_weights,
                                        round_to_e4m3, fp8_q_tile)
@@ -75,6 +76,50 @@ def test_the_quantization_kernel_equals_the_torch_rule_bit_for_bit(monkeypatch):
         got, want = getattr(kernel, name), getattr(torch_rule, name)
         assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got,
                            want.view(torch.uint8) if want.dtype == E4M3 else want), name
+
+
+@settings(max_examples=10, deadline=None)
+@given(tokens=st.lists(st.integers(1, 40), min_size=1, max_size=3), head_dim=st.sampled_from([16, 24, 40, 72]),
+       seed=st.integers(0, 2**16))
+def test_one_pass_statistics_equal_torchs_reductions(tokens, head_dim, seed):
+    """K's mean and V's channel scales from the Triton pass (chunks of rows that are not whole blocks, 1-D to 3-D
+    tokens, widths that are not powers of two) against torch's reductions in float64; the scales exactly."""
+    generator = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(2, *tokens, 3, head_dim, generator=generator).half() * 4 for _ in range(2))
+    k_mean, v_scale = column_statistics(k, v)  # the interpreter: the Triton pass
+    dims = tuple(range(1, k.dim() - 2))
+    assert k_mean.dtype == v_scale.dtype == torch.float32 and k_mean.shape == v_scale.shape == (2, 3, head_dim)
+    assert torch.allclose(k_mean.double(), k.double().mean(dims), rtol=1e-5, atol=1e-6)
+    assert torch.equal(v_scale, v.float().abs().amax(dims) / E4M3_MAX)
+
+
+def test_one_pass_statistics_span_several_chunks(monkeypatch):
+    """Rows over several of the kernel's chunks (made small here) and a last chunk that is not whole."""
+    monkeypatch.setattr(fp8, "STATISTICS_ROWS", 64)
+    monkeypatch.setattr(fp8, "STATISTICS_BLOCK", 16)
+    generator = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 200, 2, 24, generator=generator).half() for _ in range(2))
+    k_mean, v_scale = column_statistics(k, v)
+    assert torch.allclose(k_mean.double(), k.double().mean(1), rtol=1e-5, atol=1e-6)
+    assert torch.equal(v_scale, v.float().abs().amax(1) / E4M3_MAX)
+
+
+@pytest.mark.parametrize("head_dim", [32, 40])
+def test_quantization_takes_q_dot_mean_in_its_read_of_q(head_dim, monkeypatch):
+    """`q . mean(k)` per row from the quantization kernel (the interpreter) and from torch, against float64; and
+    the LSE it completes equals `lse_with_mean`'s."""
+    generator = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(2, 70, 3, head_dim, generator=generator, dtype=torch.float16) * 3 + 1 for _ in range(3))
+    k_mean, v_scale = column_statistics(k, v)
+    want = (q.double() * k_mean.double()[:, None]).sum(-1)
+    kernel = quantize_rows(q, k, v, k_mean, v_scale, q_dot_mean=True)
+    assert quantize_rows(q, k, v, k_mean, v_scale).q_dot_mean is None
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch_rule = quantize_rows(q, k, v, k_mean, v_scale, q_dot_mean=True)
+    for dots in (kernel.q_dot_mean, torch_rule.q_dot_mean):
+        assert dots.shape == (2, 70, 3) and torch.allclose(dots.double(), want, rtol=1e-5, atol=1e-4)
+    lse = torch.randn(2, 70, 3)
+    assert torch.allclose(lse + 0.125 * kernel.q_dot_mean, lse_with_mean(lse, q, k_mean, 0.125), atol=1e-4)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -186,8 +186,10 @@ class Fp8Tensors:
     apart); `q_scale`, `k_scale`: float32 `[B, rows, heads]`; `v_t`: float8 e4m3 `[B, heads, head_dim,
     rows_padded]` (V transposed, zeros past the rows; with `v_key_major`, key `r` at `key_major_positions(r)`);
     `v_scale`: float32 `[B, heads, head_dim]`; `k_mean`: K's mean `[B, heads, head_dim]`, None for inputs given
-    in float8 (no mean removed). Dequantized, `q ~ q_fp8 * q_scale[..., None]`,
-    `k - mean ~ k_fp8 * k_scale[..., None]`, `v ~ v_t.transpose * v_scale`.
+    in float8 (no mean removed); `q_dot_mean`: `q . mean(k)` per row `[B, rows, heads]` (float32, from the
+    unquantized q) where the quantization was asked for it, which the LSE of the scores with K's mean removed
+    lacks (`lse_with_mean`). Dequantized, `q ~ q_fp8 * q_scale[..., None]`, `k - mean ~ k_fp8 * k_scale[...,
+    None]`, `v ~ v_t.transpose * v_scale`.
     """
 
     q: torch.Tensor
@@ -198,6 +200,7 @@ class Fp8Tensors:
     v_scale: torch.Tensor
     k_mean: Optional[torch.Tensor]
     v_key_major: bool = False
+    q_dot_mean: Optional[torch.Tensor] = None
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K (mean removed) and V as the kernels see them, `[B, rows, heads, head_dim]` in `dtype`."""
@@ -221,35 +224,87 @@ def key_major_positions(rows: int, device) -> torch.Tensor:
 
 def column_statistics(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K's mean and V's per-channel scale over the tokens of `[B, *tokens, heads, head_dim]` tensors:
-    `([B, heads, head_dim], [B, heads, head_dim])`, float32, with no full-size temporaries."""
+    `([B, heads, head_dim], [B, heads, head_dim])`, float32. One Triton pass over both on CUDA tensors and in the
+    interpreter (`_statistics_kernel`: per chunk of rows a partial sum and maximum, then a sum and a maximum over the
+    chunks, in a fixed order: the same bits on every call), torch reductions otherwise."""
+    if k.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return _statistics_triton(*(t.reshape(t.shape[0], -1, *t.shape[-2:]) for t in (k, v)))
     dims = tuple(range(1, k.dim() - 2))
     k_mean = torch.mean(k, dim=dims, dtype=torch.float32)
     v_amax = torch.maximum(torch.amax(v, dim=dims), -torch.amin(v, dim=dims)).float()
     return k_mean, _scale_of(v_amax)
 
 
+STATISTICS_ROWS = 1024  # rows per program of the statistics kernel, `STATISTICS_BLOCK` at a time
+STATISTICS_BLOCK = 64
+
+
+def _statistics_triton(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`column_statistics` of `[B, rows, heads, head_dim]` k and v through `_statistics_kernel`."""
+    batch, rows, heads, head_dim = k.shape
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    chunks = triton.cdiv(rows, STATISTICS_ROWS)
+    sums = torch.empty((chunks, batch, heads, head_dim), dtype=torch.float32, device=k.device)
+    peaks = torch.empty_like(sums)
+    _statistics_kernel[(chunks, batch * heads)](
+        k, v, sums, peaks, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), rows, heads,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_two(head_dim), BLOCK_R=STATISTICS_BLOCK, ROWS=STATISTICS_ROWS)
+    return sums.sum(0) / rows, _scale_of(peaks.amax(0))
+
+
+@triton.jit
+def _statistics_kernel(K, V, SUMS, PEAKS, k_stride_b, k_stride_r, k_stride_h, v_stride_b, v_stride_r, v_stride_h,
+                       rows, heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """One chunk of ROWS rows of one (batch, head): K's column sums and V's column absolute maxima over them, in
+    float32, into `SUMS` and `PEAKS` `[chunks, B, heads, head_dim]` (columns past head_dim not stored)."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    peak = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, ROWS, BLOCK_R):
+        r = (chunk * ROWS + start + tl.arange(0, BLOCK_R)).to(tl.int64)
+        ok = (r < rows)[:, None] & d_ok[None, :]
+        k = tl.load(K + b * k_stride_b + h * k_stride_h + r[:, None] * k_stride_r + d[None, :], mask=ok, other=0.0)
+        v = tl.load(V + b * v_stride_b + h * v_stride_h + r[:, None] * v_stride_r + d[None, :], mask=ok, other=0.0)
+        total += tl.sum(k.to(tl.float32), 0)
+        peak = tl.maximum(peak, tl.max(tl.abs(v.to(tl.float32)), 0))
+    out = ((chunk * tl.num_programs(1) + bh) * HEAD_DIM).to(tl.int64) + d
+    tl.store(SUMS + out, total, mask=d_ok)
+    tl.store(PEAKS + out, peak, mask=d_ok)
+
+
 def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
-                  v_scale: torch.Tensor, k_block: int = 1, v_key_major: bool = False) -> Fp8Tensors:
+                  v_scale: torch.Tensor, k_block: int = 1, v_key_major: bool = False,
+                  q_dot_mean: bool = False) -> Fp8Tensors:
     """Quantize `[B, rows, heads, head_dim]` q, k, v by the rule, with K's mean and V's scales given (taken over
     the real tokens: rows here may include padding); K's scales shared by blocks of `k_block` rows (1: one per
     row; still stored one per row); V's keys key-major within blocks of 128 where `v_key_major` (the Gluon
-    kernel's order). One Triton pass per tensor on CUDA tensors and in the interpreter (`_quantize_kernel`),
-    torch otherwise; both round alike (tests/test_fp8.py)."""
+    kernel's order); with `q_dot_mean`, also `q . mean(k)` per row (`Fp8Tensors.q_dot_mean`), taken in the same
+    read of q. One Triton pass per tensor on CUDA tensors and in the interpreter (`_quantize_kernel`), torch
+    otherwise; both round alike (tests/test_fp8.py)."""
     batch, rows, heads, head_dim = k.shape
     alignment = KEY_MAJOR_BLOCK if v_key_major else ROW_ALIGNMENT
     padded = -(-rows // alignment) * alignment
     v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
+    dots = torch.empty((batch, rows, heads), dtype=torch.float32, device=q.device) if q_dot_mean else None
     if q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        q8, q_scale = _quantize_triton(q, 0, k_mean, v_scale)
+        q8, q_scale = _quantize_triton(q, 0, k_mean, v_scale, dots=dots)
         k8, k_scale = _quantize_triton(k, 1, k_mean, v_scale, block=k_block)
         _quantize_triton(v, 2, k_mean, v_scale, v_t, key_major=v_key_major)
     else:
+        if q_dot_mean:
+            dots = (q.float() * k_mean[:, None]).sum(-1)
         q8, q_scale = _per_row(q.float())
         k8, k_scale = _per_row(k.float() - k_mean[:, None], k_block)
         q8, k8 = aligned_rows(q8), aligned_rows(k8)
         columns = key_major_positions(rows, v.device) if v_key_major else slice(0, rows)
         v_t[..., columns] = (v.float() / v_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).permute(0, 2, 3, 1).to(E4M3)
-    return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean, v_key_major)
+    return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean, v_key_major, dots)
 
 
 def prequantized_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
@@ -294,10 +349,11 @@ QUANTIZE_ROWS = 64  # rows per program of the quantization kernel
 
 
 def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: torch.Tensor,
-                     v_t: Optional[torch.Tensor] = None, block: int = 1, key_major: bool = False):
+                     v_t: Optional[torch.Tensor] = None, block: int = 1, key_major: bool = False,
+                     dots: Optional[torch.Tensor] = None):
     """Mode 0 (Q) and 1 (K, mean removed): `(x_fp8, row_scales)`, K's scale shared by blocks of `block` rows
     (a power of two); mode 2 (V): writes V transposed into `v_t`, key-major within blocks of 128 where
-    `key_major`."""
+    `key_major`. Mode 0 with `dots` (`[B, rows, heads]` float32) also writes each row's `q . mean(k)` there."""
     batch, rows, heads, head_dim = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     if mode == 2:
@@ -307,23 +363,24 @@ def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: 
         scales = torch.empty((batch, rows, heads), dtype=torch.float32, device=x.device)
     block_rows = max(block, QUANTIZE_ROWS)
     grid = (triton.cdiv(rows, block_rows), batch * heads)
-    _quantize_kernel[grid](x, out, scales, k_mean, x.stride(0), x.stride(1), x.stride(2), rows, heads,
-                           v_t.shape[-1] if mode == 2 else out.stride(2), HEAD_DIM=head_dim,
+    _quantize_kernel[grid](x, out, scales, k_mean, scales if dots is None else dots, x.stride(0), x.stride(1),
+                           x.stride(2), rows, heads, v_t.shape[-1] if mode == 2 else out.stride(2), HEAD_DIM=head_dim,
                            BLOCK_D=next_power_of_two(head_dim), BLOCK_R=block_rows, SHARED=block, MODE=mode,
-                           KEY_MAJOR=key_major, EXACT_CAST=not x.is_cuda)
+                           KEY_MAJOR=key_major, DOT_MEAN=dots is not None, EXACT_CAST=not x.is_cuda)
     return (None, None) if mode == 2 else (out, scales)
 
 
 @triton.jit
-def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows, heads, out_stride,
+def _quantize_kernel(X, OUT, SCALES, K_MEAN, DOTS, stride_b, stride_r, stride_h, rows, heads, out_stride,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, SHARED: tl.constexpr,
-                     MODE: tl.constexpr, KEY_MAJOR: tl.constexpr, EXACT_CAST: tl.constexpr):
+                     MODE: tl.constexpr, KEY_MAJOR: tl.constexpr, DOT_MEAN: tl.constexpr, EXACT_CAST: tl.constexpr):
     """BLOCK_R rows of one (batch, head): Q (MODE 0) and K (MODE 1, its mean subtracted) with one scale per row,
     written `[B, rows, heads, head_dim]` with heads `out_stride` apart (`fp8_rows`) and scales `[B, rows,
     heads]` (K's shared by groups of SHARED rows where SHARED > 1); V (MODE 2) divided by its channel scales
     `SCALES` `[B, heads, head_dim]` and written transposed, `[B, heads, head_dim, out_stride]` (key-major within
-    blocks of 128 where KEY_MAJOR: `key_major_positions`). Rows run `BLOCK_D` (head_dim's next power of two)
-    columns, those past head_dim masked."""
+    blocks of 128 where KEY_MAJOR: `key_major_positions`). With DOT_MEAN (Q), each row's `q . mean(k)` goes to
+    `DOTS` `[B, rows, heads]`. Rows run `BLOCK_D` (head_dim's next power of two) columns, those past head_dim
+    masked."""
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
@@ -343,26 +400,30 @@ def _quantize_kernel(X, OUT, SCALES, K_MEAN, stride_b, stride_r, stride_h, rows,
             column = r - j + 32 * (j // 2 % 4) + 2 * (j // 8) + j % 2
         tl.store(OUT + ((b * heads + h) * HEAD_DIM + d[None, :]) * out_stride + column[:, None], x8, mask=cell_ok)
     else:
+        row = (b * rows + r) * heads + h
         if MODE == 1:
             x = x - tl.load(K_MEAN + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
+        if DOT_MEAN:
+            mean = tl.load(K_MEAN + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=0.0)
+            tl.store(DOTS + row, tl.sum(x * mean[None, :], 1), mask=ok)
         amax = tl.max(tl.abs(x), 1)
         if SHARED > 1:  # each group of SHARED rows takes its largest row's amax
             amax = tl.reshape(tl.broadcast_to(tl.max(tl.reshape(amax, (BLOCK_R // SHARED, SHARED)), 1)[:, None],
                                               (BLOCK_R // SHARED, SHARED)), (BLOCK_R,))
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
         x8 = cast_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0), EXACT_CAST)
-        row = (b * rows + r) * heads + h
         tl.store(OUT + row[:, None] * out_stride + d[None, :], x8, mask=cell_ok)
         tl.store(SCALES + row, scale, mask=ok)
 
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_block: int = 1,
-             v_key_major: bool = False) -> Fp8Tensors:
+             v_key_major: bool = False, q_dot_mean: bool = False) -> Fp8Tensors:
     """Quantize `[B, *tokens, heads, head_dim]` q, k, v by the rule (K's scales shared by blocks of `k_block`
-    tokens; V key-major where `v_key_major`); the result's rows are the flattened tokens."""
+    tokens; V key-major where `v_key_major`; `q . mean(k)` per row where `q_dot_mean`); the result's rows are the
+    flattened tokens."""
     k_mean, v_scale = column_statistics(k, v)
     flat = tuple(t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]) for t in (q, k, v))
-    return quantize_rows(*flat, k_mean, v_scale, k_block, v_key_major)
+    return quantize_rows(*flat, k_mean, v_scale, k_block, v_key_major, q_dot_mean)
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:

@@ -42,9 +42,11 @@ def gluon_fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts:
     check_call(q, k, v)
     if not q.is_cuda:
         return _cpu_reference(q, k, v, lists, scale, return_lse)
-    x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True)
+    x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True, q_dot_mean=return_lse)
     out, lse = launch(x, lists, scale, q.dtype, return_lse)
-    return out, (lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse)
+    # the kernel's LSE is of the scores with K's mean removed: add `scale * q . mean(k)` back, taken in the
+    # quantization's read of q
+    return out, (lse + scale * x.q_dot_mean if return_lse else lse)
 
 
 @gluon_fp8_forward.register_fake
