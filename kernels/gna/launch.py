@@ -41,7 +41,7 @@ from natsim.window import group_length, window_bounds
 
 from ..common.backend import interpreting
 from ..common.fp8 import (E4M3, ROW_ALIGNMENT, Fp8Scales, Fp8Tensors, column_statistics, fp8_head_split, fp8_rows,
-                          lse_with_mean, prequantized_rows, quantize_rows)
+                          prequantized_rows, quantize_rows)
 from ..common.headdim import head_split
 from ..common.launch import (Overrides, descriptors_fit, has_tensor_descriptors, launch_config, split_of,
                              with_fp8)
@@ -195,20 +195,22 @@ class GnaCall:
         """`(out, lse)` of an FP8 call: q, k, v in float8 in the kernel's row order (`_fp8_rows`), the kernel on
         them and their scales, the output unpermuted unless the kernel read a 1-D layout in place (rows are
         tokens there). The output has the inputs' dtype, or the spec's `out_dtype` for inputs given in float8."""
-        t = self._fp8_rows(q, k, v, scales)
+        t = self._fp8_rows(q, k, v, scales, q_dot_mean=self.spec.return_lse)
         out = new_output(t.q.shape, q.dtype if scales is None else self.spec.out_dtype, q.device)
         lse = torch.empty(t.q.shape[:-1], dtype=torch.float32, device=q.device) if self.spec.return_lse else None
         self.kernel(t.q, t.k, t.v_t, out, out if lse is None else lse, out, t.q_scale, t.k_scale, t.v_scale)
+        dots = t.q_dot_mean  # q . mean(k) per row, where K's mean was removed and the LSE asked for
         if not self.layout:
             dilation, q_tile = self.problem.dilation, self.spec.q_tile
             out = unpermute(out, self.q_shape, q_tile, dilation)
-            lse = None if lse is None else unpermute(lse[..., None], self.q_shape, q_tile, dilation)[..., 0]
-        if lse is not None and t.k_mean is not None:  # the kernel's LSE is of the scores with K's mean removed
-            lse = lse_with_mean(lse, q, t.k_mean, self.kernel.arguments["qk_scale"] / LOG2E)
+            lse, dots = (None if x is None else unpermute(x[..., None], self.q_shape, q_tile, dilation)[..., 0]
+                         for x in (lse, dots))
+        if lse is not None and dots is not None:  # the kernel's LSE is of the scores with K's mean removed
+            lse = lse + self.kernel.arguments["qk_scale"] / LOG2E * dots.reshape(lse.shape)
         return out, lse
 
     def _fp8_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scales: Optional[Fp8Scales]) -> Fp8Tensors:
+                  scales: Optional[Fp8Scales], q_dot_mean: bool = False) -> Fp8Tensors:
         """q, k, v as the FP8 kernel reads them: in place (a 1-D layout) or permuted, quantized by the rule (K's
         mean and V's scales over the real tokens; padding rows are quantized too, and the kernel never uses
         them), or given in float8 with `scales` (their bytes and scales permuted alike; padding reads zeros)."""
@@ -220,7 +222,7 @@ class GnaCall:
             rows = (_permute_any(q, q_tile, dilation), _permute_any(k, kv_tile, dilation),
                     _permute_any(v, kv_tile, dilation))
         if scales is None:
-            return quantize_rows(*rows, *column_statistics(k, v))
+            return quantize_rows(*rows, *column_statistics(k, v), q_dot_mean=q_dot_mean)
         if self.layout:
             q_scale, k_scale = (s.reshape(batch, -1, heads) for s in (scales.q_scale, scales.k_scale))
         else:

@@ -49,7 +49,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..common.launch import descriptors_fit, install_allocator, launch_config, with_fp8
 from ..common.backend import interpreting
-from ..common.fp8 import (Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_split, lse_with_mean,
+from ..common.fp8 import (Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_split,
                           prequantized_rows, quantize, value_scales)
 from ..common.headdim import chunk_columns, chunked_dot, head_split, load_columns, store_columns
 from ..common.softmax import LOG2E, softmax_step, softmax_step_fp8
@@ -400,9 +400,8 @@ def run_sparse(
     if fp8:
         check_fp8_device(q)
         check_fp8_tiles(q, work.block_m, work.block_n)
-        quantized = (quantize(q, k, v) if scales is None
+        quantized = (quantize(q, k, v, q_dot_mean=return_lse) if scales is None
                      else prequantized_rows(q, k, v, scales.q_scale, scales.k_scale, scales.v_scale))
-        q_in = q
         q, k, v = quantized.q, quantized.k, quantized.v_t
         kernel_scales = (quantized.q_scale, quantized.k_scale, quantized.v_scale)
         specialize = False
@@ -458,8 +457,8 @@ def run_sparse(
                 raise
             stages -= 1
     _STAGES[key] = stages
-    if fp8 and lse is not None and quantized.k_mean is not None:  # the kernel's LSE: scores with K's mean removed
-        lse = lse_with_mean(lse, q_in, quantized.k_mean, scale)
+    if fp8 and lse is not None and quantized.q_dot_mean is not None:  # the kernel's LSE: K's mean removed
+        lse = lse + scale * quantized.q_dot_mean
     return out, lse, counts
 
 
