@@ -291,7 +291,7 @@ def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: tor
     alignment = KEY_MAJOR_BLOCK if v_key_major else ROW_ALIGNMENT
     padded = -(-rows // alignment) * alignment
     v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
-    dots = torch.empty((batch, rows, heads), dtype=torch.float32, device=q.device) if q_dot_mean else None
+    dots = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if q_dot_mean else None
     if q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
         q8, q_scale = _quantize_triton(q, 0, k_mean, v_scale, dots=dots)
         k8, k_scale = _quantize_triton(k, 1, k_mean, v_scale, block=k_block)
