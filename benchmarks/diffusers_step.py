@@ -616,8 +616,8 @@ def captured_qkv(model, args: dict, applied) -> Captured:
 
     for router in routers:
         router.attend = capturing(router)
-    try:
-        with torch.no_grad():
+    try:  # eager even where the model's blocks were compiled before: a traced capture would recompile per call
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             model(**args)
     finally:
         for router in routers:
