@@ -196,7 +196,7 @@ def parse_kernels(text: str) -> tuple[str, ...]:
     except ValueError:
         raise CliInputError(
             f"--kernels takes one or more of gna, sparse, backward, gna-fp8, sparse-fp8, fa4, fa4-backward, gluon-fp8, host joined by "
-            f"',' (without gna, this GPU's stored cost model is extended), got --kernels {text!r}."
+            f"',' (a GPU with a stored cost model keeps the sets of the kernels not named), got --kernels {text!r}."
         ) from None
 
 
@@ -211,7 +211,7 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
     kernels: str = typer.Option(
         "gna,sparse", "--kernels",
-        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim\\[fa4]'), gluon-fp8 (natsim's Gluon FP8 kernel, so that FP8 plans can pick it; Hopper), host (the host's time to issue one call on each backend that runs here, which plans price a call at least at, and of torch's SDPA, against which the diffusers integration weighs natsim's call per layout). Without gna, this GPU's stored cost model is extended.",
+        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim\\[fa4]'), gluon-fp8 (natsim's Gluon FP8 kernel, so that FP8 plans can pick it; Hopper), host (the host's time to issue one call on each backend that runs here, which plans price a call at least at, and of torch's SDPA, against which the diffusers integration weighs natsim's call per layout). Where this GPU has a stored cost model (yours, else natsim's shipped one) it is extended: the kernels named are refitted, the others' coefficients kept; without one, gna must be named.",
     ),
 ) -> None:
     """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.

@@ -35,6 +35,7 @@ from natsim.planner import (
 )
 from natsim.planner.cost import describe_gpus, gpu_of, known_gpus, user_coefficients_dir
 from natsim.planner.cost.calibrate import calibration_cases, case_features
+from natsim.planner.cost.features import copies_rows_of
 from natsim.planner.cost.files import gpu_file_name, own_host
 from natsim.planner.search.gna import choose, stride_candidates
 from natsim.planner.search.windows import ASPECT_LIMIT, DENSITY_SLACK, attended_pairs_stride1, candidate_windows
@@ -262,6 +263,23 @@ def test_the_planner_looks_in_the_user_folder_before_the_shipped_coefficients():
     assert plan.predicted_time_s == pytest.approx(float(CostModel.load(mine).predict(row)), rel=1e-12)
 
 
+def test_features_of_prices_the_row_copy_as_sweeps_do():
+    """At head_dim 72 bf16 rows start 16 bytes apart, and the dynamic kernel's 64-query launches copy q, k, v into
+    aligned rows first: `features_of` (what calibration fits) counts that copy's bytes as `sweep_features` (what
+    searches score) does, on those launches only."""
+    tiles = [TileConfig((8, 8), (8, 8), kv_tiling="dynamic"), TileConfig((8, 16), (8, 16), kv_tiling="dynamic"),
+             TileConfig((8, 8), (8, 8))]
+    result = sweep((24, 40), (7, 9), tiles=tiles)
+    copied = copies_rows_of(tiles, head_dim=72, element_bytes=2, permutation=False)
+    assert copied.tolist() == [True, False, False]
+    features = sweep_features(result, batch_heads=3, head_dim=72, element_bytes=2, permutation=False)
+    moved = FEATURES.index("permute_bytes")
+    for i in range(len(result)):
+        row = features_of(result.result(i), batch_heads=3, head_dim=72, element_bytes=2, permutation=False)
+        np.testing.assert_allclose(features[i], row, rtol=1e-12)
+        assert (row[moved] > 0) == copied[result.tile_index[i]]
+
+
 @pytest.mark.parametrize("dilation, causal", [(1, False), ((1, 2), (True, False))])
 def test_sweep_times_are_the_cost_model_on_each_rows_features(dilation, causal):
     result = sweep((24, 40), (7, 9), dilation=dilation, causal=causal, tiles=tile_catalog((24, 40), 64))
@@ -484,6 +502,32 @@ def test_calibrate_times_every_case_and_fits_them(monkeypatch):
         assert result.model.coefficients[name] == pytest.approx(COEFFICIENTS[name], rel=1e-6)
     assert result.model.info["max_abs_relative_error"] < 1e-9
     assert calibration.default_path("Fake GPU") == user_coefficients_dir() / "fake-gpu.json"
+
+
+def test_recalibrating_gna_keeps_what_the_stored_model_has_of_other_kernels(monkeypatch, tmp_path):
+    """Refitting the GNA kernel on a GPU with a stored model (the shipped H100 file, under a fake name) replaces
+    its forward coefficients and keeps the sets it did not time (backward, FP8, FlashAttention-4, Gluon) and its
+    host times, recording the calibration under "extended"."""
+    from dataclasses import replace
+
+    from natsim.planner.cost import calibrate as calibration
+    from natsim.planner.cost.model import OPTIONAL_SETS
+
+    monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path))
+    stored = replace(cost_model_for(H100), gpu="Fake GPU")
+    stored.save(calibration.default_path("Fake GPU"))
+    truth = np.array([COEFFICIENTS[name] for name in FEATURES])
+    monkeypatch.setattr(calibration, "gpu_of", lambda device: "Fake GPU")
+    monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: float(case_features([case], dtype)[0] @ truth))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    model = calibration.calibrate(kernels=("gna",)).model
+    for name in FEATURES:
+        assert model.coefficients[name] == pytest.approx(COEFFICIENTS[name], rel=1e-6), name
+    assert model.info["max_abs_relative_error"] < 1e-9 and model.info["cases"] == len(calibration_cases())
+    for name in OPTIONAL_SETS:
+        assert getattr(model, name) == getattr(stored, name), name
+    assert model.host_seconds == own_host(stored)[0] and model.info["extended"][-1]["kernels"] == ["gna"]
+    assert model.info["sparse_cases"] == stored.info["sparse_cases"]
 
 
 def test_calibrate_leaves_host_bound_cases_out_of_the_fit(monkeypatch):

@@ -1,8 +1,8 @@
 """Calibration: time a fixed set of GNA configurations on the GPU at hand and fit the cost model to them.
 
 The set (`calibration_cases`) spans what the features separate: masked-heavy (stride 1), block-sparse and
-dense configurations, 1-D, 2-D and 3-D layouts, the catalog's three tile sizes, head_dim 64 and 128, and
-very sparse ones where per-program work shows, and small layouts of 3-7K tokens whose calls take 0.1-1 ms.
+dense configurations, 1-D, 2-D and 3-D layouts, the catalog's three tile sizes, head_dim 64 and 128 and widths
+between (40-112, HEAD_DIMS), and very sparse ones where per-program work shows, and small layouts of 3-7K tokens whose calls take 0.1-1 ms.
 The cost model predicts GPU work; a call shorter than its host overhead (Python, argument checks, the launch:
 about 0.05 ms through the prebound launch path) takes the host's time instead, max(host, GPU) rather than a
 sum, so measurements under HOST_BOUND_S are left out of the fit.
@@ -23,8 +23,9 @@ bytes and FP8's permutation of 2-D and 3-D layouts) into coefficient sets of the
 The GNA backward pass (`natsim::gna_backward`: delta pass, dK/dV and dQ kernels in place, on the backward's
 own tiles) gets a third set (`backward_calibration_cases`, BACKWARD_CASES) and coefficients
 (planner.cost.backward_features): masked, block-sparse, dense, causal and dilated problems in 1-D, 2-D and 3-D on 16k
-to 33k tokens, 24 heads. Calibrating it without 'gna' (`kernels=("backward",)`) extends this GPU's stored cost
-model instead of refitting the forward: the quick way to add backward coefficients to a shipped file.
+to 33k tokens, 24 heads. A calibration extends this GPU's stored cost model where there is one: the sets of the
+kernels it times are refitted, the others kept (`kernels=("backward",)` adds backward coefficients to a shipped
+file; `kernels=("gna",)` refits the forward and keeps the backward's, FP8's and FlashAttention-4's sets).
 
 FlashAttention-4 (`backend="fa4"`, where it runs: a Hopper GPU with it installed) gets two sets of its own, 'fa4'
 and 'fa4-backward' (planner.cost.fa4_calibrate: GNA calls, block-sparse and masked, and random block masks,
@@ -162,6 +163,20 @@ HEADS_AND_SIZES = (
     ((6144,), (1024,), (1,), 32, 64),
 )
 
+# Head dims that are not powers of two: the kernels run them in power-of-two chunks or padded, the features count
+# their work at the next power of two, and the dynamic kernel's 64-query launches copy rows that do not start on
+# 128-byte boundaries into aligned ones first (natsim.kernels.common.rows; the features count the copy's bytes).
+# Masked (stride 1), block-sparse and 1-D calls at 40-112, so that the fit weighs these widths with the rest.
+# (shape, window, stride, kv_tiling, q_tile, kv_tile, head dims); 24 heads.
+HEAD_DIMS = (
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), "static", (2, 8, 8), (2, 8, 8), (40, 96)),
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), "dynamic", (1, 8, 8), (1, 8, 8), (40, 72, 88)),
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), "dynamic", (2, 8, 8), (2, 4, 8), (72, 112)),
+    ((30, 48, 80), (18, 24, 24), (16, 8, 8), "static", (2, 8, 8), (2, 8, 8), (40, 72, 96, 112)),
+    ((32768,), (2048,), (256,), "static", (128,), (128,), (72, 96)),
+    ((256, 256), (80, 80), (16, 16), "static", (16, 8), (16, 8), (88,)),
+)
+
 # Small calls of the dynamic kernel (the planner's usual pick on small layouts): long thin tiles, 32-48 heads, a
 # few thousand tokens, where a wave or two of programs decides the time. (shape, window, stride, heads, head_dim,
 # q_tile, kv_tile).
@@ -184,7 +199,7 @@ class Case:
 
 
 def calibration_cases() -> list[Case]:
-    """The configurations `natsim calibrate` times (a few dozen; minutes on an H100, most of it compiling)."""
+    """The configurations `natsim calibrate` times (about a hundred; minutes on an H100, most of it compiling)."""
     cases = []
     for shape, window, stride, causal, head_dims in LAYOUTS:
         problem = Problem(shape, window, stride, causal=causal)
@@ -204,6 +219,9 @@ def calibration_cases() -> list[Case]:
     for shape, window, stride, heads, head_dim, q_tile, kv_tile in SMALL_DYNAMIC:
         tiles = TileConfig(q_tile, kv_tile, kv_tiling="dynamic")
         cases.append(Case(Problem(shape, window, stride), tiles, heads, head_dim))
+    for shape, window, stride, kv_tiling, q_tile, kv_tile, head_dims in HEAD_DIMS:
+        tiles = TileConfig(q_tile, kv_tile, kv_tiling=kv_tiling)
+        cases.extend(Case(Problem(shape, window, stride), tiles, HEADS, head_dim) for head_dim in head_dims)
     return cases
 
 
@@ -482,13 +500,13 @@ def time_backward_case(case: BackwardCase, dtype: torch.dtype, device: torch.dev
 
 def check_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
     """The kernels to calibrate, in KERNELS order: any of 'gna', 'sparse', 'backward', 'gna-fp8', 'sparse-fp8',
-    'fa4', 'fa4-backward', 'gluon-fp8', 'host', at least one. Without 'gna', `calibrate` extends the GPU's stored
-    cost model (which carries the GNA kernel's coefficients)."""
+    'fa4', 'fa4-backward', 'gluon-fp8', 'host', at least one. `calibrate` extends the GPU's stored cost model
+    where there is one (without one, 'gna' must be among them: every model carries the GNA kernel's coefficients)."""
     names = tuple(kernels)
     unknown = [name for name in names if name not in KERNELS]
     if unknown or not names:
         raise ValueError(
-            f"kernels must name one or more of {KERNELS} (without 'gna', the GPU's stored cost model is extended), "
+            f"kernels must name one or more of {KERNELS} (a GPU's stored cost model keeps the sets of those not named), "
             f"got kernels={names!r}."
         )
     return tuple(name for name in KERNELS if name in names)
@@ -576,8 +594,10 @@ def calibrate(
     in FP8, 'sparse-fp8': `fp8_sparse_calibration_cases()` in FP8, 'fa4': `fa4_calibration_cases()` on
     FlashAttention-4, 'fa4-backward': `fa4_backward_calibration_cases()`, their backward, 'gluon-fp8':
     `gluon_calibration_cases()` on natsim's Gluon FP8 kernel) with natsim.kernels on a
-    CUDA GPU and fit the cost model to them. Without 'gna' the GPU's stored cost model (`cost_model_for`) is
-    extended: its other coefficients are kept, those of the kernels calibrated replaced. FlashAttention-4's sets
+    CUDA GPU and fit the cost model to them. Where the GPU has a stored cost model (`cost_model_for`: the user's
+    file, else the shipped one) it is extended: the coefficients of the kernels calibrated are replaced, the others
+    kept (recalibrating 'gna' keeps FlashAttention-4's and the FP8 kernels' sets), and its info records the
+    calibration under "extended". Without a stored model 'gna' must be among the kernels. FlashAttention-4's sets
     are refused where it does not run (natsim.kernels.backends.fa4.device_refusal's sentence), the Gluon kernel's
     off Hopper."""
     kernels = check_kernels(kernels)
@@ -588,7 +608,7 @@ def calibrate(
             f"calibration times the Triton kernels on a CUDA GPU, got device={device!r} "
             f"(torch.cuda.is_available() is {torch.cuda.is_available()})."
         )
-    base = None if "gna" in kernels else cost_model_for(gpu)
+    base = cost_model_for(gpu)
     if "gna" not in kernels and base is None:
         raise ValueError(
             f"kernels={kernels!r} leaves out 'gna', which extends the stored cost model of {gpu}, but there is none; "
@@ -641,8 +661,8 @@ def calibrate(
     if "host" in kernels:
         host.update({call: host_seconds(call, dtype, device) for call in HOST_CALLS
                      if host_refusal(call, device) is None})
-    coefficients, errors, fitted = (base.coefficients, np.zeros(0), np.zeros(0, dtype=bool)) if base else \
-        _fit(features, times, FEATURES, "GNA")
+    coefficients, errors, fitted = _fit(features, times, FEATURES, "GNA") if cases else \
+        (base.coefficients, np.zeros(0), np.zeros(0, dtype=bool))
     if cases:
         dynamic = np.array([case.tiles.kv_tiling == "dynamic" for case in cases])
         info.update(_error_info("", errors, fitted))

@@ -116,7 +116,8 @@ def features_of(
     result: SimResult, *, batch_heads: int, head_dim: int, element_bytes: int, permutation: bool = True,
     quantized: bool = False,
 ) -> np.ndarray:
-    """The feature row of one simulated configuration (multi-D tiling)."""
+    """The feature row of one simulated configuration (multi-D tiling), the row copy into aligned head rows
+    included where its launch makes one (as `sweep_features` counts it)."""
     problem, tiles = result.problem, result.tiles
     q_tile, kv_tile = tiles.dims(problem)
     return feature_matrix(
@@ -132,6 +133,8 @@ def features_of(
         element_bytes=element_bytes,
         permutation=permutation,
         quantized=quantized,
+        copied_rows=copies_rows_of([tiles], head_dim=head_dim, element_bytes=element_bytes, permutation=permutation,
+                                   quantized=quantized),
     )[0]
 
 
