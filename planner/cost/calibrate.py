@@ -228,8 +228,9 @@ def calibration_cases() -> list[Case]:
 def fp8_calibration_cases() -> list[Case]:
     """The GNA configurations `natsim calibrate --kernels ...,gna-fp8` times in FP8: the grid's layouts with the
     catalog's largest and smallest tiles (1-D ones with the middle pair too, whose narrow KV tile under a wide Q
-    tile separates the two narrow-tile features), and the head-count and size cases with their largest (static
-    KV tiling throughout: FP8 runs no other)."""
+    tile separates the two narrow-tile features), the head-count and size cases with their largest, and each
+    static row of HEAD_DIMS at its first width (FP8 pads such widths; static KV tiling throughout: FP8 runs no
+    other)."""
     cases = []
     for shape, window, stride, causal, head_dims in LAYOUTS:
         problem = Problem(shape, window, stride, causal=causal)
@@ -240,6 +241,9 @@ def fp8_calibration_cases() -> list[Case]:
     for shape, window, stride, heads, head_dim in HEADS_AND_SIZES:
         q_tile, kv_tile = TILES[len(shape)][0]
         cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile), heads, head_dim))
+    for shape, window, stride, kv_tiling, q_tile, kv_tile, head_dims in HEAD_DIMS:
+        if kv_tiling == "static":
+            cases.append(Case(Problem(shape, window, stride), TileConfig(q_tile, kv_tile), HEADS, head_dims[0]))
     return cases
 
 

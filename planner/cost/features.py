@@ -8,6 +8,8 @@ One row per configuration, one column per feature (batch and heads multiply ever
 | `masked_flops` | FLOP | the same for visited tiles that need the mask (their extra cost is masking) |
 | `narrow_q_flops` | FLOP | FLOPs of tiles with fewer than 128 queries (4 warps instead of 8: their extra cost) |
 | `narrow_kv_flops` | FLOP | FLOPs of tiles with fewer than 128 keys (more, shorter KV iterations: their extra cost) |
+| `narrow_head_flops` | FLOP | FLOPs of calls whose head_dim is under 128 (shorter matrix products: their extra cost) |
+| `uneven_head_flops` | FLOP | FLOPs of calls whose head_dim is not a power of two: the kernel runs it in power-of-two chunks or padded, and pays for the chunks' extra loads and masked columns beyond what the power-of-two width costs (measured 4-9% at 40, 72 and 112 on an H200) |
 | `kv_tile_visits` | tile | visited (Q tile, KV tile) pairs: the per-iteration overhead of the KV loop |
 | `programs` | program | Q tiles launched (padding groups included): loading Q, the epilogue, storing O |
 | `permute_bytes` | byte | bytes moved outside the attention kernel: permuting q, k, v and unpermuting the output, in FP8 quantizing q, k, v, and in place copying q, k, v into aligned head rows where the launch does (natsim.kernels.common.rows) |
@@ -28,8 +30,8 @@ from natsim.dimension import ceil_div
 from natsim.kernels.backends.triton import aligned_width, copies_layout_rows
 
 FEATURES = (
-    "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "narrow_head_flops", "kv_tile_visits",
-    "programs", "permute_bytes", "launch",
+    "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "narrow_head_flops", "uneven_head_flops",
+    "kv_tile_visits", "programs", "permute_bytes", "launch",
 )
 WIDE_TILE = 128  # tokens: tiles with fewer queries or keys than this pay the narrow-tile features
 WIDE_HEAD = 128  # channels: smaller head dims pay `narrow_head_flops`
@@ -100,6 +102,7 @@ def feature_matrix(
         (q_tokens < WIDE_TILE) * visited * tile_flops,
         (kv_tokens < WIDE_TILE) * visited * tile_flops,
         (width < WIDE_HEAD) * visited * tile_flops,
+        (width != head_dim) * visited * tile_flops,
         visited * batch_heads,
         q_padded / q_tokens * batch_heads,
         permute_bytes,
