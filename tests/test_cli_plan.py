@@ -37,7 +37,7 @@ COEFFICIENTS = {
     "masked_flops": 1 / 300e12,
     "narrow_q_flops": 1 / 4000e12,
     "narrow_kv_flops": 1 / 3000e12,
-    "narrow_head_flops": 1 / 2000e12, "uneven_head_flops": 1 / 8000e12,
+    "narrow_head_flops": 1 / 2000e12, "split_head_flops": 1 / 8000e12,
     "kv_tile_visits": 1e-9,
     "programs": 1e-8,
     "permute_bytes": 1 / 2.5e12,

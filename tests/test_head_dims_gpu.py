@@ -122,3 +122,42 @@ def test_fp8_pads_and_follows_its_rule(head_dim, layout):
         out = gna_attention(q, k, v, window, stride, dilation, causal, precision="fp8")
     rule = fp8_reference_attention(q, k, v, window, stride, dilation, causal)
     assert rel(out, rule) < 3e-2, rel(out, rule)
+
+
+def test_a_row_copying_launch_compiles_fullgraph_and_replays_under_cuda_graphs():
+    """At head_dim 72 in bf16 (rows 16 bytes off 128-byte lines) the dynamic kernel's 64-token tiles copy q, k, v
+    into aligned rows before the launch (kernels/common/rows.py): that call compiled with fullgraph, under
+    `reduce-overhead` and captured in a CUDA graph, replayed with new inputs, equals eager, and eager equals float64."""
+    from natsim.kernels.common import rows
+
+    shape, window, stride, tile = (12, 20, 24), (5, 7, 9), (1, 1, 1), (1, 8, 8)
+    assert rows.copies_layout_rows(("dynamic", 64), 72, 2)
+
+    def attend(q, k, v):
+        return gna_attention(q, k, v, window, stride, q_tile=tile, kv_tile=tile, kv_tiling="dynamic",
+                             backend="triton")
+
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(1, *shape, 3, 72, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    copied = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dispatch, "in_aligned_rows", lambda t: copied.append(t.shape) or rows.in_aligned_rows(t))
+        eager = attend(q, k, v)
+    assert len(copied) == 3  # the launch ran on copies of q, k and v
+    ref = reference_attention(q.double(), k.double(), v.double(), window, stride)
+    assert ((eager.double() - ref).norm() / ref.norm()).item() < TOLERANCE[torch.bfloat16]
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(attend, fullgraph=True)(q, k, v), eager)
+    graphed = torch.compile(attend, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        assert torch.equal(graphed(q, k, v), eager)
+    static = [t.clone() for t in (q, k, v)]
+    attend(*static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attend(*static)
+    for t in static:
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    assert torch.equal(captured, attend(*static))

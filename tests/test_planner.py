@@ -17,6 +17,7 @@ from natsim import Problem, TileConfig, simulate, sweep
 from natsim.dimension import dim_attended_pairs
 from natsim.kernels import gna_attention, reference_attention
 from natsim.kernels.common.checks import KERNEL_HEAD_DIMS
+from natsim.kernels.common.headdim import head_split
 from natsim.kernels.gna.checks import kernel_tiles
 from natsim.kernels.gna.launch import permutes
 from natsim.planner import (
@@ -47,7 +48,7 @@ COEFFICIENTS = {
     "masked_flops": 1 / 300e12,
     "narrow_q_flops": 1 / 4000e12,
     "narrow_kv_flops": 1 / 3000e12,
-    "narrow_head_flops": 1 / 2000e12, "uneven_head_flops": 1 / 8000e12,
+    "narrow_head_flops": 1 / 2000e12, "split_head_flops": 1 / 8000e12,
     "kv_tile_visits": 1e-9,
     "programs": 1e-8,
     "permute_bytes": 1 / 2.5e12,
@@ -278,6 +279,28 @@ def test_features_of_prices_the_row_copy_as_sweeps_do():
         row = features_of(result.result(i), batch_heads=3, head_dim=72, element_bytes=2, permutation=False)
         np.testing.assert_allclose(features[i], row, rtol=1e-12)
         assert (row[moved] > 0) == copied[result.tile_index[i]]
+
+
+@pytest.mark.parametrize("head_dim", [40, 72, 96, 112, 128])
+def test_split_head_flops_follow_the_launchs_head_split(head_dim):
+    """`split_head_flops` counts a call's FLOPs where its launch runs head_dim in two chunks (`head_split`'s
+    default: the static kernel splits 40, 72 and 96; the dynamic kernel's 128-query tiles pad them; 112 and
+    powers of two never split), never in FP8 (which pads), and the sweep's rows agree with `features_of`."""
+    tiles = [TileConfig((8, 16), (8, 16)), TileConfig((8, 16), (8, 16), kv_tiling="dynamic"),
+             TileConfig((8, 8), (8, 8), kv_tiling="dynamic")]
+    result = sweep((24, 40), (7, 9), tiles=tiles)
+    split = FEATURES.index("split_head_flops")
+    flops = FEATURES.index("full_flops"), FEATURES.index("masked_flops")
+    features = sweep_features(result, batch_heads=3, head_dim=head_dim, element_bytes=2, permutation=False)
+    for i in range(len(result)):
+        tile = result.tiles[result.tile_index[i]]
+        row = features_of(result.result(i), batch_heads=3, head_dim=head_dim, element_bytes=2, permutation=False)
+        splits = head_split(head_dim, launch=(tile.kv_tiling, tile.q_tokens)).b > 0
+        assert row[split] == pytest.approx(splits * row[list(flops)].sum(), rel=1e-12)
+        np.testing.assert_allclose(features[i], row, rtol=1e-12)
+        fp8 = features_of(result.result(i), batch_heads=3, head_dim=head_dim, element_bytes=2, quantized=True)
+        assert fp8[split] == 0.0
+    assert any(head_split(head_dim, launch=(t.kv_tiling, t.q_tokens)).b for t in tiles) == (head_dim in (40, 72, 96))
 
 
 @pytest.mark.parametrize("dilation, causal", [(1, False), ((1, 2), (True, False))])

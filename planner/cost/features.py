@@ -9,7 +9,7 @@ One row per configuration, one column per feature (batch and heads multiply ever
 | `narrow_q_flops` | FLOP | FLOPs of tiles with fewer than 128 queries (4 warps instead of 8: their extra cost) |
 | `narrow_kv_flops` | FLOP | FLOPs of tiles with fewer than 128 keys (more, shorter KV iterations: their extra cost) |
 | `narrow_head_flops` | FLOP | FLOPs of calls whose head_dim is under 128 (shorter matrix products: their extra cost) |
-| `uneven_head_flops` | FLOP | FLOPs of calls whose head_dim is not a power of two: the kernel runs it in power-of-two chunks or padded, and pays for the chunks' extra loads and masked columns beyond what the power-of-two width costs (measured 4-9% at 40, 72 and 112 on an H200) |
+| `split_head_flops` | FLOP | FLOPs of launches that run head_dim in two power-of-two chunks (kernels/common/headdim.py: `head_split`): the second chunk's loads and narrow matrix instructions cost beyond the padded width's work (4-9% at 40 and 72 on an H200); launches that pad run like the power of two |
 | `kv_tile_visits` | tile | visited (Q tile, KV tile) pairs: the per-iteration overhead of the KV loop |
 | `programs` | program | Q tiles launched (padding groups included): loading Q, the epilogue, storing O |
 | `permute_bytes` | byte | bytes moved outside the attention kernel: permuting q, k, v and unpermuting the output, in FP8 quantizing q, k, v, and in place copying q, k, v into aligned head rows where the launch does (natsim.kernels.common.rows) |
@@ -28,9 +28,10 @@ import numpy as np
 from natsim import SimResult, SweepResult, TileConfig
 from natsim.dimension import ceil_div
 from natsim.kernels.backends.triton import aligned_width, copies_layout_rows
+from natsim.kernels.common.headdim import head_split
 
 FEATURES = (
-    "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "narrow_head_flops", "uneven_head_flops",
+    "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "narrow_head_flops", "split_head_flops",
     "kv_tile_visits", "programs", "permute_bytes", "launch",
 )
 WIDE_TILE = 128  # tokens: tiles with fewer queries or keys than this pay the narrow-tile features
@@ -67,6 +68,7 @@ def feature_matrix(
     permutation: bool = True,
     quantized: bool = False,
     copied_rows: Union[bool, np.ndarray] = False,
+    split_heads: Union[bool, np.ndarray] = False,
 ) -> np.ndarray:
     """Features (columns in FEATURES order) of configurations given as per-row arrays.
 
@@ -74,7 +76,8 @@ def feature_matrix(
     `tokens` the real token count; `permutation=False` leaves out the permutation's bytes (a dense
     baseline that needs none). `quantized` (FP8) adds the quantization pass's bytes: q, k, v read in the
     inputs' dtype and written as one byte per element, over the rows the kernel reads. `copied_rows` (per row or
-    for all) adds the copy of q, k, v into aligned head rows (`copies_rows_of`).
+    for all) adds the copy of q, k, v into aligned head rows (`copies_rows_of`); `split_heads` (per row or for all)
+    marks launches that run head_dim in two chunks (`splits_heads_of`).
     """
     full = np.asarray(full_tiles, np.float64)
     visited = np.asarray(visited_tiles, np.float64)
@@ -102,7 +105,7 @@ def feature_matrix(
         (q_tokens < WIDE_TILE) * visited * tile_flops,
         (kv_tokens < WIDE_TILE) * visited * tile_flops,
         (width < WIDE_HEAD) * visited * tile_flops,
-        (width != head_dim) * visited * tile_flops,
+        np.asarray(split_heads, np.float64) * visited * tile_flops,
         visited * batch_heads,
         q_padded / q_tokens * batch_heads,
         permute_bytes,
@@ -138,6 +141,7 @@ def features_of(
         quantized=quantized,
         copied_rows=copies_rows_of([tiles], head_dim=head_dim, element_bytes=element_bytes, permutation=permutation,
                                    quantized=quantized),
+        split_heads=splits_heads_of([tiles], head_dim=head_dim, quantized=quantized),
     )[0]
 
 
@@ -148,6 +152,13 @@ def copies_rows_of(tiles: Sequence[TileConfig], *, head_dim: int, element_bytes:
     and row alignments that copy."""
     return np.array([not (permutation or quantized)
                      and copies_layout_rows((t.kv_tiling, t.q_tokens), head_dim, element_bytes) for t in tiles], bool)
+
+
+def splits_heads_of(tiles: Sequence[TileConfig], *, head_dim: int, quantized: bool = False) -> np.ndarray:
+    """Per tile configuration, whether natsim's GNA forward launch runs `head_dim` in two power-of-two chunks
+    (`head_split`'s default for the launch `(kv_tiling, query tile tokens)`); FP8 pads every width."""
+    return np.array([not quantized and head_split(head_dim, launch=(t.kv_tiling, t.q_tokens)).b > 0 for t in tiles],
+                    bool)
 
 
 def sweep_features(
@@ -176,6 +187,7 @@ def sweep_features(
         quantized=quantized,
         copied_rows=copies_rows_of(result.tiles, head_dim=head_dim, element_bytes=element_bytes,
                                    permutation=permutation, quantized=quantized)[index],
+        split_heads=splits_heads_of(result.tiles, head_dim=head_dim, quantized=quantized)[index],
     )
 
 

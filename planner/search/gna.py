@@ -53,7 +53,7 @@ from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, a
 
 from ..backends import NAMES, Backends, BackendsLike, backend_choice, check_backends, fa4_gna_refusal
 from ..catalog import as_dtype, check_head_dim, dtype_name, element_bytes, tile_catalog
-from ..cost.features import copies_rows_of, feature_matrix, sweep_features, tile_arrays
+from ..cost.features import copies_rows_of, feature_matrix, splits_heads_of, sweep_features, tile_arrays
 from ..cost.files import link_for
 from ..cost.model import CostModel
 from ..cost.predict import backward_breakdown, backward_score, backward_scores
@@ -139,6 +139,7 @@ class _Scorer:
         self.permutes = permutes(Problem(shape, 1), fp8=precision == "fp8")  # no dilation: the layout decides
         self.copied_rows = copies_rows_of(catalog, head_dim=head_dim, element_bytes=element_bytes,
                                           permutation=self.permutes, quantized=precision == "fp8")
+        self.split_heads = splits_heads_of(catalog, head_dim=head_dim, quantized=precision == "fp8")
 
     def features(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray) -> np.ndarray:
         return feature_matrix(
@@ -155,6 +156,7 @@ class _Scorer:
             permutation=self.permutes,
             quantized=self.precision == "fp8",
             copied_rows=self.copied_rows[tile_index],
+            split_heads=self.split_heads[tile_index],
         )
 
     def score(self, tile_index: np.ndarray, visited: np.ndarray, full: np.ndarray) -> np.ndarray:
@@ -181,6 +183,8 @@ def dense_seconds(tokens: int, cost_model: CostModel, batch_heads: int, head_dim
         q_tokens=np.array([DENSE_TILE]), kv_tokens=np.array([DENSE_TILE]), q_padded=np.array([padded]),
         kv_padded=np.array([padded]), tokens=tokens, batch_heads=batch_heads, head_dim=head_dim,
         element_bytes=element_bytes, permutation=False, quantized=precision == "fp8",
+        split_heads=splits_heads_of([TileConfig((DENSE_TILE,), (DENSE_TILE,))], head_dim=head_dim,
+                                    quantized=precision == "fp8"),
     )
     return float(cost_model.predict(features, precision)[0])
 
