@@ -56,7 +56,8 @@ def main(argv=None) -> None:
     dynamic = np.array([case.tiles.kv_tiling == "dynamic" for case in cases])
     info.update(_error_info("dynamic_", errors[dynamic], fitted[dynamic]))
     measured_on = record["model"]["info"].get("extended", [{}])[-1].get("date", record["model"]["info"].get("date"))
-    info["extended"] = [*info.get("extended", []),
+    earlier = info.get("extended", [])
+    info["extended"] = [*([earlier] if isinstance(earlier, dict) else earlier),
                         {"date": datetime.date.today().isoformat(), "kernels": ["gna"],
                          "refit": f"measurements of {measured_on} ({args.calibration.name}), features of this version"}]
     model = replace(base, coefficients=coefficients, info=info)
