@@ -68,6 +68,9 @@ def main(argv=None) -> None:
           f"max {np.abs(errors[fitted]).max():.1%}; written to {args.output}")
     for head_dim in sorted(set(head_dims.tolist())):
         chosen = fitted & (head_dims == head_dim)
+        if not chosen.any():
+            print(f"  head_dim {head_dim:3d}: every case host-bound")
+            continue
         print(f"  head_dim {head_dim:3d}: {int(chosen.sum()):2d} cases, median |error| "
               f"{np.median(np.abs(errors[chosen])):.1%}, max {np.abs(errors[chosen]).max():.1%}")
     print({name: f"{value:.4e}" for name, value in coefficients.items()})
