@@ -6,6 +6,7 @@ imports natsim.kernels. With a GPU the kernel tests run on CUDA tensors instead.
 """
 
 import importlib
+import logging
 import os
 
 import pytest
@@ -92,3 +93,18 @@ def pytest_collection_modifyitems(config, items):
     8 s) runs once instead of in both workers at the same time."""
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: not any(name in item.name for name in _FRONT))
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item):
+    """Keep pytest's log capture off torch's structured trace while a test runs.
+
+    pytest attaches its capture handlers to every logger that does not propagate, and torch's structured trace
+    (the `torch.__trace` logger, written to files under TORCH_TRACE) is one of them: torch writes a trace record
+    wherever that logger has a handler, so under pytest every Dynamo, AOTAutograd and Inductor compile serialised
+    its graphs, guards and timing events into the captured logs (about 10 s of CPU time over the suite). Outside
+    pytest a compile writes none without TORCH_TRACE; here neither, and torch's own handler stays where it is."""
+    trace = logging.getLogger("torch.__trace")
+    for handler in [h for h in trace.handlers if type(h).__module__ == "_pytest.logging"]:
+        trace.removeHandler(handler)
+    return (yield)
