@@ -5,8 +5,11 @@ coefficient folder out of the tests.
 imports natsim.kernels. With a GPU the kernel tests run on CUDA tensors instead.
 """
 
+import gc
 import importlib
+import logging
 import os
+import sys
 
 import pytest
 from hypothesis import settings
@@ -16,6 +19,13 @@ from hypothesis import settings
 # suite's bulk on a 2-core machine.
 settings.register_profile("natsim", max_examples=50)
 settings.load_profile("natsim")
+
+# Python's cyclic garbage collector runs after every 700 allocations more than deallocations, and every so often
+# over every object alive: torch, Dynamo, sympy and the test modules leave half a million of them and more (a full
+# collection took 0.4 s), and the collections took about a tenth of a worker's time. Collecting after 50,000, and
+# half as often in the older generations, took half as long. No test relies on a collection to free something
+# (none calls gc itself).
+gc.set_threshold(50_000, 20)
 
 if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
     os.environ["TRITON_INTERPRET"] = "1"
@@ -27,6 +37,14 @@ if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidia0"):
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+# Before Inductor's first CPU code on a fresh inductor cache, it builds and loads a probe library for each vector
+# instruction set the CPU reports, to see that the compiler can target it (6 s here, in the first test that
+# compiles with Inductor). Without a GPU the CPU's report is taken as it is: the probes pass on the machines this
+# suite runs on, so Inductor picks the same instruction set and generates the same code. A value already in the
+# environment is kept.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from interpreter_options import prepare_the_interpreter
@@ -84,3 +102,33 @@ def pytest_collection_modifyitems(config, items):
     8 s) runs once instead of in both workers at the same time."""
     if hasattr(config, "workerinput"):
         items.sort(key=lambda item: not any(name in item.name for name in _FRONT))
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item):
+    """Keep pytest's log capture off torch's structured trace while a test runs.
+
+    pytest attaches its capture handlers to every logger that does not propagate, and torch's structured trace
+    (the `torch.__trace` logger, written to files under TORCH_TRACE) is one of them: torch writes a trace record
+    wherever that logger has a handler, so under pytest every Dynamo, AOTAutograd and Inductor compile serialised
+    its graphs, guards and timing events into the captured logs (about 10 s of CPU time over the suite). Outside
+    pytest a compile writes none without TORCH_TRACE; here neither, and torch's own handler stays where it is."""
+    trace = logging.getLogger("torch.__trace")
+    for handler in [h for h in trace.handlers if type(h).__module__ == "_pytest.logging"]:
+        trace.removeHandler(handler)
+    return (yield)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End a pytest-xdist worker as soon as pytest is done in it, without the interpreter's shutdown.
+
+    By then the worker has reported every result to the main process, which waits for it to exit before it
+    prints its summary: the shutdown's garbage collections over everything torch, Dynamo, sympy and the tests
+    left in memory took 5 to 8 s on 2 cores, and what pytest still does after this hook (a last garbage
+    collection to catch unraisable exceptions) reports nowhere in a worker. The main process and a run without
+    workers end as usual."""
+    if hasattr(config, "workerinput"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

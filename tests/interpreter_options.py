@@ -11,11 +11,20 @@
   built anew each time (a fifth of what was left).
 - `remember_block_types`: a block type's shape, element count and name, and the shape of constexprs a tensor of it
   holds, made anew for every operand and result of every operation (a quarter of what was left).
+- `call_builtins_directly`: each interpreted operation called its function through two wrappers, one of which
+  copied its keyword arguments into a new dict.
+- `remember_computation_types`: the type two operands compute in, worked out again on every operation from the
+  same pair of types.
+- `pass_same_typed_operands`: two tensors of one type, cast to that type and broadcast to that shape (both of
+  which give them back as they are) before every operation on them.
+- `compare_dtypes_by_name`: two dtypes compared through a constexpr unwrap and an isinstance check, on nearly
+  every operation.
+The last four together: about a quarter of what was left.
 
 tests/test_interpreter_options.py checks that each changes no result, and fails where the interpreter stops doing
 what it skips, so that the function can be dropped then.
 
-`prepare_the_interpreter` applies all four: tests/conftest.py calls it, and so should the processes tests spawn
+`prepare_the_interpreter` applies all eight: tests/conftest.py calls it, and so should the processes tests spawn
 that run kernels in the interpreter (they do not load the conftest).
 """
 
@@ -30,6 +39,10 @@ def prepare_the_interpreter() -> None:
     patch_the_language_once_per_launch()
     remember_numpy_dtypes()
     remember_block_types()
+    call_builtins_directly()
+    remember_computation_types()
+    pass_same_typed_operands()
+    compare_dtypes_by_name()
 
 
 def skip_discarded_overflow_checks() -> None:
@@ -214,3 +227,124 @@ def remember_block_types() -> None:
     tensor_init.original = make_tensor
     block_type.__init__ = block_init
     tensor.__init__ = tensor_init
+
+
+def call_builtins_directly() -> None:
+    """Have a launch call each triton.language builtin's own function with the interpreter's semantic.
+
+    A launch replaces every builtin with a lambda (`_patch_attr`) that copies the call's keyword arguments into a
+    new dict without `_semantic`, then calls the builtin with the interpreter's `_semantic`: `builtin`'s wrapper,
+    which checks that `_semantic` was given and calls the function it wraps. The replacement passes the
+    interpreter's `_semantic` in place of a given one, as the lambda does, and calls the wrapped function itself
+    where the member is `builtin`'s wrapper (its check cannot fail: `_semantic` is always given); any other member
+    is called as the lambda calls it. tests/test_interpreter_options.py checks that the builtins are still
+    `builtin`'s wrappers, and natsim's kernels bit for bit.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_attr
+    if getattr(original, "calls_directly", False):
+        return
+    wrapper_code = tl.core.builtin(lambda _semantic=None: None).__code__
+
+    def patch_attr(obj, name, member, builder, scope):
+        function = member.__wrapped__ if getattr(member, "__code__", None) is wrapper_code else member
+        semantic = interpreter.interpreter_semantic  # made once, when the interpreter is imported
+
+        def interpreted(*args, **kwargs):
+            kwargs["_semantic"] = semantic
+            return function(*args, **kwargs)
+
+        scope.set_attr(obj, name, interpreted)
+
+    patch_attr.calls_directly = True
+    patch_attr.original = original
+    patch_attr.wrapper_code = wrapper_code
+    interpreter._patch_attr = patch_attr
+
+
+def remember_computation_types() -> None:
+    """Work out the type two operands compute in (`computation_type_impl`) once per pair of dtypes, scalar flags
+    and division, not again on every operation: the answer depends on nothing else. Only plain dtypes are
+    remembered (pointers and blocks go to the interpreter's own every time), and a pair it refuses is refused
+    every time. tests/test_interpreter_options.py checks the remembered answers against the interpreter's own for
+    every pair of dtypes.
+    """
+    from triton.language import core, semantic
+
+    cls = semantic.TritonSemantic
+    original = cls.computation_type_impl
+    if getattr(original, "remembers", False):
+        return
+    dtype = core.dtype
+    known: dict = {}
+
+    def computation_type_impl(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod):
+        if a_ty.__class__ is not dtype or b_ty.__class__ is not dtype:
+            return original(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
+        key = (a_ty.name, a_is_scalar, b_ty.name, b_is_scalar, div_or_mod)
+        found = known.get(key)
+        if found is None:
+            found = known[key] = original(self, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
+        return found
+
+    computation_type_impl.remembers = True
+    computation_type_impl.original = original
+    cls.computation_type_impl = computation_type_impl
+
+
+def pass_same_typed_operands() -> None:
+    """Give two tensors of one type (element type and shape) back as they are from the type checks before a
+    binary operation (`binary_op_type_checking_impl`), where they compute in their own type: the checks would cast
+    each to that type and broadcast each to that shape, both of which return their operand itself. Anything else
+    (a Python number, a pointer, two types, an operation computing in another type such as a division of halves)
+    goes through the interpreter's own checks. tests/test_interpreter_options.py checks that the operands come
+    back from the interpreter's own checks as they are in those cases, and natsim's kernels bit for bit.
+    """
+    from triton.language import core, semantic
+
+    cls = semantic.TritonSemantic
+    original = cls.binary_op_type_checking_impl
+    if getattr(original, "passes_same_types", False):
+        return
+    tensor, dtype = core.tensor, core.dtype
+
+    def binary_op_type_checking_impl(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
+                                     arithmetic_check=True, div_or_mod=False):
+        if lhs.__class__ is tensor and rhs.__class__ is tensor:
+            lhs_ty = lhs.type
+            if lhs_ty == rhs.type:
+                scalar = lhs_ty.scalar
+                if scalar.__class__ is dtype and (
+                        not arithmetic_check
+                        or self.computation_type_impl(scalar, False, scalar, False, div_or_mod) == scalar):
+                    return lhs, rhs
+        return original(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+    binary_op_type_checking_impl.passes_same_types = True
+    binary_op_type_checking_impl.original = original
+    cls.binary_op_type_checking_impl = binary_op_type_checking_impl
+
+
+def compare_dtypes_by_name() -> None:
+    """Compare a dtype with a plain dtype by name directly, as `dtype.__eq__` does after unwrapping a constexpr and
+    checking the other's class; anything else (a constexpr, a pointer or block type, another object) goes to
+    `dtype.__eq__` itself. Pointer and block types keep their own `__eq__`. tests/test_interpreter_options.py
+    checks every pair of a set of types against `dtype.__eq__`.
+    """
+    from triton.language import core
+
+    dtype = core.dtype
+    original = dtype.__eq__
+    if getattr(original, "compares_names", False):
+        return
+
+    def __eq__(self, other) -> bool:
+        if other.__class__ is dtype:
+            return self.name == other.name
+        return original(self, other)
+
+    __eq__.compares_names = True
+    __eq__.original = original
+    dtype.__eq__ = __eq__

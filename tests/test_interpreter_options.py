@@ -4,8 +4,12 @@ reporting overflows, the first test fails: drop skip_discarded_overflow_checks t
 `@triton.jit` helpers computes the same whether each helper call patches triton.language again or not, the launch
 still restores it afterwards; if the interpreter stops re-patching on helper calls, the test saying so fails: drop
 patch_the_language_once_per_launch then. The numpy dtypes remembered per Triton dtype are the interpreter's own, and
-the block types and tensor shapes remembered per element type and shape are those made afresh; natsim's kernels
-compute the same bit for bit with them and without."""
+the block types and tensor shapes remembered per element type and shape are those made afresh. The builtins a launch
+calls directly are `builtin`'s wrappers (if they stop being so, the test saying so fails: drop
+call_builtins_directly then); the computation types remembered per pair of dtypes are the interpreter's own; two
+tensors of one type come back from the interpreter's own type checks as they are wherever the shortcut passes them
+(drop pass_same_typed_operands if that test fails); dtypes compare by name as `dtype.__eq__` compares them. natsim's
+kernels compute the same bit for bit with every shortcut and without."""
 
 from __future__ import annotations
 
@@ -191,10 +195,102 @@ def test_the_remembered_block_types_and_tensor_shapes_are_made_as_fresh_ones():
             fresh(core.block_type, original, element, shape)
 
 
-def test_kernels_compute_the_same_with_the_remembered_types_and_without(monkeypatch):
-    """natsim's GNA forward (static and dynamic KV tiling, pointer loads and descriptors) and its block-sparse
-    kernel, bit for bit."""
+SCALARS = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float16,
+           tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv, tl.float8e4b15]
+
+
+def test_the_builtins_a_launch_calls_directly_are_builtins_wrappers():
+    """What call_builtins_directly relies on: the builtins a launch patches (triton.language's, the tensor's
+    operators, tl.math's) are `builtin`'s wrappers around the function they check `_semantic` for."""
+    from triton.runtime import interpreter
+
+    shortcut = interpreter._patch_attr
+    assert getattr(shortcut, "calls_directly", False)  # the conftest installed it
+    for member in (tl.load, tl.store, tl.arange, tl.where, tl.dot, tl.core.tensor.__add__, tl.core.tensor.__mul__,
+                   tl.core.tensor.__lt__, tl.math.exp):
+        assert member.__code__ is shortcut.wrapper_code and callable(member.__wrapped__), member
+
+
+def test_the_remembered_computation_types_are_the_interpreters_own():
+    from itertools import product
+
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+
+    remembered = TritonSemantic.computation_type_impl
+    assert getattr(remembered, "remembers", False)  # the conftest installed it
+    semantic = interpreter.interpreter_semantic
+    for _ in range(2):  # asked, then remembered
+        for a, b, a_scalar, b_scalar, division in product(SCALARS, SCALARS, (False, True), (False, True),
+                                                           (False, True)):
+            try:
+                want = remembered.original(semantic, a, a_scalar, b, b_scalar, division)
+            except TypeError as refused:
+                with pytest.raises(TypeError, match=f"^{re.escape(str(refused))}$"):
+                    remembered(semantic, a, a_scalar, b, b_scalar, division)
+                continue
+            got = remembered(semantic, a, a_scalar, b, b_scalar, division)
+            assert got.__class__ is want.__class__ and got.name == want.name, (a, b, a_scalar, b_scalar, division)
+
+
+def _tensor(dtype, shape):
+    """A triton.language tensor of the interpreter holding zeros: a scalar where `shape` is None."""
+    from triton.runtime import interpreter
+
+    data = np.zeros(shape or [1], dtype=interpreter._get_np_dtype(dtype))
+    return tl.core.tensor(interpreter.TensorHandle(data, dtype), tl.block_type(dtype, shape) if shape else dtype)
+
+
+def test_same_typed_operands_come_back_from_the_interpreters_own_checks_as_they_are():
+    """Wherever pass_same_typed_operands gives two tensors of one type back as they are, the interpreter's own
+    checks give back those very tensors; where it does not (a division of floats narrower than 32 bits computes in
+    float32), they are cast."""
+    from itertools import product
+
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+
+    shortcut = TritonSemantic.binary_op_type_checking_impl
+    assert getattr(shortcut, "passes_same_types", False)  # the conftest installed it
+    semantic = interpreter.interpreter_semantic
+    passed = cast = 0
+    for dtype, shape, arithmetic, division in product(SCALARS, (None, [4], [2, 8]), (True, False), (False, True)):
+        lhs, rhs = _tensor(dtype, shape), _tensor(dtype, shape)
+        options = dict(arithmetic_check=arithmetic, div_or_mod=division)
+        want = shortcut.original(semantic, lhs, rhs, **options)
+        got = shortcut(semantic, lhs, rhs, **options)
+        if got[0] is lhs and got[1] is rhs:
+            assert want[0] is lhs and want[1] is rhs, (dtype, shape, options)
+            passed += 1
+        else:
+            assert [t.type for t in got] == [t.type for t in want] != [lhs.type] * 2, (dtype, shape, options)
+            cast += 1
+    assert passed > cast > 0
+
+
+def test_dtypes_compare_by_name_as_dtype_eq_compares_them():
     from triton.language import core
+
+    shortcut = core.dtype.__eq__
+    assert getattr(shortcut, "compares_names", False)  # the conftest installed it
+    types = SCALARS + [core.dtype("int32"), tl.pointer_type(tl.int32), tl.block_type(tl.int32, [4]),
+                       core.slice_type()]
+    others = types + [tl.constexpr(tl.int32), tl.constexpr(tl.float16), None, "int32", 3]
+    compared = set()
+    for a in types:
+        if type(a).__eq__ is shortcut:  # dtype's own and slice_type's; pointer and block types have their own
+            compared.add(type(a))
+            for b in others:
+                assert (a == b) is shortcut.original(a, b), (a, b)
+    assert compared == {core.dtype, core.slice_type}
+
+
+def test_kernels_compute_the_same_with_the_shortcuts_and_without(monkeypatch):
+    """natsim's GNA forward (static and dynamic KV tiling, pointer loads and descriptors) and its block-sparse
+    kernel, bit for bit, with the shortcuts that act on every operation and without them."""
+    from triton.language import core
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
 
     from natsim.kernels import gna_attention, sparse_attention
 
@@ -208,7 +304,9 @@ def test_kernels_compute_the_same_with_the_remembered_types_and_without(monkeypa
                 for tiling in ("static", "dynamic")] + [sparse_attention(*flat, mask, 16, 16)]
 
     got = run()
-    monkeypatch.setattr(core.block_type, "__init__", core.block_type.__init__.original)
-    monkeypatch.setattr(core.tensor, "__init__", core.tensor.__init__.original)
+    for owner, name in ((core.block_type, "__init__"), (core.tensor, "__init__"), (interpreter, "_patch_attr"),
+                        (TritonSemantic, "computation_type_impl"), (TritonSemantic, "binary_op_type_checking_impl"),
+                        (core.dtype, "__eq__")):
+        monkeypatch.setattr(owner, name, getattr(owner, name).original)
     for a, b in zip(got, run()):
         assert torch.equal(a, b)
