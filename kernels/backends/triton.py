@@ -36,6 +36,7 @@ from natsim import Problem
 from ..common.backend import runs_eagerly, use_triton
 from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from ..common.fp8 import check_precision
+from ..common.headdim import head_split
 from ..common.launch import has_tensor_descriptors
 from ..common.rows import aligned_width, copies_layout_rows
 from ..gna.backward import DEFAULT_VARIANT, DKDV_PRODUCTS, DQ_PRODUCTS, backward_tiles, gna_backward
@@ -64,6 +65,7 @@ __all__ = [
     "check_qkv",
     "copies_layout_rows",
     "aligned_width",
+    "head_split",
     "backward_tiles",
     "DEFAULT_VARIANT",
     "DKDV_PRODUCTS",

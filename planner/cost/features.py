@@ -27,8 +27,7 @@ import numpy as np
 
 from natsim import SimResult, SweepResult, TileConfig
 from natsim.dimension import ceil_div
-from natsim.kernels.backends.triton import aligned_width, copies_layout_rows
-from natsim.kernels.common.headdim import head_split
+from natsim.kernels.backends.triton import aligned_width, copies_layout_rows, head_split
 
 FEATURES = (
     "full_flops", "masked_flops", "narrow_q_flops", "narrow_kv_flops", "narrow_head_flops", "split_head_flops",
