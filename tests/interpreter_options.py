@@ -15,8 +15,8 @@
   copied its keyword arguments into a new dict.
 - `remember_computation_types`: the type two operands compute in, worked out again on every operation from the
   same pair of types.
-- `pass_same_typed_operands`: two tensors of one type, cast to that type and broadcast to that shape (both of
-  which give them back as they are) before every operation on them.
+- `pass_same_typed_operands`: two tensors of one element type, each cast to that type (which gives it back as it
+  is) before every operation on them.
 - `compare_dtypes_by_name`: two dtypes compared through a constexpr unwrap and an isinstance check, on nearly
   every operation.
 The last four together: about a quarter of what was left.
@@ -295,12 +295,13 @@ def remember_computation_types() -> None:
 
 
 def pass_same_typed_operands() -> None:
-    """Give two tensors of one type (element type and shape) back as they are from the type checks before a
-    binary operation (`binary_op_type_checking_impl`), where they compute in their own type: the checks would cast
-    each to that type and broadcast each to that shape, both of which return their operand itself. Anything else
-    (a Python number, a pointer, two types, an operation computing in another type such as a division of halves)
-    goes through the interpreter's own checks. tests/test_interpreter_options.py checks that the operands come
-    back from the interpreter's own checks as they are in those cases, and natsim's kernels bit for bit.
+    """Skip the casts and pointer checks before a binary operation (`binary_op_type_checking_impl`) of two tensors of
+    one element type that compute in it: each cast would give its operand back, and neither is a pointer. Two
+    tensors of one shape come back as they are (broadcasting them changes nothing either); a block and a scalar, or
+    blocks of two shapes, are broadcast as the checks broadcast them. Anything else (a Python number, a pointer, two
+    element types, an operation computing in another type such as a division of halves) goes through the
+    interpreter's own checks. tests/test_interpreter_options.py checks the operands against those the
+    interpreter's own checks give, and natsim's kernels bit for bit.
     """
     from triton.language import core, semantic
 
@@ -313,13 +314,12 @@ def pass_same_typed_operands() -> None:
     def binary_op_type_checking_impl(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
                                      arithmetic_check=True, div_or_mod=False):
         if lhs.__class__ is tensor and rhs.__class__ is tensor:
-            lhs_ty = lhs.type
-            if lhs_ty == rhs.type:
-                scalar = lhs_ty.scalar
-                if scalar.__class__ is dtype and (
-                        not arithmetic_check
-                        or self.computation_type_impl(scalar, False, scalar, False, div_or_mod) == scalar):
-                    return lhs, rhs
+            lhs_ty, rhs_ty = lhs.type, rhs.type
+            scalar = lhs_ty.scalar
+            if scalar.__class__ is dtype and rhs_ty.scalar == scalar and (
+                    not arithmetic_check
+                    or self.computation_type_impl(scalar, False, scalar, False, div_or_mod) == scalar):
+                return (lhs, rhs) if lhs_ty == rhs_ty else self.broadcast_impl_value(lhs, rhs)
         return original(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
 
     binary_op_type_checking_impl.passes_same_types = True

@@ -242,9 +242,9 @@ def _tensor(dtype, shape):
 
 
 def test_same_typed_operands_come_back_from_the_interpreters_own_checks_as_they_are():
-    """Wherever pass_same_typed_operands gives two tensors of one type back as they are, the interpreter's own
-    checks give back those very tensors; where it does not (a division of floats narrower than 32 bits computes in
-    float32), they are cast."""
+    """Wherever pass_same_typed_operands skips the checks of two tensors of one element type, the interpreter's own
+    checks give back those very tensors where their shapes agree, and the same broadcasts where they do not; where
+    it does not skip them (a division of floats narrower than 32 bits computes in float32), they are cast."""
     from itertools import product
 
     from triton.language.semantic import TritonSemantic
@@ -253,19 +253,25 @@ def test_same_typed_operands_come_back_from_the_interpreters_own_checks_as_they_
     shortcut = TritonSemantic.binary_op_type_checking_impl
     assert getattr(shortcut, "passes_same_types", False)  # the conftest installed it
     semantic = interpreter.interpreter_semantic
-    passed = cast = 0
-    for dtype, shape, arithmetic, division in product(SCALARS, (None, [4], [2, 8]), (True, False), (False, True)):
-        lhs, rhs = _tensor(dtype, shape), _tensor(dtype, shape)
+    shapes = [(None, None), ([4], [4]), ([2, 8], [2, 8]), (None, [4]), ([2, 8], None), ([2, 1], [1, 8]), ([8], [2, 8])]
+    passed = broadcast = cast = 0
+    for dtype, (lhs_shape, rhs_shape), arithmetic, division in product(SCALARS, shapes, (True, False), (False, True)):
+        lhs, rhs = _tensor(dtype, lhs_shape), _tensor(dtype, rhs_shape)
         options = dict(arithmetic_check=arithmetic, div_or_mod=division)
         want = shortcut.original(semantic, lhs, rhs, **options)
         got = shortcut(semantic, lhs, rhs, **options)
+        assert [t.type for t in got] == [t.type for t in want], (dtype, lhs_shape, rhs_shape, options)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a.handle.data, b.handle.data)
+            assert a.handle.dtype == b.handle.dtype
         if got[0] is lhs and got[1] is rhs:
-            assert want[0] is lhs and want[1] is rhs, (dtype, shape, options)
+            assert want[0] is lhs and want[1] is rhs, (dtype, lhs_shape, rhs_shape, options)
             passed += 1
+        elif got[0].type.scalar == dtype:
+            broadcast += 1
         else:
-            assert [t.type for t in got] == [t.type for t in want] != [lhs.type] * 2, (dtype, shape, options)
             cast += 1
-    assert passed > cast > 0
+    assert min(passed, broadcast, cast) > 0
 
 
 def test_dtypes_compare_by_name_as_dtype_eq_compares_them():

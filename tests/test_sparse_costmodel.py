@@ -121,9 +121,20 @@ def test_sparse_features_reject_calls_the_work_does_not_fit(batch, heads, head_d
 # -- the calibration cases -------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _sparse_row(case) -> np.ndarray:
+    return sparse_case_features([case])[0]
+
+
+def sparse_rows(cases) -> np.ndarray:
+    """`sparse_case_features`, each case's row prepared once per process: every calibration below prepares every
+    case again for its fit (a few seconds each on a CPU), and the fake GPU times each case from its row."""
+    return np.stack([_sparse_row(case) for case in cases])
+
+
 @pytest.fixture(scope="module")
 def case_matrix() -> np.ndarray:
-    return sparse_case_features(sparse_calibration_cases())
+    return sparse_rows(sparse_calibration_cases())
 
 
 def test_sparse_cases_are_deterministic_and_have_their_masks_shape():
@@ -155,15 +166,14 @@ def test_fit_coefficients_names_the_sparse_features_in_its_errors():
         fit_coefficients(np.ones((10, len(FEATURES))), np.ones(10), SPARSE_FEATURES)
 
 
-@functools.lru_cache(maxsize=None)
 def known_sparse_time(case) -> float:
-    """The time of a sparse case under the known coefficients, from its features (prepared once per process:
-    the calibrations below each prepare every case again for the fit)."""
-    return float(sparse_case_features([case])[0] @ np.array([SPARSE[name] for name in SPARSE_FEATURES]))
+    """The time of a sparse case under the known coefficients, from its features."""
+    return float(_sparse_row(case) @ np.array([SPARSE[name] for name in SPARSE_FEATURES]))
 
 
 def fake_timings(monkeypatch, sparse_time=None):
-    """Replace the GPU: times from known coefficients (GNA from the simulator, sparse from the case features)."""
+    """Replace the GPU: times from known coefficients (GNA from the simulator, sparse from the case features),
+    and the sparse features from `sparse_rows`."""
     gna = np.array([GNA[name] for name in FEATURES])
     timed = []
 
@@ -174,6 +184,7 @@ def fake_timings(monkeypatch, sparse_time=None):
     monkeypatch.setattr(calibration, "gpu_of", lambda device: "Fake GPU")
     monkeypatch.setattr(calibration, "time_case", lambda case, dtype, device: float(calibration.case_features([case], dtype)[0] @ gna))
     monkeypatch.setattr(calibration, "time_sparse_case", sparse_time or time_sparse)
+    monkeypatch.setattr(calibration, "sparse_case_features", sparse_rows)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return timed
 
