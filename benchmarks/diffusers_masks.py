@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     args = step_bench.inputs(cls_name, config, layout, text)
     if not options.eager:
         model.compile_repeated_blocks(fullgraph=True, **({} if step_bench.DEVICE == "cuda" else
-                                                         {"backend": "aot_eager"}))
+                                                         {"backend": "eager"}))
     own_times, own_latent = run(model, args, options.steps)
     masks = nd.Masks(steps=options.steps, block=16 if options.small else 64)
     applied = nd.apply(model, masks=masks, dtype=torch.float16 if options.small else None)

@@ -629,9 +629,10 @@ def captured_qkv(model, args: dict, applied) -> Captured:
 
 def compile_step(model, fullgraph: bool = True, mode: Optional[str] = None):
     """The model compiled as the step is measured: `compile_repeated_blocks` where the class declares repeated
-    blocks, else the whole model under `torch.compile` (aot_eager on the CPU); `mode`: torch.compile's (None, or
-    "reduce-overhead" for CUDA graphs)."""
-    backend = ({} if mode is None else {"mode": mode}) if DEVICE == "cuda" else {"backend": "aot_eager"}
+    blocks, else the whole model under `torch.compile`; `mode`: torch.compile's (None, or "reduce-overhead" for CUDA
+    graphs). On the CPU, a smoke test of the scripts, Dynamo alone (backend "eager"): the graphs and their breaks
+    are those Inductor would get, without its code generation."""
+    backend = ({} if mode is None else {"mode": mode}) if DEVICE == "cuda" else {"backend": "eager"}
     if model._repeated_blocks:
         model.compile_repeated_blocks(fullgraph=fullgraph, **backend)
         return model

@@ -153,8 +153,9 @@ def run_sizes(run, name, layouts, repeat: int = 1):
 
 @pytest.mark.parametrize("name, whole", [("WanTransformer3DModel", True), ("HunyuanVideoTransformer3DModel", False)])
 def test_compiled_models_compile_once_per_latent_size(name, whole, reference_path):
-    """Dynamo's guards and graph breaks do not depend on the backend: aot_eager (fake tensors through the
-    operators, no code generation) keeps the test fast; the GPU benchmarks run Inductor. One Wan block: the whole
+    """Dynamo's guards and graph breaks do not depend on the backend: "eager" (Dynamo's fake tensors through the
+    operators, neither AOTAutograd, which took a third of the test, nor code generation) keeps the test fast; the
+    GPU benchmarks run Inductor. One Wan block: the whole
     model's graph traces every block (two took 40% longer); blocks sharing a graph are the next test's. The
     compiled graphs' attention runs the torch reference (neither guards nor graphs depend on the path the operator
     takes when it runs): the next test runs Triton's interpreter inside compiled blocks, the whole-layout test
@@ -163,9 +164,9 @@ def test_compiled_models_compile_once_per_latent_size(name, whole, reference_pat
     model = diffusers_models.build(name, layers=1)
     applied = nd.apply(model, 0.5, dtype=torch.float16)
     if whole:
-        run = torch.compile(model, fullgraph=True, backend="aot_eager")
+        run = torch.compile(model, fullgraph=True, backend="eager")
     else:
-        model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+        model.compile_repeated_blocks(fullgraph=True, backend="eager")
         run = model
     layouts = [(2, 4, 8), (2, 8, 4)]
     run_sizes(run, name, layouts)  # first call of each size: compile
@@ -337,7 +338,7 @@ def test_masks_under_regional_compilation_never_recompile_across_steps():
     torch._dynamo.reset()
     model = diffusers_models.build("WanTransformer3DModel")
     nd.apply(model, masks=nd.Masks(steps=4, block=16, dense_fraction=0.25), dtype=torch.float16)
-    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")
     with torch.no_grad():
         model(**with_timestep("WanTransformer3DModel", (2, 4, 8), 900.0))  # compiles (a dense step)
         with torch._dynamo.config.patch(error_on_recompile=True):

@@ -32,7 +32,7 @@ def attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float, know
 
 
 def _torch_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: float):
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    scores = (q.float().transpose(1, 2) @ k.float().permute(0, 2, 3, 1)) * scale
     if keep is not None:
         scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
     # The LSE over the keys and one masked key more: a reduction over at least one key, which torch.compile
@@ -42,7 +42,7 @@ def _torch_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: floa
     top = torch.where(torch.isinf(top), 0.0, top)
     lse = torch.log(torch.exp(padded - top).sum(-1)) + top[..., 0]
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float())
+    out = (probs @ v.float().transpose(1, 2)).transpose(1, 2)
     return out, lse.transpose(1, 2)
 
 
@@ -92,7 +92,7 @@ def _efficient_attention_with_lse(q, k, v, keep: Optional[torch.Tensor], scale: 
 def _probabilities(q, k, lse, keep: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """`[B, heads, Nq, Nk]` float32 softmax probabilities recomputed from the forward's LSE (0 at masked keys, and
     on rows whose every key is masked)."""
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    scores = (q.float().transpose(1, 2) @ k.float().permute(0, 2, 3, 1)) * scale
     if keep is not None:
         scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
     lse = lse.transpose(1, 2)[..., None]
