@@ -5,13 +5,21 @@ tests/test_gluon_fp8_gpu.py."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
+from bruteforce import attention_mask, problems
 from natsim.kernels.common import fp8
 from natsim.kernels.gluon.fp8_forward import BLOCK_N, BlockLists, launch
 from natsim.kernels.gluon.ops import fp8_block_attention
+from natsim.kernels.gluon.tile_mask import gna_block_lists, gna_tile_mask
+from natsim.kernels.gna.layout import TileLayout
+from natsim.kernels.gna.tiles import tile_pairs
+from test_fa4 import source_tokens
 from natsim.kernels.sparse.reference import sparse_reference
 
 
@@ -168,12 +176,15 @@ def test_gna_naming_gluon_runs_the_rule_on_cpu_tensors_against_float64(layout, h
 @pytest.mark.parametrize("arguments, message", [
     (dict(precision=None), r"backend='gluon' is natsim's FP8 kernel: it runs precision='fp8' only"),
     (dict(q_tile=(1, 4, 16), kv_tile=(1, 4, 16)), r"runs GNA on one tile of 128 tokens .* got q_tile=\(1, 4, 16\)"),
-    (dict(window=(3, 5, 5), stride=(1, 1, 1)), r"none of natsim's tiles of the layout \(4, 16, 16\) holds 128 tokens"),
+    (dict(q_tile=(1, 8, 16), kv_tile=(1, 4, 16)), r"runs GNA on one tile of 128 tokens for queries and keys, got"),
+    (dict(layout=(2, 3, 5), window=(2, 3, 3), stride=(1, 1, 1)),
+     r"none of natsim's tiles of the layout \(2, 3, 5\) holds 128 tokens\.$"),
 ])
 def test_gna_naming_gluon_refuses_what_it_cannot_run_in_a_sentence(arguments, message):
     from natsim.kernels import gna_attention
 
-    q = torch.randn(1, 4, 16, 16, 2, 64, dtype=torch.bfloat16)
+    arguments = dict(arguments)
+    q = torch.randn(1, *arguments.pop("layout", (4, 16, 16)), 2, 64, dtype=torch.bfloat16)
     call = {"window": (2, 8, 16), "stride": (2, 8, 16), "precision": "fp8", "backend": "gluon", **arguments}
     with pytest.raises(ValueError, match=message):
         gna_attention(q, q, q, **call)
@@ -213,3 +224,109 @@ def test_gna_naming_gluon_on_tokens_in_tile_order_equals_the_row_major_call():
                                            backend="gluon", return_lse=True)
     assert torch.equal(order.from_order(out).reshape(q.shape), expected)
     assert torch.equal(order.from_order(lse[..., None])[..., 0].reshape(expected_lse.shape), expected_lse)
+
+
+# -- partial tiles ------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def tiled_problems(draw):
+    """A GNA problem (1-D to 3-D: borders, padding, even windows, stride, dilation, causal) with one of natsim's
+    128-token tiles of its layout."""
+    problem = draw(problems(max_tokens=600))
+    pairs = [q for q, kv in tile_pairs(problem.shape, 64) if q == kv and math.prod(q) == 128
+             and TileLayout(problem.shape, q, problem.dilation).num_tokens <= 1024]  # padded: the reference's n^2
+    assume(pairs)
+    return problem, draw(st.sampled_from(pairs))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tiled_problems())
+def test_the_tile_mask_is_the_brute_force_mask_in_tile_order(case):
+    """What the kernel tests inside a partial tile (each row's window bounds, each key tile's first coordinate)
+    gives the brute-force GNA mask on the layout's tokens, and no row attends a padding key."""
+    problem, tile = case
+    mask = gna_tile_mask(problem, tile, torch.device("cpu")).dense().numpy()
+    tokens = source_tokens(problem, tile)
+    real = tokens >= 0
+    assert mask.shape == (len(tokens), len(tokens))
+    assert np.array_equal(mask[np.ix_(real, real)], attention_mask(problem)[np.ix_(tokens[real], tokens[real])])
+    assert not mask[:, ~real].any()
+
+
+@settings(max_examples=20, deadline=None)
+@given(tiled_problems())
+def test_the_lists_mark_the_partial_tiles_and_name_every_visited_one(case):
+    """The kernel's lists name the blocks the brute-force mask visits in tile order, those whose every element
+    (and key) is attended as whole and the others as partial."""
+    problem, tile = case
+    lists, any_partial = gna_block_lists(problem, tile, torch.device("cpu"))
+    tokens = source_tokens(problem, tile)
+    blocks = len(tokens) // 128
+    elements = np.zeros((len(tokens), len(tokens)), dtype=bool)
+    real = tokens >= 0
+    elements[np.ix_(real, real)] = attention_mask(problem)[np.ix_(tokens[real], tokens[real])]
+    per_block = elements.reshape(blocks, 128, blocks, 128)
+    visited = per_block.any((1, 3))
+    # a whole block: every query attends every key (the padding queries' rows are dropped, so they do not count)
+    whole = (per_block | ~real.reshape(blocks, 128)[:, :, None, None]).all((1, 3))
+    assert np.array_equal(lists.mask()[0, 0].numpy(), visited)
+    partial = lists.mask(partial=True)[0, 0].numpy()
+    assert not (partial & ~visited).any() and not (visited & ~partial & ~whole).any()
+    assert any_partial == bool(partial.any())
+
+
+def test_the_gna_table_runs_partial_tiles_and_the_mask_table_does_not():
+    from natsim.kernels.backends import capabilities
+
+    assert capabilities("gluon", "gna").partial_tiles and not capabilities("gluon", "masks").partial_tiles
+
+
+def test_block_lists_encode_partial_blocks_as_complements():
+    blocks = torch.tensor([[True, False, True, True], [False, False, False, False]])[None, None]
+    partial = torch.tensor([[False, False, True, False], [False, False, False, False]])[None, None]
+    lists = BlockLists.from_blocks(blocks, partial)
+    assert lists.counts.tolist() == [[[3, 0]]]
+    assert lists.indices[0, 0, 0, :3].tolist() == [0, ~2, 3]
+    assert torch.equal(lists.mask(), blocks) and torch.equal(lists.mask(partial=True), partial)
+    with pytest.raises(ValueError, match="partial must be a boolean mask of the blocks' shape"):
+        BlockLists.from_blocks(blocks, partial[..., :2])
+
+
+@settings(max_examples=4, deadline=None)
+@given(case=tiled_problems(), head_dim=st.sampled_from([64, 128]), seed=st.integers(0, 2**16))
+def test_gna_on_partial_tiles_runs_the_rule_on_cpu_tensors_against_float64(case, head_dim, seed):
+    """A call naming the Gluon kernel on a tile with partial blocks runs (CPU tensors: the rule's reference under
+    the element mask) and stays within FP8's error of float64 attention; the LSE too."""
+    from natsim.kernels import gna_attention
+    from natsim.kernels.gna.reference import reference_attention
+
+    problem, tile = case
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, *problem.shape, 2, head_dim, generator=gen).to(torch.bfloat16) for _ in range(3))
+    args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation, causal=problem.causal)
+    out, lse = gna_attention(q, k, v, **args, q_tile=tile, kv_tile=tile, precision="fp8", backend="gluon",
+                             return_lse=True)
+    reference, reference_lse = reference_attention(q.double(), k.double(), v.double(), **args, return_lse=True)
+    error = float((out.double() - reference).norm() / reference.norm())
+    assert error < 6e-2, error
+    assert float((lse.double() - reference_lse).abs().max()) < 0.2  # tests/test_fp8.py's bound for the rule's LSE
+
+
+def test_an_fp8_call_left_to_natsim_takes_the_gluon_kernel_on_whole_tiles_only(monkeypatch):
+    """Unnamed FP8 calls go to the Gluon kernel where every visited block is whole; with partial tiles to the
+    Triton FP8 kernel (the planner prices both and names the one it picks)."""
+    from natsim.kernels.gna import choice
+    from natsim.kernels.gna.spec import GnaSpec
+
+    monkeypatch.setattr(choice, "gpu_capability", lambda device: (9, 0))
+    monkeypatch.setattr(choice, "interpreting", lambda: False)
+    device = torch.device("cuda")
+    whole = GnaSpec.of(3, (2, 8, 16), (2, 8, 16), precision="fp8")
+    partial = GnaSpec.of(3, (3, 5, 7), (1, 1, 1), precision="fp8")
+    assert choice._choose(whole, whole.problem((4, 16, 16)), device, torch.bfloat16, 64, False).backend == "gluon"
+    assert choice._choose(partial, partial.problem((4, 16, 16)), device, torch.bfloat16, 64, False).backend == \
+        "triton"
+    named = GnaSpec.of(3, (3, 5, 7), (1, 1, 1), precision="fp8", backend="gluon")
+    picked = choice._choose(named, named.problem((4, 16, 16)), device, torch.bfloat16, 64, False)
+    assert picked.backend == "gluon" and math.prod(picked.gluon.q_tile) == 128

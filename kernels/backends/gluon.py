@@ -1,11 +1,17 @@
 """natsim's Gluon FP8 kernel (kernels/gluon/fp8_forward.py) as a backend: what it runs.
 
-A warp-specialized FP8 forward for Hopper over block-sparse lists of whole 128 x 128 tiles: attention under a
-block mask of 128-token blocks in `precision="fp8"`, from bf16 or fp16 inputs it quantizes itself (K's scales
-shared by key blocks). No element mask inside a tile, no backward, no PV skip, no inputs given in float8.
-`sparse_attention(..., precision="fp8")` and `gna_attention(..., precision="fp8")` take it wherever a call fits
-(kernels/gluon/fp8_forward.py, `refusal`; for GNA every visited block a whole tile), and natsim's Triton FP8
-kernel elsewhere, or where the call or its prepared work names a backend.
+A warp-specialized FP8 forward for Hopper over block-sparse lists of 128 x 128 tiles: attention under a block
+mask of 128-token blocks in `precision="fp8"`, from bf16 or fp16 inputs it quantizes itself (K's scales shared by
+key blocks), and GNA on 128-token tiles, whose partial tiles it masks inside (kernels/gluon/tile_mask.py). No
+element mask for block masks, no backward, no PV skip, no inputs given in float8. `sparse_attention(...,
+precision="fp8")` and `gna_attention(..., precision="fp8")` take it wherever a call fits (kernels/gluon/
+fp8_forward.py, `refusal`; GNA left to natsim only where every visited block is a whole tile), natsim's Triton
+FP8 kernel elsewhere, or where the call or its prepared work names a backend; a GNA call naming "gluon" runs on
+it with partial tiles too.
+
+Partial GNA tiles (H200, benchmarks/results/fp8-gluon-partial-*-unsigned-compare.json, quantization and tile
+order included): Wan 2.1's 720p layout at window 7x21x35 35.6 ms against 50.6 on the Triton FP8 kernel and 34.1
+for natsim's bf16 call; HunyuanVideo's at window 18x24x24 45.3 against 59.7 and 45.5.
 
 Measured on an H100 beside the Triton FP8 kernel and FlashAttention-4's bf16 one, quantization included
 (benchmarks/results/fp8-gluon-*.json): dense 32,768 tokens 18.7 ms (Triton FP8 20.4, FlashAttention-4 19.5);
@@ -44,9 +50,10 @@ MASKS = Capabilities(
     max_capability=(9, 0),  # wgmma and TMA as Hopper has them
 )
 
-# GNA in FP8 on whole 128-token tiles in the Q tile's token order, or dense over the flattened layout
-# (kernels/gna/choice.py): the same kernel, on the same devices (CPU tensors of a call naming it run the rule).
-GNA = replace(MASKS, name="Gluon FP8 GNA")
+# GNA in FP8 on 128-token tiles in the Q tile's token order (partial tiles masked inside), or dense over the
+# flattened layout (kernels/gna/choice.py): the same kernel, on the same devices (CPU tensors of a call naming it
+# run the rule).
+GNA = replace(MASKS, name="Gluon FP8 GNA", partial_tiles=True)
 
 
 def device_refusal(device: torch.device) -> Optional[str]:

@@ -92,19 +92,27 @@ class GnaMask:
         """The token order both queries and keys are in."""
         return TileLayout(self.problem.shape, self.tile, self.problem.dilation)
 
+    def windows(self, q_idx, ops: Arithmetic = NUMPY) -> list:
+        """Per dimension, `(group, start, end)` of query row(s) `q_idx`: its dilation group and the in-group
+        coordinates `[start, end)` of its window there. A key is attended when, along every dimension, it is of
+        that group and its in-group coordinate is in that range."""
+        p = self.problem
+        q_groups, q_coords = decode(self.layout, q_idx, ops)
+        windows = []
+        for i in range(p.ndim):
+            length = _group_length(p.shape[i], p.dilation[i], q_groups[i], ops)
+            windows.append((q_groups[i], *_window(q_coords[i], length, p.window[i], p.stride[i], p.causal[i], ops)))
+        return windows
+
     def allowed(self, q_idx, kv_idx, ops: Arithmetic = NUMPY):
         """Whether query row(s) `q_idx` attend key column(s) `kv_idx` (broadcasting like the namespace's
         arithmetic)."""
-        p = self.problem
-        q_groups, q_coords = decode(self.layout, q_idx, ops)
         k_groups, k_coords = decode(self.layout, kv_idx, ops)
         result = None
-        for i in range(p.ndim):
-            length = _group_length(p.shape[i], p.dilation[i], q_groups[i], ops)
-            start, end = _window(q_coords[i], length, p.window[i], p.stride[i], p.causal[i], ops)
+        for i, (group, start, end) in enumerate(self.windows(q_idx, ops)):
             inside = (start <= k_coords[i]) & (k_coords[i] < end)
-            if p.dilation[i] > 1:
-                inside = inside & (q_groups[i] == k_groups[i])
+            if self.problem.dilation[i] > 1:
+                inside = inside & (group == k_groups[i])
             result = inside if result is None else result & inside
         return result
 

@@ -129,11 +129,11 @@ def _kv_blocks(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ..
     return np.where(inside, linear, -1), padded
 
 
-@functools.lru_cache(maxsize=64)
-def gna_lists(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], device: torch.device) -> Fa4Lists:
-    """FlashAttention-4's lists of a GNA problem with q, k and v in `q_tile` order and key blocks of `kv_tile`
-    size (`nested_refusal` must be None), on `device`; kept per geometry, since every layer of a model shares
-    them."""
+def gna_blocks(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Boolean `[query blocks, key blocks]` arrays of the blocks visited and of those visited whole (no element
+    masked, no padding key) of a GNA problem with q, k and v in `q_tile` order and key blocks of `kv_tile` size
+    (`nested_refusal` must be None): the simulator's visited and full tiles, a key block holding padding keys
+    never whole."""
     mask = block_mask(problem, TileConfig(q_tile, kv_tile))
     simulator_tile, padded = _kv_blocks(problem, q_tile, kv_tile)
     real = simulator_tile >= 0
@@ -142,5 +142,14 @@ def gna_lists(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...
     visited[:, real] = mask.to_dense()[:, simulator_tile[real]]
     full[:, real] = mask.full_dense()[:, simulator_tile[real]]
     full &= ~padded[None, :]
+    return visited, full
+
+
+@functools.lru_cache(maxsize=64)
+def gna_lists(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], device: torch.device) -> Fa4Lists:
+    """FlashAttention-4's lists of a GNA problem with q, k and v in `q_tile` order and key blocks of `kv_tile`
+    size (`nested_refusal` must be None), on `device`; kept per geometry, since every layer of a model shares
+    them."""
+    visited, full = gna_blocks(problem, q_tile, kv_tile)
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))[None, None].to(device)  # noqa: E731
     return lists_from_blocks(as_tensor(visited), as_tensor(full), math.prod(q_tile), math.prod(kv_tile))

@@ -16,8 +16,10 @@ joins the row's scale so that each score costs one multiply-add before its expon
 one scale per channel; P cast to e4m3 as `112 * exp2(s - m)` against a reference maximum m per row that moves
 only when a block's maximum passes it by more than a factor of four (`RESCALE_SLACK`), so that P stays below 448
 and the accumulators' rescale is skipped once the maxima settle; fp32 accumulators; V's scales applied to the
-output once. Keys past the sequence (the last block's padding) are masked; a block list names whole tiles (no
-element mask inside a visited tile).
+output once. Keys past the sequence (the last block's padding) are masked. A block list names whole tiles, and
+for GNA also partial ones (an entry `~block`), whose scores the consumer masks by the rows' window bounds before
+the softmax (`TileMask`, built by kernels/gluon/tile_mask.py: per score and dimension one subtraction and one
+unsigned comparison, a per-row test where the tile spans one coordinate).
 
 Two choices keep the consumers' instruction count per score low, which is what bounds this kernel (the tensor
 cores wait on the softmax's issue slots, docs/fp8.md):
@@ -68,21 +70,28 @@ LAZY_RESCALE_HEAD_DIMS = frozenset({128})
 class BlockLists:
     """Per (batch, head, query block of `BLOCK_M`), the key blocks (of `BLOCK_N`) to visit: `counts` int32
     `[B|1, H|1, q_blocks]` and ascending `indices` int32 `[B|1, H|1, q_blocks, kv_blocks]` (entries past a row's
-    count are never read); a dimension of 1 is shared by every batch or head. Every visited block is attended
-    whole (keys past the sequence aside): the lists hold no element mask. Indices are key blocks of the call
-    (under `kv_blocks`); `check` does not read them, which would wait on the GPU."""
+    count are never read); a dimension of 1 is shared by every batch or head. A block's entry is its index where
+    it is attended whole (keys past the sequence aside), and the index's complement `~index` (negative) where it is
+    a partial tile of a GNA call, whose elements the kernel masks (kernels/gluon/tile_mask.py). Indices are key
+    blocks of the call (under `kv_blocks`); `check` does not read them, which would wait on the GPU."""
 
     counts: torch.Tensor
     indices: torch.Tensor
 
     @classmethod
-    def from_blocks(cls, blocks: torch.Tensor) -> "BlockLists":
-        """The lists of a boolean block mask `[B|1, H|1, q_blocks, kv_blocks]` of 128 x 128 blocks."""
+    def from_blocks(cls, blocks: torch.Tensor, partial: Optional[torch.Tensor] = None) -> "BlockLists":
+        """The lists of a boolean block mask `[B|1, H|1, q_blocks, kv_blocks]` of 128 x 128 blocks; `partial`
+        (a boolean mask of the same shape, within `blocks`): the blocks marked partial."""
         if blocks.dtype != torch.bool or blocks.dim() != 4:
             raise ValueError(f"a block mask is a boolean [B|1, H|1, q_blocks, kv_blocks] tensor, got "
                              f"{blocks.dtype} {tuple(blocks.shape)}")
         counts = blocks.sum(-1, dtype=torch.int32)
         order = torch.sort((~blocks).to(torch.uint8), dim=-1, stable=True).indices
+        if partial is not None:
+            if partial.shape != blocks.shape or partial.dtype != torch.bool:
+                raise ValueError(f"partial must be a boolean mask of the blocks' shape {tuple(blocks.shape)}, got "
+                                 f"{partial.dtype} {tuple(partial.shape)}")
+            order = torch.where(torch.gather(partial, -1, order), ~order, order)
         return cls(counts.contiguous(), order.to(torch.int32).contiguous())
 
     def check(self, batch: int, heads: int, q_blocks: int, kv_blocks: int, device: torch.device) -> None:
@@ -101,17 +110,59 @@ class BlockLists:
         if not (self.counts.is_contiguous() and self.indices.is_contiguous()):
             raise ValueError("block lists must be contiguous")
 
-    def mask(self) -> torch.Tensor:
-        """The boolean block mask `[B|1, H|1, q_blocks, kv_blocks]` these lists name."""
+    def mask(self, partial: bool = False) -> torch.Tensor:
+        """The boolean block mask `[B|1, H|1, q_blocks, kv_blocks]` these lists name (with `partial`: of the
+        blocks they mark partial)."""
         columns = torch.arange(self.indices.shape[-1], device=self.indices.device)
-        listed = (columns < self.counts[..., None].long()).to(torch.uint8)
+        listed = columns < self.counts[..., None].long()
+        if partial:
+            listed = listed & (self.indices < 0)
         mask = torch.zeros(self.indices.shape, dtype=torch.uint8, device=self.indices.device)
-        return mask.scatter_reduce_(-1, self.indices.long(), listed, "amax").bool()  # any listed entry counts
+        blocks = torch.where(self.indices < 0, ~self.indices, self.indices).long()
+        return mask.scatter_reduce_(-1, blocks, listed.to(torch.uint8), "amax").bool()  # any listed entry counts
 
     @staticmethod
     def strides(t: torch.Tensor) -> tuple[int, int]:
         """Batch and head strides of a list tensor, 0 where that dimension is shared."""
         return tuple(t.stride(i) if t.shape[i] > 1 else 0 for i in (0, 1))
+
+
+@dataclass(frozen=True)
+class TileMask:
+    """The element mask inside the partial tiles of a call on tokens in the order of a 128-token `tile` (queries
+    and keys): `bounds` int32 `[2 * ndim, tokens]`, per dimension the rows' window starts then ends; `bases` int32
+    `[ndim, key tiles]`, per dimension each key tile's first key's coordinate. A score is kept when, along every
+    dimension, `start <= base + in-tile coordinate < end` (kernels/gluon/tile_mask.py builds them for GNA)."""
+
+    bounds: torch.Tensor
+    bases: torch.Tensor
+    tile: tuple[int, ...]
+
+    @property
+    def inner(self) -> tuple[int, ...]:
+        """Per dimension, the in-tile column step between coordinates (the tile's row-major strides)."""
+        return tuple(math.prod(self.tile[i + 1:]) for i in range(len(self.tile)))
+
+    def check(self, rows: int, n_kv: int, device: torch.device) -> None:
+        """That this mask fits a call of `rows` query tokens and `n_kv` key tokens on `device`."""
+        ndim = len(self.tile)
+        if (self.bounds.shape != (2 * ndim, rows) or self.bases.shape != (ndim, -(-n_kv // BLOCK_N))
+                or self.bounds.dtype != torch.int32 or self.bases.dtype != torch.int32):
+            raise ValueError(f"a tile mask of bounds {tuple(self.bounds.shape)} and bases {tuple(self.bases.shape)} "
+                             f"does not fit {rows} query and {n_kv} key tokens in {ndim} dimensions")
+        if self.bounds.device != device or self.bases.device != device:
+            raise ValueError(f"tile mask on {self.bounds.device}, the call's tensors on {device}")
+
+    def dense(self) -> torch.Tensor:
+        """The boolean `[tokens, key tiles * 128]` mask the kernel applies (tests and the CPU path)."""
+        columns = torch.arange(self.bases.shape[1] * BLOCK_N, device=self.bases.device)
+        keep = None
+        for i, (side, step) in enumerate(zip(self.tile, self.inner)):
+            coordinate = self.bases[i, columns // BLOCK_N] + (columns % BLOCK_N) // step % side
+            lo, hi = self.bounds[2 * i, :, None], self.bounds[2 * i + 1, :, None]
+            inside = (lo <= coordinate) & (coordinate < hi)
+            keep = inside if keep is None else keep & inside
+        return keep
 
 
 @gluon.jit
@@ -126,7 +177,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
         if DENSE:
             block = i
         else:
-            block = gl.load(IDX + idx_row + i)
+            block = _block_of(gl.load(IDX + idx_row + i))
         stage = i % STAGES
         phase = (i // STAGES) & 1
         mbarrier.wait(empty.index(stage), phase ^ 1)
@@ -138,8 +189,48 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
 
 
 @gluon.jit
+def _block_of(entry):
+    """The key block a list entry names: a partial block's entry is its index's complement (`~block`, negative),
+    a whole block's the index itself."""
+    return entry ^ (entry >> 31)
+
+
+@gluon.jit
+def _inside(lo, hi, base, inner, TILE: gl.constexpr, INNER: gl.constexpr):
+    """Along one dimension, whether each key of a tile lies in each query's window: the key's coordinate (the
+    tile's `base` plus its in-tile coordinate, from its column `inner`) in the row's `[lo, hi)`. Per score one
+    subtraction and one unsigned comparison (`r - start < width`, the width at least 0); a dimension the tile
+    spans one coordinate of is a test per row."""
+    start = lo - base
+    if TILE == 1:
+        inside = gl.expand_dims((start <= 0) & (hi - base > 0), 1)
+    else:
+        width = gl.maximum(hi - lo, 0).to(gl.uint32)
+        r = gl.expand_dims((inner // INNER) % TILE, 0)
+        inside = (r - gl.expand_dims(start, 1)).to(gl.uint32, bitcast=True) < gl.expand_dims(width, 1)
+    return inside
+
+
+@gluon.jit
+def _tile_masked(s, block, bounds, BASES, kv_blocks, col_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NDIM: gl.constexpr, TILE: gl.constexpr, INNER: gl.constexpr):
+    """The scores `s` of a partial tile with the keys outside each query's window at -inf (kernels/gluon/
+    tile_mask.py: per query and dimension the window `[lo, hi)`, per key tile and dimension its first key's
+    coordinate, dilation groups folded into both)."""
+    inner = gl.arange(0, BLOCK_N, layout=col_layout)
+    inside = _inside(bounds[0], bounds[1], gl.load(BASES + block), inner, TILE[0], INNER[0])
+    if NDIM > 1:
+        inside = inside & _inside(bounds[2], bounds[3], gl.load(BASES + kv_blocks + block), inner, TILE[1],
+                                  INNER[1])
+    if NDIM > 2:
+        inside = inside & _inside(bounds[4], bounds[5], gl.load(BASES + 2 * kv_blocks + block), inner, TILE[2],
+                                  INNER[2])
+    return gl.where(inside, s, -float("inf"))
+
+
+@gluon.jit
 def _softmax(s, row_scale, m_i, block, n_kv, BLOCK_N: gl.constexpr, col_layout: gl.constexpr,
-             P_OFFSET: gl.constexpr, SLACK: gl.constexpr):
+             P_OFFSET: gl.constexpr, SLACK: gl.constexpr, MASKED: gl.constexpr):
     """The online-softmax update of one block's raw scores `s` with `row_scale` (log2 units: the softmax scale,
     the queries' scales and the block's key scale, folded into the exponent's one multiply-add), keys past the
     sequence at -inf: P (fp32) as `2 ** P_OFFSET * exp2(s - m)`, each row's reference maximum m, the factor the
@@ -148,18 +239,25 @@ def _softmax(s, row_scale, m_i, block, n_kv, BLOCK_N: gl.constexpr, col_layout: 
     With a `SLACK` (log2 units; None: m is the running maximum) a row's m moves only when the block's maximum
     passes it by more than the slack; otherwise P is taken against the old m, at most `2 ** SLACK` times larger,
     which `P_OFFSET` leaves room for below e4m3's 448. Once the maxima settle (after a few blocks on most rows)
-    no row moves, and the caller's branch on the warpgroup's one answer skips the accumulators' multiplies."""
+    no row moves, and the caller's branch on the warpgroup's one answer skips the accumulators' multiplies.
+
+    `MASKED`: the call has partial tiles, whose rows may have no key in a block and no maximum yet (-inf); such a
+    row takes its exponentials against 0, which gives P = 0 and, with no maximum before, a factor 0 on empty
+    accumulators."""
     if (block + 1) * BLOCK_N > n_kv:  # the sequence's last block: mask its padding keys
         cols = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
         s = gl.where(gl.expand_dims(cols < n_kv, 0), s, -float("inf"))
-    m_block = gl.max(s, 1) * row_scale  # row scales are positive; every block has a key in range
+    m_block = gl.max(s, 1) * row_scale  # row scales are positive; a whole block has a key in range
     if SLACK is None:
         m_new = gl.maximum(m_i, m_block)
         moved = gl.to_tensor(True)
     else:
         m_new = gl.where(m_block > m_i + SLACK, m_block, m_i)
-    p = gl.exp2(s * gl.expand_dims(row_scale, 1) - gl.expand_dims(m_new - P_OFFSET, 1))
-    alpha = gl.exp2(m_i - m_new)
+    m_use = m_new
+    if MASKED:
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    p = gl.exp2(s * gl.expand_dims(row_scale, 1) - gl.expand_dims(m_use - P_OFFSET, 1))
+    alpha = gl.exp2(m_i - m_use)
     if SLACK is not None:
         moved = gl.min(alpha, 0) < 1.0  # one answer for the warpgroup's 64 rows: a uniform branch
     return p, m_new, alpha, moved
@@ -199,10 +297,12 @@ def _rescaled(acc, l_acc, alpha, o_row_layout: gl.constexpr, l_row_layout: gl.co
 
 @gluon.jit
 def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty,
-              IDX, idx_row, count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale,
-              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
-              DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr, SLACK: gl.constexpr):
-    """One consumer warpgroup: 64 query rows against every listed key block, then the output (and LSE)."""
+              IDX, idx_row, count, QS, KS, SV, OUT, LSE, BOUNDS, BASES, kv_blocks, b, h, heads, n_q, n_kv, q_start,
+              qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
+              DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr, SLACK: gl.constexpr,
+              MASKED: gl.constexpr, NDIM: gl.constexpr, TILE: gl.constexpr, INNER: gl.constexpr):
+    """One consumer warpgroup: 64 query rows against every listed key block, then the output (and LSE). With
+    `MASKED`, the lists mark partial tiles, whose scores take the GNA mask of the rows' window bounds."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -225,6 +325,18 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
     zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
     q = q_smem.index(HALF_INDEX)
     p_tile = p_smem.index(HALF_INDEX)
+    if MASKED:  # each row's window [lo, hi) along each dimension (the first one's again past NDIM), read once
+        in_q = rows < n_q
+        lo0 = gl.load(BOUNDS + rows, mask=in_q, other=0)
+        hi0 = gl.load(BOUNDS + n_q + rows, mask=in_q, other=0)
+        lo1, hi1, lo2, hi2 = lo0, hi0, lo0, hi0
+        if NDIM > 1:
+            lo1 = gl.load(BOUNDS + 2 * n_q + rows, mask=in_q, other=0)
+            hi1 = gl.load(BOUNDS + 3 * n_q + rows, mask=in_q, other=0)
+        if NDIM > 2:
+            lo2 = gl.load(BOUNDS + 4 * n_q + rows, mask=in_q, other=0)
+            hi2 = gl.load(BOUNDS + 5 * n_q + rows, mask=in_q, other=0)
+        bounds = (lo0, hi0, lo1, hi1, lo2, hi2)
     mbarrier.wait(q_bar, 0)
 
     # Ping-pong: a warpgroup issues its products for a block (Q K^T of the next block; P V and P 1 of this one)
@@ -236,18 +348,23 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
         if DENSE:
             block = gl.to_tensor(0)
         else:
-            block = gl.load(IDX + idx_row)
+            entry = gl.load(IDX + idx_row)
+            block = _block_of(entry)
         k_scale = gl.load(KS + ks_row + block * (BLOCK_N * heads))
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
+        if MASKED:
+            if entry < 0:
+                s = _tile_masked(s, block, bounds, BASES, kv_blocks, col_layout, BLOCK_N, NDIM, TILE, INNER)
         p, m_i, alpha, moved = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout, P_OFFSET,
-                                        SLACK)
+                                        SLACK, MASKED)
         for i in range(count - 1):
             if DENSE:
                 block = i + 1
             else:
-                block = gl.load(IDX + idx_row + i + 1)
+                entry = gl.load(IDX + idx_row + i + 1)
+                block = _block_of(entry)
             k_scale = gl.load(KS + ks_row + block * (BLOCK_N * heads))
             stage = i % STAGES
             nxt = (i + 1) % STAGES
@@ -260,8 +377,11 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
             acc, l_block = _pv(p, p_tile, v_smem.index(stage), ones, acc, zero_l, HALF, BLOCK_N)
             mbarrier.arrive(other_turn, count=1)
             s = warpgroup_mma_wait(2, deps=(s,))  # groups complete in order: P V and P 1 may still run
+            if MASKED:
+                if entry < 0:
+                    s = _tile_masked(s, block, bounds, BASES, kv_blocks, col_layout, BLOCK_N, NDIM, TILE, INNER)
             p, m_i, alpha, moved = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout,
-                                            P_OFFSET, SLACK)
+                                            P_OFFSET, SLACK, MASKED)
             acc, l_block = warpgroup_mma_wait(0, deps=(acc, l_block))
             l_acc += l_block
             mbarrier.arrive(empty.index(stage), count=1)  # this block's K and V are consumed
@@ -294,11 +414,12 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
 
 
 @gluon.jit
-def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, IDX,
+def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, IDX, BOUNDS, BASES,
                         heads, n_q, n_kv, qk_scale, cnt_b, cnt_h, idx_b, idx_h, kv_blocks,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
-                        SLACK: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                        SLACK: gl.constexpr, MASKED: gl.constexpr, NDIM: gl.constexpr, TILE: gl.constexpr,
+                        INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     q_block = gl.program_id(0)
     bh = gl.program_id(1)
@@ -343,11 +464,13 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
     v_row = (b * heads + h) * HEAD_DIM
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
-                     count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
-                     STAGES, DENSE, RETURN_LSE, P_OFFSET, SLACK)),
+                     count, QS, KS, SV, OUT, LSE, BOUNDS, BASES, kv_blocks, b, h, heads, n_q, n_kv, q_start, qk_scale,
+                     HEAD_DIM, BLOCK_N, HALF, STAGES, DENSE, RETURN_LSE, P_OFFSET, SLACK, MASKED, NDIM, TILE,
+                     INNER)),
         (_consumer, (1, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
-                     count, QS, KS, SV, OUT, LSE, b, h, heads, n_q, n_kv, q_start, qk_scale, HEAD_DIM, BLOCK_N, HALF,
-                     STAGES, DENSE, RETURN_LSE, P_OFFSET, SLACK)),
+                     count, QS, KS, SV, OUT, LSE, BOUNDS, BASES, kv_blocks, b, h, heads, n_q, n_kv, q_start, qk_scale,
+                     HEAD_DIM, BLOCK_N, HALF, STAGES, DENSE, RETURN_LSE, P_OFFSET, SLACK, MASKED, NDIM, TILE,
+                     INNER)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
                    IDX, idx_row, count, q_row, q_col, k_row, v_row, HALF, BLOCK_N, STAGES, DENSE)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -402,13 +525,16 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: torch.dtype,
-           return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+           return_lse: bool, tile_mask: Optional[TileMask] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on quantized tensors whose K scales are shared by blocks of `BLOCK_N` keys and whose V is
     key-major (`quantize(..., k_block=BLOCK_N, v_key_major=True)`): the output and the LSE of the scores it saw
-    (K's mean removed; an empty tensor without `return_lse`)."""
+    (K's mean removed; an empty tensor without `return_lse`). `tile_mask`: the GNA mask of the partial tiles the
+    lists mark (kernels/gluon/tile_mask.py); without it no entry may be marked."""
     if not x.v_key_major:
         raise ValueError("the Gluon FP8 kernel reads V key-major within blocks of 128 keys: quantize with "
                          "v_key_major=True")
+    if tile_mask is not None and lists is None:
+        raise ValueError("a tile mask masks the partial tiles of block lists: pass the lists")
     batch, rows, heads, head_dim = x.q.shape
     n_kv = x.k.shape[1]
     fp8 = gl.float8e4nv
@@ -429,16 +555,31 @@ def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: 
         lists.check(batch, heads, q_blocks, kv_blocks, device)
         counts, indices = lists.counts, lists.indices
         strides = (*lists.strides(counts), *lists.strides(indices))
+    if tile_mask is None:
+        bounds = bases = counts
+    else:
+        tile_mask.check(rows, n_kv, device)
+        bounds, bases = tile_mask.bounds, tile_mask.bases
     _fp8_forward_kernel[(q_blocks, batch * heads)](
-        q_desc, k_desc, v_desc, x.q_scale, x.k_scale, x.v_scale.contiguous(), out, lse, counts, indices,
-        heads, rows, n_kv, scale * LOG2E, *strides, kv_blocks,
-        **kernel_options(head_dim, lists is None, return_lse))
+        q_desc, k_desc, v_desc, x.q_scale, x.k_scale, x.v_scale.contiguous(), out, lse, counts, indices, bounds,
+        bases, heads, rows, n_kv, scale * LOG2E, *strides, kv_blocks,
+        **kernel_options(head_dim, lists is None, return_lse, None if tile_mask is None else tile_mask.tile))
     return out, lse
 
 
-def kernel_options(head_dim: int, dense: bool, return_lse: bool) -> dict:
-    """The kernel's compile-time arguments and launch options for one head dim, dense or over lists."""
+def kernel_options(head_dim: int, dense: bool, return_lse: bool, tile: Optional[tuple[int, ...]] = None) -> dict:
+    """The kernel's compile-time arguments and launch options for one head dim, dense or over lists, with the
+    128-token `tile` whose partial tiles it masks (None: every visited block whole)."""
     slack = RESCALE_SLACK if head_dim in LAZY_RESCALE_HEAD_DIMS else None
+    masked = tile is not None
+    tile = tuple(tile) if masked else (1,)
+    inner = tuple(math.prod(tile[i + 1:]) for i in range(len(tile)))
     return dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, DENSE=dense, RETURN_LSE=return_lse,
-                P_OFFSET=P_OFFSET - (slack or 0.0), SLACK=slack, CONSUMER_REGS=CONSUMER_REGS,
-                LOADER_REGS=LOADER_REGS, num_warps=4, maxnreg=MAX_REGS)
+                P_OFFSET=P_OFFSET - (slack or 0.0), SLACK=slack, MASKED=masked, NDIM=len(tile),
+                TILE=_padded3(tile), INNER=_padded3(inner), CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                num_warps=4, maxnreg=MAX_REGS)
+
+
+def _padded3(values: tuple[int, ...]) -> tuple[int, ...]:
+    """Three per-dimension constants (the kernel indexes three; past NDIM they are never read)."""
+    return tuple(values) + (1,) * (3 - len(values))

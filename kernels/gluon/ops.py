@@ -10,8 +10,11 @@ from typing import Optional, Union
 import torch
 import triton
 
-from ..common.fp8 import lse_with_mean, quantize, refuse_gradients
-from .fp8_forward import BLOCK_M, BLOCK_N, BlockLists, check_call, launch
+from natsim import Problem
+
+from ..common.fp8 import lse_with_mean, quantize, quantized_weights, refuse_gradients
+from .fp8_forward import BLOCK_M, BLOCK_N, BlockLists, TileMask, check_call, launch
+from .tile_mask import gna_block_lists, gna_tile_mask
 
 
 def fp8_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -32,42 +35,81 @@ def fp8_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (out, lse) if return_lse else out
 
 
+def gna_fp8_ordered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, tile: tuple[int, ...],
+                    scale: float, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GNA of `problem` in FP8 on `[B, tokens, heads, head_dim]` q, k, v in the 128-token `tile`'s order
+    (queries and keys): the simulator's visited blocks as the kernel's lists, the partial ones masked inside by
+    the tile mask (kernels/gluon/tile_mask.py). Returns the output and the LSE (empty without `return_lse`) in
+    that order."""
+    lists, partial = gna_block_lists(problem, tuple(tile), q.device)
+    masked = gna_tile_mask(problem, tuple(tile), q.device) if partial else None
+    mask_args = (masked.bounds, masked.bases, list(masked.tile)) if masked is not None else ()
+    return gluon_fp8_forward(q, k, v, lists.counts, lists.indices, scale, return_lse, *mask_args)
+
+
 @torch.library.custom_op("natsim::gluon_fp8_forward", mutates_args=())
 def gluon_fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: Optional[torch.Tensor],
-                      indices: Optional[torch.Tensor], scale: float,
-                      return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      indices: Optional[torch.Tensor], scale: float, return_lse: bool,
+                      bounds: Optional[torch.Tensor] = None, bases: Optional[torch.Tensor] = None,
+                      tile: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fp8_block_attention`'s operator: the kernel on CUDA tensors, the rule's reference on CPU tensors; the LSE
-    is empty without `return_lse`."""
+    is empty without `return_lse`. `bounds`, `bases` and `tile`: a GNA call's `TileMask`
+    (kernels/gluon/tile_mask.py), for the partial tiles its lists mark."""
     lists = None if counts is None else BlockLists(counts, indices)
+    tile_mask = None if bounds is None else TileMask(bounds, bases, tuple(tile))
     check_call(q, k, v)
     if not q.is_cuda:
-        return _cpu_reference(q, k, v, lists, scale, return_lse)
+        return _cpu_reference(q, k, v, lists, scale, return_lse, tile_mask)
     x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True, q_dot_mean=return_lse)
-    out, lse = launch(x, lists, scale, q.dtype, return_lse)
+    out, lse = launch(x, lists, scale, q.dtype, return_lse, tile_mask)
     # the kernel's LSE is of the scores with K's mean removed: add `scale * q . mean(k)` back, taken in the
     # quantization's read of q
     return out, (lse + scale * x.q_dot_mean if return_lse else lse)
 
 
 @gluon_fp8_forward.register_fake
-def _(q, k, v, counts, indices, scale, return_lse):
+def _(q, k, v, counts, indices, scale, return_lse, bounds=None, bases=None, tile=None):
     lse_shape = q.shape[:-1] if return_lse else (0,)
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Optional[BlockLists], scale: float,
-                   return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   return_lse: bool, tile_mask: Optional[TileMask] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule's reference (K's scales shared by blocks of 128 keys, P rounded against the row's final maximum
-    and summed as rounded) in float32 under the lists' block mask."""
+    and summed as rounded) in float32 under the lists' block mask, and inside the partial tiles they mark under
+    the tile mask."""
     from ..sparse.reference import sparse_reference  # the sparse room routes FP8 calls here: import on use
     batch, rows, heads, _ = q.shape
-    q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(k.shape[1], BLOCK_N)
+    n_kv = k.shape[1]
+    q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(n_kv, BLOCK_N)
     mask = torch.ones(1, 1, q_blocks, kv_blocks, dtype=torch.bool)
     if lists is not None:
         lists.check(batch, heads, q_blocks, kv_blocks, q.device)
         mask = lists.mask()
     x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True)
-    out, lse = sparse_reference(*x.dequantized(), mask, BLOCK_M, BLOCK_N, scale, return_lse=True,
-                                quantized_probs=True, p_sum="rounded")
+    if tile_mask is None:
+        out, lse = sparse_reference(*x.dequantized(), mask, BLOCK_M, BLOCK_N, scale, return_lse=True,
+                                    quantized_probs=True, p_sum="rounded")
+    else:
+        tile_mask.check(rows, n_kv, q.device)
+        if lists is None:
+            raise ValueError("a tile mask masks the partial tiles of block lists: pass the lists")
+        elements = lambda m: m.repeat_interleave(BLOCK_M, -2).repeat_interleave(BLOCK_N, -1)[..., :rows, :n_kv]  # noqa: E731
+        partial = elements(lists.mask(partial=True))
+        allowed = (elements(mask) & ~partial) | (partial & tile_mask.dense()[:, :n_kv])
+        out, lse = _element_rule(*x.dequantized(), allowed, scale)
     lse = lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse.new_empty(0)
     return out.to(q.dtype), lse
+
+
+def _element_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule's attention of dequantized `[B, N, heads, D]` tensors under an element mask `allowed`
+    `[B|1, H|1, Nq, Nk]`, in float32: P rounded against the row's final maximum and summed as rounded; rows with
+    no key: output 0, LSE -inf."""
+    scores = (q.float().transpose(1, 2) @ k.float().permute(0, 2, 3, 1)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    attends = allowed.any(-1, keepdim=True)
+    lse = torch.logsumexp(torch.where(attends, scores, 0.0), -1, keepdim=True)
+    out = (quantized_weights(scores, "rounded") @ v.float().transpose(1, 2)) * attends
+    return out.transpose(1, 2), torch.where(attends, lse, float("-inf"))[..., 0].transpose(1, 2)

@@ -85,7 +85,7 @@ def _fp8_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: to
     dynamic KV tiling, other head dims or GPUs)."""
     if gluon_refusal(dtype, head_dim, gpu_capability(device)) is not None:
         return Choice("triton")
-    refusal, geometry = _gluon_geometry(spec, problem, head_dim)
+    refusal, geometry = _gluon_geometry(spec, problem, head_dim, partial=False)
     return Choice("triton") if refusal is not None else Choice("gluon", gluon=geometry)
 
 
@@ -97,35 +97,41 @@ def _gluon_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: 
                          f"precision={spec.precision!r}.")
     refusal = gluon_refusal(dtype, head_dim, gpu_capability(device) if device.type == "cuda" else None)
     if refusal is None:
-        refusal, geometry = _gluon_geometry(spec, problem, head_dim)
+        refusal, geometry = _gluon_geometry(spec, problem, head_dim, partial=True)
     if refusal is not None:
         raise ValueError(f"backend='gluon' cannot run this call: {refusal}")
     return Choice("gluon", gluon=geometry)
 
 
-def _gluon_geometry(spec: GnaSpec, problem: Problem, head_dim: int) -> tuple[Optional[str], Optional[Fa4Gna]]:
+def _gluon_geometry(spec: GnaSpec, problem: Problem, head_dim: int,
+                    partial: bool) -> tuple[Optional[str], Optional[Fa4Gna]]:
     """(why the Gluon FP8 kernel cannot run this call's geometry, or None; the geometry it runs in the Q tile's
-    token order, None for dense attention over the flattened layout). Without tiles: the 128-token tiles with
-    every visited block full that visit the fewest blocks."""
+    token order, None for dense attention over the flattened layout). `partial`: whether it may visit partial
+    tiles (masked inside, kernels/gluon/tile_mask.py), which a call or plan naming it may; an FP8 call left to
+    natsim takes it on whole tiles only, where it was measured faster than the Triton FP8 kernel. Without tiles:
+    the 128-token tiles with every visited block full that visit the fewest blocks, else (with `partial`) the
+    128-token tiles that visit the fewest."""
     if spec.out_dtype is not None or spec.frames is not None or spec.kv_tiling == "dynamic":
         return ("the Gluon FP8 kernel quantizes bfloat16 / float16 inputs itself over a whole layout with static KV "
                 "tiling: not inputs given in float8, frame_offsets or kv_tiling='dynamic'."), None
     if spec.q_tile is None and spec.kv_tile is None:
         if is_dense(problem):
             return None, None
-        pairs = [(q, kv) for q, kv in tile_pairs(problem.shape, head_dim) if _gluon_tiles(problem, q, kv)]
-        if not pairs:
-            return (f"none of natsim's tiles of the layout {problem.shape} holds {GLUON_BLOCK} tokens with every "
-                    "visited block full, as the Gluon FP8 kernel needs (natsim's Triton FP8 kernel runs partial "
-                    "tiles)."), None
-        fewest = min(pairs, key=lambda pair: simulate(problem, TileConfig(*pair)).visited_tiles)
-        return None, Fa4Gna(problem, *fewest)
+        pairs = [(q, kv) for q, kv in tile_pairs(problem.shape, head_dim) if _gluon_tiles(problem, q, kv, True)]
+        whole = [pair for pair in pairs if _gluon_tiles(problem, *pair, False)]
+        if whole or (partial and pairs):
+            fewest = min(whole or pairs, key=lambda pair: simulate(problem, TileConfig(*pair)).visited_tiles)
+            return None, Fa4Gna(problem, *fewest)
+        return (f"none of natsim's tiles of the layout {problem.shape} holds {GLUON_BLOCK} tokens"
+                + ("" if partial else " with every visited block full, as the Gluon FP8 kernel takes an FP8 call "
+                   "left to natsim (name backend='gluon' for partial tiles)") + "."), None
     q_tile = tuple(spec.q_tile if spec.q_tile is not None else spec.kv_tile)
     kv_tile = tuple(spec.kv_tile if spec.kv_tile is not None else spec.q_tile)
     refusal = _tile_problem(problem, q_tile, kv_tile)
-    if refusal is None and not _gluon_tiles(problem, q_tile, kv_tile):
-        refusal = (f"the Gluon FP8 kernel runs GNA on one tile of {GLUON_BLOCK} tokens for queries and keys whose "
-                   f"every visited block is full, got q_tile={q_tile}, kv_tile={kv_tile} on {problem}.")
+    if refusal is None and not _gluon_tiles(problem, q_tile, kv_tile, partial):
+        refusal = (f"the Gluon FP8 kernel runs GNA on one tile of {GLUON_BLOCK} tokens for queries and keys"
+                   + ("" if partial else " whose every visited block is full (name backend='gluon' for partial "
+                      "tiles)") + f", got q_tile={q_tile}, kv_tile={kv_tile} on {problem}.")
     return (refusal, None) if refusal is not None else (None, Fa4Gna(problem, q_tile, kv_tile))
 
 
@@ -134,10 +140,11 @@ def gpu_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _gluon_tiles(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> bool:
-    """Tiles the Gluon FP8 kernel runs GNA on: one 128-token tile for queries and keys, every visited block full."""
+def _gluon_tiles(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], partial: bool) -> bool:
+    """Tiles the Gluon FP8 kernel runs GNA on: one 128-token tile for queries and keys, every visited block full
+    unless `partial`."""
     return (tuple(q_tile) == tuple(kv_tile) and math.prod(q_tile) == GLUON_BLOCK
-            and _block_sparse(problem, tuple(q_tile), tuple(kv_tile)))
+            and (partial or _block_sparse(problem, tuple(q_tile), tuple(kv_tile))))
 
 
 def backward_refusal(choice: Choice, head_dim: int) -> Optional[str]:

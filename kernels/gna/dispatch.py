@@ -29,7 +29,7 @@ from ..common.headdim import head_dim_refusal
 from ..common.launch import has_tensor_descriptors, tensor_descriptors_enabled
 from ..common.rows import aligned_rows, copies_rows, in_aligned_rows
 from ..fa4 import run as fa4_run
-from ..gluon.ops import gluon_fp8_forward
+from ..gluon.ops import gluon_fp8_forward, gna_fp8_ordered
 from .backward import gna_backward
 from .checks import check_frames, check_kernel_inputs, check_qkv, kernel_tiles
 from .choice import Choice, backward_refusal, choose
@@ -148,15 +148,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run_gluon(q, k, v, *, choice: Choice, spec: GnaSpec) -> Output:
-    """The Gluon FP8 kernel: GNA of the chosen geometry on tokens in its Q tile's order (the simulator's full
-    blocks as its lists), or dense attention over the flattened layout."""
+    """The Gluon FP8 kernel: GNA of the chosen geometry on tokens in its Q tile's order (the simulator's visited
+    blocks as its lists, the partial ones masked inside by the tile mask), or dense attention over the flattened
+    layout."""
     geometry, scale = choice.gluon, _scale(spec, q)
     if geometry is None:
         out, lse = gluon_fp8_forward(_flat(q), _flat(k), _flat(v), None, None, scale, spec.return_lse)
         return out.view(q.shape), lse.view(q.shape[:-1]) if spec.return_lse else None
-    lists = geometry.lists(q.device)
-    out, lse = gluon_fp8_forward(geometry.to_order(q), geometry.to_order(k), geometry.to_order(v),
-                                 lists.forward[2], lists.forward[3], scale, spec.return_lse)
+    out, lse = gna_fp8_ordered(geometry.to_order(q), geometry.to_order(k), geometry.to_order(v), geometry.problem,
+                               geometry.q_tile, scale, spec.return_lse)
     return geometry.from_order(out), geometry.lse_from_order(lse) if spec.return_lse else None
 
 

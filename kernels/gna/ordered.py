@@ -19,7 +19,7 @@ import torch
 
 from natsim.problem import as_sizes
 
-from ..gluon.ops import gluon_fp8_forward
+from ..gluon.ops import gna_fp8_ordered
 from .choice import backward_refusal, choose
 from .dispatch import Output, run_spec
 from .layout import TileLayout
@@ -140,8 +140,8 @@ def run_ordered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: TileOr
     if choice.fa4 is not None:
         return choice.fa4.forward_ordered(q, k, v, _scale(q, spec), spec.return_lse)
     if choice.gluon is not None:
-        lists = choice.gluon.lists(q.device)
-        out, lse = gluon_fp8_forward(q, k, v, lists.forward[2], lists.forward[3], _scale(q, spec), spec.return_lse)
+        out, lse = gna_fp8_ordered(q, k, v, choice.gluon.problem, choice.gluon.q_tile, _scale(q, spec),
+                                   spec.return_lse)
         return out, lse if spec.return_lse else None
     out, lse = run_spec(*layout_views(order, q, k, v), spec)
     return ordered_like(order, out), ordered_like(order, lse)
