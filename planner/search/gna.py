@@ -29,8 +29,9 @@ FP8's is predicted faster than bf16's by more than TIE_TOLERANCE (FP8 costs accu
 plan records both predictions (`plan.search.precisions`).
 
 A search depends only on its normalised arguments (and the cost model's coefficients), so the last plans are
-kept (`_search`): a model calls `best` once per layer, mostly with the same layout. `world_size=P` prices the
-plan over P ranks (planner.search.parallel).
+kept (`_search`): a model calls `best` once per layer, mostly with the same layout. A window's simulated counts
+depend on the layout, its strides and the tiles alone, so they are kept too (`_window_sweep`), for the searches
+that price them otherwise. `world_size=P` prices the plan over P ranks (planner.search.parallel).
 """
 
 from __future__ import annotations
