@@ -29,8 +29,9 @@ FP8's is predicted faster than bf16's by more than TIE_TOLERANCE (FP8 costs accu
 plan records both predictions (`plan.search.precisions`).
 
 A search depends only on its normalised arguments (and the cost model's coefficients), so the last plans are
-kept (`_search`): a model calls `best` once per layer, mostly with the same layout. `world_size=P` prices the
-plan over P ranks (planner.search.parallel).
+kept (`_search`): a model calls `best` once per layer, mostly with the same layout. A window's simulated counts
+depend on the layout, its strides and the tiles alone, so they are kept too (`_window_sweep`), for the searches
+that price them otherwise. `world_size=P` prices the plan over P ranks (planner.search.parallel).
 """
 
 from __future__ import annotations
@@ -388,6 +389,23 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
     return request
 
 
+@functools.lru_cache(maxsize=512)
+def _window_sweep(shape: tuple[int, ...], window: tuple[int, ...], causal: tuple[bool, ...],
+                  max_stride: Optional[tuple[int, ...]], catalog: tuple[TileConfig, ...]) -> tuple[int, dict]:
+    """One window's strides (their count) and its simulated count columns under every tile of `catalog`, read-only.
+
+    The counts depend on the layout, the window, its strides and the tiles alone, not on what prices them: the
+    searches of one layout for other head dims, dtypes, cost models, training or precision share them (a model's
+    layers, the CLI and `precision="auto"` ask for several), so the last ones are kept."""
+    strides = np.array(stride_candidates(window, max_stride), np.int64)
+    result = sweep(shape, window, strides=strides, causal=causal, tiles=catalog)
+    part = {name: getattr(result, name) for name in COLUMNS}
+    part.update(stride=result.stride, tile_index=result.tile_index)
+    for column in part.values():
+        column.flags.writeable = False
+    return len(strides), part
+
+
 def _sweep_windows(request: _Request, windows, catalog: list[TileConfig]) -> tuple[dict[str, np.ndarray], list]:
     """Simulated counts of every (window, stride, tile) row, as columns, and the (window, stride) problems.
 
@@ -396,15 +414,14 @@ def _sweep_windows(request: _Request, windows, catalog: list[TileConfig]) -> tup
     """
     parts, problems, runs, offset = [], [], [], 0
     for i, w in enumerate(windows):
-        strides = np.array(stride_candidates(w, request.max_stride), np.int64)
-        result = sweep(request.shape, w, strides=strides, causal=request.causal, tiles=catalog)
-        part = {name: getattr(result, name) for name in COLUMNS}
-        part.update(stride=result.stride, tile_index=result.tile_index, window_index=np.full(len(result), i),
-                    key_index=len(problems) + np.tile(np.arange(len(strides)), len(catalog)))
+        count, swept = _window_sweep(request.shape, tuple(w), request.causal, request.max_stride, tuple(catalog))
+        rows = len(swept["tile_index"])
+        part = dict(swept, window_index=np.full(rows, i),
+                    key_index=len(problems) + np.tile(np.arange(count), len(catalog)))
         parts.append(part)
-        problems += [(i, tuple(int(v) for v in stride)) for stride in strides]
-        runs.append((offset, offset + len(result)))
-        offset += len(result)
+        problems += [(i, tuple(int(v) for v in stride)) for stride in swept["stride"][:count]]
+        runs.append((offset, offset + rows))
+        offset += rows
     rows = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     rows["window_rows"] = runs
     return rows, problems
