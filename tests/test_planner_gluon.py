@@ -17,6 +17,7 @@ from natsim.kernels import TileOrder
 from natsim.kernels.backends import gluon as gluon_backend
 from natsim.kernels.gluon.ops import fp8_block_attention
 from natsim.kernels.gna.reference import reference_attention
+from natsim.kernels.gluon.tile_mask import gna_block_lists
 from natsim.planner import Plan, best, best_mask, cost_model_for, tile_catalog
 from natsim.planner.backends import backend_choice
 from natsim.planner.cost.gluon_calibrate import gluon_calibration_cases
@@ -27,8 +28,8 @@ from natsim.planner.search.gluon_scores import GluonScorer
 H100 = replace(cost_model_for("NVIDIA H100 80GB HBM3"), host_seconds=None)  # kernels' predictions alone
 TRITON_ONLY = replace(H100, gluon_fp8_coefficients=None)
 # Cheaper per FLOP than the Triton FP8 kernel (whose full_flops coefficient is about 1e-15 s), dearer per call.
-GLUON = {"flops": 6e-16, "narrow_head_flops": 2e-16, "blocks": 1e-10, "programs": 1e-8, "moved_bytes": 4e-13,
-         "launch": 6e-5}
+GLUON = {"flops": 6e-16, "narrow_head_flops": 2e-16, "blocks": 1e-10, "masked_blocks": 5e-11, "programs": 1e-8,
+         "moved_bytes": 4e-13, "launch": 6e-5}
 CHEAP = replace(H100, gluon_fp8_coefficients=GLUON)
 DEAR = replace(H100, gluon_fp8_coefficients={name: 50 * value for name, value in GLUON.items()})
 HUNYUAN = dict(heads=24, window=(18, 24, 24), precision="fp8")
@@ -41,11 +42,16 @@ def hopper(monkeypatch):
 
 
 def gluon_runs(shape, tiles: TileConfig, problem: Problem, head_dim: int = 128) -> bool:
-    """The kernel's rules restated: one tile of 128 tokens for queries and keys, static KV tiling, dividing every
-    dimension, every visited block full; head_dim 64 or 128."""
+    """The kernel's rules restated: one tile of 128 tokens for queries and keys, static KV tiling; head_dim 64 or
+    128 (partial tiles masked inside)."""
     return (tiles.kv_tiling == "static" and tiles.q_tile == tiles.kv_tile and math.prod(tiles.q_tile) == 128
-            and all(n % t == 0 for n, t in zip(shape, tiles.q_tile)) and head_dim in (64, 128)
-            and simulate(problem, tiles).block_sparse)
+            and head_dim in (64, 128))
+
+
+def masked_blocks(problem: Problem, tile: tuple[int, ...]) -> int:
+    """The blocks the kernel masks inside, as its own lists mark them."""
+    lists, _ = gna_block_lists(problem, tile, torch.device("cpu"))
+    return int(lists.mask(partial=True).sum())
 
 
 @pytest.mark.parametrize("shape, window, stride, tile, head_dim", [
@@ -73,6 +79,21 @@ def test_gna_features_count_blocks_bytes_and_flops_the_slow_way(shape, window, s
     dense = dict(zip(GLUON_FEATURES, dense_gluon_features(tokens, batch_heads=24, head_dim=head_dim,
                                                           element_bytes=2)))
     assert dense["blocks"] == (tokens // 128) ** 2 * 24 and dense["moved_bytes"] == quantized
+    assert features["masked_blocks"] == 0 == masked_blocks(problem, tile)
+
+
+@pytest.mark.parametrize("shape, window, stride, tile", [
+    ((21, 45, 80), (10, 23, 32), (1, 8, 16), (2, 8, 8)),  # padding along 45, partial and whole tiles
+    ((9, 20, 24), (4, 7, 9), (1, 1, 3), (2, 4, 16)),
+    ((3000,), (700,), (100,), (128,)),
+])
+def test_masked_blocks_are_those_the_kernels_lists_mark_partial(shape, window, stride, tile):
+    problem = Problem(shape, window, stride)
+    features = dict(zip(GLUON_FEATURES, gna_gluon_features(problem, tile, batch_heads=3, head_dim=128,
+                                                           element_bytes=2)))
+    partial = masked_blocks(problem, tile)
+    assert partial > 0 and features["masked_blocks"] == partial * 3
+    assert features["blocks"] == simulate(problem, TileConfig(tile, tile)).visited_tiles * 3
 
 
 @pytest.mark.parametrize("shape, window", [((30, 48, 80), (18, 24, 24)), ((64, 64), (32, 32)), ((4096,), (1024,))])
@@ -93,7 +114,8 @@ def test_the_scorer_prices_exactly_the_rows_the_kernel_runs(shape, window):
     scores, backward = scorer.scores(rows)
     expected = [gluon_runs(shape, tiles, problem) for problem in problems for tiles in catalog]
     assert backward is None and list(np.isfinite(scores)) == expected and any(expected)
-    for row in np.nonzero(expected)[0][:3]:
+    rows_run = np.nonzero(expected)[0]
+    for row in [*rows_run[:3], *rows_run[-3:]]:
         problem, tiles = problems[row // len(catalog)], catalog[row % len(catalog)]
         alone = gna_gluon_features(problem, tiles.q_tile, batch_heads=2, head_dim=128, element_bytes=2)
         assert scores[row] == pytest.approx(float(CHEAP.predict_gluon(alone)))

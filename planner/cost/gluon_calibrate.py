@@ -3,8 +3,10 @@ features, and the timed calls, through natsim's public entry points with `precis
 
 The cases span what GLUON_FEATURES separate (planner.cost.gluon_features): GNA calls whose every visited block is a
 whole 128-token tile (HunyuanVideo's 16x8x8 stride at head_dim 128 and 64, 1-D and 2-D strides of whole tiles,
-dense attention over 1-D and 3-D layouts: q, k, v permuted into tile order, as plans run them), and random masks
-of 128 x 128 blocks from 0% to 95% sparse on 8k to 32k tokens (nothing permuted), 24 heads.
+dense attention over 1-D and 3-D layouts: q, k, v permuted into tile order, as plans run them), GNA calls with
+partial tiles (Wan's and HunyuanVideo's 720p layouts, with padding, strides of partial tiles, 2-D and 1-D; the
+mask's work per visited block), and random masks of 128 x 128 blocks from 0% to 95% sparse on 8k to 32k tokens
+(nothing permuted), 24 heads.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from natsim import Problem, TileConfig, simulate
+from natsim import Problem
 
 from ..backends import gluon_tiles_refusal
 from ..catalog import element_bytes
@@ -34,6 +36,16 @@ GNA_CASES = (
     ((32768,), (32768,), (1,), (128,), 128),  # dense (about 18 ms)
     ((32768,), (32768,), (1,), (128,), 64),
     ((16, 32, 64), (16, 32, 64), (1, 1, 1), (2, 8, 8), 128),  # dense over a 3-D layout: permuted
+)
+
+# (shape, window, stride, tile, head_dim): partial tiles (masked inside), padding where a side does not divide
+PARTIAL_CASES = (
+    ((21, 45, 80), (10, 23, 32), (1, 8, 16), (2, 8, 8), 128),  # Wan 720p, the planner's 0.9 window
+    ((21, 45, 80), (7, 21, 35), (1, 1, 1), (1, 16, 8), 128),
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), (2, 16, 4), 128),  # HunyuanVideo, every block partial
+    ((30, 48, 80), (18, 24, 24), (1, 1, 1), (2, 16, 4), 64),
+    ((192, 192), (48, 48), (1, 1), (8, 16), 128),
+    ((32768,), (3000,), (1,), (128,), 128),
 )
 
 # (seq_len, sparsity, head_dim): random masks of 128 x 128 blocks, one per head
@@ -63,13 +75,9 @@ class GluonGnaCase:
                                   element_bytes=element_bytes(dtype))
 
     def refusal(self) -> Optional[str]:
-        """None when the kernel runs this call (its tiles, every visited block full), else why not."""
+        """None when the kernel runs this call (its 128-token tiles), else why not."""
         tokens = int(np.prod(self.tile))
-        refusal = gluon_tiles_refusal(tokens, tokens, self.head_dim, torch.bfloat16)
-        if refusal is None and not (all(n % t == 0 for n, t in zip(self.problem.shape, self.tile))
-                                    and simulate(self.problem, TileConfig(self.tile, self.tile)).block_sparse):
-            refusal = f"a visited block of the tile {self.tile} on {self.problem} is not full."
-        return refusal
+        return gluon_tiles_refusal(tokens, tokens, self.head_dim, torch.bfloat16)
 
     def describe(self) -> tuple[str, str, str]:
         """(what, blocks, heads x head_dim): the cells of a report's row."""
@@ -137,9 +145,9 @@ GluonCase = Union[GluonGnaCase, GluonMaskCase]
 
 
 def gluon_calibration_cases() -> list[GluonCase]:
-    """The calls `natsim calibrate --kernels ...,gluon-fp8` times (GNA_CASES, then MASK_CASES)."""
+    """The calls `natsim calibrate --kernels ...,gluon-fp8` times (GNA_CASES, PARTIAL_CASES, then MASK_CASES)."""
     gna = [GluonGnaCase(Problem(shape, window, stride), tile, HEADS, head_dim)
-           for shape, window, stride, tile, head_dim in GNA_CASES]
+           for shape, window, stride, tile, head_dim in (*GNA_CASES, *PARTIAL_CASES)]
     masks = [GluonMaskCase(seq_len, sparsity, head_dim, seed=i)
              for i, (seq_len, sparsity, head_dim) in enumerate(MASK_CASES)]
     return [*gna, *masks]

@@ -33,7 +33,7 @@ from .sparse_features import SPARSE_FEATURES
 FORMAT = "natsim-cost-model/1"
 # Features added after coefficient files were first written: a file fitted without one loads with it at 0 (the
 # model it was fitted with had no such cost), so that users' older calibrations keep working.
-ADDED_FEATURES = frozenset({"narrow_head_flops", "split_head_flops"})
+ADDED_FEATURES = frozenset({"narrow_head_flops", "split_head_flops", "masked_blocks"})
 
 
 def _checked(coefficients: Mapping[str, float], features: Sequence[str], label: str) -> dict[str, float]:

@@ -1,10 +1,10 @@
 """natsim's Gluon FP8 kernel's scores of a GNA search's rows: predicted seconds of each (window, stride, tiles) as
 one of its calls, for the rows it runs, infinite elsewhere.
 
-The kernel runs GNA on one tile of 128 tokens for queries and keys (static KV tiling) whose every visited block is
-full and holds no padding key (every dimension a whole number of tiles; natsim.kernels.backends.gluon): on such a
-row it visits the simulator's tiles, every one unmasked. Features are planner.cost.gluon_features', prices the
-cost model's Gluon FP8 coefficients.
+The kernel runs GNA on one tile of 128 tokens for queries and keys (static KV tiling; natsim.kernels.backends.gluon):
+it visits the simulator's tiles, and masks inside those that are not full or hold padding keys. Features are
+planner.cost.gluon_features', prices the cost model's Gluon FP8 coefficients (a model fitted before partial tiles
+ran prices their mask at 0: `masked_blocks` is one of planner.cost.model's ADDED_FEATURES).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class GluonScorer:
                  catalog: Sequence[TileConfig], cost_model: CostModel, *, batch_heads: int, head_dim: int,
                  dtype: torch.dtype, element_bytes: int):
         self.problems = [Problem(shape, window, causal=causal) for window in windows]
-        self.runs = np.array([_runs(shape, tiles, head_dim, dtype) for tiles in catalog])
+        self.runs = np.array([_runs(tiles, head_dim, dtype) for tiles in catalog], bool)
         self.tiles = np.array([tiles.q_tile for tiles in catalog], np.int64)
         ones = (1,) * len(shape)
         self.padded = np.array([padded_tokens(shape, tiles.q_tile, ones) for tiles in catalog], np.int64)
@@ -42,16 +42,19 @@ class GluonScorer:
         self.batch_heads, self.head_dim, self.element_bytes = batch_heads, head_dim, element_bytes
 
     def _members(self, rows: dict[str, np.ndarray]) -> np.ndarray:
-        """The rows the kernel runs: its tiles, and every visited block full without padding keys."""
-        candidates = np.nonzero(self.runs[rows["tile_index"]])[0]
-        full = np.zeros(len(candidates), np.int64)
-        windows = rows["window_index"][candidates]
-        tiles = self.tiles[rows["tile_index"][candidates]]
+        """The rows the kernel runs: its tiles."""
+        return np.nonzero(self.runs[rows["tile_index"]])[0]
+
+    def _full(self, rows: dict[str, np.ndarray], members: np.ndarray) -> np.ndarray:
+        """Per row of `members`, its visited blocks the kernel runs unmasked: full, without padding keys."""
+        full = np.zeros(len(members), np.int64)
+        windows = rows["window_index"][members]
+        tiles = self.tiles[rows["tile_index"][members]]
         for w in np.unique(windows):
             part = np.nonzero(windows == w)[0]
-            full[part] = unpadded_full_blocks(self.problems[int(w)], rows["stride"][candidates[part]], tiles[part],
+            full[part] = unpadded_full_blocks(self.problems[int(w)], rows["stride"][members[part]], tiles[part],
                                               tiles[part])
-        return candidates[full == rows["visited_tiles"][candidates]]
+        return full
 
     def features(self, rows: dict[str, np.ndarray], members: np.ndarray) -> np.ndarray:
         """GLUON_FEATURES rows of the search's rows `members` (rows the kernel runs)."""
@@ -59,9 +62,10 @@ class GluonScorer:
         padded = self.padded[tiles]
         moved = self.permutes[tiles] * permutation_bytes(self.tokens, padded, padded, batch_heads=self.batch_heads,
                                                           head_dim=self.head_dim, element_bytes=self.element_bytes)
-        return gluon_feature_matrix(visited_blocks=rows["visited_tiles"][members], q_padded=padded,
-                                    batch_heads=self.batch_heads, head_dim=self.head_dim,
-                                    element_bytes=self.element_bytes, permute_bytes=moved)
+        visited = rows["visited_tiles"][members]
+        return gluon_feature_matrix(visited_blocks=visited, q_padded=padded, batch_heads=self.batch_heads,
+                                    head_dim=self.head_dim, element_bytes=self.element_bytes, permute_bytes=moved,
+                                    masked_blocks=visited - self._full(rows, members))
 
     def scores(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, None]:
         """(score, None) of every row: predicted seconds where the kernel runs the row, infinite elsewhere (it has
@@ -77,9 +81,8 @@ class GluonScorer:
         return self.cost_model.gluon_breakdown(self.features(rows, np.array([row]))[0])
 
 
-def _runs(shape: tuple[int, ...], tiles: TileConfig, head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel runs a layout of `shape` on these tiles: one 128-token tile for queries and keys, static
-    KV tiling, dividing every dimension (no padding key), at this head dim and dtype."""
+def _runs(tiles: TileConfig, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel runs GNA on these tiles: one 128-token tile for queries and keys, static KV tiling, at
+    this head dim and dtype."""
     return (tiles.kv_tiling == "static" and tiles.q_tile == tiles.kv_tile
-            and all(length % side == 0 for length, side in zip(shape, tiles.q_tile))
             and gluon_tiles_refusal(tiles.q_tokens, tiles.kv_tokens, head_dim, dtype) is None)
