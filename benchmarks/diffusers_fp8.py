@@ -13,9 +13,9 @@ step time of each run after its first step (which plans and compiles), synchroni
 attention alone (median of 5 calls on the q, k, v of a routed call, captured from a step: the model's own SDPA,
 natsim's bf16 and FP8 plans) and its share of each run's step, `calls x attention / step` (calls: the routed
 attention modules), which says how much of a step-time difference is the attention's; then each run's step
-compiled as benchmarks/diffusers_step.py compiles it (`compile_step`, fullgraph), median of 5 after warm-up, and
-the backend each plan runs on (FP8: the Gluon kernel where the plan's tiles are whole 128-token tiles on Hopper
-and the cost model prices it, natsim's Triton FP8 kernel elsewhere). Writes
+compiled as benchmarks/diffusers_step.py compiles it (`compile_step`, fullgraph), median of 5 after warm-up (one
+with --small), and the backend each plan runs on (FP8: the Gluon kernel where the plan's tiles are 128-token tiles
+on Hopper and the cost model prices it faster, natsim's Triton FP8 kernel elsewhere). Writes
 `diffusers-fp8-<device>-<date>.json`; the table comes last.
 
 The GPU run (one H100, both default cases; by the H100 step times in docs/fp8.md the 48 steps take about 85 s,
@@ -104,7 +104,7 @@ def run_case(name: str, steps: int, small: bool = False) -> dict:
         torch._dynamo.reset()
         if run != "own":
             nd.apply(model, **options, precision=precision, keep_own=False)
-        compiled_ms[run], _, record[f"{run}_graph_break"] = compiled_step_ms(model, args, 5)
+        compiled_ms[run], _, record[f"{run}_graph_break"] = compiled_step_ms(model, args, 1 if small else 5)
         if run != "own":
             nd.remove(model)
     record["compiled_step_ms"] = compiled_ms
