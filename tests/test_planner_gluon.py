@@ -96,6 +96,26 @@ def test_masked_blocks_are_those_the_kernels_lists_mark_partial(shape, window, s
     assert features["blocks"] == simulate(problem, TileConfig(tile, tile)).visited_tiles * 3
 
 
+def test_a_model_fitted_before_partial_tiles_prices_whole_tiles_only():
+    """A model whose `masked_blocks` is 0 (a file fitted before the kernel ran partial tiles, such as the shipped
+    H100 one) scores only rows whose every visited block is whole and holds no padding key, as before."""
+    shape, window = (30, 48, 80), (18, 24, 24)
+    catalog = [t for t in tile_catalog(shape, 128, ("static",))]
+    unfitted = replace(H100, gluon_fp8_coefficients={**GLUON, "masked_blocks": 0.0})
+    scorer = GluonScorer(shape, (False,) * 3, [window], catalog, unfitted, batch_heads=2, head_dim=128,
+                         dtype=torch.bfloat16, element_bytes=2)
+    problems = [Problem(shape, window, stride) for stride in ((1, 1, 1), (16, 8, 8))]
+    rows = {name: [] for name in ("tile_index", "window_index", "stride", "visited_tiles")}
+    for problem in problems:
+        for index, tiles in enumerate(catalog):
+            for name, value in zip(rows, (index, 0, problem.stride, simulate(problem, tiles).visited_tiles)):
+                rows[name].append(value)
+    scores, _ = scorer.scores({name: np.array(values) for name, values in rows.items()})
+    expected = [gluon_runs(shape, tiles, problem) and masked_blocks(problem, tiles.q_tile) == 0
+                for problem in problems for tiles in catalog]
+    assert list(np.isfinite(scores)) == expected and any(expected)
+
+
 @pytest.mark.parametrize("shape, window", [((30, 48, 80), (18, 24, 24)), ((64, 64), (32, 32)), ((4096,), (1024,))])
 def test_the_scorer_prices_exactly_the_rows_the_kernel_runs(shape, window):
     catalog = [t for t in tile_catalog(shape, 128, ("static",))]

@@ -3,8 +3,9 @@ one of its calls, for the rows it runs, infinite elsewhere.
 
 The kernel runs GNA on one tile of 128 tokens for queries and keys (static KV tiling; natsim.kernels.backends.gluon):
 it visits the simulator's tiles, and masks inside those that are not full or hold padding keys. Features are
-planner.cost.gluon_features', prices the cost model's Gluon FP8 coefficients (a model fitted before partial tiles
-ran prices their mask at 0: `masked_blocks` is one of planner.cost.model's ADDED_FEATURES).
+planner.cost.gluon_features', prices the cost model's Gluon FP8 coefficients. A model fitted before the kernel ran
+partial tiles (its `masked_blocks` loads at 0: one of planner.cost.model's ADDED_FEATURES) would price a partial
+tile like a whole one, so under it the scorer prices rows whose every visited block is whole only, as then.
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ class GluonScorer:
         self.batch_heads, self.head_dim, self.element_bytes = batch_heads, head_dim, element_bytes
 
     def _members(self, rows: dict[str, np.ndarray]) -> np.ndarray:
-        """The rows the kernel runs: its tiles."""
-        return np.nonzero(self.runs[rows["tile_index"]])[0]
+        """The rows the kernel runs (its tiles) that the model prices: with partial tiles where it was fitted on
+        them (module docstring)."""
+        members = np.nonzero(self.runs[rows["tile_index"]])[0]
+        if self.cost_model.gluon_fp8_coefficients.get("masked_blocks", 0.0) > 0:
+            return members
+        return members[self._full(rows, members) == rows["visited_tiles"][members]]
 
     def _full(self, rows: dict[str, np.ndarray], members: np.ndarray) -> np.ndarray:
         """Per row of `members`, its visited blocks the kernel runs unmasked: full, without padding keys."""
