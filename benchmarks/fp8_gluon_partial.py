@@ -10,7 +10,8 @@ rounds (benchmarks/timing.py) of: the Gluon FP8 kernel on each of natsim's 128-t
 visits the fewest blocks (permutation into tile order and quantization included), the Triton FP8 kernel on
 natsim's default tiles, and bf16: the planner's plan (whatever backend it names: FlashAttention-4 where installed
 and priced faster) for its rows, natsim's default call for the others. Accuracy: each output against the bf16
-one, and the Gluon output against float32 attention on a slice of heads. Writes OUT_DIR/fp8-gluon-partial-<gpu>-<date>.json.
+one, and the Gluon output against float32 attention on a slice of heads. Writes
+OUT_DIR/fp8-gluon-partial-<gpu>-<date><tag>.json.
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def fa4_mask_refusal(q_block: int, kv_block: int, head_dim: int, dtype: torch.dt
 
 def gluon_tiles_refusal(q_tokens: int, kv_tokens: int, head_dim: int, dtype: torch.dtype) -> Optional[str]:
     """None when natsim's Gluon FP8 kernel runs blocks of `q_tokens` x `kv_tokens` at `head_dim` from `dtype`
-    inputs (its capability table: whole 128 x 128 tiles, head_dim 64 or 128), else why not; GNA also needs every
-    visited block full, which the search checks per row."""
+    inputs (its capability table: 128 x 128 tiles, head_dim 64 or 128), else why not; on GNA's partial tiles the
+    search prices it where its fit has them (planner.search.gluon_scores)."""
     return capabilities("gluon", "masks").refusal(dtype=dtype, head_dim=head_dim, q_block=q_tokens,
                                                    kv_block=kv_tokens)

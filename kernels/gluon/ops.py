@@ -94,7 +94,9 @@ def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Opt
         tile_mask.check(rows, n_kv, q.device)
         if lists is None:
             raise ValueError("a tile mask masks the partial tiles of block lists: pass the lists")
-        elements = lambda m: m.repeat_interleave(BLOCK_M, -2).repeat_interleave(BLOCK_N, -1)[..., :rows, :n_kv]  # noqa: E731
+        def elements(blocks: torch.Tensor) -> torch.Tensor:  # a block mask as a mask of the call's elements
+            return blocks.repeat_interleave(BLOCK_M, -2).repeat_interleave(BLOCK_N, -1)[..., :rows, :n_kv]
+
         partial = elements(lists.mask(partial=True))
         allowed = (elements(mask) & ~partial) | (partial & tile_mask.dense()[:, :n_kv])
         out, lse = _element_rule(*x.dequantized(), allowed, scale)

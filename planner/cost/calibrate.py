@@ -31,10 +31,10 @@ FlashAttention-4 (`backend="fa4"`, where it runs: a Hopper GPU with it installed
 and 'fa4-backward' (planner.cost.fa4_calibrate: GNA calls, block-sparse and masked, and random block masks,
 through natsim's entry points), fitted over planner.cost.fa4_features' FA4_FEATURES; elsewhere they are refused
 with the sentence saying why it does not run. natsim's Gluon FP8 kernel (`backend="gluon"`, Hopper) gets one,
-'gluon-fp8' (planner.cost.gluon_calibrate: GNA on whole 128-token tiles and random 128 x 128 masks), fitted over
-planner.cost.gluon_features' GLUON_FEATURES. 'host' measures, for every backend that runs here, the host's time to
-issue one call (planner.cost.host), which searches price a call at least at, and that of torch's SDPA, a model's
-own attention, against which the diffusers integration weighs natsim's call (AutoPlan.verdict).
+'gluon-fp8' (planner.cost.gluon_calibrate: GNA on whole and partial 128-token tiles, random 128 x 128 masks),
+fitted over planner.cost.gluon_features' GLUON_FEATURES. 'host' measures, for every backend that runs here, the
+host's time to issue one call (planner.cost.host), which searches price a call at least at, and that of torch's
+SDPA, a model's own attention, against which the diffusers integration weighs natsim's call (AutoPlan.verdict).
 """
 
 from __future__ import annotations
