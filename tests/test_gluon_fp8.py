@@ -274,6 +274,26 @@ def test_the_lists_mark_the_partial_tiles_and_name_every_visited_one(case):
     partial = lists.mask(partial=True)[0, 0].numpy()
     assert not (partial & ~visited).any() and not (visited & ~partial & ~whole).any()
     assert any_partial == bool(partial.any())
+    # along the dimensions a partial block's bits leave out, every row's window holds the whole key tile: on the
+    # layout's rows the brute-force mask equals the window test along the marked dimensions alone
+    tile_mask = gna_tile_mask(problem, tile, torch.device("cpu"))
+    bits = lists.dims()[0, 0]
+    for q_block, kv_block in zip(*np.nonzero(partial)):
+        rows, keys = slice(q_block * 128, (q_block + 1) * 128), slice(kv_block * 128, (kv_block + 1) * 128)
+        marked = np.ones((128, 128), dtype=bool)
+        for d in range(problem.ndim):
+            if int(bits[q_block, kv_block]) >> d & 1:
+                marked &= window_test(tile_mask, d, rows, kv_block)
+        real_rows = real[rows]  # padding rows attend their clamped windows; their outputs are dropped
+        assert np.array_equal(marked[real_rows], elements[rows, keys][real_rows]), (q_block, kv_block)
+
+
+def window_test(mask, d: int, rows: slice, kv_block: int) -> np.ndarray:
+    """`[128, 128]`: whether each row's window along dimension `d` holds each key of the key tile `kv_block`."""
+    inner = np.arange(128) // math.prod(mask.tile[d + 1:]) % mask.tile[d]
+    coordinate = int(mask.bases[d, kv_block]) + inner
+    lo, hi = mask.bounds[2 * d, rows].numpy(), mask.bounds[2 * d + 1, rows].numpy()
+    return (lo[:, None] <= coordinate[None, :]) & (coordinate[None, :] < hi[:, None])
 
 
 def test_the_gna_table_runs_partial_tiles_and_the_mask_table_does_not():
@@ -285,10 +305,14 @@ def test_the_gna_table_runs_partial_tiles_and_the_mask_table_does_not():
 def test_block_lists_encode_partial_blocks_as_complements():
     blocks = torch.tensor([[True, False, True, True], [False, False, False, False]])[None, None]
     partial = torch.tensor([[False, False, True, False], [False, False, False, False]])[None, None]
-    lists = BlockLists.from_blocks(blocks, partial)
+    lists = BlockLists.from_blocks(blocks, partial)  # every dimension masked where no bits are given
     assert lists.counts.tolist() == [[[3, 0]]]
-    assert lists.indices[0, 0, 0, :3].tolist() == [0, ~2, 3]
+    assert lists.indices[0, 0, 0, :3].tolist() == [0, ~(2 | 0b111 << 24), 3]
     assert torch.equal(lists.mask(), blocks) and torch.equal(lists.mask(partial=True), partial)
+    dims = torch.zeros(blocks.shape, dtype=torch.long).index_put_((torch.tensor(0),) * 3 + (torch.tensor(2),),
+                                                                   torch.tensor(0b010))
+    marked = BlockLists.from_blocks(blocks, partial, dims)
+    assert marked.indices[0, 0, 0, 1] == ~(2 | 0b010 << 24) and torch.equal(marked.dims(), dims)
     with pytest.raises(ValueError, match="partial must be a boolean mask of the blocks' shape"):
         BlockLists.from_blocks(blocks, partial[..., :2])
 

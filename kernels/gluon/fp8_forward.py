@@ -51,6 +51,9 @@ from ..common.fp8 import Fp8Tensors
 from ..common.launch import tensor_descriptors_enabled
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
+BLOCK_BITS = gl.constexpr(24)  # a list entry: key block in its low 24 bits, a partial block's dimension bits above
+BLOCK_BITS_MASK = gl.constexpr((1 << 24) - 1)
+ALL_DIMS = 0b111  # a partial block's dimension bits where they are not given: mask along every dimension
 BLOCK_N = 128  # keys per block
 HALF_M = BLOCK_M // 2
 ONES = gl.constexpr(8)  # columns of the row-sum product P 1: the matrix instruction's narrowest
@@ -71,17 +74,20 @@ class BlockLists:
     """Per (batch, head, query block of `BLOCK_M`), the key blocks (of `BLOCK_N`) to visit: `counts` int32
     `[B|1, H|1, q_blocks]` and ascending `indices` int32 `[B|1, H|1, q_blocks, kv_blocks]` (entries past a row's
     count are never read); a dimension of 1 is shared by every batch or head. A block's entry is its index where
-    it is attended whole (keys past the sequence aside), and the index's complement `~index` (negative) where it is
-    a partial tile of a GNA call, whose elements the kernel masks (kernels/gluon/tile_mask.py). Indices are key
-    blocks of the call (under `kv_blocks`); `check` does not read them, which would wait on the GPU."""
+    it is attended whole (keys past the sequence aside), and `~(index | dims << 24)` (negative) where it is a
+    partial tile of a GNA call, whose elements the kernel masks along the dimensions whose bits `dims` sets
+    (kernels/gluon/tile_mask.py). Indices are key blocks of the call (under `kv_blocks`, below 2 ** 24); `check`
+    does not read them, which would wait on the GPU."""
 
     counts: torch.Tensor
     indices: torch.Tensor
 
     @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, partial: Optional[torch.Tensor] = None) -> "BlockLists":
+    def from_blocks(cls, blocks: torch.Tensor, partial: Optional[torch.Tensor] = None,
+                    dims: Optional[torch.Tensor] = None) -> "BlockLists":
         """The lists of a boolean block mask `[B|1, H|1, q_blocks, kv_blocks]` of 128 x 128 blocks; `partial`
-        (a boolean mask of the same shape, within `blocks`): the blocks marked partial."""
+        (a boolean mask of the same shape, within `blocks`): the blocks marked partial, masked along the
+        dimensions whose bits `dims` (an integer tensor of that shape) sets, along every one without it."""
         if blocks.dtype != torch.bool or blocks.dim() != 4:
             raise ValueError(f"a block mask is a boolean [B|1, H|1, q_blocks, kv_blocks] tensor, got "
                              f"{blocks.dtype} {tuple(blocks.shape)}")
@@ -91,7 +97,8 @@ class BlockLists:
             if partial.shape != blocks.shape or partial.dtype != torch.bool:
                 raise ValueError(f"partial must be a boolean mask of the blocks' shape {tuple(blocks.shape)}, got "
                                  f"{partial.dtype} {tuple(partial.shape)}")
-            order = torch.where(torch.gather(partial, -1, order), ~order, order)
+            bits = torch.full_like(order, ALL_DIMS) if dims is None else torch.gather(dims.long(), -1, order)
+            order = torch.where(torch.gather(partial, -1, order), ~(order | bits << BLOCK_BITS.value), order)
         return cls(counts.contiguous(), order.to(torch.int32).contiguous())
 
     def check(self, batch: int, heads: int, q_blocks: int, kv_blocks: int, device: torch.device) -> None:
@@ -118,8 +125,17 @@ class BlockLists:
         if partial:
             listed = listed & (self.indices < 0)
         mask = torch.zeros(self.indices.shape, dtype=torch.uint8, device=self.indices.device)
-        blocks = torch.where(self.indices < 0, ~self.indices, self.indices).long()
+        blocks = torch.where(self.indices < 0, ~self.indices, self.indices).long() & BLOCK_BITS_MASK.value
         return mask.scatter_reduce_(-1, blocks, listed.to(torch.uint8), "amax").bool()  # any listed entry counts
+
+    def dims(self) -> torch.Tensor:
+        """The dimension bits of each block these lists mark partial `[B|1, H|1, q_blocks, kv_blocks]` (0
+        elsewhere)."""
+        columns = torch.arange(self.indices.shape[-1], device=self.indices.device)
+        listed = (columns < self.counts[..., None].long()) & (self.indices < 0)
+        code = torch.where(listed, ~self.indices, 0).long()
+        bits = torch.zeros(self.indices.shape, dtype=torch.long, device=self.indices.device)
+        return bits.scatter_reduce_(-1, code & BLOCK_BITS_MASK.value, code >> BLOCK_BITS.value, "amax")
 
     @staticmethod
     def strides(t: torch.Tensor) -> tuple[int, int]:
@@ -190,9 +206,15 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
 
 @gluon.jit
 def _block_of(entry):
-    """The key block a list entry names: a partial block's entry is its index's complement (`~block`, negative),
-    a whole block's the index itself."""
-    return entry ^ (entry >> 31)
+    """The key block a list entry names (`BlockLists`: a partial block's entry is the complement of its index
+    and its dimension bits)."""
+    return (entry ^ (entry >> 31)) & BLOCK_BITS_MASK
+
+
+@gluon.jit
+def _dims_of(entry):
+    """The dimensions a partial block's entry says to mask (bit d: dimension d)."""
+    return (entry ^ (entry >> 31)) >> BLOCK_BITS
 
 
 @gluon.jit
@@ -212,20 +234,25 @@ def _inside(lo, hi, base, inner, TILE: gl.constexpr, INNER: gl.constexpr):
 
 
 @gluon.jit
-def _tile_masked(s, block, bounds, BASES, kv_blocks, col_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+def _tile_masked(s, block, dims, bounds, BASES, kv_blocks, col_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                  NDIM: gl.constexpr, TILE: gl.constexpr, INNER: gl.constexpr):
     """The scores `s` of a partial tile with the keys outside each query's window at -inf (kernels/gluon/
     tile_mask.py: per query and dimension the window `[lo, hi)`, per key tile and dimension its first key's
-    coordinate, dilation groups folded into both)."""
+    coordinate, dilation groups folded into both), along the dimensions `dims` names (bit d: dimension d; along
+    the others every row's window holds the whole tile)."""
     inner = gl.arange(0, BLOCK_N, layout=col_layout)
-    inside = _inside(bounds[0], bounds[1], gl.load(BASES + block), inner, TILE[0], INNER[0])
+    if (dims & 1) != 0:
+        s = gl.where(_inside(bounds[0], bounds[1], gl.load(BASES + block), inner, TILE[0], INNER[0]), s,
+                     -float("inf"))
     if NDIM > 1:
-        inside = inside & _inside(bounds[2], bounds[3], gl.load(BASES + kv_blocks + block), inner, TILE[1],
-                                  INNER[1])
+        if (dims & 2) != 0:
+            s = gl.where(_inside(bounds[2], bounds[3], gl.load(BASES + kv_blocks + block), inner, TILE[1],
+                                 INNER[1]), s, -float("inf"))
     if NDIM > 2:
-        inside = inside & _inside(bounds[4], bounds[5], gl.load(BASES + 2 * kv_blocks + block), inner, TILE[2],
-                                  INNER[2])
-    return gl.where(inside, s, -float("inf"))
+        if (dims & 4) != 0:
+            s = gl.where(_inside(bounds[4], bounds[5], gl.load(BASES + 2 * kv_blocks + block), inner, TILE[2],
+                                 INNER[2]), s, -float("inf"))
+    return s
 
 
 @gluon.jit
@@ -356,7 +383,8 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
         s = warpgroup_mma_wait(0, deps=(s,))
         if MASKED:
             if entry < 0:
-                s = _tile_masked(s, block, bounds, BASES, kv_blocks, col_layout, BLOCK_N, NDIM, TILE, INNER)
+                s = _tile_masked(s, block, _dims_of(entry), bounds, BASES, kv_blocks, col_layout, BLOCK_N,
+                                 NDIM, TILE, INNER)
         p, m_i, alpha, moved = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout, P_OFFSET,
                                         SLACK, MASKED)
         for i in range(count - 1):
@@ -379,7 +407,8 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
             s = warpgroup_mma_wait(2, deps=(s,))  # groups complete in order: P V and P 1 may still run
             if MASKED:
                 if entry < 0:
-                    s = _tile_masked(s, block, bounds, BASES, kv_blocks, col_layout, BLOCK_N, NDIM, TILE, INNER)
+                    s = _tile_masked(s, block, _dims_of(entry), bounds, BASES, kv_blocks, col_layout, BLOCK_N,
+                                     NDIM, TILE, INNER)
             p, m_i, alpha, moved = _softmax(s, row_scale * k_scale, m_i, block, n_kv, BLOCK_N, col_layout,
                                             P_OFFSET, SLACK, MASKED)
             acc, l_block = warpgroup_mma_wait(0, deps=(acc, l_block))

@@ -52,8 +52,23 @@ def _int32(rows: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def gna_block_lists(problem: Problem, tile: tuple[int, ...], device: torch.device) -> tuple[BlockLists, bool]:
     """The kernel's lists of `problem` on the 128-token `tile` (queries and keys), on `device`, and whether any
-    visited block is partial (an element masked, or a padding key): the simulator's visited and full tiles."""
+    visited block is partial (an element masked, or a padding key): the simulator's visited and full tiles, each
+    partial block marked with the dimensions it needs masked along (`partial_dims`)."""
     visited, full = gna_blocks(problem, tuple(tile), tuple(tile))
-    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))[None, None].to(device)  # noqa: E731
     partial = visited & ~full
-    return BlockLists.from_blocks(as_tensor(visited), as_tensor(partial)), bool(partial.any())
+    dims = partial_dims(gna_tile_mask(problem, tuple(tile), torch.device("cpu")))
+    as_tensor = lambda a: torch.as_tensor(np.ascontiguousarray(a))[None, None].to(device)  # noqa: E731
+    return BlockLists.from_blocks(as_tensor(visited), as_tensor(partial), as_tensor(dims)), bool(partial.any())
+
+
+def partial_dims(mask: TileMask) -> np.ndarray:
+    """Per (query block, key block), the bits of the dimensions (bit d: dimension d) along which some row's window
+    does not hold every coordinate of the key tile: along the others the kernel's test is true for the whole
+    block and it skips it. Padding rows count as rows, which can only add bits."""
+    ndim, tokens = len(mask.tile), mask.bounds.shape[1]
+    rows = mask.bounds.reshape(ndim, 2, tokens // BLOCK_N, BLOCK_N).long()
+    latest_start, earliest_end = rows[:, 0].amax(-1), rows[:, 1].amin(-1)  # [ndim, query blocks]
+    first = mask.bases.long()  # [ndim, key blocks]
+    sides = torch.tensor(mask.tile)[:, None, None]
+    whole = (latest_start[:, :, None] <= first[:, None, :]) & (earliest_end[:, :, None] >= first[:, None, :] + sides)
+    return sum((~whole[d]).long() << d for d in range(ndim)).numpy()
