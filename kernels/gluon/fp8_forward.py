@@ -592,17 +592,16 @@ def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: 
     _fp8_forward_kernel[(q_blocks, batch * heads)](
         q_desc, k_desc, v_desc, x.q_scale, x.k_scale, x.v_scale.contiguous(), out, lse, counts, indices, bounds,
         bases, heads, rows, n_kv, scale * LOG2E, *strides, kv_blocks,
-        **kernel_options(head_dim, lists is None, return_lse, None if tile_mask is None else tile_mask.tile))
+        **kernel_options(head_dim, lists is None, return_lse, tile_mask))
     return out, lse
 
 
-def kernel_options(head_dim: int, dense: bool, return_lse: bool, tile: Optional[tuple[int, ...]] = None) -> dict:
+def kernel_options(head_dim: int, dense: bool, return_lse: bool, tile_mask: Optional[TileMask] = None) -> dict:
     """The kernel's compile-time arguments and launch options for one head dim, dense or over lists, with the
-    128-token `tile` whose partial tiles it masks (None: every visited block whole)."""
+    `tile_mask` of the partial tiles it masks (None: every visited block whole)."""
     slack = RESCALE_SLACK if head_dim in LAZY_RESCALE_HEAD_DIMS else None
-    masked = tile is not None
-    tile = tuple(tile) if masked else (1,)
-    inner = tuple(math.prod(tile[i + 1:]) for i in range(len(tile)))
+    masked = tile_mask is not None
+    tile, inner = (tile_mask.tile, tile_mask.inner) if masked else ((1,), (1,))
     return dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, DENSE=dense, RETURN_LSE=return_lse,
                 P_OFFSET=P_OFFSET - (slack or 0.0), SLACK=slack, MASKED=masked, NDIM=len(tile),
                 TILE=_padded3(tile), INNER=_padded3(inner), CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,

@@ -12,7 +12,7 @@ import triton
 
 from natsim import Problem
 
-from ..common.fp8 import lse_with_mean, quantize, quantized_weights, refuse_gradients
+from ..common.fp8 import lse_with_mean, quantize, refuse_gradients
 from .fp8_forward import BLOCK_M, BLOCK_N, BlockLists, TileMask, check_call, launch
 from .tile_mask import gna_block_lists, gna_tile_mask
 
@@ -78,7 +78,7 @@ def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Opt
     """The rule's reference (K's scales shared by blocks of 128 keys, P rounded against the row's final maximum
     and summed as rounded) in float32 under the lists' block mask, and inside the partial tiles they mark under
     the tile mask."""
-    from ..sparse.reference import sparse_reference  # the sparse room routes FP8 calls here: import on use
+    from ..sparse.reference import attention_under, sparse_reference  # the sparse room routes FP8 calls here
     batch, rows, heads, _ = q.shape
     n_kv = k.shape[1]
     q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(n_kv, BLOCK_N)
@@ -94,24 +94,15 @@ def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Opt
         tile_mask.check(rows, n_kv, q.device)
         if lists is None:
             raise ValueError("a tile mask masks the partial tiles of block lists: pass the lists")
+
         def elements(blocks: torch.Tensor) -> torch.Tensor:  # a block mask as a mask of the call's elements
             return blocks.repeat_interleave(BLOCK_M, -2).repeat_interleave(BLOCK_N, -1)[..., :rows, :n_kv]
 
         partial = elements(lists.mask(partial=True))
         allowed = (elements(mask) & ~partial) | (partial & tile_mask.dense()[:, :n_kv])
-        out, lse = _element_rule(*x.dequantized(), allowed, scale)
+        dq, dk, dv = (t.float() for t in x.dequantized())
+        out, lse = attention_under(dq, dk.permute(0, 2, 3, 1), dv.transpose(1, 2), allowed, scale,
+                                   quantized_probs=True, p_sum="rounded")
     lse = lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse.new_empty(0)
     return out.to(q.dtype), lse
 
-
-def _element_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule's attention of dequantized `[B, N, heads, D]` tensors under an element mask `allowed`
-    `[B|1, H|1, Nq, Nk]`, in float32: P rounded against the row's final maximum and summed as rounded; rows with
-    no key: output 0, LSE -inf."""
-    scores = (q.float().transpose(1, 2) @ k.float().permute(0, 2, 3, 1)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    attends = allowed.any(-1, keepdim=True)
-    lse = torch.logsumexp(torch.where(attends, scores, 0.0), -1, keepdim=True)
-    out = (quantized_weights(scores, "rounded") @ v.float().transpose(1, 2)) * attends
-    return out.transpose(1, 2), torch.where(attends, lse, float("-inf"))[..., 0].transpose(1, 2)

@@ -60,19 +60,29 @@ def sparse_reference(
     for first in range(0, seq_len, chunk):
         rows = torch.arange(first, min(first + chunk, seq_len), device=q.device)
         allowed = dense[:, :, rows // q_block][..., key_blocks]  # [B|1, H|1, rows, N]
-        scores = (q[:, rows].to(compute).transpose(1, 2) @ kt) * scale
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        attends = allowed.any(-1, keepdim=True)
-        scores = torch.where(attends, scores, 0.0)  # empty rows: finite, and zeroed below
-        lse = torch.logsumexp(scores, -1, keepdim=True)
-        weights = quantized_weights(scores.masked_fill(~allowed, float("-inf")), p_sum) if quantized_probs \
-            else torch.exp(scores - lse)
-        out = (weights @ vt) * attends
-        outs.append(out.transpose(1, 2))
-        lses.append(torch.where(attends, lse, float("-inf"))[..., 0].transpose(1, 2))
+        out, lse = attention_under(q[:, rows].to(compute), kt, vt, allowed, scale, quantized_probs, p_sum)
+        outs.append(out)
+        lses.append(lse)
     out = torch.cat(outs, 1).to(q.dtype)
     lse = torch.cat(lses, 1)
     return (out, lse) if return_lse else out
+
+
+def attention_under(q: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, allowed: torch.Tensor, scale: float,
+                    quantized_probs: bool = False, p_sum: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `[B, rows, H, D]` queries over keys `kt` `[B, H, D, N]` and values `vt` `[B, H, N, D]` under
+    the element mask `allowed` `[B|1, H|1, rows, N]`, in the inputs' dtype: the output `[B, rows, H, D]` and the
+    natural-log LSE `[B, rows, H]` (rows with no key: output 0, LSE -inf); with `quantized_probs` the weights
+    rounded as the FP8 kernels round them, over the row sum `p_sum` names (`quantized_weights`)."""
+    scores = (q.transpose(1, 2) @ kt) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    attends = allowed.any(-1, keepdim=True)
+    scores = torch.where(attends, scores, 0.0)  # empty rows: finite, and zeroed below
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    weights = quantized_weights(scores.masked_fill(~allowed, float("-inf")), p_sum) if quantized_probs \
+        else torch.exp(scores - lse)
+    out = (weights @ vt) * attends
+    return out.transpose(1, 2), torch.where(attends, lse, float("-inf"))[..., 0].transpose(1, 2)
 
 
 @outside_autocast
