@@ -30,7 +30,7 @@ from natsim.kernels.gna.reference import reference_gradients  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KERNEL = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
-SIMULATOR = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+SIMULATOR = settings(max_examples=75, deadline=None, suppress_health_check=list(HealthCheck))
 TOLERANCE = {torch.float16: 1e-2, torch.float32: 1e-4}
 
 

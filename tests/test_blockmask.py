@@ -64,7 +64,7 @@ def assert_block_mask_matches(problem: Problem, tiles: TileConfig) -> None:
 
 # 150 random problems a run, not 300: the strategies draw the special sizes most of the time, and the edge cases
 # below run every time.
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=75, **SETTINGS)
 @given(st.data())
 def test_multi_d_block_mask_matches_bruteforce(data):
     problem = data.draw(bf.problems())
@@ -72,7 +72,7 @@ def test_multi_d_block_mask_matches_bruteforce(data):
     assert_block_mask_matches(problem, tiles)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=75, **SETTINGS)
 @given(st.data())
 def test_1d_block_mask_matches_bruteforce(data):
     problem = data.draw(bf.problems())

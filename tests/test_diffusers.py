@@ -151,27 +151,23 @@ def run_sizes(run, name, layouts, repeat: int = 1):
             assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("name, whole", [("WanTransformer3DModel", True), ("HunyuanVideoTransformer3DModel", False)])
-def test_compiled_models_compile_once_per_latent_size(name, whole, reference_path):
-    """Dynamo's guards and graph breaks do not depend on the backend: "eager" (Dynamo's fake tensors through the
-    operators, neither AOTAutograd, which took a third of the test, nor code generation) keeps the test fast; the
-    GPU benchmarks run Inductor. One Wan block: the whole
-    model's graph traces every block (two took 40% longer); blocks sharing a graph are the next test's. The
-    compiled graphs' attention runs the torch reference (neither guards nor graphs depend on the path the operator
-    takes when it runs): the next test runs Triton's interpreter inside compiled blocks, the whole-layout test
-    above each model's attention (its six calls here took a fifth of the test)."""
+def test_compiled_blocks_compile_once_per_latent_size(reference_path):
+    """HunyuanVideo's blocks, compiled as diffusers compiles them (`compile_repeated_blocks`), compile once per
+    latent size and plan each size apart. Dynamo's guards and graph breaks do not depend on the backend: "eager"
+    (Dynamo's fake tensors through the operators, neither AOTAutograd nor code generation) keeps the test fast;
+    the GPU benchmarks run Inductor. The compiled graphs' attention runs the torch reference (neither guards nor
+    graphs depend on the path the operator takes when it runs): the next test runs Triton's interpreter inside
+    compiled blocks. Whole models compiled (`torch.compile(model)`) are in each class's compile test
+    (tests/test_diffusers_models.py)."""
+    name = "HunyuanVideoTransformer3DModel"
     torch._dynamo.reset()
     model = diffusers_models.build(name, layers=1)
     applied = nd.apply(model, 0.5, dtype=torch.float16)
-    if whole:
-        run = torch.compile(model, fullgraph=True, backend="eager")
-    else:
-        model.compile_repeated_blocks(fullgraph=True, backend="eager")
-        run = model
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")
     layouts = [(2, 4, 8), (2, 8, 4)]
-    run_sizes(run, name, layouts)  # first call of each size: compile
+    run_sizes(model, name, layouts)  # first call of each size: compile
     with torch._dynamo.config.patch(error_on_recompile=True):
-        run_sizes(run, name, layouts, repeat=2)
+        run_sizes(model, name, layouts, repeat=2)
     assert sorted(key[0] for key in applied.plans) == sorted(layouts)
     assert math.prod(layouts[0]) == math.prod(layouts[1])  # same token count, other layout: planned apart
     assert all(plan.sparsity >= 0.5 for plan in applied.plans.values())

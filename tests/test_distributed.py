@@ -677,9 +677,8 @@ def _free_port() -> int:
 
 
 def _check_outputs(rank: int, world: int) -> None:
-    """Every case, every strategy, against the single-process reference (fresh inputs, one seed for all ranks),
-    the kernels in the interpreter; bytes moved against natsim.partition; sparse attention under a per-head
-    mask."""
+    """Every case, every strategy, against the single-process reference (fresh inputs, one seed for all ranks), on
+    the path `_check_world` chose; bytes moved against natsim.partition; sparse attention under a per-head mask."""
     heads = HEADS_PER_RANK * world
     import natsim.distributed as nd
     from natsim.kernels import SparseMask, sparse_reference
@@ -700,8 +699,8 @@ def _check_outputs(rank: int, world: int) -> None:
             problem = Problem(shape, window, stride, dilation, causal)
             for strategy in ("ulysses", "halo", "auto") if index in AUTO_CASES else ("ulysses", "halo"):
                 sent.clear()
-                # one group of heads: the kernels run in the interpreter here, a launch per group (the groups are
-                # checked on the reference path below, with gradients)
+                # one group of heads: in the interpreter a launch per group (the groups are checked on the
+                # reference path below, with gradients)
                 out = nd.gna_attention(q[:, mine], k[:, mine], v[:, mine], strategy=strategy,
                                        split=split if strategy != "auto" else None, chunks=1, **args)
                 assert out.shape == expected.shape, (index, strategy, out.shape)
@@ -1000,9 +999,10 @@ def _worker(rank: int, processes: int, ports: tuple[int, int, int], cases: dict)
 
 
 def _check_world(rank: int, world: int, port: int, gna_cases, mask_cases) -> None:
-    """One rank of a gloo world: outputs with the kernels in the interpreter, then gradients on the torch
-    reference path (float64 there, and differentiable on frame ranges)."""
-    os.environ["TRITON_INTERPRET"] = "1"
+    """One rank of a gloo world: outputs (the kernels in the interpreter in the world of 3, the torch reference
+    path in the world of 2: the interpreter's kernels on frame ranges are checked once, the routing in both), then
+    gradients on the reference path (float64 there, and differentiable on frame ranges)."""
+    os.environ["TRITON_INTERPRET"] = "1" if world == 3 else "0"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:

@@ -40,7 +40,7 @@ def nested_tiles(draw, problem: Problem):
 # -- the full blocks ------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(st.data())
 def test_unpadded_full_blocks_are_the_full_lists_flashattention4_reads(data):
     problem = data.draw(problems(max_tokens=300))
@@ -52,7 +52,7 @@ def test_unpadded_full_blocks_are_the_full_lists_flashattention4_reads(data):
     assert lists.visited == simulate(problem, TileConfig(q_tile, kv_tile)).visited_tiles
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_the_per_dimension_count_is_the_full_flags_without_padded_kv_tiles(data):
     length = data.draw(_mixed([1, 2, 7, 8, 9, 16, 17, 40], 1, 48))

@@ -49,7 +49,7 @@ def slow_greedy(mask: np.ndarray, group: int) -> list[list[int]]:
     return groups
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(mask=masks(), group=st.integers(1, 10), method=st.sampled_from(METHODS))
 def test_every_q_tile_lands_in_exactly_one_group(mask, group, method):
     result = merge(mask, group, method)
@@ -69,7 +69,7 @@ def test_every_q_tile_lands_in_exactly_one_group(mask, group, method):
         assert [i for g in members(result) for i in g] == list(range(num_q))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=75, deadline=None)
 @given(mask=masks(), group=st.integers(1, 10), method=st.sampled_from(METHODS))
 def test_unions_objective_and_figures_match_brute_force(mask, group, method):
     result = merge(mask, group, method)
@@ -107,7 +107,7 @@ def test_xor_agrees_with_slow_greedy(mask, group):
     assert members(merge(mask, group, "xor")) == slow_greedy(mask, group)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     group=st.integers(2, 8),
     copies=st.lists(st.integers(1, 4), min_size=2, max_size=6),

@@ -90,7 +90,7 @@ def dimensions(draw):
     return length, window, dilation, draw(st.booleans()), combos
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(dimensions())
 def test_the_sweeps_closed_form_totals_are_those_of_the_per_tile_flags(dimension):
     length, window, dilation, causal, combos = dimension

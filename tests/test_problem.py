@@ -42,7 +42,7 @@ def test_sequences_are_tuples_of_plain_types():
     assert all(type(v) is bool for v in p.causal)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_valid_problems_are_accepted(data):
     n = data.draw(st.integers(1, 3))

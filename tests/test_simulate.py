@@ -64,7 +64,7 @@ def assert_matches(problem: Problem, tiles: TileConfig) -> bf.Reference:
 # time, and EDGE_CASES below run the named edge cases in all three tilings every time.
 
 
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=60, **SETTINGS)
 @given(st.data())
 def test_multi_d_static_matches_bruteforce(data):
     problem = data.draw(bf.problems())
@@ -72,7 +72,7 @@ def test_multi_d_static_matches_bruteforce(data):
     assert_matches(problem, tiles)
 
 
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=60, **SETTINGS)
 @given(st.data())
 def test_multi_d_dynamic_matches_bruteforce(data):
     problem = data.draw(bf.problems())
@@ -80,7 +80,7 @@ def test_multi_d_dynamic_matches_bruteforce(data):
     assert_matches(problem, tiles)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=75, **SETTINGS)
 @given(st.data())
 def test_1d_tiling_matches_bruteforce(data):
     problem = data.draw(bf.problems())
@@ -88,7 +88,7 @@ def test_1d_tiling_matches_bruteforce(data):
     assert_matches(problem, tiles)
 
 
-@settings(max_examples=150, **SETTINGS)
+@settings(max_examples=75, **SETTINGS)
 @given(st.data())
 def test_bruteforce_agrees_with_section2_formulas(data):
     """Self-check of the reference: its mask scan equals the closed forms of gna-semantics.md section 2."""
@@ -99,7 +99,7 @@ def test_bruteforce_agrees_with_section2_formulas(data):
     assert np.array_equal(ref.per_q_tile_visited, formula)
 
 
-@settings(max_examples=100, **SETTINGS)
+@settings(max_examples=60, **SETTINGS)
 @given(st.data())
 def test_bruteforce_window_properties(data):
     """Self-check of the reference's window: w keys non-causal, causal ends at the query, monotone."""
