@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, event, given, settings, strategies as st
 
 from bruteforce import attention_mask, problems
 from natsim.kernels.common import fp8
@@ -337,20 +337,61 @@ def test_gna_on_partial_tiles_runs_the_rule_on_cpu_tensors_against_float64(case,
     assert float((lse.double() - reference_lse).abs().max()) < 0.2  # tests/test_fp8.py's bound for the rule's LSE
 
 
-def test_an_fp8_call_left_to_natsim_takes_the_gluon_kernel_on_whole_tiles_only(monkeypatch):
-    """Unnamed FP8 calls go to the Gluon kernel where every visited block is whole; with partial tiles to the
-    Triton FP8 kernel (the planner prices both and names the one it picks)."""
+def _hopper_choice(monkeypatch):
+    """natsim.kernels.gna.choice as on a Hopper GPU (no interpreter)."""
     from natsim.kernels.gna import choice
-    from natsim.kernels.gna.spec import GnaSpec
 
     monkeypatch.setattr(choice, "gpu_capability", lambda device: (9, 0))
     monkeypatch.setattr(choice, "interpreting", lambda: False)
+    return choice
+
+
+def test_an_fp8_call_left_to_natsim_takes_the_gluon_kernel_on_whole_tiles_and_on_partial_ones_that_pay(monkeypatch):
+    """Unnamed FP8 calls go to the Gluon kernel where every visited block is whole; on partial tiles where the
+    call is large enough (visited blocks times batch and heads) and the tiles waste few pairs, else to the Triton
+    FP8 kernel; a call naming the Gluon kernel takes it on partial tiles at any size."""
+    from natsim.kernels.gna.spec import GnaSpec
+
+    choice = _hopper_choice(monkeypatch)
     device = torch.device("cuda")
     whole = GnaSpec.of(3, (2, 8, 16), (2, 8, 16), precision="fp8")
-    partial = GnaSpec.of(3, (3, 5, 7), (1, 1, 1), precision="fp8")
-    assert choice._choose(whole, whole.problem((4, 16, 16)), device, torch.bfloat16, 64, False).backend == "gluon"
-    assert choice._choose(partial, partial.problem((4, 16, 16)), device, torch.bfloat16, 64, False).backend == \
-        "triton"
-    named = GnaSpec.of(3, (3, 5, 7), (1, 1, 1), precision="fp8", backend="gluon")
-    picked = choice._choose(named, named.problem((4, 16, 16)), device, torch.bfloat16, 64, False)
-    assert picked.backend == "gluon" and math.prod(picked.gluon.q_tile) == 128
+    assert choice._choose(whole, whole.problem((4, 16, 16)), device, torch.bfloat16, 64, 1, False).backend == "gluon"
+    partial = GnaSpec.of(3, (3, 9, 9), (1, 1, 1), precision="fp8")
+    problem = partial.problem((4, 16, 16))
+    few = choice._choose(partial, problem, device, torch.bfloat16, 64, 2, False)
+    many = choice._choose(partial, problem, device, torch.bfloat16, 64, 1 << 16, False)
+    assert few.backend == "triton"
+    assert many.backend == "gluon" and math.prod(many.gluon.q_tile) == 128
+    named = GnaSpec.of(3, (3, 9, 9), (1, 1, 1), precision="fp8", backend="gluon")
+    picked = choice._choose(named, problem, device, torch.bfloat16, 64, 2, False)
+    assert picked.backend == "gluon" and picked.gluon == many.gluon
+
+
+@settings(max_examples=25, deadline=None)
+@given(problem=problems(max_tokens=1024), heads=st.sampled_from([1, 3, 40, 700, 5000, 1 << 16]),
+       head_dim=st.sampled_from([64, 128]), data=st.data())
+def test_partial_tiles_pay_by_brute_force_counts_of_visited_pairs(problem, heads, head_dim, data):
+    """The rule for partial Gluon tiles against brute-force counts (tests/bruteforce.py) on random GNA problems:
+    at least PARTIAL_MIN_BLOCKS visited 128 x 128 blocks over the call's heads, and at most PARTIAL_PAIRS_RATIO
+    times the query-key pairs of the tiles the Triton FP8 kernel runs (its own choice, or the call's tiles)."""
+    from bruteforce import reference
+    from natsim.kernels.gna import choice
+    from natsim.kernels.gna.choice import Fa4Gna
+    from natsim.kernels.gna.spec import GnaSpec
+
+    tiles = [q for q, kv in tile_pairs(problem.shape, head_dim) if q == kv and math.prod(q) == BLOCK_N]
+    assume(tiles)
+    tile = data.draw(st.sampled_from(tiles), label="Gluon tile")
+    named = data.draw(st.booleans(), label="call names the tiles")
+    spec = GnaSpec.of(problem.ndim, problem.window, problem.stride, problem.dilation, problem.causal,
+                      q_tile=tile if named else None, kv_tile=tile if named else None, precision="fp8")
+    q_tile, kv_tile = choice._triton_fp8_tiles(spec, problem, head_dim)
+    if named:
+        assert (q_tile, kv_tile) == (tile, tile)
+    mask = attention_mask(problem)
+    blocks = reference(problem, tile, tile, mask=mask).visited_tiles
+    triton_pairs = reference(problem, q_tile, kv_tile, mask=mask).visited_tiles * math.prod(q_tile) * math.prod(kv_tile)
+    expected = (blocks * heads >= choice.PARTIAL_MIN_BLOCKS
+                and blocks * BLOCK_N * BLOCK_N <= choice.PARTIAL_PAIRS_RATIO * triton_pairs)
+    event(f"partial tiles pay: {expected}")
+    assert choice._partial_tiles_pay(spec, problem, Fa4Gna(problem, tile, tile), head_dim, heads) == expected

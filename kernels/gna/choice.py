@@ -28,14 +28,16 @@ from natsim import Problem, TileConfig, simulate
 
 from ..common.backend import interpreting
 from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
+from ..common.fp8 import fp8_q_tile
 from ..fa4.gna import Fa4Gna
 from ..fa4.rules import HEAD_DIMS as FA4_HEAD_DIMS
 from ..fa4.rules import device_refusal, gna_tile_refusal
 from ..gluon.fp8_forward import BLOCK_N as GLUON_BLOCK
 from ..gluon.fp8_forward import refusal as gluon_refusal
+from .checks import kernel_tiles
 from .launch import is_dense
 from .spec import GnaSpec
-from .tiles import default_tiles, tile_pairs
+from .tiles import choose_tiles, default_tiles, tile_pairs
 
 @dataclass(frozen=True)
 class Choice:
@@ -50,11 +52,12 @@ class Choice:
 def choose(spec: GnaSpec, problem: Problem, q: torch.Tensor) -> Choice:
     """The backend of a GNA call of `spec` on `problem` with tensors like `q` (module docstring); decided once per
     distinct call (the forward's dispatcher and the backward ask alike)."""
-    return _choose(spec, problem, q.device, q.dtype, int(q.shape[-1]), interpreting())
+    heads = int(q.shape[0]) * int(q.shape[-2])  # the call's batch times heads
+    return _choose(spec, problem, q.device, q.dtype, int(q.shape[-1]), heads, interpreting())
 
 
 @functools.lru_cache(maxsize=1024)
-def _choose(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int,
+def _choose(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int, heads: int,
             interpreter: bool) -> Choice:
     if spec.backend == "gluon":
         return _gluon_choice(spec, problem, device, dtype, head_dim)
@@ -65,7 +68,7 @@ def _choose(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.
     if spec.backend == "triton":
         return Choice("triton")
     if spec.precision == "fp8" and spec.backend is None:
-        return _fp8_choice(spec, problem, device, dtype, head_dim)
+        return _fp8_choice(spec, problem, device, dtype, head_dim, heads)
     refusal, geometry = _fa4_geometry(spec, problem, device, dtype, head_dim)
     if spec.backend == "fa4":
         if refusal is not None:
@@ -77,16 +80,53 @@ def _choose(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.
     return Choice("triton")
 
 
-def _fp8_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int) -> Choice:
+def _fp8_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int,
+                heads: int) -> Choice:
     """An FP8 call: the Gluon FP8 kernel (kernels/backends/gluon.py) where it runs the call and every block it
     visits is a whole 128-token tile (dense attention over the flattened layout, or GNA on 128-token tiles in the
     Q tile's order: measured faster than the Triton FP8 kernel on every such case, benchmarks/results/
-    fp8-gluon-*.json), natsim's Triton FP8 kernel elsewhere (partial tiles, inputs given in float8, frame ranges,
-    dynamic KV tiling, other head dims or GPUs)."""
+    fp8-gluon-*.json), or on partial 128-token tiles where those pay (`_partial_tiles_pay`); natsim's Triton FP8
+    kernel elsewhere (inputs given in float8, frame ranges, dynamic KV tiling, other head dims or GPUs, small
+    calls, tiles that waste many pairs)."""
     if gluon_refusal(dtype, head_dim, gpu_capability(device)) is not None:
         return Choice("triton")
-    refusal, geometry = _gluon_geometry(spec, problem, head_dim, partial=False)
-    return Choice("triton") if refusal is not None else Choice("gluon", gluon=geometry)
+    refusal, geometry = _gluon_geometry(spec, problem, head_dim)
+    if refusal is None and (geometry is None or _block_sparse(problem, geometry.q_tile, geometry.kv_tile)
+                            or _partial_tiles_pay(spec, problem, geometry, head_dim, heads)):
+        return Choice("gluon", gluon=geometry)
+    return Choice("triton")
+
+
+# When the Gluon FP8 kernel's partial tiles beat the Triton FP8 kernel (one H200, batch 1, 16 GNA layouts of 4,096
+# to 115,200 tokens, benchmarks/fp8_gluon_partial.py, fp8-gluon-partial-NVIDIA_H200-2026-11-28-s11-*.json): per
+# query-key pair it visits it took 0.6x the Triton kernel's time on every call of 200,000 visited blocks or more
+# (over batch and heads), so it won wherever it visits up to 1.21x the Triton tiles' pairs (0.68-0.75x the time)
+# and lost at 1.75x (1.07x). Below some 40,000 blocks both kernels take about a millisecond, most of it fixed
+# costs per call, the Gluon route's higher (the permutation into tile order): it lost at 8,160 and 25,440 blocks
+# (1.44-1.52x) and tied at 40,128 (0.96x).
+PARTIAL_PAIRS_RATIO = 1.5
+PARTIAL_MIN_BLOCKS = 65_536
+
+
+def _partial_tiles_pay(spec: GnaSpec, problem: Problem, geometry: Fa4Gna, head_dim: int, heads: int) -> bool:
+    """Whether the Gluon FP8 kernel on `geometry`'s partial tiles beats the Triton FP8 kernel on the tiles it
+    would run: at least PARTIAL_MIN_BLOCKS visited 128 x 128 blocks over the call's `heads` (batch times heads),
+    and at most PARTIAL_PAIRS_RATIO times the query-key pairs the Triton kernel visits."""
+    gluon = simulate(problem, TileConfig(geometry.q_tile, geometry.kv_tile)).visited_tiles
+    if gluon * heads < PARTIAL_MIN_BLOCKS:
+        return False
+    q_tile, kv_tile = _triton_fp8_tiles(spec, problem, head_dim)
+    triton = simulate(problem, TileConfig(q_tile, kv_tile)).visited_tiles * math.prod(q_tile) * math.prod(kv_tile)
+    return gluon * GLUON_BLOCK * GLUON_BLOCK <= PARTIAL_PAIRS_RATIO * triton
+
+
+def _triton_fp8_tiles(spec: GnaSpec, problem: Problem, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tiles natsim's Triton FP8 kernel runs the call on under static KV tiling (kernels/gna/dispatch.py): the
+    call's own, else natsim's choice with its Q tile halved (`fp8_q_tile`)."""
+    if spec.q_tile is not None or spec.kv_tile is not None:
+        return kernel_tiles(problem, spec.q_tile, spec.kv_tile)
+    q_tile, kv_tile, _ = choose_tiles(problem, head_dim)
+    return fp8_q_tile(q_tile), kv_tile
 
 
 def _gluon_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int) -> Choice:
@@ -97,41 +137,35 @@ def _gluon_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: 
                          f"precision={spec.precision!r}.")
     refusal = gluon_refusal(dtype, head_dim, gpu_capability(device) if device.type == "cuda" else None)
     if refusal is None:
-        refusal, geometry = _gluon_geometry(spec, problem, head_dim, partial=True)
+        refusal, geometry = _gluon_geometry(spec, problem, head_dim)
     if refusal is not None:
         raise ValueError(f"backend='gluon' cannot run this call: {refusal}")
     return Choice("gluon", gluon=geometry)
 
 
-def _gluon_geometry(spec: GnaSpec, problem: Problem, head_dim: int,
-                    partial: bool) -> tuple[Optional[str], Optional[Fa4Gna]]:
+def _gluon_geometry(spec: GnaSpec, problem: Problem, head_dim: int) -> tuple[Optional[str], Optional[Fa4Gna]]:
     """(why the Gluon FP8 kernel cannot run this call's geometry, or None; the geometry it runs in the Q tile's
-    token order, None for dense attention over the flattened layout). `partial`: whether it may visit partial
-    tiles (masked inside, kernels/gluon/tile_mask.py), which a call or plan naming it may; an FP8 call left to
-    natsim takes it on whole tiles only, where it was measured faster than the Triton FP8 kernel. Without tiles:
-    the 128-token tiles with every visited block full that visit the fewest blocks, else (with `partial`) the
-    128-token tiles that visit the fewest."""
+    token order, None for dense attention over the flattened layout). Without tiles given: among natsim's
+    128-token tiles, those with every visited block full that visit the fewest blocks, else those that visit the
+    fewest (partial tiles, masked inside: kernels/gluon/tile_mask.py)."""
     if spec.out_dtype is not None or spec.frames is not None or spec.kv_tiling == "dynamic":
         return ("the Gluon FP8 kernel quantizes bfloat16 / float16 inputs itself over a whole layout with static KV "
                 "tiling: not inputs given in float8, frame_offsets or kv_tiling='dynamic'."), None
     if spec.q_tile is None and spec.kv_tile is None:
         if is_dense(problem):
             return None, None
-        pairs = [(q, kv) for q, kv in tile_pairs(problem.shape, head_dim) if _gluon_tiles(problem, q, kv, True)]
-        whole = [pair for pair in pairs if _gluon_tiles(problem, *pair, False)]
-        if whole or (partial and pairs):
-            fewest = min(whole or pairs, key=lambda pair: simulate(problem, TileConfig(*pair)).visited_tiles)
-            return None, Fa4Gna(problem, *fewest)
-        return (f"none of natsim's tiles of the layout {problem.shape} holds {GLUON_BLOCK} tokens"
-                + ("" if partial else " with every visited block full, as the Gluon FP8 kernel takes an FP8 call "
-                   "left to natsim (name backend='gluon' for partial tiles)") + "."), None
+        pairs = [(q, kv) for q, kv in tile_pairs(problem.shape, head_dim) if _gluon_tiles(q, kv)]
+        whole = [pair for pair in pairs if _block_sparse(problem, *pair)]
+        if not pairs:
+            return f"none of natsim's tiles of the layout {problem.shape} holds {GLUON_BLOCK} tokens.", None
+        fewest = min(whole or pairs, key=lambda pair: simulate(problem, TileConfig(*pair)).visited_tiles)
+        return None, Fa4Gna(problem, *fewest)
     q_tile = tuple(spec.q_tile if spec.q_tile is not None else spec.kv_tile)
     kv_tile = tuple(spec.kv_tile if spec.kv_tile is not None else spec.q_tile)
     refusal = _tile_problem(problem, q_tile, kv_tile)
-    if refusal is None and not _gluon_tiles(problem, q_tile, kv_tile, partial):
-        refusal = (f"the Gluon FP8 kernel runs GNA on one tile of {GLUON_BLOCK} tokens for queries and keys"
-                   + ("" if partial else " whose every visited block is full (name backend='gluon' for partial "
-                      "tiles)") + f", got q_tile={q_tile}, kv_tile={kv_tile} on {problem}.")
+    if refusal is None and not _gluon_tiles(q_tile, kv_tile):
+        refusal = (f"the Gluon FP8 kernel runs GNA on one tile of {GLUON_BLOCK} tokens for queries and keys, got "
+                   f"q_tile={q_tile}, kv_tile={kv_tile} on {problem}.")
     return (refusal, None) if refusal is not None else (None, Fa4Gna(problem, q_tile, kv_tile))
 
 
@@ -140,11 +174,9 @@ def gpu_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _gluon_tiles(problem: Problem, q_tile: tuple[int, ...], kv_tile: tuple[int, ...], partial: bool) -> bool:
-    """Tiles the Gluon FP8 kernel runs GNA on: one 128-token tile for queries and keys, every visited block full
-    unless `partial`."""
-    return (tuple(q_tile) == tuple(kv_tile) and math.prod(q_tile) == GLUON_BLOCK
-            and (partial or _block_sparse(problem, tuple(q_tile), tuple(kv_tile))))
+def _gluon_tiles(q_tile: tuple[int, ...], kv_tile: tuple[int, ...]) -> bool:
+    """Tiles the Gluon FP8 kernel runs GNA on: one 128-token tile for queries and keys."""
+    return tuple(q_tile) == tuple(kv_tile) and math.prod(q_tile) == GLUON_BLOCK
 
 
 def backward_refusal(choice: Choice, head_dim: int) -> Optional[str]:
