@@ -1,17 +1,19 @@
 """GNA in FP8 on the Gluon kernel where the plan's tiles are partial, beside the other FP8 and bf16 routes, one
 run, one JSON:
 
-    python benchmarks/fp8_gluon_partial.py OUT_DIR [--rounds 7]
+    python benchmarks/fp8_gluon_partial.py OUT_DIR [--rounds 7] [--cases 0,3,9]
 
 Rows (bf16 inputs, batch 1): the GNA configurations the planner picks at 0.9 sparsity on an H200 for Wan 2.1's
 720p latent (21x45x80, 40 heads) and HunyuanVideo's (30x48x80, 24 heads), and window-only neighbourhoods on
-each, at head_dim 128 and 64; a small window, a dilated one, a causal one and a 2-D image layout; none of them
-block-sparse on any 128-token tile. Per row, median ms over interleaved
+each, at head_dim 128 and 64; a small window, a dilated one, a causal one, and smaller video and image layouts
+(4,096 to 49,152 tokens); none of them block-sparse on any 128-token tile. Per row, median ms over interleaved
 rounds (benchmarks/timing.py) of: the Gluon FP8 kernel on each of natsim's 128-token tiles of the layout that
 visits the fewest blocks (permutation into tile order and quantization included), the Triton FP8 kernel on
-natsim's default tiles, the FP8 call left to natsim (no backend named), and bf16: the planner's plan (whatever backend it names: FlashAttention-4 where installed
-and priced faster) for its rows, natsim's default call for the others. Accuracy: each output against the bf16
-one, and the Gluon output against float32 attention on a slice of heads. Writes
+natsim's default tiles, the FP8 call left to natsim (no backend named), and bf16: the planner's plan (whatever
+backend it names: FlashAttention-4 where installed and priced faster) for its rows, natsim's default call for
+the others. Beside the times, the two counts natsim's choice of FP8 kernel reads (kernels/gna/choice.py): the
+Gluon tiles' visited blocks times heads, and their query-key pairs over the Triton tiles'. Accuracy: each output
+against the bf16 one, and the Gluon output against float32 attention on a slice of heads. Writes
 OUT_DIR/fp8-gluon-partial-<gpu>-<date><tag>.json.
 """
 
