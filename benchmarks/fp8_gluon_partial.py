@@ -35,6 +35,7 @@ from timing import interleaved, rel  # noqa: E402
 
 from natsim import Problem, TileConfig, simulate  # noqa: E402
 from natsim.kernels import gna_attention, reference_attention  # noqa: E402
+from natsim.kernels.common.fp8 import fp8_q_tile  # noqa: E402
 from natsim.kernels.gna.tiles import default_tiles, tile_pairs  # noqa: E402
 from natsim.planner import best  # noqa: E402
 
@@ -108,11 +109,13 @@ def main(argv=None) -> None:
         gluon = outputs["gluon fp8"]
         visited = simulate(problem, TileConfig(tile, tile))
         triton_q, triton_kv = default_tiles(problem, head_dim)
+        triton_q = fp8_q_tile(triton_q)  # the Triton FP8 kernel's Q tile (kernels/gna/dispatch.py)
         default = simulate(problem, TileConfig(triton_q, triton_kv))
-        row = dict(case=name, gluon_block_heads=visited.visited_tiles * heads, layout=list(layout), heads=heads, head_dim=head_dim, window=list(window),
-                   stride=list(stride), dilation=list(dilation), causal=list(causal), gluon_tile=list(tile), gluon_visited=visited.visited_tiles, gluon_full=visited.full_tiles,
-                   triton_tiles=[list(triton_q), list(triton_kv)], triton_visited=default.visited_tiles,
-                   triton_full=default.full_tiles,
+        row = dict(case=name, gluon_block_heads=visited.visited_tiles * heads, layout=list(layout), heads=heads,
+                   head_dim=head_dim, window=list(window), stride=list(stride), dilation=list(dilation),
+                   causal=list(causal), gluon_tile=list(tile), gluon_visited=visited.visited_tiles,
+                   gluon_full=visited.full_tiles, triton_tiles=[list(triton_q), list(triton_kv)],
+                   triton_visited=default.visited_tiles, triton_full=default.full_tiles,
                    pairs_over_triton=(visited.visited_tiles * 128 * 128
                                       / (default.visited_tiles * math.prod(triton_q) * math.prod(triton_kv))),
                    bf16_plan=bf16 and dict(backend=bf16.backend, q_tile=list(bf16.tiles.q_tile),
