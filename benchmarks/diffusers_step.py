@@ -545,7 +545,10 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn, repeats: int, warmup: int = 2) -> float:
+WARMUP = 2 if DEVICE == "cuda" else 1  # the CPU runs the scripts' smoke tests: its first call compiles, no more
+
+
+def median_ms(fn, repeats: int, warmup: int = WARMUP) -> float:
     """Median milliseconds of `fn()` over `repeats` synchronised calls after `warmup` calls, Python's garbage
     collector run before and kept off while they are timed (as `timeit` does): a host-bound compiled step moves
     with every pause of the host's issue."""
