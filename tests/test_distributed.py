@@ -41,7 +41,6 @@ from natsim.partition import (Link, Rate, check_split, even_split, head_groups, 
 from natsim.kernels import gna_attention, gna_tile_counts, reference_attention
 
 from bruteforce import attention_mask, coordinates, dim_mask, multi_d_layout, problems, static_counts
-from interpreter_options import prepare_the_interpreter
 
 FAST = settings(max_examples=25, deadline=None)
 KERNEL = settings(max_examples=6, deadline=None)
@@ -219,12 +218,12 @@ def test_kernel_counts_on_frames_equal_the_simulators(case):
 
 
 @KERNEL
-@given(kernel_cases())
-def test_kernel_on_frames_matches_the_reference(case):
+@given(kernel_cases(), st.sampled_from([1, 2]))
+def test_kernel_on_frames_matches_the_reference(case, heads):
     problem, (q0, q1, k0, k1), q_tile, kv_tile = case
-    # One head: the interpreter's time grows with heads, and the gloo worlds below run frame ranges (halo) with
-    # several.
-    q, k, v = (torch.randn(1, *problem.shape, 1, 32, dtype=torch.float16) for _ in range(3))
+    # One head or two: the interpreter's time grows with heads (the gloo worlds below run frame ranges on the
+    # torch reference).
+    q, k, v = (torch.randn(1, *problem.shape, heads, 32, dtype=torch.float16) for _ in range(3))
     args = (problem.window, problem.stride, problem.dilation, problem.causal)
     expected = reference_attention(q.double(), k.double(), v.double(), *args)[:, q0:q1]
     out = gna_attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], *args, q_tile=q_tile, kv_tile=kv_tile,
@@ -677,8 +676,8 @@ def _free_port() -> int:
 
 
 def _check_outputs(rank: int, world: int) -> None:
-    """Every case, every strategy, against the single-process reference (fresh inputs, one seed for all ranks), on
-    the path `_check_world` chose; bytes moved against natsim.partition; sparse attention under a per-head mask."""
+    """Every case, every strategy, against the single-process reference (fresh inputs, one seed for all ranks);
+    bytes moved against natsim.partition; sparse attention under a per-head mask."""
     heads = HEADS_PER_RANK * world
     import natsim.distributed as nd
     from natsim.kernels import SparseMask, sparse_reference
@@ -699,8 +698,7 @@ def _check_outputs(rank: int, world: int) -> None:
             problem = Problem(shape, window, stride, dilation, causal)
             for strategy in ("ulysses", "halo", "auto") if index in AUTO_CASES else ("ulysses", "halo"):
                 sent.clear()
-                # one group of heads: in the interpreter a launch per group (the groups are checked on the
-                # reference path below, with gradients)
+                # one group of heads (the groups are checked below, with gradients)
                 out = nd.gna_attention(q[:, mine], k[:, mine], v[:, mine], strategy=strategy,
                                        split=split if strategy != "auto" else None, chunks=1, **args)
                 assert out.shape == expected.shape, (index, strategy, out.shape)
@@ -983,7 +981,6 @@ def _worker(rank: int, processes: int, ports: tuple[int, int, int], cases: dict)
     of 2, then of examples/distributed.py's world of 2; `cases[world]`: that world's GNA and block mask cases
     for the gradients. A world torn down and another set up in the same processes is a world as a fresh spawn
     is: natsim.distributed keeps nothing per process group (its caches are keyed by split and rank)."""
-    prepare_the_interpreter()  # as tests/conftest.py does in pytest's processes
     # One thread per rank: the ranks share the machine's cores, and torch's pools at full size each made every
     # small operator wait on the others' threads (the gradient checks ran 9x slower on 2 cores).
     torch.set_num_threads(1)
@@ -999,16 +996,16 @@ def _worker(rank: int, processes: int, ports: tuple[int, int, int], cases: dict)
 
 
 def _check_world(rank: int, world: int, port: int, gna_cases, mask_cases) -> None:
-    """One rank of a gloo world: outputs (the kernels in the interpreter in the world of 3, the torch reference
-    path in the world of 2: the interpreter's kernels on frame ranges are checked once, the routing in both), then
-    gradients on the reference path (float64 there, and differentiable on frame ranges)."""
-    os.environ["TRITON_INTERPRET"] = "1" if world == 3 else "0"
+    """One rank of a gloo world: outputs, then gradients, on the torch reference path (float64 there, and
+    differentiable on frame ranges): what a world checks is natsim.distributed's splits, exchanges and merges; the
+    kernels on frame ranges are checked in the interpreter in one process (test_kernel_on_frames_matches_the_
+    reference) and on GPUs."""
+    os.environ["TRITON_INTERPRET"] = "0"  # read per call (kernels/common/backend.py)
+    warnings.simplefilter("ignore")  # the reference path's one-time CPU warnings
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         _check_outputs(rank, world)
-        os.environ["TRITON_INTERPRET"] = "0"  # read per call (kernels/common/backend.py): the reference from here
-        warnings.simplefilter("ignore")  # its one-time CPU warnings
         _check_gradients(rank, world, gna_cases, mask_cases)
         _check_training_example()
         # Every rank's last messages are through before any rank tears gloo down: a rank that destroyed its group
