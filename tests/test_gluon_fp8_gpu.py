@@ -109,6 +109,24 @@ def test_gna_in_fp8_on_whole_tiles_runs_the_gluon_kernel(shape, window, stride):
     torch.testing.assert_close(compiled(q, k, v), out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("heads, backend", [(64, "gluon"), (1, "triton")])
+def test_gna_in_fp8_on_partial_tiles_takes_the_gluon_kernel_where_they_pay(heads, backend):
+    """An FP8 call left to natsim on partial tiles: the Gluon kernel where the call visits enough blocks (64 heads
+    of a 16x32x32 layout, window 5x11x11: 2,400 blocks a head), bit for bit the call naming it; the Triton FP8
+    kernel on one head; both within FP8's error of float32 attention."""
+    from natsim.kernels import chosen_backend, gna_attention, reference_attention
+
+    shape, window = (16, 32, 32), (5, 11, 11)
+    q, k, v = (torch.randn(1, *shape, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert chosen_backend(q, k, v, window, precision="fp8") == backend
+    out = gna_attention(q, k, v, window, precision="fp8")
+    named = gna_attention(q, k, v, window, precision="fp8", backend=backend)
+    assert torch.equal(out, named)
+    few = slice(0, 1)
+    ref = reference_attention(*(t[..., few, :].float() for t in (q, k, v)), window)
+    assert float((out[..., few, :].float() - ref).norm() / ref.norm()) < 6e-2
+
+
 @pytest.mark.parametrize("shape, window, stride, tile", [((8, 16, 32), (4, 8, 16), (4, 8, 16), (1, 8, 16)),
                                                          ((2048,), (1024,), (256,), (128,))])
 def test_gna_naming_gluon_on_the_gpu_equals_its_cpu_rule_and_runs_in_tile_order(shape, window, stride, tile):
