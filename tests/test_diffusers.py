@@ -152,14 +152,14 @@ def run_sizes(run, name, layouts, repeat: int = 1):
 
 
 def test_compiled_blocks_compile_once_per_latent_size(reference_path):
-    """HunyuanVideo's blocks, compiled as diffusers compiles them (`compile_repeated_blocks`), compile once per
+    """Wan's blocks, compiled as diffusers compiles them (`compile_repeated_blocks`), compile once per
     latent size and plan each size apart. Dynamo's guards and graph breaks do not depend on the backend: "eager"
     (Dynamo's fake tensors through the operators, neither AOTAutograd nor code generation) keeps the test fast;
     the GPU benchmarks run Inductor. The compiled graphs' attention runs the torch reference (neither guards nor
     graphs depend on the path the operator takes when it runs): the next test runs Triton's interpreter inside
     compiled blocks. Whole models compiled (`torch.compile(model)`) are in each class's compile test
     (tests/test_diffusers_models.py)."""
-    name = "HunyuanVideoTransformer3DModel"
+    name = "WanTransformer3DModel"
     torch._dynamo.reset()
     model = diffusers_models.build(name, layers=1)
     applied = nd.apply(model, 0.5, dtype=torch.float16)
