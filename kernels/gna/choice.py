@@ -97,7 +97,7 @@ def _fp8_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: to
     return Choice("triton")
 
 
-# When the Gluon FP8 kernel's partial tiles beat the Triton FP8 kernel (one H200, batch 1, 16 GNA layouts of 4,096
+# When the Gluon FP8 kernel's partial tiles beat the Triton FP8 kernel (one H200, batch 1, 14 GNA layouts of 4,096
 # to 115,200 tokens, benchmarks/fp8_gluon_partial.py, fp8-gluon-partial-NVIDIA_H200-2026-11-28-s11-*.json): per
 # query-key pair it visits it took 0.6x the Triton kernel's time on every call of 200,000 visited blocks or more
 # (over batch and heads), so it won wherever it visits up to 1.21x the Triton tiles' pairs (0.68-0.75x the time)
