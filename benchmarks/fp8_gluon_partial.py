@@ -35,8 +35,7 @@ from timing import interleaved, rel  # noqa: E402
 
 from natsim import Problem, TileConfig, simulate  # noqa: E402
 from natsim.kernels import gna_attention, reference_attention  # noqa: E402
-from natsim.kernels.common.fp8 import fp8_q_tile  # noqa: E402
-from natsim.kernels.gna.tiles import default_tiles, tile_pairs  # noqa: E402
+from natsim.kernels.gna.tiles import fp8_tiles, tile_pairs  # noqa: E402
 from natsim.planner import best  # noqa: E402
 
 CASES = [  # name, layout, heads, head_dim, window or None (the planner's pick at 0.9), stride, dilation, causal
@@ -108,8 +107,7 @@ def main(argv=None) -> None:
         exact = reference_attention(*(t[..., few, :].float() for t in (q, k, v)), **geometry)
         gluon = outputs["gluon fp8"]
         visited = simulate(problem, TileConfig(tile, tile))
-        triton_q, triton_kv = default_tiles(problem, head_dim)
-        triton_q = fp8_q_tile(triton_q)  # the Triton FP8 kernel's Q tile (kernels/gna/dispatch.py)
+        triton_q, triton_kv, _ = fp8_tiles(problem, head_dim)  # the Triton FP8 kernel's tiles
         default = simulate(problem, TileConfig(triton_q, triton_kv))
         row = dict(case=name, gluon_block_heads=visited.visited_tiles * heads, layout=list(layout), heads=heads,
                    head_dim=head_dim, window=list(window), stride=list(stride), dilation=list(dilation),

@@ -5,9 +5,9 @@ mask of 128-token blocks in `precision="fp8"`, from bf16 or fp16 inputs it quant
 key blocks), and GNA on 128-token tiles, whose partial tiles it masks inside (kernels/gluon/tile_mask.py). No
 element mask for block masks, no backward, no PV skip, no inputs given in float8. `sparse_attention(...,
 precision="fp8")` and `gna_attention(..., precision="fp8")` take it wherever a call fits (kernels/gluon/
-fp8_forward.py, `refusal`; GNA left to natsim only where every visited block is a whole tile), natsim's Triton
-FP8 kernel elsewhere, or where the call or its prepared work names a backend; a GNA call naming "gluon" runs on
-it with partial tiles too.
+fp8_forward.py, `refusal`; GNA left to natsim where every visited block is a whole tile, or on partial tiles
+where those pay: kernels/gna/choice.py), natsim's Triton FP8 kernel elsewhere, or where the call or its prepared
+work names a backend; a GNA call naming "gluon" runs on it with partial tiles at any size.
 
 Partial GNA tiles (H200, benchmarks/results/fp8-gluon-partial-*-unsigned-compare.json, quantization and tile
 order included): Wan 2.1's 720p layout at window 7x21x35 35.6 ms against 50.6 on the Triton FP8 kernel and 34.1

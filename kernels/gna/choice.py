@@ -28,7 +28,6 @@ from natsim import Problem, TileConfig, simulate
 
 from ..common.backend import interpreting
 from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
-from ..common.fp8 import fp8_q_tile
 from ..fa4.gna import Fa4Gna
 from ..fa4.rules import HEAD_DIMS as FA4_HEAD_DIMS
 from ..fa4.rules import device_refusal, gna_tile_refusal
@@ -37,7 +36,7 @@ from ..gluon.fp8_forward import refusal as gluon_refusal
 from .checks import kernel_tiles
 from .launch import is_dense
 from .spec import GnaSpec
-from .tiles import choose_tiles, default_tiles, tile_pairs
+from .tiles import default_tiles, fp8_tiles, tile_pairs
 
 @dataclass(frozen=True)
 class Choice:
@@ -121,12 +120,13 @@ def _partial_tiles_pay(spec: GnaSpec, problem: Problem, geometry: Fa4Gna, head_d
 
 
 def _triton_fp8_tiles(spec: GnaSpec, problem: Problem, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The tiles natsim's Triton FP8 kernel runs the call on under static KV tiling (kernels/gna/dispatch.py): the
-    call's own, else natsim's choice with its Q tile halved (`fp8_q_tile`)."""
+    """The tiles natsim's Triton FP8 kernel runs the call on under static KV tiling (as kernels/gna/dispatch.py
+    picks them)."""
+    given = (None, None)
     if spec.q_tile is not None or spec.kv_tile is not None:
-        return kernel_tiles(problem, spec.q_tile, spec.kv_tile)
-    q_tile, kv_tile, _ = choose_tiles(problem, head_dim)
-    return fp8_q_tile(q_tile), kv_tile
+        given = kernel_tiles(problem, spec.q_tile, spec.kv_tile)
+    q_tile, kv_tile, _ = fp8_tiles(problem, head_dim, ("static",), *given)
+    return q_tile, kv_tile
 
 
 def _gluon_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: torch.dtype, head_dim: int) -> Choice:

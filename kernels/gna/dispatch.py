@@ -24,7 +24,7 @@ from natsim.problem import BoolOrBools, IntOrInts
 
 from ..common.backend import interpreting
 from ..common.checks import KERNEL_HEAD_DIMS
-from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_split, fp8_q_tile
+from ..common.fp8 import Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_split
 from ..common.headdim import head_dim_refusal
 from ..common.launch import has_tensor_descriptors, tensor_descriptors_enabled
 from ..common.rows import aligned_rows, copies_rows, in_aligned_rows
@@ -36,7 +36,7 @@ from .choice import Choice, backward_refusal, choose
 from .launch import KERNELS, GnaCall, dense_as_1d, frames_as_3d, make_call, takes_layout_path
 from .reference import fp8_reference_attention, reference_attention
 from .spec import GnaSpec
-from .tiles import choose_tiles, default_tiles
+from .tiles import choose_tiles, default_tiles, fp8_tiles
 
 MAX_CALLS = 1024  # distinct calls kept (a model has a handful of attention shapes)
 _calls: dict = {}
@@ -117,10 +117,8 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
     # natsim chooses between the modes only where both are costed alike: the in-place path (kernels/gna/tiles.py).
     modes = ((spec.kv_tiling,) if spec.kv_tiling is not None
              else (tuple(KERNELS) if layout and not fp8 else ("static",)))
-    q_dims, kv_dims, mode = choose_tiles(kernel_problem, head_dim, modes, *given)
+    q_dims, kv_dims, mode = (fp8_tiles if fp8 else choose_tiles)(kernel_problem, head_dim, modes, *given)
     if fp8:
-        if given == (None, None):
-            q_dims = fp8_q_tile(q_dims)
         check_fp8_tiles(q, math.prod(q_dims), math.prod(kv_dims))
     # In place, the kernel reads q, k, v where they are: in aligned copies where that pays (kernels/common/rows.py;
     # the permuted path's permutation makes its own rows). The call's strides are the copies'.

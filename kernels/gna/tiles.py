@@ -11,7 +11,8 @@ one dimension (NATTEN's 4x8x8 / 2x8x8 pattern).
 
 `choose_tiles` picks, among these and the KV tiling modes it is offered, the tiles with the least predicted
 work for the problem: the simulator's exact counts of full and masked tile pairs, weighted by what they cost
-this kernel relative to each other; `default_tiles` is its static-only choice.
+this kernel relative to each other; `default_tiles` is its static-only choice, and `fp8_tiles` the FP8 kernel's
+(natsim's choice with its Q tile halved).
 
 The relative costs come from the static kernel's calibration. The dynamic kernel (kernels/gna/dynamic.py)
 does the same work per box tile on the in-place path (one descriptor load per K/V tile at any corner, the same
@@ -29,6 +30,7 @@ from typing import Optional, Sequence
 
 from natsim import Problem, TileConfig, simulate
 
+from ..common.fp8 import fp8_q_tile
 from ..common.headdim import HEAD_DIMS, head_split
 
 # (Q tokens, KV tokens) per tile worth running, per head_dim; KV tokens equal the Q tokens or half. 64- and
@@ -121,6 +123,15 @@ def choose_tiles(problem: Problem, head_dim: int, kv_tilings: tuple[str, ...] = 
         pairs = tile_pairs(problem.shape, head_dim) or [FALLBACK_TILES[problem.ndim]]
     options = [(q, kv, mode) for q, kv in pairs for mode in kv_tilings]
     return min(options, key=lambda option: relative_cost(problem, option[0], option[1], head_dim, option[2]))
+
+
+def fp8_tiles(problem: Problem, head_dim: int, kv_tilings: tuple[str, ...] = ("static",),
+              q_tile: Optional[tuple[int, ...]] = None, kv_tile: Optional[tuple[int, ...]] = None,
+              ) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """`choose_tiles` for natsim's Triton FP8 kernel: the given tiles, else natsim's choice with its Q tile halved
+    (`fp8_q_tile`)."""
+    q_dims, kv_dims, mode = choose_tiles(problem, head_dim, kv_tilings, q_tile, kv_tile)
+    return (fp8_q_tile(q_dims) if q_tile is None and kv_tile is None else q_dims), kv_dims, mode
 
 
 def default_tiles(problem: Problem, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
