@@ -14,10 +14,10 @@ import sys
 import pytest
 from hypothesis import settings
 
-# Property tests that do not set their own count draw 30 examples (hypothesis' default is 100; those that set one
-# are sized alike): a fresh clone keeps no example database, so every CI run draws new ones, and the brute-force
-# references behind these tests are the suite's bulk on a 2-core machine.
-settings.register_profile("natsim", max_examples=30)
+# Property tests that do not set their own count draw 20 examples (hypothesis' default is 100; those that set one
+# are sized alike): a fresh clone keeps no example database, so every CI run draws new ones (the suite's coverage
+# grows run by run), and the brute-force references behind these tests are the suite's bulk on a 2-core machine.
+settings.register_profile("natsim", max_examples=20)
 settings.load_profile("natsim")
 
 # Python's cyclic garbage collector runs after every 700 allocations more than deallocations, and every so often

@@ -78,7 +78,7 @@ def test_the_quantization_kernel_equals_the_torch_rule_bit_for_bit(monkeypatch):
                            want.view(torch.uint8) if want.dtype == E4M3 else want), name
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(tokens=st.one_of(st.tuples(st.integers(1, 300)), st.tuples(*[st.integers(1, 24)] * 2),
                         st.tuples(*[st.integers(1, 10)] * 3)),
        head_dim=st.sampled_from([16, 24, 40, 72]),
@@ -126,7 +126,7 @@ def test_quantization_takes_q_dot_mean_in_its_read_of_q(head_dim, q_rows, k_rows
     assert torch.allclose(lse + 0.125 * kernel.q_dot_mean, lse_with_mean(lse, q, k_mean, 0.125), atol=1e-4)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 300), head_dim=st.sampled_from([16, 32, 40]), seed=st.integers(0, 2**16))
 def test_key_major_v_is_the_natural_v_with_keys_moved_within_blocks_of_128(rows, head_dim, seed, monkeypatch):
     """The Gluon kernel's V: each key's column moved within its block of 128 to where the kernel stores that

@@ -31,7 +31,7 @@ import bruteforce  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCKS = (16, 32, 64, 128)
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def dense_softmax(q, k, v, mask, q_block, kv_block):
@@ -86,7 +86,7 @@ def test_every_block_pair_matches_float64(q_block, kv_block):
 
 # 15 random problems a run, not 25: every block pair (above), the merges, schedules and empty rows (below) run
 # every time.
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     q_block=st.sampled_from((8, 16, 32, 64)),
     kv_block=st.sampled_from((1, 8, 16, 32, 64)),
@@ -317,7 +317,7 @@ def integer_inputs(batch, n, heads, head_dim, seed, boost=32):
 PV_THRESHOLDS = (-0.625, -1.625, -3.125)  # -(j + 1/2) / 4: never a difference of two scores
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     q_block=st.sampled_from((8, 16, 32)),
     kv_block=st.sampled_from((4, 16, 32)),

@@ -17,7 +17,7 @@ from natsim.kernels import prepare_sparse, sparse_attention, sparse_reference
 from natsim.kernels.sparse.backward import BackwardTiles, tile_lists
 
 LISTS = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
-BUILDER = settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))  # interpreted kernels
+BUILDER = settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))  # interpreted kernels
 KERNEL = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128)
 
