@@ -25,6 +25,7 @@ from natsim.kernels.common import fp8
 from natsim.kernels.common.fp8 import (E4M3, E4M3_MAX, cast_e4m3, check_fp8_call, column_statistics,
                                        key_major_positions, lse_with_mean, quantize, quantize_rows, quantized_weights,
                                        round_to_e4m3, fp8_q_tile)
+from natsim.kernels.gna.permute import permute_reference, source_rows
 from natsim.kernels.gna.reference import fp8_reference_attention
 from natsim.kernels.sparse.reference import fp8_sparse_reference, sparse_reference
 
@@ -124,6 +125,47 @@ def test_quantization_takes_q_dot_mean_in_its_read_of_q(head_dim, q_rows, k_rows
         assert dots.shape == (2, q_rows, 3) and torch.allclose(dots.double(), want, rtol=1e-5, atol=1e-4)
     lse = torch.randn(2, q_rows, 3)
     assert torch.allclose(lse + 0.125 * kernel.q_dot_mean, lse_with_mean(lse, q, k_mean, 0.125), atol=1e-4)
+
+
+@st.composite
+def permuted_orders(draw):
+    """A 1-3-D layout with Q and KV tiles and a dilation per dimension (padding, uneven groups)."""
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 9)) for _ in range(ndim))
+    tiles = [tuple(draw(st.integers(1, 4)) for _ in range(ndim)) for _ in range(2)]
+    dilation = tuple(draw(st.integers(1, min(3, n))) for n in shape)
+    return shape, *tiles, dilation
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(order=permuted_orders(), head_dim=st.sampled_from([16, 40, 64]), k_block=st.sampled_from([1, 4]),
+       key_major=st.booleans(), seed=st.integers(0, 2**16))
+def test_quantizing_in_the_permuted_order_is_quantizing_the_permuted_copies(order, head_dim, k_block, key_major,
+                                                                            seed, monkeypatch):
+    """`quantize_rows` with `q_rows` / `kv_rows` reads the layout in the permuted order as it quantizes (no
+    permuted copy): the bits of quantizing `permute_reference`'s copies, padding rows zeros of scale 1, in the
+    interpreter (the GPU's kernel) and on the torch path."""
+    shape, q_tile, kv_tile, dilation = order
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, *shape, 3, head_dim, generator=generator, dtype=torch.float16) * 4 for _ in range(3))
+    k_mean, v_scale = column_statistics(k, v)
+    flat = [x.reshape(2, -1, 3, head_dim) for x in (q, k, v)]
+    copies = [permute_reference(q, q_tile, dilation), permute_reference(k, kv_tile, dilation),
+              permute_reference(v, kv_tile, dilation)]
+    rows = dict(q_rows=source_rows(shape, q_tile, dilation, torch.device("cpu")),
+                kv_rows=source_rows(shape, kv_tile, dilation, torch.device("cpu")))
+    options = dict(k_block=k_block, v_key_major=key_major, q_dot_mean=True)
+    for interpreter in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpreter)
+        read = quantize_rows(*flat, k_mean, v_scale, **options, **rows)
+        copied = quantize_rows(*copies, k_mean, v_scale, **options)
+        for name in ("q", "k", "v_t", "q_scale", "k_scale", "q_dot_mean"):
+            got, want = getattr(read, name), getattr(copied, name)
+            assert got.shape == want.shape, name
+            assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got,
+                               want.view(torch.uint8) if want.dtype == E4M3 else want), (name, interpreter)
+        padding = rows["q_rows"] < 0
+        assert not read.q[:, padding].float().any() and bool((read.q_scale[:, padding] == 1).all())
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

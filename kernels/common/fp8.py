@@ -280,22 +280,30 @@ def _statistics_kernel(K, V, SUMS, PEAKS, k_stride_b, k_stride_r, k_stride_h, v_
 
 def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor,
                   v_scale: torch.Tensor, k_block: int = 1, v_key_major: bool = False,
-                  q_dot_mean: bool = False) -> Fp8Tensors:
+                  q_dot_mean: bool = False, q_rows: Optional[torch.Tensor] = None,
+                  kv_rows: Optional[torch.Tensor] = None) -> Fp8Tensors:
     """Quantize `[B, rows, heads, head_dim]` q, k, v by the rule, with K's mean and V's scales given (taken over
     the real tokens: rows here may include padding); K's scales shared by blocks of `k_block` rows (1: one per
     row; still stored one per row); V's keys key-major within blocks of 128 where `v_key_major` (the Gluon
     kernel's order); with `q_dot_mean`, also `q . mean(k)` per row (`Fp8Tensors.q_dot_mean`), taken in the same
-    read of q. One Triton pass per tensor on CUDA tensors and in the interpreter (`_quantize_kernel`), torch
-    otherwise; both round alike (tests/test_fp8.py)."""
-    batch, rows, heads, head_dim = k.shape
+    read of q. `q_rows` / `kv_rows` (int32 `[rows out]`, kernels/gna/permute.py's `source_rows`) gather as they
+    quantize: output row `r` is input row `q_rows[r]` of q (`kv_rows[r]` of k and v), zeros where it is -1, so a
+    permuted order costs no permuted copy. One Triton pass per tensor on CUDA tensors and in the interpreter
+    (`_quantize_kernel`), torch otherwise; both round alike (tests/test_fp8.py)."""
+    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        q, k, v = _gathered(q, q_rows), _gathered(k, kv_rows), _gathered(v, kv_rows)
+        q_rows = kv_rows = None
+    batch, _, heads, head_dim = k.shape
+    rows = k.shape[1] if kv_rows is None else kv_rows.shape[0]
     alignment = KEY_MAJOR_BLOCK if v_key_major else ROW_ALIGNMENT
     padded = -(-rows // alignment) * alignment
     v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
-    dots = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if q_dot_mean else None
+    q_out = q.shape[1] if q_rows is None else q_rows.shape[0]
+    dots = torch.empty((batch, q_out, heads), dtype=torch.float32, device=q.device) if q_dot_mean else None
     if q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        q8, q_scale = _quantize_triton(q, 0, k_mean, v_scale, dots=dots)
-        k8, k_scale = _quantize_triton(k, 1, k_mean, v_scale, block=k_block)
-        _quantize_triton(v, 2, k_mean, v_scale, v_t, key_major=v_key_major)
+        q8, q_scale = _quantize_triton(q, 0, k_mean, v_scale, dots=dots, source=q_rows)
+        k8, k_scale = _quantize_triton(k, 1, k_mean, v_scale, block=k_block, source=kv_rows)
+        _quantize_triton(v, 2, k_mean, v_scale, v_t, key_major=v_key_major, source=kv_rows)
     else:
         if q_dot_mean:
             dots = (q.float() * k_mean[:, None]).sum(-1)
@@ -305,6 +313,15 @@ def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: tor
         columns = key_major_positions(rows, v.device) if v_key_major else slice(0, rows)
         v_t[..., columns] = (v.float() / v_scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).permute(0, 2, 3, 1).to(E4M3)
     return Fp8Tensors(q8, k8, v_t, q_scale, k_scale, v_scale, k_mean, v_key_major, dots)
+
+
+def _gathered(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """`[B, rows, heads, head_dim]` x read at `rows` (zeros where -1), as the quantization kernel gathers."""
+    if rows is None:
+        return x
+    index = rows.to(device=x.device, dtype=torch.int64)
+    taken = x.index_select(1, index.clamp(min=0))
+    return torch.where((index >= 0)[None, :, None, None], taken, torch.zeros((), dtype=x.dtype))
 
 
 def prequantized_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_scale: torch.Tensor,
@@ -350,11 +367,13 @@ QUANTIZE_ROWS = 64  # rows per program of the quantization kernel
 
 def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: torch.Tensor,
                      v_t: Optional[torch.Tensor] = None, block: int = 1, key_major: bool = False,
-                     dots: Optional[torch.Tensor] = None):
+                     dots: Optional[torch.Tensor] = None, source: Optional[torch.Tensor] = None):
     """Mode 0 (Q) and 1 (K, mean removed): `(x_fp8, row_scales)`, K's scale shared by blocks of `block` rows
     (a power of two); mode 2 (V): writes V transposed into `v_t`, key-major within blocks of 128 where
-    `key_major`. Mode 0 with `dots` (`[B, rows, heads]` float32) also writes each row's `q . mean(k)` there."""
-    batch, rows, heads, head_dim = x.shape
+    `key_major`. Mode 0 with `dots` (`[B, rows, heads]` float32) also writes each row's `q . mean(k)` there.
+    With `source` (int32 `[rows out]`), output row `r` reads input row `source[r]` (zeros where -1)."""
+    batch, _, heads, head_dim = x.shape
+    rows = x.shape[1] if source is None else source.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     if mode == 2:
         out, scales = v_t, v_scale
@@ -363,24 +382,27 @@ def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: 
         scales = torch.empty((batch, rows, heads), dtype=torch.float32, device=x.device)
     block_rows = max(block, QUANTIZE_ROWS)
     grid = (triton.cdiv(rows, block_rows), batch * heads)
-    _quantize_kernel[grid](x, out, scales, k_mean, scales if dots is None else dots, x.stride(0), x.stride(1),
-                           x.stride(2), rows, heads, v_t.shape[-1] if mode == 2 else out.stride(2), HEAD_DIM=head_dim,
+    _quantize_kernel[grid](x, out, scales, k_mean, scales if dots is None else dots,
+                           scales if source is None else source, x.stride(0), x.stride(1), x.stride(2), rows, heads,
+                           v_t.shape[-1] if mode == 2 else out.stride(2), HEAD_DIM=head_dim,
                            BLOCK_D=next_power_of_two(head_dim), BLOCK_R=block_rows, SHARED=block, MODE=mode,
-                           KEY_MAJOR=key_major, DOT_MEAN=dots is not None, EXACT_CAST=not x.is_cuda)
+                           KEY_MAJOR=key_major, DOT_MEAN=dots is not None, GATHER=source is not None,
+                           EXACT_CAST=not x.is_cuda)
     return (None, None) if mode == 2 else (out, scales)
 
 
 @triton.jit
-def _quantize_kernel(X, OUT, SCALES, K_MEAN, DOTS, stride_b, stride_r, stride_h, rows, heads, out_stride,
+def _quantize_kernel(X, OUT, SCALES, K_MEAN, DOTS, SOURCE, stride_b, stride_r, stride_h, rows, heads, out_stride,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, SHARED: tl.constexpr,
-                     MODE: tl.constexpr, KEY_MAJOR: tl.constexpr, DOT_MEAN: tl.constexpr, EXACT_CAST: tl.constexpr):
+                     MODE: tl.constexpr, KEY_MAJOR: tl.constexpr, DOT_MEAN: tl.constexpr, GATHER: tl.constexpr,
+                     EXACT_CAST: tl.constexpr):
     """BLOCK_R rows of one (batch, head): Q (MODE 0) and K (MODE 1, its mean subtracted) with one scale per row,
     written `[B, rows, heads, head_dim]` with heads `out_stride` apart (`fp8_rows`) and scales `[B, rows,
     heads]` (K's shared by groups of SHARED rows where SHARED > 1); V (MODE 2) divided by its channel scales
     `SCALES` `[B, heads, head_dim]` and written transposed, `[B, heads, head_dim, out_stride]` (key-major within
     blocks of 128 where KEY_MAJOR: `key_major_positions`). With DOT_MEAN (Q), each row's `q . mean(k)` goes to
-    `DOTS` `[B, rows, heads]`. Rows run `BLOCK_D` (head_dim's next power of two) columns, those past head_dim
-    masked."""
+    `DOTS` `[B, rows, heads]`. With GATHER, output row `r` reads input row `SOURCE[r]` (int32; -1: a zero row).
+    Rows run `BLOCK_D` (head_dim's next power of two) columns, those past head_dim masked."""
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
@@ -389,8 +411,14 @@ def _quantize_kernel(X, OUT, SCALES, K_MEAN, DOTS, stride_b, stride_r, stride_h,
     d_ok = d < HEAD_DIM
     ok = r < rows
     cell_ok = ok[:, None] & d_ok[None, :]
-    x = tl.load(X + b * stride_b + h * stride_h + r.to(tl.int64)[:, None] * stride_r + d[None, :],
-                mask=cell_ok, other=0.0).to(tl.float32)
+    if GATHER:
+        src = tl.load(SOURCE + r, mask=ok, other=-1)
+        read_ok = (src >= 0)[:, None] & d_ok[None, :]
+    else:
+        src = r
+        read_ok = cell_ok
+    x = tl.load(X + b * stride_b + h * stride_h + src.to(tl.int64)[:, None] * stride_r + d[None, :],
+                mask=read_ok, other=0.0).to(tl.float32)
     if MODE == 2:
         x = x / tl.load(SCALES + (b * heads + h) * HEAD_DIM + d, mask=d_ok, other=1.0)[None, :]
         x8 = cast_e4m3(tl.minimum(tl.maximum(x, -448.0), 448.0), EXACT_CAST)
@@ -416,14 +444,16 @@ def _quantize_kernel(X, OUT, SCALES, K_MEAN, DOTS, stride_b, stride_r, stride_h,
         tl.store(SCALES + row, scale, mask=ok)
 
 
-def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_block: int = 1,
-             v_key_major: bool = False, q_dot_mean: bool = False) -> Fp8Tensors:
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_block: int = 1, v_key_major: bool = False,
+             q_dot_mean: bool = False, rows: Optional[torch.Tensor] = None) -> Fp8Tensors:
     """Quantize `[B, *tokens, heads, head_dim]` q, k, v by the rule (K's scales shared by blocks of `k_block`
     tokens; V key-major where `v_key_major`; `q . mean(k)` per row where `q_dot_mean`); the result's rows are the
-    flattened tokens."""
+    flattened tokens, or with `rows` (int32, kernels/gna/permute.py's `source_rows`) those tokens in that order
+    for all three, read as they are quantized (-1: a padding row of zeros). K's mean and V's scales are taken
+    over the tokens."""
     k_mean, v_scale = column_statistics(k, v)
     flat = tuple(t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]) for t in (q, k, v))
-    return quantize_rows(*flat, k_mean, v_scale, k_block, v_key_major, q_dot_mean)
+    return quantize_rows(*flat, k_mean, v_scale, k_block, v_key_major, q_dot_mean, q_rows=rows, kv_rows=rows)
 
 
 def _scale_of(amax: torch.Tensor) -> torch.Tensor:

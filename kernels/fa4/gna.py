@@ -17,7 +17,7 @@ import torch
 from natsim import Problem
 
 from ..gna.layout import TileLayout
-from ..gna.permute import permute, unpermute
+from ..gna.permute import permute, source_rows, unpermute
 from . import run
 from .gna_mask import GnaMask
 from .lists import Fa4Lists, gna_lists
@@ -49,6 +49,13 @@ class Fa4Gna:
         if self._row_major:
             return x.reshape(x.shape[0], -1, *x.shape[-2:])
         return permute(x, self.q_tile, self.problem.dilation)
+
+    def order_rows(self, device: torch.device) -> Optional[torch.Tensor]:
+        """The Q tile's order as the row-major token each position reads (kernels/gna/permute.py's `source_rows`),
+        for kernels that gather as they read; None where that order is the layout's own."""
+        if self._row_major:
+            return None
+        return source_rows(self.problem.shape, self.q_tile, self.problem.dilation, device)
 
     def from_order(self, y: torch.Tensor) -> torch.Tensor:
         """`[B, tokens, H, D]` in the Q tile's order -> `[B, *shape, H, D]` (padding dropped)."""

@@ -12,7 +12,7 @@ import triton
 
 from natsim import Problem
 
-from ..common.fp8 import lse_with_mean, quantize, refuse_gradients
+from ..common.fp8 import quantize, refuse_gradients
 from .fp8_forward import BLOCK_M, BLOCK_N, BlockLists, TileMask, check_call, launch
 from .tile_mask import gna_block_lists, gna_tile_mask
 
@@ -36,31 +36,37 @@ def fp8_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def gna_fp8_ordered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, tile: tuple[int, ...],
-                    scale: float, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, return_lse: bool, rows: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """GNA of `problem` in FP8 on `[B, tokens, heads, head_dim]` q, k, v in the 128-token `tile`'s order
-    (queries and keys): the simulator's visited blocks as the kernel's lists, the partial ones masked inside by
-    the tile mask (kernels/gluon/tile_mask.py). Returns the output and the LSE (empty without `return_lse`) in
-    that order."""
+    (queries and keys), or with `rows` (kernels/gna/permute.py's `source_rows` of that order) on the layout's
+    tokens row-major, which the quantization reads in that order: the simulator's visited blocks as the kernel's
+    lists, the partial ones masked inside by the tile mask (kernels/gluon/tile_mask.py). Returns the output and
+    the LSE (empty without `return_lse`) in the tile's order."""
     lists, partial = gna_block_lists(problem, tuple(tile), q.device)
     masked = gna_tile_mask(problem, tuple(tile), q.device) if partial else None
-    mask_args = (masked.bounds, masked.bases, list(masked.tile)) if masked is not None else ()
-    return gluon_fp8_forward(q, k, v, lists.counts, lists.indices, scale, return_lse, *mask_args)
+    mask_args = (masked.bounds, masked.bases, list(masked.tile)) if masked is not None else (None, None, None)
+    return gluon_fp8_forward(q, k, v, lists.counts, lists.indices, scale, return_lse, *mask_args, rows)
 
 
 @torch.library.custom_op("natsim::gluon_fp8_forward", mutates_args=())
 def gluon_fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: Optional[torch.Tensor],
                       indices: Optional[torch.Tensor], scale: float, return_lse: bool,
                       bounds: Optional[torch.Tensor] = None, bases: Optional[torch.Tensor] = None,
-                      tile: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      tile: Optional[list[int]] = None, rows: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`fp8_block_attention`'s operator: the kernel on CUDA tensors, the rule's reference on CPU tensors; the LSE
     is empty without `return_lse`. `bounds`, `bases` and `tile`: a GNA call's `TileMask`
-    (kernels/gluon/tile_mask.py), for the partial tiles its lists mark."""
+    (kernels/gluon/tile_mask.py), for the partial tiles its lists mark. `rows` (int32 `[rows]`): the call
+    attends the inputs' rows in this order (-1: a padding row), read as they are quantized; the output and the
+    LSE come in that order."""
     lists = None if counts is None else BlockLists(counts, indices)
     tile_mask = None if bounds is None else TileMask(bounds, bases, tuple(tile))
     check_call(q, k, v)
+    _check_rows(q, k, rows)
     if not q.is_cuda:
-        return _cpu_reference(q, k, v, lists, scale, return_lse, tile_mask)
-    x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True, q_dot_mean=return_lse)
+        return _cpu_reference(q, k, v, lists, scale, return_lse, tile_mask, rows)
+    x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True, q_dot_mean=return_lse, rows=rows)
     out, lse = launch(x, lists, scale, q.dtype, return_lse, tile_mask)
     # the kernel's LSE is of the scores with K's mean removed: add `scale * q . mean(k)` back, taken in the
     # quantization's read of q
@@ -68,25 +74,39 @@ def gluon_fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts:
 
 
 @gluon_fp8_forward.register_fake
-def _(q, k, v, counts, indices, scale, return_lse, bounds=None, bases=None, tile=None):
-    lse_shape = q.shape[:-1] if return_lse else (0,)
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+def _(q, k, v, counts, indices, scale, return_lse, bounds=None, bases=None, tile=None, rows=None):
+    shape = q.shape if rows is None else (q.shape[0], rows.shape[0], *q.shape[2:])
+    lse_shape = shape[:-1] if return_lse else (0,)
+    return q.new_empty(shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _check_rows(q: torch.Tensor, k: torch.Tensor, rows: Optional[torch.Tensor]) -> None:
+    """An order is int32 `[rows]` on the inputs' device, over q and k of as many tokens (one order for all three)."""
+    if rows is None:
+        return
+    if rows.dim() != 1 or rows.dtype != torch.int32 or rows.device != q.device:
+        raise ValueError(f"rows must be an int32 [rows] tensor on q's device, got shape {tuple(rows.shape)}, "
+                         f"dtype {rows.dtype}, device {rows.device}")
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"one order reads q, k and v: they must hold as many tokens, got {q.shape[1]} and "
+                         f"{k.shape[1]}")
 
 
 def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Optional[BlockLists], scale: float,
-                   return_lse: bool, tile_mask: Optional[TileMask] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   return_lse: bool, tile_mask: Optional[TileMask] = None, order: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule's reference (K's scales shared by blocks of 128 keys, P rounded against the row's final maximum
     and summed as rounded) in float32 under the lists' block mask, and inside the partial tiles they mark under
-    the tile mask."""
+    the tile mask; on the rows of `order` where given (K's mean and V's scales over the inputs' rows)."""
     from ..sparse.reference import attention_under, sparse_reference  # the sparse room routes FP8 calls here
-    batch, rows, heads, _ = q.shape
-    n_kv = k.shape[1]
+    x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True, q_dot_mean=return_lse, rows=order)
+    batch, rows, heads, _ = x.q.shape
+    n_kv = x.k.shape[1]
     q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(n_kv, BLOCK_N)
     mask = torch.ones(1, 1, q_blocks, kv_blocks, dtype=torch.bool)
     if lists is not None:
         lists.check(batch, heads, q_blocks, kv_blocks, q.device)
         mask = lists.mask()
-    x = quantize(q, k, v, k_block=BLOCK_N, v_key_major=True)
     if tile_mask is None:
         out, lse = sparse_reference(*x.dequantized(), mask, BLOCK_M, BLOCK_N, scale, return_lse=True,
                                     quantized_probs=True, p_sum="rounded")
@@ -103,6 +123,7 @@ def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Opt
         dq, dk, dv = (t.float() for t in x.dequantized())
         out, lse = attention_under(dq, dk.permute(0, 2, 3, 1), dv.transpose(1, 2), allowed, scale,
                                    quantized_probs=True, p_sum="rounded")
-    lse = lse_with_mean(lse, q, x.k_mean, scale) if return_lse else lse.new_empty(0)
+    # the LSE of the scores with K's mean removed, plus `scale * q . mean(k)` per row: that of the call's scores
+    lse = lse + scale * x.q_dot_mean if return_lse else lse.new_empty(0)
     return out.to(q.dtype), lse
 

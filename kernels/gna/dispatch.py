@@ -147,14 +147,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def _run_gluon(q, k, v, *, choice: Choice, spec: GnaSpec) -> Output:
     """The Gluon FP8 kernel: GNA of the chosen geometry on tokens in its Q tile's order (the simulator's visited
-    blocks as its lists, the partial ones masked inside by the tile mask), or dense attention over the flattened
-    layout."""
+    blocks as its lists, the partial ones masked inside by the tile mask; the quantization reads the layout in
+    that order), or dense attention over the flattened layout."""
     geometry, scale = choice.gluon, _scale(spec, q)
     if geometry is None:
         out, lse = gluon_fp8_forward(_flat(q), _flat(k), _flat(v), None, None, scale, spec.return_lse)
         return out.view(q.shape), lse.view(q.shape[:-1]) if spec.return_lse else None
-    out, lse = gna_fp8_ordered(geometry.to_order(q), geometry.to_order(k), geometry.to_order(v), geometry.problem,
-                               geometry.q_tile, scale, spec.return_lse)
+    out, lse = gna_fp8_ordered(_flat(q), _flat(k), _flat(v), geometry.problem, geometry.q_tile, scale,
+                               spec.return_lse, rows=geometry.order_rows(q.device))
     return geometry.from_order(out), geometry.lse_from_order(lse) if spec.return_lse else None
 
 

@@ -49,7 +49,7 @@ from ..common.softmax import LOG2E
 from .dynamic import gna_dynamic_kernel
 from .forward import gna_forward_kernel
 from .layout import TileLayout, as_3d
-from .permute import permute, unpermute
+from .permute import permute, source_rows, unpermute
 from .prebound import PreboundKernel
 from .spec import GnaSpec
 
@@ -211,18 +211,23 @@ class GnaCall:
 
     def _fp8_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scales: Optional[Fp8Scales], q_dot_mean: bool = False) -> Fp8Tensors:
-        """q, k, v as the FP8 kernel reads them: in place (a 1-D layout) or permuted, quantized by the rule (K's
-        mean and V's scales over the real tokens; padding rows are quantized too, and the kernel never uses
-        them), or given in float8 with `scales` (their bytes and scales permuted alike; padding reads zeros)."""
+        """q, k, v as the FP8 kernel reads them, in place (a 1-D layout) or in the permuted order: quantized by the
+        rule as they are read in that order (K's mean and V's scales over the real tokens; padding rows are zeros
+        quantized, and the kernel never uses them), or given in float8 with `scales` (their bytes and scales
+        permuted alike; padding reads zeros)."""
         batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
         dilation, q_tile, kv_tile = self.problem.dilation, self.spec.q_tile, self.spec.kv_tile
+        if scales is None:  # quantized as they are read in the kernel's order: no permuted copies
+            flat = tuple(x.reshape(batch, -1, heads, head_dim) for x in (q, k, v))
+            orders = ({} if self.layout else
+                      dict(q_rows=source_rows(self.q_shape, q_tile, dilation, q.device),
+                           kv_rows=source_rows(self.kv_shape, kv_tile, dilation, q.device)))
+            return quantize_rows(*flat, *column_statistics(k, v), q_dot_mean=q_dot_mean, **orders)
         if self.layout:
             rows = tuple(x.reshape(batch, -1, heads, head_dim) for x in (q, k, v))
         else:
             rows = (_permute_any(q, q_tile, dilation), _permute_any(k, kv_tile, dilation),
                     _permute_any(v, kv_tile, dilation))
-        if scales is None:
-            return quantize_rows(*rows, *column_statistics(k, v), q_dot_mean=q_dot_mean)
         if self.layout:
             q_scale, k_scale = (s.reshape(batch, -1, heads) for s in (scales.q_scale, scales.k_scale))
         else:

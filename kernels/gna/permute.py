@@ -8,6 +8,7 @@ trip is exact for every dtype. On CUDA tensors (or under TRITON_INTERPRET=1) Tri
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -179,6 +180,19 @@ def permute_reference(x: torch.Tensor, tile: IntOrInts, dilation: IntOrInts = 1)
         split += [n, t, d]
     tiled = padded.reshape(*split, heads * head_dim).permute(_tiled_view_order(len(shape)))
     return tiled.reshape(batch, layout.num_tokens, heads, head_dim)
+
+
+@functools.lru_cache(maxsize=64)
+def source_rows(shape: tuple[int, ...], tile: tuple[int, ...], dilation: tuple[int, ...],
+                device: torch.device) -> torch.Tensor:
+    """Where each position of the permuted order reads from: int32 `[tokens]` on `device`, the row-major index of
+    the token `permute` puts there, -1 at padding. Kernels that gather as they go (the FP8 quantization,
+    kernels/common/fp8.py) read a layout in the permuted order through it, with no permuted copy in between. Kept
+    per geometry: every layer of a model shares it."""
+    shape, tile, dilation = tuple(shape), tuple(tile), tuple(dilation)
+    tokens = torch.arange(1, math.prod(shape) + 1, dtype=torch.int64).reshape(1, *shape, 1, 1)
+    order = permute_reference(tokens, tile, dilation).reshape(-1) - 1
+    return order.to(device=device, dtype=torch.int32)
 
 
 def unpermute_reference(y: torch.Tensor, shape: IntOrInts, tile: IntOrInts, dilation: IntOrInts = 1) -> torch.Tensor:
