@@ -73,7 +73,7 @@ def test_gna_features_count_blocks_bytes_and_flops_the_slow_way(shape, window, s
     index = torch.arange(tokens, dtype=torch.float32).reshape(1, tokens, 1, 1)
     moves = not torch.equal(order.to_order(index), index)
     assert moves == (len(shape) > 1)
-    permuted = moves * (2 * tokens + 2 * 2 * tokens + 2 * tokens) * 24 * head_dim * 2  # q, k, v in; out back
+    permuted = moves * 2 * tokens * 24 * head_dim * 2  # the output back (q, k, v are read in order as quantized)
     quantized = 3 * tokens * 24 * head_dim * (2 + 1)  # read bf16, write one byte
     assert features["moved_bytes"] == permuted + quantized and features["launch"] == 1
     dense = dict(zip(GLUON_FEATURES, dense_gluon_features(tokens, batch_heads=24, head_dim=head_dim,

@@ -12,7 +12,7 @@ One row per configuration, one column per feature (batch and heads multiply ever
 | `split_head_flops` | FLOP | FLOPs of launches that run head_dim in two power-of-two chunks (kernels/common/headdim.py: `head_split`): the second chunk's loads and narrow matrix instructions cost beyond the padded width's work (4-9% at 40 and 72 on an H200); launches that pad run like the power of two |
 | `kv_tile_visits` | tile | visited (Q tile, KV tile) pairs: the per-iteration overhead of the KV loop |
 | `programs` | program | Q tiles launched (padding groups included): loading Q, the epilogue, storing O |
-| `permute_bytes` | byte | bytes moved outside the attention kernel: permuting q, k, v and unpermuting the output, in FP8 quantizing q, k, v, and in place copying q, k, v into aligned head rows where the launch does (natsim.kernels.common.rows) |
+| `permute_bytes` | byte | bytes moved outside the attention kernel: permuting q, k, v and unpermuting the output; in FP8 instead quantizing q, k, v (read in tile order as they are quantized) and unpermuting the output; in place, copying q, k, v into aligned head rows where the launch does (natsim.kernels.common.rows) |
 | `launch` | call | 1: launch and host overhead per call |
 
 The features are linear in the work, so predicted time is one dot product per row (planner.cost.model).
@@ -35,6 +35,7 @@ FEATURES = (
 )
 WIDE_TILE = 128  # tokens: tiles with fewer queries or keys than this pay the narrow-tile features
 WIDE_HEAD = 128  # channels: smaller head dims pay `narrow_head_flops`
+FP8_BYTES = 1  # bytes of a float8 element
 
 
 def padded_tokens(shape: Sequence[int], tile: Sequence[int], dilation: Sequence[int]) -> int:
@@ -50,6 +51,20 @@ def permutation_bytes(tokens: int, q_padded, kv_padded, *, batch_heads: int, hea
     moved = (tokens + np.asarray(q_padded, np.float64)) + 2.0 * (tokens + np.asarray(kv_padded, np.float64)) \
         + 2.0 * tokens
     return moved * batch_heads * head_dim * element_bytes
+
+
+def unpermute_bytes(tokens: int, *, batch_heads: int, head_dim: int, element_bytes: int) -> float:
+    """Bytes a call moves permuting its output back out of tile order (reading and writing the real tokens)."""
+    return 2.0 * tokens * batch_heads * head_dim * element_bytes
+
+
+def quantization_bytes(tokens: int, q_rows, kv_rows, *, batch_heads: int, head_dim: int,
+                       element_bytes: int) -> np.ndarray:
+    """Bytes an FP8 call's quantization moves: q, k, v read once in the inputs' dtype (in tile order as they are
+    quantized: kernels/gna/permute.py `source_rows`) and written in float8 over the rows the kernel reads,
+    `q_rows` for q and `kv_rows` for k and v (padding included)."""
+    written = (np.asarray(q_rows, np.float64) + 2.0 * np.asarray(kv_rows, np.float64)) * FP8_BYTES
+    return (3.0 * tokens * element_bytes + written) * batch_heads * head_dim
 
 
 def feature_matrix(
@@ -73,8 +88,8 @@ def feature_matrix(
 
     `q_padded` / `kv_padded` are the permuted lengths of the q and k/v layouts (padding included) and
     `tokens` the real token count; `permutation=False` leaves out the permutation's bytes (a dense
-    baseline that needs none). `quantized` (FP8) adds the quantization pass's bytes: q, k, v read in the
-    inputs' dtype and written as one byte per element, over the rows the kernel reads. `copied_rows` (per row or
+    baseline that needs none). `quantized` (FP8) counts the quantization pass's bytes instead of the permuted
+    copies (`quantization_bytes`), and the output's permutation back where the call permutes. `copied_rows` (per row or
     for all) adds the copy of q, k, v into aligned head rows (`copies_rows_of`); `split_heads` (per row or for all)
     marks launches that run head_dim in two chunks (`splits_heads_of`).
     """
@@ -93,9 +108,11 @@ def feature_matrix(
     moved = permutation_bytes(tokens, q_padded, kv_padded, batch_heads=batch_heads, head_dim=head_dim,
                               element_bytes=element_bytes)
     permute_bytes = moved if permutation else np.zeros_like(moved)
-    if quantized:
-        rows = q_padded + 2.0 * kv_padded if permutation else np.full_like(moved, 3.0 * tokens)
-        permute_bytes = permute_bytes + rows * batch_heads * head_dim * (element_bytes + 1)
+    if quantized:  # no permuted copies: the quantization reads in tile order; the output goes back
+        q_rows, kv_rows = (q_padded, kv_padded) if permutation else (tokens, tokens)
+        back = unpermute_bytes(tokens, batch_heads=batch_heads, head_dim=head_dim, element_bytes=element_bytes)
+        permute_bytes = np.zeros_like(moved) + (back if permutation else 0.0) + quantization_bytes(
+            tokens, q_rows, kv_rows, batch_heads=batch_heads, head_dim=head_dim, element_bytes=element_bytes)
     copy = 3.0 * tokens * batch_heads * (head_dim + aligned_width(head_dim, element_bytes)) * element_bytes
     permute_bytes = permute_bytes + np.asarray(copied_rows, np.float64) * copy  # read at head_dim, written aligned
     columns = [

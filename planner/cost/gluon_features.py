@@ -4,7 +4,8 @@ countable units.
 The kernel runs 128 x 128 blocks (natsim.kernels.backends.gluon): GNA on tokens permuted into a 128-token tile's
 order, its partial tiles masked inside by the rows' window bounds, dense attention over the flattened layout, or
 a block mask of 128-token blocks. Before it, one pass quantizes q, k and v to float8 (reading bf16 / fp16,
-writing one byte per element); a GNA layout also permutes q, k, v into tile order and the output back.
+writing one byte per element; a GNA layout's q, k, v read in tile order as they are quantized); a GNA layout
+permutes the output back.
 
 One row per call, one column per feature (batch and heads multiply everything but `launch`):
 
@@ -15,7 +16,7 @@ One row per call, one column per feature (batch and heads multiply everything bu
 | `blocks` | block | visited (query block, key block) pairs: the per-iteration overhead |
 | `masked_blocks` | block | visited pairs masked inside (GNA's partial tiles, and key tiles holding padding): the mask's per-score work |
 | `programs` | tile | query blocks launched: loading Q, the epilogue, storing O |
-| `moved_bytes` | byte | quantizing q, k, v (read and write) and, for GNA whose tile order is not the layout's own, permuting them and the output |
+| `moved_bytes` | byte | quantizing q, k, v (read, in tile order as they are quantized, and write) and, for GNA whose tile order is not the layout's own, permuting the output back |
 | `launch` | call | 1: launch and host overhead per call |
 """
 
@@ -29,23 +30,24 @@ from natsim import Problem, TileConfig, simulate
 from natsim.kernels.backends.gluon import permutes_tokens
 
 from .fa4_features import unpadded_full_blocks
-from .features import padded_tokens, permutation_bytes
+from .features import padded_tokens, quantization_bytes, unpermute_bytes
 
 GLUON_FEATURES = ("flops", "narrow_head_flops", "blocks", "masked_blocks", "programs", "moved_bytes", "launch")
 GLUON_BLOCK = 128  # tokens of a query block and of a key block
 WIDE_HEAD = 128  # channels: smaller head dims pay `narrow_head_flops`
-FP8_BYTES = 1
 
 
 def gluon_feature_matrix(*, visited_blocks, q_padded, batch_heads: int, head_dim: int, element_bytes: int,
-                         permute_bytes, masked_blocks=0.0) -> np.ndarray:
+                         permute_bytes, masked_blocks=0.0, tokens=None) -> np.ndarray:
     """Features (columns in GLUON_FEATURES order) of calls given as per-row arrays (or scalars): visited blocks
     and those of them masked inside (per batch element and head), the padded sequence length (queries and keys
-    alike) and the bytes permuted."""
+    alike), the bytes permuted besides the quantization, and the tokens the quantization reads (None: the padded
+    length)."""
     visited = np.asarray(visited_blocks, np.float64)
     padded = np.asarray(q_padded, np.float64)
     block_flops = 4.0 * GLUON_BLOCK * GLUON_BLOCK * head_dim * batch_heads
-    quantize = 3.0 * padded * batch_heads * head_dim * (element_bytes + FP8_BYTES)
+    quantize = quantization_bytes(padded if tokens is None else tokens, padded, padded, batch_heads=batch_heads,
+                                  head_dim=head_dim, element_bytes=element_bytes)
     columns = [
         visited * block_flops,
         (head_dim < WIDE_HEAD) * visited * block_flops,
@@ -65,19 +67,20 @@ def gluon_feature_matrix(*, visited_blocks, q_padded, batch_heads: int, head_dim
 def gna_gluon_features(problem: Problem, tile: tuple[int, ...], *, batch_heads: int, head_dim: int,
                        element_bytes: int) -> np.ndarray:
     """The feature row of one Gluon GNA call of `problem` on the 128-token `tile` (queries and keys): the
-    simulator's visited tiles, those not full or holding padding keys masked, and q, k, v permuted into the tile's
-    order and the output back (where that order is not the layout's own: `permutes_tokens`), then quantized."""
+    simulator's visited tiles, those not full or holding padding keys masked, q, k, v quantized as they are read
+    in the tile's order, and the output permuted back (where that order is not the layout's own:
+    `permutes_tokens`)."""
     visited = simulate(problem, TileConfig(tile, tile)).visited_tiles
     rows = np.array([problem.stride]), np.array([tile]), np.array([tile])
     masked = visited - int(unpadded_full_blocks(problem, *rows)[0])
     padded = padded_tokens(problem.shape, tile, problem.dilation)
     moved = 0.0
     if permutes_tokens(problem.shape, tuple(tile)):
-        moved = permutation_bytes(problem.num_tokens, padded, padded, batch_heads=batch_heads, head_dim=head_dim,
-                                  element_bytes=element_bytes)
+        moved = unpermute_bytes(problem.num_tokens, batch_heads=batch_heads, head_dim=head_dim,
+                                element_bytes=element_bytes)
     return gluon_feature_matrix(visited_blocks=visited, q_padded=padded, batch_heads=batch_heads,
                                 head_dim=head_dim, element_bytes=element_bytes, permute_bytes=moved,
-                                masked_blocks=masked)
+                                masked_blocks=masked, tokens=problem.num_tokens)
 
 
 def dense_gluon_features(seq_len: int, *, batch_heads: int, head_dim: int, element_bytes: int) -> np.ndarray:

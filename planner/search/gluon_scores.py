@@ -20,7 +20,7 @@ from natsim import Problem, TileConfig
 from natsim.kernels.backends.gluon import permutes_tokens
 
 from ..backends import gluon_tiles_refusal
-from ..cost.features import padded_tokens, permutation_bytes
+from ..cost.features import padded_tokens, unpermute_bytes
 from ..cost.fa4_features import unpadded_full_blocks
 from ..cost.gluon_features import gluon_feature_matrix
 from ..cost.model import CostModel
@@ -65,12 +65,12 @@ class GluonScorer:
         """GLUON_FEATURES rows of the search's rows `members` (rows the kernel runs)."""
         tiles = rows["tile_index"][members]
         padded = self.padded[tiles]
-        moved = self.permutes[tiles] * permutation_bytes(self.tokens, padded, padded, batch_heads=self.batch_heads,
-                                                          head_dim=self.head_dim, element_bytes=self.element_bytes)
+        moved = self.permutes[tiles] * unpermute_bytes(self.tokens, batch_heads=self.batch_heads,
+                                                        head_dim=self.head_dim, element_bytes=self.element_bytes)
         visited = rows["visited_tiles"][members]
         return gluon_feature_matrix(visited_blocks=visited, q_padded=padded, batch_heads=self.batch_heads,
                                     head_dim=self.head_dim, element_bytes=self.element_bytes, permute_bytes=moved,
-                                    masked_blocks=visited - self._full(rows, members))
+                                    masked_blocks=visited - self._full(rows, members), tokens=self.tokens)
 
     def scores(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, None]:
         """(score, None) of every row: predicted seconds where the kernel runs the row, infinite elsewhere (it has
