@@ -8,7 +8,8 @@ natsim's GNA and with the model's own (dense) attention, compiled, one JSON per 
 Wan 1.3B's published configuration with random weights (nothing is downloaded), bf16, batch 1, 512 text tokens,
 at 720p (latent 21x90x160, token layout 21x45x80) by default. For each mode ("natsim": `apply(model,
 sparsity=0.9)`, then `enable_parallelism`, each rank's heads attended in natsim.distributed's default groups;
-"natsim-serial": the same with its heads in one group, the all-to-alls not overlapped; "dense": the model's own
+"natsim-serial": the same with its heads in one group, the all-to-alls not overlapped; "natsim-groupsK": up to K
+groups (`natsim.partition.MAX_DEFAULT_CHUNKS`, 3 by default); "dense": the model's own
 attention, diffusers' Ulysses when P > 1) the model's blocks are compiled (`compile_repeated_blocks(
 fullgraph=True)`) and the median of `--steps` synchronised steps after warm-up is taken (every rank times the
 step; the slowest rank's median is recorded). natsim's step output under parallelism is held against the same
@@ -42,6 +43,7 @@ from natsim.distributed.collectives import high_priority_transfers
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+GROUPS = "natsim-groups"  # a mode's prefix: natsim with up to K head groups a rank (natsim.partition.head_groups)
 SMALL = dict(WAN_1_3B, num_attention_heads=2, attention_head_dim=32, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1)
 
 
@@ -57,7 +59,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--sparsity", type=float, default=0.9)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (median)")
     parser.add_argument("--modes", default="natsim,natsim-serial,dense",
-                        help="comma-separated: natsim, natsim-serial, dense, train")
+                        help="comma-separated: natsim, natsim-serial, natsim-groupsK (up to K head groups), dense, "
+                             "train")
     parser.add_argument("--train-layers", type=int, default=4, help="blocks of the model the train mode steps")
     parser.add_argument("--small", action="store_true", help="a tiny model on CPUs (gloo): a smoke test")
     parser.add_argument("--profile", action="store_true",
@@ -212,7 +215,9 @@ def run_mode(mode: str, args: argparse.Namespace, config: dict, device: torch.de
     if mode == "train":
         return run_training(args, config, device, world)
     grouping = partition.MAX_DEFAULT_CHUNKS
-    partition.MAX_DEFAULT_CHUNKS = 1 if mode == "natsim-serial" else grouping  # read when a call is traced
+    # read when a call is traced: "natsim-serial" one group, "natsim-groupsK" up to K groups
+    chunks = 1 if mode == "natsim-serial" else int(mode[len(GROUPS):]) if mode.startswith(GROUPS) else grouping
+    partition.MAX_DEFAULT_CHUNKS = chunks
     try:
         return _run_step(mode, args, config, device, world)
     finally:
