@@ -203,3 +203,30 @@ def test_fp8_plans_run_on_the_gpu_eager_and_compiled():
     pooled = mask_plan.with_mask(mask)
     assert torch.equal(pooled(qs, ks, vs), sparse_attention(qs, ks, vs, pooled.mask, mask_plan.q_block,
                                                             mask_plan.kv_block, merge=merge, precision="fp8"))
+
+
+@pytest.mark.parametrize("shape, q_tile, kv_tile, dilation", [
+    ((30, 48, 80), (1, 8, 8), (2, 8, 8), (1, 1, 1)),  # HunyuanVideo, the Triton FP8 kernel's tiles
+    ((21, 45, 80), (2, 4, 16), (2, 4, 16), (1, 1, 1)),  # Wan 720p, a Gluon tile, padding along 45
+    ((13, 21, 35), (2, 4, 8), (2, 8, 8), (2, 1, 3)),  # dilation groups, padding
+])
+@pytest.mark.parametrize("gluon", [False, True])
+def test_quantizing_in_tile_order_is_quantizing_permuted_copies_bit_for_bit(shape, q_tile, kv_tile, dilation, gluon):
+    """The quantization kernel reading a layout in tile order (`source_rows`) writes the bits the same kernel
+    writes from permuted copies, with K's scales per row (the Triton FP8 kernel) or per block of 128 and V
+    key-major (the Gluon kernel)."""
+    from natsim.kernels.common.fp8 import column_statistics, quantize_rows
+    from natsim.kernels.gna.permute import permute, source_rows
+
+    q, k, v = _qkv(*shape, heads=3)
+    k_mean, v_scale = column_statistics(k, v)
+    flat = [x.reshape(1, -1, 3, 128) for x in (q, k, v)]
+    options = dict(k_block=128 if gluon else 1, v_key_major=gluon, q_dot_mean=True)
+    read = quantize_rows(*flat, k_mean, v_scale, **options, q_rows=source_rows(shape, q_tile, dilation, q.device),
+                         kv_rows=source_rows(shape, kv_tile, dilation, q.device))
+    copied = quantize_rows(permute(q, q_tile, dilation), permute(k, kv_tile, dilation), permute(v, kv_tile, dilation),
+                           k_mean, v_scale, **options)
+    for name in ("q", "k", "v_t", "q_scale", "k_scale", "q_dot_mean"):
+        got, want = getattr(read, name), getattr(copied, name)
+        assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got,
+                           want.view(torch.uint8) if want.dtype == E4M3 else want), name
