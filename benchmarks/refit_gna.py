@@ -8,7 +8,9 @@ For a change of the features (a new one, a cost counted differently) after a GPU
 seconds per case stay what the GPU measured; each case's feature row is computed again (`case_features`), the
 host-bound cases are left out as `natsim calibrate` leaves them, and the fit replaces the base model's GNA
 coefficients and their error figures in its info, keeping its other sets and host times. The info records the
-refit under "extended" (with the calibration's date). Prints the errors per head dim.
+refit under "extended" (with the calibration's date). Prints the errors per head dim. `--check PREDICTIONS.json`
+(what benchmarks/predict_headdims.py wrote: plans measured on layouts calibration did not time) prints each of its
+measured configurations' error under the base model and under the refit one, out of sample.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main(argv=None) -> None:
     parser.add_argument("--base", type=Path, required=True, help="the cost model whose GNA coefficients to replace")
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--check", type=Path, help="predict_headdims.py's JSON: its configurations predicted again")
     args = parser.parse_args(argv)
     record = json.loads(args.calibration.read_text())
     cases, seconds = measured_cases(record["measurements"])
@@ -74,6 +77,23 @@ def main(argv=None) -> None:
         print(f"  head_dim {head_dim:3d}: {int(chosen.sum()):2d} cases, median |error| "
               f"{np.median(np.abs(errors[chosen])):.1%}, max {np.abs(errors[chosen]).max():.1%}")
     print({name: f"{value:.4e}" for name, value in coefficients.items()})
+    if args.check is not None:
+        check(json.loads(args.check.read_text())["rows"], base, model, dtype)
+
+
+def check(rows: list[dict], base: CostModel, refit: CostModel, dtype: torch.dtype) -> None:
+    """Each measured configuration of `rows` (benchmarks/predict_headdims.py) predicted by both models."""
+    cases = [Case(Problem(r["shape"], r["window"], r["stride"]), TileConfig(r["q_tile"], r["kv_tile"],
+                                                                            kv_tiling=r["kv_tiling"]),
+                  r["heads"], r["head_dim"]) for r in rows]
+    features = case_features(cases, dtype)
+    measured = np.array([r["measured_ms"] for r in rows]) * 1e-3
+    errors = {name: model.predict(features) / measured - 1 for name, model in (("base", base), ("refit", refit))}
+    for i, r in enumerate(rows):
+        print(f"  {r['layout']:13s} head_dim {r['head_dim']:3d}: measured {r['measured_ms']:7.2f} ms, error "
+              f"{errors['base'][i]:+.1%} base, {errors['refit'][i]:+.1%} refit")
+    for name, e in errors.items():
+        print(f"  out of sample, {name}: median |error| {np.median(np.abs(e)):.1%}, max {np.abs(e).max():.1%}")
 
 
 if __name__ == "__main__":

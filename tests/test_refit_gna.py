@@ -47,3 +47,19 @@ def test_refit_recovers_the_coefficients_and_keeps_the_base_models_other_sets(tm
     with pytest.raises(SystemExit, match="the measurements are of Other GPU, the base model of Fake GPU"):
         refit_gna.main([str(tmp_path / "calibration.json"), "--base", str(tmp_path / "base.json"),
                         "--output", str(tmp_path / "out.json")])
+
+
+def test_check_predicts_the_measured_configurations_under_both_models(capsys):
+    """`--check`'s rows: each configuration's error is its prediction (the cost model on the simulator's features
+    of that configuration) over the measured time, under the base model and the refit one."""
+    base = cost_model_for("NVIDIA H100 80GB HBM3")
+    refit = replace(base, coefficients={name: 2 * value for name, value in base.coefficients.items()})
+    case = next(c for c in calibration_cases()  # predict_headdims.py's rows carry no dilation or causal flags
+                if c.problem.dilation == (1,) * c.problem.ndim and not any(c.problem.causal))
+    seconds = float(base.predict(case_features([case], torch.bfloat16))[0])
+    row = dict(layout="a layout", shape=list(case.problem.shape), window=list(case.problem.window),
+               stride=list(case.problem.stride), q_tile=list(case.tiles.q_tile), kv_tile=list(case.tiles.kv_tile),
+               kv_tiling=case.tiles.kv_tiling, heads=case.heads, head_dim=case.head_dim, measured_ms=seconds * 1e3)
+    refit_gna.check([row], base, refit, torch.bfloat16)
+    printed = capsys.readouterr().out
+    assert "+0.0% base, +100.0% refit" in printed and "out of sample, refit: median |error| 100.0%" in printed
