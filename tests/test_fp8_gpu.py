@@ -202,7 +202,8 @@ def test_fp8_plans_run_on_the_gpu_eager_and_compiled():
     merge = None if mask_plan.merge == "none" else mask_plan.merge
     pooled = mask_plan.with_mask(mask)
     assert torch.equal(pooled(qs, ks, vs), sparse_attention(qs, ks, vs, pooled.mask, mask_plan.q_block,
-                                                            mask_plan.kv_block, merge=merge, precision="fp8"))
+                                                            mask_plan.kv_block, merge=merge, precision="fp8",
+                                                            backend=mask_plan.backend))
 
 
 @pytest.mark.parametrize("shape, q_tile, kv_tile, dilation", [
