@@ -44,8 +44,10 @@ HEAD_DIM = 128
 HOST_CALLS = 50
 
 
-def quantization(q, k, v, q_tile, kv_tile, gluon: bool) -> tuple[dict, bool]:
-    """The two ways to quantize in tile order, timed, and whether their bits agree."""
+def quantization(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_tile: tuple[int, ...],
+                 kv_tile: tuple[int, ...], gluon: bool) -> tuple[dict, bool]:
+    """The two ways to quantize `[1, *layout, heads, 128]` q, k, v in tile order (the Gluon kernel's K scales and
+    V order where `gluon`), as calls to time, and whether their float8 bits agree."""
     batch, heads = q.shape[0], q.shape[-2]
     shape, ones = tuple(q.shape[1:-2]), (1,) * (q.dim() - 3)
     k_mean, v_scale = column_statistics(k, v)
