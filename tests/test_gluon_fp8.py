@@ -226,6 +226,39 @@ def test_gna_naming_gluon_on_tokens_in_tile_order_equals_the_row_major_call():
     assert torch.equal(order.from_order(lse[..., None])[..., 0].reshape(expected_lse.shape), expected_lse)
 
 
+def test_the_operator_reads_a_layout_in_tile_order_and_its_fake_has_the_real_strides():
+    """natsim::gluon_fp8_forward given a tile order (`rows`: kernels/gna/permute.py's source_rows, padding rows
+    included) attends the layout's row-major tokens in that order: the output and the LSE have the order's rows,
+    natsim's GNA naming the Gluon kernel gives the output back on the layout, the operator's fake has the real
+    outputs' shapes and strides, and an order it cannot read is refused with a sentence."""
+    from natsim import Problem
+    from natsim.kernels import gna_attention
+    from natsim.kernels.gluon.ops import gluon_fp8_forward
+    from natsim.kernels.gna.permute import source_rows, unpermute
+
+    shape, window, tile = (2, 10, 24), (2, 5, 9), (1, 8, 16)  # 10 and 24 pad to 16 and 32: the order holds padding
+    problem = Problem(shape, window)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, *shape, 1, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    flat = [t.reshape(1, -1, 1, 64) for t in (q, k, v)]
+    rows = source_rows(shape, tile, (1, 1, 1), q.device)
+    assert bool((rows < 0).any()) and sorted(rows[rows >= 0].tolist()) == list(range(math.prod(shape)))
+    lists, partial = gna_block_lists(problem, tile, q.device)
+    masked = gna_tile_mask(problem, tile, q.device)
+    arguments = (lists.counts, lists.indices, 0.125, True, masked.bounds, masked.bases, list(tile), rows)
+    out, lse = gluon_fp8_forward(*flat, *arguments)
+    assert partial and out.shape == (1, rows.shape[0], 1, 64) and lse.shape == (1, rows.shape[0], 1)
+    expected = gna_attention(q, k, v, window, q_tile=tile, kv_tile=tile, scale=0.125, precision="fp8",
+                             backend="gluon")
+    assert torch.equal(unpermute(out, shape, tile), expected)
+    # its fake gives the real outputs' shapes and strides (what Inductor asserts in a compiled graph)
+    torch.library.opcheck(gluon_fp8_forward, (*flat, *arguments), test_utils=("test_faketensor",))
+    with pytest.raises(ValueError, match="rows must be an int32"):
+        gluon_fp8_forward(*flat, *arguments[:-1], rows.long())
+    with pytest.raises(ValueError, match="must hold as many tokens"):
+        gluon_fp8_forward(flat[0], flat[1][:, :-1], flat[2][:, :-1], *arguments)
+
+
 # -- partial tiles ------------------------------------------------------------------------------------------------
 
 

@@ -125,5 +125,5 @@ def _cpu_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Opt
                                    quantized_probs=True, p_sum="rounded")
     # the LSE of the scores with K's mean removed, plus `scale * q . mean(k)` per row: that of the call's scores
     lse = lse + scale * x.q_dot_mean if return_lse else lse.new_empty(0)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype).contiguous(), lse.contiguous()  # the kernel's layout, which the fake gives
 
