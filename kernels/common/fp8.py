@@ -290,7 +290,8 @@ def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: tor
     quantize: output row `r` is input row `q_rows[r]` of q (`kv_rows[r]` of k and v), zeros where it is -1, so a
     permuted order costs no permuted copy. One Triton pass per tensor on CUDA tensors and in the interpreter
     (`_quantize_kernel`), torch otherwise; both round alike (tests/test_fp8.py)."""
-    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+    runs_kernel = q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not runs_kernel:
         q, k, v = _gathered(q, q_rows), _gathered(k, kv_rows), _gathered(v, kv_rows)
         q_rows = kv_rows = None
     batch, _, heads, head_dim = k.shape
@@ -300,7 +301,7 @@ def quantize_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_mean: tor
     v_t = torch.zeros((batch, heads, head_dim, padded), dtype=E4M3, device=v.device)
     q_out = q.shape[1] if q_rows is None else q_rows.shape[0]
     dots = torch.empty((batch, q_out, heads), dtype=torch.float32, device=q.device) if q_dot_mean else None
-    if q.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if runs_kernel:
         q8, q_scale = _quantize_triton(q, 0, k_mean, v_scale, dots=dots, source=q_rows)
         k8, k_scale = _quantize_triton(k, 1, k_mean, v_scale, block=k_block, source=kv_rows)
         _quantize_triton(v, 2, k_mean, v_scale, v_t, key_major=v_key_major, source=kv_rows)

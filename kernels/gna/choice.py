@@ -101,8 +101,9 @@ def _fp8_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: to
 # query-key pair it visits it took 0.6x the Triton kernel's time on every call of 200,000 visited blocks or more
 # (over batch and heads), so it won wherever it visits up to 1.21x the Triton tiles' pairs (0.68-0.75x the time)
 # and lost at 1.75x (1.07x). Below some 40,000 blocks both kernels take about a millisecond, most of it fixed
-# costs per call, the Gluon route's higher (the permutation into tile order): it lost at 8,160 and 25,440 blocks
-# (1.44-1.52x) and tied at 40,128 (0.96x).
+# costs per call, the Gluon route's higher: it lost at 8,160 and 25,440 blocks (1.44-1.52x) and tied at 40,128
+# (0.96x). Since the quantization reads q, k, v in tile order (no permuted copies on either route), the 8,160-block
+# row still loses: 0.95 against 0.58 ms (fp8-gluon-partial-NVIDIA_H200-2026-11-28-s12-gather.json).
 PARTIAL_PAIRS_RATIO = 1.5
 PARTIAL_MIN_BLOCKS = 65_536
 

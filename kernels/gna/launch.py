@@ -217,14 +217,14 @@ class GnaCall:
         permuted alike; padding reads zeros)."""
         batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
         dilation, q_tile, kv_tile = self.problem.dilation, self.spec.q_tile, self.spec.kv_tile
+        flat = tuple(x.reshape(batch, -1, heads, head_dim) for x in (q, k, v))
         if scales is None:  # quantized as they are read in the kernel's order: no permuted copies
-            flat = tuple(x.reshape(batch, -1, heads, head_dim) for x in (q, k, v))
             orders = ({} if self.layout else
                       dict(q_rows=source_rows(self.q_shape, q_tile, dilation, q.device),
                            kv_rows=source_rows(self.kv_shape, kv_tile, dilation, q.device)))
             return quantize_rows(*flat, *column_statistics(k, v), q_dot_mean=q_dot_mean, **orders)
         if self.layout:
-            rows = tuple(x.reshape(batch, -1, heads, head_dim) for x in (q, k, v))
+            rows = flat
         else:
             rows = (_permute_any(q, q_tile, dilation), _permute_any(k, kv_tile, dilation),
                     _permute_any(v, kv_tile, dilation))

@@ -105,14 +105,15 @@ def feature_matrix(
     # the first chunk's loads and the softmax. Counting only the chunks' columns priced 72 at 0.62-0.76 of 128.
     width = 1 << (head_dim - 1).bit_length()
     tile_flops = 4.0 * q_tokens * kv_tokens * width * batch_heads
-    moved = permutation_bytes(tokens, q_padded, kv_padded, batch_heads=batch_heads, head_dim=head_dim,
-                              element_bytes=element_bytes)
-    permute_bytes = moved if permutation else np.zeros_like(moved)
+    call = dict(batch_heads=batch_heads, head_dim=head_dim, element_bytes=element_bytes)
+    permute_bytes = np.zeros_like(q_padded)
     if quantized:  # no permuted copies: the quantization reads in tile order; the output goes back
         q_rows, kv_rows = (q_padded, kv_padded) if permutation else (tokens, tokens)
-        back = unpermute_bytes(tokens, batch_heads=batch_heads, head_dim=head_dim, element_bytes=element_bytes)
-        permute_bytes = np.zeros_like(moved) + (back if permutation else 0.0) + quantization_bytes(
-            tokens, q_rows, kv_rows, batch_heads=batch_heads, head_dim=head_dim, element_bytes=element_bytes)
+        permute_bytes = permute_bytes + quantization_bytes(tokens, q_rows, kv_rows, **call)
+        if permutation:
+            permute_bytes = permute_bytes + unpermute_bytes(tokens, **call)
+    elif permutation:
+        permute_bytes = permute_bytes + permutation_bytes(tokens, q_padded, kv_padded, **call)
     copy = 3.0 * tokens * batch_heads * (head_dim + aligned_width(head_dim, element_bytes)) * element_bytes
     permute_bytes = permute_bytes + np.asarray(copied_rows, np.float64) * copy  # read at head_dim, written aligned
     columns = [
