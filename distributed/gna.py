@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from natsim import Problem, TileConfig
-from natsim.kernels import autocast_inputs
+from natsim.kernels import autocast_inputs, constants_when_compiled
 from natsim.kernels import gna_attention as single_gpu_gna_attention
 from natsim.kernels.backends.triton import check_qkv, choose_tiles, kernel_tiles, use_triton
 from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, Rate, choose_strategy, strategy_cost
@@ -156,6 +156,8 @@ def gna_attention(
     """
     shape = check_qkv(q, k, v)
     q, k, v = autocast_inputs(q, k, v)  # as natsim.kernels does: the inputs in an autocast region's dtype
+    window, stride, dilation, split, q_tile, kv_tile, chunks = constants_when_compiled(
+        window, stride, dilation, split, q_tile, kv_tile, chunks)
     size, rank = world(group)
     split = resolve_split(q, split, group)
     problem = Problem((sum(split), *shape[1:]), window, stride, dilation, causal)

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from natsim.kernels import SparseMask, autocast_inputs
+from natsim.kernels import SparseMask, autocast_inputs, constants_when_compiled
 from natsim.kernels import sparse_attention as single_gpu_sparse_attention
 from natsim.partition import heads_per_rank
 
@@ -88,6 +88,7 @@ def sparse_attention(
         raise ValueError("q must be a [batch, tokens, heads, head_dim] tensor, got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}.")
     q, k, v = autocast_inputs(q, k, v)  # as natsim.kernels does: the inputs in an autocast region's dtype
+    q_block, kv_block, split, chunks = constants_when_compiled(q_block, kv_block, split, chunks)
     size, rank = world(group)
     split = resolve_split(q, split, group)
     heads = q.shape[-2]

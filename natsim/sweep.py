@@ -199,6 +199,12 @@ def sweep(
     problem = Problem(shape, window, 1, dilation, causal)
     stride_rows = _normalise_strides(problem, strides)
     tile_list = tuple(default_tile_catalog(problem.shape) if tiles is None else tiles)
+    if not tile_list and tiles is None:
+        raise ValueError(
+            f"shape={problem.shape} is too small for the default tile catalog (tiles of "
+            f"{', '.join(map(str, CATALOG_TOKENS))} tokens, no side longer than the next power of two of its "
+            "dimension): pass tiles (`natsim sweep --q-tile ... --kv-tile ...`)."
+        )
     if not tile_list:
         raise ValueError("tiles must hold at least one TileConfig, got an empty list.")
     for t in tile_list:

@@ -102,6 +102,16 @@ def one_red_line(result, message: str) -> None:
     assert message in " ".join(result.stderr.split())
 
 
+@pytest.mark.parametrize("shape", ["7", "3x5", "1x1x7"])
+def test_a_layout_smaller_than_the_default_tiles_asks_for_tiles(shape):
+    """Without --q-tile, a layout too small for every tile of the default catalog is one red line that says so and
+    names the options; with tiles it sweeps."""
+    one_red_line(invoke("sweep", "--shape", shape, "--window", "1"), "is too small for the default tile catalog")
+    assert "--q-tile" in invoke("sweep", "--shape", shape, "--window", "1").stderr
+    tile = "x".join("1" for _ in shape.split("x"))
+    assert invoke("sweep", "--shape", shape, "--window", "1", "--q-tile", tile, "--kv-tile", tile).exit_code == 0
+
+
 def test_plot_into_a_missing_folder_fails_before_sweeping(tmp_path):
     pytest.importorskip("matplotlib")
     args = ["sweep", "--shape", "16x16", "--window", "8x8", "--q-tile", "4x4", "--plot"]

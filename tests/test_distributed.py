@@ -369,6 +369,38 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("strategy", ["ulysses", "halo", "auto"])
+def test_compiled_calls_whose_window_changes_specialise_on_each_value(one_rank_group, strategy, reference_path):
+    """natsim.distributed's GNA compiled once and called with another window and stride each time (Dynamo makes
+    such ints symbolic when it recompiles): each call is the single-process call's, in a group of one."""
+    import natsim.distributed as nd
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 8, 6, 2, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    gna = torch.compile(lambda q, k, v, window, stride: nd.gna_attention(q, k, v, window, stride, strategy=strategy,
+                                                                         split=(8,)),
+                        fullgraph=True, backend="eager")
+    for window, stride in (((3, 3), 1), ((5, 3), (1, 3)), ((7, 5), (7, 1))):
+        assert torch.equal(gna(q, k, v, window, stride), gna_attention(q, k, v, window, stride)), (window, stride)
+
+
+def test_compiled_block_mask_calls_whose_blocks_change_specialise_on_each_value(one_rank_group, reference_path):
+    """natsim.distributed's block-mask attention compiled once and called with other block sizes: each call is the
+    single-process call's, in a group of one."""
+    import natsim.distributed as nd
+    from natsim.kernels import sparse_attention
+
+    torch._dynamo.reset()
+    x = torch.randn(1, 48, 2, 16, generator=torch.Generator().manual_seed(0))
+    blocks = torch.compile(lambda x, mask, q_block, kv_block: nd.sparse_attention(x, x, x, mask, q_block, kv_block,
+                                                                                  split=(48,)),
+                           fullgraph=True, backend="eager")
+    for q_block, kv_block in ((16, 16), (32, 8), (8, 32)):
+        mask = torch.rand(1, 2, -(-48 // q_block), -(-48 // kv_block), generator=torch.Generator().manual_seed(5)) < 0.6
+        assert torch.equal(blocks(x, mask, q_block, kv_block), sparse_attention(x, x, x, mask, q_block, kv_block)), \
+            (q_block, kv_block)
+
+
 def test_collective_operators(one_rank_group):
     """The halo exchange's operators against torch.library.opcheck in a group of one: fake implementations against
     the real outputs, the schemas, and the backward formulas (each move's adjoint, itself an operator) under

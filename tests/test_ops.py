@@ -93,6 +93,33 @@ def test_compiled_plan_equals_eager():
     torch.testing.assert_close(compiled(q, k, v), plan(q, k, v), rtol=0, atol=0)
 
 
+def test_compiled_calls_whose_ints_change_between_calls_specialise_on_each_value(reference_path):
+    """A compiled function given the window, stride, blocks or a plan as arguments: Dynamo makes an int that
+    changed between calls symbolic when it recompiles, and natsim's geometry cannot be symbolic. Each value gets a
+    graph of its own (guarded on it), and each output is the eager call's, bit for bit (the reference path)."""
+    from natsim.kernels import sparse_attention
+
+    torch._dynamo.reset()
+    q, k, v = qkv(dtype=torch.float32)
+    gna = torch.compile(lambda q, k, v, window, stride, dilation: gna_attention(q, k, v, window, stride, dilation),
+                        fullgraph=True, backend="eager")
+    for window, stride, dilation in (((3, 4, 2), 1, 1), ((3, 5, 3), (1, 2, 3), 1), ((2, 2, 2), (2, 1, 1), (2, 1, 1))):
+        eager = gna_attention(q, k, v, window, stride, dilation)
+        assert torch.equal(gna(q, k, v, window, stride, dilation), eager), (window, stride, dilation)
+    flat = q.flatten(1, 3)
+    sparse = torch.compile(lambda q, mask, q_block, kv_block: sparse_attention(q, q, q, mask, q_block, kv_block),
+                           fullgraph=True, backend="eager")
+    for q_block, kv_block in ((16, 16), (32, 16), (16, 32)):
+        mask = torch.rand(1, 2, -(-flat.shape[1] // q_block), -(-flat.shape[1] // kv_block),
+                          generator=torch.Generator().manual_seed(q_block + kv_block)) < 0.6
+        eager = sparse_attention(flat, flat, flat, mask, q_block, kv_block)
+        assert torch.equal(sparse(flat, mask, q_block, kv_block), eager), (q_block, kv_block)
+    run = torch.compile(lambda plan, q: plan(q, q, q), fullgraph=True, backend="eager")
+    for sparsity in (0.5, 0.8):
+        plan = planner.best(SHAPE, sparsity, heads=2, head_dim=32, device="cpu")
+        assert torch.equal(run(plan, q), plan(q, q, q)), sparsity
+
+
 def test_compiled_call_reports_bad_arguments_as_sentences():
     torch._dynamo.reset()
     q, k, v = qkv()

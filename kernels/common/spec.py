@@ -1,12 +1,20 @@
 """What the families' call specs share (kernels/gna/spec.py, kernels/sparse/spec.py): a spec is made once per
 distinct arguments. Eager calls repeat theirs, and checking them and building a frozen dataclass of a dozen fields
 costs microseconds, a fifth of an eager call's host time; a lookup costs a fraction of one.
+
+Under torch.compile the arguments are made concrete first (`concrete`): Dynamo turns an int argument whose value
+changed between calls into a symbolic one (its automatic dynamic shapes), and a kernel's geometry cannot be
+symbolic. Taking the value makes Dynamo guard on it: one graph per distinct window, stride or block, as for the
+ints it specialises itself.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Callable, TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -21,9 +29,29 @@ def kept(build: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(build)
     def made(*arguments: object) -> T:
+        arguments = constants_when_compiled(*arguments)
         try:
             return cached(*arguments)
         except TypeError:  # an unhashable argument; or `build`'s own TypeError, which building again raises
             return build(*arguments)
 
     return made
+
+
+def concrete(value: object) -> object:
+    """`value` with every int in it, inside tuples and lists too, made a constant of the graph being compiled:
+    Dynamo takes `operator.index` of a symbolic int as its value, guarding on it (`int()` keeps it symbolic).
+    Outside a compiled region, torch's symbolic ints are specialised the same way; other values pass as they
+    are."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, (int, torch.SymInt)):
+        return operator.index(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)([concrete(item) for item in value])
+    return value
+
+
+def constants_when_compiled(*values: object) -> tuple:
+    """`values` made `concrete` while torch.compile traces the caller; as they are in eager calls."""
+    return concrete(values) if torch.compiler.is_compiling() else values
