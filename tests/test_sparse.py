@@ -137,6 +137,18 @@ def test_empty_rows_give_zeros_and_lse_minus_infinity():
     assert_matches(q, k, v, mask, 16, 32, merge="xor")
 
 
+def test_no_tokens_give_empty_outputs_and_a_q_without_batch_is_named(reference_path):
+    """A sequence of no tokens gives empty outputs on the CPU path as on the kernels'; a q that lost its batch
+    dimension is refused for its shape, not for the mask's."""
+    empty = torch.randn(1, 0, 2, 16)
+    out, lse = sparse_attention(empty, empty, empty, torch.ones(1, 2, 0, 0, dtype=torch.bool), 16, 16,
+                                return_lse=True)
+    assert out.shape == empty.shape and lse.shape == (1, 0, 2)
+    q = torch.randn(100, 2, 16)
+    with pytest.raises(ValueError, match=r"q must be \[batch, tokens, heads, head_dim\], got q.shape=\(100, 2, 16\)"):
+        sparse_attention(q, q, q, torch.ones(1, 2, 7, 7, dtype=torch.bool), 16, 16)
+
+
 def test_sparse_mask_and_prepared_work_run_like_the_boolean_mask():
     q, k, v = random_inputs(1, 100, 2, 32, seed=6)
     mask = random_mask(1, 2, 100, 16, 32, 0.5, seed=6)

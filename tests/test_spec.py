@@ -60,7 +60,42 @@ def test_a_gna_spec_leaves_the_window_against_the_layout_to_its_problem():
     with pytest.raises(ValueError, match="window \\* dilation cannot be larger"):
         spec.problem((8, 8))
     with pytest.raises(TypeError, match="window must be an int or a sequence of ints, got window='ab'"):
-        GnaSpec.of(2, "ab").problem((8, 8))
+        GnaSpec.of(2, "ab")
+
+
+@pytest.mark.parametrize("refused, valid", [
+    (dict(window=5.0), dict(window=5)), (dict(window=True), dict(window=1)), (dict(stride=1.0), dict(stride=1)),
+    (dict(causal=2), dict(causal=1)), (dict(q_tile=4.0), dict(q_tile=4)),
+])
+def test_a_refused_argument_leaves_nothing_kept_for_the_valid_one_it_equals(refused, valid):
+    """Specs are kept per distinct arguments, and 5.0 == 5, True == 1: a refused value must not be kept as the
+    spec of the valid value it equals, in either order. (Inside a tuple, where the cache does not tell types
+    apart, a float equal to an int that a kept call held takes that call's spec: (5, 3.0) then runs as (5, 3).)"""
+    arguments = dict(window=3) | refused
+    for _ in range(2):
+        with pytest.raises(TypeError):
+            GnaSpec.of(2, **arguments)
+        spec = GnaSpec.of(2, **(dict(window=3) | valid))
+        assert all(type(v) is int for v in spec.window + spec.stride + (spec.q_tile or ()))
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, -0.25, float("nan"), float("inf"), "x", True])
+def test_a_scale_that_is_not_a_positive_finite_number_is_a_sentence_on_every_path(scale, reference_path):
+    """The kernels' online softmax is right for positive scales only (a zero scale gave NaN where the reference
+    gave uniform weights): every entry point refuses the rest, on the CPU path too."""
+    from natsim.kernels import gna_attention, sparse_attention
+
+    message = f"scale must be a positive finite number .* got scale={scale!r}"
+    for make in (lambda: GnaSpec.of(2, 3, scale=scale), lambda: SparseSpec.of(scale=scale)):
+        with pytest.raises(ValueError, match=message):
+            make()
+    q = torch.randn(1, 4, 4, 1, 16)
+    with pytest.raises(ValueError, match=message):
+        gna_attention(q, q, q, 3, scale=scale)
+    flat = q.flatten(1, 2)
+    with pytest.raises(ValueError, match=message):
+        sparse_attention(flat, flat, flat, torch.ones(1, 1, 1, 1, dtype=torch.bool), 16, 16, scale=scale)
+    assert GnaSpec.of(2, 3, scale=0.5).scale == 0.5 and SparseSpec.of(scale=2).scale == 2.0
 
 
 def test_a_sparse_spec_checks_its_arguments_and_crosses_both_schemas():
@@ -77,6 +112,9 @@ def test_a_sparse_spec_checks_its_arguments_and_crosses_both_schemas():
         SparseSpec.of(pv_threshold=0.5)
     with pytest.raises(ValueError, match="does not run with the PV skip"):
         SparseSpec.of(precision="fp8", pv_threshold=-1.0)
+    for programs in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"programs must be a positive int, got programs={programs!r}"):
+            SparseSpec.of(schedule="lpt", programs=programs)
 
 
 def test_launch_options_take_checked_overrides():

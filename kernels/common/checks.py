@@ -3,6 +3,9 @@ Triton kernels can run (dtypes, head dims)."""
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
 from .headdim import HEAD_DIMS
@@ -45,3 +48,18 @@ def check_backend(backend: object) -> None:
     """`backend` is one of BACKENDS or None (natsim chooses)."""
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be 'triton', 'fa4', 'gluon' or None (natsim chooses), got backend={backend!r}.")
+
+
+def check_scale(scale: object) -> Optional[float]:
+    """The score scale as a float: None (natsim takes head_dim ** -0.5) or a positive finite number. The kernels'
+    online softmax takes the row maximum of the unscaled scores, which is the scaled scores' only for a positive
+    scale: a zero, negative or non-finite one is refused rather than answered with NaN."""
+    if scale is None:
+        return None
+    try:
+        value = float(scale)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(scale, (bool, str, bytes)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be a positive finite number (None: head_dim ** -0.5), got scale={scale!r}.")
+    return value

@@ -26,7 +26,7 @@ from natsim.partition import key_frames
 from natsim.problem import BoolOrBools, IntOrInts
 
 from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
-from ..common.checks import check_matching, check_tensors
+from ..common.checks import check_matching, check_scale, check_tensors
 from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
 from ..common.launch import Overrides, has_tensor_descriptors, launch_overrides
 from .checks import check_kernel_inputs, check_qkv, kernel_tiles
@@ -74,7 +74,8 @@ def gna_attention_permuted(
     q_dims, kv_dims = kernel_tiles(problem, q_tile, kv_tile)
     if isinstance(config, tuple):
         config = dict(num_warps=config[0], num_stages=config[1], WARP_SPECIALIZE=False)
-    spec = GnaSpec.for_problem(problem, scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+    scale = check_scale(scale)
+    spec = GnaSpec.for_problem(problem, scale=q.shape[-1] ** -0.5 if scale is None else scale,
                                q_tile=q_dims, kv_tile=kv_dims, kv_tiling="static", return_lse=bool(return_lse))
     call = _permuted_call(problem, spec, q.shape[0], q.shape[2], q.shape[3], has_tensor_descriptors(q.device),
                           launch_overrides(config, "config"))  # tensors checked for alignment per launch

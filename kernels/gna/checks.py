@@ -49,6 +49,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, .
         )
     if not q.dtype.is_floating_point:
         raise TypeError(f"q, k and v must be floating-point tensors, got dtype={q.dtype}.")
+    if q.shape[-1] < 1:
+        raise ValueError(f"q, k and v need a head_dim of at least 1, got q.shape={tuple(q.shape)}.")
     return tuple(int(n) for n in q.shape[1:-2])
 
 

@@ -95,6 +95,8 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
     problem = spec.problem(shape)
     choice = choose(spec, problem, q)
     if choice.backend == "reference":
+        if spec.q_tile is not None or spec.kv_tile is not None:
+            kernel_tiles(problem, spec.q_tile, spec.kv_tile)  # tiles the kernels refuse are refused here too
         return functools.partial(_run_reference, problem=problem, spec=spec)
     if choice.backend == "fa4":
         return functools.partial(_run_fa4, choice=choice, spec=spec)

@@ -99,7 +99,7 @@ def reference_attention(
     tables = _dim_tables(problem, q.device, frames)
     out = torch.empty((batch, n, heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, n, heads), dtype=compute_dtype, device=q.device)
-    chunk = max(1, CHUNK_ELEMENTS // (batch * heads * n_keys))
+    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * n_keys))  # empty batches and heads too
     for first in range(0, n, chunk):
         rows = torch.arange(first, min(first + chunk, n), device=q.device)
         coords = list(torch.unravel_index(rows, shape))
@@ -180,7 +180,7 @@ def reference_gradients(
     dq = torch.empty_like(qf)
     dk = torch.zeros_like(kf)
     dv = torch.zeros_like(vf)
-    chunk = max(1, CHUNK_ELEMENTS // (batch * heads * n))
+    chunk = max(1, CHUNK_ELEMENTS // max(1, batch * heads * n))
     for first in range(0, n, chunk):
         rows = torch.arange(first, min(first + chunk, n), device=q.device)
         mask = _chunk_mask(tables, list(torch.unravel_index(rows, shape)))

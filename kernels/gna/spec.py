@@ -19,11 +19,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from natsim import Problem
-from natsim.problem import BoolOrBools, IntOrInts
+from natsim.problem import BoolOrBools, IntOrInts, as_bools, as_ints
 
 from ..common.fp8 import Fp8Scales, check_precision, scale_tensors
 from ..common.spec import kept
-from ..common.checks import check_backend
+from ..common.checks import check_backend, check_scale
 from .checks import check_frame_offsets, check_kv_tiling
 
 
@@ -89,9 +89,10 @@ chooses, kernels/gna/choice.py). Hashable: with tensor metadata, the key of
         backend: Optional[str] = None,
     ) -> GnaSpec:
         """The spec of a caller's arguments for a layout of `ndim` dimensions: scalars broadcast to one value per
-        dimension, sequences made tuples (values of other types are left for `problem` to refuse with its
-        sentence), the scale a float, frame offsets a `FrameRange`; KV tiling, precision, frame offsets and
-        their combinations checked (sentence errors). Made once per distinct arguments (kernels/common/spec.py)."""
+        dimension, sequences made tuples of ints (bools for causal), with `Problem`'s sentences for values of
+        other types, the scale a positive float, frame offsets a `FrameRange`; KV tiling, precision, frame
+        offsets and their combinations checked (sentence errors). Made once per distinct arguments
+        (kernels/common/spec.py), and only once checked: a call that raises keeps nothing."""
         return _spec_of(ndim, window, stride, dilation, causal, scale, q_tile, kv_tile, kv_tiling, frame_offsets,
                         precision, out_dtype, bool(return_lse), backend)
 
@@ -151,17 +152,21 @@ def _spec_of(ndim: int, window: IntOrInts, stride: IntOrInts, dilation: IntOrInt
         if frames is not None:
             raise ValueError("frame_offsets (natsim.distributed's halo exchange) run with static KV tiling only, "
                              "got kv_tiling='dynamic'.")
-    return GnaSpec(_per_dim(window, ndim), _per_dim(stride, ndim), _per_dim(dilation, ndim), _per_dim(causal, ndim),
-                   None if scale is None else float(scale), None if q_tile is None else _per_dim(q_tile, ndim),
-                   None if kv_tile is None else _per_dim(kv_tile, ndim), kv_tiling, frames, precision, out_dtype,
-                   return_lse, backend)
+    return GnaSpec(as_ints(window, ndim, "window"), as_ints(stride, ndim, "stride"),
+                   as_ints(dilation, ndim, "dilation"), as_bools(causal, ndim, "causal"), check_scale(scale),
+                   _tile(q_tile, ndim, "q_tile"), _tile(kv_tile, ndim, "kv_tile"), kv_tiling, frames, precision,
+                   out_dtype, return_lse, backend)
 
 
-def _per_dim(value: object, ndim: int) -> object:
-    """An int or bool as one value per dimension, a sequence as a tuple; anything else (text, a float) is passed on
-    for `Problem` or `TileConfig` to refuse with a sentence."""
-    if type(value) is int or isinstance(value, numbers.Integral):  # bools too; `type` first: the common case
-        return (value,) * ndim
+def _tile(value: object, ndim: int, name: str) -> object:
+    """A tile as given per dimension: None stays None, an int is one value per dimension, a sequence a tuple of
+    ints (its length and sizes are checked with the layout: kernels/gna/checks.py, `kernel_tiles`)."""
+    if value is None:
+        return None
     if isinstance(value, (tuple, list)):
-        return tuple(value)
-    return value
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+            raise TypeError(f"{name} must hold integers only, got {name}={value!r}.")
+        return tuple(int(v) for v in value)
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a sequence of ints, got {name}={value!r}.")
+    return (int(value),) * ndim

@@ -24,7 +24,7 @@ from ..fa4.rules import tile_refusal
 from ..gluon.fp8_forward import BlockLists
 from ..gluon.fp8_forward import refusal as gluon_refusal
 from ..gluon.ops import gluon_fp8_forward
-from .checks import check_work
+from .checks import check_sparse_qkv, check_work
 from .dispatch import sparse_forward_impl
 from .forward import run_sparse
 from .mask import SparseMask
@@ -102,8 +102,7 @@ def sparse_attention(
                 f"it, got (q_block, kv_block, merge)={(q_block, kv_block, merge)}."
             )
     else:
-        if q.dim() < 2:
-            raise ValueError(f"q must be [batch, tokens, heads, head_dim], got q.shape={tuple(q.shape)}.")
+        check_sparse_qkv(q, k, v)  # before the mask, whose shape is read against q's
         mask, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
     # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

@@ -63,8 +63,10 @@ def sparse_reference(
         out, lse = attention_under(q[:, rows].to(compute), kt, vt, allowed, scale, quantized_probs, p_sum)
         outs.append(out)
         lses.append(lse)
-    out = torch.cat(outs, 1).to(q.dtype)
-    lse = torch.cat(lses, 1)
+    if not outs:  # no tokens
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+    else:
+        out, lse = torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 1)
     return (out, lse) if return_lse else out
 
 

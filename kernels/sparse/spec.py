@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..common.checks import check_scale
 from ..common.fp8 import Fp8Scales, check_precision, scale_tensors
 from ..common.spec import kept
 from .checks import SCHEDULES, check_pv_threshold
@@ -103,5 +104,7 @@ def _spec_of(q_block: Optional[int], kv_block: Optional[int], merge: Optional[st
         raise ValueError(f"schedule must be None, 'grid' or 'lpt', got schedule={schedule!r}.")
     if merge not in MERGES:
         raise ValueError(f"merge must be None, 'consecutive' or 'xor', got merge={merge!r}.")
-    return SparseSpec(q_block, kv_block, merge, None if scale is None else float(scale), return_lse, schedule,
-                      programs, check_pv_threshold(pv_threshold), precision, out_dtype)
+    if programs is not None and (not isinstance(programs, int) or isinstance(programs, bool) or programs < 1):
+        raise ValueError(f"programs must be a positive int, got programs={programs!r}.")
+    return SparseSpec(q_block, kv_block, merge, check_scale(scale), return_lse, schedule, programs,
+                      check_pv_threshold(pv_threshold), precision, out_dtype)
