@@ -12,12 +12,15 @@ import os
 import sys
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 # Property tests that do not set their own count draw 20 examples (hypothesis' default is 100; those that set one
 # are sized alike): a fresh clone keeps no example database, so every CI run draws new ones (the suite's coverage
 # grows run by run), and the brute-force references behind these tests are the suite's bulk on a 2-core machine.
-settings.register_profile("natsim", max_examples=20)
+# Hypothesis' too_slow health check fails a test whose input generation took over a second, which a loaded 2-core
+# machine gave one draw of a cheap strategy (tests/test_distributed.py, 9 inputs in 1.2 s): a check of the machine's
+# load, not of the test, so it is off.
+settings.register_profile("natsim", max_examples=20, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("natsim")
 
 # Python's cyclic garbage collector runs after every 700 allocations more than deallocations, and every so often
@@ -65,6 +68,22 @@ if _WORKERS > 1:
             importlib.import_module(_module)
         except ImportError:
             pass
+
+
+def pytest_sessionfinish(session):
+    """With NATSIM_IMPORT_MANIFEST set, append the installed modules this process imported to that file, one path
+    under site-packages a line (scripts/bytecode-manifest.txt is made so; scripts/setup.sh compiles what it
+    lists)."""
+    manifest = os.environ.get("NATSIM_IMPORT_MANIFEST")
+    if not manifest:
+        return
+    import sysconfig
+
+    packages = sysconfig.get_paths()["purelib"] + os.sep
+    files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
+    with open(manifest, "a") as out:
+        out.writelines(f"{path[len(packages):]}\n" for path in sorted(filter(None, files))
+                       if path.startswith(packages) and path.endswith(".py"))
 
 
 @pytest.fixture(autouse=True)
