@@ -5,12 +5,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
-# setup.sh installs without compiling bytecode: the installed modules the suite imports get theirs here, once,
-# over all cores (scripts/compile_bytecode.py), and Python writes the rest's as the tests import them, so that the
-# xdist workers and the processes tests spawn (gloo worlds, torchrun, the CLI) do not each compile them from source
-# again where PYTHONDONTWRITEBYTECODE is set.
+# setup.sh installs without compiling bytecode; let Python write it as the tests import modules, so that the
+# xdist workers and the processes tests spawn (gloo worlds, torchrun, the CLI) do not each compile torch from
+# source again where PYTHONDONTWRITEBYTECODE is set.
 unset PYTHONDONTWRITEBYTECODE
-.venv/bin/python scripts/compile_bytecode.py
 # worksteal: an idle worker takes half of the queue of a busy one, so the few slow interpreter tests do not
 # leave one worker running alone at the end (`load` sends fixed chunks and idled a worker for longer here).
 .venv/bin/python -m pytest -q -n auto --dist worksteal --durations=15 "$@"

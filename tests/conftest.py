@@ -70,22 +70,6 @@ if _WORKERS > 1:
             pass
 
 
-def pytest_sessionfinish(session):
-    """With NATSIM_IMPORT_MANIFEST set, append the installed modules this process imported to that file, one path
-    under site-packages a line (scripts/bytecode-manifest.txt is made so; scripts/setup.sh compiles what it
-    lists)."""
-    manifest = os.environ.get("NATSIM_IMPORT_MANIFEST")
-    if not manifest:
-        return
-    import sysconfig
-
-    packages = sysconfig.get_paths()["purelib"] + os.sep
-    files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
-    with open(manifest, "a") as out:
-        out.writelines(f"{path[len(packages):]}\n" for path in sorted(filter(None, files))
-                       if path.startswith(packages) and path.endswith(".py"))
-
-
 @pytest.fixture(autouse=True)
 def _private_coefficient_folder(tmp_path_factory, monkeypatch):
     """Point the user's coefficient folder ($NATSIM_DATA_DIR/coefficients) at an empty temporary one, so that

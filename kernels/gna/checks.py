@@ -86,13 +86,20 @@ def check_kv_tiling(kv_tiling: object) -> None:
                          f"got kv_tiling={kv_tiling!r}.")
 
 
+def given_tiles(
+    problem: Problem, q_tile: Optional[IntOrInts], kv_tile: Optional[IntOrInts]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per-dimension (q_tile, kv_tile) for `problem`: one size of at least 1 per dimension (what any backend needs
+    of tiles it is given; the torch reference runs any such tiles); one given alone is used for both."""
+    return TileConfig(kv_tile if q_tile is None else q_tile, q_tile if kv_tile is None else kv_tile).dims(problem)
+
+
 def kernel_tiles(
     problem: Problem, q_tile: Optional[IntOrInts], kv_tile: Optional[IntOrInts]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per-dimension (q_tile, kv_tile) for `problem`, checked against the kernel; one given alone is used
     for both (at least one must be given)."""
-    config = TileConfig(kv_tile if q_tile is None else q_tile, q_tile if kv_tile is None else kv_tile)
-    q_dims, kv_dims = config.dims(problem)
+    q_dims, kv_dims = given_tiles(problem, q_tile, kv_tile)
     for name, dims in (("q_tile", q_dims), ("kv_tile", kv_dims)):
         tokens = math.prod(dims)
         if tokens & (tokens - 1) or not MIN_TILE_TOKENS <= tokens <= MAX_TILE_TOKENS:

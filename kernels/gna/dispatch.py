@@ -31,7 +31,7 @@ from ..common.rows import aligned_rows, copies_rows, in_aligned_rows
 from ..fa4 import run as fa4_run
 from ..gluon.ops import gluon_fp8_forward, gna_fp8_ordered
 from .backward import gna_backward
-from .checks import check_frames, check_kernel_inputs, check_qkv, kernel_tiles
+from .checks import check_frames, check_kernel_inputs, check_qkv, given_tiles, kernel_tiles
 from .choice import Choice, backward_refusal, choose
 from .launch import KERNELS, GnaCall, dense_as_1d, frames_as_3d, make_call, takes_layout_path
 from .reference import fp8_reference_attention, reference_attention
@@ -96,7 +96,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -
     choice = choose(spec, problem, q)
     if choice.backend == "reference":
         if spec.q_tile is not None or spec.kv_tile is not None:
-            kernel_tiles(problem, spec.q_tile, spec.kv_tile)  # tiles the kernels refuse are refused here too
+            given_tiles(problem, spec.q_tile, spec.kv_tile)  # the reference runs any tiles, but not malformed ones
         return functools.partial(_run_reference, problem=problem, spec=spec)
     if choice.backend == "fa4":
         return functools.partial(_run_fa4, choice=choice, spec=spec)
