@@ -1,0 +1,181 @@
+"""Random problems on a CUDA GPU, features together: `pytest -m gpu tests/test_random_gpu.py`.
+
+The other GPU tests run fixed layouts; these let hypothesis draw them: 1-3 dimensions up to a few thousand tokens,
+window, stride, dilation and causal per dimension as the contract allows them (tests/bruteforce.py's edge-biased
+draws), head dims 16-256, batch and heads, fp16 and bf16, static, dynamic or natsim's KV tiling, and the backend
+natsim picks or one named (a named backend that cannot run the call must refuse it with the same sentence
+`chosen_backend` gives). Outputs, log-sum-exps and gradients are compared with float64 attention under the
+brute-force mask of tests/bruteforce.py, which shares no code with natsim; block masks likewise with the mask
+expanded to elements, boolean and prepared alike; plans from `best` on drawn layouts and sparsities run what they
+say, eagerly and compiled.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bruteforce as bf  # noqa: E402
+
+from natsim import Problem  # noqa: E402
+from natsim.kernels import chosen_backend, gna_attention, prepare_sparse, sparse_attention  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# Each draw compiles kernels for its geometry, head dim and dtype (seconds each): a failing draw is reported as
+# drawn (no shrinking, which would compile a kernel per step), with hypothesis' blob to reproduce it.
+NO_SHRINK = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True,
+                 phases=(Phase.explicit, Phase.reuse, Phase.generate))
+RANDOM = settings(max_examples=20, **NO_SHRINK)
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2.5e-2}  # relative, against float64
+HEAD_DIMS = (16, 24, 32, 40, 64, 72, 88, 96, 112, 128, 160, 256)
+MAX_LEN = {1: 4096, 2: 64, 3: 24}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@st.composite
+def layouts(draw) -> Problem:
+    """A GNA problem of up to about 4,096 tokens: lengths biased to tile borders and odd sizes."""
+    ndim = draw(st.sampled_from([1, 2, 3]))
+    shape = []
+    for j in range(ndim):
+        hi = min(MAX_LEN[ndim], max(1, 4096 // max(1, math.prod(shape)) // (8 ** (ndim - 1 - j))))
+        shape.append(draw(bf._mixed([1, 7, 8, 9, 16, 17, 31, 64, 65, 127, 128, 129, hi], 1, hi)))
+    w, s, d, c = (tuple(v) for v in zip(*(draw(bf.dims_params(L)) for L in shape)))
+    return Problem(tuple(shape), w, s, d, c)
+
+
+def _inputs(batch: int, tokens: tuple[int, ...], heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    generator = torch.Generator("cuda").manual_seed(seed)
+    return [torch.randn(batch, *tokens, heads, head_dim, device="cuda", dtype=dtype, generator=generator)
+            for _ in range(4)]
+
+
+def _masked_attention(q, k, v, mask: torch.Tensor):
+    """float64 softmax attention of flattened `[B, N, H, D]` q, k, v where `mask` ([N, N] or [B|1, H|1, N, N])
+    allows, and its `[B, N, H]` log-sum-exp; rows that attend nothing give 0 and LSE -inf (and zero gradients)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    scores = (torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True).detach().clamp_min(-1e300)
+    weights = torch.exp(scores - peak)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bhqk,bkhd->bqhd", weights / total.clamp_min(1e-300), v)
+    return out, (peak + torch.log(total)).squeeze(-1).transpose(1, 2)
+
+
+@settings(max_examples=8, **NO_SHRINK)
+@given(problem=layouts(), head_dim=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       batch=st.integers(1, 2), heads=st.integers(1, 3), backend=st.sampled_from([None, "triton", "fa4"]),
+       kv_tiling=st.sampled_from([None, "static", "dynamic"]), gradients=st.booleans(), seed=st.integers(0, 2**16))
+def test_gna_on_drawn_layouts_is_float64_attention_under_the_brute_force_mask(problem, head_dim, dtype, batch, heads,
+                                                                             backend, kv_tiling, gradients, seed):
+    args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation, causal=problem.causal,
+                kv_tiling=kv_tiling, backend=backend)
+    q, k, v, grad = _inputs(batch, problem.shape, heads, head_dim, dtype, seed)
+    try:
+        chosen = chosen_backend(q, k, v, **args)
+    except ValueError as refusal:
+        with pytest.raises(ValueError) as raised:
+            gna_attention(q, k, v, **args)
+        assert str(raised.value) == str(refusal)
+        return
+    assert chosen in (("triton", "fa4") if backend is None else (backend,))
+    leaves = [t.requires_grad_(gradients) for t in (q, k, v)]
+    out, lse = gna_attention(*leaves, return_lse=True, **args)
+
+    flat = [t.detach().double().flatten(1, -3).requires_grad_(gradients) for t in (q, k, v)]
+    mask = torch.as_tensor(bf.attention_mask(problem), device="cuda")
+    want, want_lse = _masked_attention(*flat, mask)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1]
+    assert rel(out.flatten(1, -3), want) < TOLERANCE[dtype], (chosen, rel(out.flatten(1, -3), want))
+    assert (lse.flatten(1, -2).double() - want_lse).abs().max().item() < 2e-2, chosen
+    if gradients:
+        got = torch.autograd.grad(out, leaves, grad)
+        expected = torch.autograd.grad(want, flat, grad.double().flatten(1, -3))
+        for name, a, b in zip(("dq", "dk", "dv"), got, expected):
+            assert rel(a.flatten(1, -3), b) < 2 * TOLERANCE[dtype], (chosen, name, rel(a.flatten(1, -3), b))
+
+
+@st.composite
+def block_masks(draw):
+    """(seq_len, q_block, kv_block, merge, mask): a random per-head block mask, some rows left empty."""
+    q_block = draw(st.sampled_from([16, 32, 64, 128]))
+    kv_block = draw(st.sampled_from([16, 32, 64, 128]))
+    seq_len = draw(bf._mixed([q_block, 2 * q_block + 1, 1000, 4095, 4096], 1, 4096))
+    merge = draw(st.sampled_from([None, "xor", "consecutive"]))
+    density = draw(st.sampled_from([0.05, 0.3, 0.7, 1.0]))
+    heads = draw(st.integers(1, 3))
+    seed = draw(st.integers(0, 2**16))
+    generator = torch.Generator("cuda").manual_seed(seed)
+    shape = (1, heads, -(-seq_len // q_block), -(-seq_len // kv_block))
+    mask = torch.rand(shape, device="cuda", generator=generator) < density
+    return seq_len, q_block, kv_block, merge, mask
+
+
+@RANDOM
+@given(case=block_masks(), head_dim=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       backend=st.sampled_from([None, "triton", "fa4"]), prepared=st.booleans(), gradients=st.booleans())
+def test_block_masks_are_float64_attention_under_the_expanded_mask(case, head_dim, dtype, backend, prepared, gradients):
+    seq_len, q_block, kv_block, merge, mask = case
+    heads = mask.shape[1]
+    q, k, v, grad = _inputs(1, (seq_len,), heads, head_dim, dtype, seq_len)
+    leaves = [t.requires_grad_(gradients) for t in (q, k, v)]
+    try:
+        if prepared:
+            work = prepare_sparse(mask, q_block, kv_block, seq_len, merge=merge, backend=backend)
+            out, lse = sparse_attention(*leaves, work, return_lse=True)
+        else:
+            out, lse = sparse_attention(*leaves, mask, q_block, kv_block, merge=merge, backend=backend,
+                                        return_lse=True)
+        got = torch.autograd.grad(out, leaves, grad) if gradients else None
+    except ValueError as refusal:  # only a named FlashAttention-4 may refuse (blocks or merge it does not run)
+        assert backend == "fa4", str(refusal)
+        return
+    rows = torch.arange(seq_len, device="cuda")
+    elements = mask[:, :, rows[:, None] // q_block, rows[None, :] // kv_block]
+    flat = [t.detach().double().requires_grad_(gradients) for t in (q, k, v)]
+    want, want_lse = _masked_attention(*flat, elements)
+    assert rel(out, want) < TOLERANCE[dtype], rel(out, want)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert not finite.any() or (lse.double()[finite] - want_lse[finite]).abs().max().item() < 2e-2
+    if gradients:
+        expected = torch.autograd.grad(want, flat, grad.double())
+        for name, a, b in zip(("dq", "dk", "dv"), got, expected):
+            assert rel(a, b) < 2 * TOLERANCE[dtype], (name, rel(a, b))
+
+
+@settings(max_examples=6, **NO_SHRINK)
+@given(problem=layouts(), sparsity=st.sampled_from([0.5, 0.75, 0.9, 0.97]), head_dim=st.sampled_from([64, 96, 128]),
+       training=st.booleans())
+def test_plans_for_drawn_layouts_run_what_they_say_eagerly_and_compiled(problem, sparsity, head_dim, training):
+    from natsim.planner import best
+
+    try:
+        plan = best(problem.shape, sparsity, heads=2, head_dim=head_dim, training=training)
+    except ValueError as refusal:  # a layout too small for the planner's tiles or the target: a sentence
+        assert str(refusal).endswith(".") and len(str(refusal).split()) > 6, str(refusal)
+        return
+    planned = plan.problem
+    q, k, v, grad = _inputs(1, planned.shape, 2, head_dim, torch.bfloat16, 0)
+    leaves = [t.requires_grad_(training) for t in (q, k, v)]
+    eager = plan(*leaves)
+    compiled = torch.compile(lambda *x: plan(*x), fullgraph=True)(*leaves)
+    mask = torch.as_tensor(bf.attention_mask(planned), device="cuda")
+    want, _ = _masked_attention(*(t.detach().flatten(1, -3) for t in (q, k, v)), mask)
+    assert 1.0 - mask.double().mean().item() >= sparsity - 1e-9
+    assert rel(eager.flatten(1, -3), want) < TOLERANCE[torch.bfloat16]
+    assert rel(compiled, eager) < 1e-2
+    if training:
+        got = torch.autograd.grad(eager, leaves, grad)
+        assert all(torch.isfinite(g).all() for g in got)
