@@ -103,13 +103,13 @@ def test_compiled_calls_whose_ints_change_between_calls_specialise_on_each_value
     q, k, v = qkv(dtype=torch.float32)
     gna = torch.compile(lambda q, k, v, window, stride, dilation: gna_attention(q, k, v, window, stride, dilation),
                         fullgraph=True, backend="eager")
-    for window, stride, dilation in (((3, 4, 2), 1, 1), ((3, 5, 3), (1, 2, 3), 1), ((2, 2, 2), (2, 1, 1), (2, 1, 1))):
+    for window, stride, dilation in (((3, 4, 2), 1, 1), ((2, 5, 3), (2, 2, 3), (2, 1, 1))):
         eager = gna_attention(q, k, v, window, stride, dilation)
         assert torch.equal(gna(q, k, v, window, stride, dilation), eager), (window, stride, dilation)
     flat = q.flatten(1, 3)
     sparse = torch.compile(lambda q, mask, q_block, kv_block: sparse_attention(q, q, q, mask, q_block, kv_block),
                            fullgraph=True, backend="eager")
-    for q_block, kv_block in ((16, 16), (32, 16), (16, 32)):
+    for q_block, kv_block in ((16, 16), (32, 8)):
         mask = torch.rand(1, 2, -(-flat.shape[1] // q_block), -(-flat.shape[1] // kv_block),
                           generator=torch.Generator().manual_seed(q_block + kv_block)) < 0.6
         eager = sparse_attention(flat, flat, flat, mask, q_block, kv_block)
