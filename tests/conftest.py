@@ -14,13 +14,13 @@ import sys
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Property tests that do not set their own count draw 20 examples (hypothesis' default is 100; those that set one
+# Property tests that do not set their own count draw 15 examples (hypothesis' default is 100; those that set one
 # are sized alike): a fresh clone keeps no example database, so every CI run draws new ones (the suite's coverage
 # grows run by run), and the brute-force references behind these tests are the suite's bulk on a 2-core machine.
 # Hypothesis' too_slow health check fails a test whose input generation took over a second, which a loaded 2-core
 # machine gave one draw of a cheap strategy (tests/test_distributed.py, 9 inputs in 1.2 s): a check of the machine's
 # load, not of the test, so it is off.
-settings.register_profile("natsim", max_examples=20, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("natsim", max_examples=15, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("natsim")
 
 # Python's cyclic garbage collector runs after every 700 allocations more than deallocations, and every so often
