@@ -44,6 +44,12 @@ def check_matching(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
+def check_head_dim(q: torch.Tensor) -> None:
+    """q's last dimension (head_dim) holds at least one channel."""
+    if q.shape[-1] < 1:
+        raise ValueError(f"q, k and v need a head_dim of at least 1, got q.shape={tuple(q.shape)}.")
+
+
 def check_backend(backend: object) -> None:
     """`backend` is one of BACKENDS or None (natsim chooses)."""
     if backend is not None and backend not in BACKENDS:

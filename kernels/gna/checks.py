@@ -17,7 +17,8 @@ from natsim.partition import key_frames
 from natsim.problem import BoolOrBools, IntOrInts
 from natsim.tiles import KV_TILINGS
 
-from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS, check_interpretable, check_matching, check_tensors
+from ..common.checks import (KERNEL_DTYPES, KERNEL_HEAD_DIMS, check_head_dim, check_interpretable, check_matching,
+                             check_tensors)
 from ..common.fp8 import E4M3
 from ..common.headdim import head_dim_refusal
 
@@ -49,8 +50,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, .
         )
     if not q.dtype.is_floating_point:
         raise TypeError(f"q, k and v must be floating-point tensors, got dtype={q.dtype}.")
-    if q.shape[-1] < 1:
-        raise ValueError(f"q, k and v need a head_dim of at least 1, got q.shape={tuple(q.shape)}.")
+    check_head_dim(q)
     return tuple(int(n) for n in q.shape[1:-2])
 
 

@@ -12,14 +12,13 @@ shape, the tiles against the kernel) is checked by the first call with a layout 
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
 from natsim import Problem
-from natsim.problem import BoolOrBools, IntOrInts, as_bools, as_ints
+from natsim.problem import BoolOrBools, IntOrInts, as_bools, as_ints, as_sizes
 
 from ..common.fp8 import Fp8Scales, check_precision, scale_tensors
 from ..common.spec import kept
@@ -158,15 +157,10 @@ def _spec_of(ndim: int, window: IntOrInts, stride: IntOrInts, dilation: IntOrInt
                    out_dtype, return_lse, backend)
 
 
-def _tile(value: object, ndim: int, name: str) -> object:
-    """A tile as given per dimension: None stays None, an int is one value per dimension, a sequence a tuple of
-    ints (its length and sizes are checked with the layout: kernels/gna/checks.py, `kernel_tiles`)."""
+def _tile(value: object, ndim: int, name: str) -> Optional[tuple[int, ...]]:
+    """A tile as given: None stays None, an int is one value per dimension, a sequence a tuple of 1 to 3 positive
+    ints, with `Problem`'s sentences (its length against the layout is checked with the layout:
+    kernels/gna/checks.py, `given_tiles`)."""
     if value is None:
         return None
-    if isinstance(value, (tuple, list)):
-        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
-            raise TypeError(f"{name} must hold integers only, got {name}={value!r}.")
-        return tuple(int(v) for v in value)
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int or a sequence of ints, got {name}={value!r}.")
-    return (int(value),) * ndim
+    return as_sizes(value, name) if isinstance(value, (tuple, list)) else as_ints(value, ndim, name)

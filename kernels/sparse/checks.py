@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..common.checks import KERNEL_DTYPES, check_interpretable, check_matching, check_tensors
+from ..common.checks import KERNEL_DTYPES, check_head_dim, check_interpretable, check_matching, check_tensors
 from ..common.fp8 import E4M3
 from ..common.headdim import HEAD_DIMS, head_dim_refusal
 from .work import SparseWork
@@ -30,8 +30,7 @@ def check_sparse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     check_matching(q, k, v)
     if not q.dtype.is_floating_point:
         raise TypeError(f"q, k and v must be floating-point tensors, got dtype={q.dtype}.")
-    if q.shape[-1] < 1:
-        raise ValueError(f"q, k and v need a head_dim of at least 1, got q.shape={tuple(q.shape)}.")
+    check_head_dim(q)
 
 
 def check_pv_threshold(pv_threshold) -> Optional[float]:
