@@ -177,6 +177,13 @@ def test_lists_refuse_masks_of_other_shapes():
     (64, 128, 32, True, "query blocks of a multiple of 128, got 64 x 128"),
     (128, 128, 160, True, "backward runs head_dim up to 128 here"),
     (128, 128, 100, False, "head_dim 8 to 256 in steps of 8, got head_dim=100"),
+    (128, 128, 112, False, None),
+    (128, 128, 112, True, "wrong dQ at head_dim=112"),
+    (128, 128, 40, True, "wrong dQ at head_dim=40"),
+    (128, 128, 16, True, "wrong dQ at head_dim=16"),
+    (128, 128, 96, True, None),
+    (128, 128, 88, True, None),
+    (128, 128, 24, True, None),
 ])
 def test_tile_rules(q_block, kv_block, head_dim, backward, refused):
     refusal = tile_refusal(q_block, kv_block, head_dim, backward)

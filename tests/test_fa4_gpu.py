@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from natsim.kernels import gna_attention, prepare_sparse, reference_attention, sparse_attention, sparse_reference
-from natsim.kernels.backends.fa4 import device_refusal
+from natsim.kernels.backends.fa4 import HEAD_DIMS, device_refusal, tile_refusal
+from natsim.kernels.fa4 import run as fa4_run
+from natsim.kernels.fa4.lists import lists_from_blocks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -98,6 +100,37 @@ def test_block_masks_forward_and_backward_match_float64(density, q_block, kv_blo
         ref.backward(grad.double())
         for ours, theirs in zip((q, k, v), leaves):
             assert relative_error(ours.grad, theirs.grad) < 1e-2
+
+
+@pytest.mark.parametrize("head_dim", [d for d in HEAD_DIMS if d <= 128])
+def test_the_backward_is_right_at_every_head_dim_natsim_differentiates_through_it(head_dim):
+    """natsim's rules against the library at every width its backward runs: where `tile_refusal` lets
+    FlashAttention-4 differentiate 128 x 128 blocks (a partial last block included), its gradients match float64;
+    where it refuses them for the dQ accumulator, the library's own dQ is still wrong and its dK and dV right (a
+    release that fixes it fails this test, and the rule goes)."""
+    n, heads, block = 1000, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(head_dim)
+    mask = torch.rand(1, heads, -(-n // block), -(-n // block), device="cuda", generator=gen) < 0.7
+    q, k, v, grad = (torch.randn(1, n, heads, head_dim, device="cuda", generator=gen, dtype=torch.float16)
+                     for _ in range(4))
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    sparse_reference(*leaves, mask, block, block).backward(grad.double())
+    refusal = tile_refusal(block, block, head_dim, backward=True)
+    if refusal is None:
+        ours = [t.clone().requires_grad_() for t in (q, k, v)]
+        sparse_attention(*ours, prepare_sparse(mask, block, block, n, backend="fa4")).backward(grad)
+        grads = [t.grad for t in ours]
+    else:
+        assert "wrong dQ" in refusal, refusal
+        lists = lists_from_blocks(mask, mask, block, block)
+        out, lse = fa4_run.forward(q, k, v, head_dim ** -0.5, lists, None, True)
+        grads = fa4_run.backward(q, k, v, out, grad, lse, None, head_dim ** -0.5, lists, None)
+    errors = [relative_error(ours, theirs.grad) for ours, theirs in zip(grads, leaves)]
+    if refusal is None:
+        assert max(errors) < 1e-2, errors
+    else:
+        assert errors[0] > 1e-2, f"FlashAttention-4's dQ is right at head_dim={head_dim} now: lift the refusal"
+        assert max(errors[1:]) < 1e-2, errors
 
 
 def test_compiled_fullgraph_and_cuda_graph_replay_without_recompiles():

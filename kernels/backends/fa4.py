@@ -12,7 +12,8 @@ FlashAttention-4 4.0.0b36's Hopper tile configurations:
   80 at 256 (a smaller block shrinks the tile to it);
 - backward: a key block equals the backward's key tile (128 tokens for head dims to 128; natsim's power-of-two
   blocks fit no other), and a query block is a multiple of its query tile (128 tokens for head dims to 64, else
-  64);
+  64); not at head dims 8, 16, 40, 48, 72, 80, 104 and 112, where its dQ comes back wrong (the kernel pads the
+  head dim to a multiple of 16, the dQ accumulator to 32; checked on the GPU by tests/test_fa4_gpu.py);
 - GNA: q, k and v are read in one token order, the Q tile's, so a KV tile must form contiguous runs of it: the Q
   tile itself, or a slab of it along its first dimension longer than 1 (`gna_tile_refusal`).
 

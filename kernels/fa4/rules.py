@@ -28,6 +28,15 @@ def _backward_tiles(head_dim: int) -> Optional[tuple[int, int]]:
     return None
 
 
+def _dq_accumulator_mismatch(head_dim: int) -> bool:
+    """Whether the Hopper backward's dQ comes back wrong at `head_dim`: for head dims up to 128 its kernel pads
+    the head dim to a multiple of 16 while the interface lays out and reads back the dQ accumulator padded to a
+    multiple of 32 (flash_attn/cute/flash_bwd_sm90.py's `tile_hdim` against interface.py's `head_dim_rounded`),
+    so every width whose two paddings differ (8, 16, 40, 48, 72, 80, 104, 112) reads stale accumulator columns.
+    dK and dV are right; tests/test_fa4_gpu.py holds the library to this on the GPU."""
+    return head_dim <= 128 and -(-head_dim // 16) * 16 != -(-head_dim // 32) * 32
+
+
 def tile_refusal(q_block: int, kv_block: int, head_dim: int, backward: bool = False) -> Optional[str]:
     """None when FlashAttention-4 runs query blocks of `q_block` tokens against key blocks of `kv_block` at
     `head_dim` (and with `backward`, differentiates them), else one sentence saying why not (module docstring)."""
@@ -43,6 +52,9 @@ def tile_refusal(q_block: int, kv_block: int, head_dim: int, backward: bool = Fa
         tiles = _backward_tiles(head_dim)
         if tiles is None:
             return f"FlashAttention-4's block-sparse backward runs head_dim up to 128 here, got head_dim={head_dim}."
+        if _dq_accumulator_mismatch(head_dim):
+            return (f"FlashAttention-4's Hopper backward returns a wrong dQ at head_dim={head_dim} (its kernel pads "
+                    f"the head dim to a multiple of 16, its dQ accumulator to a multiple of 32).")
         q_tile, kv_tile = tiles
         if kv_block != kv_tile or q_block % q_tile:
             return (f"FlashAttention-4's block-sparse backward at head_dim={head_dim} runs key blocks of {kv_tile} "
