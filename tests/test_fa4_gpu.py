@@ -114,17 +114,20 @@ def test_the_backward_is_right_at_every_head_dim_natsim_differentiates_through_i
     q, k, v, grad = (torch.randn(1, n, heads, head_dim, device="cuda", generator=gen, dtype=torch.float16)
                      for _ in range(4))
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    sparse_reference(*leaves, mask, block, block).backward(grad.double())
+    want = sparse_reference(*leaves, mask, block, block)
+    want.backward(grad.double())
     refusal = tile_refusal(block, block, head_dim, backward=True)
     if refusal is None:
         ours = [t.clone().requires_grad_() for t in (q, k, v)]
-        sparse_attention(*ours, prepare_sparse(mask, block, block, n, backend="fa4")).backward(grad)
+        out = sparse_attention(*ours, prepare_sparse(mask, block, block, n, backend="fa4"))
+        out.backward(grad)
         grads = [t.grad for t in ours]
     else:
         assert "wrong dQ" in refusal, refusal
         lists = lists_from_blocks(mask, mask, block, block)
         out, lse = fa4_run.forward(q, k, v, head_dim ** -0.5, lists, None, True)
         grads = fa4_run.backward(q, k, v, out, grad, lse, None, head_dim ** -0.5, lists, None)
+    assert relative_error(out.detach(), want.detach()) < 1e-2
     errors = [relative_error(ours, theirs.grad) for ours, theirs in zip(grads, leaves)]
     if refusal is None:
         assert max(errors) < 1e-2, errors
