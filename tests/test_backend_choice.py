@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import natsim.kernels.gna.choice as choice
 import natsim.kernels.sparse.work as work_module
-from natsim.kernels import GnaSpec, chosen_backend, prepare_sparse, sparse_attention
+from natsim.kernels import GnaSpec, chosen_backend, gna_attention, prepare_sparse, sparse_attention
 
 SHAPE = (8, 16, 16)
 
@@ -129,13 +129,38 @@ def test_without_fa4_natsim_runs_triton_and_refuses_fa4_by_name(fa4_missing):
 
 
 def test_cpu_tensors_run_the_reference_or_the_interpreter_and_never_fa4(monkeypatch):
-    q = torch.randn(1, *SHAPE, 2, 32)
+    q = torch.randn(1, *SHAPE, 2, 32, dtype=torch.float16)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert chosen_backend(q, q, q, (3, 5, 7)) == "reference"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert chosen_backend(q, q, q, (3, 5, 7)) == "triton"
     with pytest.raises(ValueError, match="backend='fa4' cannot run this call: FlashAttention-4 runs on CUDA GPUs"):
         chosen_backend(q, q, q, (3, 5, 7), backend="fa4")
+
+
+@pytest.mark.parametrize("head_dim, dtype, options, why", [
+    (16, torch.float16, dict(precision="fp8"), "FP8 pads head_dim"),
+    (100, torch.float16, {}, "head_dim"),
+    (64, torch.float32, {}, "float16 and bfloat16"),
+    (64, torch.bfloat16, {}, "computes bfloat16 wrongly"),
+    (64, torch.float16, dict(q_tile=(0, 8, 8)), "q_tile"),
+])
+def test_chosen_backend_refuses_what_the_call_refuses_with_its_sentence(monkeypatch, head_dim, dtype, options, why):
+    """In the interpreter (the Triton kernels' CPU path) a call the Triton route refuses is refused by
+    `chosen_backend` too, with the call's own sentence."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(1, 4, 8, 8, 2, head_dim).to(dtype)
+    with pytest.raises(ValueError) as call:
+        gna_attention(q, q, q, (3, 5, 7), **options)
+    with pytest.raises(ValueError) as chosen:
+        chosen_backend(q, q, q, (3, 5, 7), **options)
+    assert str(chosen.value) == str(call.value) and why in str(call.value)
+
+
+def test_chosen_backend_reads_float8_inputs_as_precision_fp8(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(1, 4, 8, 8, 2, 32).to(torch.float8_e4m3fn)
+    assert chosen_backend(q, q, q, (3, 5, 7)) == "triton"
 
 
 def test_fa4s_backward_takes_what_it_runs_and_leaves_the_rest_to_triton(fa4_here):

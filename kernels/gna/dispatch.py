@@ -76,6 +76,13 @@ def run_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec,
     their full-size `scales` (`check_fp8_call`, which the public boundary ran) and the output in
     `spec.out_dtype`.
     """
+    run = prepared(q, k, v, spec)
+    return run(q, k, v) if scales is None else run(q, k, v, scales)
+
+
+def prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -> Runner:
+    """The function that runs `spec` on tensors like q, k, v: validated and worked out on the first call with
+    their metadata (raising the call's sentence where it is refused), looked up after."""
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.get_device(), v.get_device(),
            q.stride(), k.stride(), v.stride(), q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
            and v.data_ptr() % 16 == 0, q.is_cuda or interpreting(), tensor_descriptors_enabled(), spec)
@@ -85,7 +92,7 @@ def run_spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec,
         if len(_calls) >= MAX_CALLS:
             _calls.pop(next(iter(_calls)))
         _calls[key] = run
-    return run(q, k, v) if scales is None else run(q, k, v, scales)
+    return run
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: GnaSpec) -> Runner:
