@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -85,10 +85,12 @@ def test_gna_on_drawn_layouts_is_float64_attention_under_the_brute_force_mask(pr
     try:
         chosen = chosen_backend(q, k, v, **args)
     except ValueError as refusal:
+        event("refused")
         with pytest.raises(ValueError) as raised:
             gna_attention(q, k, v, **args)
         assert str(raised.value) == str(refusal)
         return
+    event(f"ran on {chosen}")
     assert chosen in (("triton", "fa4") if backend is None else (backend,))
     leaves = [t.requires_grad_(gradients) for t in (q, k, v)]
     out, lse = gna_attention(*leaves, return_lse=True, **args)
@@ -126,10 +128,12 @@ def test_fp8_gna_on_drawn_layouts_is_within_its_bound_of_float64_attention(probl
     try:
         chosen = chosen_backend(q, k, v, **args)
     except ValueError as refusal:
+        event("refused")
         with pytest.raises(ValueError) as raised:
             gna_attention(q, k, v, **args)
         assert str(raised.value) == str(refusal)
         return
+    event(f"ran on {chosen}")
     assert chosen in (("triton", "gluon") if backend is None else (backend,))
     out, lse = gna_attention(q, k, v, return_lse=True, **args)
     mask = torch.as_tensor(bf.attention_mask(problem), device="cuda")
@@ -179,7 +183,9 @@ def test_block_masks_are_float64_attention_under_the_expanded_mask(case, head_di
         got = torch.autograd.grad(out, leaves, grad) if gradients else None
     except ValueError as refusal:  # only a named FlashAttention-4 may refuse (blocks or merge it does not run)
         assert backend == "fa4", str(refusal)
+        event("refused")
         return
+    event("ran on natsim's choice" if backend is None else f"ran on {backend}")
     rows = torch.arange(seq_len, device="cuda")
     elements = mask[:, :, rows[:, None] // q_block, rows[None, :] // kv_block]
     flat = [t.detach().double().requires_grad_(gradients) for t in (q, k, v)]
