@@ -73,6 +73,21 @@ def _masked_attention(q, k, v, mask: torch.Tensor):
     return out, (peak + torch.log(total)).squeeze(-1).transpose(1, 2)
 
 
+def _chosen_or_refused_alike(q, k, v, args: dict):
+    """The backend `gna_attention(q, k, v, **args)` runs on, or None where `chosen_backend` refuses the call, after
+    checking that the call itself is refused with the same sentence."""
+    try:
+        chosen = chosen_backend(q, k, v, **args)
+    except ValueError as refusal:
+        event("refused")
+        with pytest.raises(ValueError) as raised:
+            gna_attention(q, k, v, **args)
+        assert str(raised.value) == str(refusal)
+        return None
+    event(f"ran on {chosen}")
+    return chosen
+
+
 @settings(max_examples=8, **NO_SHRINK)
 @given(problem=layouts(), head_dim=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from([torch.float16, torch.bfloat16]),
        batch=st.integers(1, 2), heads=st.integers(1, 3), backend=st.sampled_from([None, "triton", "fa4"]),
@@ -82,15 +97,9 @@ def test_gna_on_drawn_layouts_is_float64_attention_under_the_brute_force_mask(pr
     args = dict(window=problem.window, stride=problem.stride, dilation=problem.dilation, causal=problem.causal,
                 kv_tiling=kv_tiling, backend=backend)
     q, k, v, grad = _inputs(batch, problem.shape, heads, head_dim, dtype, seed)
-    try:
-        chosen = chosen_backend(q, k, v, **args)
-    except ValueError as refusal:
-        event("refused")
-        with pytest.raises(ValueError) as raised:
-            gna_attention(q, k, v, **args)
-        assert str(raised.value) == str(refusal)
+    chosen = _chosen_or_refused_alike(q, k, v, args)
+    if chosen is None:
         return
-    event(f"ran on {chosen}")
     assert chosen in (("triton", "fa4") if backend is None else (backend,))
     leaves = [t.requires_grad_(gradients) for t in (q, k, v)]
     out, lse = gna_attention(*leaves, return_lse=True, **args)
@@ -125,15 +134,9 @@ def test_fp8_gna_on_drawn_layouts_is_within_its_bound_of_float64_attention(probl
                 kv_tiling=kv_tiling, backend=backend, precision="fp8")
     q, k, v, _ = _inputs(1, problem.shape, heads, head_dim, dtype, seed)
     k = k + offset
-    try:
-        chosen = chosen_backend(q, k, v, **args)
-    except ValueError as refusal:
-        event("refused")
-        with pytest.raises(ValueError) as raised:
-            gna_attention(q, k, v, **args)
-        assert str(raised.value) == str(refusal)
+    chosen = _chosen_or_refused_alike(q, k, v, args)
+    if chosen is None:
         return
-    event(f"ran on {chosen}")
     assert chosen in (("triton", "gluon") if backend is None else (backend,))
     out, lse = gna_attention(q, k, v, return_lse=True, **args)
     mask = torch.as_tensor(bf.attention_mask(problem), device="cuda")
