@@ -6,8 +6,9 @@ draws), head dims 16-256, batch and heads, fp16 and bf16, static, dynamic or nat
 natsim picks or one named (a named backend that cannot run the call must refuse it with the same sentence
 `chosen_backend` gives). Outputs, log-sum-exps and gradients are compared with float64 attention under the
 brute-force mask of tests/bruteforce.py, which shares no code with natsim; block masks likewise with the mask
-expanded to elements, boolean and prepared alike; plans from `best` on drawn layouts and sparsities run what they
-say, eagerly and compiled.
+expanded to elements, boolean and prepared alike; `precision="fp8"` on the same layouts and masks within FP8's
+bound of float64 attention (and natsim's Triton FP8 kernel within its rule's); plans from `best` on drawn layouts
+and sparsities run what they say, eagerly and compiled.
 """
 
 from __future__ import annotations
