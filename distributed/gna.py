@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from natsim import Problem, TileConfig
-from natsim.kernels import autocast_inputs, constants_when_compiled
+from natsim.kernels import autocast_inputs, constant_of_the_graph, constants_when_compiled
 from natsim.kernels import gna_attention as single_gpu_gna_attention
 from natsim.kernels.backends.triton import check_qkv, choose_tiles, kernel_tiles, use_triton
 from natsim.partition import DEFAULT_LINK, STRATEGIES, Link, Rate, choose_strategy, strategy_cost
@@ -74,7 +74,7 @@ def choose(problem: Problem, tiles: StrategyTiles, split: tuple[int, ...], batch
     return choose_strategy(costs).strategy
 
 
-@torch.compiler.assume_constant_result
+@constant_of_the_graph
 def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[int, ...], sizes: tuple[int, ...],
           training: bool, strategies: tuple[str, ...], rates: Optional[tuple[float, float, float, float]],
           chunks: Optional[int], gpu_index: int, halo_on_gathered: bool = False) -> str:
@@ -91,7 +91,7 @@ def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[
                   halo_on_gathered)
 
 
-@torch.compiler.assume_constant_result
+@constant_of_the_graph
 def _attend(window: tuple, stride: tuple, dilation: tuple, causal: tuple, q_tile, kv_tile,
             kv_tiling: Optional[str]) -> int:
     """The id of the single-GPU GNA call with these arguments as Ulysses' attention (pipeline.py), registered

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from natsim.kernels import SparseMask, autocast_inputs, constants_when_compiled
+from natsim.kernels import SparseMask, autocast_inputs, constant_of_the_graph, constants_when_compiled
 from natsim.kernels import sparse_attention as single_gpu_sparse_attention
 from natsim.partition import heads_per_rank
 
@@ -43,7 +43,7 @@ def _mask_heads(mask, heads: int, lo: int, hi: int):
     return pick(mask)
 
 
-@torch.compiler.assume_constant_result
+@constant_of_the_graph
 def _attend(blocks: Optional[tuple[int, int, int, int, int]], q_block: Optional[int], kv_block: Optional[int],
             merge: Optional[str], schedule: Optional[str]) -> int:
     """The id of the single-GPU call under a block mask as Ulysses' attention (pipeline.py), registered once per

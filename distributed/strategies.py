@@ -33,6 +33,7 @@ import functools
 import torch
 
 from natsim import Problem
+from natsim.kernels import constant_of_the_graph
 from natsim.partition import key_frames, offsets
 
 from .collectives import HaloRoutes, overlap
@@ -58,7 +59,7 @@ def halo_routes(problem: Problem, split: tuple[int, ...], rank: int) -> HaloRout
 
 
 @functools.lru_cache(maxsize=256)
-@torch.compiler.assume_constant_result
+@constant_of_the_graph
 def _routes(frames: tuple[int, int, int, int, bool], split: tuple[int, ...], rank: int) -> tuple[int, ...]:
     """`halo_routes` along dimension 0 of length, window, stride, dilation and causal `frames`, as plain ints
     (`HaloRoutes.as_ints`), kept per distinct call: host arithmetic that torch.compile runs while tracing (a

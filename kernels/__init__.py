@@ -13,7 +13,7 @@ handle, `autograd_inside_an_operator`), a call's spec
 (`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`), the sentences the operators refuse gradients
 with, and what an entry point of their own (natsim.planner's AutoPlan, a model integration) checks at its
 boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`, `needs_gradient`,
-`check_precision`, `refuse_gradients`, `constants_when_compiled`); and the process-wide switch of Hopper's tensor descriptors
+`check_precision`, `refuse_gradients`, `constants_when_compiled`, `constant_of_the_graph`); and the process-wide switch of Hopper's tensor descriptors
 (`set_tensor_descriptors`, `tensor_descriptors_enabled`; NATSIM_NO_TMA=1 in the environment turns them off at
 import): off, every kernel runs the path a GPU without them (Ampere, Ada) runs.
 """
@@ -32,7 +32,7 @@ if __name__ == "natsim.kernels":
     from .common.operators import needs_gradient
     from .common.handles import autograd_inside_an_operator, fake_handle, held, hold
     from .common.regroup import pack_head_blocks, place_head_blocks
-    from .common.spec import constants_when_compiled
+    from .common.spec import constant_of_the_graph, constants_when_compiled
     from .common.resolved import attention_resolved, register_attention, resolved_attention
     from .gna import (
         GnaSpec,
@@ -90,6 +90,7 @@ if __name__ == "natsim.kernels":
         "check_qkv",
         "autocast_inputs",
         "constants_when_compiled",
+        "constant_of_the_graph",
         "runs_eagerly",
         "needs_gradient",
         "check_precision",

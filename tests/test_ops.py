@@ -8,8 +8,10 @@ tests that need the torch reference path turn the interpreter off for the call (
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -285,6 +287,24 @@ def test_direct_entry_points_refuse_inputs_that_require_grad():
         unpermute(kp.clone().requires_grad_(), (8, 16), tile)
     with torch.no_grad():
         assert torch.equal(unpermute(permute(q.requires_grad_(), tile), (8, 16), tile), q)
+
+
+def test_constant_of_the_graph_marks_a_function_as_torch_compiler_does(monkeypatch):
+    """Where torch._dynamo is not imported yet, `constant_of_the_graph` sets the mark itself: it must be the one
+    torch.compiler.assume_constant_result sets (a torch that marks otherwise fails here)."""
+    from natsim.kernels import constant_of_the_graph
+
+    def ours():
+        return 1
+
+    def torchs():
+        return 1
+
+    monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    assert constant_of_the_graph(ours) is ours and "torch._dynamo" not in sys.modules
+    monkeypatch.undo()
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) != {}
 
 
 def test_direct_entry_points_refuse_torch_compile():

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import operator
+import sys
 from typing import Callable, TypeVar
 
 import torch
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable)
 
 MAX_SPECS = 1024  # distinct argument sets kept (a model has a handful of attention calls)
 
@@ -56,3 +58,18 @@ def concrete(value: object) -> object:
 def constants_when_compiled(*values: object) -> tuple:
     """`values` made `concrete` while torch.compile traces the caller; as they are in eager calls."""
     return concrete(values) if torch.compiler.is_compiling() else values
+
+
+# What torch.compiler.assume_constant_result sets on a function (torch 2.4 to 2.13); tests/test_ops.py checks it.
+_CONSTANT_MARKER = "_dynamo_marked_constant"
+
+
+def constant_of_the_graph(fn: F) -> F:
+    """`fn` marked as `torch.compiler.assume_constant_result` marks it (torch.compile calls it while tracing and
+    takes its result as a constant of the graph), without importing torch._dynamo for it: that import took about
+    1.5 s, paid by every `import natsim.planner` (the CLI's `natsim plan` among them) for a mark read only when
+    something compiles. Where torch._dynamo is already imported, torch's own function marks it."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    setattr(fn, _CONSTANT_MARKER, True)
+    return fn
