@@ -12,10 +12,11 @@ through `resolved_attention`; `hold` / `held` for what an operator hands its bac
 handle, `autograd_inside_an_operator`), a call's spec
 (`GnaSpec`, `SparseSpec`), launch options (`LaunchOptions`), the sentences the operators refuse gradients
 with, and what an entry point of their own (natsim.planner's AutoPlan, a model integration) checks at its
-boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`, `needs_gradient`,
-`check_precision`, `refuse_gradients`, `constants_when_compiled`, `constant_of_the_graph`); and the process-wide switch of Hopper's tensor descriptors
-(`set_tensor_descriptors`, `tensor_descriptors_enabled`; NATSIM_NO_TMA=1 in the environment turns them off at
-import): off, every kernel runs the path a GPU without them (Ampere, Ada) runs.
+boundary as natsim's entry points do (`check_tensors`, `check_qkv`, `autocast_inputs`, `runs_eagerly`,
+`needs_gradient`, `check_precision`, `refuse_gradients`, `constants_when_compiled`, `constant_of_the_graph`); and
+the process-wide switch of Hopper's tensor descriptors (`set_tensor_descriptors`, `tensor_descriptors_enabled`;
+NATSIM_NO_TMA=1 in the environment turns them off at import): off, every kernel runs the path a GPU without them
+(Ampere, Ada) runs.
 """
 
 # This folder is natsim.kernels (pyproject.toml's package-dir mapping). Where the repository's root is on sys.path
