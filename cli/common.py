@@ -39,15 +39,15 @@ def reports_bad_input(command: Callable) -> Callable:
 class ListsGpusInHelp(TyperCommand):
     """A command whose --help ends with the GPUs that have cost-model coefficients (for --device).
 
-    The list comes from the coefficient files when the help is shown: reading them needs natsim.planner,
-    which imports torch, too slow to do on every start of `natsim`.
+    The list comes from the coefficient files when the help is shown, read by natsim.gpus without torch (the
+    planner, which would also load each file as a cost model, imports torch: seconds for a help text).
     """
 
     def format_help(self, ctx, formatter) -> None:
-        from natsim.planner.cost import describe_gpus, known_gpus
+        from natsim.gpus import coefficient_gpus, describe_gpus
 
         self.epilog = escape(
-            f"GPUs with cost-model coefficients, for --device: {describe_gpus(known_gpus())}. --device takes a "
+            f"GPUs with cost-model coefficients, for --device: {describe_gpus(coefficient_gpus())}. --device takes a "
             "GPU's full name (any case) or its alias, and needs no GPU present."
         )
         super().format_help(ctx, formatter)

@@ -216,11 +216,14 @@ def test_sweep_with_a_device_without_coefficients_is_the_plain_table_and_a_note(
     assert f"no cost-model coefficients for --device cpu (no CUDA GPU), so no predicted times; coefficients exist for {H100} (--device h100)" in " ".join(result.stderr.split())
 
 
-def test_plain_sweep_and_sim_do_not_import_torch():
+def test_plain_sweep_and_sim_and_every_help_do_not_import_torch():
+    """Nor does the help of the commands that list the GPUs with coefficients (natsim.gpus reads the files)."""
     code = (
         "import sys; from typer.testing import CliRunner; from natsim.cli.main import app; "
         "r = CliRunner().invoke(app, ['sweep', '--shape', '16x32', '--window', '8x12', '--json']); assert r.exit_code == 0, r.output; "
         "r = CliRunner().invoke(app, ['sim', '--shape', '16x32', '--window', '8x12']); assert r.exit_code == 0, r.output; "
+        "helps = [CliRunner().invoke(app, [command, '--help']) for command in ('sweep', 'plan', 'mask')]; "
+        "assert all(r.exit_code == 0 and 'NVIDIA H200 (--device h200)' in ' '.join(r.output.split()) for r in helps); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
