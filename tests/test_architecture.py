@@ -245,11 +245,3 @@ def test_import_natsim_loads_neither_torch_nor_numba():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == ["False", "False"]
 
-
-def test_import_natsim_planner_leaves_torch_dynamo_unloaded():
-    """The planner (and natsim.distributed under it) marks its compile-time constants without importing
-    torch._dynamo (`constant_of_the_graph`), an import of about 1.5 s that `natsim plan` and scripts that only plan
-    would pay; torch.compile imports it when something compiles."""
-    code = "import sys, natsim.planner; print('torch._dynamo' in sys.modules)"
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert loaded == ["False"]

@@ -122,7 +122,9 @@ def test_a_library_probing_the_kernels_folder_leaves_natsims_operators_in_place(
     """With the repository's root on sys.path (`python -m pytest` there), transformers imports the folder
     `kernels` as a package of its own when it looks for the Hub's `kernels`: natsim's operators must stay the ones
     natsim.kernels registered, or a compiled AutoPlan no longer finds its plans (the fake of natsim::gna_resolved
-    raised "resolver must be an id from register_resolver" on the GPU)."""
+    raised "resolver must be an id from register_resolver" on the GPU). The same fresh process checks that the
+    planner (natsim.distributed under it) marks its compile-time constants without importing torch._dynamo
+    (`constant_of_the_graph`: an import of 1.5-2 s that scripts which only plan, and `natsim plan`, would pay)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -135,6 +137,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from natsim.kernels import gna_resolved
 from natsim.planner import AutoPlan
+assert "torch._dynamo" not in sys.modules, "importing the planner imported torch._dynamo"
 auto = AutoPlan(0.5)
 importlib.import_module("kernels")  # what transformers' is_kernels_available() does
 assert not [name for name in sys.modules if name.startswith("kernels.")], "the folder's modules ran again"
