@@ -3,7 +3,7 @@ the GPUs that have cost-model coefficient files here, read from the files alone 
 would otherwise import the planner, and torch with it, to show a line).
 
 GPUs are known by the name `torch.cuda.get_device_name()` reports, which also names their coefficient file
-(`gpu_slug(name) + ".json"`). `KNOWN_GPUS` lists the boards with their aliases (`"h100"`, `"h200-nvl"`): an alias
+(`gpu_file_name`). `KNOWN_GPUS` lists the boards with their aliases (`"h100"`, `"h200-nvl"`): an alias
 always means the same board, whichever coefficient files are installed. Any other GPU with a coefficient file (one
 calibrated here, say an A100) is named by its full name or by a run of its name's words that no other GPU has.
 Which GPU a torch device is, and whether a GPU's coefficients load as a cost model, are the planner's questions
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .stored import gpu_slug, user_coefficients_dir
+from .stored import gpu_file_name, gpu_slug, json_files, user_coefficients_dir
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,11 @@ def coefficient_gpus() -> list[str]:
     for its GPU, where the file is named after it; other files are passed over. The planner's `known_gpus` lists
     the same files where each also loads as a cost model."""
     found: dict[str, str] = {}
-    for folder in (user_coefficients_dir(), shipped_coefficients_dir()):
-        for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
-            try:
-                gpu = json.loads(path.read_text())["gpu"]
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if isinstance(gpu, str) and path.name == gpu_slug(gpu) + ".json":
-                found.setdefault(path.name, gpu)
+    for path in json_files((user_coefficients_dir(), shipped_coefficients_dir())):
+        try:
+            gpu = json.loads(path.read_text())["gpu"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(gpu, str) and path.name == gpu_file_name(gpu):
+            found.setdefault(path.name, gpu)
     return sorted(found.values())

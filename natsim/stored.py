@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from .partition import DEFAULT_LINK, Link
 
@@ -23,6 +23,16 @@ DATA_DIR_ENV = "NATSIM_DATA_DIR"
 def gpu_slug(name: str) -> str:
     """A GPU name in lower case, runs of other characters as '-': 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def gpu_file_name(gpu: str) -> str:
+    """The coefficient file of a GPU: its name in lower case, runs of other characters as '-'."""
+    return gpu_slug(gpu) + ".json"
+
+
+def json_files(folders: Iterable[Path]) -> list[Path]:
+    """The JSON files of `folders`, folder by folder, each sorted (a folder that does not exist has none)."""
+    return [path for folder in folders if folder.is_dir() for path in sorted(folder.glob("*.json"))]
 
 
 def user_coefficients_dir() -> Path:

@@ -244,4 +244,3 @@ def test_import_natsim_loads_neither_torch_nor_numba():
     code = "import sys, natsim; print('torch' in sys.modules, 'numba' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == ["False", "False"]
-

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from natsim.stored import gpu_slug, link_file_name, link_for, user_coefficients_dir
+from natsim.stored import gpu_file_name, gpu_slug, json_files, link_file_name, link_for, user_coefficients_dir
 
 from .model import BORROWED_HOST, CostModel
 
@@ -22,11 +22,6 @@ __all__ = ["COEFFICIENTS_DIR", "gpu_slug", "gpu_file_name", "user_coefficients_d
            "known_gpus", "cost_model_for", "borrowing_host", "own_host", "link_file_name", "link_for"]
 
 COEFFICIENTS_DIR = Path(__file__).resolve().parent / "coefficients"
-
-
-def gpu_file_name(gpu: str) -> str:
-    """The coefficient file of a GPU: its name in lower case, runs of other characters as '-'."""
-    return gpu_slug(gpu) + ".json"
 
 
 def load_stored(path: Path) -> CostModel:
@@ -57,15 +52,10 @@ def known_gpus() -> list[str]:
     Files that do not load as a cost model, or whose name is not their GPU's file name, are passed over.
     """
     found: dict[str, str] = {}
-    for path, model in _stored(_files(coefficient_dirs())):
+    for path, model in _stored(json_files(coefficient_dirs())):
         if path.name == gpu_file_name(model.gpu):
             found.setdefault(path.name, model.gpu)
     return sorted(found.values())
-
-
-def _files(folders: Iterable[Path]) -> list[Path]:
-    """The JSON files of `folders`, folder by folder, each sorted."""
-    return [path for folder in folders if folder.is_dir() for path in sorted(folder.glob("*.json"))]
 
 
 def _stored(paths: Iterable[Path]) -> Iterator[tuple[Path, CostModel]]:
@@ -91,7 +81,7 @@ def cost_model_for(gpu: Optional[str], directory: Optional[Path] = None) -> Opti
     for folder in folders:
         path = folder / gpu_file_name(gpu)
         if path.is_file():
-            others = tuple((other, *_stamp(other)) for other in _files(folders) if other.name != path.name)
+            others = tuple((other, *_stamp(other)) for other in json_files(folders) if other.name != path.name)
             return _borrowing_host(path, *_stamp(path), others)
     return None
 
