@@ -32,6 +32,10 @@ def reports_bad_input(command: Callable) -> Callable:
         except (CliInputError, ValueError, TypeError) as error:
             err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=2) from None
+        except (OverflowError, MemoryError) as error:  # sizes each valid, together beyond what can be counted here
+            err.print(f"[red]error:[/red] the sizes given are too large to count on this machine "
+                      f"({type(error).__name__}: {escape(str(error))}).", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=2) from None
 
     return wrapper
 

@@ -98,7 +98,7 @@ def mask_command(
         help="GPU whose coefficients predict the times: the name or alias of a GPU (h100; it need not be present, but must have coefficients: those listed below), or a torch device (default: the current CUDA device, if any; without coefficients, ranked by token pairs).",
     ),
     coefficients: Optional[Path] = typer.Option(None, "--coefficients", help="A cost-model JSON written by `natsim calibrate` to use instead."),
-    limit: int = typer.Option(16, "--limit", help="Rows in the table (0 for all); --json is never cut."),
+    limit: int = typer.Option(16, "--limit", min=0, help="Rows in the table (0 for all); --json is never cut."),
     as_json: bool = typer.Option(False, "--json", help="Print the mask plan as one JSON document instead of a table."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp8: score the FP8 inference kernel (ranked by the GPU's FP8 sparse coefficients from `natsim calibrate --kernels gna,sparse-fp8`, else by token pairs). Default: compute in --dtype."),
     backend: Optional[list[str]] = typer.Option(None, "--backend", help="Kernel backends the plan may run on, repeated or joined by ',': triton (natsim's kernels), fa4 (FlashAttention-4: installed, on this GPU, with coefficients from `natsim calibrate --kernels fa4`). Default: every one available here."),

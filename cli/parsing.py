@@ -12,6 +12,11 @@ class CliInputError(ValueError):
     """Bad command-line input: printed as one red line, exit code 2."""
 
 
+# The largest size one dimension may take (16,777,216): the simulator keeps arrays as long as a dimension (a 1-D
+# layout of 2e9 tokens exhausted 24 GiB), and larger values only reach numpy's and numba's integer limits.
+MAX_DIM = 2**24
+
+
 def parse_dims(text: str, option: str) -> tuple[int, ...]:
     """'30x48x80' -> (30, 48, 80); '7' -> (7,)."""
     parts = text.lower().replace("*", "x").split("x")
@@ -21,6 +26,8 @@ def parse_dims(text: str, option: str) -> tuple[int, ...]:
         raise CliInputError(
             f"{option} takes integers joined by 'x' (like 30x48x80), got {option} {text!r}."
         ) from None
+    if any(abs(v) > MAX_DIM for v in values):
+        raise CliInputError(f"{option} takes sizes up to {MAX_DIM:,} per dimension, got {option} {text!r}.")
     return values
 
 

@@ -65,7 +65,7 @@ def sweep_command(
     tiling: str = TILING,
     kv_tiling: str = KV_TILING,
     show_all: bool = typer.Option(False, "--all", help="Show every configuration, not only the pruned view."),
-    limit: int = typer.Option(20, "--limit", help="Rows in the table (0 for all); --json is never cut."),
+    limit: int = typer.Option(20, "--limit", min=0, help="Rows in the table (0 for all); --json is never cut."),
     as_json: bool = JSON,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of FLOP-wise vs tile speedup per shown configuration (needs matplotlib)."),
     kernel_tiles: bool = typer.Option(

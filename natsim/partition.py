@@ -247,6 +247,19 @@ class RankCost:
                 "bytes_received": self.bytes_received, "backward_bytes_sent": self.backward_bytes_sent,
                 "backward_bytes_received": self.backward_bytes_received, "predicted_s": self.seconds}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "RankCost":
+        """The rank's cost from `to_dict` output."""
+        return cls(int(data["rank"]), _pair(data["frames"]), int(data["heads"]), int(data["visited_tiles"]),
+                   int(data["full_tiles"]), _pair(data["key_frames"]), int(data["bytes_sent"]),
+                   int(data["bytes_received"]), float(data["predicted_s"]),
+                   int(data.get("backward_bytes_sent", 0)), int(data.get("backward_bytes_received", 0)))
+
+
+def _pair(values) -> tuple[int, int]:
+    first, last = values
+    return int(first), int(last)
+
 
 @dataclass(frozen=True)
 class StrategyCost:
@@ -277,6 +290,11 @@ class StrategyCost:
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, "predicted_s": self.seconds, "bytes_moved": self.bytes_moved,
                 "imbalance": self.imbalance, "ranks": [r.to_dict() for r in self.ranks]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StrategyCost":
+        """Every rank's cost from `to_dict` output (the totals it also writes are derived again)."""
+        return cls(str(data["strategy"]), tuple(RankCost.from_dict(rank) for rank in data["ranks"]))
 
 
 def _tile_flops(tiles: TileConfig, problem: Problem, head_dim: int) -> float:

@@ -22,6 +22,13 @@ def _is_int(value: object) -> bool:
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
+def _is_numpy_bool(value: object) -> bool:
+    # numpy's booleans (numpy.bool_, numpy.bool in numpy 2) are neither bool nor Integral; named without importing
+    # numpy, which the problem's module does not need.
+    kind = type(value)
+    return kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool")
+
+
 def _reject_text(value: object, name: str, kind: str) -> None:
     # A string is a sequence of characters, never a sequence of sizes or flags.
     if isinstance(value, (str, bytes)):
@@ -72,16 +79,17 @@ def as_ints(value: IntOrInts, ndim: int, name: str) -> tuple[int, ...]:
 
 
 def as_bools(value: BoolOrBools, ndim: int, name: str) -> tuple[bool, ...]:
-    """Broadcast a bool to `ndim` bools, or check a sequence of bools (0 and 1 are accepted)."""
+    """Broadcast a bool to `ndim` bools, or check a sequence of bools (0 and 1, and numpy's booleans, are
+    accepted)."""
 
     def to_bool(v: object) -> bool:
         if isinstance(v, bool):
             return v
-        if _is_int(v) and v in (0, 1):
+        if _is_numpy_bool(v) or (_is_int(v) and v in (0, 1)):
             return bool(v)
         raise TypeError(f"{name} must hold booleans (or 0/1), got {name}={value!r}.")
 
-    if isinstance(value, bool) or _is_int(value):
+    if isinstance(value, bool) or _is_int(value) or _is_numpy_bool(value):
         return (to_bool(value),) * ndim
     _reject_text(value, name, "a bool or a sequence of bools")
     try:

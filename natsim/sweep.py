@@ -133,7 +133,10 @@ def _normalise_strides(problem: Problem, strides: Optional[Iterable[IntOrInts]])
         if len(bad):
             problem.with_stride(tuple(int(s) for s in strides[bad[0]]))
         return strides.astype(np.int64)
-    rows = [problem.with_stride(s).stride for s in strides]  # validates each stride
+    if isinstance(strides, (str, bytes)) or not isinstance(strides, Iterable):
+        raise TypeError(f"strides must be None, 'all' or a list of strides (each an int or one int per dimension), "
+                        f"got strides={strides!r}.")
+    rows = list(dict.fromkeys(problem.with_stride(s).stride for s in strides))  # validated; a repeat counted once
     if not rows:
         raise ValueError("strides must hold at least one stride, got an empty list.")
     return np.array(rows, dtype=np.int64)

@@ -10,6 +10,8 @@ kernel's own default tiles come from the same list. Each tile pair comes in the 
 
 from __future__ import annotations
 
+import numbers
+
 from typing import Sequence
 
 import torch
@@ -59,8 +61,9 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 def check_head_dim(head_dim: object) -> int:
     """Check that the GNA kernel runs `head_dim` (its catalog has tiles for every width it runs)."""
-    if not isinstance(head_dim, int) or isinstance(head_dim, bool):
+    if not isinstance(head_dim, numbers.Integral) or isinstance(head_dim, bool):
         raise TypeError(f"head_dim must be an int, got head_dim={head_dim!r}.")
+    head_dim = int(head_dim)
     widths = GNA_KERNEL.head_dims
     if head_dim not in widths:
         raise ValueError(f"head_dim must be one the GNA kernel runs ({min(widths)} to {max(widths)} in steps of "

@@ -230,6 +230,15 @@ def test_plain_sweep_and_sim_and_every_help_do_not_import_torch():
     assert done.returncode == 0, done.stderr
 
 
+def test_a_negative_limit_is_refused_not_read_as_all(tmp_path):
+    import numpy as np
+
+    np.savez(tmp_path / "mask.npz", mask=np.ones((1, 1, 4, 4), bool))
+    for command in (["sweep", "--shape", "8x8", "--window", "3"], ["mask", str(tmp_path / "mask.npz")]):
+        result = invoke(*command, "--limit", "-5")
+        assert result.exit_code == 2 and "--limit" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -242,6 +251,8 @@ def test_plain_sweep_and_sim_and_every_help_do_not_import_torch():
         (["sim", "--shape", "8x8", "--window", "3", "--tiling", "1d", "--kv-tiling", "dynamic"], "dynamic KV tiling needs multi-D"),
         (["sweep", "--shape", "8x8", "--window", "3", "--stride", "all", "--stride", "1"], "cannot be combined"),
         (["sim", "--shape", "0x8", "--window", "1"], "at least 1"),
+        (["sim", "--shape", "10x10", "--window", "3", "--q-tile", "1" + "0" * 23], "--q-tile takes sizes up to 16,777,216"),
+        (["sim", "--shape", "9223372036854775807", "--window", "1"], "--shape takes sizes up to 16,777,216 per dimension"),
         ([*SMALL, "--kernel-tiles", "--q-tile", "8x8"], "--kernel-tiles chooses the tiles itself, so it takes no --q-tile or --kv-tile, got --q-tile 8x8."),
         ([*SMALL, "--kernel-tiles", "--tiling", "1d"], "--kernel-tiles needs --tiling multi"),
         ([*SMALL, "--kernel-tiles", "--head-dim", "20"], "head_dim must be one the GNA kernel runs (16 to 256 in steps of 8), got head_dim=20."),
@@ -259,6 +270,24 @@ def test_bad_input_is_one_red_line_and_exit_code_2(args, message):
     assert "Traceback" not in result.output
     assert message in " ".join(result.stderr.split())
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize("error", [OverflowError("Python int too large to convert to C long"),
+                                   MemoryError("Unable to allocate 64.0 GiB")])
+def test_sizes_too_large_to_count_here_are_one_red_line_too(error, capsys):
+    """Sizes each within bounds can still overflow numpy's integers or this machine's memory together."""
+    import typer
+
+    from natsim.cli.common import reports_bad_input
+
+    def command():
+        raise error
+
+    with pytest.raises(typer.Exit) as exited:
+        reports_bad_input(command)()
+    assert exited.value.exit_code == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert message == f"error: the sizes given are too large to count on this machine ({type(error).__name__}: {error})."
 
 
 def test_help_teaches_the_notation():

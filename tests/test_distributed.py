@@ -1246,6 +1246,15 @@ def test_best_with_world_size_knows_its_strategy():
         pipeline_seconds(single.score / 2, parallel.link.all_to_all, inbound, outbound, head_groups(12)), rel=1e-9)
     record = parallel.to_dict()
     assert record["strategy"] == parallel.strategy and len(record["strategies"][parallel.strategy]["ranks"]) == 2
+    # it round-trips as a parallel plan, and reading it as a single-GPU plan (which would drop the ranks) refuses
+    from natsim.planner.plans import ParallelPlan, Plan
+
+    again = ParallelPlan.from_json(parallel.to_json())
+    assert again == parallel and again.to_dict() == record
+    with pytest.raises(ValueError, match="read it with ParallelPlan.from_dict or ParallelPlan.from_json"):
+        Plan.from_json(parallel.to_json())
+    with pytest.raises(ValueError, match="must have the keys 'world_size'"):
+        ParallelPlan.from_json(single.to_json())
     with pytest.raises(ValueError, match="cannot exceed the 30 frames"):
         best((30, 48, 80), 0.9, heads=24, window=(18, 24, 24), world_size=31)
     # 5 heads do not divide over 2 ranks: ulysses pads them to 6, priced with 3 a rank, and says so

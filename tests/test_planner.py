@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from decimal import Decimal
 
 import numpy as np
 import pytest
@@ -113,6 +114,24 @@ def test_plans_meet_the_target_or_say_it_cannot_be_reached(shape, target, causal
         return
     assert plan.sparsity >= target - 1e-12
     assert plan.simulation.sparsity == simulate(plan.problem, plan.tiles).sparsity
+
+
+@settings(max_examples=25, deadline=None)
+@given(length=st.sampled_from([64, 80, 100, 125, 128, 160, 200, 250, 256, 400]), data=st.data())
+def test_a_given_window_whose_sparsity_is_the_target_exactly_is_kept(length, data):
+    """A 1-D window of w keys per query over L tokens has sparsity exactly 1 - w / L at stride 1 without causal
+    masking; where that is a short decimal (L divides a power of ten) and a user gives it as the target, the
+    window reaches it, as the search's own candidates do (float rounding put 1 - 7 / 100 under 0.93)."""
+    window = data.draw(st.integers(1, length - 1), label="window")
+    target = float(Decimal(1) - Decimal(window) / Decimal(length))
+    plan = best((length,), target, window=(window,), head_dim=64)
+    assert plan.problem.window == (window,)
+
+
+def test_numpy_integers_are_accepted_where_ints_are():
+    plan = best((8, 16, 16), 0.75, heads=np.int64(4), head_dim=np.int64(64), world_size=np.int32(2))
+    assert (plan.world_size, plan.head_dim, plan.heads) == (2, 64, 4)
+    assert all(type(v) is int for v in (plan.world_size, plan.head_dim, plan.heads))
 
 
 def test_a_given_window_is_kept_and_max_stride_is_respected():

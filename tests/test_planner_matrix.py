@@ -124,6 +124,8 @@ def check_plan(plan, shape, target, path, *, training, world_size, cost, kv_tili
                precision=None):
     """Every field of `plan` that an option decides, and its tile counts against natsim's simulator."""
     assert isinstance(plan, ParallelPlan) == (world_size is not None)
+    again = type(plan).from_json(plan.to_json())
+    assert again == plan and again.to_dict() == plan.to_dict()
     single = plan.plan if world_size is not None else plan
     gpu, basis, modes = expected_ranking(cost, path, training, precision)
     assert single.precision == precision and single.kernel_arguments().get("precision") == precision

@@ -40,6 +40,13 @@ def test_sequences_are_tuples_of_plain_types():
     assert p.causal == (True, False)
     assert all(type(v) is int for v in p.shape + p.window + p.stride + p.dilation)
     assert all(type(v) is bool for v in p.causal)
+    # numpy's booleans, as an array, its items or one scalar, read as bools too
+    assert Problem((6, 8), 3, causal=np.array([True, False])).causal == (True, False)
+    assert Problem((6, 8), 3, causal=(np.True_, np.False_)).causal == (True, False)
+    assert Problem((6, 8), 3, causal=np.bool_(True)).causal == (True, True)
+    assert all(type(v) is bool for v in Problem((6, 8), 3, causal=np.array([True, False])).causal)
+    with pytest.raises(TypeError, match="causal must hold booleans"):
+        Problem((6, 8), 3, causal=np.array([0.5, 1.0]))
 
 
 @settings(max_examples=60, deadline=None)

@@ -81,6 +81,11 @@ def test_given_strides_are_validated_and_kept_in_order():
         sweep((8, 8), (4, 4), strides=[(5, 1)], tiles=[TileConfig(2, 2)])
     with pytest.raises(ValueError, match="at least one stride"):
         sweep((8, 8), (4, 4), strides=[], tiles=[TileConfig(2, 2)])
+    # a stride given twice (2 and (2, 2) alike) is one row; one stride not in a list is a sentence
+    assert sweep((8, 8), (4, 4), strides=[2, (2, 2), 1], tiles=[TileConfig(2, 2)]).stride.tolist() == [[2, 2], [1, 1]]
+    for bad in (2, "2x2"):
+        with pytest.raises(TypeError, match="strides must be None, 'all' or a list of strides"):
+            sweep((8, 8), (4, 4), strides=bad, tiles=[TileConfig(2, 2)])
     with pytest.raises(ValueError, match="q_tile must have one size per dimension"):
         sweep((8, 8), (4, 4), tiles=[TileConfig((2, 2, 2), (2, 2, 2))])
 

@@ -5,12 +5,13 @@ dimension 0 chosen for it (planner.search.parallel), every runnable strategy's p
 `notes`: one sentence for each strategy that cannot run the plan (and for ulysses' zero heads where it pads
 them) and, where the search compared the single-GPU pick with the best configuration the halo strategy runs,
 why this one won.
-It runs itself through `natsim.distributed.gna_attention` and reports its per-rank table (`rows()`,
-`rank_table()`, `explain()`).
+It runs itself through `natsim.distributed.gna_attention`, reports its per-rank table (`rows()`,
+`rank_table()`, `explain()`) and round-trips through JSON like a `Plan` (`to_json`, `ParallelPlan.from_json`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -21,7 +22,8 @@ from rich.text import Text
 
 from natsim.partition import Link, StrategyCost, head_groups, heads_per_rank
 
-from .plan import Plan
+from .plan import FORMAT, PARALLEL_KEYS, Plan
+from .reading import check_record, parse_json, required_keys
 
 
 @dataclass(frozen=True)
@@ -118,3 +120,30 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
                 "split": list(self.split), "parallel_predicted_s": self.seconds,
                 "link": self.link.to_dict(), "notes": list(self.notes),
                 "strategies": {name: cost.to_dict() for name, cost in self.costs.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "ParallelPlan":
+        """Rebuild a parallel plan from `to_dict` output: its single-GPU plan (`Plan.from_dict` on the same
+        record), then the ranks, strategy, split, link and notes as they were written."""
+        needed = ("world_size", "strategy", "split", "link", "strategies")
+        check_record(data, "a parallel plan", FORMAT, needed, "ParallelPlan.to_dict")
+        plan = Plan.from_dict({key: value for key, value in data.items() if key not in PARALLEL_KEYS})
+        with required_keys("a parallel plan's 'strategies' and 'link'"):
+            costs = {str(name): StrategyCost.from_dict(cost) for name, cost in data["strategies"].items()}
+            link = Link.from_dict(data["link"])
+        strategy, split = str(data["strategy"]), tuple(int(frames) for frames in data["split"])
+        if strategy not in costs or sum(split) != plan.problem.shape[0] or len(split) != int(data["world_size"]):
+            raise ValueError(f"a parallel plan must run one of its priced strategies {sorted(costs)} over a split of "
+                             f"the {plan.problem.shape[0]} frames into world_size={data['world_size']} parts, got "
+                             f"strategy={strategy!r}, split={split}.")
+        return cls(plan=plan, world_size=int(data["world_size"]), strategy=strategy, split=split, costs=costs,
+                   link=link, notes=tuple(str(note) for note in data.get("notes", ())))
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ParallelPlan":
+        """Rebuild a parallel plan from `to_json` output."""
+        document = f"a parallel plan JSON document (format {FORMAT!r}, as written by ParallelPlan.to_json)"
+        return cls.from_dict(parse_json(text, "ParallelPlan.from_json", document))

@@ -28,6 +28,8 @@ from .ranking import BASIS_COST_MODEL
 from .reading import check_basis, check_record, parse_json, required_keys
 
 FORMAT = "natsim-plan/1"
+# What ParallelPlan.to_dict adds to its single-GPU plan's record (a record with them is a parallel plan's).
+PARALLEL_KEYS = ("world_size", "strategy", "split", "parallel_predicted_s", "link", "notes", "strategies")
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,10 @@ class Plan:
             "dense_score", "breakdown", "runners_up", "search",
         )
         check_record(data, "a plan", FORMAT, needed, "Plan.to_dict")
+        if "world_size" in data:
+            raise ValueError(f"this record is a plan over world_size={data['world_size']} ranks (ParallelPlan.to_dict): "
+                             "read it with ParallelPlan.from_dict or ParallelPlan.from_json, which keep its strategy "
+                             "and frame split.")
         check_basis(data["basis"])
         if data.get("training") and data.get("backward_score") is None:
             raise ValueError("a training plan (training=true) must have a numeric 'backward_score', got None.")

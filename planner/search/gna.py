@@ -66,7 +66,7 @@ from ..plans.ranking import BASIS_COST_MODEL, BASIS_TILES, TIE_TOLERANCE
 from .fa4_scores import Fa4Scorer
 from .gluon_scores import GluonScorer
 from .parallel import check_world_size, halo_runs, parallel_plan
-from .windows import candidate_windows, window_sparsity
+from .windows import candidate_windows, reaches, window_density
 
 AUTO = "auto"  # precision: bf16 or FP8, whichever is predicted faster
 DENSE_TILE = 128
@@ -362,9 +362,10 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
             raise ValueError(f"max_stride must be at least 1 along every dimension, got {max_stride=}.")
     if window is not None:
         window = Problem(shape, window, causal=causal).window
-        achieved = window_sparsity(shape, window, causal)
-        if achieved < target:
-            raise ValueError(f"window={window} has sparsity {achieved:.6f} on shape={shape}, below {target_sparsity=}.")
+        density = window_density(shape, window, causal)
+        if not reaches(density, target):
+            raise ValueError(f"window={window} has sparsity {1.0 - density:.6f} on shape={shape}, below "
+                             f"{target_sparsity=}.")
     heads = _check_heads(heads)
     head_dim = check_head_dim(head_dim)
     dtype = as_dtype(dtype)
@@ -664,6 +665,7 @@ def best(
     plan = _search(request)
     if world_size is None:
         return plan
+    world_size = check_world_size(world_size, request.shape[0])  # checked above; numpy's ints become ints
     halo = None if halo_runs(plan) else _halo_request(request)
     return parallel_plan(plan, world_size, halo_plan=None if halo is None else _search(halo),
                          link=link_for(request.gpu, world_size))

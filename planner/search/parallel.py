@@ -23,6 +23,8 @@ result's `notes` (`ParallelPlan.explain()`).
 
 from __future__ import annotations
 
+import numbers
+
 from typing import Optional
 
 from natsim.distributed.strategies import trains_on_gathered_frames
@@ -36,8 +38,9 @@ from ..plans.plan import Plan
 def check_world_size(world_size: object, frames: int) -> int:
     """`world_size` when it is a positive int no larger than the `frames` of dimension 0 (each rank holds whole
     frames), else a sentence error."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got world_size={world_size!r}.")
+    world_size = int(world_size)
     if world_size > frames:
         raise ValueError(f"world_size cannot exceed the {frames} frames of dimension 0 (each rank holds whole "
                          f"frames), got world_size={world_size}.")

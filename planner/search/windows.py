@@ -74,8 +74,7 @@ def candidate_windows(
 ) -> WindowCandidates:
     """The candidate windows of `shape` for `target_sparsity` (module docstring: the rules)."""
     density, spread = _grid(shape, causal)
-    allowed = 1.0 - target_sparsity
-    admissible = density <= allowed * (1 + 1e-12)
+    admissible = reaches(density, target_sparsity)
     if not admissible.any():
         raise ValueError(
             f"shape={tuple(shape)} cannot reach target_sparsity={target_sparsity}: its sparsest window "
@@ -99,10 +98,17 @@ def candidate_windows(
     )
 
 
-def window_sparsity(shape: Sequence[int], window: Sequence[int], causal: Sequence[bool]) -> float:
-    """Sparsity of `window` at stride 1 (the lowest over strides)."""
+def window_density(shape: Sequence[int], window: Sequence[int], causal: Sequence[bool]) -> float:
+    """Attended pairs over all pairs of `window` at stride 1 (the highest over strides): one minus its sparsity."""
     pairs = math.prod(
         int(attended_pairs_stride1(L, np.array(w), c)) for L, w, c in zip(shape, window, causal)
     )
     n = math.prod(shape)
-    return 1.0 - pairs / (n * n)
+    return pairs / (n * n)
+
+
+def reaches(density, target_sparsity: float):
+    """Whether a window of this density (a float or an array) reaches `target_sparsity`, up to float rounding
+    (1e-12 relative): a window whose sparsity is the target exactly, as a user writes it (window 7 of 100 tokens
+    for 0.93), reaches it."""
+    return density <= (1.0 - target_sparsity) * (1 + 1e-12)
