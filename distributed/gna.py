@@ -154,14 +154,14 @@ def gna_attention(
     window along dimension 0, and is refused elsewhere (module docstring); `"auto"` picks among the strategies
     that can, and prices a call that needs gradients by its forward and backward.
     """
-    shape = check_qkv(q, k, v)
+    shape = constants_when_compiled(*check_qkv(q, k, v))  # the layout as values under a dynamic-shape trace too
     q, k, v = autocast_inputs(q, k, v)  # as natsim.kernels does: the inputs in an autocast region's dtype
     window, stride, dilation, split, q_tile, kv_tile, chunks = constants_when_compiled(
         window, stride, dilation, split, q_tile, kv_tile, chunks)
     size, rank = world(group)
     split = resolve_split(q, split, group)
     problem = Problem((sum(split), *shape[1:]), window, stride, dilation, causal)
-    batch, heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    batch, heads, head_dim = constants_when_compiled(q.shape[0], q.shape[-2], q.shape[-1])  # priced as values
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     on_gathered_frames = training and use_triton(q)  # frame ranges have no backward kernel (strategies.py)
     untrainable = on_gathered_frames and not trains_on_gathered_frames(problem)

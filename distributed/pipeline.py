@@ -43,7 +43,8 @@ from typing import Callable, ContextManager, Hashable, Optional, Sequence
 
 import torch
 
-from natsim.kernels import autograd_inside_an_operator, fake_handle, held, hold, pack_head_blocks
+from natsim.kernels import (autograd_inside_an_operator, constants_when_compiled, fake_handle, held, hold,
+                            pack_head_blocks)
 from natsim.partition import head_groups, heads_per_rank
 
 from .collectives import (IssuePoint, Pending, group_name, launched_together, place_heads, start_frames_chunk,
@@ -221,7 +222,8 @@ def ulysses_attention(attend: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     heads in `chunks` groups overlapped with the transfers (`natsim.partition.head_groups` unless given):
     this rank's frames of the output. Differentiable with respect to q, k and v when they require
     grad (the graphs are kept then)."""
-    groups = head_groups(heads_per_rank(q.shape[-2], len(split)), None if chunks is None else int(chunks))
+    (heads,) = constants_when_compiled(q.shape[-2])  # a value under a dynamic-shape trace too
+    groups = head_groups(heads_per_rank(heads, len(split)), None if chunks is None else int(chunks))
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out, _ = _ulysses(q, k, v, list(extras), attend, scale, list(groups), list(split), rank, group_name(group), keep)
     return out

@@ -91,7 +91,7 @@ def sparse_attention(
     q_block, kv_block, split, chunks = constants_when_compiled(q_block, kv_block, split, chunks)
     size, rank = world(group)
     split = resolve_split(q, split, group)
-    heads = q.shape[-2]
+    (heads,) = constants_when_compiled(q.shape[-2])  # a value under a dynamic-shape trace too
     h = heads_per_rank(heads, size)
     mask = _mask_heads(mask, heads, rank * h, (rank + 1) * h)
     if isinstance(mask, SparseMask):

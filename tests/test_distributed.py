@@ -384,6 +384,23 @@ def test_compiled_calls_whose_window_changes_specialise_on_each_value(one_rank_g
         assert torch.equal(gna(q, k, v, window, stride), gna_attention(q, k, v, window, stride)), (window, stride)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("strategy", ["ulysses", "halo", "auto"])
+def test_compiled_calls_whose_layout_changes_run_each_layout(one_rank_group, strategy, dynamic, reference_path):
+    """natsim.distributed's GNA compiled once and called on other frame counts, heads and sides (Dynamo makes such
+    sizes symbolic on the second call, or from the first with dynamic=True): each call is the single-process
+    call's, in a group of one (the halo strategy's frame ranges included)."""
+    import natsim.distributed as nd
+
+    torch._dynamo.reset()
+    gna = torch.compile(lambda q, k, v, split: nd.gna_attention(q, k, v, (3, 3), strategy=strategy, split=split),
+                        fullgraph=True, dynamic=dynamic, backend="eager")
+    for frames, side, heads in ((5, 4, 2), (7, 4, 2), (9, 6, 3)):
+        q, k, v = (torch.randn(1, frames, side, heads, 16, generator=torch.Generator().manual_seed(i))
+                   for i in range(3))
+        assert torch.equal(gna(q, k, v, (frames,)), gna_attention(q, k, v, (3, 3))), (frames, side, heads)
+
+
 def test_compiled_block_mask_calls_whose_blocks_change_specialise_on_each_value(one_rank_group, reference_path):
     """natsim.distributed's block-mask attention compiled once and called with other block sizes: each call is the
     single-process call's, in a group of one."""

@@ -133,11 +133,14 @@ def check_frames(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_offset
                          f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}.")
     check_qkv(q, q, q)  # q's own layout and dtype rules
     check_matching(q, k, v)
-    q1, k1 = q0 + q.shape[1], k0 + k.shape[1]
-    if q.shape[1] < 1 or k.shape[1] < 1 or q1 > frames or k1 > frames:
+    # Sizes as ints: under torch.compile they arrive symbolic (a rank's slab changes with the split), and the
+    # window bounds below are counted, and cached, on values.
+    q_frames, k_frames, rest = int(q.shape[1]), int(k.shape[1]), tuple(int(n) for n in q.shape[2:-2])
+    q1, k1 = q0 + q_frames, k0 + k_frames
+    if q_frames < 1 or k_frames < 1 or q1 > frames or k1 > frames:
         raise ValueError(f"q's frames [{q0}, {q1}) and k's frames [{k0}, {k1}) must be non-empty and lie within "
                          f"the {frames} frames of dimension 0, got frame_offsets={(q0, k0, frames)}.")
-    problem = problem_of((frames, *q.shape[2:-2]), window, stride, dilation, causal)
+    problem = problem_of((frames, *rest), window, stride, dilation, causal)
     need = key_frames(problem, q0, q1)
     if need[0] < k0 or need[1] > k1:
         raise ValueError(f"k and v must hold every frame that q's frames [{q0}, {q1}) attend, [{need[0]}, "
