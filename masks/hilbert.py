@@ -87,6 +87,11 @@ def _order_tensor(order: Union[np.ndarray, torch.Tensor], x: torch.Tensor) -> to
         raise ValueError(
             f"order must be a permutation of the {x.shape[1]} tokens of x, got order of shape {tuple(order.shape)}."
         )
+    if order.device.type == "cpu" and not torch.compiler.is_compiling():  # host data: checked without a sync
+        if order.is_floating_point() or order.is_complex() or not torch.equal(
+                torch.sort(order.to(torch.int64)).values, torch.arange(order.numel())):
+            raise ValueError(f"order must be a permutation of the {x.shape[1]} tokens of x (each index once), got "
+                             "repeated, missing or out-of-range indices.")
     return order.to(device=x.device, dtype=torch.int64)
 
 

@@ -66,6 +66,8 @@ def _block_sums(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor
     x); only the last partial block is padded."""
     batch, n, heads, dim = x.shape
     whole = n // block
+    if n == 0:  # no tokens: no blocks
+        return x.new_zeros((batch, heads, 0, dim), dtype=torch.float32), x.new_zeros((0,), dtype=torch.float32)
     parts = []
     if whole:
         parts.append(x[:, :whole * block].reshape(batch, whole, block, heads, dim).sum(2, dtype=torch.float32))
@@ -96,7 +98,8 @@ def top_mass(probs: torch.Tensor, p: float) -> torch.Tensor:
     values lowest index first; zero entries are never kept. FG-Attn's top-p and SpargeAttn's TopCdf."""
     sorted_probs, index = torch.sort(probs, dim=-1, descending=True, stable=True)
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the entries kept ahead of each one
-    keep = (before < p) & (sorted_probs > 0)
+    # p = 1 keeps every nonzero entry: a float32 running sum can round to 1 before the smallest are reached
+    keep = ((before < p) | (p >= 1.0)) & (sorted_probs > 0)
     return torch.zeros_like(keep).scatter(-1, index, keep)
 
 
@@ -214,6 +217,8 @@ def hierarchical(
     pooled_k = mean_pool(k, kv_sub).transpose(-1, -2)  # [B, H, D, nKVs]
     batch, heads, num_q_sub, _ = pooled_q.shape
     num_kv_sub = pooled_k.shape[-1]
+    if batch * heads * num_q_sub == 0:  # an empty batch, no heads or no tokens: an empty mask
+        return torch.zeros((batch, heads, num_q, num_kv), dtype=torch.bool, device=q.device)
     per_chunk = max(1, _CHUNK_ELEMENTS // (batch * heads * q_per * num_kv_sub))  # query blocks per chunk
     scores = []
     for first in range(0, num_q, per_chunk):

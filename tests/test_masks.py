@@ -110,6 +110,11 @@ def test_to_order_and_back():
     assert torch.equal(y, x[:, torch.from_numpy(order)])
     assert torch.equal(from_order(y, order), x)
     assert torch.equal(from_order(to_order(x, torch.from_numpy(order)), torch.from_numpy(order)), x)
+    # an order that is not a permutation (a token twice, another missing, or out of range) is refused
+    for bad in (np.array([0, 0, *range(1, 89)]), np.arange(1, 91), np.arange(90) * 1.0):
+        for move in (to_order, from_order):
+            with pytest.raises(ValueError, match="order must be a permutation of the 90 tokens"):
+                move(x, bad)
 
 
 # -- combining masks and the GNA window ------------------------------------------------------------------------

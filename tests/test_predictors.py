@@ -342,6 +342,27 @@ def test_keep_one_and_cdf_one_keep_everything():
     assert sparge(q, k, 16, 8, cdf=1.0).all()  # every block scattered: kept whole
 
 
+def test_p_one_keeps_every_block_of_nonzero_probability_however_peaked():
+    """A peaked row whose float32 running sum reaches 1 before its smallest nonzero probabilities (here 2e-9,
+    then 2e-9 times 1e-5 and so on): p = 1 and cdf = 1 still keep every block whose probability is not 0."""
+    q, k = torch.zeros(1, 64, 1, 16), torch.zeros(1, 64, 1, 16)
+    q[..., 0] = 1.0
+    for block, height in enumerate((80.0, 0.0, -46.0, -92.0)):  # pooled scores 20, 0, -11.5, -23
+        k[:, 16 * block:16 * (block + 1), :, 0] = height
+    probs = torch.softmax(torch.tensor([20.0, 0.0, -11.5, -23.0]), -1)
+    assert (probs > 0).all() and float(torch.cumsum(probs, 0)[0]) == 1.0  # the running sum is 1 after one block
+    assert topp(q, k, 16, 16, 1.0).all()
+    assert sparge(q, k, 16, 16, cdf=1.0, sim_threshold=-1.0).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 64, 2, 32), (1, 64, 0, 32), (1, 0, 2, 32)])
+def test_empty_batches_heads_and_sequences_give_empty_masks(shape):
+    q = k = torch.randn(shape)
+    blocks = (-(-shape[1] // 16),) * 2
+    for mask in (topp(q, k, 16, 16, 0.9), sparge(q, k, 16, 16), hierarchical(q, k, 16, 16, keep=0.3)):
+        assert mask.shape == (shape[0], shape[2], *blocks) and mask.dtype == torch.bool
+
+
 def test_sparge_and_hierarchical_take_half_precision_and_scale():
     gen = torch.Generator().manual_seed(6)
     q, k = torch.randn(1, 128, 2, 32, generator=gen), torch.randn(1, 128, 2, 32, generator=gen)
