@@ -48,8 +48,10 @@ def joint_reference(q, k, v, problem, text: int, text_first: bool, keep) -> torc
 
 @settings(max_examples=6, deadline=None)
 @given(st.sampled_from([(4, 4, 4), (8, 8), (2, 4, 8)]), st.integers(1, 7), st.booleans(), st.booleans(),
-       st.integers(0, 2**16))
-def test_joint_attention_matches_a_brute_force_mask(layout, text, text_first, masked, seed):
+       st.integers(0, 2**16), st.sampled_from(["bool", -float("inf"), -10000.0, "lowest"]))
+def test_joint_attention_matches_a_brute_force_mask(layout, text, text_first, masked, seed, kind):
+    """Text padding masked by a boolean key mask or an additive one in each of diffusers' conventions (-inf,
+    -10000, the dtype's lowest value)."""
     gen = torch.Generator().manual_seed(seed)
     window = tuple(max(1, n // 2) + (n % 2) for n in layout)
     problem = natsim.Problem(layout, window)
@@ -62,8 +64,27 @@ def test_joint_attention_matches_a_brute_force_mask(layout, text, text_first, ma
     if masked:  # the second prompt is padded: its last text key is masked
         keep[1, text - 1 if text_first else tokens - 1] = False
         mask = keep[:, None, None, :]
+        if kind != "bool":
+            masked_value = torch.finfo(q.dtype).min if kind == "lowest" else kind
+            mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, masked_value)
     out = router.attend(q, k, v, mask, None)
     assert relative_error(out, joint_reference(q, k, v, problem, text, text_first, keep)) < 5e-3
+
+
+def test_joint_attention_refuses_a_bias_and_masked_video_keys():
+    """An additive mask with values other than 0 and masked (a bias), or one that masks video keys, which GNA
+    attends by its window, fails on the device (here the CPU, at once) with a sentence, never a silent miss."""
+    router = Router(AutoPlan(0.0, window=(4, 4)), text_first=True)
+    router.set_layout((4, 4))
+    q = torch.randn(1, 19, 2, 32).half()
+    bias = torch.zeros(1, 1, 1, 19, dtype=q.dtype)
+    bias[..., 0] = -5.0
+    with pytest.raises(RuntimeError, match="holds other values, a bias natsim's kernels cannot add"):
+        router.attend(q, q, q, bias, None)
+    keep = torch.ones(1, 1, 1, 19, dtype=torch.bool)
+    keep[..., 10] = False  # a video key (the three text tokens come first)
+    with pytest.raises(RuntimeError, match="this mask masks video keys"):
+        router.attend(q, q, q, keep, None)
 
 
 def test_calls_natsim_does_not_serve_go_to_the_model():

@@ -12,8 +12,11 @@ query, key and value, and decides by their lengths, against the token layout of 
     key: the sparse output and the dense attention over the other keys are merged through their log-sum-exps,
     which is exact softmax attention over the union of the two key sets;
   - any other query attends every key, video and other (unmasked), densely, as in the model.
-  A key mask (`[B or 1, 1, 1, N]`, boolean or additive with -inf, as HunyuanVideo passes for text padding)
-  masks keys outside the layout; video keys are never masked. A `[B or 1, 1, N, N]` mask (HunyuanVideo 1.5's
+  A key mask (`[B or 1, 1, 1, N]`, boolean or additive, as HunyuanVideo passes for text padding) masks keys
+  outside the layout. An additive mask masks a key with -inf or any value at or below `MASKED_AT_OR_BELOW`
+  (diffusers' models write -10000 or the dtype's lowest value) and keeps it with 0; other values, a bias the
+  kernels cannot add, and a mask over video keys, which GNA does not take, fail an assertion on the device (no
+  host sync: on a GPU a device-side assert). A `[B or 1, 1, N, N]` mask (HunyuanVideo 1.5's
   `keep[query] & keep[key]`) masks the other queries' rows as given, and the video queries' keys as its first
   video query's row does: it must mask keys alike for every video query.
 - anything else (cross-attention to text, a text-only refiner, a call outside a forward): the model's own
@@ -52,6 +55,15 @@ from .dense import attention_with_lse
 from .masks import MaskedAttention
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# An additive mask's value at or below this masks its key (exp of it is 0 beside any score a model makes);
+# diffusers' models write -10000, the dtype's lowest value or -inf.
+MASKED_AT_OR_BELOW = -1e3
+ADDITIVE_REFUSAL = ("natsim's joint attention takes a key mask that keeps or drops keys: boolean, or additive with 0 "
+                    f"at kept keys and -inf (or a value at or below {MASKED_AT_OR_BELOW:g}) at masked ones; this "
+                    "mask holds other values, a bias natsim's kernels cannot add")
+VIDEO_KEYS_REFUSAL = ("natsim's joint attention masks only the keys outside the token layout (text padding); this "
+                      "mask masks video keys, which the GNA kernels attend by their window: keep such calls the "
+                      "model's own (do not route the attention)")
 
 
 class Router:
@@ -182,7 +194,7 @@ class Router:
         sizes = [before, video, after]
         (qb, qv, qa), (kb, kv, ka), (vb, vv, va) = (t.split(sizes, dim=1) for t in (q, k, v))
         qo, ko, vo = (_other(x, y) for x, y in ((qb, qa), (kb, ka), (vb, va)))  # the tokens outside the layout
-        keep, other_rows = _masks(key_mask, batch, tokens, before)
+        keep, other_rows = _masks(key_mask, batch, tokens, before, video)
         other_keep = None if keep is None else _other(keep[:, :before], keep[:, before + video:])
         scale = head_dim**-0.5 if scale is None else scale
 
@@ -222,10 +234,18 @@ def _every_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
     return out[:, :rows]
 
 
+def _kept(values: torch.Tensor) -> torch.Tensor:
+    """Which keys a boolean or additive mask's `values` keep (additive: 0 kept, at or below `MASKED_AT_OR_BELOW`
+    masked, anything else asserted against on the device)."""
+    if values.dtype == torch.bool:
+        return values
+    torch._assert_async(((values == 0) | (values <= MASKED_AT_OR_BELOW)).all(), ADDITIVE_REFUSAL)
+    return values > MASKED_AT_OR_BELOW
+
+
 def _key_mask(mask: torch.Tensor) -> torch.Tensor:
-    """A `[B, 1, 1, N]` key mask (boolean, or additive with -inf at masked keys) as the `[B, N]` boolean one."""
-    keys = mask[:, 0, 0, :]
-    return keys if keys.dtype == torch.bool else torch.isfinite(keys)
+    """A `[B, 1, 1, N]` key mask (boolean, or additive: `_kept`) as the `[B, N]` boolean one."""
+    return _kept(mask[:, 0, 0, :])
 
 
 def _other(before: torch.Tensor, after: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -235,19 +255,20 @@ def _other(before: torch.Tensor, after: torch.Tensor, dim: int = 1) -> torch.Ten
     return after if guard_or_false(before.shape[dim] == 0) else torch.cat([before, after], dim=dim)
 
 
-def _masks(mask: Optional[torch.Tensor], batch: int, tokens: int, first_video: int):
-    """From the model's mask: the `[B, N]` boolean key mask of the video queries, and, for a pairwise
-    `[B or 1, 1, N, N]` mask, its rows `[B or 1, 1, N, N]` for the other queries (None, None without a mask)."""
+def _masks(mask: Optional[torch.Tensor], batch: int, tokens: int, first_video: int, video: int):
+    """From the model's mask: the `[B, N]` boolean key mask of the video queries (which must keep the `video`
+    keys from `first_video` on), and, for a pairwise `[B or 1, 1, N, N]` mask, its rows `[B or 1, 1, N, N]` for
+    the other queries (None, None without a mask)."""
     if mask is None:
         return None, None
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] not in (1, tokens) or mask.shape[3] != tokens:
         raise ValueError(
             "natsim's joint attention takes a key mask of shape [batch, 1, 1, tokens] or a mask of shape [batch, 1, "
-            "tokens, tokens] (boolean, or additive with -inf at masked keys), got "
+            "tokens, tokens] (boolean, or additive with 0 at kept keys and -inf at masked ones), got "
             f"attn_mask.shape={tuple(mask.shape)}."
         )
-    row = mask[:, 0, first_video if mask.shape[2] == tokens else 0, :]
-    keep = row if row.dtype == torch.bool else row > float("-inf")
+    keep = _kept(mask[:, 0, first_video if mask.shape[2] == tokens else 0, :])
+    torch._assert_async(keep[:, first_video:first_video + video].all(), VIDEO_KEYS_REFUSAL)
     return keep.expand(batch, tokens), (mask if mask.shape[2] == tokens else None)
 
 
