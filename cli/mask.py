@@ -90,7 +90,7 @@ def mask_command(
     kv_block: Optional[int] = typer.Option(None, "--kv-block", help="Keys per mask column (default: the file's, else 16)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens N (default: the file's, else rows x --q-block)."),
     heads: Optional[int] = typer.Option(None, "--heads", help="Heads of the call (default: the mask's; a mask of one head is broadcast)."),
-    head_dim: int = typer.Option(128, "--head-dim", help="Head dimension: 32, 64 or 128."),
+    head_dim: int = typer.Option(128, "--head-dim", help="Head dimension: a multiple of 8 from 16 to 256."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16 or fp16."),
     merges: str = typer.Option("none,consecutive,xor", "--merges", help="Merges to score, comma-separated."),
     device: Optional[str] = typer.Option(

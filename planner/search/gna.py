@@ -629,10 +629,10 @@ def best(
 ) -> Union[Plan, ParallelPlan]:
     """The fastest GNA configuration of `shape` whose sparsity is at least `target_sparsity`.
 
-    `heads` (batch 1) scales the predicted time (None: one head); `head_dim` (32, 64, 128) and `dtype` (bf16,
-    fp16: what the kernel runs) select the tile catalog; `causal` applies per dimension; `window` fixes the
-    window (it must meet the target); `max_stride` caps the stride per dimension; `kv_tiling` ("static",
-    "dynamic") fixes the KV tiling mode (None: every mode the cost model was calibrated on, both without one).
+    `heads` (batch 1) scales the predicted time (None: one head); `head_dim` (a multiple of 8 from 16 to 256) and
+    `dtype` (bf16, fp16: what the kernel runs) select the tile catalog; `causal` applies per dimension; `window` fixes
+    the window (it must meet the target); `max_stride` caps the stride per dimension; `kv_tiling` ("static", "dynamic")
+    fixes the KV tiling mode (None: every mode the cost model was calibrated on, both without one).
 
     `device` picks the GPU whose stored coefficients rank the configurations: a GPU's name or alias ("h100",
     "h200"; refused when it has no coefficients here) or a torch device (None: the current CUDA device; without
