@@ -119,6 +119,26 @@ def test_a_window_over_the_whole_layout_reproduces_the_models_attention(name):
         assert torch.equal(model(**inputs)[0], own)
 
 
+def test_a_layout_shorter_than_every_tile_keeps_the_models_attention_or_is_refused():
+    """16 latent tokens: one tile would be the whole sequence. By default the model's own attention runs it, with a
+    warning saying why (and the tile order is not asked for it); with keep_own=False the planner's sentence."""
+    model = diffusers_models.build("WanTransformer3DModel")
+    inputs = diffusers_models.inputs("WanTransformer3DModel", (1, 4, 4))
+    with torch.no_grad():
+        own = model(**inputs)[0]
+    applied = nd.apply(model, 0.9, dtype=torch.float16, tile_order=True)
+    with pytest.warns(UserWarning, match=r"keeps the model's own attention on layout \(1, 4, 4\) \(16 tokens\)"):
+        with torch.no_grad():
+            assert torch.equal(model(**inputs)[0], own)
+    assert not applied.plans
+    nd.remove(model)
+    nd.apply(model, 0.9, dtype=torch.float16, keep_own=False)
+    with pytest.raises(ValueError, match=r"shape=\(1, 4, 4\) is too small for the planner's tiles"):
+        with torch.no_grad():
+            model(**inputs)
+    nd.remove(model)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_a_sparse_plan_changes_attention_and_is_made_once_per_layout(name, reference_path):
     """The plan and its cache, through the torch reference: the test above runs each model's attention through the

@@ -82,6 +82,7 @@ class Router:
         self.masked = masked
         self.keep_own = keep_own
         self.verdicts: dict[tuple, Verdict] = {}  # per (layout, joint tokens, heads, head_dim, dtype, device)
+        self.too_small: set[tuple[int, ...]] = set()  # layouts shorter than any tile, left to the model (warned once)
         self.serving = True  # whether natsim serves the current forward call's layout (decide)
         self.whole = True  # whether modules attend over the whole layout through this router (not only its views)
         self.layout: Optional[tuple[int, ...]] = None
@@ -107,7 +108,10 @@ class Router:
         its first call outside a compiled graph and kept (module docstring); the views, which hold the latent
         alone, decide for their own layouts."""
         verdict = None
-        if self.keep_own and self.whole and self.auto is not None and self.masked is None:
+        if self.keep_own and self.whole and self.layout is not None and not tile_pairs(self.layout, head_dim):
+            self._too_small(head_dim)
+            verdict = Verdict(self.layout, False)
+        elif self.keep_own and self.whole and self.auto is not None and self.masked is None:
             key = (self.layout, text, heads, head_dim, dtype, device)
             if key not in self.verdicts and not torch.compiler.is_compiling():
                 self.verdicts[key] = self.auto.verdict(self.layout, heads=heads, head_dim=head_dim, dtype=dtype,
@@ -118,6 +122,16 @@ class Router:
         self.serving = verdict is None or verdict.serves
         for view in self.views:
             view.decide(heads, head_dim, dtype, device)
+
+    def _too_small(self, head_dim: int) -> None:
+        """Warn, once per layout, that it holds fewer tokens than any tile natsim plans (one tile would be the whole
+        sequence: nothing to skip), so the model's own attention runs on it."""
+        if self.layout not in self.too_small and not torch.compiler.is_compiling():
+            self.too_small.add(self.layout)
+            warnings.warn(f"natsim keeps the model's own attention on layout {self.layout} "
+                          f"({math.prod(self.layout)} tokens): it is shorter than every tile natsim plans for "
+                          f"head_dim {head_dim}, so one tile would be the whole sequence and nothing could be skipped "
+                          "(apply(..., keep_own=False) refuses such a layout instead).", stacklevel=3)
 
     # -- attention over part of the layout --------------------------------------------------------------------
 

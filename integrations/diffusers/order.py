@@ -127,6 +127,9 @@ class ModelOrder:
     def begin(self, dtype: torch.dtype, device: torch.device) -> None:
         """Decide the order of the forward call beginning (its layout is the router's), whose attention runs in
         `dtype` on `device`."""
+        if not self.router.serving:  # the model's own attention runs this layout: its tokens stay in place
+            self.router.order = None
+            return
         key = (self.router.layout, self.router.trailing, dtype, device)
         if key not in self.decided and not torch.compiler.is_compiling():
             order = None
@@ -134,7 +137,7 @@ class ModelOrder:
                 order = self.router.auto.tile_order(self.router.layout, heads=self.heads, head_dim=self.head_dim,
                                                     dtype=dtype, device=device, force=self.force)
             self.decided[key] = order
-        self.router.order = self.decided.get(key) if self.router.serving else None  # kept: the model's attention
+        self.router.order = self.decided.get(key)
 
     def remove(self) -> None:
         for hook in self.hooks:
