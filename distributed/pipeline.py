@@ -44,7 +44,7 @@ from typing import Callable, ContextManager, Hashable, Optional, Sequence
 import torch
 
 from natsim.kernels import (autograd_inside_an_operator, constants_when_compiled, fake_handle, held, hold,
-                            pack_head_blocks)
+                            pack_head_blocks, refuse_second_order)
 from natsim.partition import head_groups, heads_per_rank
 
 from .collectives import (IssuePoint, Pending, group_name, launched_together, place_heads, start_frames_chunk,
@@ -203,6 +203,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out: Optional[torch.Tensor], _grad_handle):
+    refuse_second_order()
     if not ctx.keep:
         raise RuntimeError("natsim::cp_ulysses ran with keep=False, so it kept no graphs to differentiate: call it "
                            "with keep=True where its output needs gradients.")

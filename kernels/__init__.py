@@ -30,7 +30,7 @@ if __name__ == "natsim.kernels":
     from .common.checks import check_tensors
     from .common.fp8 import Fp8Scales, check_precision, refuse_gradients
     from .common.launch import LaunchOptions, set_tensor_descriptors, tensor_descriptors_enabled
-    from .common.operators import needs_gradient
+    from .common.operators import needs_gradient, refuse_second_order
     from .common.handles import autograd_inside_an_operator, fake_handle, held, hold
     from .common.regroup import pack_head_blocks, place_head_blocks
     from .common.spec import constant_of_the_graph, constants_when_compiled
@@ -83,6 +83,7 @@ if __name__ == "natsim.kernels":
         "held",
         "fake_handle",
         "autograd_inside_an_operator",
+        "refuse_second_order",
         "pack_head_blocks",
         "place_head_blocks",
         "FRAMES_GRADIENT_REFUSAL",

@@ -158,9 +158,39 @@ def test_chosen_backend_refuses_what_the_call_refuses_with_its_sentence(monkeypa
 
 
 def test_chosen_backend_reads_float8_inputs_as_precision_fp8(monkeypatch):
+    from natsim.kernels import Fp8Scales
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q = torch.randn(1, 4, 8, 8, 2, 32).to(torch.float8_e4m3fn)
-    assert chosen_backend(q, q, q, (3, 5, 7)) == "triton"
+    one = torch.ones(())
+    assert chosen_backend(q, q, q, (3, 5, 7), scales=Fp8Scales(one, one, one)) == "triton"
+
+
+def _fp8_refusals():
+    """(q, k, v, keyword arguments) of FP8 calls every path refuses: an input that requires grad, float8 e5m2,
+    float8 e4m3 without its scales."""
+    from natsim.kernels import Fp8Scales
+
+    half = torch.randn(1, 16, 2, 32, dtype=torch.float16)
+    e5m2, e4m3 = half.to(torch.float8_e5m2), half.to(torch.float8_e4m3fn)
+    return [((half.clone().requires_grad_(), half, half), dict(precision="fp8")),
+            ((e5m2, e5m2, e5m2), dict(scales=Fp8Scales(*[torch.ones(())] * 3))),
+            ((e4m3, e4m3, e4m3), {})]
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+@pytest.mark.parametrize("case", range(3))
+def test_chosen_backend_refuses_the_fp8_calls_the_call_refuses(monkeypatch, interpret, case):
+    """FP8's own refusals (gradients, the float8 format, missing scales) on the CPU path and in the interpreter:
+    `chosen_backend` raises the call's exception with its sentence instead of naming a backend."""
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (q, k, v), options = _fp8_refusals()[case]
+    with pytest.raises((ValueError, RuntimeError)) as call:
+        gna_attention(q, k, v, 5, **options)
+    with pytest.raises(type(call.value)) as chosen:
+        chosen_backend(q, k, v, 5, **options)
+    assert str(chosen.value) == str(call.value)
 
 
 def test_fa4s_backward_takes_what_it_runs_and_leaves_the_rest_to_triton(fa4_here):

@@ -328,3 +328,29 @@ def test_fake_outputs_have_the_real_outputs_strides_for_transposed_inputs():
     torch.library.opcheck(torch.ops.natsim.gna_forward.default,
                           (q, k, v, [3, 3], [1, 1], [1, 1], [False, False], None, None, None, True),
                           test_utils="test_faketensor")
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_a_loss_on_natsims_gradients_is_refused_with_a_sentence(request, monkeypatch, interpret):
+    """create_graph=True through GNA, a block mask or a plan (a gradient penalty) would need a second derivative
+    the backward does not have: refused with natsim's sentence on the CPU path and in the interpreter alike (the
+    CPU path's recomputed gradients had silently come back without a graph)."""
+    from natsim.kernels import sparse_attention
+
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        request.getfixturevalue("reference_path")
+    dtype = torch.float16 if interpret else torch.float64
+    q, k, v = (torch.randn(1, 64, 2, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask = torch.ones(1, 2, 4, 4, dtype=torch.bool)
+    plan = planner.best((4, 4, 4), 0.5, window=(3, 3, 3), head_dim=16, dtype=torch.float16, training=True)
+    cube = [t.detach().half().reshape(1, 4, 4, 4, 2, 16).requires_grad_() for t in (q, k, v)]  # a plan's dtype
+    calls = [((q, k, v), lambda *x: gna_attention(*x, 5)), ((q, k, v), lambda *x: sparse_attention(*x, mask, 16, 16)),
+             (cube, lambda *x: plan(*x))]
+    for inputs, call in calls:
+        out = call(*inputs)
+        with pytest.raises(RuntimeError, match="natsim's attention has no second derivative"):
+            torch.autograd.grad(out.float().square().sum(), inputs[0], create_graph=True)
+        grad, = torch.autograd.grad(call(*inputs).float().square().sum(), inputs[0])  # first order: as ever
+        assert torch.isfinite(grad).all()

@@ -74,6 +74,21 @@ def incoming_gradients(out: torch.Tensor, grad_out: Optional[torch.Tensor],
     return grad_out, grad_lse if grad_lse is not None and grad_lse.numel() else None
 
 
+SECOND_ORDER_REFUSAL = (
+    "natsim's attention has no second derivative: its backward is a kernel (on the CPU, a recomputation) that "
+    "autograd does not differentiate again, so a loss on its gradients (create_graph=True: a gradient penalty, a "
+    "double backward) needs another attention there, such as torch.nn.functional.scaled_dot_product_attention "
+    "under the same mask."
+)
+
+
+def refuse_second_order() -> None:
+    """Raise `SECOND_ORDER_REFUSAL` where autograd is about to record an operator's backward for differentiating it
+    again: autograd runs a backward in grad mode only under `create_graph=True`."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(SECOND_ORDER_REFUSAL)
+
+
 def recomputed_gradients(reference: Reference, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor]):
     """dq, dk, dv of `reference(q, k, v) -> (out, lse)` recomputed under autograd: the CPU path's backward."""

@@ -17,7 +17,7 @@ import torch
 
 from .handles import autograd_inside_an_operator, fake_handle, held, hold
 from .operators import (fake_lse, incoming_gradients, like, needs_gradient, no_lse, operator_without_autograd,
-                        recomputed_gradients)
+                        recomputed_gradients, refuse_second_order)
 
 Decided = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Optional[torch.Tensor]]]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[float], bool],
@@ -91,6 +91,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], _grad_decision):
     """The gradients of q, k and v through `natsim::attention_resolved_backward` (none for the arguments)."""
+    refuse_second_order()
     q, k, v, out, decision = ctx.saved_tensors
     dq, dk, dv = attention_resolved_backward(q, k, v, *incoming_gradients(out, grad_out, grad_lse), decision)
     return dq, dk, dv, None, None, None

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..common.operators import fake_lse, incoming_gradients, like, no_lse
+from ..common.operators import fake_lse, incoming_gradients, like, no_lse, refuse_second_order
 from . import run
 from .lists import Fa4Lists
 
@@ -79,6 +79,7 @@ def _blocks_setup_context(ctx, inputs, output) -> None:
 
 
 def _blocks_backward(ctx, grad_out: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor]):
+    refuse_second_order()
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     sizes, scale = ctx.arguments
     grad_out = torch.zeroslike(out) if grad_out is None else grad_out

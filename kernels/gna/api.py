@@ -27,7 +27,7 @@ from natsim.problem import BoolOrBools, IntOrInts
 
 from ..common.backend import autocast_inputs, refuse_untracked, runs_eagerly, use_triton
 from ..common.checks import check_matching, check_scale, check_tensors
-from ..common.fp8 import FLOAT8_DTYPES, Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
+from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tensors
 from ..common.launch import Overrides, has_tensor_descriptors, launch_overrides
 from .checks import check_kernel_inputs, check_qkv, kernel_tiles
 from .choice import choose
@@ -183,17 +183,19 @@ def gna_attention(
 def chosen_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: IntOrInts, stride: IntOrInts = 1,
                    dilation: IntOrInts = 1, causal: BoolOrBools = False, q_tile: Optional[IntOrInts] = None,
                    kv_tile: Optional[IntOrInts] = None, kv_tiling: Optional[str] = None,
-                   backend: Optional[str] = None, precision: Optional[str] = None) -> str:
+                   backend: Optional[str] = None, precision: Optional[str] = None,
+                   scales: Optional[Fp8Scales] = None) -> str:
     """The backend `gna_attention` runs these arguments on: "triton", "fa4", "gluon" (FP8) or "reference" (CPU
     tensors), or the sentence error it would raise (kernels/gna/choice.py): the call is worked out as
-    `gna_attention` works it out (under autocast, in autocast's dtype; q, k, v in float8 as given with their
-    scales), so where it would be refused this raises the same sentence."""
+    `gna_attention` works it out (under autocast, in autocast's dtype; q, k, v in float8 with their `scales`; FP8's
+    refusal of inputs that require grad), so where it would be refused this raises the same sentence."""
     check_tensors(q, k, v)
     q, k, v = autocast_inputs(q, k, v)
-    float8 = q.dtype in FLOAT8_DTYPES  # implies precision "fp8"; the output's dtype does not choose the backend
+    precision, scales, out_dtype = check_fp8_call(q, k, v, precision, scales, None)
+    if precision is not None:
+        refuse_gradients("gna_attention", q, k, v, *scale_tensors(scales))
     spec = GnaSpec.of(q.dim() - 3, window, stride, dilation, causal, q_tile=q_tile, kv_tile=kv_tile,
-                      kv_tiling=kv_tiling, backend=backend, precision="fp8" if float8 else precision,
-                      out_dtype=torch.bfloat16 if float8 else None)
+                      kv_tiling=kv_tiling, backend=backend, precision=precision, out_dtype=out_dtype)
     prepared(q, k, v, spec)
     return choose(spec, spec.problem(check_qkv(q, k, v)), q).backend
 

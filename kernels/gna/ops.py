@@ -28,7 +28,7 @@ import torch
 from ..common.backend import use_triton
 from ..common.fp8 import check_fp8_call, refuse_gradients, scales_from
 from ..common.operators import (fake_lse, incoming_gradients, like, no_lse, operator_without_autograd,
-                                recomputed_gradients)
+                                recomputed_gradients, refuse_second_order)
 from .checks import check_frames, check_qkv
 from .dispatch import run_backward, run_spec
 from .ordered import TileOrder, fa4_backward_ordered, layout_views, ordered_like, run_ordered
@@ -157,6 +157,7 @@ def _gradients(spec: GnaSpec, q, k, v, out, lse, grad_out: torch.Tensor, grad_ls
 
 def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     """The gradients of q, k and v (none for the other arguments)."""
+    refuse_second_order()
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _gradients(ctx.spec, q, k, v, out, lse, *incoming_gradients(out, grad_out, grad_lse))
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
@@ -252,6 +253,7 @@ def _resolved_setup_context(ctx, inputs, output) -> None:
 
 
 def _resolved_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    refuse_second_order()
     q, k, v, out, lse = ctx.saved_tensors
     grads = incoming_gradients(out, grad_out, grad_lse)
     if use_triton(q):
@@ -339,6 +341,7 @@ def _gna_resolved_ordered_backward_fake(q, k, v, out, lse, grad_out, grad_lse, s
 
 
 def _resolved_ordered_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    refuse_second_order()
     q, k, v, out, lse = ctx.saved_tensors
     grads = incoming_gradients(out, grad_out, grad_lse)
     if use_triton(q):

@@ -22,7 +22,7 @@ import torch
 
 from ..common.backend import use_triton
 from ..common.fp8 import check_fp8_call, refuse_gradients, scales_from
-from ..common.operators import fake_lse, incoming_gradients, like, no_lse, recomputed_gradients
+from ..common.operators import fake_lse, incoming_gradients, like, no_lse, recomputed_gradients, refuse_second_order
 from .backward import sparse_backward as run_sparse_backward
 from .checks import check_mask_batch, check_sparse_qkv
 from .dispatch import sparse_forward_impl, sparse_prepared_impl
@@ -134,6 +134,7 @@ def _sparse_backward_fake(q, k, v, mask, out, lse, grad_out, grad_lse, q_block, 
 def _sparse_backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     """The gradients of q, k and v (none for the other arguments): through `natsim::sparse_backward` on the
     Triton path, the torch reference's recomputed under autograd on the CPU path."""
+    refuse_second_order()
     q, k, v, mask, out, lse = ctx.saved_tensors
     spec = ctx.spec
     grad_out, grad_lse = incoming_gradients(out, grad_out, grad_lse)
@@ -241,6 +242,7 @@ def _sparse_prepared_backward_fake(q, k, v, out, lse, grad_out, grad_lse, work_t
 def _sparse_prepared_gradients(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     """The gradients of q, k and v: through `natsim::sparse_prepared_backward` on the Triton path, the torch
     reference's recomputed under autograd on the CPU path."""
+    refuse_second_order()
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     sizes, scale = ctx.arguments
     grad_out, grad_lse = incoming_gradients(out, grad_out, grad_lse)
