@@ -173,6 +173,8 @@ def test_bad_input_is_refused_with_sentences():
         (dict(mask=good, q_block=12, kv_block=16, seq_len=64), ValueError, "q_block must be a power of two"),
         (dict(mask=good, q_block=16, kv_block=16, seq_len=64, heads=3), ValueError, "heads must be 1 or the call's"),
         (dict(mask=good, q_block=16, kv_block=16, seq_len=64, head_dim=20), ValueError, "head_dim must be one"),
+        (dict(mask=good, q_block=16, kv_block=16, seq_len=64, head_dim=16, precision="fp8"), ValueError,
+         "the FP8 kernel .precision='fp8'. supports head_dim 24 to 256"),
         (dict(mask=good, q_block=16, kv_block=16, seq_len=64, dtype="fp32"), ValueError, "dtype must be one"),
         (dict(mask=good, q_block=16, kv_block=16, seq_len=64, merges=["zip"]), ValueError, "merges must be"),
         (dict(mask=good, q_block=32, kv_block=32, seq_len=128, q_blocks=[16]), ValueError, "q_blocks must be"),

@@ -421,6 +421,8 @@ def test_a_plan_runs_gna_attention_with_exactly_its_settings():
         (((30, 48, 80), 0.9), {"dtype": 3}, TypeError, "dtype must be a torch.dtype or a name"),
         (((30, 48, 80), 0.9), {"head_dim": 20}, ValueError, r"head_dim must be one the GNA kernel runs \(16 to 256 in steps of 8\)"),
         (((30, 48, 80), 0.9), {"heads": 0}, ValueError, "heads must be a positive integer"),
+        (((30, 48, 80), 0.9), {"head_dim": 16, "precision": "fp8"}, ValueError,
+         r"the FP8 kernel \(precision='fp8'\) supports head_dim 24 to 256 in steps of 8, got head_dim=16"),
         (((30, 48, 80), 0.9), {"window": (30, 48, 80)}, ValueError, r"window=\(30, 48, 80\) has sparsity 0.000000"),
         (((30, 48, 80), 0.9), {"window": (18, 24)}, ValueError, "window must have one value per dimension"),
         (((30, 48, 80), 0.9), {"max_stride": 0}, ValueError, "max_stride must be at least 1"),

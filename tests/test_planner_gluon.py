@@ -263,6 +263,8 @@ def test_auto_precision_keeps_bf16_where_fp8_cannot_be_compared_or_run():
     dynamic = best((30, 48, 80), 0.9, heads=24, precision="auto", kv_tiling="dynamic", cost_model=CHEAP)
     assert dynamic.precision is None and dynamic.search.precision_note.startswith("FP8 was not planned:")
     assert [p[0] for p in dynamic.search.precisions] == ["bf16"]
+    narrow = best((30, 48, 80), 0.9, heads=24, head_dim=16, precision="auto", cost_model=CHEAP)  # no FP8 kernel
+    assert narrow.precision is None and "supports head_dim 24 to 256" in narrow.search.precision_note
     for options in (dict(training=True), dict(world_size=2)):
         with pytest.raises(ValueError, match=r"precision='auto' chooses between bf16 and FP8 for inference"):
             best((30, 48, 80), 0.9, heads=24, precision="auto", cost_model=CHEAP, **options)

@@ -23,7 +23,8 @@ kernel module of its own accord:
   (tile products per visited pair).
 - Block masks: `check_block` (with `MIN_Q_BLOCK` for query blocks), `check_dense_mask`, `check_seq_len`, and
   `default_blocks` (the program tiles the kernel runs a mask's blocks in).
-- Both: `check_precision`, `use_triton` / `runs_eagerly` (where and how a call runs), `has_tensor_descriptors`.
+- Both: `check_precision` and `fp8_head_split` (FP8's head dims, with its sentence), `use_triton` /
+  `runs_eagerly` (where and how a call runs), `has_tensor_descriptors`.
 - For timing only (planner.cost.calibrate): `gna_forward_for_timing`, `gna_backward_for_timing`.
 """
 
@@ -35,7 +36,7 @@ from natsim import Problem
 
 from ..common.backend import runs_eagerly, use_triton
 from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
-from ..common.fp8 import check_precision
+from ..common.fp8 import check_precision, fp8_head_split
 from ..common.headdim import head_split
 from ..common.launch import has_tensor_descriptors
 from ..common.rows import aligned_width, copies_layout_rows
@@ -51,6 +52,7 @@ from .capabilities import Capabilities
 from .values import powers_of_two
 
 __all__ = [
+    "fp8_head_split",
     "GNA",
     "MASKS",
     "TILE_TOKENS",

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from natsim import SweepResult, TileConfig, simulate, sweep
-from natsim.kernels.backends.triton import DEFAULT_VARIANT, check_precision, kernel_tiles, permutes
+from natsim.kernels.backends.triton import DEFAULT_VARIANT, check_precision, fp8_head_split, kernel_tiles, permutes
 from natsim.tiles import KV_TILINGS
 from natsim.problem import IntOrInts, BoolOrBools, Problem, as_bools, as_ints, as_shape
 
@@ -368,6 +368,8 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
                              f"{target_sparsity=}.")
     heads = _check_heads(heads)
     head_dim = check_head_dim(head_dim)
+    if precision == "fp8":
+        fp8_head_split(head_dim)  # the FP8 kernels' head dims, refused with their sentence before any search
     dtype = as_dtype(dtype)
     gpu, model, kv_tilings = ranking(device, cost_model, training, kv_tiling, precision)
     choice = backend_choice(backends, device=device, model=model, training=training, gpu=gpu,

@@ -37,7 +37,7 @@ import torch
 
 from natsim.kernels import SparseMask
 from natsim.kernels.backends import capabilities
-from natsim.kernels.backends.triton import check_precision, default_blocks
+from natsim.kernels.backends.triton import check_precision, default_blocks, fp8_head_split
 
 from ..backends import BackendsLike, backend_choice, fa4_mask_refusal, gluon_tiles_refusal
 from ..catalog import as_dtype, dtype_name
@@ -243,6 +243,8 @@ def best_mask(
     q_options = _blocks("q_blocks", q_blocks, q_block)
     kv_options = _blocks("kv_blocks", kv_blocks, kv_block)
     precision = check_precision(precision)
+    if precision is not None:
+        fp8_head_split(head_dim)  # the FP8 kernels' head dims, refused with their sentence before any search
     gpu, model = resolve_cost_model(device, cost_model)
     if model is not None and not model.has("sparse" if precision is None else "sparse-fp8"):
         model = None
