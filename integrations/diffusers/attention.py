@@ -82,7 +82,7 @@ class Router:
         self.masked = masked
         self.keep_own = keep_own
         self.verdicts: dict[tuple, Verdict] = {}  # per (layout, joint tokens, heads, head_dim, dtype, device)
-        self.too_small: set[tuple[int, ...]] = set()  # layouts shorter than any tile, left to the model (warned once)
+        self.tileless: dict[tuple, bool] = {}  # per (layout, head_dim): shorter than any tile (left to the model)
         self.serving = True  # whether natsim serves the current forward call's layout (decide)
         self.whole = True  # whether modules attend over the whole layout through this router (not only its views)
         self.layout: Optional[tuple[int, ...]] = None
@@ -108,8 +108,7 @@ class Router:
         its first call outside a compiled graph and kept (module docstring); the views, which hold the latent
         alone, decide for their own layouts."""
         verdict = None
-        if self.keep_own and self.whole and self.layout is not None and not tile_pairs(self.layout, head_dim):
-            self._too_small(head_dim)
+        if self.keep_own and self.whole and self.layout is not None and self._too_small(head_dim):
             verdict = Verdict(self.layout, False)
         elif self.keep_own and self.whole and self.auto is not None and self.masked is None:
             key = (self.layout, text, heads, head_dim, dtype, device)
@@ -123,15 +122,18 @@ class Router:
         for view in self.views:
             view.decide(heads, head_dim, dtype, device)
 
-    def _too_small(self, head_dim: int) -> None:
-        """Warn, once per layout, that it holds fewer tokens than any tile natsim plans (one tile would be the whole
-        sequence: nothing to skip), so the model's own attention runs on it."""
-        if self.layout not in self.too_small and not torch.compiler.is_compiling():
-            self.too_small.add(self.layout)
-            warnings.warn(f"natsim keeps the model's own attention on layout {self.layout} "
-                          f"({math.prod(self.layout)} tokens): it is shorter than every tile natsim plans for "
-                          f"head_dim {head_dim}, so one tile would be the whole sequence and nothing could be skipped "
-                          "(apply(..., keep_own=False) refuses such a layout instead).", stacklevel=3)
+    def _too_small(self, head_dim: int) -> bool:
+        """Whether the layout is shorter than every tile natsim plans for `head_dim` (one tile would be the whole
+        sequence: nothing to skip), found once per layout and then warned of: the model's own attention runs it."""
+        key = (self.layout, head_dim)
+        if key not in self.tileless:
+            self.tileless[key] = not tile_pairs(self.layout, head_dim)
+            if self.tileless[key] and not torch.compiler.is_compiling():
+                warnings.warn(f"natsim keeps the model's own attention on layout {self.layout} "
+                              f"({math.prod(self.layout)} tokens): it is shorter than every tile natsim plans for "
+                              f"head_dim {head_dim}, so one tile would be the whole sequence and nothing could be "
+                              "skipped (apply(..., keep_own=False) refuses such a layout instead).", stacklevel=3)
+        return self.tileless[key]
 
     # -- attention over part of the layout --------------------------------------------------------------------
 
