@@ -80,11 +80,11 @@ def _auto(shape: tuple[int, ...], parameters: tuple, tiles: tuple, split: tuple[
           chunks: Optional[int], gpu_index: int, halo_on_gathered: bool = False) -> str:
     """`"auto"`'s pick from plain values (`rates`: the link's all-to-all and point-to-point bytes per second and
     latencies; None: the link measured for GPU `gpu_index`'s kind and this many ranks, natsim.stored.link_for,
-    -1 for CPU tensors): host arithmetic (numpy) that torch.compile runs once while tracing, its result a
+    -1 for CPU tensors, whose link is the CPUs' that `natsim calibrate-link` writes under gloo): host arithmetic (numpy) that torch.compile runs once while tracing, its result a
     constant of the graph, instead of tracing it."""
     problem = Problem(shape, *parameters)
     if rates is None:
-        link = link_for(torch.cuda.get_device_name(gpu_index) if gpu_index >= 0 else None, len(split))
+        link = link_for(torch.cuda.get_device_name(gpu_index) if gpu_index >= 0 else "cpu", len(split))
     else:
         link = Link(Rate(rates[0], rates[1]), Rate(rates[2], rates[3]))
     return choose(problem, strategy_tiles(problem, sizes[2], *tiles), split, *sizes, training, strategies, link, chunks,

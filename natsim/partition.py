@@ -60,8 +60,10 @@ class Rate:
     latency_seconds: float = 0.0
 
     def __post_init__(self):
-        if not self.bytes_per_second > 0 or not self.latency_seconds >= 0:
-            raise ValueError("a Rate needs bytes_per_second > 0 and latency_seconds >= 0, got "
+        finite = all(not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+                     for value in (self.bytes_per_second, self.latency_seconds))
+        if not finite or not self.bytes_per_second > 0 or not self.latency_seconds >= 0:
+            raise ValueError("a Rate needs finite numbers, bytes_per_second > 0 and latency_seconds >= 0, got "
                              f"bytes_per_second={self.bytes_per_second!r}, latency_seconds={self.latency_seconds!r}.")
 
     def seconds(self, moved: int) -> float:
@@ -99,6 +101,9 @@ class Link:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Link":
+        if not isinstance(data, dict):
+            raise ValueError(f"a link must be a JSON object with 'all_to_all' and 'point_to_point' rates, got a value "
+                             f"of type {type(data).__name__}.")
         return cls(Rate(*data["all_to_all"]), Rate(*data["point_to_point"]), str(data.get("source", "")))
 
 

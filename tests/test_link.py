@@ -5,6 +5,7 @@ calibrate-link` writes). calibrate_link itself runs in the gloo world of tests/t
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -178,3 +179,40 @@ def test_auto_without_a_link_prices_with_the_link_measured_for_the_gpus_at_hand(
     shipped = link_for("NVIDIA H200", 4)
     assert shipped == Link.from_dict(json.loads((LINKS_DIR / link_file_name("NVIDIA H200", 4)).read_text()))
     assert shipped != DEFAULT_LINK
+
+
+def test_the_cpus_link_is_read_where_no_gpu_is(tmp_path, monkeypatch):
+    """`natsim calibrate-link` under gloo writes the CPUs' link (`link-cpu-x2.json`): the planner without a GPU and
+    "auto" on CPU tensors price with it."""
+    from natsim.distributed import gna
+    from natsim.planner import best
+    from natsim.stored import link_file_name
+
+    monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path))
+    (tmp_path / "coefficients").mkdir()
+    cpus = Link(Rate(3e9, 1e-4), Rate(2e9, 2e-4), "2 x cpu, natsim calibrate-link")
+    (tmp_path / "coefficients" / link_file_name("cpu", 2)).write_text(json.dumps(cpus.to_dict()))
+    plan = best((8, 16, 16), 0.75, heads=4, world_size=2, device="cpu")
+    assert plan.link == cpus
+    problem = Problem((30, 48, 80), (7, 24, 24), (1, 8, 8))
+    parameters = (problem.window, problem.stride, problem.dilation, problem.causal)
+    monkeypatch.setattr(gna, "choose", lambda *arguments: next(a for a in arguments if isinstance(a, Link)))
+    assert gna._auto(problem.shape, parameters, ((4, 8, 8), (2, 8, 8), "static"), (20, 10), (1, 24, 128, 2), False,
+                     ("halo", "ulysses"), None, None, -1) == cpus
+
+
+def test_files_that_are_not_objects_are_passed_over_or_refused_with_a_sentence(tmp_path, monkeypatch):
+    """In the user's folder a JSON file that is not an object is no cost model (passed over: planning goes on) and
+    no link (the plan over ranks that would price with it says which file and why)."""
+    from natsim.planner import best
+    from natsim.stored import link_file_name
+
+    monkeypatch.setenv("NATSIM_DATA_DIR", str(tmp_path))
+    (tmp_path / "coefficients").mkdir()
+    (tmp_path / "coefficients" / link_file_name("NVIDIA H100 80GB HBM3", 2)).write_text("[1, 2]")
+    assert best((4, 6, 8), 0.5, device="h100").calibrated
+    with pytest.raises(ValueError, match="is not a readable interconnect calibration: a link must be a JSON object"):
+        best((4, 6, 8), 0.5, device="h100", world_size=2)
+    for rates in ((1e9, math.inf), (True, 0.0), (math.nan, 0.0)):
+        with pytest.raises(ValueError, match="a Rate needs finite numbers"):
+            Rate(*rates)

@@ -241,6 +241,9 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "CostModel":
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a cost model must be a JSON object with format {FORMAT!r}, got a value of type "
+                             f"{type(data).__name__}.")
         if data.get("format") != FORMAT:
             raise ValueError(f"a cost model must have format {FORMAT!r}, got format={data.get('format')!r}.")
         return cls(gpu=str(data["gpu"]), coefficients=data["coefficients"], info=data.get("info", {}),

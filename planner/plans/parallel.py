@@ -129,14 +129,19 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
         check_record(data, "a parallel plan", FORMAT, needed, "ParallelPlan.to_dict")
         plan = Plan.from_dict({key: value for key, value in data.items() if key not in PARALLEL_KEYS})
         with required_keys("a parallel plan's 'strategies' and 'link'"):
-            costs = {str(name): StrategyCost.from_dict(cost) for name, cost in data["strategies"].items()}
-            link = Link.from_dict(data["link"])
-        strategy, split = str(data["strategy"]), tuple(int(frames) for frames in data["split"])
-        if strategy not in costs or sum(split) != plan.problem.shape[0] or len(split) != int(data["world_size"]):
+            try:
+                costs = {str(name): StrategyCost.from_dict(cost) for name, cost in data["strategies"].items()}
+                link = Link.from_dict(data["link"])
+                strategy, split = str(data["strategy"]), tuple(int(frames) for frames in data["split"])
+            except (AttributeError, TypeError) as error:
+                raise ValueError(f"a parallel plan's 'strategies', 'link' and 'split' must be as "
+                                 f"ParallelPlan.to_dict writes them: {error}.") from None
+        frames, world_size = plan.problem.shape[0], data["world_size"]
+        if strategy not in costs or sum(split) != frames or len(split) != world_size or min(split) < 1:
             raise ValueError(f"a parallel plan must run one of its priced strategies {sorted(costs)} over a split of "
-                             f"the {plan.problem.shape[0]} frames into world_size={data['world_size']} parts, got "
+                             f"the {frames} frames into world_size={world_size} parts of one frame or more, got "
                              f"strategy={strategy!r}, split={split}.")
-        return cls(plan=plan, world_size=int(data["world_size"]), strategy=strategy, split=split, costs=costs,
+        return cls(plan=plan, world_size=len(split), strategy=strategy, split=split, costs=costs,
                    link=link, notes=tuple(str(note) for note in data.get("notes", ())))
 
     def to_json(self, indent: Optional[int] = 2) -> str:

@@ -670,7 +670,7 @@ def best(
     world_size = check_world_size(world_size, request.shape[0])  # checked above; numpy's ints become ints
     halo = None if halo_runs(plan) else _halo_request(request)
     return parallel_plan(plan, world_size, halo_plan=None if halo is None else _search(halo),
-                         link=link_for(request.gpu, world_size))
+                         link=link_for(request.gpu or "cpu", world_size))  # no GPU: the CPUs' (gloo) link
 
 
 def _halo_request(request: _Request) -> Optional[_Request]:
