@@ -68,10 +68,12 @@ def read_mask(path: Path) -> tuple[object, dict]:
         else:
             with np.load(path, allow_pickle=False) as archive:
                 data = {name: archive[name] for name in archive.files}
-                if MASK_KEY not in data and len(data) == 1:
-                    data = {MASK_KEY: next(iter(data.values()))}
+                arrays = [name for name, value in data.items() if value.ndim > 0]  # the scalars beside are sizes
+                if MASK_KEY not in data and len(arrays) == 1:
+                    data = {**data, MASK_KEY: data.pop(arrays[0])}
     except Exception as error:  # any failure to read is bad input here, named in one line
-        raise CliInputError(f"mask file {path} could not be read: {type(error).__name__}: {error}") from None
+        why = " ".join(str(error).split())
+        raise CliInputError(f"mask file {path} could not be read: {type(error).__name__}: {why}") from None
     if not isinstance(data, dict):
         data = {MASK_KEY: data}
     if MASK_KEY not in data:

@@ -230,6 +230,16 @@ def test_cli_takes_a_bare_tensor_with_blocks_on_the_command_line(tmp_path):
     assert all(c["density"] == 1.0 for c in record["candidates"])
 
 
+def test_cli_reads_one_unnamed_array_beside_its_sizes_and_writes_strict_json(tmp_path):
+    """An .npz of one array and the three scalars (`np.savez(f, mask, q_block=..., ...)`) is a mask file; an empty
+    mask's plan (no work, an infinite speedup in tile work) is still strict JSON."""
+    np.savez(tmp_path / "one.npz", np.zeros((1, 1, 10, 10), bool), q_block=16, kv_block=16, seq_len=150)
+    result = runner.invoke(app, ["mask", str(tmp_path / "one.npz"), "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert record["seq_len"] == 150 and record["fine_q_block"] == 16 and record["predicted_speedup"] is None
+
+
 @pytest.mark.parametrize("content, name, message", [
     (None, "missing.pt", "does not exist"),
     (b"not a zip", "broken.npz", "could not be read"),
@@ -238,6 +248,7 @@ def test_cli_takes_a_bare_tensor_with_blocks_on_the_command_line(tmp_path):
     ("nokey", "nokey.npz", "with the key 'mask'"),
     ("5d", "5d.pt", "must be [nQ, nKV], [heads, nQ, nKV] or [batch, heads, nQ, nKV]"),
     ("rows", "rows.pt", "must be [batch or 1, heads or 1"),
+    ("numpy", "numpy.pt", "could not be read: UnpicklingError: Weights only load failed."),  # torch's many lines
 ])
 def test_cli_bad_files_are_one_red_line_and_exit_2(tmp_path, content, name, message):
     path = tmp_path / name
@@ -251,6 +262,8 @@ def test_cli_bad_files_are_one_red_line_and_exit_2(tmp_path, content, name, mess
         torch.save(torch.ones(1, 1, 1, 2, 2, dtype=torch.bool), path)
     elif content == "rows":
         torch.save({"mask": torch.ones(3, 5, dtype=torch.bool), "q_block": 16, "kv_block": 16}, path)
+    elif content == "numpy":
+        torch.save({"mask": np.ones((2, 2), bool)}, path)
     result = runner.invoke(app, ["mask", str(path)])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output

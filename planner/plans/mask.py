@@ -394,7 +394,7 @@ class MaskPlan:
                 "seq_len", "fine_q_block", "fine_kv_block", "q_block", "kv_block", "merge", "batch", "heads",
                 "head_dim", "dtype", "gpu", "basis", "score", "dense_score", "tie_tolerance", "precision", "backend")},
             "predicted_time_s": self.predicted_time_s,
-            "predicted_speedup": self.predicted_speedup,
+            "predicted_speedup": self.predicted_speedup if math.isfinite(self.predicted_speedup) else None,  # JSON
             "breakdown": dict(self.breakdown),
             "candidates": [c.to_dict() for c in self.candidates],
             "backends": list(self.backends),
