@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Sequence, Union
@@ -60,7 +61,7 @@ class Rate:
     latency_seconds: float = 0.0
 
     def __post_init__(self):
-        finite = all(not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        finite = all(isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
                      for value in (self.bytes_per_second, self.latency_seconds))
         if not finite or not self.bytes_per_second > 0 or not self.latency_seconds >= 0:
             raise ValueError("a Rate needs finite numbers, bytes_per_second > 0 and latency_seconds >= 0, got "

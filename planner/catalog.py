@@ -11,7 +11,6 @@ kernel's own default tiles come from the same list. Each tile pair comes in the 
 from __future__ import annotations
 
 import numbers
-
 from typing import Sequence
 
 import torch

@@ -667,7 +667,7 @@ def best(
     plan = _search(request)
     if world_size is None:
         return plan
-    world_size = check_world_size(world_size, request.shape[0])  # checked above; numpy's ints become ints
+    world_size = int(world_size)  # checked by _normalise; numpy's integers become ints
     halo = None if halo_runs(plan) else _halo_request(request)
     return parallel_plan(plan, world_size, halo_plan=None if halo is None else _search(halo),
                          link=link_for(request.gpu or "cpu", world_size))  # no GPU: the CPUs' (gloo) link
