@@ -56,7 +56,7 @@ def test_joint_attention_matches_a_brute_force_mask(layout, text, text_first, ma
     window = tuple(max(1, n // 2) + (n % 2) for n in layout)
     problem = natsim.Problem(layout, window)
     router = Router(AutoPlan(0.0, window=window), text_first)
-    router.set_layout(layout)
+    router.set_layout(layout, joint=text)
     tokens = problem.num_tokens + text
     q, k, v = (torch.randn(2, tokens, 2, 32, generator=gen).half() for _ in range(3))
     keep = torch.ones(2, tokens, dtype=torch.bool)
@@ -75,7 +75,7 @@ def test_joint_attention_refuses_a_bias_and_masked_video_keys():
     """An additive mask with values other than 0 and masked (a bias), or one that masks video keys, which GNA
     attends by its window, fails on the device (here the CPU, at once) with a sentence, never a silent miss."""
     router = Router(AutoPlan(0.0, window=(4, 4)), text_first=True)
-    router.set_layout((4, 4))
+    router.set_layout((4, 4), joint=3)
     q = torch.randn(1, 19, 2, 32).half()
     bias = torch.zeros(1, 1, 1, 19, dtype=q.dtype)
     bias[..., 0] = -5.0
@@ -91,12 +91,29 @@ def test_calls_natsim_does_not_serve_go_to_the_model():
     router = Router(AutoPlan(0.5), text_first=False)
     q = torch.randn(1, 64, 2, 32).half()
     assert router.attend(q, q, q, None, None) is None  # no layout told yet: not inside a forward
-    router.set_layout((4, 4, 4))
+    router.set_layout((4, 4, 4), joint=6)
     assert router.attend(q, torch.randn(1, 6, 2, 32).half(), torch.randn(1, 6, 2, 32).half(), None, None) is None
-    assert router.attend(q[:, :32], q[:, :32], q[:, :32], None, None) is None  # fewer tokens than the layout
     with pytest.raises(ValueError, match=r"key mask of shape \[batch, 1, 1, tokens\]"):
         router.attend(torch.randn(1, 70, 2, 32).half(), torch.randn(1, 70, 2, 32).half(),
                       torch.randn(1, 70, 2, 32).half(), torch.ones(1, 2, 70, 70, dtype=torch.bool), None)
+
+
+@pytest.mark.parametrize("tokens, joint", [(32, 0), (63, 6), (64, 0), (65, 0), (67, 6), (71, 6)])
+def test_a_token_count_the_layout_does_not_explain_is_refused(tokens, joint):
+    """A routed self-attention call holds the layout's tokens and at most the call's joint tokens beside them
+    (fewer: a text-dropping class such as Mochi); any other count means the layout is not the latent's (a wrong
+    `layout=`, a layout function that forgot the patch size), and is refused rather than windowed over the wrong
+    grid or handed to the model's own attention in silence."""
+    router = Router(AutoPlan(0.5), text_first=False)
+    router.set_layout((4, 4, 4), joint=joint)
+    q = torch.randn(1, tokens, 2, 32).half()
+    served = 64 <= tokens <= 64 + joint
+    if served:
+        assert router.attend(q, q, q, None, None).shape == q.shape
+    else:
+        with pytest.raises(ValueError, match=rf"holds {tokens} tokens, but the token layout \(4, 4, 4\) holds 64 and "
+                                             rf"the call's other tokens number at most {joint}"):
+            router.attend(q, q, q, None, None)
 
 
 # -- every supported model --------------------------------------------------------------------------------------

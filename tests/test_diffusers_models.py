@@ -173,7 +173,7 @@ def test_the_router_attends_tokens_on_both_sides_of_the_layout_under_a_pairwise_
     if not text_first:
         before, after = 0, before + after
     router = Router(AutoPlan(0.0, window=window), text_first)
-    router.set_layout(layout, trailing=after if text_first else 0)
+    router.set_layout(layout, trailing=after if text_first else 0, joint=before if text_first else after)
     video = math.prod(layout)
     tokens = before + video + after
     gen = torch.Generator().manual_seed(0)
@@ -326,7 +326,8 @@ def registered():
 
 
 def test_a_registered_class_runs_natsims_attention_under_its_text_rule(registered, reference_path, monkeypatch):
-    registered(TinyDiT, nd.ModelSpec("blocks.attn", lambda call: tuple(call.required("latent").shape[2:]), "before"))
+    registered(TinyDiT, nd.ModelSpec("blocks.attn", lambda call: tuple(call.required("latent").shape[2:]), "before",
+                                      joint=("text",)))
     layout = (2, 4, 8)
     model, inputs = TinyDiT(), tiny_dit_inputs(layout)
     with torch.no_grad():
@@ -343,7 +344,8 @@ def test_a_registered_class_runs_natsims_attention_under_its_text_rule(registere
 def test_a_registered_class_compiles_whole_without_graph_breaks_or_recompiles(registered, reference_path):
     """Its layout function runs in the forward pre-hook, inside the graph of a whole-model compile (Dynamo's
     guards do not depend on the backend: "eager" keeps the test short)."""
-    registered("TinyDiT", nd.ModelSpec("blocks.attn", lambda call: tuple(call.required("latent").shape[2:]), "before"))
+    registered("TinyDiT", nd.ModelSpec("blocks.attn", lambda call: tuple(call.required("latent").shape[2:]), "before",
+                                      joint=("text",)))
     torch._dynamo.reset()
     model, inputs = TinyDiT(), tiny_dit_inputs((2, 4, 8))
     applied = nd.apply(model, 0.5, dtype=torch.float16)
@@ -357,7 +359,7 @@ def test_a_registered_class_compiles_whole_without_graph_breaks_or_recompiles(re
 
 
 def test_a_registered_spec_without_a_layout_takes_applys(registered):
-    registered("TinyDiT", nd.ModelSpec("blocks.attn", text="before"))
+    registered("TinyDiT", nd.ModelSpec("blocks.attn", text="before", joint=("text",)))
     model = TinyDiT()
     nd.apply(model, 0.5, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"has no layout function: pass the token layout to apply\(\)"):
@@ -367,6 +369,37 @@ def test_a_registered_spec_without_a_layout_takes_applys(registered):
     with torch.no_grad():
         model(**tiny_dit_inputs((2, 4, 8)))
     assert [key[0] for key in applied.plans] == [(2, 4, 8)]
+
+
+@pytest.mark.parametrize("layout", [(2, 4, 7), (2, 8, 8), (1, 4, 8)])
+def test_a_layout_that_is_not_the_latents_is_refused_at_the_first_call(registered, reference_path, layout):
+    """apply(layout=...) is taken as given, but a call whose token count it does not explain (too few layout
+    tokens: the rest would be taken for text; too many: natsim would never run) raises instead of running."""
+    registered("TinyDiT", nd.ModelSpec("blocks.attn", text="before", joint=("text",)))
+    model = TinyDiT()
+    nd.apply(model, 0.5, dtype=torch.float16, layout=layout)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"the layout is not this call's latent"):
+        model(**tiny_dit_inputs((2, 4, 8)))
+
+
+def test_apply_and_remove_take_a_compiled_wrapper_as_its_model(registered, reference_path):
+    """`torch.compile(model)` wraps the model in an OptimizedModule: apply and remove reach through it, so the spec
+    is the model's class's (a positional call reads its arguments) and the compiled calls run natsim's attention,
+    then, after remove, the model's own again."""
+    registered("TinyDiT", nd.ModelSpec("blocks.attn", lambda call: tuple(call.required("latent").shape[2:]), "before",
+                                       joint=("text",)))
+    torch._dynamo.reset()
+    model, inputs = TinyDiT(), tiny_dit_inputs((2, 4, 8))
+    with torch.no_grad():
+        own = model(**inputs)[0]
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        applied = nd.apply(compiled, 0.5, dtype=torch.float16, keep_own=False)
+        routed = compiled(inputs["latent"], inputs["text"])[0]
+        assert model._natsim is applied and [key[0] for key in applied.plans] == [(2, 4, 8)]
+        assert not torch.allclose(routed, own, atol=1e-3)  # sparsity 0.5 changes what the latent attends
+        assert torch.allclose(routed, model(**inputs)[0], atol=1e-6)  # the eager model, natsim applied
+        nd.remove(compiled)
+        assert torch.equal(compiled(inputs["latent"], inputs["text"])[0], own)
 
 
 def test_specs_and_registrations_refuse_what_natsim_cannot_use():

@@ -214,6 +214,58 @@ def test_unavailable_says_why_in_a_sentence():
     assert installed is None or installed.endswith(".") and "FlashAttention-4" in installed
 
 
+def _dense(q, k, v, scale):
+    """Attention over every key of `[B, N, H, D]` tensors, and its LSE `[B, N, H]`."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    lse = scores.logsumexp(-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v)
+    return out, lse.transpose(1, 2)
+
+
+@pytest.mark.parametrize("loss_on", ["lse", "out", "both"])
+def test_the_block_mask_operators_gradients_take_whichever_output_the_loss_reads(monkeypatch, loss_on):
+    """natsim's autograd around FlashAttention-4's block-mask calls (the library runs on GPUs only:
+    tests/test_fa4_gpu.py), with the library's forward and backward stood in for by float64 attention over every
+    key: a loss on the LSE alone (no gradient for the output), on the output alone, or on both differentiates as
+    float64 autograd does."""
+    from natsim.kernels.fa4 import ops, run
+
+    def forward(q, k, v, scale, lists, mask, return_lse):
+        out, lse = _dense(q, k, v, scale)
+        return out, (lse if return_lse else None)
+
+    def backward(q, k, v, out, grad_out, lse, grad_lse, scale, lists, mask):
+        # the gradients written out (an operator's implementation runs below autograd): with P the softmax,
+        # dS = P * (dO v^T - rowsum(dO * out) + dlse)
+        probs = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) * scale, -1)
+        shift = (grad_out * out).sum(-1).transpose(1, 2)[..., None]
+        if grad_lse is not None:
+            shift = shift - grad_lse.transpose(1, 2)[..., None]
+        grad_scores = probs * (torch.einsum("bqhd,bkhd->bhqk", grad_out, v) - shift)
+        return (torch.einsum("bhqk,bkhd->bqhd", grad_scores, k) * scale,
+                torch.einsum("bhqk,bqhd->bkhd", grad_scores, q) * scale,
+                torch.einsum("bhqk,bqhd->bkhd", probs, grad_out))
+
+    monkeypatch.setattr(run, "forward", forward)
+    monkeypatch.setattr(run, "backward", backward)
+    lists = lists_from_blocks(torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.ones(1, 1, 1, 1, dtype=torch.bool),
+                              128, 128)
+    tensors, sizes = ops.lists_schema(lists)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 2, 8, dtype=torch.float64, generator=generator) for _ in range(3))
+    weights = torch.randn(1, 24, 2, 8, dtype=torch.float64, generator=generator)
+
+    def loss(out, lse):
+        return {"lse": lse.sum(), "out": (out * weights).sum(), "both": lse.sum() + (out * weights).sum()}[loss_on]
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = torch.autograd.grad(loss(*ops.fa4_blocks(*leaves, tensors, sizes, None, True)), leaves)
+    flat = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(loss(*_dense(*flat, 8**-0.5)), flat, allow_unused=True)  # the LSE: no dv
+    for a, b in zip(got, (torch.zeros_like(t) if g is None else g for t, g in zip(flat, want))):
+        assert torch.allclose(a, b, atol=1e-12), (a - b).abs().max()
+
+
 def test_the_block_mask_operator_has_fake_shapes_for_compiled_graphs():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

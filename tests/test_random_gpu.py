@@ -46,6 +46,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def gradient_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """`rel` with a floor of 1e-2 per element under the norm, as tests/test_backward.py (the gradients of these
+    Gaussian inputs are of order one): where every query attends one key (one token, windows of one) float64's dq
+    and dk are exactly 0, and a kernel's rounding residue (`dO v - rowsum(dO o)`, about 1e-7 per element) must not
+    count as an infinite error."""
+    floor = 1e-2 * math.sqrt(b.numel())
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor))
+
+
 @st.composite
 def layouts(draw) -> Problem:
     """A GNA problem of up to about 4,096 tokens: lengths biased to tile borders and odd sizes."""
@@ -116,7 +125,8 @@ def test_gna_on_drawn_layouts_is_float64_attention_under_the_brute_force_mask(pr
         got = torch.autograd.grad(out, leaves, grad)
         expected = torch.autograd.grad(want, flat, grad.double().flatten(1, -3))
         for name, a, b in zip(("dq", "dk", "dv"), got, expected):
-            assert rel(a.flatten(1, -3), b) < 2 * TOLERANCE[dtype], (chosen, name, rel(a.flatten(1, -3), b))
+            error = gradient_rel(a.flatten(1, -3), b)
+            assert error < 2 * TOLERANCE[dtype], (chosen, name, error)
 
 
 @settings(max_examples=8, **NO_SHRINK)
@@ -201,7 +211,7 @@ def test_block_masks_are_float64_attention_under_the_expanded_mask(case, head_di
     if gradients:
         expected = torch.autograd.grad(want, flat, grad.double())
         for name, a, b in zip(("dq", "dk", "dv"), got, expected):
-            assert rel(a, b) < 2 * TOLERANCE[dtype], (name, rel(a, b))
+            assert gradient_rel(a, b) < 2 * TOLERANCE[dtype], (name, gradient_rel(a, b))
 
 
 @RANDOM

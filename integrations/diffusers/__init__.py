@@ -113,6 +113,7 @@ def apply(
     the whole layout (natsim.integrations.diffusers.parallel); what natsim cannot run there (ring attention,
     uneven shares, split attention, `tile_order=True`) is refused with a sentence at whichever call comes second.
     """
+    transformer = _unwrapped(transformer)
     spec = spec_of(transformer)
     if hasattr(transformer, "_natsim"):
         raise ValueError("natsim is already applied to this transformer: call remove(transformer) first.")
@@ -141,10 +142,10 @@ def apply(
     order = None if points is None else ModelOrder(transformer, points, router, heads, head_dim, bool(tile_order))
 
     def tell_layout(model, args, kwargs):
-        router.set_layout(*spec.tokens(model, args, kwargs, layout))
+        router.set_layout(*spec.tokens(model, args, kwargs, layout), joint=spec.joint_tokens(args, kwargs))
         parameter = next(model.parameters())
         dtype, device = router.kernel_dtype(parameter), parameter.device
-        router.decide(heads, head_dim, dtype, device, spec.joint_tokens(args, kwargs) + router.trailing)
+        router.decide(heads, head_dim, dtype, device, router.outside)
         if order is not None:
             order.begin(dtype, device)
         if masked is not None:
@@ -158,6 +159,7 @@ def apply(
 
 def remove(transformer: nn.Module) -> None:
     """Give `transformer` its own attention processors back and forget its plans."""
+    transformer = _unwrapped(transformer)
     applied: Optional[Applied] = getattr(transformer, "_natsim", None)
     if applied is None:
         raise ValueError("natsim is not applied to this transformer (apply(transformer, ...) was not called).")
@@ -172,3 +174,12 @@ def remove(transformer: nn.Module) -> None:
     if applied.order is not None:
         applied.order.remove()
     del transformer._natsim
+
+
+def _unwrapped(transformer: nn.Module) -> nn.Module:
+    """The model a `torch.compile` wrapper (`OptimizedModule`) holds, or `transformer` itself: natsim routes the
+    model's modules and hooks its forward, which the wrapper's compiled calls run, so `apply` and `remove` take the
+    wrapper or the model alike."""
+    if isinstance(transformer, torch._dynamo.eval_frame.OptimizedModule):
+        return transformer._orig_mod
+    return transformer

@@ -87,17 +87,21 @@ class Router:
         self.whole = True  # whether modules attend over the whole layout through this router (not only its views)
         self.layout: Optional[tuple[int, ...]] = None
         self.trailing = 0  # text-first joint attention: tokens after the video tokens (reference images)
+        self.outside = 0  # the most tokens a routed call may hold beside the layout's (joint arguments, trailing)
         self.order: Optional[TileOrder] = None  # the video tokens' order when the model keeps a tile order
         self.views: list[RouterView] = []
         self.folded = 1  # layouts one call attends at once (a view's: the dims it folds into the batch)
         self.ulysses = None  # diffusers' context parallelism where it is on (parallel.py: Ulysses)
         self.sequence_attend: Optional[int] = None  # its attention under Ulysses, registered by parallel.py
 
-    def set_layout(self, layout: tuple[int, ...], trailing: int = 0) -> None:
-        """The token layout of the forward call beginning, and the tokens outside it that follow the video
-        tokens in text-first joint attention (reference images); the views follow."""
+    def set_layout(self, layout: tuple[int, ...], trailing: int = 0, joint: int = 0) -> None:
+        """The token layout of the forward call beginning, the tokens outside it that follow the video tokens in
+        text-first joint attention (reference images), and the tokens of the call's joint arguments (the spec's
+        `joint`: text): a routed self-attention call holds the layout's tokens and at most these beside them
+        (`attend` refuses any other count); the views follow."""
         self.layout = tuple(layout)
         self.trailing = trailing
+        self.outside = joint + trailing
         for view in self.views:
             view.set_layout(view.select(self.layout), trailing)
 
@@ -163,16 +167,29 @@ class Router:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                scale: Optional[float]) -> Optional[torch.Tensor]:
         """`[B, N, heads, head_dim]` attention through natsim, or None when the call is not one natsim serves."""
-        if not self.serving or self.layout is None or q.dim() != 4 or q.shape[1] != k.shape[1] or k.shape != v.shape:
+        if self.layout is None or q.dim() != 4 or q.shape[1] != k.shape[1] or k.shape != v.shape:
             return None
         video = math.prod(self.layout)
         # A class that drops a sample's padding text tokens (Mochi) gives a token count that is data-dependent
         # under torch.compile: undecidable comparisons take the joint route, which serves any count past video.
+        if guard_or_false(q.shape[1] < video) or guard_or_false(q.shape[1] > video + self.outside):
+            raise ValueError(self._miscounted(q.shape[1]))
+        if not self.serving:
+            return None
         if guard_or_false(q.shape[1] == video) and key_mask is None:
             return self._video(q, k, v, scale)
         if guard_or_true(q.shape[1] > video):
             return self._joint(q, k, v, video, key_mask, scale)
         return None
+
+    def _miscounted(self, tokens: int) -> str:
+        """The refusal of a routed self-attention call whose token count the layout does not explain."""
+        video = math.prod(self.layout)
+        return (f"a routed attention call holds {tokens} tokens, but the token layout {self.layout} holds {video} and "
+                f"the call's other tokens number at most {self.outside} (the spec's joint arguments and the layout's "
+                "trailing tokens): the layout is not this call's latent. Check apply(..., layout=...) or the spec's "
+                "layout function (the latent's sizes divided by the patch sizes), and name the arguments whose tokens "
+                "join the latent's in ModelSpec(joint=...) or return nd.Tokens(layout, trailing).")
 
     def kernel_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype natsim's kernels take `x`'s values in (module docstring)."""

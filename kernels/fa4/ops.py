@@ -82,8 +82,7 @@ def _blocks_backward(ctx, grad_out: Optional[torch.Tensor], grad_lse: Optional[t
     refuse_second_order()
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     sizes, scale = ctx.arguments
-    grad_out = torch.zeroslike(out) if grad_out is None else grad_out
-    grad_lse = grad_lse if grad_lse is not None and grad_lse.numel() else None
+    grad_out, grad_lse = incoming_gradients(out, grad_out, grad_lse)
     dq, dk, dv = fa4_blocks_backward(q, k, v, out, lse, grad_out, grad_lse, tensors, sizes, scale)
     return dq, dk, dv, [None] * len(tensors), None, None, None
 
