@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .devices import on_their_device
 from .headdim import HeadSplit, chunked_dot, load_columns, next_power_of_two
 from .launch import LaunchOptions, stages_that_fit
 
@@ -77,6 +78,7 @@ def dq_step(dq_a, dq_b, q_a, q_b, do_a, do_b, k_a, k_b, v_a, v_b, lse2, delta, q
     return dq_a, dq_b
 
 
+@on_their_device
 def softmax_delta(out: torch.Tensor, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor]) -> torch.Tensor:
     """`delta` `[B, heads, tokens]` (fp32) of contiguous `[B, tokens, heads, head_dim]` `out` and `grad_out`,
     with `grad_lse` `[B, tokens, heads]` (fp32, contiguous) or None."""

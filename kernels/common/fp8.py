@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .devices import on_their_device
 from .headdim import HEAD_DIMS, HeadSplit, head_dim_refusal, head_split, next_power_of_two
 
 E4M3 = torch.float8_e4m3fn
@@ -239,6 +240,7 @@ STATISTICS_ROWS = 1024  # rows per program of the statistics kernel, `STATISTICS
 STATISTICS_BLOCK = 64
 
 
+@on_their_device
 def _statistics_triton(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`column_statistics` of `[B, rows, heads, head_dim]` k and v through `_statistics_kernel`."""
     batch, rows, heads, head_dim = k.shape
@@ -366,6 +368,7 @@ def prequantized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: Fp8S
 QUANTIZE_ROWS = 64  # rows per program of the quantization kernel
 
 
+@on_their_device
 def _quantize_triton(x: torch.Tensor, mode: int, k_mean: torch.Tensor, v_scale: torch.Tensor,
                      v_t: Optional[torch.Tensor] = None, block: int = 1, key_major: bool = False,
                      dots: Optional[torch.Tensor] = None, source: Optional[torch.Tensor] = None):

@@ -25,6 +25,7 @@ import triton.language as tl
 from natsim.partition import heads_per_rank
 
 from .backend import use_triton
+from .devices import on_their_device
 
 MAX_TENSORS = 3
 _BLOCK_ROWS = 16
@@ -91,6 +92,7 @@ def _check(tensors: Sequence[torch.Tensor], parts: int, span: tuple[int, int]) -
     return per_rank, hi - lo
 
 
+@on_their_device
 def _launch(rows: Sequence[torch.Tensor], blocks: torch.Tensor, parts: int, per_rank: int, span: tuple[int, int],
             head_dim: int, to_blocks: bool) -> None:
     n_rows, width = rows[0].shape[0], (span[1] - span[0]) * head_dim

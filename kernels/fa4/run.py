@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..common.devices import on_their_device
 from .library import block_sparse_type, interface
 from .lists import Fa4Lists
 
@@ -18,6 +19,7 @@ def _block_sparse(lists: Optional[Fa4Lists], backward: bool):
     return block_sparse_type()(mask_cnt, mask_idx, full_cnt, full_idx, block_size=(lists.q_block, lists.kv_block))
 
 
+@on_their_device
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lists: Optional[Fa4Lists],
             mask_mod: Optional[Callable], return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`(out, lse [B, N, heads] or None)`; `lists` None runs dense attention."""
@@ -28,6 +30,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lis
     return out, None if lse is None or not return_lse else lse.transpose(1, 2).contiguous()
 
 
+@on_their_device
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
              lse: torch.Tensor, grad_lse: Optional[torch.Tensor], scale: float, lists: Optional[Fa4Lists],
              mask_mod: Optional[Callable]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

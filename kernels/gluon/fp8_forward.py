@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..common.devices import current_device_of
 from ..common.fp8 import Fp8Tensors
 from ..common.launch import tensor_descriptors_enabled
 
@@ -589,10 +590,11 @@ def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: 
     else:
         tile_mask.check(rows, n_kv, device)
         bounds, bases = tile_mask.bounds, tile_mask.bases
-    _fp8_forward_kernel[(q_blocks, batch * heads)](
-        q_desc, k_desc, v_desc, x.q_scale, x.k_scale, x.v_scale.contiguous(), out, lse, counts, indices, bounds,
-        bases, heads, rows, n_kv, scale * LOG2E, *strides, kv_blocks,
-        **kernel_options(head_dim, lists is None, return_lse, tile_mask))
+    with current_device_of(out):
+        _fp8_forward_kernel[(q_blocks, batch * heads)](
+            q_desc, k_desc, v_desc, x.q_scale, x.k_scale, x.v_scale.contiguous(), out, lse, counts, indices, bounds,
+            bases, heads, rows, n_kv, scale * LOG2E, *strides, kv_blocks,
+            **kernel_options(head_dim, lists is None, return_lse, tile_mask))
     return out, lse
 
 

@@ -63,6 +63,7 @@ from natsim import Problem
 
 from ..common.backend import interpreting
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
+from ..common.devices import on_their_device
 from ..common.headdim import HeadSplit, head_split, load_columns, store_columns
 from ..common.launch import descriptors_fit, install_allocator, split_of
 from ..common.softmax import LOG2E
@@ -612,6 +613,7 @@ def _backward(q, k, v, out, lse, grad_out, grad_lse, problem: Problem, q_tile, k
             counts)
 
 
+@on_their_device
 def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, split: HeadSplit,
           pad: bool, debug: bool, atomic: int, tma: bool, options: dict):
     """The dK/dV kernel's launch: dk, dv, dq (fp32, summed by atomics; None without `atomic`), counts. With
@@ -635,6 +637,7 @@ def _dkdv(q, k, v, grad_out, lse, delta, problem: Problem, q_tile, kv_tile, scal
     return dk, dv, dq, counts
 
 
+@on_their_device
 def _dq(q, grad_out, k, v, lse, delta, problem: Problem, q_tile, kv_tile, scale: float, split: HeadSplit,
         pad: bool, tma: bool, options: dict):
     """The dQ kernel's launch on its own tiles; with `tma`, an unmasked kernel steps over its KV tiles through

@@ -18,6 +18,7 @@ import triton.language as tl
 from natsim.problem import IntOrInts, as_ints, as_shape
 
 from ..common.backend import refuse_untracked, use_triton
+from ..common.devices import on_their_device
 from .layout import TileLayout
 
 BLOCK_TOKENS = 16
@@ -105,6 +106,7 @@ def _launch_args(layout: TileLayout) -> tuple:
     return (*l3.tile, *l3.tiles_per_group, *l3.dilation)
 
 
+@on_their_device
 def permute(x: torch.Tensor, tile: IntOrInts, dilation: IntOrInts = 1) -> torch.Tensor:
     """`[B, *shape, H, D]` -> `[B, tokens, H, D]` in multi-D tile order (zeros at padding positions)."""
     _check_tokens(x, "x")
@@ -126,6 +128,7 @@ def permute(x: torch.Tensor, tile: IntOrInts, dilation: IntOrInts = 1) -> torch.
     return y
 
 
+@on_their_device
 def unpermute(y: torch.Tensor, shape: IntOrInts, tile: IntOrInts, dilation: IntOrInts = 1) -> torch.Tensor:
     """`[B, tokens, H, D]` in multi-D tile order -> `[B, *shape, H, D]` (padding dropped)."""
     shape = as_shape(shape)

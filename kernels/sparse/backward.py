@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..common.backend import interpreting
+from ..common.devices import on_their_device
 from ..common.launch import LaunchOptions, descriptors_fit, install_allocator, launch_overrides
 from ..common.backward import dkdv_step, dq_step, launch_options, softmax_delta
 from ..common.headdim import head_split, load_columns, store_columns
@@ -394,6 +395,7 @@ def tile_lists(mask: torch.Tensor, tiles: BackwardTiles, q_block: int, kv_block:
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "USE_TMA")
 
 
+@on_their_device
 def sparse_backward(q, k, v, out, lse, grad_out, grad_lse, mask: torch.Tensor, q_block: int, kv_block: int,
                     scale: Optional[float] = None, tiles: Optional[BackwardTiles] = None,
                     lists: Optional[tuple[TileList, TileList]] = None,

@@ -49,6 +49,7 @@ from triton.runtime.errors import OutOfResources
 
 from ..common.launch import descriptors_fit, install_allocator, launch_config, with_fp8
 from ..common.backend import interpreting
+from ..common.devices import on_their_device
 from ..common.fp8 import (Fp8Scales, check_fp8_device, check_fp8_tiles, fp8_head_split,
                           prequantized_rows, quantize, value_scales)
 from ..common.headdim import chunk_columns, chunked_dot, head_split, load_columns, store_columns
@@ -369,6 +370,7 @@ def default_programs(device: torch.device, num_warps: int) -> int:
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@on_their_device
 def run_sparse(
     work: SparseWork,
     q: torch.Tensor,

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.devices import on_their_device
+
 CHUNK = 512  # mask columns per step of a program: KV blocks (forward lists) or tiles (backward lists)
 LOAD_BLOCKS = 4096  # mask bytes per load of the tile builder: a tile of 128 one-token KV blocks steps 32 columns
 UNREAD_ENTRIES = 2**24  # list entries (64 MB a list) up to which work for one call is sized without a read-back
@@ -97,6 +99,7 @@ def fill_kernel(MASK, MEMBERS, OFFSETS, FULL, LIST, BITS, num_q_blocks, num_kv_b
         next_partial += tl.sum(partial_i)
 
 
+@on_their_device
 def build_lists(dense: torch.Tensor, members: torch.Tensor, seq_len: int, kv_block: int, per_tile: int,
                 exact: bool = True):
     """`(offsets, full_tiles, kv_list, member_bits)` of `work._lists`, from the boolean mask `[B|1, H|1, nQ,
@@ -205,6 +208,7 @@ def tile_list_kernel(MASK, COUNT, FULL, INDEX, num_cols, num_q_blocks, num_kv_bl
     tl.store(FULL + at, num_full)
 
 
+@on_their_device
 def build_tile_lists(mask: torch.Tensor, tile_q: int, tile_k: int, q_block: int, kv_block: int, seq_len: int,
                      by_keys: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(count, full, index)` of one backward kernel's tile lists, from the boolean block mask `[B|1, H|1, nQ,
