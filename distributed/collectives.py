@@ -84,9 +84,20 @@ def frame_split(local_frames: int, device: torch.device, group=None) -> tuple[in
     return tuple(int(s.item()) for s in sizes)
 
 
+SPLIT_UNDER_COMPILE_REFUSAL = (
+    "under torch.compile, give split=... (the frames of each rank, the same on every rank): without it each call "
+    "all-gathers the ranks' frames and reads them on the host, which a graph cannot hold, and a graph compiled on "
+    "one rank could not tell when another rank's frames change."
+)
+
+
 def resolve_split(q: torch.Tensor, split: Optional[Sequence[int]], group) -> tuple[int, ...]:
+    """The frames of every rank: `split` checked against the group and this rank's `q`, or all-gathered (eager
+    calls only: `SPLIT_UNDER_COMPILE_REFUSAL`)."""
     size, rank = world(group)
     if split is None:
+        if torch.compiler.is_compiling():
+            raise ValueError(SPLIT_UNDER_COMPILE_REFUSAL)
         split = frame_split(q.shape[1], q.device, group)
     else:
         if len(split) != size:

@@ -88,7 +88,7 @@ def self_similarity(x: torch.Tensor, block: int) -> torch.Tensor:
     """float32 `[B, H, ceil(N / block)]`: the mean cosine similarity over all ordered pairs of tokens of each
     block (a token with itself included, so a one-token block scores 1): `|sum of unit vectors|^2 / n^2`,
     which needs no n x n product. A zero token counts as similar to nothing."""
-    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
     sums, counts = _block_sums(x / norms.to(x.dtype).clamp_min(torch.finfo(x.dtype).tiny), block)
     return sums.square().sum(-1) / counts.square()
 

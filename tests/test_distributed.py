@@ -401,6 +401,28 @@ def test_compiled_calls_whose_layout_changes_run_each_layout(one_rank_group, str
         assert torch.equal(gna(q, k, v, (frames,)), gna_attention(q, k, v, (3, 3))), (frames, side, heads)
 
 
+@pytest.mark.parametrize("call", ["gna", "mask"])
+def test_a_compiled_call_without_split_is_refused_with_a_sentence(one_rank_group, call, reference_path):
+    """Without split= a call all-gathers the ranks' frames and reads them on the host: eagerly that is one small
+    collective, but a graph cannot hold it (tracing it hung, or failed on a data-dependent guard under
+    dynamic=True), so a compiled call says to give split."""
+    import natsim.distributed as nd
+
+    torch._dynamo.reset()
+    x = torch.randn(1, 4, 6, 2, 16, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(1, 2, 2, 2, dtype=torch.bool)
+    from natsim.kernels import sparse_attention
+
+    flat = x.flatten(1, 2)
+    attend, alone = (((lambda x: nd.gna_attention(x, x, x, (3, 3))), gna_attention(x, x, x, (3, 3))) if call == "gna"
+                     else ((lambda x: nd.sparse_attention(x, x, x, mask, 16, 16)), sparse_attention(flat, flat, flat,
+                                                                                                   mask, 16, 16)))
+    x = x if call == "gna" else flat
+    assert torch.equal(attend(x), alone)  # eagerly: one collective in a group of one
+    with pytest.raises(Exception, match=r"under torch.compile, give split=\.\.\. \(the frames of each rank"):
+        torch.compile(attend, fullgraph=True, backend="eager")(x)
+
+
 def test_compiled_block_mask_calls_whose_blocks_change_specialise_on_each_value(one_rank_group, reference_path):
     """natsim.distributed's block-mask attention compiled once and called with other block sizes: each call is the
     single-process call's, in a group of one."""

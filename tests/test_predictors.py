@@ -264,7 +264,7 @@ def test_sparge_keeps_scattered_blocks_whole():
     assert (alike <= mask).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_sparge_counts_a_block_of_zeros_as_scattered(dtype):
     q, k, _ = planted(128, 1, 32, 16, 16, 1, 12.0 * 32 ** 0.5, seed=2)
     k[0, 32:48] = 0.0  # key block 2 holds only zero vectors: alike to nothing

@@ -127,6 +127,26 @@ def test_prepared_masks_of_one_size_share_one_compiled_graph():
             torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_prepared_masks_train_under_a_compile_with_dynamic_shapes(reference_path, dynamic):
+    """Compiled with dynamic shapes, the backward's work sizes reach it symbolic; on the CPU path it rebuilds the
+    work from them (its blocks were refused as "not an int"): the gradients are the eager ones, on two lengths."""
+    torch._dynamo.reset()
+
+    def loss(q, k, v, work):
+        return sparse_attention(q, k, v, work).float().square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for step, seq_len in enumerate((48, 64)):
+        mask, (q, k, v), _ = random_problem(step, seq_len, 16, 16, 0.6)
+        work = prepare_sparse(mask, 16, 16, seq_len)
+        leaves = [t.float().requires_grad_() for t in (q, k, v)]
+        got = torch.autograd.grad(compiled(*leaves, work), leaves)
+        want = torch.autograd.grad(loss(*leaves, work), leaves)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
 def test_prepared_mask_on_the_reference_path_has_the_references_gradients(reference_path):
     mask, (q, k, v), g = random_problem(3, 40, 8, 16, 0.5)
     got = gradients(q.float(), k.float(), v.float(), prepare_sparse(mask, 8, 16, 40), g.float())

@@ -23,6 +23,7 @@ from ..common.backend import interpreting
 from ..fa4.lists import Fa4Lists, lists_from_blocks
 from ..fa4.rules import device_refusal, tile_refusal
 from ..common.checks import check_backend
+from ..common.spec import concrete
 from .backward import BackwardTiles, TileList, backward_tiles, tile_lists
 from .lists import build_lists
 from .mask import SparseMask, check_block, check_dense_mask
@@ -299,9 +300,11 @@ def work_sizes(work: SparseWork) -> list[int]:
 
 
 def work_from(tensors: list[torch.Tensor], sizes: list[int]) -> SparseWork:
-    """The `SparseWork` of `work_tensors` and `work_sizes` (its merge name and timings are not carried)."""
+    """The `SparseWork` of `work_tensors` and `work_sizes` (its merge name and timings are not carried). Sizes an
+    operator's backward gets symbolic under a compile with dynamic shapes are made constants: a work's blocks and
+    lengths are fixed."""
     members, offsets, full_tiles, kv_list, member_bits, mask, *lists = tensors
-    q_block, kv_block, block_m, block_n, seq_len, groups, *tiles = sizes
+    q_block, kv_block, block_m, block_n, seq_len, groups, *tiles = concrete(list(sizes))
     dkdv_lists, dq_lists = (TileList(*lists[:3]), TileList(*lists[3:])) if lists else (None, None)
     return SparseWork(q_block, kv_block, block_m, block_n, seq_len, None, mask.shape[0], mask.shape[1], groups,
                       members, offsets, full_tiles, kv_list, member_bits, mask, BackwardTiles(*tiles), dkdv_lists,
