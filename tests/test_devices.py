@@ -109,3 +109,9 @@ def test_every_triton_launch_runs_on_its_tensors_device():
                 unguarded.append(f"{path.relative_to(KERNELS.parent)}: {name} in {getattr(function, 'name', None)}")
     assert found >= 13, found  # the scan sees the launches (a rename of the pattern would hide them)
     assert not unguarded, unguarded
+    # GNA's forward kernels launch through PreboundKernel (`self.fn[grid](...)`, `kernel.run(...)`), whose call
+    # switches to its tensors' device before `_launch`
+    prebound = ast.parse((KERNELS / "gna" / "prebound.py").read_text())
+    call = next(node for node in ast.walk(prebound) if isinstance(node, ast.FunctionDef) and node.name == "__call__")
+    assert any(isinstance(node, ast.With) and "torch.cuda.device(" in ast.unparse(node.items[0].context_expr)
+               and "self._launch(" in ast.unparse(node) for node in ast.walk(call))

@@ -373,13 +373,46 @@ def test_a_registered_spec_without_a_layout_takes_applys(registered):
 
 @pytest.mark.parametrize("layout", [(2, 4, 7), (2, 8, 8), (1, 4, 8)])
 def test_a_layout_that_is_not_the_latents_is_refused_at_the_first_call(registered, reference_path, layout):
-    """apply(layout=...) is taken as given, but a call whose token count it does not explain (too few layout
-    tokens: the rest would be taken for text; too many: natsim would never run) raises instead of running."""
+    """apply(layout=...) is taken as given, but a call natsim serves whose token count it does not explain (too
+    few layout tokens: the rest would be taken for text; too many: natsim would never run) raises instead of
+    running. A layout whose calls the model keeps (too short for a tile, (1, 4, 8) here, as diffusers' LTX long
+    multi-prompt pipeline's (1, 1, 1)) runs the model's own attention, whatever its count."""
     registered("TinyDiT", nd.ModelSpec("blocks.attn", text="before", joint=("text",)))
-    model = TinyDiT()
-    nd.apply(model, 0.5, dtype=torch.float16, layout=layout)
+    model, inputs = TinyDiT(), tiny_dit_inputs((2, 4, 8))
+    with torch.no_grad():
+        own = model(**inputs)[0]
+    nd.apply(model, 0.5, dtype=torch.float16, layout=layout, keep_own=False)
     with torch.no_grad(), pytest.raises(ValueError, match=r"the layout is not this call's latent"):
-        model(**tiny_dit_inputs((2, 4, 8)))
+        model(**inputs)
+    nd.remove(model)
+    nd.apply(model, 0.5, dtype=torch.float16, layout=layout)
+    with torch.no_grad():
+        if layout == (1, 4, 8):
+            with pytest.warns(UserWarning, match="shorter than every tile"):
+                assert torch.equal(model(**inputs)[0], own)
+        else:
+            with pytest.raises(ValueError, match=r"the layout is not this call's latent"):
+                model(**inputs)
+
+
+def test_compiled_blocks_take_prompts_of_any_length_without_a_graph_each(registered, reference_path):
+    """The token-count check reads the call's text count only eagerly: compiled blocks, which would guard on it,
+    compile once per latent size and shape class, not once per prompt length."""
+    from torch._dynamo.utils import counters
+
+    registered("TinyDiT", nd.ModelSpec("blocks.attn", lambda call: tuple(call.required("latent").shape[2:]), "before",
+                                       joint=("text",)))
+    torch._dynamo.reset()
+    counters.clear()
+    model = TinyDiT()
+    nd.apply(model, 0.5, dtype=torch.float16, keep_own=False)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, fullgraph=True, backend="eager")
+    inputs = tiny_dit_inputs((2, 4, 8))
+    with torch.no_grad():
+        for text in range(5, 11):
+            model(inputs["latent"], torch.randn(2, text, 32))
+    assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]  # a static graph, then a dynamic one
 
 
 def test_apply_and_remove_take_a_compiled_wrapper_as_its_model(registered, reference_path):

@@ -19,7 +19,10 @@ query, key and value, and decides by their lengths, against the token layout of 
   host sync: on a GPU a device-side assert). A `[B or 1, 1, N, N]` mask (HunyuanVideo 1.5's
   `keep[query] & keep[key]`) masks the other queries' rows as given, and the video queries' keys as its first
   video query's row does: it must mask keys alike for every video query.
-- anything else (cross-attention to text, a text-only refiner, a call outside a forward): the model's own
+- N < N_video, or N beyond N_video and the call's other tokens (`outside`: the spec's joint arguments and the
+  layout's trailing tokens; checked in eager calls, where it needs no guard): refused with a sentence, the layout
+  is not this call's latent.
+- anything else (cross-attention to text, a call outside a forward, a layout the model keeps): the model's own
   attention, untouched.
 
 A layout on which natsim's call is predicted slower than the model's own (`AutoPlan.verdict`: an image model's few
@@ -167,15 +170,16 @@ class Router:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor],
                scale: Optional[float]) -> Optional[torch.Tensor]:
         """`[B, N, heads, head_dim]` attention through natsim, or None when the call is not one natsim serves."""
-        if self.layout is None or q.dim() != 4 or q.shape[1] != k.shape[1] or k.shape != v.shape:
+        if not self.serving or self.layout is None or q.dim() != 4 or q.shape[1] != k.shape[1] or k.shape != v.shape:
             return None
         video = math.prod(self.layout)
         # A class that drops a sample's padding text tokens (Mochi) gives a token count that is data-dependent
         # under torch.compile: undecidable comparisons take the joint route, which serves any count past video.
-        if guard_or_false(q.shape[1] < video) or guard_or_false(q.shape[1] > video + self.outside):
+        # The bound above reads the call's text count, which a compiled block would guard on (a graph per prompt
+        # length): eager calls check it, compiled ones the layout's own count, a constant of their graph already.
+        if guard_or_false(q.shape[1] < video) or (not torch.compiler.is_compiling()
+                                                   and guard_or_false(q.shape[1] > video + self.outside)):
             raise ValueError(self._miscounted(q.shape[1]))
-        if not self.serving:
-            return None
         if guard_or_false(q.shape[1] == video) and key_mask is None:
             return self._video(q, k, v, scale)
         if guard_or_true(q.shape[1] > video):

@@ -72,8 +72,9 @@ class ModelSpec:
     frame). `timestep`: the forward's timestep argument (content-adaptive masks count steps by it). `joint`:
     the forward arguments (`[B, T, ...]`) whose tokens join the latent's in the routed joint attention, their
     dim-1 sizes summed (the layout's trailing tokens are added to them): the tokens the verdict prices natsim's
-    dense part and the model's longer call by (planner.plans.verdict); empty where the routed attention holds the
-    latent alone, or where its other tokens come from no argument.
+    dense part and the model's longer call by (planner.plans.verdict), and the most a routed call may hold beside
+    the layout's (Router.attend refuses more); empty where the routed attention holds the latent alone. Tokens
+    outside the layout that no argument brings are the layout function's trailing ones (`Tokens`).
     """
 
     attentions: Attentions = ()
