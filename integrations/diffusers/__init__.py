@@ -5,6 +5,7 @@ masks=Masks(steps=50))` through content-adaptive masks; `remove(transformer)` re
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -179,7 +180,9 @@ def remove(transformer: nn.Module) -> None:
 def _unwrapped(transformer: nn.Module) -> nn.Module:
     """The model a `torch.compile` wrapper (`OptimizedModule`) holds, or `transformer` itself: natsim routes the
     model's modules and hooks its forward, which the wrapper's compiled calls run, so `apply` and `remove` take the
-    wrapper or the model alike."""
-    if isinstance(transformer, torch._dynamo.eval_frame.OptimizedModule):
+    wrapper or the model alike. (No wrapper exists before torch._dynamo is imported, which takes a second or two:
+    it is not imported for this.)"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(transformer, eval_frame.OptimizedModule):
         return transformer._orig_mod
     return transformer
