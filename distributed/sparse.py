@@ -19,6 +19,19 @@ from .collectives import resolve_split, world
 from .pipeline import heads_of, register_attend, ulysses_attention
 
 
+def _check_blocks(mask, q_block: Optional[int], kv_block: Optional[int], tokens: int) -> None:
+    """A block mask tensor's block counts against the whole sequence's `tokens` (the single-GPU call checks a rank's
+    cut of it, whose shape the caller never gave)."""
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and isinstance(q_block, int)
+            and isinstance(kv_block, int) and q_block > 0 and kv_block > 0):
+        return  # a SparseMask, or arguments the single-GPU call refuses with its own sentence
+    blocks = (-(-tokens // q_block), -(-tokens // kv_block))
+    if tuple(mask.shape[2:]) != blocks:
+        raise ValueError(f"mask must be [batch or 1, heads or 1, ceil(N / q_block), ceil(N / kv_block)] = [*, *, "
+                         f"{blocks[0]}, {blocks[1]}] for the N = {tokens} tokens of all ranks, got "
+                         f"mask.shape={tuple(mask.shape)}.")
+
+
 def _mask_heads(mask, heads: int, lo: int, hi: int):
     """Heads `[lo, hi)` of a per-head block mask (a tensor or SparseMask) of `heads` heads; heads from `heads` on
     (Ulysses' zero heads) take the last head's mask. A mask of one head broadcasts."""
@@ -91,6 +104,7 @@ def sparse_attention(
     q_block, kv_block, split, chunks = constants_when_compiled(q_block, kv_block, split, chunks)
     size, rank = world(group)
     split = resolve_split(q, split, group)
+    _check_blocks(mask, q_block, kv_block, sum(split))
     (heads,) = constants_when_compiled(q.shape[-2])  # a value under a dynamic-shape trace too
     h = heads_per_rank(heads, size)
     mask = _mask_heads(mask, heads, rank * h, (rank + 1) * h)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Sequence, Union
@@ -134,8 +135,14 @@ def aligned_split(problem: Problem, world_size: int) -> tuple[int, ...]:
 
 
 def check_split(split: Sequence[int], frames: int) -> tuple[int, ...]:
-    """`split` as a tuple of non-negative ints summing to `frames` (sentence error otherwise)."""
-    sizes = tuple(int(n) for n in split)
+    """`split` as a tuple of non-negative ints summing to `frames` (sentence error otherwise: a fractional or
+    boolean count too, which `int()` would have truncated)."""
+    try:
+        if any(isinstance(n, bool) for n in split):
+            raise TypeError
+        sizes = tuple(operator.index(n) for n in split)  # ints, numpy's, torch's symbolic ones; not 3.5
+    except TypeError:
+        raise ValueError(f"split must be whole frame counts, got split={tuple(split)}.") from None
     if any(n < 0 for n in sizes) or sum(sizes) != frames:
         raise ValueError(f"split must be non-negative frame counts that add up to the {frames} frames of "
                          f"dimension 0, got split={tuple(split)}.")

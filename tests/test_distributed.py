@@ -423,6 +423,21 @@ def test_a_compiled_call_without_split_is_refused_with_a_sentence(one_rank_group
         torch.compile(attend, fullgraph=True, backend="eager")(x)
 
 
+def test_splits_and_block_counts_are_refused_as_given(one_rank_group):
+    """A fractional split is refused (int() truncated 3.5 to 3 and ran), and a mask whose block counts do not fit
+    the whole sequence is refused naming the shape given (the single-GPU check named this rank's cut of it)."""
+    import natsim.distributed as nd
+
+    x = torch.randn(1, 6, 4, 2, 16)
+    with pytest.raises(ValueError, match=r"split must be whole frame counts, got split=\(6.0,\)"):
+        nd.gna_attention(x, x, x, (3, 3), split=(6.0,))
+    flat = x.flatten(1, 2)  # 24 tokens: 2 x 2 blocks of 16
+    mask = torch.ones(1, 2, 3, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"= \[\*, \*, 2, 2\] for the N = 24 tokens of all ranks, got "
+                                         r"mask.shape=\(1, 2, 3, 3\)"):
+        nd.sparse_attention(flat, flat, flat, mask, 16, 16, split=(24,))
+
+
 def test_compiled_block_mask_calls_whose_blocks_change_specialise_on_each_value(one_rank_group, reference_path):
     """natsim.distributed's block-mask attention compiled once and called with other block sizes: each call is the
     single-process call's, in a group of one."""
