@@ -16,7 +16,6 @@ which is how the diffusers example uses it.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Union
@@ -35,7 +34,7 @@ from ..catalog import as_dtype
 from .candidates import check_backend
 from .explain import Gain, backend_label, backend_lines, versus
 from .ranking import BASIS_COST_MODEL, TIE_TOLERANCE
-from .reading import check_basis, check_record, parse_json, required_keys
+from .reading import JsonRecord, check_basis, check_record, required_keys
 
 FORMAT = "natsim-mask-plan/1"
 MERGES = ("none", "consecutive", "xor")  # "none" is sparse_attention's merge=None
@@ -158,7 +157,7 @@ class MaskCandidate:
 
 
 @dataclass(frozen=True)
-class MaskPlan:
+class MaskPlan(JsonRecord):
     """The granularity and merge chosen by `best_mask` for a predicted mask, runnable on q, k, v.
 
     - `seq_len`, `fine_q_block`, `fine_kv_block`: the sequence and the blocks of the masks it takes.
@@ -177,6 +176,8 @@ class MaskPlan:
       `would_pick` the pick had every priced backend run here (None when each did); `backend_notes` why a
       backend a report mentions could not be picked, per backend (planner.backends).
     """
+
+    JSON_DOCUMENT = f"a mask-plan JSON document (format {FORMAT!r})"
 
     seq_len: int
     fine_q_block: int
@@ -427,11 +428,3 @@ class MaskPlan:
         plan.chosen  # noqa: B018 (raises when the choice is not a candidate)
         return plan
 
-    def to_json(self, indent: Optional[int] = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> "MaskPlan":
-        """Rebuild a plan from `to_json` output (without a mask: pass one when calling it)."""
-        document = f"a mask-plan JSON document (format {FORMAT!r})"
-        return cls.from_dict(parse_json(text, "MaskPlan.from_json", document))

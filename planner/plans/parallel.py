@@ -11,7 +11,6 @@ It runs itself through `natsim.distributed.gna_attention`, reports its per-rank 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -23,11 +22,11 @@ from rich.text import Text
 from natsim.partition import Link, StrategyCost, head_groups, heads_per_rank
 
 from .plan import FORMAT, PARALLEL_KEYS, Plan
-from .reading import check_record, parse_json, required_keys
+from .reading import JsonRecord, check_record, required_keys
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class ParallelPlan(JsonRecord):
     """A single-GPU `plan` run over `world_size` ranks with `strategy` and frames `split` along dimension 0.
 
     `costs` holds every runnable strategy's per-rank costs for the chosen split (what `rows()` and
@@ -36,6 +35,8 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
     out and why (module docstring). Attributes not defined here are the single-GPU plan's (window, tiles,
     figures).
     """
+
+    JSON_DOCUMENT = f"a parallel plan JSON document (format {FORMAT!r}, as written by ParallelPlan.to_json)"
 
     plan: Plan
     world_size: int
@@ -144,11 +145,3 @@ bytes were priced at (calibrated, or natsim.partition's default); `notes` say wh
         return cls(plan=plan, world_size=len(split), strategy=strategy, split=split, costs=costs,
                    link=link, notes=tuple(str(note) for note in data.get("notes", ())))
 
-    def to_json(self, indent: Optional[int] = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> "ParallelPlan":
-        """Rebuild a parallel plan from `to_json` output."""
-        document = f"a parallel plan JSON document (format {FORMAT!r}, as written by ParallelPlan.to_json)"
-        return cls.from_dict(parse_json(text, "ParallelPlan.from_json", document))

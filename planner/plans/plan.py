@@ -7,7 +7,6 @@ exactly its settings, on the kernel backend it was planned for (natsim's Triton 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping, Optional
@@ -25,7 +24,7 @@ from ..cost.backward_features import backward_work
 from .candidates import Candidate, Search, check_backend
 from .explain import explain_plan
 from .ranking import BASIS_COST_MODEL
-from .reading import check_basis, check_record, parse_json, required_keys
+from .reading import JsonRecord, check_basis, check_record, required_keys
 
 FORMAT = "natsim-plan/1"
 # What ParallelPlan.to_dict adds to its single-GPU plan's record (a record with them is a parallel plan's).
@@ -33,7 +32,7 @@ PARALLEL_KEYS = ("world_size", "strategy", "split", "parallel_predicted_s", "lin
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(JsonRecord):
     """A GNA configuration chosen by `natsim.planner.best`, runnable on q, k, v.
 
     `basis` says how configurations were ranked: "cost model" (predicted seconds on `gpu`) or
@@ -47,6 +46,8 @@ class Plan:
     backend it runs on: "triton" (natsim's kernels), "fa4" (FlashAttention-4) or "gluon" (natsim's Gluon FP8
     kernel; planner.backends).
     """
+
+    JSON_DOCUMENT = f"a plan JSON document (format {FORMAT!r}, as written by Plan.to_json)"
 
     problem: Problem
     tiles: TileConfig
@@ -241,11 +242,3 @@ class Plan:
             backend=check_backend(data.get("backend", "triton")),  # plans written before backends: Triton
         )
 
-    def to_json(self, indent: Optional[int] = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        """Rebuild a plan from `to_json` output."""
-        document = f"a plan JSON document (format {FORMAT!r}, as written by Plan.to_json)"
-        return cls.from_dict(parse_json(text, "Plan.from_json", document))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Sequence
+from typing import ClassVar, Iterator, Mapping, Optional, Sequence
 
 from .ranking import BASIS_COST_MODEL, BASIS_TILES
 
@@ -60,3 +60,19 @@ def required_keys(part: str) -> Iterator[None]:
         yield
     except KeyError as error:
         raise ValueError(f"{part} must have the key {error.args[0]!r}, which is missing.") from None
+
+
+class JsonRecord:
+    """`to_json` and `from_json` of a plan kind over its own `to_dict` and `from_dict`; `JSON_DOCUMENT` says what
+    `from_json` expects, in its refusal of text that does not parse."""
+
+    JSON_DOCUMENT: ClassVar[str]
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str):
+        """Rebuild a plan from `to_json` output."""
+        return cls.from_dict(parse_json(text, f"{cls.__name__}.from_json", cls.JSON_DOCUMENT))
+
