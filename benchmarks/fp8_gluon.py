@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon FP8 kernel (kernels/gluon/fp8_forward.py) beside the bf16 peers, one run, one JSON:
+"""The warp-specialized Gluon FP8 kernel (kernels/gluon/forward.py) beside the bf16 peers, one run, one JSON:
 
     python benchmarks/fp8_gluon.py OUT_DIR
 
@@ -30,7 +30,7 @@ from timing import interleaved, rel  # noqa: E402
 import natsim  # noqa: E402
 from natsim.kernels import gna_attention, prepare_sparse, sparse_attention, sparse_reference  # noqa: E402
 from natsim.kernels.common.fp8 import quantize  # noqa: E402
-from natsim.kernels.gluon import fp8_forward as gluon  # noqa: E402
+from natsim.kernels.gluon import forward as gluon  # noqa: E402
 from natsim.kernels.gluon.ops import fp8_block_attention  # noqa: E402
 
 TOKENS, HEADS, HEAD_DIM = 32768, 24, 128

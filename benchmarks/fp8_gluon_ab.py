@@ -1,7 +1,7 @@
 """The Gluon FP8 kernel against an earlier version of it, and across its rescale slacks, kernel alone, one run:
 
-    git show REV:kernels/gluon/fp8_forward.py > /tmp/fp8_forward_before.py
-    python benchmarks/fp8_gluon_ab.py OUT_DIR --before /tmp/fp8_forward_before.py [--slacks 0,1,2,3] [--tag T]
+    git show REV:kernels/gluon/forward.py > /tmp/gluon_forward_before.py
+    python benchmarks/fp8_gluon_ab.py OUT_DIR --before /tmp/gluon_forward_before.py [--slacks 0,1,2,3] [--tag T]
 
 The earlier file is loaded as a module beside natsim's kernel (its relative imports resolve inside
 natsim.kernels.gluon), so both run on the same quantized tensors in one process. Rows (24 heads, bf16 inputs,
@@ -33,7 +33,7 @@ from timing import interleaved, rel  # noqa: E402
 
 from natsim.kernels import prepare_sparse, sparse_attention, sparse_reference  # noqa: E402
 from natsim.kernels.common.fp8 import quantize  # noqa: E402
-from natsim.kernels.gluon import fp8_forward as current  # noqa: E402
+from natsim.kernels.gluon import forward as current  # noqa: E402
 
 CASES = [("dense 32k", 32768, None, 128), ("dense 32k d64", 32768, None, 64), ("random 70%", 32768, 0.7, 128),
          ("random 90%", 32768, 0.9, 128), ("hunyuan 16x8x8", 30 * 48 * 80, "hunyuan", 128)]
@@ -42,7 +42,7 @@ HEADS = 24
 
 def load_before(path: Path):
     """The earlier kernel file as a module of natsim.kernels.gluon."""
-    spec = importlib.util.spec_from_file_location("natsim.kernels.gluon.fp8_forward_before", path)
+    spec = importlib.util.spec_from_file_location("natsim.kernels.gluon.forward_before", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -73,7 +73,7 @@ def accuracy(launch, q, k, v, blocks, lists_of) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--before", type=Path, required=True, help="an earlier kernels/gluon/fp8_forward.py")
+    parser.add_argument("--before", type=Path, required=True, help="an earlier kernels/gluon/forward.py")
     parser.add_argument("--slacks", default=str(current.RESCALE_SLACK), help="rescale slacks to time, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tag", default="", help="appended to the file name")

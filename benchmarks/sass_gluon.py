@@ -1,4 +1,4 @@
-"""SASS of the Gluon FP8 kernel (kernels/gluon/fp8_forward.py) for sm_90, compiled on any machine, GPU or not,
+"""SASS of the Gluon FP8 kernel (kernels/gluon/forward.py) for sm_90, compiled on any machine, GPU or not,
 and the instruction mix of its consumers' loop: what a change to the loop body costs per key block, before
 device time is spent on it.
 
@@ -48,28 +48,29 @@ class _Hopper:
         return True
 
 
-def compile_kernel(head_dim: int, lists: bool):
-    """The compiled kernel for 4,096 tokens and 2 heads (shapes do not change the code, only descriptors)."""
+def compile_kernel(head_dim: int, lists: bool, operand: torch.dtype = torch.float8_e4m3fn):
+    """The compiled kernel for 4,096 tokens and 2 heads (shapes do not change the code, only descriptors), on FP8
+    operands or, with `operand` bf16 / fp16, the 16-bit variant."""
     driver.set_active(_Hopper())
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from natsim.kernels.gluon import fp8_forward as k
+    from natsim.kernels.gluon import forward as k
     rows, heads = 4096, 2
-    fp8 = torch.float8_e4m3fn
-
-    def desc(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv))
-
-    q = torch.zeros(rows, heads * head_dim, dtype=fp8)
-    v_t = torch.zeros(heads * head_dim, rows, dtype=fp8)
+    q = torch.zeros(1, rows, heads, head_dim, dtype=operand)
+    fp8 = operand == torch.float8_e4m3fn
+    if fp8:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        v_t = torch.zeros(heads * head_dim, rows, dtype=operand)
+        v_desc = TensorDescriptor.from_tensor(v_t, [head_dim, k.BLOCK_N], gl.NVMMASharedLayout.get_default_for(
+            [head_dim, k.BLOCK_N], gl.float8e4nv))
+    else:
+        v_desc = k._descriptor(q, k.BLOCK_N)
     f32 = torch.zeros(rows * heads, dtype=torch.float32)
     i32 = torch.zeros(16, dtype=torch.int32)
-    return k._fp8_forward_kernel.warmup(
-        desc(q, [k.HALF_M, head_dim]), desc(q, [k.BLOCK_N, head_dim]), desc(v_t, [head_dim, k.BLOCK_N]),
+    return k._forward_kernel.warmup(
+        k._descriptor(q, k.HALF_M), k._descriptor(q, k.BLOCK_N), v_desc,
         f32, f32, f32[:heads * head_dim], torch.zeros(rows * heads * head_dim, dtype=torch.bfloat16), f32, i32, i32,
-        heads, rows, rows, 0.1, 0, 0, 0, 0, rows // k.BLOCK_N, grid=(1,),
-        **k.kernel_options(head_dim, dense=not lists, return_lse=False))
+        i32, i32, heads, rows, rows, 0.1, 0, 0, 0, 0, rows // k.BLOCK_N, grid=(1,),
+        **k.kernel_options(head_dim, dense=not lists, return_lse=False, operand=operand))
 
 
 def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
@@ -103,12 +104,15 @@ def main(argv=None) -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--lists", action="store_true", help="the block-list variant (default: dense)")
+    parser.add_argument("--dtype", choices=("fp8", "bf16", "fp16"), default="fp8",
+                        help="operands: FP8 (default), or the 16-bit variant's")
     args = parser.parse_args(argv)
     if triton.__version__ != "3.6.0":
         print(f"note: Triton {triton.__version__}; the GPU machine runs 3.6.0, whose Gluon this kernel is written for")
     args.out.mkdir(parents=True, exist_ok=True)
-    kernel = compile_kernel(args.head_dim, args.lists)
-    stem = args.out / f"fp8-gluon-d{args.head_dim}{'-lists' if args.lists else ''}"
+    operand = dict(fp8=torch.float8_e4m3fn, bf16=torch.bfloat16, fp16=torch.float16)[args.dtype]
+    kernel = compile_kernel(args.head_dim, args.lists, operand)
+    stem = args.out / f"{args.dtype}-gluon-d{args.head_dim}{'-lists' if args.lists else ''}"
     stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
     cubin = stem.with_suffix(".cubin")
     cubin.write_bytes(kernel.asm["cubin"])

@@ -1,4 +1,4 @@
-"""The Gluon FP8 kernel's host side on the CPU (kernels/gluon/fp8_forward.py): K's scales shared by key blocks in
+"""The Gluon FP8 kernel's host side on the CPU (kernels/gluon/forward.py): K's scales shared by key blocks in
 the quantization rule (Triton's interpreter against torch), block lists from a block mask and back, the CPU
 path (the rule's reference) against float32 attention, and the refusals. The kernel itself runs on Hopper only:
 tests/test_gluon_fp8_gpu.py."""
@@ -14,7 +14,7 @@ from hypothesis import assume, event, given, settings, strategies as st
 
 from bruteforce import attention_mask, problems
 from natsim.kernels.common import fp8
-from natsim.kernels.gluon.fp8_forward import BLOCK_N, BlockLists, launch
+from natsim.kernels.gluon.forward import BLOCK_N, BlockLists, launch
 from natsim.kernels.gluon.ops import fp8_block_attention
 from natsim.kernels.gluon.tile_mask import gna_block_lists, gna_tile_mask
 from natsim.kernels.gna.layout import TileLayout
@@ -85,8 +85,8 @@ def test_empty_rows_give_zeros_and_an_lse_of_minus_infinity():
 
 @pytest.mark.parametrize("change, message", [
     (lambda q, k, v: (q, k, v[..., :32]), "k and v alike"),
-    (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), "head_dim in"),
-    (lambda q, k, v: (q.float(), k.float(), v.float()), "bf16 or fp16"),
+    (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), "runs head_dim 64 or 128, got head_dim=48"),
+    (lambda q, k, v: (q.float(), k.float(), v.float()), "quantizes bfloat16 or float16 inputs"),
 ])
 def test_refusals_are_sentences(change, message):
     q, k, v = (torch.randn(1, 128, 1, 64).to(torch.bfloat16) for _ in range(3))
@@ -174,7 +174,7 @@ def test_gna_naming_gluon_runs_the_rule_on_cpu_tensors_against_float64(layout, h
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (dict(precision=None), r"backend='gluon' is natsim's FP8 kernel: it runs precision='fp8' only"),
+    (dict(precision=None), r"backend='gluon' runs GNA in precision='fp8' only"),
     (dict(q_tile=(1, 4, 16), kv_tile=(1, 4, 16)), r"runs GNA on one tile of 128 tokens .* got q_tile=\(1, 4, 16\)"),
     (dict(q_tile=(1, 8, 16), kv_tile=(1, 4, 16)), r"runs GNA on one tile of 128 tokens for queries and keys, got"),
     (dict(layout=(2, 3, 5), window=(2, 3, 3), stride=(1, 1, 1)),
@@ -203,8 +203,10 @@ def test_sparse_naming_gluon_runs_its_cpu_path_and_refuses_other_blocks():
     assert torch.equal(sparse_attention(q, k, v, work, precision="fp8"), expected)  # the work names it
     with pytest.raises(ValueError, match=r"runs blocks of 128 x 128 tokens, got 64 x 128"):
         sparse_attention(q, k, v, mask.repeat_interleave(2, 2)[:, :, :5], 64, 128, precision="fp8", backend="gluon")
-    with pytest.raises(ValueError, match=r"it runs precision='fp8' only, got precision=None"):
-        sparse_attention(q, k, v, mask, 128, 128, backend="gluon")
+    # in 16 bits the call runs the kernel's 16-bit variant (tests/test_gluon_16bit.py)
+    from natsim.kernels.gluon.ops import gluon_block_attention
+    sixteen_bits = sparse_attention(q, k, v, mask, 128, 128, backend="gluon")
+    assert torch.equal(sixteen_bits, gluon_block_attention(q, k, v, mask))
 
 
 def test_gna_naming_gluon_on_tokens_in_tile_order_equals_the_row_major_call():

@@ -1,4 +1,4 @@
-"""The Gluon FP8 kernel (kernels/gluon/fp8_forward.py) on a Hopper GPU: against float32 attention under the same
+"""The Gluon FP8 kernel (kernels/gluon/forward.py) on a Hopper GPU: against float32 attention under the same
 block mask and against the FP8 rule's reference (the operator's CPU path, K's scales shared by key blocks), dense
 and block-sparse, sequences that are not whole blocks, empty rows, both head dims, the LSE; compiled with
 fullgraph and replayed in a CUDA graph. `pytest -m gpu tests/test_gluon_fp8_gpu.py`."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cuda_graphs import replayed_on_new_inputs
-from natsim.kernels.gluon.fp8_forward import BLOCK_N
+from natsim.kernels.gluon.forward import BLOCK_N
 from natsim.kernels.gluon.ops import fp8_block_attention
 from natsim.kernels.sparse.reference import sparse_reference
 

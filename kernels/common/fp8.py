@@ -217,7 +217,7 @@ def key_major_positions(rows: int, device) -> torch.Tensor:
     """Where a key-major transposed V keeps keys `0 .. rows-1`: within each block of 128 keys, key
     `8 g + 2 q + e` (q < 4, e < 2) at `32 q + 2 g + e`. That is the Gluon kernel's P order: the matrix
     instruction leaves a thread its row's scores in columns `8 g + 2 q + e` of one q, which it stores as 32
-    consecutive bytes (kernels/gluon/fp8_forward.py)."""
+    consecutive bytes (kernels/gluon/forward.py)."""
     r = torch.arange(rows, device=device)
     j = r % KEY_MAJOR_BLOCK
     return r - j + 32 * (j // 2 % 4) + 2 * (j // 8) + j % 2

@@ -1,7 +1,10 @@
-"""The Gluon FP8 kernel's front: `fp8_block_attention` and its registered operator `natsim::gluon_fp8_forward`,
+"""The Gluon kernel's front: `fp8_block_attention` and its registered operator `natsim::gluon_fp8_forward`,
 which quantizes bf16 / fp16 inputs by natsim's FP8 rule (K's scales shared by key blocks) and runs the kernel
-(kernels/gluon/fp8_forward.py) on a Hopper GPU, or the rule's torch reference on CPU tensors. `sparse_attention`
-and `gna_attention` with `precision="fp8"` reach the operator where the kernel takes the call."""
+(kernels/gluon/forward.py) on a Hopper GPU, or the rule's torch reference on CPU tensors; and
+`gluon_block_attention` with its operator `natsim::gluon_16bit_forward`, the same kernel on the bf16 / fp16 inputs
+as they are, or float32 attention under the same blocks on CPU tensors. `sparse_attention` and `gna_attention`
+with `precision="fp8"` reach the first where the kernel takes the call, `sparse_attention` in 16 bits the second
+(kernels/sparse/api.py says where)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import triton
 from natsim import Problem
 
 from ..common.fp8 import quantize, refuse_gradients
-from .fp8_forward import BLOCK_M, BLOCK_N, BlockLists, TileMask, check_call, launch
+from .forward import BLOCK_M, BLOCK_N, BlockLists, TileMask, check_call, launch, launch_16bit
 from .tile_mask import gna_block_lists, gna_tile_mask
 
 
@@ -33,6 +36,68 @@ def fp8_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, lse = gluon_fp8_forward(q, k, v, counts, indices, scale, return_lse)
     return (out, lse) if return_lse else out
+
+
+def gluon_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          blocks: Union[None, torch.Tensor, BlockLists] = None, scale: Optional[float] = None,
+                          return_lse: bool = False):
+    """Attention of bf16 / fp16 `[B, rows, heads, head_dim]` q, k, v over the 128 x 128 blocks `blocks` keeps (a
+    boolean `[B|1, H|1, q_blocks, kv_blocks]` mask or its `BlockLists`; every block where None) on the Gluon
+    kernel's 16-bit variant (the FP8 kernel's design on the inputs as they are: no quantization, P in the inputs'
+    dtype, fp32 accumulation) on a Hopper GPU, or float32 attention under the same blocks on CPU tensors. A
+    registered operator (`natsim::gluon_16bit_forward`) without a backward: it compiles with
+    `torch.compile(fullgraph=True)` and replays in CUDA graphs; inputs that require grad are refused (natsim's
+    Triton kernels train). Returns the output in q's dtype, and with `return_lse` the LSE `[B, rows, heads]`
+    (float32, natural log; -inf for a row that attends nothing, whose output is 0)."""
+    refuse_16bit_gradients(q, k, v)
+    lists = BlockLists.from_blocks(blocks) if isinstance(blocks, torch.Tensor) else blocks
+    counts, indices = (None, None) if lists is None else (lists.counts, lists.indices)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, lse = gluon_16bit_forward(q, k, v, counts, indices, scale, return_lse)
+    return (out, lse) if return_lse else out
+
+
+NO_BACKWARD_16BIT = ("the Gluon kernel's 16-bit variant has no backward pass, and an input requires grad: call it "
+                     "under torch.no_grad() / torch.inference_mode(), or train on natsim's Triton kernels "
+                     "(sparse_attention(..., backend='triton')).")
+
+
+def refuse_16bit_gradients(*tensors: torch.Tensor) -> None:
+    """The 16-bit variant has no backward pass: inputs that require grad are refused with a sentence."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(NO_BACKWARD_16BIT)
+
+
+@torch.library.custom_op("natsim::gluon_16bit_forward", mutates_args=())
+def gluon_16bit_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: Optional[torch.Tensor],
+                        indices: Optional[torch.Tensor], scale: float, return_lse: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gluon_block_attention`'s operator: the kernel on CUDA tensors, float32 attention under the lists' blocks
+    on CPU tensors; the LSE is empty without `return_lse`."""
+    lists = None if counts is None else BlockLists(counts, indices)
+    check_call(q, k, v, fp8=False)
+    if not q.is_cuda:
+        return _cpu_16bit(q, k, v, lists, scale, return_lse)
+    return launch_16bit(q.contiguous(), k.contiguous(), v.contiguous(), lists, scale, return_lse)
+
+
+@gluon_16bit_forward.register_fake
+def _(q, k, v, counts, indices, scale, return_lse):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1] if return_lse else (0,), dtype=torch.float32)
+
+
+def _cpu_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Optional[BlockLists], scale: float,
+               return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the 16-bit variant computes, in float32: attention under the lists' 128 x 128 blocks."""
+    from ..sparse.reference import sparse_reference  # the sparse room routes 16-bit calls here
+    batch, rows, heads, _ = q.shape
+    q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(k.shape[1], BLOCK_N)
+    mask = torch.ones(1, 1, q_blocks, kv_blocks, dtype=torch.bool)
+    if lists is not None:
+        lists.check(batch, heads, q_blocks, kv_blocks, q.device)
+        mask = lists.mask()
+    out, lse = sparse_reference(q.float(), k.float(), v.float(), mask, BLOCK_M, BLOCK_N, scale, return_lse=True)
+    return out.to(q.dtype).contiguous(), (lse.contiguous() if return_lse else lse.new_empty(0))
 
 
 def gna_fp8_ordered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, tile: tuple[int, ...],

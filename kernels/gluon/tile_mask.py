@@ -1,5 +1,5 @@
 """The Gluon FP8 kernel's inputs for GNA: its block lists (partial tiles marked) and the element mask inside the
-partial tiles, in the form the kernel tests it (`TileMask`, kernels/gluon/fp8_forward.py).
+partial tiles, in the form the kernel tests it (`TileMask`, kernels/gluon/forward.py).
 
 The kernel sees q, k and v in the Q tile's token order (kernels/gna/layout.py), one 128-token tile per query block
 and per key block. A key of a tile lies at the tile's first key's coordinate plus its in-tile coordinate, which
@@ -23,7 +23,7 @@ from natsim import Problem
 
 from ..fa4.gna_mask import Arithmetic, GnaMask, decode
 from ..fa4.lists import gna_blocks
-from .fp8_forward import BLOCK_N, BlockLists, TileMask
+from .forward import BLOCK_N, BlockLists, TileMask
 
 SPAN = 1 << 16  # coordinates of dilation group g lie in [g * SPAN, (g + 1) * SPAN): past any padded length
 TORCH = Arithmetic(where=torch.where, const=lambda value: value)

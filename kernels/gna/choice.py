@@ -31,8 +31,8 @@ from ..common.checks import KERNEL_DTYPES, KERNEL_HEAD_DIMS
 from ..fa4.gna import Fa4Gna
 from ..fa4.rules import HEAD_DIMS as FA4_HEAD_DIMS
 from ..fa4.rules import device_refusal, gna_tile_refusal
-from ..gluon.fp8_forward import BLOCK_N as GLUON_BLOCK
-from ..gluon.fp8_forward import refusal as gluon_refusal
+from ..gluon.forward import BLOCK_N as GLUON_BLOCK
+from ..gluon.forward import refusal as gluon_refusal
 from .checks import kernel_tiles
 from .launch import is_dense
 from .spec import GnaSpec
@@ -134,8 +134,8 @@ def _gluon_choice(spec: GnaSpec, problem: Problem, device: torch.device, dtype: 
     """A call that names the Gluon FP8 kernel: its geometry, or a sentence saying why it cannot run the call (CPU
     tensors run the kernel's rule, its operator's torch reference, on the same blocks)."""
     if spec.precision != "fp8":
-        raise ValueError("backend='gluon' is natsim's FP8 kernel: it runs precision='fp8' only, got "
-                         f"precision={spec.precision!r}.")
+        raise ValueError("backend='gluon' runs GNA in precision='fp8' only (its 16-bit variant runs block masks: "
+                         f"sparse_attention), got precision={spec.precision!r}.")
     refusal = gluon_refusal(dtype, head_dim, gpu_capability(device) if device.type == "cuda" else None)
     if refusal is None:
         refusal, geometry = _gluon_geometry(spec, problem, head_dim)

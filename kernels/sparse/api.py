@@ -21,9 +21,9 @@ from ..common.fp8 import Fp8Scales, check_fp8_call, refuse_gradients, scale_tens
 from ..fa4 import run as fa4_run
 from ..fa4.ops import fa4_blocks, lists_schema
 from ..fa4.rules import tile_refusal
-from ..gluon.fp8_forward import BlockLists
-from ..gluon.fp8_forward import refusal as gluon_refusal
-from ..gluon.ops import gluon_fp8_forward
+from ..gluon.forward import AUTO_16BIT_HEAD_DIMS, BlockLists
+from ..gluon.forward import refusal as gluon_refusal
+from ..gluon.ops import NO_BACKWARD_16BIT, gluon_16bit_forward, gluon_fp8_forward
 from .checks import check_sparse_qkv, check_work
 from .dispatch import sparse_forward_impl
 from .forward import run_sparse
@@ -64,9 +64,12 @@ def sparse_attention(
       runs on the backend `prepare_sparse` chose or was asked for (`prepare_sparse(..., backend="fa4")`:
       FlashAttention-4), calls that backend does not take on natsim's kernels, or, where the work names its
       backend, refused with a sentence.
-    - `backend`: None (a SparseWork's own backend; natsim's kernels for a boolean mask), "triton", or "fa4"
+    - `backend`: None (a SparseWork's own backend; natsim's kernels for a boolean mask), "triton", "fa4"
       (FlashAttention-4: a SparseWork prepared with its lists, or a boolean mask prepared for it on this call,
-      outside torch.compile).
+      outside torch.compile) or "gluon" (natsim's Gluon kernel on Hopper: 128 x 128 blocks, head_dim 64 or 128,
+      forward only; in FP8, or in 16 bits its 16-bit variant). Among natsim's kernels a call naming no backend
+      takes the Gluon kernel on Hopper where it fits: in FP8, and in 16 bits at head_dim 128 without gradients
+      (measured 1.14-1.19x natsim's Triton kernel; docs/kernels.md).
     - `merge`: None (a program holds one query block, at least 16 rows), `"consecutive"` or `"xor"` (a program
       holds 128 queries, 128 // q_block blocks: consecutive ones, or natsim.merge's XOR greedy per head).
       The output never depends on it: each row is masked by its own block's row.
@@ -112,10 +115,10 @@ def sparse_attention(
     if spec.pv_threshold is not None and tracked:
         raise ValueError(PV_SKIP_GRADIENT_REFUSAL)
     check_backend(backend)
-    gluon_blocks = _gluon_blocks(q, mask, spec, scales, backend)
+    gluon_blocks = _gluon_blocks(q, mask, spec, scales, backend, tracked)
     if gluon_blocks is not None:
-        out, lse = gluon_fp8_forward(q, k, v, gluon_blocks.counts, gluon_blocks.indices, _scale(q, spec),
-                                     spec.return_lse)
+        on_gluon = gluon_fp8_forward if spec.precision == "fp8" else gluon_16bit_forward
+        out, lse = on_gluon(q, k, v, gluon_blocks.counts, gluon_blocks.indices, _scale(q, spec), spec.return_lse)
         return (out, lse) if return_lse else out
     if not prepared and backend == "fa4":
         if torch.compiler.is_compiling():
@@ -164,39 +167,46 @@ def _scale(q: torch.Tensor, spec: SparseSpec) -> float:
 
 
 def _gluon_blocks(q: torch.Tensor, mask: Union[torch.Tensor, SparseWork], spec: SparseSpec,
-                  scales: Optional[Fp8Scales], backend: Optional[str]) -> Optional[BlockLists]:
-    """The block lists of an FP8 call that runs on the Gluon kernel (kernels/backends/gluon.py), None for a call
-    that runs elsewhere. A call (or its prepared work) naming backend 'gluon' runs there or is refused with a
-    sentence (CPU tensors run the FP8 rule's reference on the same blocks); a call naming no backend runs there
-    where it fits: CUDA bf16 / fp16 inputs it quantizes, on a GPU it runs on, 128 x 128 blocks, no PV skip (CPU
-    tensors keep the FP8 rule's reference, the interpreter natsim's Triton kernel)."""
+                  scales: Optional[Fp8Scales], backend: Optional[str], tracked: bool) -> Optional[BlockLists]:
+    """The block lists of a call that runs on the Gluon kernel (kernels/backends/gluon.py), None for a call that
+    runs elsewhere. A call (or its prepared work) naming backend 'gluon' runs there or is refused with a sentence
+    (CPU tensors run the kernel's torch reference on the same blocks): in FP8, or on the inputs as they are. A
+    call naming no backend runs there where it fits and was measured faster than natsim's Triton kernel: CUDA
+    bf16 / fp16 inputs on a GPU it runs on, 128 x 128 blocks, no PV skip, and in FP8 any head dim it runs; in 16
+    bits head_dim 128, no gradients, no prepared FlashAttention-4 lists and the default schedule (CPU tensors keep
+    their reference, the interpreter natsim's Triton kernel)."""
     wanted = backend if backend is not None else (mask.requested if isinstance(mask, SparseWork) else None)
     if wanted not in (None, "gluon"):
         return None
     work = mask if isinstance(mask, SparseWork) else None
     q_block, kv_block = (work.q_block, work.kv_block) if work is not None else (spec.q_block, spec.kv_block)
+    fp8 = spec.precision == "fp8"
     if wanted is None:
-        if not q.is_cuda or spec.precision != "fp8" or scales is not None or spec.pv_threshold is not None:
+        if not q.is_cuda or scales is not None or spec.pv_threshold is not None:
             return None
-        if gluon_refusal(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device), q_block, kv_block):
+        if not fp8 and (tracked or q.shape[-1] not in AUTO_16BIT_HEAD_DIMS or spec.schedule != "grid"
+                        or (work is not None and work.fa4 is not None)):
+            return None
+        if gluon_refusal(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device), q_block, kv_block,
+                         fp8=fp8):
             return None
     else:
         refusal = _gluon_refusal(q, spec, scales, q_block, kv_block)
         if refusal is not None:
             raise ValueError(f"backend='gluon' cannot run this call: {refusal}")
+        if not fp8 and tracked:
+            raise RuntimeError(NO_BACKWARD_16BIT)
     return BlockLists.from_blocks((work.mask if work is not None else mask).to(q.device))
 
 
 def _gluon_refusal(q: torch.Tensor, spec: SparseSpec, scales: Optional[Fp8Scales], q_block: int,
                    kv_block: int) -> Optional[str]:
-    """Why the Gluon FP8 kernel cannot run a call that names it, or None."""
-    if spec.precision != "fp8":
-        return f"it is natsim's FP8 kernel: it runs precision='fp8' only, got precision={spec.precision!r}."
+    """Why the Gluon kernel cannot run a call that names it, or None."""
     if scales is not None or spec.pv_threshold is not None:
         return ("it quantizes bfloat16 / float16 inputs itself and skips no P @ V: not inputs given in float8 or "
                 "pv_threshold.")
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    return gluon_refusal(q.dtype, q.shape[-1], capability, q_block, kv_block)
+    return gluon_refusal(q.dtype, q.shape[-1], capability, q_block, kv_block, fp8=spec.precision == "fp8")
 
 
 def _on_fa4(work: SparseWork, q: torch.Tensor, spec: SparseSpec, scales: Optional[Fp8Scales], tracked: bool) -> bool:

@@ -1,4 +1,5 @@
-"""A warp-specialized FP8 attention forward for Hopper, written in Gluon, over block-sparse lists of whole tiles.
+"""A warp-specialized attention forward for Hopper, written in Gluon, over block-sparse lists of whole tiles: in FP8
+(natsim's FP8 rule, below), and in 16 bits, the same design on bf16 / fp16 operands as they are (`launch_16bit`).
 
 One program computes one query block of 128 rows of one (batch, head) against the key blocks its list names
 (every key block where there is no list). Three partitions share the program's shared memory:
@@ -20,6 +21,13 @@ output once. Keys past the sequence (the last block's padding) are masked. A blo
 for GNA also partial ones (an entry `~block`), whose scores the consumer masks by the rows' window bounds before
 the softmax (`TileMask`, built by kernels/gluon/tile_mask.py: per score and dimension one subtraction and one
 unsigned comparison, a per-row test where the tile spans one coordinate).
+
+The 16-bit variant takes the same loop with no scales (the row scale is the softmax's), P in the inputs' dtype
+stored as it is, V read `[keys, head_dim]` (the instruction takes 16-bit operands in either order) and two stages
+in the ring at head_dim 128 (K and V take twice the shared memory). Its consumers hand a stage's K back to the
+loader once Q K^T has read it, and V once P V has: with two stages the loader otherwise waited for both and the
+next key block's K arrived late (dense 32k at head_dim 128 on an H200: 33.5 ms released together, 23.9 ms apart;
+in FP8, with four stages, no gain: `SPLIT_RELEASE`).
 
 Two choices keep the consumers' instruction count per score low, which is what bounds this kernel (the tensor
 cores wait on the softmax's issue slots, docs/fp8.md):
@@ -58,8 +66,14 @@ ALL_DIMS = 0b111  # a partial block's dimension bits where they are not given: m
 BLOCK_N = 128  # keys per block
 HALF_M = BLOCK_M // 2
 ONES = gl.constexpr(8)  # columns of the row-sum product P 1: the matrix instruction's narrowest
-E4M3_ONE_BITS = gl.constexpr(0x38)  # 1.0 in float8 e4m3 (sign 0, exponent 0111, mantissa 000)
+# 1.0's bits in each operand dtype (the row-sum product's block of ones)
+ONE_BITS = {torch.float8_e4m3fn: 0x38, torch.bfloat16: 0x3F80, torch.float16: 0x3C00}
+_GLUON_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 HEAD_DIMS = (64, 128)
+# Head dims at which `sparse_attention` takes the 16-bit variant for a 16-bit block-mask call naming no backend: at
+# 128 it ran 1.14-1.19x natsim's Triton kernel on random masks and HunyuanVideo's GNA mask, at 64 (dense) 0.91x
+# (H200, benchmarks/results/gluon-16bit-NVIDIA_H200-2026-11-29-split.json)
+AUTO_16BIT_HEAD_DIMS = (128,)
 LOG2E = 1.4426950408889634
 P_OFFSET = math.log2(448.0)  # log2 of e4m3's largest finite value, P's bound
 RESCALE_SLACK = 2.0  # log2 units a block's row maximum may pass the reference one before that row's m moves
@@ -183,10 +197,12 @@ class TileMask:
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             IDX, idx_row, count, q_row, q_col, k_row, v_row,
-            HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DENSE: gl.constexpr):
-    """The loader warp: the query block, then K and V of each listed key block into the ring."""
+            HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DENSE: gl.constexpr,
+            FP8: gl.constexpr):
+    """The loader warp: the query block, then K and V of each listed key block into the ring (V transposed in
+    FP8, `[head_dim, keys]` per head; as it is in 16 bits, `[keys, head_dim]` like K)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row + HALF, q_col], q_bar, q_smem.index(1))
@@ -197,12 +213,18 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
             block = _block_of(gl.load(IDX + idx_row + i))
         stage = i % STAGES
         phase = (i // STAGES) & 1
-        mbarrier.wait(empty.index(stage), phase ^ 1)
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_row + block * BLOCK_N, q_col], k_ready.index(stage),
                                         k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [v_row, block * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+        if FP8:
+            tma.async_copy_global_to_shared(v_desc, [v_row, block * BLOCK_N], v_ready.index(stage),
+                                            v_smem.index(stage))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [k_row + block * BLOCK_N, q_col], v_ready.index(stage),
+                                            v_smem.index(stage))
 
 
 @gluon.jit
@@ -301,17 +323,23 @@ def _key_major(p, HALF: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _pv(p, p_smem, v_tile, ones, acc, zero_l, HALF: gl.constexpr, BLOCK_N: gl.constexpr):
+def _pv(p, p_smem, v_tile, ones, acc, zero_l, HALF: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
     """Issue acc += P V and this block's row sums P 1 (asynchronous), P in e4m3 through this warpgroup's shared
     buffer, key-major (V's keys are stored in that order): the wgmma reads it from there in the layout the
     instruction wants (measured faster than shuffling P's registers into the operand layout: 16.9 against
     18.3 ms, dense 32k, H100). The row sums start from zero in each block and join the running sum in fp32:
     Hopper's FP8 products add into their accumulator with a short mantissa, and a sum of positive terms carried
     in it over 256 blocks came out 1.4-1.8x too small (dense 32k). The previous products that read the buffer
-    are complete here."""
-    p_smem.store(_key_major(p, HALF, BLOCK_N).to(gl.float8e4nv))
+    are complete here. In 16 bits P is stored as it is and V read `[keys, head_dim]`, which the instruction takes
+    for 16-bit operands."""
+    if FP8:
+        p_smem.store(_key_major(p, HALF, BLOCK_N).to(gl.float8e4nv))
+        v_operand = v_tile.permute((1, 0))
+    else:
+        p_smem.store(p.to(p_smem.dtype))
+        v_operand = v_tile
     fence_async_shared()
-    acc = warpgroup_mma(p_smem, v_tile.permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(p_smem, v_operand, acc, is_async=True)
     l_block = warpgroup_mma(p_smem, ones.permute((1, 0)), zero_l, use_acc=False, is_async=True)
     return acc, l_block
 
@@ -324,27 +352,52 @@ def _rescaled(acc, l_acc, alpha, o_row_layout: gl.constexpr, l_row_layout: gl.co
 
 
 @gluon.jit
-def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty,
+def _key_scale(KS, ks_row, block, BLOCK_N: gl.constexpr, heads, FP8: gl.constexpr):
+    """Key block `block`'s scale in FP8 (shared by its keys), 1 in 16 bits."""
+    if FP8:
+        scale = gl.load(KS + ks_row + block * (BLOCK_N * heads))
+    else:
+        scale = gl.to_tensor(1.0)
+    return scale
+
+
+@gluon.jit
+def _release(k_empty, v_empty, stage, SPLIT_RELEASE: gl.constexpr):
+    """Hand a stage's V back to the loader once P V has read it, and its K too unless K went back after Q K^T."""
+    mbarrier.arrive(v_empty.index(stage), count=1)
+    if not SPLIT_RELEASE:
+        mbarrier.arrive(k_empty.index(stage), count=1)
+
+
+@gluon.jit
+def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready,
+              k_empty, v_empty,
               IDX, idx_row, count, QS, KS, SV, OUT, LSE, BOUNDS, BASES, kv_blocks, b, h, heads, n_q, n_kv, q_start,
               qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
               DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr, SLACK: gl.constexpr,
-              MASKED: gl.constexpr, NDIM: gl.constexpr, TILE: gl.constexpr, INNER: gl.constexpr):
+              MASKED: gl.constexpr, NDIM: gl.constexpr, TILE: gl.constexpr, INNER: gl.constexpr,
+              FP8: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """One consumer warpgroup: 64 query rows against every listed key block, then the output (and LSE). With
-    `MASKED`, the lists mark partial tiles, whose scores take the GNA mask of the rows' window bounds."""
+    `MASKED`, the lists mark partial tiles, whose scores take the GNA mask of the rows' window bounds. Without
+    `FP8` the operands are 16-bit and unscaled (`QS`, `KS` and `SV` are not read)."""
+    K_STEP: gl.constexpr = 32 if FP8 else 16  # the matrix instruction's depth: 32 bytes of each operand
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
+                                                       instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
+                                                       instr_shape=[16, HEAD_DIM, K_STEP])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ONES, 32])
+                                                       instr_shape=[16, ONES, K_STEP])
     l_row_layout: gl.constexpr = gl.SliceLayout(1, l_layout)
 
     rows = q_start + HALF_INDEX * HALF + gl.arange(0, HALF, layout=row_layout)
-    q_scale = gl.load(QS + ((b * n_q + rows.to(gl.int64)) * heads + h), mask=rows < n_q, other=1.0)
-    row_scale = q_scale * qk_scale
+    if FP8:
+        q_scale = gl.load(QS + ((b * n_q + rows.to(gl.int64)) * heads + h), mask=rows < n_q, other=1.0)
+        row_scale = q_scale * qk_scale
+    else:
+        row_scale = gl.full([HALF], qk_scale, gl.float32, layout=row_layout)
     ks_row = b.to(gl.int64) * n_kv * heads + h  # key block j's scale: KS[ks_row + j * BLOCK_N * heads]
     m_i = gl.full([HALF], -float("inf"), gl.float32, layout=row_layout)
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, layout=o_layout)
@@ -378,10 +431,12 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
         else:
             entry = gl.load(IDX + idx_row)
             block = _block_of(entry)
-        k_scale = gl.load(KS + ks_row + block * (BLOCK_N * heads))
+        k_scale = _key_scale(KS, ks_row, block, BLOCK_N, heads, FP8)
         mbarrier.wait(k_ready.index(0), 0)
         s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
+        if SPLIT_RELEASE:
+            mbarrier.arrive(k_empty.index(0), count=1)
         if MASKED:
             if entry < 0:
                 s = _tile_masked(s, block, _dims_of(entry), bounds, BASES, kv_blocks, col_layout, BLOCK_N,
@@ -394,7 +449,7 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
             else:
                 entry = gl.load(IDX + idx_row + i + 1)
                 block = _block_of(entry)
-            k_scale = gl.load(KS + ks_row + block * (BLOCK_N * heads))
+            k_scale = _key_scale(KS, ks_row, block, BLOCK_N, heads, FP8)
             stage = i % STAGES
             nxt = (i + 1) % STAGES
             mbarrier.wait(my_turn, (i & 1) ^ (1 - HALF_INDEX))
@@ -403,9 +458,11 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
             if moved or SLACK is None:
                 acc, l_acc = _rescaled(acc, l_acc, alpha, o_row_layout, l_row_layout)
             mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
-            acc, l_block = _pv(p, p_tile, v_smem.index(stage), ones, acc, zero_l, HALF, BLOCK_N)
+            acc, l_block = _pv(p, p_tile, v_smem.index(stage), ones, acc, zero_l, HALF, BLOCK_N, FP8)
             mbarrier.arrive(other_turn, count=1)
             s = warpgroup_mma_wait(2, deps=(s,))  # groups complete in order: P V and P 1 may still run
+            if SPLIT_RELEASE:
+                mbarrier.arrive(k_empty.index(nxt), count=1)
             if MASKED:
                 if entry < 0:
                     s = _tile_masked(s, block, _dims_of(entry), bounds, BASES, kv_blocks, col_layout, BLOCK_N,
@@ -414,7 +471,7 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
                                             P_OFFSET, SLACK, MASKED)
             acc, l_block = warpgroup_mma_wait(0, deps=(acc, l_block))
             l_acc += l_block
-            mbarrier.arrive(empty.index(stage), count=1)  # this block's K and V are consumed
+            _release(k_empty, v_empty, stage, SPLIT_RELEASE)  # this block's V (and K) are consumed
         # the last block's P V
         last = count - 1
         stage = last % STAGES
@@ -422,19 +479,20 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
         if moved or SLACK is None:
             acc, l_acc = _rescaled(acc, l_acc, alpha, o_row_layout, l_row_layout)
         mbarrier.wait(v_ready.index(stage), (last // STAGES) & 1)
-        acc, l_block = _pv(p, p_tile, v_smem.index(stage), ones, acc, zero_l, HALF, BLOCK_N)
+        acc, l_block = _pv(p, p_tile, v_smem.index(stage), ones, acc, zero_l, HALF, BLOCK_N, FP8)
         mbarrier.arrive(other_turn, count=1)
         acc, l_block = warpgroup_mma_wait(0, deps=(acc, l_block))
         l_acc += l_block
-        mbarrier.arrive(empty.index(stage), count=1)
+        _release(k_empty, v_empty, stage, SPLIT_RELEASE)
 
     # out = acc * v_scale / l; rows with no key get zeros
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    v_scale = gl.load(SV + (b * heads + h) * HEAD_DIM + d)  # the 448 of P cancels between acc and l
     l_i = gl.convert_layout(gl.max(l_acc, 1), row_layout)
     l_o = gl.convert_layout(l_i, o_row_layout)
     inv = gl.where(l_o > 0, 1.0 / l_o, 0.0)
-    out = acc * gl.expand_dims(inv, 1) * gl.expand_dims(v_scale, 0)
+    out = acc * gl.expand_dims(inv, 1)  # the 2 ** P_OFFSET of P cancels between acc and l
+    if FP8:
+        out = out * gl.expand_dims(gl.load(SV + (b * heads + h) * HEAD_DIM + d), 0)
     o_rows = q_start + HALF_INDEX * HALF + gl.arange(0, HALF, layout=o_row_layout)
     o_offsets = gl.expand_dims((b * n_q + o_rows.to(gl.int64)) * heads + h, 1) * HEAD_DIM + gl.expand_dims(d, 0)
     gl.store(OUT + o_offsets, out.to(OUT.dtype.element_ty), mask=gl.expand_dims(o_rows < n_q, 1))
@@ -444,12 +502,13 @@ def _consumer(HALF_INDEX: gl.constexpr, q_smem, k_smem, v_smem, p_smem, ones, q_
 
 
 @gluon.jit
-def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, IDX, BOUNDS, BASES,
+def _forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, IDX, BOUNDS, BASES,
                         heads, n_q, n_kv, qk_scale, cnt_b, cnt_h, idx_b, idx_h, kv_blocks,
                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         DENSE: gl.constexpr, RETURN_LSE: gl.constexpr, P_OFFSET: gl.constexpr,
                         SLACK: gl.constexpr, MASKED: gl.constexpr, NDIM: gl.constexpr, TILE: gl.constexpr,
-                        INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                        INNER: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                        FP8: gl.constexpr, ONE_BITS: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     HALF: gl.constexpr = q_desc.block_type.shape[0]
     q_block = gl.program_id(0)
     bh = gl.program_id(1)
@@ -465,19 +524,22 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, HALF, BLOCK_N],
-                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-    ones = gl.allocate_shared_memory(gl.float8e4nv, [ONES, BLOCK_N],
-                                     gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-    # e4m3's 1.0 written as its bits: Triton 3.6 folds a converted constant (full(1.0).to(float8e4nv)) into
-    # wrong bytes (measured on an H100: the row sums came out as garbage)
-    ones.store(gl.full([ONES, BLOCK_N], E4M3_ONE_BITS, gl.uint8,
-                       layout=gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])).to(gl.float8e4nv, bitcast=True))
+    BITS: gl.constexpr = 8 if FP8 else 16
+    BITS_TYPE: gl.constexpr = gl.uint8 if FP8 else gl.uint16
+    p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, BLOCK_N],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=BITS, rank=2))
+    ones = gl.allocate_shared_memory(q_desc.dtype, [ONES, BLOCK_N],
+                                     gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=BITS, rank=2))
+    # 1.0 written as its bits: Triton 3.6 folds a converted constant (full(1.0).to(float8e4nv)) into wrong bytes
+    # (measured on an H100: the row sums came out as garbage)
+    ones.store(gl.full([ONES, BLOCK_N], ONE_BITS, BITS_TYPE,
+                       layout=gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])).to(q_desc.dtype, bitcast=True))
     fence_async_shared()  # the consumers' matrix instructions read the ones
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(turns.index(0), count=1)
@@ -485,7 +547,8 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage's K, and its V
+        mbarrier.init(v_empty.index(i), count=2)
 
     q_start = q_block * (2 * HALF)
     q_row = b * n_q + q_start
@@ -493,20 +556,25 @@ def _fp8_forward_kernel(q_desc, k_desc, v_desc, QS, KS, SV, OUT, LSE, COUNTS, ID
     k_row = b * n_kv
     v_row = (b * heads + h) * HEAD_DIM
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
-                     count, QS, KS, SV, OUT, LSE, BOUNDS, BASES, kv_blocks, b, h, heads, n_q, n_kv, q_start, qk_scale,
+        (_consumer, (0, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, k_empty, v_empty,
+                     IDX, idx_row, count, QS, KS, SV, OUT, LSE, BOUNDS, BASES, kv_blocks, b, h, heads, n_q, n_kv, q_start, qk_scale,
                      HEAD_DIM, BLOCK_N, HALF, STAGES, DENSE, RETURN_LSE, P_OFFSET, SLACK, MASKED, NDIM, TILE,
-                     INNER)),
-        (_consumer, (1, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, empty, IDX, idx_row,
-                     count, QS, KS, SV, OUT, LSE, BOUNDS, BASES, kv_blocks, b, h, heads, n_q, n_kv, q_start, qk_scale,
+                     INNER, FP8, SPLIT_RELEASE)),
+        (_consumer, (1, q_smem, k_smem, v_smem, p_smem, ones, q_bar, turns, k_ready, v_ready, k_empty, v_empty,
+                     IDX, idx_row, count, QS, KS, SV, OUT, LSE, BOUNDS, BASES, kv_blocks, b, h, heads, n_q, n_kv, q_start, qk_scale,
                      HEAD_DIM, BLOCK_N, HALF, STAGES, DENSE, RETURN_LSE, P_OFFSET, SLACK, MASKED, NDIM, TILE,
-                     INNER)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
-                   IDX, idx_row, count, q_row, q_col, k_row, v_row, HALF, BLOCK_N, STAGES, DENSE)),
+                     INNER, FP8, SPLIT_RELEASE)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                   IDX, idx_row, count, q_row, q_col, k_row, v_row, HALF, BLOCK_N, STAGES, DENSE, FP8)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 STAGES = 4  # K and V buffers in the ring (16.8 ms against 17.0 with two, dense 32k at head_dim 128, H100)
+# In 16 bits K and V take twice the shared memory: two stages fit at head_dim 128 beside Q and P (194 KB of 227)
+STAGES_16BIT = {64: 4, 128: 2}
+# FP8 hands K back with V (apart it ran dense 32k in 16.67 ms against 16.28 and block masks 1-2 % faster, H200:
+# no clear gain, one barrier more a block); 16 bits always apart (the module's docstring)
+SPLIT_RELEASE = False
 CONSUMER_REGS = 240  # registers per thread of a consumer warpgroup (232 spilled before the key scales were shared)
 LOADER_REGS = 24
 MAX_REGS = 168  # the kernel's budget per thread over its 12 warps: 3 x 168 = 2 x 240 + 24
@@ -517,41 +585,46 @@ DESCRIPTORS_OFF = ("the Gluon FP8 kernel loads its tiles through TMA, and tensor
 
 
 def refusal(dtype: torch.dtype, head_dim: int, capability: Optional[tuple[int, int]], q_block: int = BLOCK_M,
-            kv_block: int = BLOCK_N) -> Optional[str]:
-    """None where the kernel runs an FP8 call of bf16 / fp16 inputs of `dtype` and `head_dim` with these blocks
-    on a GPU of compute `capability` (None: CPU tensors, which run the rule's reference), else one sentence why
-    not (what kernels/backends/gluon.py tabulates)."""
+            kv_block: int = BLOCK_N, fp8: bool = True) -> Optional[str]:
+    """None where the kernel runs a call of bf16 / fp16 inputs of `dtype` and `head_dim` with these blocks on a
+    GPU of compute `capability` (None: CPU tensors, which run its torch reference), in FP8 (quantized by the
+    kernel) or, with `fp8` False, on the inputs as they are (the 16-bit variant); else one sentence why not
+    (what kernels/backends/gluon.py tabulates)."""
+    name = _name(fp8)
     if capability is not None and capability[0] != 9:
         major, minor = capability
-        return f"the Gluon FP8 kernel runs on Hopper GPUs (compute capability 9.x), got {major}.{minor}."
+        return f"{name} runs on Hopper GPUs (compute capability 9.x), got {major}.{minor}."
     if capability is not None and not tensor_descriptors_enabled():
         return DESCRIPTORS_OFF
     if dtype not in (torch.bfloat16, torch.float16):
-        return f"the Gluon FP8 kernel quantizes bfloat16 or float16 inputs, got dtype={dtype}."
+        return f"{name} {'quantizes' if fp8 else 'runs'} bfloat16 or float16 inputs, got dtype={dtype}."
     if head_dim not in HEAD_DIMS:
-        return f"the Gluon FP8 kernel runs head_dim 64 or 128, got head_dim={head_dim}."
+        return f"{name} runs head_dim 64 or 128, got head_dim={head_dim}."
     if (q_block, kv_block) != (BLOCK_M, BLOCK_N):
-        return f"the Gluon FP8 kernel runs blocks of {BLOCK_M} x {BLOCK_N} tokens, got {q_block} x {kv_block}."
+        return f"{name} runs blocks of {BLOCK_M} x {BLOCK_N} tokens, got {q_block} x {kv_block}."
     return None
 
 
-def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _name(fp8: bool) -> str:
+    return "the Gluon FP8 kernel" if fp8 else "the Gluon kernel's 16-bit variant"
+
+
+def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = True) -> None:
     """What the kernel runs, refused with a sentence otherwise: Hopper GPUs (its wgmma and TMA; CPU tensors run
     the reference), bf16 or fp16 `[B, rows, heads, head_dim]` q, k, v on one device with k and v alike,
-    head_dim 64 or 128."""
-    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise ValueError(refusal(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device))
-                         + " natsim's Triton kernels run precision='fp8' elsewhere.")
+    head_dim 64 or 128; in FP8, or with `fp8` False on the inputs as they are."""
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q, k, v must be [B, rows, heads, head_dim] with k and v alike, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"the Gluon FP8 kernel quantizes bf16 or fp16 inputs of one dtype, got {q.dtype}, "
-                         f"{k.dtype}, {v.dtype}")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"the Gluon FP8 kernel runs head_dim in {HEAD_DIMS}, got {q.shape[-1]}")
     if k.device != q.device or v.device != q.device:
         raise ValueError("q, k and v must be on one device")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    why = refusal(q.dtype, q.shape[-1], capability, fp8=fp8)
+    if why is not None:
+        elsewhere = capability is not None and capability[0] != 9
+        raise ValueError(why + (" natsim's Triton kernels run these calls elsewhere." if elsewhere else ""))
 
 
 def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: torch.dtype,
@@ -563,18 +636,44 @@ def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: 
     if not x.v_key_major:
         raise ValueError("the Gluon FP8 kernel reads V key-major within blocks of 128 keys: quantize with "
                          "v_key_major=True")
+    batch, rows, heads, head_dim = x.q.shape
+    v_t = x.v_t.view(batch * heads * head_dim, x.v_t.shape[-1])
+    v_desc = TensorDescriptor.from_tensor(v_t, [head_dim, BLOCK_N],
+                                          gl.NVMMASharedLayout.get_default_for([head_dim, BLOCK_N], gl.float8e4nv))
+    descriptors = (_descriptor(x.q, HALF_M), _descriptor(x.k, BLOCK_N), v_desc)
+    scales = (x.q_scale, x.k_scale, x.v_scale.contiguous())
+    return _run(descriptors, scales, x.q, x.k.shape[1], lists, scale, out_dtype, return_lse, tile_mask)
+
+
+def launch_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Optional[BlockLists], scale: float,
+                 return_lse: bool, tile_mask: Optional[TileMask] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same kernel on contiguous bf16 or fp16 `[B, rows, heads, head_dim]` q, k, v as they are: no scales,
+    P in the inputs' dtype, V read `[keys, head_dim]`. Returns the output in q's dtype and the LSE (natural log;
+    an empty tensor without `return_lse`)."""
+    if not all(t.is_contiguous() for t in (q, k, v)):
+        raise ValueError("the Gluon kernel reads contiguous q, k and v")
+    descriptors = (_descriptor(q, HALF_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N))
+    return _run(descriptors, None, q, k.shape[1], lists, scale, q.dtype, return_lse, tile_mask)
+
+
+def _descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """The TMA descriptor of `[B, tokens, heads, head_dim]` `x` as its `[B * tokens, heads * head_dim]` matrix,
+    in tiles of `block_rows` tokens of one head."""
+    batch, tokens, heads, head_dim = x.shape
+    dtype = _GLUON_DTYPES[x.dtype]
+    return TensorDescriptor.from_tensor(x.view(batch * tokens, heads * head_dim), [block_rows, head_dim],
+                                        gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], dtype))
+
+
+def _run(descriptors: tuple, scales: Optional[tuple[torch.Tensor, ...]], q: torch.Tensor, n_kv: int,
+         lists: Optional[BlockLists], scale: float, out_dtype: torch.dtype, return_lse: bool,
+         tile_mask: Optional[TileMask]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel on the three descriptors of `q` (the operand as the kernel reads it), k and v, with FP8's
+    scales (q, k, v) or None (16-bit operands)."""
     if tile_mask is not None and lists is None:
         raise ValueError("a tile mask masks the partial tiles of block lists: pass the lists")
-    batch, rows, heads, head_dim = x.q.shape
-    n_kv = x.k.shape[1]
-    fp8 = gl.float8e4nv
-    q_desc = TensorDescriptor.from_tensor(x.q.view(batch * rows, heads * head_dim), [HALF_M, head_dim],
-                                          gl.NVMMASharedLayout.get_default_for([HALF_M, head_dim], fp8))
-    k_desc = TensorDescriptor.from_tensor(x.k.view(batch * n_kv, heads * head_dim), [BLOCK_N, head_dim],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], fp8))
-    v_desc = TensorDescriptor.from_tensor(x.v_t.view(batch * heads * head_dim, x.v_t.shape[-1]), [head_dim, BLOCK_N],
-                                          gl.NVMMASharedLayout.get_default_for([head_dim, BLOCK_N], fp8))
-    device = x.q.device
+    batch, rows, heads, head_dim = q.shape
+    device = q.device
     out = torch.empty((batch, rows, heads, head_dim), dtype=out_dtype, device=device)
     lse = torch.empty((batch, rows, heads) if return_lse else (0,), dtype=torch.float32, device=device)
     q_blocks, kv_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(n_kv, BLOCK_N)
@@ -590,24 +689,32 @@ def launch(x: Fp8Tensors, lists: Optional[BlockLists], scale: float, out_dtype: 
     else:
         tile_mask.check(rows, n_kv, device)
         bounds, bases = tile_mask.bounds, tile_mask.bases
+    operand = q.dtype
+    q_scale, k_scale, v_scale = scales or (counts, counts, counts)  # 16-bit operands: never read
     with current_device_of(out):
-        _fp8_forward_kernel[(q_blocks, batch * heads)](
-            q_desc, k_desc, v_desc, x.q_scale, x.k_scale, x.v_scale.contiguous(), out, lse, counts, indices, bounds,
-            bases, heads, rows, n_kv, scale * LOG2E, *strides, kv_blocks,
-            **kernel_options(head_dim, lists is None, return_lse, tile_mask))
+        _forward_kernel[(q_blocks, batch * heads)](
+            *descriptors, q_scale, k_scale, v_scale, out, lse, counts, indices, bounds, bases, heads, rows, n_kv,
+            scale * LOG2E, *strides, kv_blocks, **kernel_options(head_dim, lists is None, return_lse, tile_mask,
+                                                                 operand))
     return out, lse
 
 
-def kernel_options(head_dim: int, dense: bool, return_lse: bool, tile_mask: Optional[TileMask] = None) -> dict:
+def kernel_options(head_dim: int, dense: bool, return_lse: bool, tile_mask: Optional[TileMask] = None,
+                   operand: torch.dtype = torch.float8_e4m3fn) -> dict:
     """The kernel's compile-time arguments and launch options for one head dim, dense or over lists, with the
-    `tile_mask` of the partial tiles it masks (None: every visited block whole)."""
+    `tile_mask` of the partial tiles it masks (None: every visited block whole), on operands of dtype `operand`
+    (float8 e4m3, or bf16 / fp16 taken as they are)."""
+    fp8 = operand == torch.float8_e4m3fn
     slack = RESCALE_SLACK if head_dim in LAZY_RESCALE_HEAD_DIMS else None
     masked = tile_mask is not None
     tile, inner = (tile_mask.tile, tile_mask.inner) if masked else ((1,), (1,))
-    return dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES, DENSE=dense, RETURN_LSE=return_lse,
-                P_OFFSET=P_OFFSET - (slack or 0.0), SLACK=slack, MASKED=masked, NDIM=len(tile),
+    # In 16 bits P needs no headroom: it stays below 2 ** SLACK
+    p_offset = P_OFFSET - (slack or 0.0) if fp8 else 0.0
+    return dict(HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, STAGES=STAGES if fp8 else STAGES_16BIT[head_dim],
+                DENSE=dense, RETURN_LSE=return_lse, P_OFFSET=p_offset, SLACK=slack, MASKED=masked, NDIM=len(tile),
                 TILE=_padded3(tile), INNER=_padded3(inner), CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-                num_warps=4, maxnreg=MAX_REGS)
+                FP8=fp8, ONE_BITS=ONE_BITS[operand], SPLIT_RELEASE=SPLIT_RELEASE or not fp8, num_warps=4,
+                maxnreg=MAX_REGS)
 
 
 def _padded3(values: tuple[int, ...]) -> tuple[int, ...]:
