@@ -50,6 +50,16 @@ def hunyuan_blocks() -> torch.Tensor:
     return torch.from_numpy(mask.to_dense())[None, None].cuda()
 
 
+def case_blocks(tokens: int, kind) -> torch.Tensor:
+    """A row's block mask: every block (`kind` None), HunyuanVideo's GNA mask ("hunyuan"), or random blocks at the
+    sparsity `kind`."""
+    if kind is None:
+        return torch.ones(1, 1, tokens // 128, tokens // 128, dtype=torch.bool, device="cuda")
+    if kind == "hunyuan":
+        return hunyuan_blocks()
+    return random_blocks(tokens, kind, seed=1)
+
+
 def fa4_installed() -> bool:
     from natsim.kernels.fa4.library import unavailable
     return unavailable(torch.device("cuda")) is None
@@ -108,12 +118,7 @@ def main(argv=None) -> None:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, tokens, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(3))
-        if kind is None:
-            blocks = torch.ones(1, 1, tokens // 128, tokens // 128, dtype=torch.bool, device="cuda")
-        elif kind == "hunyuan":
-            blocks = hunyuan_blocks()
-        else:
-            blocks = random_blocks(tokens, kind, seed=1)
+        blocks = case_blocks(tokens, kind)
         calls = timers(q, k, v, blocks)
         for fn in calls.values():
             fn()

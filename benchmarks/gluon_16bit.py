@@ -28,7 +28,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fp8_gluon import fa4_installed, hunyuan_blocks, random_blocks  # noqa: E402
+from fp8_gluon import case_blocks, fa4_installed  # noqa: E402
 from fp8_gluon_partial import gluon_tile  # noqa: E402
 from sparse import sdpa_cudnn  # noqa: E402
 from timing import interleaved, rel  # noqa: E402
@@ -180,16 +180,9 @@ def main(argv=None) -> None:
         tile = None
         if isinstance(kind, Problem):
             calls, tile = gna_timers(q, k, v, kind, head_dim)
-            reference = calls["natsim triton"]
         else:
-            if kind is None:
-                blocks = torch.ones(1, 1, tokens // 128, tokens // 128, dtype=torch.bool, device="cuda")
-            elif kind == "hunyuan":
-                blocks = hunyuan_blocks()
-            else:
-                blocks = random_blocks(tokens, kind, seed=1)
-            calls = mask_timers(q, k, v, blocks)
-            reference = calls["natsim triton"]
+            calls = mask_timers(q, k, v, case_blocks(tokens, kind))
+        reference = calls["natsim triton"]
         outputs = {key: fn() for key, fn in calls.items()}
         expected = reference()
         rounds = interleaved(calls, args.rounds, 200.0, torch.cuda.synchronize)
