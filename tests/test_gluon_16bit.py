@@ -110,3 +110,40 @@ def test_other_blocks_and_gradients_are_refused():
         sparse_attention(q, k, v, torch.ones(1, 1, 2, 2, dtype=torch.bool), 128, 128, backend="gluon")
     with torch.no_grad():
         gluon_block_attention(q, k, v)  # without gradients it runs
+
+
+def test_prepared_work_that_does_not_fit_q_is_refused_before_any_backend_runs():
+    """Prepared work names its sequence length, batch, heads and device: a call that does not fit is refused with
+    the same sentence whichever backend would run it."""
+    from natsim.kernels import prepare_sparse
+
+    work = prepare_sparse(torch.ones(1, 2, 2, 2, dtype=torch.bool), 128, 128, 256, backward=False)
+    q, k, v = (torch.randn(1, 200, 2, 64, dtype=torch.float16) for _ in range(3))
+    for backend in ("gluon", "triton", None):
+        with pytest.raises(ValueError, match="q must have the mask's seq_len=256 tokens"):
+            sparse_attention(q, k, v, work, backend=backend)
+    q = torch.randn(1, 256, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="q, k and v must have the same shape"):
+        sparse_attention(q, k, v, work, backend="gluon")
+
+
+def test_cross_attention_scales_and_pv_skips_are_refused_with_a_sentence():
+    q = torch.randn(1, 256, 2, 64, dtype=torch.float16)
+    k, v = (torch.randn(1, 200, 2, 64, dtype=torch.float16) for _ in range(2))
+    with pytest.raises(ValueError, match="attends a sequence to itself: q, k and v must hold as many tokens"):
+        gluon_block_attention(q, k, v)
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        gluon_block_attention(q, q, q, scale=-0.1)
+    with pytest.raises(ValueError, match="pv_threshold runs on natsim's Triton kernel"):
+        sparse_attention(q, q, q, torch.ones(1, 1, 2, 2, dtype=torch.bool), 128, 128, backend="gluon",
+                         pv_threshold=-5.0)
+
+
+def test_lists_of_one_batch_element_are_its_rows_of_the_mask():
+    gen = torch.Generator().manual_seed(9)
+    mask = torch.rand(3, 2, 4, 5, generator=gen) < 0.5
+    lists = BlockLists.from_blocks(mask)
+    for i in range(3):
+        assert torch.equal(lists.of_batch(i).mask(), mask[i:i + 1])
+    shared = BlockLists.from_blocks(mask[:1])
+    assert shared.of_batch(2) is shared

@@ -117,3 +117,15 @@ def test_sparse_attention_takes_it_at_head_dim_128_without_gradients_only(monkey
     with pytest.raises(RuntimeError, match="no backward pass"):
         sparse_attention(q, k, v, mask, 128, 128, backend="gluon")
 
+
+
+def test_a_batch_element_never_reads_the_next_ones_values():
+    """Sequences that are not whole blocks, batch 2: the first element's last key block runs past its keys; the
+    values past them must be zeros, not the next element's (here non-finite), which would turn P's zeros into
+    NaN."""
+    q, k, v = (torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    v[1, :128] = float("nan")
+    first = gluon_block_attention(q[:1], k[:1], v[:1])
+    both = gluon_block_attention(q, k, v)
+    assert torch.isfinite(both[0]).all()
+    torch.testing.assert_close(both[:1], first, rtol=0, atol=0)

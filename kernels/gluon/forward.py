@@ -152,6 +152,12 @@ class BlockLists:
         bits = torch.zeros(self.indices.shape, dtype=torch.long, device=self.indices.device)
         return bits.scatter_reduce_(-1, code & BLOCK_BITS_MASK.value, code >> BLOCK_BITS.value, "amax")
 
+    def of_batch(self, index: int) -> "BlockLists":
+        """The lists of batch element `index` alone (the same lists where every element shares them)."""
+        if self.counts.shape[0] == 1:
+            return self
+        return BlockLists(self.counts[index:index + 1], self.indices[index:index + 1])
+
     @staticmethod
     def strides(t: torch.Tensor) -> tuple[int, int]:
         """Batch and head strides of a list tensor, 0 where that dimension is shared."""
@@ -580,7 +586,7 @@ LOADER_REGS = 24
 MAX_REGS = 168  # the kernel's budget per thread over its 12 warps: 3 x 168 = 2 x 240 + 24
 
 
-DESCRIPTORS_OFF = ("the Gluon FP8 kernel loads its tiles through TMA, and tensor descriptors are turned off in this "
+DESCRIPTORS_OFF = ("the Gluon kernel loads its tiles through TMA, and tensor descriptors are turned off in this "
                    "process (set_tensor_descriptors(False) or NATSIM_NO_TMA=1).")
 
 
@@ -616,6 +622,9 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: bool = Tr
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"q, k, v must be [B, rows, heads, head_dim] with k and v alike, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"{_name(fp8)} attends a sequence to itself: q, k and v must hold as many tokens, got "
+                         f"{q.shape[1]} and {k.shape[1]}")
     if k.device != q.device or v.device != q.device:
         raise ValueError("q, k and v must be on one device")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -652,6 +661,16 @@ def launch_16bit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: Optio
     an empty tensor without `return_lse`)."""
     if not all(t.is_contiguous() for t in (q, k, v)):
         raise ValueError("the Gluon kernel reads contiguous q, k and v")
+    batch, n_kv = q.shape[0], k.shape[1]
+    if batch > 1 and n_kv % BLOCK_N:
+        # The last key block runs past the sequence: in one launch its rows would be the next batch element's keys
+        # and values, and P's zeros there times a non-finite value of theirs is NaN. One launch per element reads
+        # past the tensor's end instead, where TMA fills zeros. (FP8 zero-pads its transposed V.)
+        parts = [launch_16bit(q[i:i + 1], k[i:i + 1], v[i:i + 1], None if lists is None else lists.of_batch(i),
+                              scale, return_lse, tile_mask) for i in range(batch)]
+        out = torch.cat([part[0] for part in parts])
+        lse = torch.cat([part[1] for part in parts]) if return_lse else parts[0][1]
+        return out, lse
     descriptors = (_descriptor(q, HALF_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N))
     return _run(descriptors, None, q, k.shape[1], lists, scale, q.dtype, return_lse, tile_mask)
 

@@ -15,6 +15,7 @@ import triton
 
 from natsim import Problem
 
+from ..common.checks import check_scale
 from ..common.fp8 import quantize, refuse_gradients
 from .forward import BLOCK_M, BLOCK_N, BlockLists, TileMask, check_call, launch, launch_16bit
 from .tile_mask import gna_block_lists, gna_tile_mask
@@ -33,7 +34,7 @@ def fp8_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     refuse_gradients("the Gluon FP8 kernel", q, k, v)  # the operator has no backward: train in bf16
     lists = BlockLists.from_blocks(blocks) if isinstance(blocks, torch.Tensor) else blocks
     counts, indices = (None, None) if lists is None else (lists.counts, lists.indices)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else check_scale(scale)
     out, lse = gluon_fp8_forward(q, k, v, counts, indices, scale, return_lse)
     return (out, lse) if return_lse else out
 
@@ -52,7 +53,7 @@ def gluon_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     refuse_16bit_gradients(q, k, v)
     lists = BlockLists.from_blocks(blocks) if isinstance(blocks, torch.Tensor) else blocks
     counts, indices = (None, None) if lists is None else (lists.counts, lists.indices)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else check_scale(scale)
     out, lse = gluon_16bit_forward(q, k, v, counts, indices, scale, return_lse)
     return (out, lse) if return_lse else out
 
@@ -76,6 +77,7 @@ def gluon_16bit_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count
     on CPU tensors; the LSE is empty without `return_lse`."""
     lists = None if counts is None else BlockLists(counts, indices)
     check_call(q, k, v, fp8=False)
+    check_scale(scale)  # the kernel takes each row's maximum of the unscaled scores
     if not q.is_cuda:
         return _cpu_16bit(q, k, v, lists, scale, return_lse)
     return launch_16bit(q.contiguous(), k.contiguous(), v.contiguous(), lists, scale, return_lse)
@@ -128,6 +130,7 @@ def gluon_fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts:
     lists = None if counts is None else BlockLists(counts, indices)
     tile_mask = None if bounds is None else TileMask(bounds, bases, tuple(tile))
     check_call(q, k, v)
+    check_scale(scale)  # the kernel takes each row's maximum of the unscaled scores
     _check_rows(q, k, rows)
     if not q.is_cuda:
         return _cpu_reference(q, k, v, lists, scale, return_lse, tile_mask, rows)

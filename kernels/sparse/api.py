@@ -68,8 +68,8 @@ def sparse_attention(
       (FlashAttention-4: a SparseWork prepared with its lists, or a boolean mask prepared for it on this call,
       outside torch.compile) or "gluon" (natsim's Gluon kernel on Hopper: 128 x 128 blocks, head_dim 64 or 128,
       forward only; in FP8, or in 16 bits its 16-bit variant). Among natsim's kernels a call naming no backend
-      takes the Gluon kernel on Hopper where it fits: in FP8, and in 16 bits at head_dim 128 without gradients
-      (measured 1.14-1.19x natsim's Triton kernel; docs/kernels.md).
+      takes the Gluon kernel on Hopper where it fits: in FP8, and in 16 bits at head_dim 128 without gradients on
+      the default schedule (measured 1.14-1.19x natsim's Triton kernel; docs/kernels.md).
     - `merge`: None (a program holds one query block, at least 16 rows), `"consecutive"` or `"xor"` (a program
       holds 128 queries, 128 // q_block blocks: consecutive ones, or natsim.merge's XOR greedy per head).
       The output never depends on it: each row is masked by its own block's row.
@@ -98,14 +98,15 @@ def sparse_attention(
     if precision is not None:
         refuse_gradients("sparse_attention", q, k, v, *scale_tensors(scales))
     prepared = isinstance(mask, SparseWork)
+    check_sparse_qkv(q, k, v)  # before the mask, whose shape is read against q's
     if prepared:
         if any(value is not None for value in (q_block, kv_block, merge)):
             raise ValueError(
                 "q_block, kv_block and merge are the SparseWork's own (chosen by prepare_sparse): pass None with "
                 f"it, got (q_block, kv_block, merge)={(q_block, kv_block, merge)}."
             )
+        check_work(mask, q)  # whichever backend then runs it
     else:
-        check_sparse_qkv(q, k, v)  # before the mask, whose shape is read against q's
         mask, q_block, kv_block, _ = dense_mask(mask, q_block, kv_block, q.shape[1])
     # The backward kernels need the forward's LSE: ask for it whenever autograd will want gradients.
     tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -143,14 +144,14 @@ def sparse_attention(
 
 
 def _attend_prepared(q, k, v, work: SparseWork, spec: SparseSpec, scales: Optional[Fp8Scales], tracked: bool):
-    """`sparse_attention` on prepared work: the kernel straight away in plain eager Triton calls, else the
-    registered operator `natsim::sparse_prepared` (autograd, torch.compile, dispatch modes, the CPU path)."""
+    """`sparse_attention` on prepared work that fits q (`check_work`): the kernel straight away in plain eager
+    Triton calls, else the registered operator `natsim::sparse_prepared` (autograd, torch.compile, dispatch modes,
+    the CPU path)."""
     if tracked and work.dkdv_lists is None:
         raise ValueError(
             "this SparseWork was prepared without the backward's lists (prepare_sparse(..., backward=False)) and "
             "q, k or v requires grad: prepare it with backward=True, or call under torch.no_grad()."
         )
-    check_work(work, q)
     if _on_fa4(work, q, spec, scales, tracked):
         if runs_eagerly(q, k, v):
             out, lse = fa4_run.forward(q, k, v, _scale(q, spec), work.fa4, None, spec.return_lse)
@@ -202,9 +203,11 @@ def _gluon_blocks(q: torch.Tensor, mask: Union[torch.Tensor, SparseWork], spec: 
 def _gluon_refusal(q: torch.Tensor, spec: SparseSpec, scales: Optional[Fp8Scales], q_block: int,
                    kv_block: int) -> Optional[str]:
     """Why the Gluon kernel cannot run a call that names it, or None."""
-    if scales is not None or spec.pv_threshold is not None:
-        return ("it quantizes bfloat16 / float16 inputs itself and skips no P @ V: not inputs given in float8 or "
-                "pv_threshold.")
+    if scales is not None:
+        return ("it quantizes bfloat16 / float16 inputs itself: inputs given in float8 run on natsim's Triton FP8 "
+                "kernel (backend='triton').")
+    if spec.pv_threshold is not None:
+        return "it skips no P @ V: pv_threshold runs on natsim's Triton kernel (backend='triton')."
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     return gluon_refusal(q.dtype, q.shape[-1], capability, q_block, kv_block, fp8=spec.precision == "fp8")
 
