@@ -147,3 +147,44 @@ def test_lists_of_one_batch_element_are_its_rows_of_the_mask():
         assert torch.equal(lists.of_batch(i).mask(), mask[i:i + 1])
     shared = BlockLists.from_blocks(mask[:1])
     assert shared.of_batch(2) is shared
+
+
+def test_sparse_attention_takes_the_variant_where_it_was_measured_faster(monkeypatch):
+    """The routing rule on fake CUDA tensors of a Hopper GPU (no GPU needed): a 16-bit call on 128 x 128 blocks
+    naming no backend takes the variant at head_dim 128 without gradients on the default schedule, and nowhere
+    else (head_dim 64, gradients, the LPT schedule, prepared work with FlashAttention-4's lists or naming Triton,
+    another GPU); FP8 calls take the FP8 kernel at both head dims; a call naming it with gradients is refused."""
+    from dataclasses import replace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from natsim.kernels import prepare_sparse
+    from natsim.kernels.sparse import api
+    from natsim.kernels.sparse.spec import SparseSpec
+
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    # the lists themselves (a sort, which fake CUDA tensors do not run) are tested above: here only the route
+    monkeypatch.setattr(api.BlockLists, "from_blocks", classmethod(lambda cls, blocks: "lists"))
+    work = prepare_sparse(torch.ones(1, 2, 4, 4, dtype=torch.bool), 128, 128, 512, backward=False)
+
+    def routed(head_dim=128, tracked=False, schedule=None, precision=None, backend=None, prepared=None):
+        spec = SparseSpec.of(q_block=128, kv_block=128, schedule=schedule, precision=precision)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            q = torch.empty(1, 512, 2, head_dim, dtype=torch.bfloat16, device="cuda")
+            mask = torch.ones(1, 2, 4, 4, dtype=torch.bool, device="cuda") if prepared is None else prepared
+            return api._gluon_blocks(q, mask, spec, None, backend, tracked) == "lists"
+
+    assert routed()
+    assert not routed(head_dim=64)
+    assert not routed(tracked=True)
+    assert not routed(schedule="lpt")
+    assert routed(precision="fp8") and routed(head_dim=64, precision="fp8")
+    assert routed(head_dim=64, backend="gluon")
+    assert not routed(backend="triton")
+    assert not routed(prepared=replace(work, fa4=object()))  # FlashAttention-4's lists: it runs them
+    assert not routed(prepared=replace(work, requested="triton"))
+    with pytest.raises(RuntimeError, match="16-bit variant has no backward pass"):
+        routed(tracked=True, backend="gluon")
+    capability[0] = (8, 9)  # Ada: no wgmma, no TMA as the kernel uses them
+    assert not routed() and not routed(precision="fp8")
