@@ -129,3 +129,20 @@ def test_a_batch_element_never_reads_the_next_ones_values():
     both = gluon_block_attention(q, k, v)
     assert torch.isfinite(both[0]).all()
     torch.testing.assert_close(both[:1], first, rtol=0, atol=0)
+
+
+def test_sparse_attention_on_prepared_work_takes_it_compiled_and_under_cuda_graphs():
+    """Work prepared at 128 x 128 blocks, head_dim 128, no gradients: `sparse_attention` takes the variant (its
+    lists built from the work's mask on each call), equal to the direct call, compiled with fullgraph and captured
+    in a CUDA graph replayed on new inputs."""
+    from natsim.kernels import prepare_sparse
+
+    q, k, v = (torch.randn(1, 1000, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = block_mask(1, 2, 1000, 0.5, 5)
+    work = prepare_sparse(mask, 128, 128, 1000, backward=False)
+    eager = sparse_attention(q, k, v, work)
+    assert torch.equal(eager, gluon_block_attention(q, k, v, mask))
+    compiled = torch.compile(lambda q, k, v: sparse_attention(q, k, v, work), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), eager, rtol=0, atol=0)
+    replayed, fresh = replayed_on_new_inputs(lambda q, k, v: sparse_attention(q, k, v, work), q, k, v)
+    torch.testing.assert_close(replayed, fresh, rtol=0, atol=0)
