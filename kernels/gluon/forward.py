@@ -612,6 +612,7 @@ def refusal(dtype: torch.dtype, head_dim: int, capability: Optional[tuple[int, i
 
 
 def _name(fp8: bool) -> str:
+    """The kernel as a refusal names it."""
     return "the Gluon FP8 kernel" if fp8 else "the Gluon kernel's 16-bit variant"
 
 
@@ -708,13 +709,12 @@ def _run(descriptors: tuple, scales: Optional[tuple[torch.Tensor, ...]], q: torc
     else:
         tile_mask.check(rows, n_kv, device)
         bounds, bases = tile_mask.bounds, tile_mask.bases
-    operand = q.dtype
     q_scale, k_scale, v_scale = scales or (counts, counts, counts)  # 16-bit operands: never read
     with current_device_of(out):
         _forward_kernel[(q_blocks, batch * heads)](
             *descriptors, q_scale, k_scale, v_scale, out, lse, counts, indices, bounds, bases, heads, rows, n_kv,
             scale * LOG2E, *strides, kv_blocks, **kernel_options(head_dim, lists is None, return_lse, tile_mask,
-                                                                 operand))
+                                                                 q.dtype))
     return out, lse
 
 

@@ -32,10 +32,7 @@ def fp8_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     graphs. Returns the output in q's dtype, and with `return_lse` the LSE `[B, rows, heads]` (float32,
     natural log) of the unquantized scores' definition."""
     refuse_gradients("the Gluon FP8 kernel", q, k, v)  # the operator has no backward: train in bf16
-    lists = BlockLists.from_blocks(blocks) if isinstance(blocks, torch.Tensor) else blocks
-    counts, indices = (None, None) if lists is None else (lists.counts, lists.indices)
-    scale = q.shape[-1] ** -0.5 if scale is None else check_scale(scale)
-    out, lse = gluon_fp8_forward(q, k, v, counts, indices, scale, return_lse)
+    out, lse = gluon_fp8_forward(q, k, v, *_operator_arguments(q, blocks, scale), return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -51,11 +48,16 @@ def gluon_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Triton kernels train). Returns the output in q's dtype, and with `return_lse` the LSE `[B, rows, heads]`
     (float32, natural log; -inf for a row that attends nothing, whose output is 0)."""
     refuse_16bit_gradients(q, k, v)
+    out, lse = gluon_16bit_forward(q, k, v, *_operator_arguments(q, blocks, scale), return_lse)
+    return (out, lse) if return_lse else out
+
+
+def _operator_arguments(q: torch.Tensor, blocks: Union[None, torch.Tensor, BlockLists], scale: Optional[float]
+                        ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
+    """The operators' `counts`, `indices` (None for every block) and `scale` of a front's arguments."""
     lists = BlockLists.from_blocks(blocks) if isinstance(blocks, torch.Tensor) else blocks
     counts, indices = (None, None) if lists is None else (lists.counts, lists.indices)
-    scale = q.shape[-1] ** -0.5 if scale is None else check_scale(scale)
-    out, lse = gluon_16bit_forward(q, k, v, counts, indices, scale, return_lse)
-    return (out, lse) if return_lse else out
+    return counts, indices, q.shape[-1] ** -0.5 if scale is None else check_scale(scale)
 
 
 NO_BACKWARD_16BIT = ("the Gluon kernel's 16-bit variant has no backward pass, and an input requires grad: call it "
