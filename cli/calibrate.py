@@ -94,11 +94,12 @@ def _set_tables(calibration) -> list[Table]:
             tables.append(_measurements_table(f"{label} calibration on {model.gpu}", FA4_COLUMNS,
                                               [case.describe() for case in m.cases], m.times,
                                               model.predict_fa4(m.features, backward), m.errors, m.fitted))
-    if calibration.gluon_fp8:
-        m = calibration.gluon_fp8
-        tables.append(_measurements_table(f"Gluon FP8 calibration on {model.gpu}", FA4_COLUMNS,
-                                          [case.describe() for case in m.cases], m.times,
-                                          model.predict_gluon(m.features), m.errors, m.fitted))
+    for label, m, precision in (("Gluon FP8", calibration.gluon_fp8, "fp8"),
+                                ("Gluon 16-bit", calibration.gluon_16bit, None)):
+        if m:
+            tables.append(_measurements_table(f"{label} calibration on {model.gpu}", FA4_COLUMNS,
+                                              [case.describe() for case in m.cases], m.times,
+                                              model.predict_gluon(m.features, precision), m.errors, m.fitted))
     return tables
 
 
@@ -123,6 +124,8 @@ def _coefficients_table(model) -> Table:
         table.add_row("fa4-backward", name, f"{value:.4e}")
     for name, value in (model.gluon_fp8_coefficients or {}).items():
         table.add_row("gluon-fp8", name, f"{value:.4e}")
+    for name, value in (model.gluon_16bit_coefficients or {}).items():
+        table.add_row("gluon-16bit", name, f"{value:.4e}")
     for backend, value in (model.host_seconds or {}).items():
         table.add_row("host", f"{backend}: seconds to issue a call", f"{value:.4e}")
     return table
@@ -138,7 +141,8 @@ def _summary(calibration, path) -> str:
             ("FlashAttention-4", "fa4_", calibration.fa4.cases if calibration.fa4 else ()),
             ("FlashAttention-4 backward", "fa4_backward_",
              calibration.fa4_backward.cases if calibration.fa4_backward else ()),
-            ("Gluon FP8", "gluon_fp8_", calibration.gluon_fp8.cases if calibration.gluon_fp8 else ()))
+            ("Gluon FP8", "gluon_fp8_", calibration.gluon_fp8.cases if calibration.gluon_fp8 else ()),
+            ("Gluon 16-bit", "gluon_16bit_", calibration.gluon_16bit.cases if calibration.gluon_16bit else ()))
     for label, prefix, cases in sets:
         if cases:
             parts.append(
@@ -152,13 +156,16 @@ def _summary(calibration, path) -> str:
 
 
 def _backend_records(calibration) -> dict:
-    """FlashAttention-4's and the Gluon FP8 kernel's measurements as JSON records, per kernel ('fa4',
-    'fa4-backward', 'gluon-fp8'; those calibrated)."""
+    """FlashAttention-4's and the Gluon kernel's measurements as JSON records, per kernel ('fa4', 'fa4-backward',
+    'gluon-fp8', 'gluon-16bit'; those calibrated)."""
     records, model = {}, calibration.model
     for kernel, m, predict in (("fa4", calibration.fa4, model.predict_fa4),
                                ("fa4-backward", calibration.fa4_backward,
                                 lambda features: model.predict_fa4(features, backward=True)),
-                               ("gluon-fp8", calibration.gluon_fp8, model.predict_gluon)):
+                               ("gluon-fp8", calibration.gluon_fp8,
+                                lambda features: model.predict_gluon(features, "fp8")),
+                               ("gluon-16bit", calibration.gluon_16bit,
+                                lambda features: model.predict_gluon(features, None))):
         if m:
             records[kernel] = [
                 {**case.to_dict(), "measured_s": float(t), "predicted_s": float(g), "fitted": bool(f)}
@@ -195,7 +202,7 @@ def parse_kernels(text: str) -> tuple[str, ...]:
         return check_kernels(names)
     except ValueError:
         raise CliInputError(
-            f"--kernels takes one or more of gna, sparse, backward, gna-fp8, sparse-fp8, fa4, fa4-backward, gluon-fp8, host joined by "
+            f"--kernels takes one or more of gna, sparse, backward, gna-fp8, sparse-fp8, fa4, fa4-backward, gluon-fp8, gluon-16bit, host joined by "
             f"',' (a GPU with a stored cost model keeps the sets of the kernels not named), got --kernels {text!r}."
         ) from None
 
@@ -211,7 +218,7 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print the fitted model and every measurement as JSON."),
     kernels: str = typer.Option(
         "gna,sparse", "--kernels",
-        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim\\[fa4]'), gluon-fp8 (natsim's Gluon FP8 kernel, so that FP8 plans can pick it; Hopper), host (the host's time to issue one call on each backend that runs here, which plans price a call at least at, and of torch's SDPA, against which the diffusers integration weighs natsim's call per layout). Where this GPU has a stored cost model (yours, else natsim's shipped one) it is extended: the kernels named are refitted, the others' coefficients kept; without one, gna must be named.",
+        help="Kernels to time and fit, joined by ',': gna (the GNA kernel), sparse (the block-mask kernel), backward (the GNA backward pass, for `natsim plan --training`), gna-fp8 and sparse-fp8 (the FP8 kernels, for `--precision fp8`; compute capability 8.9 or newer), fa4 and fa4-backward (FlashAttention-4's forward and backward, so that plans can pick it; where it runs: Hopper, pip install 'natsim\\[fa4]'), gluon-fp8 (natsim's Gluon FP8 kernel, so that FP8 plans can pick it; Hopper), gluon-16bit (its 16-bit variant, so that bf16 / fp16 mask plans for inference can pick it; Hopper), host (the host's time to issue one call on each backend that runs here, which plans price a call at least at, and of torch's SDPA, against which the diffusers integration weighs natsim's call per layout). Where this GPU has a stored cost model (yours, else natsim's shipped one) it is extended: the kernels named are refitted, the others' coefficients kept; without one, gna must be named.",
     ),
 ) -> None:
     """Time a fixed set of GNA configurations (and of sparse-kernel masks) on this GPU and fit the planner's cost model to them.
@@ -267,6 +274,7 @@ def calibrate_command(
                 "fa4_measurements": {kernel: rows for kernel, rows in backend_records.items()
                                      if kernel.startswith("fa4")},
                 "gluon_measurements": backend_records.get("gluon-fp8", []),
+                "gluon_16bit_measurements": backend_records.get("gluon-16bit", []),
             },
         )
         return

@@ -1,12 +1,12 @@
 """Which kernel backends a search ranks: those that run here, and those its cost model can price.
 
 natsim plans for three backends (`PLANNED`): its own Triton kernels ("triton", wherever natsim runs),
-FlashAttention-4 ("fa4": installed in natsim's version, on a GPU it runs on; natsim.kernels.backends.fa4) and, in
-FP8, its Gluon kernel ("gluon": Hopper; natsim.kernels.backends.gluon). A search ranks (configuration, backend)
-pairs by predicted time, so a backend other than Triton can be picked only where the cost model prices it (its
-coefficient set: `CostModel.fa4_coefficients`, for training `fa4_backward_coefficients`;
-`gluon_fp8_coefficients`); ranked by tile work, without a cost model, the backends cannot be told apart and a
-search plans the Triton kernels.
+FlashAttention-4 ("fa4": installed in natsim's version, on a GPU it runs on; natsim.kernels.backends.fa4) and its
+Gluon kernel ("gluon": Hopper; natsim.kernels.backends.gluon; in FP8, and for block masks in inference its 16-bit
+variant). A search ranks (configuration, backend) pairs by predicted time, so a backend other than Triton can be
+picked only where the cost model prices it (its coefficient set: `CostModel.fa4_coefficients`, for training
+`fa4_backward_coefficients`; `gluon_fp8_coefficients` in FP8, `gluon_16bit_coefficients` in 16 bits); ranked by
+tile work, without a cost model, the backends cannot be told apart and a search plans the Triton kernels.
 
 Where a backend does not run here but its coefficients exist, a search still prices it (`Backends.priced`), so
 that the plan can say what it would have gained. `backend_choice` makes that decision once per search, as a
@@ -26,15 +26,17 @@ from natsim.kernels.backends import fa4 as fa4_backend
 from natsim.kernels.backends import gluon as gluon_backend
 
 from .cost.gpus import names_a_gpu
-from .cost.model import CostModel
+from .cost.model import CostModel, coefficients_label
 from .cost.resolve import DeviceLike
 
 PLANNED = ("triton", "fa4", "gluon")
-NAMES = {"triton": "natsim's Triton kernels", "fa4": "FlashAttention-4", "gluon": "natsim's Gluon FP8 kernel"}
+NAMES = {"triton": "natsim's Triton kernels", "fa4": "FlashAttention-4", "gluon": "natsim's Gluon kernel"}
 FA4_INSTALL = "pip install 'natsim[fa4]'"
 BackendsLike = Union[None, str, Sequence[str]]
-# What `natsim calibrate --kernels` fits for a backend other than Triton (forward, and for training the backward).
-_KERNELS = {"fa4": ("fa4", "fa4-backward"), "gluon": ("gluon-fp8", None)}
+# What `natsim calibrate --kernels` fits for a backend other than Triton (forward, and for training the backward), by
+# whether the search is in FP8.
+_KERNELS = {("fa4", False): ("fa4", "fa4-backward"), ("fa4", True): ("fa4", "fa4-backward"),
+            ("gluon", False): ("gluon-16bit", None), ("gluon", True): ("gluon-fp8", None)}
 
 
 @dataclass(frozen=True)
@@ -84,22 +86,25 @@ def run_refusal(backend: str, device: torch.device) -> Optional[str]:
     return fa4_refusal(device) if backend == "fa4" else gluon_backend.device_refusal(device)
 
 
-def _price_refusal(backend: str, model: Optional[CostModel], training: bool, where: str) -> Optional[str]:
-    """None when `model` prices `backend`'s calls (forward, and with `training` backward), else why not."""
+def _price_refusal(kernels: tuple[str, Optional[str]], backend: str, model: Optional[CostModel], training: bool,
+                   where: str) -> Optional[str]:
+    """None when `model` prices `backend`'s calls (its forward's and, with `training`, its backward's `kernels`),
+    else why not."""
     if model is None:
         return f"there is no cost model for {where} (plans rank by tile work), which cannot tell the backends apart"
-    forward, backward = _KERNELS[backend]
+    forward, backward = kernels
     if not model.has(forward):
-        return f"the cost model of {model.gpu} has no {NAMES[backend]} coefficients"
+        return f"the cost model of {model.gpu} has no {coefficients_label(forward)} coefficients"
     if training and (backward is None or not model.has(backward)):
         return f"the cost model of {model.gpu} has no {NAMES[backend]} backward coefficients"
     return None
 
 
 def backend_choice(backends: BackendsLike, *, device: DeviceLike, model: Optional[CostModel], training: bool,
-                   gpu: Optional[str], excluded: Optional[Mapping[str, str]] = None) -> Backends:
-    """The backends a search of `backends` ranks with cost model `model` (None: tile work) on `device`, or a
-    sentence error for a backend asked for that cannot run here or cannot be priced.
+                   gpu: Optional[str], excluded: Optional[Mapping[str, str]] = None, fp8: bool = False) -> Backends:
+    """The backends a search of `backends` ranks with cost model `model` (None: tile work) on `device`, in FP8
+    with `fp8` (each backend priced by that precision's coefficients), or a sentence error for a backend asked for
+    that cannot run here or cannot be priced.
 
     None means every backend available here: the Triton kernels, and each other backend where it runs on the
     device (`device_here`) and `model` prices it; where only the first fails it is priced all the same, and the
@@ -115,8 +120,9 @@ def backend_choice(backends: BackendsLike, *, device: DeviceLike, model: Optiona
     for name in PLANNED[1:]:
         if name in excluded or (asked is not None and name not in asked):
             continue
-        run, price = run_refusal(name, here), _price_refusal(name, model, training, where)
-        kernels = ",".join(kernel for kernel in _KERNELS[name][:2 if training else 1] if kernel)
+        fitted = _KERNELS[name, fp8]
+        run, price = run_refusal(name, here), _price_refusal(fitted, name, model, training, where)
+        kernels = ",".join(kernel for kernel in fitted[:2 if training else 1] if kernel)
         if asked is not None:
             if run is not None:
                 raise ValueError(f"backends={asked!r} asks for {NAMES[name]}, which does not run here: {run}")
@@ -161,8 +167,9 @@ def fa4_mask_refusal(q_block: int, kv_block: int, head_dim: int, dtype: torch.dt
 
 
 def gluon_tiles_refusal(q_tokens: int, kv_tokens: int, head_dim: int, dtype: torch.dtype) -> Optional[str]:
-    """None when natsim's Gluon FP8 kernel runs blocks of `q_tokens` x `kv_tokens` at `head_dim` from `dtype`
-    inputs (its capability table: 128 x 128 tiles, head_dim 64 or 128), else why not; on GNA's partial tiles the
-    search prices it where its fit has them (planner.search.gluon_scores)."""
+    """None when natsim's Gluon kernel runs blocks of `q_tokens` x `kv_tokens` at `head_dim` on `dtype` inputs (its
+    capability table: 128 x 128 tiles, head_dim 64 or 128; FP8 from those inputs or its 16-bit variant on them),
+    else why not; on GNA's partial tiles the FP8 search prices it where its fit has them
+    (planner.search.gluon_scores)."""
     return capabilities("gluon", "masks").refusal(dtype=dtype, head_dim=head_dim, q_block=q_tokens,
                                                    kv_block=kv_tokens)

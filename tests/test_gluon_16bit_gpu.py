@@ -149,3 +149,29 @@ def test_sparse_attention_on_prepared_work_takes_it_compiled_and_under_cuda_grap
     torch.testing.assert_close(compiled(q, k, v), eager, rtol=0, atol=0)
     replayed, fresh = replayed_on_new_inputs(lambda q, k, v: sparse_attention(q, k, v, work), q, k, v)
     torch.testing.assert_close(replayed, fresh, rtol=0, atol=0)
+
+
+def test_a_mask_plan_priced_for_the_variant_runs_it_eagerly_and_compiled_and_refuses_gradients():
+    """A mask plan on the variant (picked by 16-bit coefficients that make it cheap, from 64-token blocks pooled
+    to 128): its call on its prepared work and its compiled call equal the kernel on the pooled mask, and inputs
+    that require grad are refused with the plan's sentence."""
+    from dataclasses import replace
+
+    from natsim.planner import best_mask, cost_model_for
+
+    model = cost_model_for(torch.cuda.get_device_name())
+    if model is None:
+        pytest.skip("no stored cost model for this GPU")
+    cheap = {"flops": 1e-16, "narrow_head_flops": 0.0, "blocks": 0.0, "masked_blocks": 0.0, "programs": 0.0,
+             "moved_bytes": 0.0, "launch": 1e-6}
+    mask = block_mask(1, 2, 1000, 0.3, 7).repeat_interleave(2, -1).repeat_interleave(2, -2)[..., :16, :16]
+    # the kernels' predictions alone: at 1,000 tokens every call would take its host time
+    plan = best_mask(mask, 64, 64, 1000, cost_model=replace(model, gluon_16bit_coefficients=cheap, host_seconds=None))
+    assert plan.backend == "gluon" and (plan.q_block, plan.kv_block, plan.merge) == (128, 128, "none")
+    q, k, v = (torch.randn(1, 1000, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    expected = gluon_block_attention(q, k, v, plan.mask.cuda())
+    assert torch.equal(plan(q, k, v), expected)
+    compiled = torch.compile(lambda q, k, v: plan(q, k, v), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"has no backward pass, and an input requires grad"):
+        plan(q.requires_grad_(True), k, v)

@@ -139,7 +139,7 @@ def test_the_scorer_prices_exactly_the_rows_the_kernel_runs(shape, window):
     for row in [*rows_run[:3], *rows_run[-3:]]:
         problem, tiles = problems[row // len(catalog)], catalog[row % len(catalog)]
         alone = gna_gluon_features(problem, tiles.q_tile, batch_heads=2, head_dim=128, element_bytes=2)
-        assert scores[row] == pytest.approx(float(CHEAP.predict_gluon(alone)))
+        assert scores[row] == pytest.approx(float(CHEAP.predict_gluon(alone, "fp8")))
 
 
 def test_fp8_plans_pick_gluon_where_it_is_cheaper_and_say_so(hopper):
@@ -163,18 +163,19 @@ def test_gluon_is_priced_but_not_picked_off_hopper_and_refused_when_asked(monkey
     plan = best((30, 48, 80), 0.9, cost_model=CHEAP, **HUNYUAN)
     assert plan.backend == "triton" and plan.search.would_pick.backend == "gluon"
     assert dict(plan.search.backend_notes)["gluon"] == "not a Hopper GPU."
-    with pytest.raises(ValueError, match=r"asks for natsim's Gluon FP8 kernel, which does not run here: not a Hopper"):
+    with pytest.raises(ValueError, match=r"asks for natsim's Gluon kernel, which does not run here: not a Hopper"):
         best((30, 48, 80), 0.9, cost_model=CHEAP, backends="gluon", **HUNYUAN)
 
 
 def test_backend_choice_for_gluon_says_why_in_sentences(hopper):
-    fp8 = dict(device=None, training=False, gpu="NVIDIA H100 80GB HBM3", excluded={"fa4": "FP8"})
+    fp8 = dict(device=None, training=False, gpu="NVIDIA H100 80GB HBM3", excluded={"fa4": "FP8"}, fp8=True)
     assert backend_choice(None, model=CHEAP, **fp8).allowed == ("triton", "gluon")
     unpriced = backend_choice(None, model=TRITON_ONLY, **fp8)
-    assert unpriced.allowed == ("triton",) and "has no natsim's Gluon FP8 kernel coefficients" in dict(unpriced.notes)["gluon"]
+    assert unpriced.allowed == ("triton",) and "has no Gluon FP8 coefficients" in dict(unpriced.notes)["gluon"]
     with pytest.raises(ValueError, match=r"calibrate --kernels gluon-fp8"):
         backend_choice(("gluon",), model=TRITON_ONLY, **fp8)
-    with pytest.raises(ValueError, match=r"asks for natsim's Gluon FP8 kernel, but it runs precision='fp8' only"):
+    with pytest.raises(ValueError, match=r"asks for natsim's Gluon kernel, but it runs GNA in precision='fp8' only "
+                                         r"\(its 16-bit variant runs block masks: best_mask\)"):
         best((30, 48, 80), 0.9, heads=24, cost_model=CHEAP, backends=("triton", "gluon"))
     assert backend_choice(("gluon",), model=CHEAP, **fp8).allowed == ("gluon",)
 
@@ -222,7 +223,7 @@ def test_the_cost_model_keeps_and_names_its_gluon_set(tmp_path):
     assert loaded.has("gluon-fp8") and loaded.gluon_fp8_coefficients == GLUON
     assert not TRITON_ONLY.has("gluon-fp8")
     with pytest.raises(ValueError, match=r"has no Gluon FP8 coefficients; run `natsim calibrate --kernels gna,gluon-fp8`"):
-        TRITON_ONLY.predict_gluon(np.zeros(len(GLUON_FEATURES)))
+        TRITON_ONLY.predict_gluon(np.zeros(len(GLUON_FEATURES)), "fp8")
 
 
 def test_every_calibration_case_runs_on_the_kernel_and_its_features_are_finite():

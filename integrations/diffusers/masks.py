@@ -204,7 +204,7 @@ class MaskedAttention:
             start = time.perf_counter()
             plan = best_mask(mask, self.masks.block, self.masks.block, q.shape[1], heads=q.shape[2], batch=q.shape[0],
                              head_dim=q.shape[3], dtype=dtype, merges=tuple(self.masks.merges), keep_mask=False,
-                             precision=self.precision)
+                             precision=self.precision, training=self.training)
             self.stats.plan_seconds[key] = time.perf_counter() - start
             self.plans[key] = plan
         return plan

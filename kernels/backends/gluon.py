@@ -65,10 +65,10 @@ GNA = replace(MASKS, name="Gluon FP8 GNA", partial_tiles=True)
 
 
 def device_refusal(device: torch.device) -> Optional[str]:
-    """None when the Gluon FP8 kernel runs on `device` (a Hopper GPU), else one sentence why not (what the
+    """None when the Gluon kernel runs on `device` (a Hopper GPU), else one sentence why not (what the
     planner notes before pricing it)."""
     if device.type != "cuda":
-        return f"natsim's Gluon FP8 kernel runs on Hopper GPUs, and device={str(device)!r} is not a CUDA GPU."
+        return f"natsim's Gluon kernel runs on Hopper GPUs, and device={str(device)!r} is not a CUDA GPU."
     if not tensor_descriptors_enabled():
         return DESCRIPTORS_OFF
     return GNA.refusal(capability=torch.cuda.get_device_capability(device))

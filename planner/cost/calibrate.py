@@ -32,7 +32,8 @@ and 'fa4-backward' (planner.cost.fa4_calibrate: GNA calls, block-sparse and mask
 through natsim's entry points), fitted over planner.cost.fa4_features' FA4_FEATURES; elsewhere they are refused
 with the sentence saying why it does not run. natsim's Gluon FP8 kernel (`backend="gluon"`, Hopper) gets one,
 'gluon-fp8' (planner.cost.gluon_calibrate: GNA on whole and partial 128-token tiles, random 128 x 128 masks),
-fitted over planner.cost.gluon_features' GLUON_FEATURES. 'host' measures, for every backend that runs here, the
+fitted over planner.cost.gluon_features' GLUON_FEATURES, and its 16-bit variant another, 'gluon-16bit' (random 128 x
+128 masks on the inputs' dtype: the one call it runs). 'host' measures, for every backend that runs here, the
 host's time to issue one call (planner.cost.host), which searches price a call at least at, and that of torch's
 SDPA, a model's own attention, against which the diffusers integration weighs natsim's call (AutoPlan.verdict).
 """
@@ -63,7 +64,8 @@ from .fa4_calibrate import (fa4_backward_calibration_cases, fa4_calibration_case
                             time_fa4_backward_case, time_fa4_case)
 from .fa4_features import FA4_FEATURES
 from .features import FEATURES, features_of
-from .gluon_calibrate import gluon_calibration_cases, gluon_case_features, time_gluon_case
+from .gluon_calibrate import (gluon_16bit_calibration_cases, gluon_calibration_cases, gluon_case_features,
+                              time_gluon_case)
 from .gluon_features import GLUON_FEATURES
 from .host import host_refusal, host_seconds
 from .files import cost_model_for, gpu_file_name, own_host, user_coefficients_dir
@@ -74,7 +76,8 @@ from .sparse_features import SPARSE_FEATURES
 from .timing import MIN_REPEATS, median_seconds
 from .sparse_features import sparse_features as work_features
 
-KERNELS = ("gna", "sparse", "backward", "gna-fp8", "sparse-fp8", "fa4", "fa4-backward", "gluon-fp8", "host")
+KERNELS = ("gna", "sparse", "backward", "gna-fp8", "sparse-fp8", "fa4", "fa4-backward", "gluon-fp8", "gluon-16bit",
+           "host")
 DEFAULT_KERNELS = ("gna", "sparse")  # what `calibrate` times unless told: the backward is asked for by name
 
 # Tile shapes per number of dimensions, one per (Q tokens, KV tokens) pair of the catalog.
@@ -504,7 +507,7 @@ def time_backward_case(case: BackwardCase, dtype: torch.dtype, device: torch.dev
 
 def check_kernels(kernels: Iterable[str]) -> tuple[str, ...]:
     """The kernels to calibrate, in KERNELS order: any of 'gna', 'sparse', 'backward', 'gna-fp8', 'sparse-fp8',
-    'fa4', 'fa4-backward', 'gluon-fp8', 'host', at least one. `calibrate` extends the GPU's stored cost model
+    'fa4', 'fa4-backward', 'gluon-fp8', 'gluon-16bit', 'host', at least one. `calibrate` extends the GPU's stored cost model
     where there is one (without one, 'gna' must be among them: every model carries the GNA kernel's coefficients)."""
     names = tuple(kernels)
     unknown = [name for name in names if name not in KERNELS]
@@ -551,6 +554,7 @@ class Calibration:
     fa4: Optional["Measurements"] = None
     fa4_backward: Optional["Measurements"] = None
     gluon_fp8: Optional["Measurements"] = None
+    gluon_16bit: Optional["Measurements"] = None
 
 
 @dataclass(frozen=True)
@@ -597,7 +601,8 @@ def calibrate(
     `sparse_calibration_cases()`, 'backward': `backward_calibration_cases()`, 'gna-fp8': `fp8_calibration_cases()`
     in FP8, 'sparse-fp8': `fp8_sparse_calibration_cases()` in FP8, 'fa4': `fa4_calibration_cases()` on
     FlashAttention-4, 'fa4-backward': `fa4_backward_calibration_cases()`, their backward, 'gluon-fp8':
-    `gluon_calibration_cases()` on natsim's Gluon FP8 kernel) with natsim.kernels on a
+    `gluon_calibration_cases()` on natsim's Gluon FP8 kernel, 'gluon-16bit': `gluon_16bit_calibration_cases()` on
+    its 16-bit variant) with natsim.kernels on a
     CUDA GPU and fit the cost model to them. Where the GPU has a stored cost model (`cost_model_for`: the user's
     file, else the shipped one) it is extended: the coefficients of the kernels calibrated are replaced, the others
     kept (recalibrating 'gna' keeps FlashAttention-4's and the FP8 kernels' sets), and its info records the
@@ -633,16 +638,17 @@ def calibrate(
     if refusal is not None:
         raise ValueError(f"kernels={kernels!r} asks for FlashAttention-4, which does not run on {gpu}: {refusal}")
     gluon_cases = gluon_calibration_cases() if "gluon-fp8" in kernels else []
-    refusal = gluon_backend.device_refusal(device) if gluon_cases else None
+    gluon_16bit_cases = gluon_16bit_calibration_cases() if "gluon-16bit" in kernels else []
+    refusal = gluon_backend.device_refusal(device) if gluon_cases or gluon_16bit_cases else None
     if refusal is not None:
-        raise ValueError(f"kernels={kernels!r} asks for natsim's Gluon FP8 kernel, which does not run on {gpu}: "
+        raise ValueError(f"kernels={kernels!r} asks for natsim's Gluon kernel, which does not run on {gpu}: "
                          f"{refusal}")
     features = case_features(cases, dtype, has_tensor_descriptors(device)) if cases else _empty(len(FEATURES))
     sparse_matrix = sparse_case_features(sparse_cases) if sparse_cases else _empty(len(SPARSE_FEATURES))
     backward_matrix = (backward_case_features(backward_cases, dtype) if backward_cases
                        else _empty(len(BACKWARD_FEATURES)))
     total = (len(cases) + len(sparse_cases) + len(backward_cases) + len(fp8_cases) + len(fp8_sparse_cases)
-             + len(fa4_cases) + len(fa4_backward_cases) + len(gluon_cases))
+             + len(fa4_cases) + len(fa4_backward_cases) + len(gluon_cases) + len(gluon_16bit_cases))
     timed: list[float] = []
 
     def time_all(items, timer, **options) -> np.ndarray:
@@ -661,6 +667,7 @@ def calibrate(
     fa4_times = time_all(fa4_cases, time_fa4_case)
     fa4_backward_times = time_all(fa4_backward_cases, time_fa4_backward_case)
     gluon_times = time_all(gluon_cases, time_gluon_case)
+    gluon_16bit_times = time_all(gluon_16bit_cases, time_gluon_case)
     host, info = own_host(base) if base is not None else ({}, {})  # not the host times lent by other GPUs' files
     if "host" in kernels:
         host.update({call: host_seconds(call, dtype, device) for call in HOST_CALLS
@@ -684,7 +691,7 @@ def calibrate(
         backward, backward_errors, backward_fitted = _fit(backward_matrix, backward_times, BACKWARD_FEATURES,
                                                           "backward")
         info.update(_error_info("backward_", backward_errors, backward_fitted))
-    sets = {}  # the FP8 and FlashAttention-4 sets: coefficients by attribute, measurements by kernel
+    sets = {}  # the FP8, FlashAttention-4 and Gluon sets: coefficients by attribute, measurements by kernel
     for attribute, kernel, items, matrix, seconds, names in (
         ("fp8_coefficients", "gna-fp8", fp8_cases,
          case_features(fp8_cases, dtype, has_tensor_descriptors(device), "fp8") if fp8_cases else None, fp8_times,
@@ -696,6 +703,8 @@ def calibrate(
          fa4_case_features(fa4_backward_cases, dtype), fa4_backward_times, FA4_FEATURES),
         ("gluon_fp8_coefficients", "gluon-fp8", gluon_cases, gluon_case_features(gluon_cases, dtype), gluon_times,
          GLUON_FEATURES),
+        ("gluon_16bit_coefficients", "gluon-16bit", gluon_16bit_cases,
+         gluon_case_features(gluon_16bit_cases, dtype), gluon_16bit_times, GLUON_FEATURES),
     ):
         sets[attribute] = getattr(base, attribute) if base is not None else None
         if items:
@@ -717,11 +726,12 @@ def calibrate(
                       backward_coefficients=backward, fp8_coefficients=sets["fp8_coefficients"],
                       fp8_sparse_coefficients=sets["fp8_sparse_coefficients"], fa4_coefficients=sets["fa4_coefficients"],
                       fa4_backward_coefficients=sets["fa4_backward_coefficients"],
-                      gluon_fp8_coefficients=sets["gluon_fp8_coefficients"], host_seconds=host or None, info=info)
+                      gluon_fp8_coefficients=sets["gluon_fp8_coefficients"],
+                      gluon_16bit_coefficients=sets["gluon_16bit_coefficients"], host_seconds=host or None, info=info)
     return Calibration(model, tuple(cases), features, times, errors, fitted, tuple(sparse_cases), sparse_matrix,
                        sparse_times, sparse_errors, sparse_fitted, tuple(backward_cases), backward_matrix,
                        backward_times, backward_errors, backward_fitted, sets.get("gna-fp8"), sets.get("sparse-fp8"),
-                       sets.get("fa4"), sets.get("fa4-backward"), sets.get("gluon-fp8"))
+                       sets.get("fa4"), sets.get("fa4-backward"), sets.get("gluon-fp8"), sets.get("gluon-16bit"))
 
 
 def default_path(gpu: str) -> Path:

@@ -1,12 +1,17 @@
-"""natsim's Gluon FP8 kernel's calibration cases (`natsim calibrate --kernels gluon-fp8`): what is timed, its
-features, and the timed calls, through natsim's public entry points with `precision="fp8", backend="gluon"`.
+"""natsim's Gluon kernel's calibration cases: what is timed, its features, and the timed calls, through natsim's
+public entry points with `backend="gluon"`.
 
-The cases span what GLUON_FEATURES separate (planner.cost.gluon_features): GNA calls whose every visited block is a
-whole 128-token tile (HunyuanVideo's 16x8x8 stride at head_dim 128 and 64, 1-D and 2-D strides of whole tiles,
-dense attention over 1-D and 3-D layouts: q, k, v permuted into tile order, as plans run them), GNA calls with
-partial tiles (Wan's and HunyuanVideo's 720p layouts, with padding, strides of partial tiles, 2-D and 1-D; the
-mask's work per visited block), and random masks of 128 x 128 blocks from 0% to 95% sparse on 8k to 32k tokens
-(nothing permuted), 24 heads.
+'gluon-fp8' (`natsim calibrate --kernels gluon-fp8`, `precision="fp8"`): the cases span what GLUON_FEATURES separate
+(planner.cost.gluon_features): GNA calls whose every visited block is a whole 128-token tile (HunyuanVideo's 16x8x8
+stride at head_dim 128 and 64, 1-D and 2-D strides of whole tiles, dense attention over 1-D and 3-D layouts: q, k,
+v permuted into tile order, as plans run them), GNA calls with partial tiles (Wan's and HunyuanVideo's 720p
+layouts, with padding, strides of partial tiles, 2-D and 1-D; the mask's work per visited block), and random masks
+of 128 x 128 blocks from 0% to 95% sparse on 8k to 32k tokens (nothing permuted), 24 heads.
+
+'gluon-16bit' (the 16-bit variant, on the inputs' bf16 or fp16): block masks only, the one call it runs: random
+masks of 128 x 128 blocks from 0% to 95% sparse on 8k to 64k tokens at head_dim 128 and 64 (`MASK_CASES_16BIT`),
+nothing masked inside a block and nothing moved, so its fit has the per-block, per-program and per-call costs to
+separate.
 """
 
 from __future__ import annotations
@@ -59,6 +64,22 @@ MASK_CASES = (
     (8192, 0.5, 128),
 )
 
+# (seq_len, sparsity, head_dim): the 16-bit variant's random masks (about 0.3 to 95 ms on an H200 at 24 heads)
+MASK_CASES_16BIT = (
+    (32768, 0.0, 128),
+    (32768, 0.5, 128),
+    (32768, 0.7, 128),
+    (32768, 0.9, 128),
+    (32768, 0.95, 128),
+    (65536, 0.9, 128),
+    (16384, 0.7, 128),
+    (16384, 0.95, 128),
+    (8192, 0.5, 128),
+    (32768, 0.0, 64),
+    (32768, 0.7, 64),
+    (16384, 0.9, 64),
+)
+
 
 @dataclass(frozen=True)
 class GluonGnaCase:
@@ -103,13 +124,15 @@ class GluonGnaCase:
 @dataclass(frozen=True)
 class GluonMaskCase:
     """One Gluon call under a random mask of 128 x 128 blocks (each kept with probability 1 - `sparsity`, a mask
-    per head, seeded with `seed`) on `[1, seq_len, heads, head_dim]` tensors."""
+    per head, seeded with `seed`) on `[1, seq_len, heads, head_dim]` tensors, in `precision` ("fp8", or None: the
+    16-bit variant on the inputs' dtype)."""
 
     seq_len: int
     sparsity: float
     head_dim: int
     heads: int = HEADS
     seed: int = 0
+    precision: Optional[str] = "fp8"
 
     def mask(self) -> torch.Tensor:
         """The boolean mask `[1, heads, ceil(N / 128), ceil(N / 128)]` on the CPU, the same every call."""
@@ -117,7 +140,8 @@ class GluonMaskCase:
 
     def features(self, dtype: torch.dtype) -> np.ndarray:
         return mask_gluon_features(int(self.mask().sum()), seq_len=self.seq_len, batch_heads=self.heads,
-                                   head_dim=self.head_dim, element_bytes=element_bytes(dtype))
+                                   head_dim=self.head_dim, element_bytes=element_bytes(dtype),
+                                   fp8=self.precision == "fp8")
 
     def refusal(self) -> Optional[str]:
         return gluon_tiles_refusal(GLUON_BLOCK, GLUON_BLOCK, self.head_dim, torch.bfloat16)
@@ -128,7 +152,7 @@ class GluonMaskCase:
 
     def to_dict(self) -> dict:
         return {"kind": "mask", "seq_len": self.seq_len, "sparsity": self.sparsity, "heads": self.heads,
-                "head_dim": self.head_dim, "seed": self.seed}
+                "head_dim": self.head_dim, "seed": self.seed, "precision": self.precision}
 
     def call(self, dtype: torch.dtype, device: torch.device):
         """The call on random q, k, v on `device`, on work prepared once beforehand (as a plan runs its mask)."""
@@ -138,7 +162,7 @@ class GluonMaskCase:
                    for _ in range(3))
         work = prepare_sparse(self.mask().to(device), GLUON_BLOCK, GLUON_BLOCK, self.seq_len, device=device,
                               backward=False, backend="gluon")
-        return lambda: sparse_attention(q, k, v, work, precision="fp8", backend="gluon")
+        return lambda: sparse_attention(q, k, v, work, precision=self.precision, backend="gluon")
 
 
 GluonCase = Union[GluonGnaCase, GluonMaskCase]
@@ -153,6 +177,12 @@ def gluon_calibration_cases() -> list[GluonCase]:
     return [*gna, *masks]
 
 
+def gluon_16bit_calibration_cases() -> list[GluonMaskCase]:
+    """The calls `natsim calibrate --kernels ...,gluon-16bit` times: MASK_CASES_16BIT on the 16-bit variant."""
+    return [GluonMaskCase(seq_len, sparsity, head_dim, seed=i, precision=None)
+            for i, (seq_len, sparsity, head_dim) in enumerate(MASK_CASES_16BIT)]
+
+
 def gluon_case_features(cases: list[GluonCase], dtype: torch.dtype) -> np.ndarray:
     """The GLUON_FEATURES matrix of `cases` (rows in order)."""
     if not cases:
@@ -162,5 +192,6 @@ def gluon_case_features(cases: list[GluonCase], dtype: torch.dtype) -> np.ndarra
 
 def time_gluon_case(case: GluonCase, dtype: torch.dtype, device: torch.device,
                     min_repeats: int = MIN_REPEATS) -> float:
-    """Median seconds of one Gluon FP8 call of `case` (random inputs, quantization included) on a CUDA `device`."""
+    """Median seconds of one Gluon call of `case` (random inputs, an FP8 call's quantization included) on a CUDA
+    `device`."""
     return median_seconds(case.call(dtype, device), device, min_repeats)

@@ -1,11 +1,12 @@
-"""The cost model's features for natsim's Gluon FP8 kernel (backend "gluon"): what one of its calls does, in
-countable units.
+"""The cost model's features for natsim's Gluon kernel (backend "gluon"): what one of its calls does, in
+countable units, in FP8 and in its 16-bit variant alike (each priced by its own coefficients:
+`CostModel.gluon_fp8_coefficients`, `gluon_16bit_coefficients`).
 
-The kernel runs 128 x 128 blocks (natsim.kernels.backends.gluon): GNA on tokens permuted into a 128-token tile's
-order, its partial tiles masked inside by the rows' window bounds, dense attention over the flattened layout, or
-a block mask of 128-token blocks. Before it, one pass quantizes q, k and v to float8 (reading bf16 / fp16,
-writing one byte per element; a GNA layout's q, k, v read in tile order as they are quantized); a GNA layout
-permutes the output back.
+The kernel runs 128 x 128 blocks (natsim.kernels.backends.gluon). In FP8: GNA on tokens permuted into a 128-token
+tile's order, its partial tiles masked inside by the rows' window bounds, dense attention over the flattened
+layout, or a block mask of 128-token blocks; before it, one pass quantizes q, k and v to float8 (reading bf16 /
+fp16, writing one byte per element; a GNA layout's q, k, v read in tile order as they are quantized); a GNA layout
+permutes the output back. In 16 bits: a block mask of 128-token blocks on q, k, v as they are (nothing moved).
 
 One row per call, one column per feature (batch and heads multiply everything but `launch`):
 
@@ -16,7 +17,7 @@ One row per call, one column per feature (batch and heads multiply everything bu
 | `blocks` | block | visited (query block, key block) pairs: the per-iteration overhead |
 | `masked_blocks` | block | visited pairs masked inside (GNA's partial tiles, and key tiles holding padding): the mask's per-score work |
 | `programs` | tile | query blocks launched: loading Q, the epilogue, storing O |
-| `moved_bytes` | byte | quantizing q, k, v (read, in tile order as they are quantized, and write) and, for GNA whose tile order is not the layout's own, permuting the output back |
+| `moved_bytes` | byte | FP8: quantizing q, k, v (read, in tile order as they are quantized, and write) and, for GNA whose tile order is not the layout's own, permuting the output back; 16 bits: 0 |
 | `launch` | call | 1: launch and host overhead per call |
 """
 
@@ -38,16 +39,18 @@ WIDE_HEAD = 128  # channels: smaller head dims pay `narrow_head_flops`
 
 
 def gluon_feature_matrix(*, visited_blocks, q_padded, batch_heads: int, head_dim: int, element_bytes: int,
-                         permute_bytes, masked_blocks=0.0, tokens=None) -> np.ndarray:
+                         permute_bytes, masked_blocks=0.0, tokens=None, fp8: bool = True) -> np.ndarray:
     """Features (columns in GLUON_FEATURES order) of calls given as per-row arrays (or scalars): visited blocks
     and those of them masked inside (per batch element and head), the padded sequence length (queries and keys
     alike), the bytes permuted besides the quantization, and the tokens the quantization reads (None: the padded
-    length)."""
+    length); with `fp8` False, the 16-bit variant's calls, which quantize nothing."""
     visited = np.asarray(visited_blocks, np.float64)
     padded = np.asarray(q_padded, np.float64)
     block_flops = 4.0 * GLUON_BLOCK * GLUON_BLOCK * head_dim * batch_heads
-    quantize = quantization_bytes(padded if tokens is None else tokens, padded, padded, batch_heads=batch_heads,
-                                  head_dim=head_dim, element_bytes=element_bytes)
+    quantize = 0.0
+    if fp8:
+        quantize = quantization_bytes(padded if tokens is None else tokens, padded, padded, batch_heads=batch_heads,
+                                      head_dim=head_dim, element_bytes=element_bytes)
     columns = [
         visited * block_flops,
         (head_dim < WIDE_HEAD) * visited * block_flops,
@@ -93,11 +96,11 @@ def dense_gluon_features(seq_len: int, *, batch_heads: int, head_dim: int, eleme
 
 
 def mask_gluon_features(visited_blocks: float, *, seq_len: int, batch_heads: int, head_dim: int,
-                        element_bytes: int) -> np.ndarray:
+                        element_bytes: int, fp8: bool = True) -> np.ndarray:
     """The feature row of one Gluon call under a block mask of 128-token blocks on N = `seq_len`, on
     `batch_heads` sequences that visit `visited_blocks` blocks in all (a mask of batch or heads 1 counts once per
-    batch element or head it serves), nothing permuted."""
+    batch element or head it serves), nothing permuted; in FP8, or with `fp8` False on the 16-bit variant."""
     padded = math.ceil(seq_len / GLUON_BLOCK) * GLUON_BLOCK
     return gluon_feature_matrix(visited_blocks=visited_blocks / batch_heads, q_padded=padded,
                                 batch_heads=batch_heads, head_dim=head_dim, element_bytes=element_bytes,
-                                permute_bytes=0.0)
+                                permute_bytes=0.0, fp8=fp8)

@@ -14,7 +14,9 @@ host, against which the diffusers integration weighs natsim's call on small layo
 Measured as the wall time of issuing `CALLS` back-to-back calls of a tiny problem (a few microseconds of GPU work
 each, fewer than the launch queue holds), divided by their number: natsim's backends through the operator a
 model's compiled graph and `AutoPlan` call where no gradient is needed, `natsim::gna_resolved_inference`, with the
-log-sum-exp (joint attention asks for it), torch's SDPA as a model calls it. (The host times shipped on
+log-sum-exp (joint attention asks for it), torch's SDPA as a model calls it; the Gluon kernel's 16-bit variant
+(`GLUON_16BIT_HOST`), which runs block masks only, as a mask plan calls it, `sparse_attention` on a mask of two
+by two 128-token blocks (its block lists built on the call). (The host times shipped on
 2026-11-27 were measured through `natsim::gna_resolved`, whose autograd layer cost more, before its twin existed.)
 """
 
@@ -26,11 +28,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from natsim.kernels import register_resolver, resolved_operators
+from natsim.kernels import register_resolver, resolved_operators, sparse_attention
 from natsim.kernels.backends import fa4 as fa4_backend
 from natsim.kernels.backends import gluon as gluon_backend
 
-from .model import OWN_ATTENTION
+from .model import GLUON_16BIT_HOST, OWN_ATTENTION
 
 CALLS = 200
 WARMUP = 10
@@ -43,18 +45,23 @@ def host_refusal(backend: str, device: torch.device) -> Optional[str]:
     """None when `backend` (or OWN_ATTENTION) runs on `device` here, else why not (the backend's own sentence)."""
     if backend == "fa4":
         return fa4_backend.installed() or fa4_backend.device_refusal(device)
-    if backend == "gluon":
+    if backend in ("gluon", GLUON_16BIT_HOST):
         return gluon_backend.device_refusal(device)
     return None if device.type == "cuda" else f"host times are measured on a CUDA GPU, got device={str(device)!r}."
 
 
 def tiny_call(backend: str, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
     """A dense call over `TOKENS` tokens on `backend` through the resolved operator without autograd (the Gluon
-    kernel's in FP8, the one precision it runs), or of torch's SDPA for OWN_ATTENTION."""
+    kernel's in FP8, the one precision it runs GNA in), of torch's SDPA for OWN_ATTENTION, or the 16-bit variant's
+    block-mask call for GLUON_16BIT_HOST."""
     q, k, v = (torch.randn(1, TOKENS, HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))
     if backend == OWN_ATTENTION:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return lambda: F.scaled_dot_product_attention(q, k, v)
+    if backend == GLUON_16BIT_HOST:
+        blocks = -(-TOKENS // 128)
+        mask = torch.ones(1, HEADS, blocks, blocks, dtype=torch.bool, device=device)
+        return lambda: sparse_attention(q, k, v, mask, 128, 128, backend="gluon")
     arguments = dict(window=(TOKENS,), stride=(1,), dilation=(1,), causal=(False,), q_tile=(128,), kv_tile=(128,),
                      kv_tiling=None, precision="fp8" if backend == "gluon" else None, backend=backend)
     resolver = _resolver_ids.get(backend)

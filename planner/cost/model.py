@@ -6,9 +6,9 @@ over planner.cost.sparse_features' SPARSE_FEATURES), one for the GNA backward pa
 planner.cost.backward_features' BACKWARD_FEATURES) and, for `precision="fp8"`, the FP8 variants of the GNA and
 sparse kernels (`fp8_coefficients` over FEATURES, `fp8_sparse_coefficients` over SPARSE_FEATURES: the same
 work counted, a different cost per unit), and FlashAttention-4's forward and backward (`fa4_coefficients`,
-`fa4_backward_coefficients`, over planner.cost.fa4_features' FA4_FEATURES), and natsim's Gluon FP8 kernel's
-(`gluon_fp8_coefficients`, over planner.cost.gluon_features' GLUON_FEATURES); files without a set load with None
-there. `host_seconds` holds, per backend, the host's time to issue one call (planner.cost.host): a call never
+`fa4_backward_coefficients`, over planner.cost.fa4_features' FA4_FEATURES), and natsim's Gluon kernel's in FP8
+and in its 16-bit variant (`gluon_fp8_coefficients`, `gluon_16bit_coefficients`, over planner.cost.gluon_features'
+GLUON_FEATURES); files without a set load with None there. `host_seconds` holds, per backend, the host's time to issue one call (planner.cost.host): a call never
 takes less, so searches price each call at max(host, predicted kernel time). Coefficients differ per GPU and are
 data: one JSON file per GPU (planner.cost.files says where they live, planner.cost.gpus which GPU a device names).
 """
@@ -49,8 +49,15 @@ def _checked(coefficients: Mapping[str, float], features: Sequence[str], label: 
 
 
 HOST_BACKENDS = ("triton", "fa4", "gluon")  # planner.backends.PLANNED: the backends a host time is kept for
+GLUON_16BIT_HOST = "gluon-16bit"  # the Gluon kernel's 16-bit variant, which issues no quantization: its own host time
 OWN_ATTENTION = "sdpa"  # torch's scaled_dot_product_attention: the attention a model calls of its own
-HOST_CALLS = HOST_BACKENDS + (OWN_ATTENTION,)  # what a cost model may keep a host time for
+HOST_CALLS = HOST_BACKENDS + (GLUON_16BIT_HOST, OWN_ATTENTION)  # what a cost model may keep a host time for
+
+
+def host_call(backend: str, precision: Optional[str]) -> str:
+    """The host time that prices a call on `backend` in `precision`: the backend's own, the 16-bit variant's for
+    the Gluon kernel in 16 bits."""
+    return GLUON_16BIT_HOST if backend == "gluon" and check_precision(precision) is None else backend
 BORROWED_HOST = "host_seconds_borrowed"  # info key: host times taken from another GPU's file (call -> that GPU)
 
 
@@ -85,6 +92,7 @@ _SET_FEATURES = {
     "fa4_coefficients": FA4_FEATURES,
     "fa4_backward_coefficients": FA4_FEATURES,
     "gluon_fp8_coefficients": GLUON_FEATURES,
+    "gluon_16bit_coefficients": GLUON_FEATURES,
 }
 OPTIONAL_SETS = tuple(name for name in _SET_FEATURES if name != "coefficients")
 _KERNEL_SETS = {
@@ -95,7 +103,14 @@ _KERNEL_SETS = {
     "fa4": ("fa4_coefficients", "FlashAttention-4"),
     "fa4-backward": ("fa4_backward_coefficients", "FlashAttention-4 backward"),
     "gluon-fp8": ("gluon_fp8_coefficients", "Gluon FP8"),
+    "gluon-16bit": ("gluon_16bit_coefficients", "Gluon 16-bit"),
 }
+
+
+def coefficients_label(kernel: str) -> str:
+    """The words sentences use for `kernel`'s coefficient set (a name `natsim calibrate --kernels` takes, not
+    "gna" or "host"): "FlashAttention-4", "Gluon 16-bit", ..."""
+    return _KERNEL_SETS[kernel][1]
 
 
 def _gna_kernel(precision: Optional[str]) -> str:
@@ -110,6 +125,12 @@ def _fa4_kernel(backward: bool) -> str:
     return "fa4-backward" if backward else "fa4"
 
 
+def gluon_kernel(precision: Optional[str]) -> str:
+    """The Gluon kernel's calibration name in `precision`: "gluon-fp8", or "gluon-16bit" for None (the inputs'
+    bf16 or fp16)."""
+    return "gluon-16bit" if check_precision(precision) is None else "gluon-fp8"
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per unit of each feature on one GPU, with how and when they were fitted (`info`).
@@ -118,8 +139,8 @@ class CostModel:
     (SPARSE_FEATURES), `backward_coefficients` the GNA backward pass's (BACKWARD_FEATURES), `fp8_coefficients`
     and `fp8_sparse_coefficients` the GNA and sparse kernels' with `precision="fp8"`, `fa4_coefficients` and
     `fa4_backward_coefficients` FlashAttention-4's forward and backward calls (FA4_FEATURES, GNA and block masks
-    alike), `gluon_fp8_coefficients` natsim's Gluon FP8 kernel's calls (GLUON_FEATURES); each None for a model
-    calibrated without it.
+    alike), `gluon_fp8_coefficients` and `gluon_16bit_coefficients` natsim's Gluon kernel's calls in FP8 and in 16
+    bits (GLUON_FEATURES); each None for a model calibrated without it.
     """
 
     gpu: str
@@ -132,6 +153,7 @@ class CostModel:
     fa4_coefficients: Optional[Mapping[str, float]] = None
     fa4_backward_coefficients: Optional[Mapping[str, float]] = None
     gluon_fp8_coefficients: Optional[Mapping[str, float]] = None
+    gluon_16bit_coefficients: Optional[Mapping[str, float]] = None
     host_seconds: Optional[Mapping[str, float]] = None
 
     def __post_init__(self) -> None:
@@ -144,8 +166,9 @@ class CostModel:
             object.__setattr__(self, "host_seconds", _checked_host(self.host_seconds))
 
     def host(self, backend: str) -> float:
-        """Seconds the host takes to issue one call on `backend`, or of torch's SDPA for OWN_ATTENTION (0 where
-        this model was calibrated without it; planner.cost.files borrows another GPU's file's where it has one)."""
+        """Seconds the host takes to issue one call on `backend` (one of HOST_CALLS: `host_call` names the one for
+        a backend in a precision), or of torch's SDPA for OWN_ATTENTION (0 where this model was calibrated without
+        it; planner.cost.files borrows another GPU's file's where it has one)."""
         return float((self.host_seconds or {}).get(backend, 0.0))
 
     def at_least_host(self, seconds, backend: str):
@@ -167,7 +190,7 @@ class CostModel:
 
     def has(self, kernel: str) -> bool:
         """Whether this model has coefficients for `kernel`: "gna", "sparse", "backward", "gna-fp8", "sparse-fp8",
-        "fa4", "fa4-backward", "gluon-fp8"."""
+        "fa4", "fa4-backward", "gluon-fp8", "gluon-16bit"."""
         return kernel == "gna" or getattr(self, _KERNEL_SETS[kernel][0]) is not None
 
     def predict(self, features: np.ndarray, precision: Optional[str] = None) -> np.ndarray:
@@ -209,13 +232,14 @@ class CostModel:
         """Predicted seconds of one FlashAttention-4 feature row, per feature (the backward's with `backward`)."""
         return _per_feature(features, *self._fitted(_fa4_kernel(backward)))
 
-    def predict_gluon(self, features: np.ndarray) -> np.ndarray:
-        """Predicted seconds of Gluon FP8 calls for feature rows `(n, len(GLUON_FEATURES))` (or one row)."""
-        return np.asarray(features, np.float64) @ _in_order(*self._fitted("gluon-fp8"))
+    def predict_gluon(self, features: np.ndarray, precision: Optional[str]) -> np.ndarray:
+        """Predicted seconds of Gluon calls for feature rows `(n, len(GLUON_FEATURES))` (or one row) in
+        `precision` ("fp8", or None for the 16-bit variant)."""
+        return np.asarray(features, np.float64) @ _in_order(*self._fitted(gluon_kernel(precision)))
 
-    def gluon_breakdown(self, features: np.ndarray) -> dict[str, float]:
-        """Predicted seconds of one Gluon FP8 feature row, per feature."""
-        return _per_feature(features, *self._fitted("gluon-fp8"))
+    def gluon_breakdown(self, features: np.ndarray, precision: Optional[str]) -> dict[str, float]:
+        """Predicted seconds of one Gluon feature row in `precision`, per feature."""
+        return _per_feature(features, *self._fitted(gluon_kernel(precision)))
 
     def _fitted(self, kernel: str) -> tuple[Mapping[str, float], tuple[str, ...]]:
         """The coefficients of `kernel` (a key of _KERNEL_SETS) and their features, or a sentence error saying

@@ -9,9 +9,10 @@ ways and returns the fastest as a `MaskPlan`, with every candidate it scored (`M
 
 A mask plan is plain data that round-trips through JSON (the mask itself is not stored there), `explain()`, and
 `plan(q, k, v)` / `plan(q, k, v, mask=fine_mask)` running `sparse_attention` at the chosen granularity and
-merge, on the kernel backend it was planned for (natsim's Triton kernels, or FlashAttention-4 for unmerged
-blocks it runs). A plan made for one mask serves the next masks of the same layer and shape (the next diffusion steps),
-which is how the diffusers example uses it.
+merge, on the kernel backend it was planned for (natsim's Triton kernels, FlashAttention-4 for unmerged blocks
+it runs, or natsim's Gluon kernel for unmerged 128 x 128 blocks in FP8 or, for inference, in 16 bits). A plan
+made for one mask serves the next masks of the same layer and shape (the next diffusion steps), which is how the
+diffusers example uses it.
 """
 
 from __future__ import annotations
@@ -89,6 +90,13 @@ def fine_mask(mask: MaskLike, q_block: Optional[int], kv_block: Optional[int], s
     return check_dense_mask(mask, -(-seq_len // q_block), -(-seq_len // kv_block))
 
 
+def _flag(value, name: str) -> bool:
+    """A JSON record's boolean field, or a sentence error."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {name}={value!r}.")
+    return value
+
+
 def _describe(value) -> str:
     if isinstance(value, (torch.Tensor, np.ndarray)):
         return f"a {type(value).__name__} of dtype {value.dtype} and shape {tuple(value.shape)}"
@@ -115,7 +123,7 @@ class MaskCandidate:
     `prepare_sparse` runs natsim.merge head by head and builds its lists, which takes longer
     (`SparseWork.merge_seconds`). `backend` is the kernel backend it was scored on: "triton", "fa4"
     (FlashAttention-4, unmerged, on its own blocks: `block_m` x `block_n` are the mask's blocks there) or "gluon"
-    (natsim's Gluon FP8 kernel, unmerged 128 x 128 blocks).
+    (natsim's Gluon kernel, in FP8 or its 16-bit variant, unmerged 128 x 128 blocks).
     """
 
     q_block: int
@@ -175,6 +183,8 @@ class MaskPlan(JsonRecord):
     - `backend`: the kernel backend it runs on ("triton", "fa4", "gluon"); `backends` those it could be picked from;
       `would_pick` the pick had every priced backend run here (None when each did); `backend_notes` why a
       backend a report mentions could not be picked, per backend (planner.backends).
+    - `training`: planned for calls that need gradients (`best_mask(..., training=True)`: backends with a
+      backward only); a plan for inference on a backend without one refuses inputs that require grad.
     """
 
     JSON_DOCUMENT = f"a mask-plan JSON document (format {FORMAT!r})"
@@ -202,6 +212,7 @@ class MaskPlan(JsonRecord):
     backends: tuple[str, ...] = ("triton",)
     would_pick: Optional[MaskCandidate] = None
     backend_notes: tuple[tuple[str, str], ...] = ()
+    training: bool = False
     _works: dict = field(default_factory=dict, compare=False, repr=False)
 
     # -- what was predicted -----------------------------------------------------------------------------
@@ -281,6 +292,11 @@ class MaskPlan(JsonRecord):
         plan runs in FP8 (inference only); every plan runs on its backend."""
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != self.seq_len:
             raise ValueError(f"this plan is for seq_len={self.seq_len} tokens, got q.shape={tuple(q.shape)}.")
+        if (self.backend == "gluon" and self.precision is None and torch.is_grad_enabled()
+                and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))):
+            raise ValueError("this plan runs natsim's Gluon kernel in 16 bits, which has no backward pass, and an "
+                             "input requires grad: plan for gradients (best_mask(..., training=True); in the diffusers "
+                             "integration apply(..., training=True)), or call under torch.no_grad().")
         if mask is not None:
             pooled = self.pool(mask)
         elif self.mask is None:
@@ -327,7 +343,8 @@ class MaskPlan(JsonRecord):
                      if (x.q_block, x.kv_block) == (self.fine_q_block, self.fine_kv_block)), None)
         lines = [
             f"Mask plan for N={self.seq_len:,} tokens, {self.batch} x {self.heads} heads, head_dim {self.head_dim}, "
-            f"{self.dtype}{', FP8 kernel' if self.precision else ''}: run at {self.q_block} x {self.kv_block} blocks, "
+            f"{self.dtype}{', FP8 kernel' if self.precision else ''}{', for training' if self.training else ''}: run "
+            f"at {self.q_block} x {self.kv_block} blocks, "
             f"merge {self.merge}, on {backend_label(self.backend)}.",
             f"The mask was given at {self.fine_q_block} x {self.fine_kv_block}"
             + (f" (density {fine.density:.1%})" if fine is not None else "")
@@ -338,6 +355,9 @@ class MaskPlan(JsonRecord):
             kernel = "the same kernel"
             if self.backend == "fa4":
                 coefficients, kernel = "FlashAttention-4 coefficients", "natsim's sparse kernel"
+            elif self.backend == "gluon":
+                coefficients = f"Gluon {'FP8' if self.precision else '16-bit'} coefficients"
+                kernel = "natsim's sparse kernel"
             lines.append(f"Predicted {self.score * 1e3:.4g} ms on {self.gpu}, {self.predicted_speedup:.2f}x faster "
                          f"than dense attention through {kernel} (cost model, {coefficients}).")
             basis = Text(lines.pop())
@@ -393,7 +413,8 @@ class MaskPlan(JsonRecord):
             "format": FORMAT,
             **{name: getattr(self, name) for name in (
                 "seq_len", "fine_q_block", "fine_kv_block", "q_block", "kv_block", "merge", "batch", "heads",
-                "head_dim", "dtype", "gpu", "basis", "score", "dense_score", "tie_tolerance", "precision", "backend")},
+                "head_dim", "dtype", "gpu", "basis", "score", "dense_score", "tie_tolerance", "precision", "backend",
+                "training")},
             "predicted_time_s": self.predicted_time_s,
             "predicted_speedup": self.predicted_speedup if math.isfinite(self.predicted_speedup) else None,  # JSON
             "breakdown": dict(self.breakdown),
@@ -424,6 +445,7 @@ class MaskPlan(JsonRecord):
             backends=tuple(check_backend(b) for b in data.get("backends", ("triton",))),
             would_pick=None if data.get("would_pick") is None else MaskCandidate.from_dict(data["would_pick"]),
             backend_notes=tuple((check_backend(b), str(note)) for b, note in data.get("backend_notes", {}).items()),
+            training=_flag(data.get("training", False), "training"),  # plans written before training plans: inference
         )
         plan.chosen  # noqa: B018 (raises when the choice is not a candidate)
         return plan

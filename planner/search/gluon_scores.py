@@ -78,12 +78,12 @@ class GluonScorer:
         members = self._members(rows)
         total = np.full(len(rows["tile_index"]), np.inf)
         if len(members):
-            total[members] = self.cost_model.predict_gluon(self.features(rows, members))
+            total[members] = self.cost_model.predict_gluon(self.features(rows, members), "fp8")
         return total, None
 
     def breakdown(self, rows: dict[str, np.ndarray], row: int) -> dict[str, float]:
         """Predicted seconds of one row (one the kernel runs) per feature."""
-        return self.cost_model.gluon_breakdown(self.features(rows, np.array([row]))[0])
+        return self.cost_model.gluon_breakdown(self.features(rows, np.array([row]))[0], "fp8")
 
 
 def _runs(tiles: TileConfig, head_dim: int, dtype: torch.dtype) -> bool:

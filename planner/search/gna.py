@@ -339,7 +339,7 @@ def _excluded(world_size: Optional[int], kv_tiling: Optional[str], precision: Op
         why["fa4"] = (f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's FP8 "
                       "kernels")
     else:
-        why["gluon"] = "it runs precision='fp8' only"
+        why["gluon"] = "it runs GNA in precision='fp8' only (its 16-bit variant runs block masks: best_mask)"
     if world_size is not None:
         why["fa4"] = (f"natsim.distributed runs natsim's Triton kernels, so a plan over world_size={world_size} ranks "
                       "runs them")
@@ -373,7 +373,7 @@ def _normalise(shape, target_sparsity, heads, head_dim, dtype, causal, window, m
     dtype = as_dtype(dtype)
     gpu, model, kv_tilings = ranking(device, cost_model, training, kv_tiling, precision)
     choice = backend_choice(backends, device=device, model=model, training=training, gpu=gpu,
-                            excluded=_excluded(world_size, kv_tiling, precision))
+                            excluded=_excluded(world_size, kv_tiling, precision), fp8=precision == "fp8")
     if world_size is not None:
         check_world_size(world_size, shape[0])
         if precision is not None:

@@ -21,8 +21,11 @@ Where FlashAttention-4 is a backend the search ranks (planner.backends: installe
 coefficients), every granularity it runs unmerged is a candidate too, scored by its own coefficients on the
 blocks the pooled mask visits (planner.cost.fa4_features; every visited block is full, nothing is permuted).
 Where it has coefficients but does not run here it is priced all the same, and the plan records what it would
-have picked. In FP8 natsim's Gluon kernel takes FlashAttention-4's place: a candidate at 128 x 128 blocks,
-unmerged (planner.cost.gluon_features), where its coefficients exist.
+have picked. natsim's Gluon kernel adds a candidate at 128 x 128 blocks, unmerged (planner.cost.gluon_features),
+where its coefficients exist: in FP8 in FlashAttention-4's place, and in 16 bits its variant beside
+FlashAttention-4 for inference. With `training=True` the plan runs in a model that trains through it: only
+backends with a backward are ranked (natsim's Triton kernels, FlashAttention-4 where its backward is priced and
+runs the blocks), each still scored by its forward.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from ..backends import BackendsLike, backend_choice, fa4_mask_refusal, gluon_til
 from ..catalog import as_dtype, dtype_name
 from ..cost.fa4_features import FA4_FEATURES, mask_fa4_features
 from ..cost.gluon_features import GLUON_FEATURES, mask_gluon_features
-from ..cost.model import CostModel
+from ..cost.model import CostModel, host_call
 from ..cost.resolve import CostModelLike, DeviceLike, resolve_cost_model
 from ..cost.sparse_features import SPARSE_FEATURES
 from ..plans.mask import MERGES, MaskCandidate, MaskLike, MaskPlan, fine_mask
@@ -140,15 +143,29 @@ def _fa4_candidate(rows: PackedMask, q_block: int, kv_block: int, batch: int, he
 
 
 def _gluon_candidate(rows: PackedMask, batch: int, heads: int, head_dim: int, dtype: torch.dtype,
-                     cost_model: CostModel) -> tuple[MaskCandidate, np.ndarray]:
-    """The Gluon FP8 kernel's candidate at its 128 x 128 blocks (unmerged): the blocks the pooled mask visits,
-    every one full, scored by the cost model's Gluon coefficients, and its feature row."""
+                     cost_model: CostModel, precision: Optional[str]) -> tuple[MaskCandidate, np.ndarray]:
+    """The Gluon kernel's candidate at its 128 x 128 blocks (unmerged) in `precision` (None: its 16-bit variant):
+    the blocks the pooled mask visits, every one full, scored by the cost model's Gluon coefficients of that
+    precision, and its feature row."""
     visited = _visited_blocks(rows, DENSE_BLOCK, DENSE_BLOCK, batch, heads)
     row = mask_gluon_features(visited, seq_len=rows.seq_len, batch_heads=batch * heads, head_dim=head_dim,
-                              element_bytes=dtype.itemsize)
+                              element_bytes=dtype.itemsize, fp8=precision == "fp8")
     return _unmerged_candidate(rows, DENSE_BLOCK, DENSE_BLOCK, batch, heads, visited,
-                               row[GLUON_FEATURES.index("programs")], float(cost_model.predict_gluon(row)),
+                               row[GLUON_FEATURES.index("programs")], float(cost_model.predict_gluon(row, precision)),
                                "gluon"), row
+
+
+def _none_runs(backend: str, q_options: tuple[int, ...], kv_options: tuple[int, ...], head_dim: int,
+               dtype: torch.dtype, training: bool) -> str:
+    """Why `backend` (FlashAttention-4 or the Gluon kernel: natsim's Triton kernels run every candidate) has no
+    candidate among these blocks."""
+    if backend == "fa4":
+        why = fa4_mask_refusal(q_options[0], kv_options[0], head_dim, dtype, backward=training)
+        return (f"FlashAttention-4 runs none of q_blocks={q_options} x kv_blocks={kv_options} at head_dim={head_dim} "
+                f"(for the first: {why})")
+    why = gluon_tiles_refusal(DENSE_BLOCK, DENSE_BLOCK, head_dim, dtype)
+    return (f"natsim's Gluon kernel runs {DENSE_BLOCK} x {DENSE_BLOCK} blocks unmerged only (q_blocks={q_options}, "
+            f"kv_blocks={kv_options}){'' if why is None else f', and not here: {why}'}")
 
 
 def _grouping(q_block: int, kv_block: int, merge: str) -> tuple[int, int, int, str]:
@@ -195,6 +212,7 @@ def best_mask(
     keep_mask: bool = True,
     precision: Optional[str] = None,
     backends: BackendsLike = None,
+    training: bool = False,
 ) -> MaskPlan:
     """The fastest way to run a predicted block mask with `sparse_attention`: its granularity and merge.
 
@@ -217,8 +235,11 @@ def best_mask(
       sparse coefficients (by token pairs without them).
     - `backends`: the kernel backends the plan may run on ("triton", "fa4", "gluon"), as for `best`: None means
       every one available here (FlashAttention-4 where it is installed, runs on the device and the cost model has
-      its coefficients; it runs unmerged blocks, in the inputs' dtype; in FP8 natsim's Gluon kernel, on Hopper
-      with its coefficients, at 128 x 128 blocks unmerged).
+      its coefficients; it runs unmerged blocks, in the inputs' dtype; natsim's Gluon kernel on Hopper with its
+      coefficients of the plan's precision, at 128 x 128 blocks unmerged, head_dim 64 or 128).
+    - `training`: the plan runs where gradients flow through it (a model in training): only backends with a
+      backward are ranked (not the Gluon kernel), FlashAttention-4 where its backward is priced and runs the
+      blocks. FP8 plans are for inference.
 
     >>> plan = best_mask(topp(q, k, 16, 16, 0.9), 16, 16, q.shape[1], device="h100")   # doctest: +SKIP
     >>> out = plan(q, k, v)                                                             # doctest: +SKIP
@@ -243,7 +264,12 @@ def best_mask(
     q_options = _blocks("q_blocks", q_blocks, q_block)
     kv_options = _blocks("kv_blocks", kv_blocks, kv_block)
     precision = check_precision(precision)
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got training={training!r}.")
     if precision is not None:
+        if training:
+            raise ValueError(f"precision={precision!r} is for inference (its kernels have no backward pass), so "
+                             "training must be False; plan training in bfloat16 or float16 (precision=None).")
         fp8_head_split(head_dim)  # the FP8 kernels' head dims, refused with their sentence before any search
     gpu, model = resolve_cost_model(device, cost_model)
     if model is not None and not model.has("sparse" if precision is None else "sparse-fp8"):
@@ -252,12 +278,13 @@ def best_mask(
     if precision is not None:
         excluded["fa4"] = (f"it runs no FP8 on the GPUs natsim runs it on, so precision={precision!r} plans natsim's "
                            "kernels")
-    else:
-        excluded["gluon"] = "it runs precision='fp8' only"
+    elif training:
+        excluded["gluon"] = "it has no backward pass, and training=True plans for gradients"
     if "none" not in merges:
         for name in ("fa4", "gluon"):
             excluded.setdefault(name, f"it runs unmerged blocks only, and merges={merges!r} leaves out 'none'")
-    choice = backend_choice(backends, device=device, model=model, training=False, gpu=gpu, excluded=excluded)
+    choice = backend_choice(backends, device=device, model=model, training=training, gpu=gpu, excluded=excluded,
+                            fp8=precision == "fp8")
 
     rows = PackedMask(dense, q_block, kv_block, seq_len)
     # one 128-query block per program already: a merge changes nothing
@@ -273,25 +300,25 @@ def best_mask(
             features[candidate.key] = row
     if "fa4" in choice.priced:
         for qb, kb in sorted({(qb, kb) for qb, kb, merge in options if merge == "none"}):
-            if fa4_mask_refusal(qb, kb, head_dim, dtype) is None:
+            if fa4_mask_refusal(qb, kb, head_dim, dtype, backward=training) is None:
                 candidate, row = _fa4_candidate(rows, qb, kb, batch, heads, head_dim, model)
                 scored.append(candidate)
                 features[candidate.key] = row
     if ("gluon" in choice.priced and (DENSE_BLOCK, DENSE_BLOCK, "none") in options
             and gluon_tiles_refusal(DENSE_BLOCK, DENSE_BLOCK, head_dim, dtype) is None):
-        candidate, row = _gluon_candidate(rows, batch, heads, head_dim, dtype, model)
+        candidate, row = _gluon_candidate(rows, batch, heads, head_dim, dtype, model, precision)
         scored.append(candidate)
         features[candidate.key] = row
     if model is not None:  # a call takes at least its backend's host time (planner.cost.host)
-        scored = [replace(c, score=float(model.at_least_host(c.score, c.backend))) for c in scored]
+        scored = [replace(c, score=float(model.at_least_host(c.score, host_call(c.backend, precision))))
+                  for c in scored]
     scored.sort(key=lambda c: (c.score, _preference(c)))
     runnable = [c for c in scored if c.backend in choice.allowed]
     if not options:
         raise ValueError(f"no candidate to score: merges={merges!r} need query blocks under {DENSE_BLOCK}.")
     if not runnable:
-        why = fa4_mask_refusal(q_options[0], kv_options[0], head_dim, dtype)
-        raise ValueError(f"no candidate to score: FlashAttention-4 runs none of q_blocks={q_options} x "
-                         f"kv_blocks={kv_options} at head_dim={head_dim} (for the first: {why})")
+        raise ValueError("no candidate to score: " + "; ".join(
+            _none_runs(name, q_options, kv_options, head_dim, dtype, training) for name in choice.allowed))
     winner = _pick(runnable)
     would_pick = _pick(scored) if choice.priced != choice.allowed else None
     dense_candidate, _ = _candidate(_dense_rows(seq_len), DENSE_BLOCK, DENSE_BLOCK, "none", batch, heads, head_dim,
@@ -300,7 +327,7 @@ def best_mask(
     if winner.backend == "fa4":
         breakdown = model.fa4_breakdown(features[winner.key])
     elif winner.backend == "gluon":
-        breakdown = model.gluon_breakdown(features[winner.key])
+        breakdown = model.gluon_breakdown(features[winner.key], precision)
     elif model is not None:
         breakdown = model.sparse_breakdown(features[winner.key], precision)
     kept = None
@@ -315,5 +342,5 @@ def best_mask(
         dtype=dtype_name(dtype), gpu=gpu, basis=BASIS_COST_MODEL if model is not None else BASIS_TILES,
         score=winner.score, dense_score=dense_score, breakdown=breakdown, candidates=tuple(scored),
         mask=kept, precision=precision, backend=winner.backend, backends=choice.allowed, would_pick=would_pick,
-        backend_notes=choice.notes,
+        backend_notes=choice.notes, training=training,
     )
