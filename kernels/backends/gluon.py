@@ -10,7 +10,8 @@ it wherever a call fits (kernels/gluon/forward.py, `refusal`; GNA left to natsim
 whole tile, or on partial tiles where those pay: kernels/gna/choice.py), natsim's Triton FP8 kernel elsewhere, or
 where the call or its prepared work names a backend; a GNA call naming "gluon" runs on it with partial tiles at
 any size. A 16-bit `sparse_attention` call naming no backend takes the 16-bit variant at head_dim 128 without
-gradients (kernels/sparse/api.py), a call naming "gluon" at 64 too.
+gradients (kernels/sparse/api.py), a call naming "gluon" at 64 too; mask plans for inference pick it by its own
+coefficients (natsim.planner.best_mask, `gluon_16bit_coefficients`).
 
 Partial GNA tiles (H200, benchmarks/results/fp8-gluon-partial-*-unsigned-compare.json, quantization and tile
 order included): Wan 2.1's 720p layout at window 7x21x35 35.6 ms against 50.6 on the Triton FP8 kernel and 34.1
