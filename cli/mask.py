@@ -103,7 +103,8 @@ def mask_command(
     limit: int = typer.Option(16, "--limit", min=0, help="Rows in the table (0 for all); --json is never cut."),
     as_json: bool = typer.Option(False, "--json", help="Print the mask plan as one JSON document instead of a table."),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp8: score the FP8 inference kernel (ranked by the GPU's FP8 sparse coefficients from `natsim calibrate --kernels gna,sparse-fp8`, else by token pairs). Default: compute in --dtype."),
-    backend: Optional[list[str]] = typer.Option(None, "--backend", help="Kernel backends the plan may run on, repeated or joined by ',': triton (natsim's kernels), fa4 (FlashAttention-4: installed, on this GPU, with coefficients from `natsim calibrate --kernels fa4`). Default: every one available here."),
+    backend: Optional[list[str]] = typer.Option(None, "--backend", help="Kernel backends the plan may run on, repeated or joined by ',': triton (natsim's kernels), fa4 (FlashAttention-4: installed, on this GPU, with coefficients from `natsim calibrate --kernels fa4`), gluon (natsim's Gluon kernel at 128 x 128 blocks: Hopper, coefficients from `natsim calibrate --kernels gluon-16bit`, or gluon-fp8 with --precision fp8). Default: every one available here."),
+    training: bool = typer.Option(False, "--training", help="Plan for calls that need gradients: only backends with a backward (not the Gluon kernel)."),
 ) -> None:
     """Score a saved block mask at every granularity and merge; show the table, fastest first.
 
@@ -119,7 +120,7 @@ def mask_command(
     seq_len = seq_len if seq_len is not None else meta.get("seq_len", mask.shape[2] * q_block)
     options = {"heads": heads, "head_dim": head_dim, "dtype": dtype, "device": device,
                "merges": [m.strip() for m in merges.split(",") if m.strip()], "precision": parse_precision(precision),
-               "backends": parse_backends(backend)}
+               "backends": parse_backends(backend), "training": training}
     if coefficients is not None:
         options["cost_model"] = load_cost_model(coefficients)
     plan = best_mask(mask, q_block, kv_block, seq_len, **options)

@@ -219,6 +219,9 @@ def test_cli_scores_a_saved_pt_and_npz_mask(tmp_path):
     assert "chosen: " in result.stdout and "over dense" in result.stdout
     lines = [line for line in result.stdout.splitlines() if line.startswith("│")]
     assert len(lines) == len(BLOCKS) ** 2
+    training = runner.invoke(app, ["mask", str(tmp_path / "m.pt"), "--device", "h100", "--json", "--training"])
+    assert training.exit_code == 0, training.output
+    assert json.loads(training.stdout)["training"] is True and record["training"] is False
 
 
 def test_cli_takes_a_bare_tensor_with_blocks_on_the_command_line(tmp_path):
