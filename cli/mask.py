@@ -131,7 +131,8 @@ def mask_command(
              else "no cost model: ranked by token pairs computed, no time predicted")
     title = (f"{file.name}: N={plan.seq_len:,}, mask {plan.fine_q_block}x{plan.fine_kv_block} blocks, "
              f"{plan.batch}x{plan.heads} heads, head_dim {plan.head_dim}, {plan.dtype}"
-             f"{' (FP8 kernel)' if plan.precision else ''}; {basis}; best score first")
+             f"{' (FP8 kernel)' if plan.precision else ''}{', for training' if plan.training else ''}; {basis}; "
+             "best score first")
     out.print(plan.candidates_table(title, limit=limit))
     hidden = sum(1 for i, c in enumerate(plan.candidates) if 0 < limit <= i and c != plan.chosen)
     if hidden:

@@ -74,7 +74,7 @@ def parse_backends(values: Optional[Sequence[str]]) -> Optional[tuple[str, ...]]
         return None
     names = tuple(name.strip().lower() for value in values for name in value.split(","))
     if not all(names):
-        raise CliInputError(f"--backend takes backend names (triton, fa4), repeated or joined by ',', got "
+        raise CliInputError(f"--backend takes backend names (triton, fa4, gluon), repeated or joined by ',', got "
                             f"{' '.join('--backend ' + repr(value) for value in values)}.")
     return names
 

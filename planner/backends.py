@@ -33,10 +33,12 @@ PLANNED = ("triton", "fa4", "gluon")
 NAMES = {"triton": "natsim's Triton kernels", "fa4": "FlashAttention-4", "gluon": "natsim's Gluon kernel"}
 FA4_INSTALL = "pip install 'natsim[fa4]'"
 BackendsLike = Union[None, str, Sequence[str]]
-# What `natsim calibrate --kernels` fits for a backend other than Triton (forward, and for training the backward), by
-# whether the search is in FP8.
-_KERNELS = {("fa4", False): ("fa4", "fa4-backward"), ("fa4", True): ("fa4", "fa4-backward"),
-            ("gluon", False): ("gluon-16bit", None), ("gluon", True): ("gluon-fp8", None)}
+def _fitted_kernels(backend: str, fp8: bool) -> tuple[str, Optional[str]]:
+    """What `natsim calibrate --kernels` fits for `backend` (other than Triton) in a search in FP8 or not: its
+    forward's set and its backward's (None: it has no backward)."""
+    if backend == "fa4":
+        return "fa4", "fa4-backward"
+    return ("gluon-fp8" if fp8 else "gluon-16bit"), None
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ def _price_refusal(kernels: tuple[str, Optional[str]], backend: str, model: Opti
 
 
 def backend_choice(backends: BackendsLike, *, device: DeviceLike, model: Optional[CostModel], training: bool,
-                   gpu: Optional[str], excluded: Optional[Mapping[str, str]] = None, fp8: bool = False) -> Backends:
+                   gpu: Optional[str], fp8: bool, excluded: Optional[Mapping[str, str]] = None) -> Backends:
     """The backends a search of `backends` ranks with cost model `model` (None: tile work) on `device`, in FP8
     with `fp8` (each backend priced by that precision's coefficients), or a sentence error for a backend asked for
     that cannot run here or cannot be priced.
@@ -120,7 +122,7 @@ def backend_choice(backends: BackendsLike, *, device: DeviceLike, model: Optiona
     for name in PLANNED[1:]:
         if name in excluded or (asked is not None and name not in asked):
             continue
-        fitted = _KERNELS[name, fp8]
+        fitted = _fitted_kernels(name, fp8)
         run, price = run_refusal(name, here), _price_refusal(fitted, name, model, training, where)
         kernels = ",".join(kernel for kernel in fitted[:2 if training else 1] if kernel)
         if asked is not None:

@@ -25,9 +25,10 @@ from natsim.planner.cost.host import host_refusal
 from natsim.planner.cost.model import CostModel, host_call
 
 H100 = replace(cost_model_for("NVIDIA H100 80GB HBM3"), host_seconds=None)  # kernels' predictions alone
-# Cheaper per FLOP than natsim's sparse kernel, dearer per call; nothing for what 16 bits do not do.
+# Cheaper per FLOP than natsim's sparse kernel, dearer per call; a cost for moved bytes too, which 16 bits do not
+# move, so that a candidate counted as FP8's would be priced differently.
 GLUON_16BIT = {"flops": 5e-16, "narrow_head_flops": 2e-16, "blocks": 1e-10, "masked_blocks": 0.0, "programs": 1e-8,
-               "moved_bytes": 0.0, "launch": 5e-5}
+               "moved_bytes": 1e-12, "launch": 5e-5}
 CHEAP = replace(H100, gluon_16bit_coefficients=GLUON_16BIT)
 DEAR = replace(H100, gluon_16bit_coefficients={name: 50 * value for name, value in GLUON_16BIT.items()})
 FP8_ONLY = replace(H100, gluon_fp8_coefficients=GLUON_16BIT, gluon_16bit_coefficients=None)
@@ -55,7 +56,7 @@ def float64_under_pooled(q, k, v, pooled: torch.Tensor, block: int) -> torch.Ten
 
 
 def test_only_the_variants_own_coefficients_price_it_in_16_bits(hopper):
-    sixteen = dict(device=None, training=False, gpu="NVIDIA H100 80GB HBM3")
+    sixteen = dict(device=None, training=False, gpu="NVIDIA H100 80GB HBM3", fp8=False)
     assert backend_choice(None, model=FP8_ONLY, **sixteen).allowed == ("triton",)
     assert "has no Gluon 16-bit coefficients" in dict(backend_choice(None, model=FP8_ONLY, **sixteen).notes)["gluon"]
     with pytest.raises(ValueError, match=r"has no Gluon 16-bit coefficients; run `natsim calibrate --kernels "
@@ -63,7 +64,7 @@ def test_only_the_variants_own_coefficients_price_it_in_16_bits(hopper):
         backend_choice(("gluon",), model=FP8_ONLY, **sixteen)
     assert backend_choice(None, model=CHEAP, **sixteen).allowed == ("triton", "gluon")
     no_fp8 = replace(CHEAP, gluon_fp8_coefficients=None)
-    assert backend_choice(None, model=no_fp8, fp8=True, **sixteen).allowed == ("triton",)  # FP8 has its own set
+    assert backend_choice(None, model=no_fp8, **{**sixteen, "fp8": True}).allowed == ("triton",)  # FP8's own set
 
 
 def test_the_features_of_16_bits_are_fp8s_without_the_quantization():
@@ -107,6 +108,7 @@ def test_mask_plans_pick_it_when_cheapest_and_not_when_dearer_in_training_or_unp
     mask = random_mask(2, 4, 64, 0.3)
     plan = best_mask(mask, 128, 128, 8192, cost_model=CHEAP)
     assert plan.backend == "gluon" and set(plan.breakdown) == set(GLUON_FEATURES) and not plan.training
+    assert sum(plan.breakdown.values()) == pytest.approx(plan.score)  # the 16-bit coefficients, feature by feature
     assert best_mask(mask, 128, 128, 8192, cost_model=DEAR).backend == "triton"
     assert best_mask(mask, 128, 128, 8192, cost_model=FP8_ONLY).backend == "triton"
     training = best_mask(mask, 128, 128, 8192, cost_model=CHEAP, training=True)
@@ -118,8 +120,70 @@ def test_mask_plans_pick_it_when_cheapest_and_not_when_dearer_in_training_or_unp
         best_mask(mask, 128, 128, 8192, cost_model=CHEAP, training=True, precision="fp8")
     with pytest.raises(TypeError, match=r"training must be a bool, got training='yes'"):
         best_mask(mask, 128, 128, 8192, cost_model=CHEAP, training="yes")
-    with pytest.raises(ValueError, match=r"natsim's Gluon kernel runs 128 x 128 blocks unmerged only"):
-        best_mask(mask, 128, 128, 8192, cost_model=CHEAP, backends="gluon", merges=("none",), head_dim=32)
+    with pytest.raises(ValueError, match=r"no candidate to score: natsim's Gluon kernel does not run this call: .*"
+                                         r"head_dim=32"):
+        best_mask(mask, 128, 128, 8192, cost_model=CHEAP, backends="gluon", head_dim=32)
+    fine = random_mask(2, 4, 128, 0.3)  # 64-token blocks, kept at 64 only
+    with pytest.raises(ValueError, match=r"runs 128 x 128 blocks unmerged only, which q_blocks=\(64,\), "
+                                         r"kv_blocks=\(64,\) and merges leave out"):
+        best_mask(fine, 64, 64, 8192, cost_model=CHEAP, backends="gluon", q_blocks=(64,), kv_blocks=(64,))
+
+
+def test_training_plans_rank_flashattention_4_only_where_its_backward_is_priced_and_runs(hopper, monkeypatch):
+    """In training, FlashAttention-4's candidates are exactly the blocks its backward runs (its rule restated by
+    `fa4_mask_refusal(..., backward=True)`), and without its backward coefficients it is not ranked but noted."""
+    from natsim.kernels.backends import fa4 as fa4_backend
+    from natsim.planner.backends import fa4_mask_refusal
+
+    monkeypatch.setattr(fa4_backend, "installed", lambda: None)
+    monkeypatch.setattr(fa4_backend, "device_refusal", lambda device: None)
+    assert CHEAP.has("fa4") and CHEAP.has("fa4-backward")
+    mask = random_mask(7, 2, 64, 0.3)  # 16-token blocks over 1,024 tokens
+    for head_dim in (64, 128):
+        for training in (False, True):
+            plan = best_mask(mask, 16, 16, 1024, head_dim=head_dim, cost_model=CHEAP, training=training)
+            fa4 = {(c.q_block, c.kv_block) for c in plan.candidates if c.backend == "fa4"}
+            expected = {(qb, kb) for qb in (16, 32, 64, 128) for kb in (16, 32, 64, 128)
+                        if fa4_mask_refusal(qb, kb, head_dim, torch.bfloat16, backward=training) is None}
+            assert fa4 == expected and fa4, (head_dim, training)
+            assert ("gluon" in {c.backend for c in plan.candidates}) == (not training)
+    unpriced = replace(CHEAP, fa4_backward_coefficients=None)
+    plan = best_mask(mask, 16, 16, 1024, cost_model=unpriced, training=True)
+    assert all(c.backend == "triton" for c in plan.candidates)
+    assert "has no FlashAttention-4 backward coefficients" in dict(plan.backend_notes)["fa4"]
+    assert any(c.backend == "fa4" for c in best_mask(mask, 16, 16, 1024, cost_model=unpriced).candidates)
+
+
+def test_the_diffusers_masks_route_plans_for_training_when_it_trains(hopper):
+    """`apply(..., masks=..., training=True)`'s attention plans each layout with training: never on the Gluon
+    kernel, whatever its coefficients; in inference the same mask may go there."""
+    from natsim.integrations.diffusers.masks import Masks, MaskedAttention
+
+    mask = random_mask(8, 4, 64, 0.3)  # the predictor's 128-token blocks over 8,192 tokens
+    q = torch.randn(1, 8192, 4, 128, dtype=torch.bfloat16)
+    plans = {}
+    for training in (False, True):
+        attention = MaskedAttention(Masks(steps=4, block=128), training=training)
+        attention.layout = (8, 32, 32)
+        attention.masks = Masks(steps=4, block=128)
+        with pytest.MonkeyPatch.context() as patch:  # the stored H100 model, made cheap for the variant
+            patch.setattr("natsim.integrations.diffusers.masks.best_mask",
+                          lambda *args, **options: best_mask(*args, **options, cost_model=CHEAP))
+            plans[training] = attention._plan(mask, q, torch.bfloat16)
+    assert plans[False].backend == "gluon" and not plans[False].training
+    assert plans[True].training and all(c.backend != "gluon" for c in plans[True].candidates)
+
+
+def test_the_calibration_cases_call_the_variant_in_16_bits(monkeypatch):
+    """A 16-bit case's call names the Gluon kernel without FP8 (an FP8 case's, with it)."""
+    import natsim.kernels as kernels
+    from natsim.planner.cost.gluon_calibrate import GluonMaskCase
+
+    seen = []
+    monkeypatch.setattr(kernels, "sparse_attention", lambda q, k, v, work, **options: seen.append(options))
+    for precision in (None, "fp8"):
+        GluonMaskCase(512, 0.5, 64, heads=2, precision=precision).call(torch.bfloat16, torch.device("cpu"))()
+    assert seen == [{"precision": None, "backend": "gluon"}, {"precision": "fp8", "backend": "gluon"}]
 
 
 def test_the_report_names_the_16_bit_coefficients_and_json_keeps_training(hopper):
@@ -139,6 +203,8 @@ def test_the_report_names_the_16_bit_coefficients_and_json_keeps_training(hopper
         MaskPlan.from_dict({**record, "training": "no"})
     del record["training"]
     assert MaskPlan.from_dict(record).training is False  # plans written before training plans
+    with pytest.raises(ValueError, match=r"training=true with backend='gluon'"):
+        MaskPlan.from_dict({**record, "training": True})
 
 
 def test_a_16_bit_gluon_plan_runs_like_float64_attention_and_refuses_gradients(hopper):

@@ -15,8 +15,9 @@ Measured as the wall time of issuing `CALLS` back-to-back calls of a tiny proble
 each, fewer than the launch queue holds), divided by their number: natsim's backends through the operator a
 model's compiled graph and `AutoPlan` call where no gradient is needed, `natsim::gna_resolved_inference`, with the
 log-sum-exp (joint attention asks for it), torch's SDPA as a model calls it; the Gluon kernel's 16-bit variant
-(`GLUON_16BIT_HOST`), which runs block masks only, as a mask plan calls it, `sparse_attention` on a mask of two
-by two 128-token blocks (its block lists built on the call). (The host times shipped on
+(`GLUON_16BIT_HOST`), which runs block masks only, through `sparse_attention` on a boolean mask of two by two
+128-token blocks: its block lists are built on the call, as they are on a mask plan's calls on prepared work too,
+which differ only in the front's checks. (The host times shipped on
 2026-11-27 were measured through `natsim::gna_resolved`, whose autograd layer cost more, before its twin existed.)
 """
 

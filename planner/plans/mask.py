@@ -289,7 +289,8 @@ class MaskPlan(JsonRecord):
         """`sparse_attention` of `[B, N, heads, head_dim]` q, k, v under `mask` (at the plan's fine blocks,
         pooled here) or, without one, the plan's own pooled mask, at the plan's blocks and merge. With the
         plan's own mask the kernel's host work (`prepare_sparse`) is done once per device and reused. An FP8
-        plan runs in FP8 (inference only); every plan runs on its backend."""
+        plan runs in FP8 (inference only); every plan runs on its backend. A plan on the 16-bit Gluon kernel
+        (made for inference: it has no backward) refuses inputs that require grad, with a sentence."""
         if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != self.seq_len:
             raise ValueError(f"this plan is for seq_len={self.seq_len} tokens, got q.shape={tuple(q.shape)}.")
         if (self.backend == "gluon" and self.precision is None and torch.is_grad_enabled()
@@ -448,5 +449,8 @@ class MaskPlan(JsonRecord):
             training=_flag(data.get("training", False), "training"),  # plans written before training plans: inference
         )
         plan.chosen  # noqa: B018 (raises when the choice is not a candidate)
+        if plan.training and plan.backend == "gluon":
+            raise ValueError("a mask plan for training runs on a backend with a backward, got training=true with "
+                             "backend='gluon' (natsim's Gluon kernel has none).")
         return plan
 

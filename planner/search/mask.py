@@ -24,8 +24,8 @@ Where it has coefficients but does not run here it is priced all the same, and t
 have picked. natsim's Gluon kernel adds a candidate at 128 x 128 blocks, unmerged (planner.cost.gluon_features),
 where its coefficients exist: in FP8 in FlashAttention-4's place, and in 16 bits its variant beside
 FlashAttention-4 for inference. With `training=True` the plan runs in a model that trains through it: only
-backends with a backward are ranked (natsim's Triton kernels, FlashAttention-4 where its backward is priced and
-runs the blocks), each still scored by its forward.
+backends with a backward are ranked (natsim's Triton kernels; FlashAttention-4 where the cost model has its
+backward coefficients and its backward runs the blocks), each still scored by its forward alone.
 """
 
 from __future__ import annotations
@@ -161,11 +161,14 @@ def _none_runs(backend: str, q_options: tuple[int, ...], kv_options: tuple[int, 
     candidate among these blocks."""
     if backend == "fa4":
         why = fa4_mask_refusal(q_options[0], kv_options[0], head_dim, dtype, backward=training)
-        return (f"FlashAttention-4 runs none of q_blocks={q_options} x kv_blocks={kv_options} at head_dim={head_dim} "
-                f"(for the first: {why})")
+        runs = "FlashAttention-4 with its backward runs" if training else "FlashAttention-4 runs"
+        return (f"{runs} none of q_blocks={q_options} x kv_blocks={kv_options} at head_dim={head_dim} (for the "
+                f"first: {why})")
     why = gluon_tiles_refusal(DENSE_BLOCK, DENSE_BLOCK, head_dim, dtype)
-    return (f"natsim's Gluon kernel runs {DENSE_BLOCK} x {DENSE_BLOCK} blocks unmerged only (q_blocks={q_options}, "
-            f"kv_blocks={kv_options}){'' if why is None else f', and not here: {why}'}")
+    if why is not None:
+        return f"natsim's Gluon kernel does not run this call: {why}"
+    return (f"natsim's Gluon kernel runs {DENSE_BLOCK} x {DENSE_BLOCK} blocks unmerged only, which q_blocks="
+            f"{q_options}, kv_blocks={kv_options} and merges leave out")
 
 
 def _grouping(q_block: int, kv_block: int, merge: str) -> tuple[int, int, int, str]:
@@ -238,8 +241,9 @@ def best_mask(
       its coefficients; it runs unmerged blocks, in the inputs' dtype; natsim's Gluon kernel on Hopper with its
       coefficients of the plan's precision, at 128 x 128 blocks unmerged, head_dim 64 or 128).
     - `training`: the plan runs where gradients flow through it (a model in training): only backends with a
-      backward are ranked (not the Gluon kernel), FlashAttention-4 where its backward is priced and runs the
-      blocks. FP8 plans are for inference.
+      backward are ranked (not the Gluon kernel; FlashAttention-4 where the cost model has its backward
+      coefficients and its backward runs the blocks), by their forward's predicted time. FP8 plans are for
+      inference.
 
     >>> plan = best_mask(topp(q, k, 16, 16, 0.9), 16, 16, q.shape[1], device="h100")   # doctest: +SKIP
     >>> out = plan(q, k, v)                                                             # doctest: +SKIP
