@@ -165,13 +165,34 @@ def test_the_diffusers_masks_route_plans_for_training_when_it_trains(hopper):
     for training in (False, True):
         attention = MaskedAttention(Masks(steps=4, block=128), training=training)
         attention.layout = (8, 32, 32)
-        attention.masks = Masks(steps=4, block=128)
         with pytest.MonkeyPatch.context() as patch:  # the stored H100 model, made cheap for the variant
             patch.setattr("natsim.integrations.diffusers.masks.best_mask",
                           lambda *args, **options: best_mask(*args, **options, cost_model=CHEAP))
             plans[training] = attention._plan(mask, q, torch.bfloat16)
     assert plans[False].backend == "gluon" and not plans[False].training
     assert plans[True].training and all(c.backend != "gluon" for c in plans[True].candidates)
+
+
+def test_the_diffusers_masks_route_plans_on_the_backends_its_masks_name(hopper):
+    """`Masks(backends=...)` narrows the route's plans (natsim's Triton kernels alone, say, against the same mask
+    on the Gluon kernel); a name it does not know is refused with the planner's sentence when Masks is made."""
+    from natsim.integrations.diffusers.masks import Masks, MaskedAttention
+
+    mask = random_mask(9, 4, 64, 0.3)
+    q = torch.randn(1, 8192, 4, 128, dtype=torch.bfloat16)
+    picked = {}
+    for backends in (None, "triton", ("triton", "gluon")):
+        attention = MaskedAttention(Masks(steps=4, block=128, backends=backends))
+        attention.layout = (8, 32, 32)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("natsim.integrations.diffusers.masks.best_mask",
+                          lambda *args, **options: best_mask(*args, **options, cost_model=CHEAP))
+            picked[backends] = attention._plan(mask, q, torch.bfloat16)
+    assert picked[None].backend == picked["triton", "gluon"].backend == "gluon"
+    assert picked["triton"].backend == "triton" and picked["triton"].backends == ("triton",)
+    assert Masks(steps=4, backends="triton").backends == ("triton",)
+    with pytest.raises(ValueError, match=r"backends must name one or more of \('triton', 'fa4', 'gluon'\)"):
+        Masks(steps=4, backends=("cudnn",))
 
 
 def test_the_calibration_cases_call_the_variant_in_16_bits(monkeypatch):

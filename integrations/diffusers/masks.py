@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from natsim.kernels import check_precision, register_attention
 from natsim.masks import MaskCache, hierarchical, hilbert_inverse, hilbert_order, to_order
 from natsim.planner import MaskPlan, best_mask
+from natsim.planner.backends import check_backends
 
 from .dense import attention_with_lse
 
@@ -56,7 +57,8 @@ class Masks:
     `min_budget`, `interval`: natsim.masks.MaskCache's. `order`: "hilbert" (blocks of tokens compact in the
     video) or None (row-major). `merges`: the query merges `best_mask` may choose ("xor" runs natsim.merge on
     the CPU, slow at video sizes). `min_speedup`: a plan predicted to gain no more than this over dense
-    attention runs dense attention instead.
+    attention runs dense attention instead. `backends`: the kernel backends the plans may run on ("triton",
+    "fa4", "gluon"; a name alone is one), None for every one available here (natsim.planner.best_mask).
     """
 
     steps: int
@@ -70,6 +72,10 @@ class Masks:
     order: Optional[str] = "hilbert"
     merges: Sequence[str] = ("none", "consecutive")
     min_speedup: float = 1.0
+    backends: Union[None, str, Sequence[str]] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backends", check_backends(self.backends))  # a sentence for a name it does not know
 
     def cache(self) -> MaskCache:
         options = dict(dense_fraction=self.dense_fraction, initial_budget=self.initial_budget,
@@ -204,7 +210,7 @@ class MaskedAttention:
             start = time.perf_counter()
             plan = best_mask(mask, self.masks.block, self.masks.block, q.shape[1], heads=q.shape[2], batch=q.shape[0],
                              head_dim=q.shape[3], dtype=dtype, merges=tuple(self.masks.merges), keep_mask=False,
-                             precision=self.precision, training=self.training)
+                             precision=self.precision, training=self.training, backends=self.masks.backends)
             self.stats.plan_seconds[key] = time.perf_counter() - start
             self.plans[key] = plan
         return plan
