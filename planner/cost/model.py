@@ -52,13 +52,13 @@ HOST_BACKENDS = ("triton", "fa4", "gluon")  # planner.backends.PLANNED: the back
 GLUON_16BIT_HOST = "gluon-16bit"  # the Gluon kernel's 16-bit variant, which issues no quantization: its own host time
 OWN_ATTENTION = "sdpa"  # torch's scaled_dot_product_attention: the attention a model calls of its own
 HOST_CALLS = HOST_BACKENDS + (GLUON_16BIT_HOST, OWN_ATTENTION)  # what a cost model may keep a host time for
+BORROWED_HOST = "host_seconds_borrowed"  # info key: host times taken from another GPU's file (call -> that GPU)
 
 
 def host_call(backend: str, precision: Optional[str]) -> str:
     """The host time that prices a call on `backend` in `precision`: the backend's own, the 16-bit variant's for
     the Gluon kernel in 16 bits."""
     return GLUON_16BIT_HOST if backend == "gluon" and check_precision(precision) is None else backend
-BORROWED_HOST = "host_seconds_borrowed"  # info key: host times taken from another GPU's file (call -> that GPU)
 
 
 def _checked_host(host_seconds: Mapping[str, float]) -> dict[str, float]:
