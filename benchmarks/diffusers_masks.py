@@ -2,6 +2,7 @@
 one run, one JSON:
 
     python benchmarks/diffusers_masks.py --out DIR [--case wan-720p] [--steps 50] [--eager]
+    python benchmarks/diffusers_masks.py --out DIR --backends "triton;triton,gluon"   # one masked run per set
     python benchmarks/diffusers_masks.py --out /tmp/x --small --steps 4      # CPU smoke test, seconds
 
 The model of benchmarks/diffusers_step.py's case (random weights, bf16, batch 1) runs a plain Euler
@@ -12,7 +13,10 @@ quarter, hierarchical predictor at 64-token blocks, the cache's shrinking budget
 clock; the first step of each run, which compiles, is reported apart). Figures: the run's total and speedup,
 the mean dense (warm-up) step against the model's own, the first sparse step (prediction and planning on the
 critical path) against a dense one, the mean later sparse step, the planning time, and the relative
-difference of the final latent to the model's own run.
+difference of the final latent to the model's own run. With `--backends`, the masked run is repeated once per set
+of kernel backends its mask plans may run on (`Masks(backends=...)`; sets separated by ";", names by ","; "all"
+for every backend available here), in the same process after the one run with the model's own attention, and
+each record names its plans' backends.
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=50, help="denoising steps of the run")
     parser.add_argument("--eager", action="store_true", help="run eagerly instead of compiling the blocks")
     parser.add_argument("--small", action="store_true", help="a tiny model on the CPU (a smoke test of the script)")
+    parser.add_argument("--backends", default="all",
+                        help="sets of backends the mask plans may run on, ';' between sets, ',' between names "
+                             "('all': every one available here), one masked run each")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one more sparse step (torch.profiler): device time per kernel")
     options = parser.parse_args(argv)
@@ -84,16 +91,52 @@ def main(argv=None) -> None:
         model.compile_repeated_blocks(fullgraph=True, **({} if step_bench.DEVICE == "cuda" else
                                                          {"backend": "eager"}))
     own_times, own_latent = run(model, args, options.steps)
-    masks = nd.Masks(steps=options.steps, block=16 if options.small else 64)
-    applied = nd.apply(model, masks=masks, dtype=torch.float16 if options.small else None)
-    masked_times, masked_latent = run(model, args, options.steps)
+    records = []
+    for backends in parse_backend_sets(options.backends):
+        masks = nd.Masks(steps=options.steps, block=16 if options.small else 64, backends=backends)
+        applied = nd.apply(model, masks=masks, dtype=torch.float16 if options.small else None)
+        masked_times, masked_latent = run(model, args, options.steps)
+        record = masked_record(options, cls_name, layout, masks, applied, own_times, own_latent, masked_times,
+                               masked_latent)
+        if options.profile:
+            record["profile"] = profile_step(model, args, options.steps)
+        nd.remove(model)
+        records.append(record)
+    device = torch.cuda.get_device_name() if step_bench.DEVICE == "cuda" else "cpu"
+    import diffusers
+    import triton
 
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
+                  date=datetime.date.today().isoformat(), records=records)
+    path = options.out / f"diffusers-masks-{options.case}-{device.replace(' ', '_')}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=1))
+    for record in records:
+        print(json.dumps({k: v for k, v in record.items() if not k.endswith("step_ms")}))
+        print(f"\n{options.case} {options.steps} steps ({record['compiled']}), backends {record['backends']}: own "
+              f"{record['own_total_s']:.1f} s, masks {record['masked_total_s']:.1f} s, {record['speedup']:.2f}x; "
+              f"dense step {record['masked_dense_mean_step_ms']} vs own {record['own_mean_step_ms']:.0f} ms; first "
+              f"sparse step {record['first_sparse_step_ms']:.0f} ms ({record['first_sparse_over_dense']:.2f} of a "
+              f"dense one); later sparse {record['later_sparse_mean_step_ms']} ms; planning "
+              f"{record['plan_seconds']:.2f} s; plans on {sorted({p['backend'] for p in record['plans']})}; final "
+              f"latent differs by {record['final_latent_relative_difference']:.3f}")
+
+
+def parse_backend_sets(text: str) -> list:
+    """--backends as a list of sets: None for 'all', else a tuple of names (the planner checks them)."""
+    sets = [part.strip() for part in text.split(";") if part.strip()]
+    return [None if part == "all" else tuple(name.strip() for name in part.split(",")) for part in sets] or [None]
+
+
+def masked_record(options, cls_name: str, layout, masks, applied, own_times: list, own_latent: torch.Tensor,
+                  masked_times: list, masked_latent: torch.Tensor) -> dict:
+    """One masked run's figures against the model's own run (module docstring)."""
     dense_steps = sum(applied.masked.cache.is_dense(i) for i in range(options.steps))
     first_sparse = masked_times[dense_steps]
     later_sparse = masked_times[dense_steps + 1:]
     own_mean = statistics.mean(own_times[1:])
     record = dict(
         case=options.case, model=cls_name, layout=list(layout), steps=options.steps,
+        backends="all" if masks.backends is None else list(masks.backends),
         compiled="eager" if options.eager else "repeated blocks", masks={k: (list(v) if isinstance(v, tuple) else v)
                                                                           for k, v in vars(masks).items()},
         own_step_ms=own_times, masked_step_ms=masked_times,
@@ -105,28 +148,13 @@ def main(argv=None) -> None:
         plan_seconds=sum(applied.masked.stats.plan_seconds.values()),
         predictions=applied.masked.stats.predictions, dense_calls=applied.masked.stats.dense_calls,
         calls=applied.masked.stats.calls,
-        plans=[dict(q_block=p.q_block, kv_block=p.kv_block, merge=p.merge, predicted_speedup=p.predicted_speedup)
-               for p in applied.plans.values()],
+        plans=[dict(q_block=p.q_block, kv_block=p.kv_block, merge=p.merge, backend=p.backend,
+                    predicted_speedup=p.predicted_speedup) for p in applied.plans.values()],
         final_latent_relative_difference=float((masked_latent.float() - own_latent.float()).norm()
                                                / own_latent.float().norm()),
     )
     record["speedup"] = record["own_total_s"] / record["masked_total_s"]
-    if options.profile:
-        record["profile"] = profile_step(model, args, options.steps)
-    device = torch.cuda.get_device_name() if step_bench.DEVICE == "cuda" else "cpu"
-    import diffusers
-    import triton
-
-    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
-                  date=datetime.date.today().isoformat(), record=record)
-    path = options.out / f"diffusers-masks-{options.case}-{device.replace(' ', '_')}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in record.items() if not k.endswith("step_ms")}))
-    print(f"\n{options.case} {options.steps} steps ({record['compiled']}): own {record['own_total_s']:.1f} s, masks "
-          f"{record['masked_total_s']:.1f} s, {record['speedup']:.2f}x; dense step {record['masked_dense_mean_step_ms']}"
-          f" vs own {own_mean:.0f} ms; first sparse step {first_sparse:.0f} ms ({record['first_sparse_over_dense']:.2f}"
-          f" of a dense one); later sparse {record['later_sparse_mean_step_ms']} ms; planning "
-          f"{record['plan_seconds']:.2f} s; final latent differs by {record['final_latent_relative_difference']:.3f}")
+    return record
 
 
 if __name__ == "__main__":
