@@ -296,5 +296,14 @@ def test_its_calls_are_floored_at_the_variants_own_host_time(hopper):
     assert best_mask(mask, 128, 128, 512, cost_model=slow).backend == "triton"
 
 
+def test_a_model_without_the_variants_host_time_floors_it_at_the_fp8_routes():
+    """Without a "gluon-16bit" host time (a file calibrated before the variant, given by path) the variant takes the
+    FP8 route's, an upper bound (that route issues the same launch and its quantization), never 0."""
+    older = replace(CHEAP, host_seconds={"triton": 5e-5, "gluon": 8e-4})
+    assert older.host("gluon-16bit") == 8e-4 and older.host("triton") == 5e-5
+    assert replace(CHEAP, host_seconds={"gluon": 8e-4, "gluon-16bit": 4e-4}).host("gluon-16bit") == 4e-4
+    assert replace(CHEAP, host_seconds=None).host("gluon-16bit") == 0.0
+
+
 def test_its_host_time_is_measured_on_hopper_only():
     assert "natsim's Gluon kernel runs on Hopper GPUs" in host_refusal("gluon-16bit", torch.device("cpu"))

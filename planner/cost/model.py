@@ -168,8 +168,12 @@ class CostModel:
     def host(self, backend: str) -> float:
         """Seconds the host takes to issue one call on `backend` (one of HOST_CALLS: `host_call` names the one for
         a backend in a precision), or of torch's SDPA for OWN_ATTENTION (0 where this model was calibrated without
-        it; planner.cost.files borrows another GPU's file's where it has one)."""
-        return float((self.host_seconds or {}).get(backend, 0.0))
+        it; planner.cost.files borrows another GPU's file's where it has one). A model without the 16-bit Gluon
+        variant's time gives the FP8 route's, which issues the same launch and more (its quantization)."""
+        times = self.host_seconds or {}
+        if backend == GLUON_16BIT_HOST and backend not in times:
+            backend = "gluon"
+        return float(times.get(backend, 0.0))
 
     def at_least_host(self, seconds, backend: str):
         """Predicted seconds of calls on `backend` (a number or an array), each at least the host's time to issue
