@@ -33,6 +33,8 @@ PLANNED = ("triton", "fa4", "gluon")
 NAMES = {"triton": "natsim's Triton kernels", "fa4": "FlashAttention-4", "gluon": "natsim's Gluon kernel"}
 FA4_INSTALL = "pip install 'natsim[fa4]'"
 BackendsLike = Union[None, str, Sequence[str]]
+
+
 def _fitted_kernels(backend: str, fp8: bool) -> tuple[str, Optional[str]]:
     """What `natsim calibrate --kernels` fits for `backend` (other than Triton) in a search in FP8 or not: its
     forward's set and its backward's (None: it has no backward)."""
