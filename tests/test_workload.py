@@ -124,13 +124,21 @@ def test_masks_benchmark_small_run_gives_sane_numbers(reference_path, tmp_path, 
 
 
 def test_diffusers_masks_benchmark_small_run(tmp_path, capsys):
+    """benchmarks/diffusers_masks.py --small: one masked run per set of backends after the model's own run, each
+    with its plans' backends named (on the CPU natsim's Triton kernels, whichever set)."""
     pytest.importorskip("diffusers")
-    load("diffusers_masks").main(["--small", "--eager", "--steps", "4", "--out", str(tmp_path)])
-    record = json.loads(next(tmp_path.glob("diffusers-masks-wan-720p-cpu-*.json")).read_text())["record"]
-    assert len(record["own_step_ms"]) == len(record["masked_step_ms"]) == 4 and record["dense_steps"] == 1
-    assert record["calls"] == 4 * 2 and record["dense_calls"] == 2  # two layers; step 0 is the dense warm-up
-    assert math.isfinite(record["final_latent_relative_difference"]) and record["final_latent_relative_difference"] < 0.5
-    assert "first sparse step" in capsys.readouterr().out
+    load("diffusers_masks").main(["--small", "--eager", "--steps", "4", "--out", str(tmp_path),
+                                  "--backends", "all;triton"])
+    records = json.loads(next(tmp_path.glob("diffusers-masks-wan-720p-cpu-*.json")).read_text())["records"]
+    assert [record["backends"] for record in records] == ["all", ["triton"]]
+    for record in records:
+        assert len(record["own_step_ms"]) == len(record["masked_step_ms"]) == 4 and record["dense_steps"] == 1
+        assert record["calls"] == 4 * 2 and record["dense_calls"] == 2  # two layers; step 0 is the dense warm-up
+        assert math.isfinite(record["final_latent_relative_difference"])
+        assert record["final_latent_relative_difference"] < 0.5
+        assert record["plans"] and all(plan["backend"] == "triton" for plan in record["plans"])
+    assert records[0]["own_step_ms"] == records[1]["own_step_ms"]  # one run of the model's own attention
+    assert capsys.readouterr().out.count("first sparse step") == 2
 
 
 def test_diffusers_fp8_benchmark_small_run(reference_path, tmp_path, capsys):
