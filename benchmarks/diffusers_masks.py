@@ -16,7 +16,9 @@ critical path) against a dense one, the mean later sparse step, the planning tim
 difference of the final latent to the model's own run. With `--backends`, the masked run is repeated once per set
 of kernel backends its mask plans may run on (`Masks(backends=...)`; sets separated by ";", names by ","; "all"
 for every backend available here), in the same process after the one run with the model's own attention, and
-each record names its plans' backends.
+each record names its plans' backends. The first set's first sparse step also pays the process's first planning
+(numba's compiles of the mask counting) and the sparse kernels' first compiles, which later sets reuse: compare the
+sets' later sparse steps, or run the baseline set first. The JSON is written after every set.
 """
 
 from __future__ import annotations
@@ -90,10 +92,12 @@ def main(argv=None) -> None:
     if not options.eager:
         model.compile_repeated_blocks(fullgraph=True, **({} if step_bench.DEVICE == "cuda" else
                                                          {"backend": "eager"}))
+    every_masks = [nd.Masks(steps=options.steps, block=16 if options.small else 64, backends=backends)
+                   for backends in parse_backend_sets(options.backends)]
+    check_runs_here(every_masks)
     own_times, own_latent = run(model, args, options.steps)
     records = []
-    for backends in parse_backend_sets(options.backends):
-        masks = nd.Masks(steps=options.steps, block=16 if options.small else 64, backends=backends)
+    for masks in every_masks:
         applied = nd.apply(model, masks=masks, dtype=torch.float16 if options.small else None)
         masked_times, masked_latent = run(model, args, options.steps)
         record = masked_record(options, cls_name, layout, masks, applied, own_times, own_latent, masked_times,
@@ -102,14 +106,7 @@ def main(argv=None) -> None:
             record["profile"] = profile_step(model, args, options.steps)
         nd.remove(model)
         records.append(record)
-    device = torch.cuda.get_device_name() if step_bench.DEVICE == "cuda" else "cpu"
-    import diffusers
-    import triton
-
-    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
-                  date=datetime.date.today().isoformat(), records=records)
-    path = options.out / f"diffusers-masks-{options.case}-{device.replace(' ', '_')}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=1))
+        write(options, records)
     for record in records:
         print(json.dumps({k: v for k, v in record.items() if not k.endswith("step_ms")}))
         print(f"\n{options.case} {options.steps} steps ({record['compiled']}), backends {record['backends']}: own "
@@ -119,6 +116,30 @@ def main(argv=None) -> None:
               f"dense one); later sparse {record['later_sparse_mean_step_ms']} ms; planning "
               f"{record['plan_seconds']:.2f} s; plans on {sorted({p['backend'] for p in record['plans']})}; final "
               f"latent differs by {record['final_latent_relative_difference']:.3f}")
+
+
+def write(options, records: list) -> None:
+    """The records so far as `diffusers-masks-<case>-<device>-<date>.json` under --out (written after every set,
+    so that a set that fails keeps the earlier ones)."""
+    import diffusers
+    import triton
+
+    device = torch.cuda.get_device_name() if step_bench.DEVICE == "cuda" else "cpu"
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
+                  date=datetime.date.today().isoformat(), records=records)
+    path = options.out / f"diffusers-masks-{options.case}-{device.replace(' ', '_')}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=1))
+
+
+def check_runs_here(every_masks: list) -> None:
+    """Each set's backends run here and the cost model prices them (the planner's sentence otherwise), before
+    anything runs."""
+    from natsim.planner.backends import backend_choice
+    from natsim.planner.cost.resolve import resolve_cost_model
+
+    gpu, model = resolve_cost_model(None, None)
+    for masks in every_masks:
+        backend_choice(masks.backends, device=None, model=model, training=False, gpu=gpu, fp8=False)
 
 
 def parse_backend_sets(text: str) -> list:
@@ -149,7 +170,9 @@ def masked_record(options, cls_name: str, layout, masks, applied, own_times: lis
         predictions=applied.masked.stats.predictions, dense_calls=applied.masked.stats.dense_calls,
         calls=applied.masked.stats.calls,
         plans=[dict(q_block=p.q_block, kv_block=p.kv_block, merge=p.merge, backend=p.backend,
-                    predicted_speedup=p.predicted_speedup) for p in applied.plans.values()],
+                    predicted_speedup=p.predicted_speedup, backends=list(p.backends),
+                    best_by_backend={c.backend: c.to_dict() for c in reversed(p.candidates)})
+               for p in applied.plans.values()],
         final_latent_relative_difference=float((masked_latent.float() - own_latent.float()).norm()
                                                / own_latent.float().norm()),
     )

@@ -34,7 +34,7 @@ if __name__ == "natsim.kernels":
     from .common.handles import autograd_inside_an_operator, fake_handle, held, hold
     from .common.regroup import pack_head_blocks, place_head_blocks
     from .common.spec import constant_of_the_graph, constants_when_compiled
-    from .common.resolved import attention_resolved, register_attention, resolved_attention
+    from .common.resolved import attention_resolved, register_attention, resolved_attention, unregister_attention
     from .gna import (
         GnaSpec,
         chosen_backend,
@@ -78,6 +78,7 @@ if __name__ == "natsim.kernels":
         "register_resolver",
         "attention_resolved",
         "register_attention",
+        "unregister_attention",
         "resolved_attention",
         "hold",
         "held",

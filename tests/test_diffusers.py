@@ -412,6 +412,38 @@ def test_masks_refuse_what_they_cannot_do():
         torch.compile(model, fullgraph=True, backend="eager")(**with_timestep("WanTransformer3DModel", (2, 4, 8), 9.0))
 
 
+def test_remove_releases_the_masks_state_and_leaves_the_models_processors_as_they_were():
+    """After remove, the masks' registered attention (its masks and plans) is gone and its id refused, a new apply
+    gets a fresh id, and the model's own processors carry nothing natsim set (no `_parallel_config` of their own
+    where parallelism was never enabled, which a compiled block would guard on)."""
+    from natsim.kernels import unregister_attention
+
+    model = diffusers_models.build("WanTransformer3DModel")
+    processors = [block.attn1.processor for block in model.blocks]
+    before = [dict(vars(p)) for p in processors]
+    applied = nd.apply(model, masks=nd.Masks(steps=4, block=16, **EVERY_BLOCK), dtype=torch.float16)
+    with torch.no_grad():
+        model(**with_timestep("WanTransformer3DModel", (2, 4, 8), 900.0))
+    first = applied.masked.id
+    nd.remove(model)
+    assert [dict(vars(block.attn1.processor)) for block in model.blocks] == before
+    with pytest.raises(ValueError, match=r"attention must be an id from register_attention"):
+        unregister_attention(first)
+    again = nd.apply(model, masks=nd.Masks(steps=4, block=16, **EVERY_BLOCK), dtype=torch.float16)
+    assert again.masked.id != first
+    nd.remove(model)
+
+
+def test_masks_refuse_backends_that_cannot_run_them_when_applied():
+    model = diffusers_models.build("WanTransformer3DModel")
+    with pytest.raises(ValueError, match=r"names 'gluon', which has no backward pass: leave it out \(training=True"):
+        nd.apply(model, masks=nd.Masks(steps=4, backends=("triton", "gluon")), training=True)
+    with pytest.raises(ValueError, match=r"names 'fa4', which runs no FP8"):
+        nd.apply(model, masks=nd.Masks(steps=4, backends="fa4"), precision="fp8")
+    nd.apply(model, masks=nd.Masks(steps=4, backends=("triton", "gluon")))  # inference: the planner decides
+    nd.remove(model)
+
+
 def test_masks_leave_tokens_in_place_on_dense_steps(monkeypatch):
     from natsim.integrations.diffusers import masks as masks_module
 

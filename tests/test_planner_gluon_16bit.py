@@ -226,6 +226,9 @@ def test_the_report_names_the_16_bit_coefficients_and_json_keeps_training(hopper
     assert MaskPlan.from_dict(record).training is False  # plans written before training plans
     with pytest.raises(ValueError, match=r"training=true with backend='gluon'"):
         MaskPlan.from_dict({**record, "training": True})
+    triton = best_mask(mask, 128, 128, 8192, cost_model=CHEAP, backends="triton").to_dict()
+    with pytest.raises(ValueError, match=r"training=true with precision='fp8'"):
+        MaskPlan.from_dict({**triton, "training": True, "precision": "fp8"})
 
 
 def test_a_16_bit_gluon_plan_runs_like_float64_attention_and_refuses_gradients(hopper):

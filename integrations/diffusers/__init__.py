@@ -12,6 +12,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from natsim.kernels import unregister_attention
 from natsim.planner import AutoPlan, CostModel
 from natsim.problem import BoolOrBools, IntOrInts
 
@@ -167,10 +168,12 @@ def remove(transformer: nn.Module) -> None:
     for attention, processor in applied.originals.items():
         routed = attention.processor
         release(routed)
-        if hasattr(routed, "_parallel_config"):  # set by enable_parallelism while natsim was applied
+        if "_parallel_config" in vars(routed):  # set by enable_parallelism while natsim was applied (the class has None)
             processor._parallel_config = routed._parallel_config
         set_processor(attention, processor)
     parallel.disable(transformer)
+    if applied.masked is not None:
+        unregister_attention(applied.masked.id)  # its masks and plans, on the model's device, go with it
     applied.hook.remove()
     if applied.order is not None:
         applied.order.remove()

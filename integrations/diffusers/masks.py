@@ -110,6 +110,11 @@ class MaskedAttention:
             raise ValueError("masks=... with precision='fp8' is for inference (its kernels have no backward pass), so "
                              "training must be False; train in bfloat16 (precision=None).")
         self.training = training
+        for name, why in (("gluon", "has no backward pass" if training else None),
+                          ("fa4", "runs no FP8" if self.precision is not None else None)):
+            if why is not None and masks.backends is not None and name in masks.backends:
+                raise ValueError(f"Masks(backends={masks.backends!r}) names {name!r}, which {why}: leave it out "
+                                 f"(training={training}, precision={self.precision!r}).")
         self.cache = masks.cache()
         self.stats = MaskStats()
         self.plans: dict[tuple, MaskPlan] = {}

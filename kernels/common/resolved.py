@@ -11,6 +11,7 @@ gradients, so that the backward never decides again.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Optional
 
 import torch
@@ -23,6 +24,7 @@ Decided = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tenso
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[float], bool],
                      tuple[torch.Tensor, Optional[torch.Tensor], Decided]]
 _attentions: dict[int, Attention] = {}
+_ids = itertools.count()  # never reused: a compiled graph holding a released id finds nothing, not another's
 
 
 def register_attention(attention: Attention) -> int:
@@ -33,9 +35,16 @@ def register_attention(attention: Attention) -> int:
     guards. `decided(q, k, v) -> (out, lse or None)` is the same attention under the same decision, a function
     of q, k and v that torch autograd differentiates (natsim's operators have backward passes): the operator's
     backward recomputes it for the gradients."""
-    key = len(_attentions)
+    key = next(_ids)
     _attentions[key] = attention
     return key
+
+
+def unregister_attention(attention: int) -> None:
+    """Forget the attention registered as `attention` (its state, masks and plans, goes with it): its owner is done
+    with it, and a later call of the operator with that id is refused."""
+    _check_registered(attention)
+    del _attentions[attention]
 
 
 def _check_registered(attention: int) -> None:

@@ -452,5 +452,8 @@ class MaskPlan(JsonRecord):
         if plan.training and plan.backend == "gluon":
             raise ValueError("a mask plan for training runs on a backend with a backward, got training=true with "
                              "backend='gluon' (natsim's Gluon kernel has none).")
+        if plan.training and plan.precision is not None:
+            raise ValueError(f"a mask plan for training runs in bfloat16 or float16, got training=true with "
+                             f"precision={plan.precision!r} (FP8 is for inference).")
         return plan
 
