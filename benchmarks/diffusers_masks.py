@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import diffusers_step as step_bench
+from timing import write_json
 from natsim.integrations import diffusers as nd
 
 
@@ -127,8 +128,7 @@ def write(options, records: list) -> None:
     device = torch.cuda.get_device_name() if step_bench.DEVICE == "cuda" else "cpu"
     result = dict(device=device, torch=torch.__version__, triton=triton.__version__, diffusers=diffusers.__version__,
                   date=datetime.date.today().isoformat(), records=records)
-    path = options.out / f"diffusers-masks-{options.case}-{device.replace(' ', '_')}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=1))
+    write_json(options.out, f"diffusers-masks-{options.case}-{device}-{result['date']}", result)
 
 
 def check_runs_here(every_masks: list) -> None:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_gluon import case_blocks, fa4_installed  # noqa: E402
 from fp8_gluon_partial import gluon_tile  # noqa: E402
 from sparse import sdpa_cudnn  # noqa: E402
-from timing import interleaved, rel  # noqa: E402
+from timing import interleaved, rel, write_json  # noqa: E402
 
 from natsim import Problem  # noqa: E402
 from natsim.kernels import gna_attention, prepare_sparse, reference_attention, sparse_attention  # noqa: E402
@@ -198,9 +198,7 @@ def main(argv=None) -> None:
         print(json.dumps(row), flush=True)
         del q, k, v, outputs, expected
         torch.cuda.empty_cache()
-    path = args.out / f"gluon-16bit-{device.replace(' ', '_')}-{result['date']}{args.tag}.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    write_json(args.out, f"gluon-16bit-{device}-{result['date']}{args.tag}", result)
     for row in result["rows"]:
         cells = "  ".join(f"{key} {t:.2f} ({row['over_gluon_16bit'][key]:.2f}x)" for key, t in row["ms"].items())
         print(f"{row['case']:30s} {cells}")

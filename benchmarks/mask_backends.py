@@ -30,8 +30,9 @@ from typing import Callable
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules (timing, sparse)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules (backends, timing)
 
+from backends import clustered, random_mask  # noqa: E402
 from timing import interleaved, rel, write_json  # noqa: E402
 
 from natsim.kernels import sparse_attention  # noqa: E402
@@ -44,29 +45,14 @@ SETS = {"triton": ("triton",), "triton+gluon": ("triton", "gluon"), "all": None,
         "gluon alone": ("gluon",), "fa4 alone": ("fa4",)}
 
 
-def random_mask(n: int, block: int, sparsity: float, heads: int = HEADS, seed: int = 0) -> torch.Tensor:
-    """`[1, heads, ceil(n / block)]^2` blocks kept with probability 1 - sparsity, the diagonal always."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    blocks = -(-n // block)
-    mask = torch.rand(1, heads, blocks, blocks, device="cuda", generator=gen) >= sparsity
-    mask[..., torch.arange(blocks), torch.arange(blocks)] = True
-    return mask
-
-
-def clustered(n: int) -> torch.Tensor:
-    from sparse import clustered_mask
-
-    return clustered_mask(n, HEADS)
-
-
 # name: (mask maker, fine block, N, head_dim)
 CASES: dict[str, tuple[Callable[[], torch.Tensor], int, int, int]] = {
-    "random-128-0.7": (lambda: random_mask(32768, 128, 0.7), 128, 32768, 128),
-    "random-128-0.9": (lambda: random_mask(32768, 128, 0.9), 128, 32768, 128),
-    "random-128-0.5-16k": (lambda: random_mask(16384, 128, 0.5), 128, 16384, 128),
-    "random-64-0.85": (lambda: random_mask(32768, 64, 0.85), 64, 32768, 128),
-    "random-128-0.7-d64": (lambda: random_mask(32768, 128, 0.7), 128, 32768, 64),
-    "clustered-16": (lambda: clustered(32768), 16, 32768, 128),
+    "random-128-0.7": (lambda: random_mask(32768, HEADS, 0.7, seed=0), 128, 32768, 128),
+    "random-128-0.9": (lambda: random_mask(32768, HEADS, 0.9, seed=0), 128, 32768, 128),
+    "random-128-0.5-16k": (lambda: random_mask(16384, HEADS, 0.5, seed=0), 128, 16384, 128),
+    "random-64-0.85": (lambda: random_mask(32768, HEADS, 0.85, block=64, seed=0), 64, 32768, 128),
+    "random-128-0.7-d64": (lambda: random_mask(32768, HEADS, 0.7, seed=0), 128, 32768, 64),
+    "clustered-16": (lambda: clustered(32768, HEADS), 16, 32768, 128),
 }
 
 
